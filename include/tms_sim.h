@@ -1,0 +1,36 @@
+/* tms_sim.h: introspection and control entry points of libtms_sim.so (the emulated CUDA + Ascend
+ * runtime). The vendor APIs it emulates are declared by the vendors' own headers. */
+#ifndef TMS_SIM_H
+#define TMS_SIM_H
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TMS_SIM_MAX_DEVICES 16
+
+struct tms_sim_stats {
+  uint32_t device_count;
+  uint32_t reserved;
+  uint64_t capacity;                              /* bytes per device */
+  uint64_t device_used[TMS_SIM_MAX_DEVICES];      /* by every process on the node */
+  uint64_t process_used[TMS_SIM_MAX_DEVICES];     /* by this process */
+  uint64_t host_resident_bytes;                   /* host memory really held by device memory */
+  uint64_t live_handles;                          /* physical allocations (cuMemCreate/aclrtMallocPhysical) */
+  uint64_t live_mappings;
+  uint64_t reservations;
+  uint64_t plain_allocations;                     /* cudaMalloc / cuMemAlloc / aclrtMalloc */
+  uint64_t pinned_host_bytes;
+};
+
+/* Fills *out; returns 0, or 1 when out is NULL. */
+int tms_sim_stats(struct tms_sim_stats *out);
+
+/* Replaces the fault-injection rules (TMS_SIM_FAIL syntax: NAME:N[+][:CODE],...; "" or NULL
+ * clears them) and restarts call counting. Returns 0, or 1 for a malformed spec. */
+int tms_sim_set_faults(const char *spec);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

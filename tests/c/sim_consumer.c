@@ -1,0 +1,448 @@
+/* A consumer of the vendor runtimes, used to prove tms-sim (and, preloaded, tms-hook) behave like
+ * the real libraries. Built three ways by the tests: linked against the sonames, as a plugin that a
+ * loader dlopens RTLD_LOCAL, and with every call reached through dlsym(handle, name).
+ * Usage: consumer MODE [ARGS]; prints what it measured and exits 0 when every check held. */
+#define _GNU_SOURCE
+#include "vendor.h"
+#include <dlfcn.h>
+#include <dirent.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MiB (1024ULL * 1024ULL)
+#define EXPECT(expr, want)                                                                      \
+  do {                                                                                          \
+    long long _r = (long long)(expr), _w = (long long)(want);                                   \
+    if (_r != _w) {                                                                             \
+      fprintf(stderr, "%s:%d: %s = %lld, want %lld\n", __FILE__, __LINE__, #expr, _r, _w);      \
+      return 1;                                                                                 \
+    }                                                                                           \
+  } while (0)
+
+struct tms_sim_stats {
+  uint32_t device_count, pad;
+  uint64_t capacity, device_used[16], process_used[16];
+  uint64_t host_resident_bytes, live_handles, live_mappings, reservations, plain_allocations,
+      pinned_host_bytes;
+};
+
+/* The simulator's introspection call, found in whichever loaded library provides the driver. */
+static void *dlsym_default(const char *name) {
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  return h ? dlsym(h, name) : NULL;
+}
+
+static int sim_stats(struct tms_sim_stats *s) {
+  int (*f)(struct tms_sim_stats *) =
+      (int (*)(struct tms_sim_stats *))dlsym_default("tms_sim_stats");
+  return f ? f(s) : -1;
+}
+
+static size_t cuda_free_now(void) {
+  size_t f = 0, t = 0;
+  CUDART(cudaMemGetInfo)(&f, &t);
+  return f;
+}
+
+static void fill(unsigned char *h, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(i * 31u + seed);
+}
+
+static int check(const unsigned char *h, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; i++)
+    if (h[i] != (unsigned char)(i * 31u + seed)) return 0;
+  return 1;
+}
+
+static CUmemAllocationProp cuda_prop(int dev) {
+  CUmemAllocationProp p;
+  memset(&p, 0, sizeof p);
+  p.type = 1;          /* PINNED */
+  p.location.type = 1; /* DEVICE */
+  p.location.id = dev;
+  return p;
+}
+
+/* Reserve, create, map, access, write; unmap+release (pause); create+map at the same address and
+ * restore (resume). Free memory must drop and rise by exactly the size. */
+static int cuda_vmm(void) {
+  EXPECT(CUDRV(cuInit)(0), 0);
+  CUcontext ctx;
+  EXPECT(CUDRV(cuDevicePrimaryCtxRetain)(&ctx, 0), 0);
+  EXPECT(CUDRV(cuCtxSetCurrent)(ctx), 0);
+  CUmemAllocationProp prop = cuda_prop(0);
+  size_t g = 0;
+  EXPECT(CUDRV(cuMemGetAllocationGranularity)(&g, &prop, 0), 0);
+  EXPECT(g, 2 * MiB);
+  size_t size = 8 * MiB;
+  size_t free0 = cuda_free_now();
+  CUdeviceptr va;
+  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
+  CUmemGenericAllocationHandle h;
+  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
+  size_t free1 = cuda_free_now();
+  EXPECT(free0 - free1, size);
+  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
+  CUmemAccessDesc acc = {{1, 0}, 3};
+  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+  unsigned char *host = malloc(size), *back = malloc(size);
+  fill(host, size, 7);
+  EXPECT(CUDART(cudaMemcpy)((void *)va, host, size, 1), 0);
+  /* pause: save, unmap, release */
+  EXPECT(CUDART(cudaMemcpy)(back, (void *)va, size, 2), 0);
+  EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
+  EXPECT(CUDRV(cuMemRelease)(h), 0);
+  size_t free2 = cuda_free_now();
+  EXPECT(free2 - free1, size);
+  EXPECT(CUDART(cudaMemcpy)(host, (void *)va, 16, 2), 700); /* unmapped: a device fault */
+  /* resume at the same address */
+  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
+  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
+  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+  EXPECT(cuda_free_now(), free1);
+  EXPECT(CUDART(cudaMemcpy)((void *)va, back, size, 1), 0);
+  memset(host, 0, size);
+  EXPECT(CUDART(cudaMemcpy)(host, (void *)va, size, 2), 0);
+  EXPECT(check(host, size, 7), 1);
+  EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
+  EXPECT(CUDRV(cuMemRelease)(h), 0);
+  EXPECT(CUDRV(cuMemAddressFree)(va, size), 0);
+  EXPECT(cuda_free_now(), free0);
+  printf("free0=%zu free_after_create=%zu free_after_release=%zu\n", free0, free1, free2);
+  free(host);
+  free(back);
+  return 0;
+}
+
+static void *no_context_thread(void *out) {
+  size_t f, t;
+  *(int *)out = CUDRV(cuMemGetInfo_v2)(&f, &t);
+  return NULL;
+}
+
+static int cuda_errors(void) {
+  size_t f, t;
+  EXPECT(CUDRV(cuMemGetInfo_v2)(&f, &t), 3); /* before cuInit */
+  EXPECT(CUDRV(cuInit)(0), 0);
+  pthread_t th;
+  int code = -1;
+  pthread_create(&th, NULL, no_context_thread, &code);
+  pthread_join(th, NULL);
+  EXPECT(code, 201); /* no current context on a fresh thread */
+  void *p = NULL;
+  EXPECT(CUDART(cudaMalloc)(&p, 1 * MiB), 0);
+  EXPECT(CUDART(cudaFree)(p), 0);
+  EXPECT(CUDART(cudaFree)(p), 1);                    /* double free */
+  EXPECT(CUDART(cudaFree)((void *)0x1234), 1);       /* unknown pointer */
+  EXPECT(CUDART(cudaGetLastError)(), 1);
+  EXPECT(CUDART(cudaGetLastError)(), 0);
+  EXPECT(CUDART(cudaFree)(NULL), 0);                 /* context initialization idiom */
+  EXPECT(CUDART(cudaMemGetInfo)(&f, &t), 0);
+  EXPECT(CUDART(cudaMalloc)(&p, t + 1), 2);          /* larger than the device */
+  CUmemAllocationProp prop = cuda_prop(0);
+  CUmemGenericAllocationHandle h;
+  EXPECT(CUDRV(cuMemCreate)(&h, 3 * MiB, &prop, 0), 1);          /* not a granularity multiple */
+  EXPECT(CUDRV(cuMemCreate)(&h, (t / (2 * MiB) + 1) * 2 * MiB, &prop, 0), 2);
+  CUmemAllocationProp bad = cuda_prop(7);
+  EXPECT(CUDRV(cuMemCreate)(&h, 2 * MiB, &bad, 0), 101);         /* no such device */
+  EXPECT(CUDRV(cuMemCreate)(&h, 2 * MiB, &prop, 0), 0);
+  CUdeviceptr va;
+  EXPECT(CUDRV(cuMemAddressReserve)(&va, 4 * MiB, 0, 0, 0), 0);
+  EXPECT(CUDRV(cuMemMap)(va + 64 * MiB, 2 * MiB, 0, h, 0), 1);   /* outside the reservation */
+  EXPECT(CUDRV(cuMemMap)(va, 2 * MiB, 4096, h, 0), 1);           /* offset must be 0 */
+  EXPECT(CUDRV(cuMemMap)(va, 4 * MiB, 0, h, 0), 1);              /* larger than the handle */
+  EXPECT(CUDRV(cuMemMap)(va, 2 * MiB, 0, h, 0), 0);
+  EXPECT(CUDRV(cuMemMap)(va, 2 * MiB, 0, h, 0), 1);              /* overlapping map */
+  EXPECT(CUDRV(cuMemAddressFree)(va, 4 * MiB), 1);               /* still mapped */
+  EXPECT(CUDRV(cuMemUnmap)(va, 1 * MiB), 1);                     /* partial unmap */
+  EXPECT(CUDRV(cuMemUnmap)(va, 2 * MiB), 0);
+  EXPECT(CUDRV(cuMemUnmap)(va, 2 * MiB), 1);                     /* double unmap */
+  EXPECT(CUDRV(cuMemRelease)(h), 0);
+  EXPECT(CUDRV(cuMemRelease)(h), 1);                             /* double release */
+  EXPECT(CUDRV(cuMemAddressFree)(va, 4 * MiB), 0);
+  EXPECT(CUDRV(cuMemAddressFree)(va, 4 * MiB), 1);               /* double free of the range */
+  EXPECT(CUDART(cudaMemcpy)(NULL, &f, 8, 1), 1);
+  EXPECT(CUDART(cudaMemcpy)(&t, &f, 8, 9), 1);                   /* bad kind */
+  EXPECT(CUDART(cudaMemcpy)(&t, &f, 8, 1), 1);                   /* host->host called H2D */
+  EXPECT(CUDART(cudaSetDevice)(99), 101);
+  const char *s = NULL;
+  EXPECT(CUDRV(cuGetErrorString)(2, &s), 0);
+  EXPECT(strcmp(s, "out of memory"), 0);
+  EXPECT(CUDRV(cuGetErrorString)(123456, &s), 1);
+  printf("cuda errors ok\n");
+  return 0;
+}
+
+static size_t acl_free_now(void) {
+  size_t f = 0, t = 0;
+  ACL(aclrtGetMemInfo)(1, &f, &t);
+  return f;
+}
+
+static aclrtPhysicalMemProp acl_prop(uint32_t dev) {
+  aclrtPhysicalMemProp p;
+  memset(&p, 0, sizeof p);
+  p.handleType = 0;
+  p.allocationType = 0; /* PINNED */
+  p.memAttr = 4;        /* HBM_MEM_HUGE */
+  p.location.id = dev;
+  p.location.type = 1;  /* DEVICE */
+  return p;
+}
+
+static int acl_vmm(void) {
+  EXPECT(ACL(aclInit)(NULL), 0);
+  EXPECT(ACL(aclrtSetDevice)(0), 0);
+  aclrtPhysicalMemProp prop = acl_prop(0);
+  size_t g = 0;
+  EXPECT(ACL(aclrtMemGetAllocationGranularity)(&prop, 0, &g), 0);
+  EXPECT(g, 2 * MiB);
+  size_t size = 8 * MiB;
+  size_t free0 = acl_free_now();
+  void *va;
+  EXPECT(ACL(aclrtReserveMemAddress)(&va, size, 0, NULL, 0), 0);
+  aclrtDrvMemHandle h;
+  EXPECT(ACL(aclrtMallocPhysical)(&h, size, &prop, 0), 0);
+  EXPECT(free0 - acl_free_now(), size);
+  EXPECT(ACL(aclrtMapMem)(va, size, 0, h, 0), 0);
+  unsigned char *host = malloc(size), *back = malloc(size);
+  fill(host, size, 3);
+  EXPECT(ACL(aclrtMemcpy)(va, size, host, size, 1), 0);
+  EXPECT(ACL(aclrtMemcpy)(back, size, va, size, 2), 0);
+  EXPECT(ACL(aclrtFreePhysical)(h), 107000); /* still mapped: refused */
+  EXPECT(ACL(aclrtUnmapMem)(va), 0);
+  EXPECT(ACL(aclrtUnmapMem)(va), 107000);    /* double unmap */
+  EXPECT(ACL(aclrtFreePhysical)(h), 0);
+  EXPECT(acl_free_now(), free0);
+  EXPECT(ACL(aclrtMallocPhysical)(&h, size, &prop, 0), 0);
+  EXPECT(ACL(aclrtMapMem)(va, size, 0, h, 0), 0);
+  EXPECT(ACL(aclrtMemcpy)(va, size, back, size, 1), 0);
+  memset(host, 0, size);
+  EXPECT(ACL(aclrtMemcpy)(host, size, va, size, 2), 0);
+  EXPECT(check(host, size, 3), 1);
+  EXPECT(ACL(aclrtUnmapMem)(va), 0);
+  EXPECT(ACL(aclrtFreePhysical)(h), 0);
+  EXPECT(ACL(aclrtReleaseMemAddress)(va), 0);
+  EXPECT(acl_free_now(), free0);
+  printf("acl vmm ok free0=%zu\n", free0);
+  free(host);
+  free(back);
+  return 0;
+}
+
+static void *acl_no_device_thread(void *out) {
+  size_t f, t;
+  *(int *)out = ACL(aclrtGetMemInfo)(1, &f, &t);
+  return NULL;
+}
+
+static int acl_errors(void) {
+  EXPECT(ACL(aclInit)(NULL), 0);
+  void *p = NULL;
+  EXPECT(ACL(aclrtMalloc)(&p, 1 * MiB, 0), 107002); /* no device set on this thread */
+  EXPECT(ACL(aclrtSetDevice)(0), 0);
+  pthread_t th;
+  int code = -1;
+  pthread_create(&th, NULL, acl_no_device_thread, &code);
+  pthread_join(th, NULL);
+  EXPECT(code, 107002);
+  EXPECT(ACL(aclrtSetDevice)(42), 107001);
+  EXPECT(ACL(aclrtMallocAlign32)(&p, 1 * MiB, 0), 0);
+  EXPECT(ACL(aclrtFree)(p), 0);
+  EXPECT(ACL(aclrtFree)(p), 107000);                 /* double free */
+  size_t f, t;
+  EXPECT(ACL(aclrtGetMemInfo)(1, &f, &t), 0);
+  EXPECT(ACL(aclrtMalloc)(&p, t + 1, 0), 207001);    /* out of memory */
+  aclrtPhysicalMemProp prop = acl_prop(0);
+  aclrtDrvMemHandle h;
+  EXPECT(ACL(aclrtMallocPhysical)(&h, 3 * MiB, &prop, 0), 107000);
+  EXPECT(ACL(aclrtMallocPhysical)(&h, (t / (2 * MiB) + 1) * 2 * MiB, &prop, 0), 207001);
+  EXPECT(ACL(aclrtMallocPhysical)(&h, 2 * MiB, &prop, 0), 0);
+  void *va;
+  EXPECT(ACL(aclrtReserveMemAddress)(&va, 4 * MiB, 4096, NULL, 0), 100000); /* alignment must be 0 */
+  EXPECT(ACL(aclrtReserveMemAddress)(&va, 4 * MiB, 0, NULL, 0), 0);
+  EXPECT(ACL(aclrtMapMem)((char *)va + 64 * MiB, 2 * MiB, 0, h, 0), 107000); /* outside */
+  EXPECT(ACL(aclrtMapMem)(va, 4 * MiB, 0, h, 0), 107000);                   /* size != handle */
+  EXPECT(ACL(aclrtMapMem)(va, 2 * MiB, 0, h, 0), 0);
+  EXPECT(ACL(aclrtReleaseMemAddress)(va), 107000);                          /* still mapped */
+  EXPECT(ACL(aclrtMemcpy)(&f, 4, va, 8, 2), 100000);                        /* count > destMax */
+  EXPECT(ACL(aclrtMemset)(va, 2 * MiB, 0xab, 2 * MiB), 0);
+  EXPECT(ACL(aclrtUnmapMem)(va), 0);
+  EXPECT(ACL(aclrtFreePhysical)(h), 0);
+  EXPECT(ACL(aclrtFreePhysical)(h), 107000);                                /* double free */
+  EXPECT(ACL(aclrtReleaseMemAddress)(va), 0);
+  printf("acl errors ok\n");
+  return 0;
+}
+
+/* Allocates MiB on the device and holds it until stdin closes; prints free memory before/after. */
+static int hold(const char *api, long mib) {
+  void *p = NULL;
+  size_t before, after;
+  int rc;
+  if (strcmp(api, "acl") == 0) {
+    ACL(aclrtSetDevice)(0);
+    before = acl_free_now();
+    rc = ACL(aclrtMalloc)(&p, (size_t)mib * MiB, 0);
+    after = acl_free_now();
+  } else {
+    before = cuda_free_now();
+    rc = CUDART(cudaMalloc)(&p, (size_t)mib * MiB);
+    after = cuda_free_now();
+  }
+  printf("HOLD rc=%d free_before=%zu free_after=%zu\n", rc, before, after);
+  fflush(stdout);
+  char buf[16];
+  while (read(0, buf, sizeof buf) > 0) {
+  }
+  if (rc == 0) {
+    if (strcmp(api, "acl") == 0) ACL(aclrtFree)(p); else CUDART(cudaFree)(p);
+  }
+  return 0;
+}
+
+static long shmem_kib(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  char line[256];
+  long v = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "Shmem: %ld kB", &v) == 1) break;
+  if (f) fclose(f);
+  return v;
+}
+
+/* Releasing physical memory must give host memory back: the simulator's resident bytes (memfd
+ * blocks) and the kernel's Shmem both fall; RSS alone would prove nothing. */
+static int release_returns_memory(void) {
+  struct tms_sim_stats s0, s1, s2;
+  EXPECT(CUDRV(cuInit)(0), 0);
+  CUmemAllocationProp prop = cuda_prop(0);
+  size_t size = 256 * MiB;
+  CUdeviceptr va;
+  CUmemGenericAllocationHandle h;
+  EXPECT(sim_stats(&s0), 0);
+  long shmem0 = shmem_kib();
+  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
+  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
+  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
+  CUmemAccessDesc acc = {{1, 0}, 3};
+  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+  memset((void *)va, 0x5a, size); /* touch every page */
+  EXPECT(sim_stats(&s1), 0);
+  long shmem1 = shmem_kib();
+  EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
+  EXPECT(CUDRV(cuMemRelease)(h), 0);
+  EXPECT(sim_stats(&s2), 0);
+  long shmem2 = shmem_kib();
+  printf("resident: %llu -> %llu -> %llu; Shmem kB: %ld -> %ld -> %ld\n",
+         (unsigned long long)s0.host_resident_bytes, (unsigned long long)s1.host_resident_bytes,
+         (unsigned long long)s2.host_resident_bytes, shmem0, shmem1, shmem2);
+  EXPECT(s1.host_resident_bytes - s0.host_resident_bytes >= size, 1);
+  EXPECT(s2.host_resident_bytes, s0.host_resident_bytes);
+  /* Shmem is machine-wide and noisy; require most of the 256 MiB to come and go. */
+  EXPECT(shmem1 - shmem0 > 200 * 1024, 1);
+  EXPECT(shmem1 - shmem2 > 200 * 1024, 1);
+  return 0;
+}
+
+static int count_fds(void) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/fd");
+  struct dirent *e;
+  while (d && (e = readdir(d))) n += e->d_name[0] != '.';
+  if (d) closedir(d);
+  return n;
+}
+
+/* 10,000 live physical handles, each mapped, must not cost a file descriptor each. */
+static int many_handles(long n) {
+  EXPECT(CUDRV(cuInit)(0), 0);
+  CUmemAllocationProp prop = cuda_prop(0);
+  int fds0 = count_fds();
+  CUdeviceptr va;
+  EXPECT(CUDRV(cuMemAddressReserve)(&va, (size_t)n * 2 * MiB, 0, 0, 0), 0);
+  CUmemGenericAllocationHandle *hs = calloc((size_t)n, sizeof *hs);
+  CUmemAccessDesc acc = {{1, 0}, 3};
+  for (long i = 0; i < n; i++) {
+    CUdeviceptr at = va + (CUdeviceptr)i * 2 * MiB;
+    EXPECT(CUDRV(cuMemCreate)(&hs[i], 2 * MiB, &prop, 0), 0);
+    EXPECT(CUDRV(cuMemMap)(at, 2 * MiB, 0, hs[i], 0), 0);
+    EXPECT(CUDRV(cuMemSetAccess)(at, 2 * MiB, &acc, 1), 0);
+    *(volatile long *)at = i;
+  }
+  struct tms_sim_stats s;
+  EXPECT(sim_stats(&s), 0);
+  EXPECT(s.live_handles, n);
+  int fds1 = count_fds();
+  for (long i = 0; i < n; i++) EXPECT(*(volatile long *)(va + (CUdeviceptr)i * 2 * MiB), i);
+  for (long i = 0; i < n; i++) {
+    EXPECT(CUDRV(cuMemUnmap)(va + (CUdeviceptr)i * 2 * MiB, 2 * MiB), 0);
+    EXPECT(CUDRV(cuMemRelease)(hs[i]), 0);
+  }
+  EXPECT(CUDRV(cuMemAddressFree)(va, (size_t)n * 2 * MiB), 0);
+  printf("handles=%ld fds: %d -> %d\n", n, fds0, fds1);
+  EXPECT(fds1 - fds0 <= 2, 1);
+  free(hs);
+  return 0;
+}
+
+/* Prints the result code of `n` cuMemCreate calls (fault injection is set by the environment). */
+static int creates(long n) {
+  EXPECT(CUDRV(cuInit)(0), 0);
+  CUmemAllocationProp prop = cuda_prop(0);
+  for (long i = 0; i < n; i++) {
+    CUmemGenericAllocationHandle h;
+    int rc = CUDRV(cuMemCreate)(&h, 2 * MiB, &prop, 0);
+    printf("%d%s", rc, i + 1 < n ? " " : "\n");
+    if (rc == 0) CUDRV(cuMemRelease)(h);
+  }
+  return 0;
+}
+
+/* Async copies on streams overlap and complete by synchronize; contents must round-trip. */
+static int streams(void) {
+  size_t size = 32 * MiB;
+  void *dev, *pinned;
+  EXPECT(CUDART(cudaMalloc)(&dev, size), 0);
+  EXPECT(CUDART(cudaMallocHost)(&pinned, size), 0);
+  fill(pinned, size, 11);
+  cudaStream_t s[4];
+  for (int i = 0; i < 4; i++) EXPECT(CUDART(cudaStreamCreate)(&s[i]), 0);
+  size_t chunk = size / 4;
+  for (int i = 0; i < 4; i++)
+    EXPECT(CUDART(cudaMemcpyAsync)((char *)dev + i * chunk, (char *)pinned + i * chunk, chunk, 1, s[i]), 0);
+  for (int i = 0; i < 4; i++) EXPECT(CUDART(cudaStreamSynchronize)(s[i]), 0);
+  memset(pinned, 0, size);
+  for (int i = 0; i < 4; i++)
+    EXPECT(CUDART(cudaMemcpyAsync)((char *)pinned + i * chunk, (char *)dev + i * chunk, chunk, 2, s[i]), 0);
+  EXPECT(CUDART(cudaDeviceSynchronize)(), 0);
+  EXPECT(check(pinned, size, 11), 1);
+  for (int i = 0; i < 4; i++) EXPECT(CUDART(cudaStreamDestroy)(s[i]), 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(s[0]), 400); /* destroyed */
+  EXPECT(CUDART(cudaFreeHost)(pinned), 0);
+  EXPECT(CUDART(cudaFree)(dev), 0);
+  printf("streams ok\n");
+  return 0;
+}
+
+int tms_test_main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s MODE [ARGS]\n", argv[0]);
+    return 2;
+  }
+  const char *m = argv[1];
+  if (!strcmp(m, "cuda-vmm")) return cuda_vmm();
+  if (!strcmp(m, "cuda-errors")) return cuda_errors();
+  if (!strcmp(m, "acl-vmm")) return acl_vmm();
+  if (!strcmp(m, "acl-errors")) return acl_errors();
+  if (!strcmp(m, "hold") && argc == 4) return hold(argv[2], atol(argv[3]));
+  if (!strcmp(m, "release")) return release_returns_memory();
+  if (!strcmp(m, "handles") && argc == 3) return many_handles(atol(argv[2]));
+  if (!strcmp(m, "creates") && argc == 3) return creates(atol(argv[2]));
+  if (!strcmp(m, "streams")) return streams();
+  fprintf(stderr, "unknown mode %s\n", m);
+  return 2;
+}

@@ -1,0 +1,110 @@
+/* The subset of the CUDA runtime/driver and Ascend ACL APIs the test consumers use, declared from
+ * the public API facts (shared/reference). Test programs include this instead of vendor headers,
+ * so they build without CUDA or CANN. */
+#ifndef TMS_TEST_VENDOR_H
+#define TMS_TEST_VENDOR_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int cudaError_t;
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *cudaStream_t;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+  int type; int requestedHandleTypes; CUmemLocation location; void *win32HandleMetaData;
+  struct { unsigned char compressionType; unsigned char gpuDirectRDMACapable; unsigned short usage;
+           unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+
+cudaError_t cudaMalloc(void **p, size_t n);
+cudaError_t cudaFree(void *p);
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, int kind);
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, cudaStream_t s);
+cudaError_t cudaMemset(void *p, int v, size_t n);
+cudaError_t cudaMemGetInfo(size_t *free, size_t *total);
+cudaError_t cudaGetDevice(int *d);
+cudaError_t cudaSetDevice(int d);
+cudaError_t cudaGetDeviceCount(int *n);
+cudaError_t cudaDeviceSynchronize(void);
+cudaError_t cudaMallocHost(void **p, size_t n);
+cudaError_t cudaFreeHost(void *p);
+cudaError_t cudaStreamCreate(cudaStream_t *s);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+const char *cudaGetErrorString(cudaError_t e);
+cudaError_t cudaGetLastError(void);
+
+CUresult cuInit(unsigned flags);
+CUresult cuDeviceGet(CUdevice *d, int ordinal);
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d);
+CUresult cuCtxGetCurrent(CUcontext *c);
+CUresult cuCtxSetCurrent(CUcontext c);
+CUresult cuCtxGetDevice(CUdevice *d);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d);
+CUresult cuGetErrorString(CUresult r, const char **s);
+CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop, unsigned long long flags);
+CUresult cuMemRelease(CUmemGenericAllocationHandle h);
+CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags);
+CUresult cuMemUnmap(CUdeviceptr p, size_t size);
+CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *desc, size_t count);
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option);
+
+typedef int aclError;
+typedef void *aclrtDrvMemHandle;
+typedef void *aclrtContext;
+typedef struct { uint32_t id; int type; } aclrtMemLocation;
+typedef struct { int handleType; int allocationType; int memAttr; aclrtMemLocation location; uint64_t reserve; } aclrtPhysicalMemProp;
+typedef struct { int flags; aclrtMemLocation location; uint8_t rsv[12]; } aclrtMemAccessDesc;
+
+aclError aclInit(const char *config);
+aclError aclrtSetDevice(int32_t d);
+aclError aclrtGetDevice(int32_t *d);
+aclError aclrtGetCurrentContext(aclrtContext *c);
+aclError aclrtSetCurrentContext(aclrtContext c);
+aclError aclrtMalloc(void **p, size_t n, int policy);
+aclError aclrtMallocAlign32(void **p, size_t n, int policy);
+aclError aclrtFree(void *p);
+aclError aclrtMallocHost(void **p, size_t n);
+aclError aclrtFreeHost(void *p);
+aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t n, int kind);
+aclError aclrtMemset(void *p, size_t max, int32_t v, size_t n);
+aclError aclrtGetMemInfo(int attr, size_t *free, size_t *total);
+aclError aclrtSynchronizeDevice(void);
+aclError aclrtReserveMemAddress(void **p, size_t size, size_t align, void *expect, uint64_t flags);
+aclError aclrtReleaseMemAddress(void *p);
+aclError aclrtMallocPhysical(aclrtDrvMemHandle *h, size_t size, const aclrtPhysicalMemProp *prop, uint64_t flags);
+aclError aclrtFreePhysical(aclrtDrvMemHandle h);
+aclError aclrtMapMem(void *p, size_t size, size_t offset, aclrtDrvMemHandle h, uint64_t flags);
+aclError aclrtUnmapMem(void *p);
+aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, int option, size_t *g);
+
+/* CALL(f): the function f, reached the way this build of the consumer is configured:
+ *  - default: a direct call through the PLT (the program or plugin is linked against the soname);
+ *  - TMS_TEST_DLSYM: dlopen(soname, RTLD_LAZY|RTLD_GLOBAL) + dlsym(handle, "f"), torch_npu's way. */
+#ifdef TMS_TEST_DLSYM
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+static void *tms_test_sym(const char *lib, const char *name) {
+  void *h = dlopen(lib, RTLD_LAZY | RTLD_GLOBAL);
+  if (!h) { fprintf(stderr, "dlopen %s: %s\n", lib, dlerror()); exit(90); }
+  void *f = dlsym(h, name);
+  if (!f) { fprintf(stderr, "dlsym %s: %s\n", name, dlerror()); exit(91); }
+  return f;
+}
+#define CALL_IN(lib, f) ((__typeof__(&f))tms_test_sym(lib, #f))
+#else
+#define CALL_IN(lib, f) f
+#endif
+#define CUDART(f) CALL_IN("libcudart.so.12", f)
+#define CUDRV(f) CALL_IN("libcuda.so.1", f)
+#define ACL(f) CALL_IN("libascendcl.so", f)
+#endif

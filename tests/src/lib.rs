@@ -1,0 +1,271 @@
+//! Shared machinery of the end-to-end tests: build the workspace's cdylibs and binaries once,
+//! lay out runtime-named links to the simulator, compile the C consumers in their three loading
+//! styles, and give each test a private simulated node.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+pub struct Workspace {
+    pub root: PathBuf,
+    /// target/debug or target/release, matching how the tests were built.
+    pub bin_dir: PathBuf,
+    /// Runtime-named links (libcudart.so.12, libcuda.so.1, libascendcl.so) to libtms_sim.so.
+    pub sim_dir: PathBuf,
+    /// Where compiled C artifacts go.
+    pub c_out: PathBuf,
+    /// Link-time stand-ins for the vendor libraries (symbol names and sonames only).
+    pub stub_dir: PathBuf,
+}
+
+impl Workspace {
+    pub fn hook(&self) -> PathBuf {
+        self.bin_dir.join("libtms_hook.so")
+    }
+
+    pub fn sim_lib(&self) -> PathBuf {
+        self.bin_dir.join("libtms_sim.so")
+    }
+
+    pub fn bin(&self, name: &str) -> PathBuf {
+        self.bin_dir.join(name)
+    }
+
+    pub fn c_src(&self, name: &str) -> PathBuf {
+        self.root.join("tests/c").join(name)
+    }
+}
+
+/// Builds what the tests run (once per test binary) and prepares the folders.
+pub fn workspace() -> &'static Workspace {
+    static WS: OnceLock<Workspace> = OnceLock::new();
+    WS.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf();
+        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
+        let release = !cfg!(debug_assertions);
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.current_dir(&root).args(["build", "--quiet", "-p", "tms-sim", "-p", "tms-hook", "-p", "tms-ctl"]);
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "cargo build of the cdylibs failed");
+        let bin_dir = target.join(if release { "release" } else { "debug" });
+        let c_out = target.join("tms-e2e");
+        std::fs::create_dir_all(&c_out).unwrap();
+        let sim_dir = c_out.join("sim-lib");
+        std::fs::create_dir_all(&sim_dir).unwrap();
+        for name in ["libcudart.so.12", "libcudart.so", "libcuda.so.1", "libcuda.so", "libascendcl.so"] {
+            replace_symlink(&bin_dir.join("libtms_sim.so"), &sim_dir.join(name));
+        }
+        let stub_dir = c_out.join("stubs");
+        std::fs::create_dir_all(&stub_dir).unwrap();
+        let ws = Workspace { root, bin_dir, sim_dir, c_out, stub_dir };
+        build_stubs(&ws);
+        ws
+    })
+}
+
+fn replace_symlink(target: &Path, link: &Path) {
+    let tmp = link.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp).unwrap();
+    std::fs::rename(&tmp, link).unwrap();
+}
+
+/// The vendor functions vendor.h declares, by library.
+fn vendor_functions(ws: &Workspace) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let header = std::fs::read_to_string(ws.c_src("vendor.h")).unwrap();
+    let (mut rt, mut drv, mut acl) = (Vec::new(), Vec::new(), Vec::new());
+    for line in header.lines() {
+        let Some(open) = line.find('(') else { continue };
+        let Some(name) = line[..open].split_whitespace().last() else { continue };
+        let name = name.trim_start_matches('*').to_string();
+        if !(line.starts_with("cudaError_t")
+            || line.starts_with("CUresult")
+            || line.starts_with("aclError")
+            || line.starts_with("const char"))
+        {
+            continue;
+        }
+        if name.starts_with("cuda") {
+            rt.push(name);
+        } else if name.starts_with("cu") {
+            drv.push(name);
+        } else if name.starts_with("acl") {
+            acl.push(name);
+        }
+    }
+    (rt, drv, acl)
+}
+
+/// Stand-ins to link against, shaped like the real libraries: right sonames, and the runtime's
+/// symbols under the `libcudart.so.12` version node, so consumers carry the same references as
+/// programs built against the real toolkit.
+fn build_stubs(ws: &Workspace) {
+    let (rt, drv, acl) = vendor_functions(ws);
+    let mk = |soname: &str, names: &[String], version_node: Option<&str>| {
+        let src = ws.stub_dir.join(format!("{soname}.c"));
+        let body: String = names.iter().map(|n| format!("void {n}(void) {{}}\n")).collect();
+        std::fs::write(&src, body).unwrap();
+        let mut args = vec![
+            "-shared".to_string(),
+            "-fPIC".into(),
+            "-o".into(),
+            ws.stub_dir.join(soname).display().to_string(),
+            src.display().to_string(),
+            format!("-Wl,-soname,{soname}"),
+        ];
+        if let Some(node) = version_node {
+            let map = ws.stub_dir.join(format!("{soname}.map"));
+            std::fs::write(&map, format!("{node} {{ global: *; }};\n")).unwrap();
+            args.push(format!("-Wl,--version-script={}", map.display()));
+        }
+        cc(&args);
+    };
+    mk("libcudart.so.12", &rt, Some("libcudart.so.12"));
+    mk("libcuda.so.1", &drv, None);
+    mk("libascendcl.so", &acl, None);
+}
+
+fn cc(args: &[String]) {
+    let out = Command::new("cc").args(args).output().expect("run cc");
+    assert!(out.status.success(), "cc {:?} failed:\n{}", args, String::from_utf8_lossy(&out.stderr));
+}
+
+/// Compiles `sources` into `name` under target/tms-e2e once per test binary; atomic against other
+/// test binaries doing the same.
+pub fn compile(name: &str, sources: &[PathBuf], extra: &[&str]) -> PathBuf {
+    static DONE: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+    let ws = workspace();
+    let mut done = DONE.get_or_init(Default::default).lock().unwrap();
+    if let Some(p) = done.get(name) {
+        return p.clone();
+    }
+    let out = ws.c_out.join(name);
+    let tmp = ws.c_out.join(format!(".{name}.{}", std::process::id()));
+    let mut args: Vec<String> = vec!["-O1".into(), "-g".into(), "-Wall".into(), "-o".into(), tmp.display().to_string()];
+    args.extend(sources.iter().map(|s| s.display().to_string()));
+    args.push(format!("-I{}", ws.root.join("tests/c").display()));
+    args.push(format!("-I{}", ws.root.join("include").display()));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    cc(&args);
+    std::fs::rename(&tmp, &out).unwrap();
+    done.insert(name.to_string(), out.clone());
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    /// Executable linked against the sonames (calls through the PLT).
+    Linked,
+    /// Shared library linked against the sonames, dlopened RTLD_LOCAL by a loader.
+    Plugin,
+    /// Every call through dlopen(soname) + dlsym(handle, name).
+    Dlsym,
+}
+
+pub const STYLES: [Style; 3] = [Style::Linked, Style::Plugin, Style::Dlsym];
+
+/// A compiled C program in one loading style: the argv prefix that runs it.
+pub fn c_program(base: &str, style: Style) -> Vec<PathBuf> {
+    let ws = workspace();
+    let src = ws.c_src(&format!("{base}.c"));
+    let link = |v: &mut Vec<String>| {
+        v.push(format!("-L{}", ws.stub_dir.display()));
+        v.extend(["-l:libcudart.so.12", "-l:libcuda.so.1", "-l:libascendcl.so", "-lpthread", "-ldl"].map(String::from));
+    };
+    match style {
+        Style::Linked => {
+            let mut extra = Vec::new();
+            link(&mut extra);
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            vec![compile(&format!("{base}-linked"), &[src, ws.c_src("main_direct.c")], &extra)]
+        }
+        Style::Plugin => {
+            let mut extra = vec!["-shared".to_string(), "-fPIC".to_string()];
+            link(&mut extra);
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            let plugin = compile(&format!("{base}-plugin.so"), &[src], &extra);
+            let loader = compile("loader", &[ws.c_src("main_plugin.c")], &["-ldl"]);
+            vec![loader, plugin]
+        }
+        Style::Dlsym => vec![compile(
+            &format!("{base}-dlsym"),
+            &[src, ws.c_src("main_direct.c")],
+            &["-DTMS_TEST_DLSYM", "-lpthread", "-ldl"],
+        )],
+    }
+}
+
+/// A private simulated node: its own state folder, so concurrent tests never share devices.
+pub struct SimNode {
+    pub dir: tempfile::TempDir,
+    pub memory: String,
+    pub devices: u32,
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl SimNode {
+    pub fn new(memory: &str) -> SimNode {
+        SimNode { dir: tempfile::tempdir().unwrap(), memory: memory.to_string(), devices: 1, extra_env: Vec::new() }
+    }
+
+    pub fn env(mut self, key: &str, value: &str) -> SimNode {
+        self.extra_env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// A command for `argv` (program first) on this node.
+    pub fn command(&self, argv: &[PathBuf]) -> Command {
+        let ws = workspace();
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..]);
+        cmd.env("LD_LIBRARY_PATH", &ws.sim_dir)
+            .env("TMS_SIM_DIR", self.dir.path())
+            .env("TMS_SIM_NODE", "test")
+            .env("TMS_SIM_MEMORY", &self.memory)
+            .env("TMS_SIM_DEVICES", self.devices.to_string())
+            .env_remove("LD_PRELOAD")
+            .env_remove("TMS_SIM_FAIL")
+            .stdin(Stdio::null());
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    /// Same, preloading the hook.
+    pub fn hooked(&self, argv: &[PathBuf]) -> Command {
+        let mut cmd = self.command(argv);
+        cmd.env("LD_PRELOAD", workspace().hook());
+        cmd
+    }
+}
+
+/// Runs to completion; panics with both streams when the exit status is not 0.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("spawn");
+    assert_ok(&out, &format!("{cmd:?}"));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn assert_ok(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed with {}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Extracts `key=NUMBER` from program output.
+pub fn field(text: &str, key: &str) -> u64 {
+    let pat = format!("{key}=");
+    let start = text.find(&pat).unwrap_or_else(|| panic!("no {key}= in output:\n{text}")) + pat.len();
+    text[start..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+pub const MIB: u64 = 1 << 20;

@@ -1,0 +1,169 @@
+//! tms-sim end to end: C programs in each loading style, on private simulated nodes.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use tms_e2e::*;
+
+#[test]
+fn vmm_cycle_and_bad_inputs_in_every_loading_style() {
+    for style in STYLES {
+        let prog = c_program("sim_consumer", style);
+        for mode in ["cuda-vmm", "cuda-errors", "acl-vmm", "acl-errors"] {
+            let node = SimNode::new("1GiB");
+            let mut argv = prog.clone();
+            argv.push(mode.into());
+            let out = run_ok(&mut node.command(&argv));
+            assert!(!out.is_empty(), "{style:?} {mode} printed nothing");
+        }
+    }
+}
+
+#[test]
+fn free_memory_drops_and_rises_with_create_and_release() {
+    let node = SimNode::new("1GiB");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.push("cuda-vmm".into());
+    let out = run_ok(&mut node.command(&argv));
+    let (f0, f1, f2) = (field(&out, "free0"), field(&out, "free_after_create"), field(&out, "free_after_release"));
+    assert_eq!(f0, 1024 * MIB);
+    assert_eq!(f0 - f1, 8 * MIB);
+    assert_eq!(f2, f0);
+}
+
+#[test]
+fn consumer_carries_the_versioned_runtime_reference() {
+    let prog = c_program("sim_consumer", Style::Linked);
+    let out = Command::new("objdump").arg("-T").arg(&prog[0]).output().expect("objdump");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines().any(|l| l.contains("(libcudart.so.12)") && l.trim_end().ends_with(" cudaMemcpy")),
+        "the consumer should reference cudaMemcpy@libcudart.so.12:\n{text}"
+    );
+    let sim = Command::new("objdump").arg("-T").arg(workspace().sim_lib()).output().expect("objdump");
+    let text = String::from_utf8_lossy(&sim.stdout);
+    assert!(text.lines().any(|l| l.contains(" libcudart.so.12 ") && l.trim_end().ends_with(" cudaMalloc")));
+}
+
+/// Starts a process holding `mib` on the node; returns it and its HOLD line.
+fn hold(node: &SimNode, api: &str, mib: u64) -> (std::process::Child, String) {
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.extend(["hold".into(), api.into(), mib.to_string().into()]);
+    let mut child = node.command(&argv).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    (child, line)
+}
+
+fn release(mut child: std::process::Child) {
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn processes_on_one_node_share_capacity() {
+    let node = SimNode::new("1GiB");
+    let (a, line_a) = hold(&node, "cuda", 700);
+    assert_eq!(field(&line_a, "rc"), 0, "{line_a}");
+    // A second process sees the first one's usage, through either vendor API, and cannot fit.
+    let (b, line_b) = hold(&node, "acl", 700);
+    assert_eq!(field(&line_b, "rc"), 207001, "{line_b}");
+    assert_eq!(field(&line_b, "free_before"), 324 * MIB, "{line_b}");
+    release(b);
+    let (c, line_c) = hold(&node, "cuda", 700);
+    assert_eq!(field(&line_c, "rc"), 2, "{line_c}");
+    release(c);
+    release(a);
+    // Once the first is gone, the same request fits.
+    let (d, line_d) = hold(&node, "cuda", 700);
+    assert_eq!(field(&line_d, "rc"), 0, "{line_d}");
+    assert_eq!(field(&line_d, "free_before"), 1024 * MIB, "{line_d}");
+    release(d);
+}
+
+#[test]
+fn usage_of_a_killed_process_is_reclaimed() {
+    let node = SimNode::new("1GiB");
+    let (mut a, line_a) = hold(&node, "cuda", 700);
+    assert_eq!(field(&line_a, "rc"), 0);
+    a.kill().unwrap();
+    a.wait().unwrap();
+    let (b, line_b) = hold(&node, "cuda", 700);
+    assert_eq!(field(&line_b, "rc"), 0, "the dead process's 700 MiB should be reclaimed: {line_b}");
+    release(b);
+}
+
+#[test]
+fn release_returns_host_memory() {
+    let node = SimNode::new("2GiB");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.push("release".into());
+    run_ok(&mut node.command(&argv));
+}
+
+#[test]
+fn ten_thousand_live_handles_use_one_descriptor() {
+    let node = SimNode::new("32GiB");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.extend(["handles".into(), "10000".into()]);
+    let out = run_ok(&mut node.command(&argv));
+    assert!(out.contains("handles=10000"), "{out}");
+}
+
+#[test]
+fn fault_injection_fails_the_chosen_calls() {
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.extend(["creates".into(), "5".into()]);
+    for (spec, want) in [
+        ("cuMemCreate:3:2", "0 0 2 0 0"),
+        ("cuMemCreate:2+:801", "0 801 801 801 801"),
+        ("cuMemCreate:1", "2 0 0 0 0"),
+        ("cuMemMap:1", "0 0 0 0 0"),
+    ] {
+        let node = SimNode::new("1GiB").env("TMS_SIM_FAIL", spec);
+        let out = run_ok(&mut node.command(&argv));
+        assert_eq!(out.trim(), want, "TMS_SIM_FAIL={spec}");
+    }
+}
+
+#[test]
+fn async_copies_on_streams_round_trip() {
+    let node = SimNode::new("1GiB").env("TMS_SIM_COPY_GBPS", "8");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.push("streams".into());
+    run_ok(&mut node.command(&argv));
+}
+
+#[test]
+fn copy_throttle_limits_bandwidth() {
+    // 32 MiB in each direction at 1 GB/s cannot take less than ~67 ms.
+    let node = SimNode::new("1GiB").env("TMS_SIM_COPY_GBPS", "1");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.push("streams".into());
+    let start = std::time::Instant::now();
+    run_ok(&mut node.command(&argv));
+    let took = start.elapsed();
+    assert!(took.as_millis() >= 60, "copies took {took:?}, faster than the 1 GB/s limit allows");
+}
+
+#[test]
+fn cli_prints_env_and_node_status() {
+    let ws = workspace();
+    let out = run_ok(Command::new(ws.bin("tms-sim")).args(["env", "--node", "n1", "--memory", "8GiB"]));
+    assert!(out.contains("export LD_LIBRARY_PATH="), "{out}");
+    assert!(out.contains("export TMS_SIM_NODE=n1"));
+    assert!(out.contains("export TMS_SIM_MEMORY=8GiB"));
+    let bad = Command::new(ws.bin("tms-sim")).args(["env", "--memory", "lots"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a size"));
+
+    let node = SimNode::new("1GiB");
+    let (a, _) = hold(&node, "cuda", 100);
+    let status = run_ok(
+        Command::new(ws.bin("tms-sim"))
+            .args(["status", "--node", "test", "--json"])
+            .env("TMS_SIM_DIR", node.dir.path()),
+    );
+    assert!(status.contains("\"capacity\": 1073741824"), "{status}");
+    assert!(status.contains(&format!("{}", 100 * MIB)), "{status}");
+    release(a);
+}

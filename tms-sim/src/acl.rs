@@ -1,0 +1,459 @@
+//! The Ascend runtime ABI (`libascendcl.so`, acl/acl_rt.h), including the virtual-memory calls.
+//!
+//! As on a real 910B, calls that work on "the current device" fail with
+//! ACL_ERROR_RT_CONTEXT_NULL on a thread that never set a device or context: a control thread in
+//! the hook must set one first.
+
+use crate::config::GRANULARITY;
+use crate::fault;
+use crate::memory::MemError;
+use crate::sim::{ACL_CTX_TOKENS, ACL_DEVICE, CopyKind, ctx_device, ctx_handle, guard, sim};
+use libc::{c_char, c_int, c_void};
+
+pub const SUCCESS: i32 = 0;
+pub const INVALID_PARAM: i32 = 100_000;
+pub const RT_PARAM_INVALID: i32 = 107_000;
+pub const RT_INVALID_DEVICEID: i32 = 107_001;
+pub const RT_CONTEXT_NULL: i32 = 107_002;
+pub const RT_STREAM_CONTEXT: i32 = 107_003;
+pub const RT_FEATURE_NOT_SUPPORT: i32 = 207_000;
+pub const RT_MEMORY_ALLOCATION: i32 = 207_001;
+pub const RT_MEMORY_FREE: i32 = 207_002;
+pub const RT_INTERNAL_ERROR: i32 = 507_899;
+
+pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+pub const MEM_ALLOCATION_TYPE_PINNED: c_int = 0;
+pub const HBM_MEM_HUGE: c_int = 4;
+pub const ACCESS_READWRITE: c_int = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AclMemLocation {
+    pub id: u32,
+    pub kind: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AclPhysicalMemProp {
+    pub handle_type: c_int,
+    pub allocation_type: c_int,
+    pub mem_attr: c_int,
+    pub location: AclMemLocation,
+    pub reserve: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AclMemAccessDesc {
+    pub flags: c_int,
+    pub location: AclMemLocation,
+    pub rsv: [u8; 12],
+}
+
+const _: () = assert!(std::mem::size_of::<AclMemLocation>() == 8);
+const _: () = assert!(std::mem::size_of::<AclPhysicalMemProp>() == 32);
+const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, location) == 12);
+const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, reserve) == 24);
+const _: () = assert!(std::mem::size_of::<AclMemAccessDesc>() == 24);
+
+pub fn code_of(e: MemError) -> i32 {
+    match e {
+        MemError::Invalid | MemError::IllegalAddress => RT_PARAM_INVALID,
+        MemError::OutOfMemory | MemError::Host => RT_MEMORY_ALLOCATION,
+    }
+}
+
+fn result(r: Result<(), MemError>) -> i32 {
+    r.map_or_else(code_of, |()| SUCCESS)
+}
+
+fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
+    guard(RT_INTERNAL_ERROR, || fault::check(name, RT_MEMORY_ALLOCATION).unwrap_or_else(body))
+}
+
+fn current() -> Result<usize, i32> {
+    match ACL_DEVICE.with(|c| c.get()) {
+        0 => Err(RT_CONTEXT_NULL),
+        n => Ok(n - 1),
+    }
+}
+
+fn put<T>(out: *mut T, value: T) -> i32 {
+    if out.is_null() {
+        return INVALID_PARAM;
+    }
+    // SAFETY: checked non-null; the caller provides a writable location.
+    unsafe { out.write(value) };
+    SUCCESS
+}
+
+pub unsafe extern "C" fn acl_init(_config_path: *const c_char) -> i32 {
+    call("aclInit", || {
+        sim();
+        SUCCESS
+    })
+}
+
+pub unsafe extern "C" fn acl_finalize() -> i32 {
+    call("aclFinalize", || SUCCESS)
+}
+
+pub unsafe extern "C" fn aclrt_set_device(dev: i32) -> i32 {
+    call("aclrtSetDevice", || match sim().valid_device(dev as i64) {
+        Some(d) => {
+            ACL_DEVICE.with(|c| c.set(d + 1));
+            SUCCESS
+        }
+        None => RT_INVALID_DEVICEID,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_get_device(dev: *mut i32) -> i32 {
+    call("aclrtGetDevice", || match current() {
+        Ok(d) => put(dev, d as i32),
+        Err(e) => e,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_reset_device(dev: i32) -> i32 {
+    call("aclrtResetDevice", || match sim().valid_device(dev as i64) {
+        Some(d) => {
+            sim().synchronize(Some(d));
+            ACL_DEVICE.with(|c| {
+                if c.get() == d + 1 {
+                    c.set(0)
+                }
+            });
+            SUCCESS
+        }
+        None => RT_INVALID_DEVICEID,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_get_device_count(count: *mut u32) -> i32 {
+    call("aclrtGetDeviceCount", || put(count, sim().devices() as u32))
+}
+
+pub unsafe extern "C" fn aclrt_create_context(ctx: *mut *mut c_void, dev: i32) -> i32 {
+    call("aclrtCreateContext", || match sim().valid_device(dev as i64) {
+        Some(d) => {
+            // Creating a context makes it current, as the real runtime does.
+            ACL_DEVICE.with(|c| c.set(d + 1));
+            put(ctx, ctx_handle(&ACL_CTX_TOKENS, d))
+        }
+        None => RT_INVALID_DEVICEID,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_destroy_context(ctx: *mut c_void) -> i32 {
+    call("aclrtDestroyContext", || match ctx_device(&ACL_CTX_TOKENS, ctx) {
+        Some(_) => SUCCESS,
+        None => RT_PARAM_INVALID,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_get_current_context(ctx: *mut *mut c_void) -> i32 {
+    call("aclrtGetCurrentContext", || match current() {
+        Ok(d) => put(ctx, ctx_handle(&ACL_CTX_TOKENS, d)),
+        Err(e) => e,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_set_current_context(ctx: *mut c_void) -> i32 {
+    call("aclrtSetCurrentContext", || match ctx_device(&ACL_CTX_TOKENS, ctx) {
+        Some(d) if d < sim().devices() => {
+            ACL_DEVICE.with(|c| c.set(d + 1));
+            SUCCESS
+        }
+        _ => RT_PARAM_INVALID,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_synchronize_device() -> i32 {
+    call("aclrtSynchronizeDevice", || match current() {
+        Ok(d) => sim().synchronize(Some(d)),
+        Err(e) => e,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_synchronize_device_with_timeout(timeout_ms: i32) -> i32 {
+    call("aclrtSynchronizeDeviceWithTimeout", || {
+        if timeout_ms < -1 {
+            return INVALID_PARAM;
+        }
+        match current() {
+            Ok(d) => sim().synchronize(Some(d)),
+            Err(e) => e,
+        }
+    })
+}
+
+pub unsafe extern "C" fn aclrt_create_stream(stream: *mut *mut c_void) -> i32 {
+    call("aclrtCreateStream", || match current() {
+        Ok(d) => match sim().streams.create(d) {
+            Some(h) => put(stream, h as *mut c_void),
+            None => RT_MEMORY_ALLOCATION,
+        },
+        Err(e) => e,
+    })
+}
+
+pub unsafe extern "C" fn aclrt_synchronize_stream(stream: *mut c_void) -> i32 {
+    call("aclrtSynchronizeStream", || sim().streams.synchronize(stream as usize).unwrap_or(RT_PARAM_INVALID))
+}
+
+pub unsafe extern "C" fn aclrt_destroy_stream(stream: *mut c_void) -> i32 {
+    call("aclrtDestroyStream", || if sim().streams.destroy(stream as usize) { SUCCESS } else { RT_PARAM_INVALID })
+}
+
+fn malloc(name: &str, ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 {
+    call(name, || {
+        let dev = match current() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        if ptr.is_null() || size == 0 || !(0..=9).contains(&policy) {
+            return INVALID_PARAM;
+        }
+        match sim().plain_alloc(dev, size) {
+            Ok(p) => put(ptr, p as *mut c_void),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn aclrt_malloc(ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 {
+    malloc("aclrtMalloc", ptr, size, policy)
+}
+
+pub unsafe extern "C" fn aclrt_malloc_align32(ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 {
+    malloc("aclrtMallocAlign32", ptr, size, policy)
+}
+
+pub unsafe extern "C" fn aclrt_free(ptr: *mut c_void) -> i32 {
+    call("aclrtFree", || {
+        if ptr.is_null() {
+            return INVALID_PARAM;
+        }
+        result(sim().plain_free(ptr as usize))
+    })
+}
+
+pub unsafe extern "C" fn aclrt_malloc_host(ptr: *mut *mut c_void, size: usize) -> i32 {
+    call("aclrtMallocHost", || {
+        if ptr.is_null() || size == 0 {
+            return INVALID_PARAM;
+        }
+        match sim().host_alloc(size) {
+            Ok(p) => put(ptr, p as *mut c_void),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn aclrt_free_host(ptr: *mut c_void) -> i32 {
+    call("aclrtFreeHost", || {
+        if ptr.is_null() {
+            return INVALID_PARAM;
+        }
+        result(sim().host_free(ptr as usize))
+    })
+}
+
+fn memcpy(
+    name: &str,
+    dst: *mut c_void,
+    dest_max: usize,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    stream: usize,
+) -> i32 {
+    call(name, || {
+        if count > dest_max {
+            return INVALID_PARAM;
+        }
+        let Some(kind) = CopyKind::from_code(kind) else { return INVALID_PARAM };
+        sim().copy(dst as usize, src as usize, count, kind, stream, code_of).err().unwrap_or(SUCCESS)
+    })
+}
+
+pub unsafe extern "C" fn aclrt_memcpy(
+    dst: *mut c_void,
+    dest_max: usize,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+) -> i32 {
+    memcpy("aclrtMemcpy", dst, dest_max, src, count, kind, 0)
+}
+
+pub unsafe extern "C" fn aclrt_memcpy_async(
+    dst: *mut c_void,
+    dest_max: usize,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    stream: *mut c_void,
+) -> i32 {
+    memcpy("aclrtMemcpyAsync", dst, dest_max, src, count, kind, stream as usize)
+}
+
+pub unsafe extern "C" fn aclrt_memset(dst: *mut c_void, max_count: usize, value: i32, count: usize) -> i32 {
+    call("aclrtMemset", || {
+        if count > max_count {
+            return INVALID_PARAM;
+        }
+        result(sim().memset(dst as usize, value as u8, count))
+    })
+}
+
+pub unsafe extern "C" fn aclrt_get_mem_info(attr: c_int, free: *mut usize, total: *mut usize) -> i32 {
+    call("aclrtGetMemInfo", || {
+        let dev = match current() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        if !(0..=9).contains(&attr) || free.is_null() || total.is_null() {
+            return INVALID_PARAM;
+        }
+        // Every memory attribute reports the one emulated HBM pool.
+        let (f, t) = sim().mem_info(dev);
+        put(free, f as usize);
+        put(total, t as usize)
+    })
+}
+
+// ---- virtual memory management -------------------------------------------------------------
+
+fn prop_device(prop: *const AclPhysicalMemProp) -> Result<usize, i32> {
+    if prop.is_null() {
+        return Err(INVALID_PARAM);
+    }
+    // SAFETY: checked non-null; the caller passes an aclrtPhysicalMemProp.
+    let p = unsafe { *prop };
+    if p.location.kind != MEM_LOCATION_TYPE_DEVICE || p.allocation_type != MEM_ALLOCATION_TYPE_PINNED {
+        return Err(INVALID_PARAM);
+    }
+    sim().valid_device(p.location.id as i64).ok_or(RT_INVALID_DEVICEID)
+}
+
+pub unsafe extern "C" fn aclrt_mem_get_allocation_granularity(
+    prop: *mut AclPhysicalMemProp,
+    option: c_int,
+    g: *mut usize,
+) -> i32 {
+    call("aclrtMemGetAllocationGranularity", || {
+        if let Err(e) = prop_device(prop) {
+            return e;
+        }
+        if !(0..=1).contains(&option) {
+            return INVALID_PARAM;
+        }
+        put(g, GRANULARITY)
+    })
+}
+
+pub unsafe extern "C" fn aclrt_reserve_mem_address(
+    ptr: *mut *mut c_void,
+    size: usize,
+    alignment: usize,
+    expect: *mut c_void,
+    flags: u64,
+) -> i32 {
+    call("aclrtReserveMemAddress", || {
+        if ptr.is_null() || alignment != 0 || flags > 1 {
+            return INVALID_PARAM;
+        }
+        match sim().reserve(size, 0, expect as usize) {
+            Ok(p) => put(ptr, p as *mut c_void),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn aclrt_release_mem_address(ptr: *mut c_void) -> i32 {
+    call("aclrtReleaseMemAddress", || result(sim().free_reservation(ptr as usize, None)))
+}
+
+pub unsafe extern "C" fn aclrt_malloc_physical(
+    handle: *mut *mut c_void,
+    size: usize,
+    prop: *const AclPhysicalMemProp,
+    flags: u64,
+) -> i32 {
+    call("aclrtMallocPhysical", || {
+        if handle.is_null() || flags != 0 {
+            return INVALID_PARAM;
+        }
+        let dev = match prop_device(prop) {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        match sim().create(dev, size) {
+            Ok(h) => put(handle, h as usize as *mut c_void),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn aclrt_free_physical(handle: *mut c_void) -> i32 {
+    call("aclrtFreePhysical", || result(sim().release(handle as usize as u64, true)))
+}
+
+pub unsafe extern "C" fn aclrt_map_mem(
+    ptr: *mut c_void,
+    size: usize,
+    offset: usize,
+    handle: *mut c_void,
+    flags: u64,
+) -> i32 {
+    call("aclrtMapMem", || {
+        if flags != 0 {
+            return INVALID_PARAM;
+        }
+        let s = sim();
+        // Ascend maps with access granted: aclrtMemSetAccess is only for no-access maps.
+        let r = s
+            .map(ptr as usize, size, offset, handle as usize as u64, true)
+            .and_then(|()| s.set_access(ptr as usize, size, libc::PROT_READ | libc::PROT_WRITE));
+        result(r)
+    })
+}
+
+pub unsafe extern "C" fn aclrt_unmap_mem(ptr: *mut c_void) -> i32 {
+    call("aclrtUnmapMem", || result(sim().unmap(ptr as usize, None)))
+}
+
+pub unsafe extern "C" fn aclrt_mem_set_access(
+    ptr: *mut c_void,
+    size: usize,
+    desc: *mut AclMemAccessDesc,
+    count: usize,
+) -> i32 {
+    call("aclrtMemSetAccess", || {
+        if desc.is_null() || count == 0 {
+            return INVALID_PARAM;
+        }
+        // SAFETY: the caller passes `count` descriptors.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        let mut prot = libc::PROT_NONE;
+        for d in descs {
+            if d.location.kind != MEM_LOCATION_TYPE_DEVICE || sim().valid_device(d.location.id as i64).is_none() {
+                return INVALID_PARAM;
+            }
+            prot |= match d.flags {
+                0 => libc::PROT_NONE,
+                1 => libc::PROT_READ,
+                ACCESS_READWRITE => libc::PROT_READ | libc::PROT_WRITE,
+                _ => return INVALID_PARAM,
+            };
+        }
+        result(sim().set_access(ptr as usize, size, prot))
+    })
+}
+
+pub unsafe extern "C" fn acl_get_recent_err_msg() -> *const c_char {
+    c"tms-sim: see the returned error code".as_ptr()
+}

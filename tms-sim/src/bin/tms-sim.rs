@@ -1,0 +1,194 @@
+//! `tms-sim`: point processes at the simulator and inspect simulated nodes.
+
+use clap::{Parser, Subcommand};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use tms_sim::config::{self, state_dir, state_file_for};
+
+/// Names under which programs look for the vendor runtimes; each becomes a link to libtms_sim.so.
+const RUNTIME_NAMES: &[&str] =
+    &["libcudart.so.12", "libcudart.so.13", "libcudart.so", "libcuda.so.1", "libcuda.so", "libascendcl.so"];
+
+#[derive(Parser)]
+#[command(
+    name = "tms-sim",
+    version,
+    about = "Emulated CUDA + Ascend devices on host memory",
+    long_about = "Emulated CUDA + Ascend devices on host memory.\n\n\
+        Programs run on the simulator by finding libtms_sim.so under the names of the vendor \
+        runtimes (libcudart.so.12, libcuda.so.1, libascendcl.so). `tms-sim env` prints the \
+        environment that does this; `eval \"$(tms-sim env)\"` applies it to a shell.\n\n\
+        Environment read by the simulator:\n  \
+        TMS_SIM_NODE       node name; processes naming the same node share its devices (default: default)\n  \
+        TMS_SIM_DIR        folder for node state files (default: /dev/shm, else the temp dir)\n  \
+        TMS_SIM_DEVICES    devices per node, 1-16 (default 1)\n  \
+        TMS_SIM_MEMORY     capacity of each device, e.g. 16GiB (default 16GiB)\n  \
+        TMS_SIM_COPY_GBPS  host<->device copy limit per direction per device, GB/s (default: none)\n  \
+        TMS_SIM_PIN_GBPS   cost of allocating pinned host memory, GB/s (default: none)\n  \
+        TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2\n\n\
+        A node's devices and capacity are fixed by the first process that attaches while no live \
+        process uses it.\n\nExit codes: 0 success, 1 failure, 2 usage error."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print shell `export` lines that point processes at the simulator.
+    Env {
+        /// Simulated node name (sets TMS_SIM_NODE).
+        #[arg(long)]
+        node: Option<String>,
+        /// Devices on the node (sets TMS_SIM_DEVICES).
+        #[arg(long)]
+        devices: Option<u32>,
+        /// Capacity of each device, e.g. 16GiB (sets TMS_SIM_MEMORY).
+        #[arg(long)]
+        memory: Option<String>,
+        /// Folder holding libtms_sim.so (default: next to this binary, or ../lib).
+        #[arg(long)]
+        lib: Option<PathBuf>,
+    },
+    /// Print the folder of runtime-named links to libtms_sim.so (created if needed).
+    LibDir {
+        #[arg(long)]
+        lib: Option<PathBuf>,
+    },
+    /// Show a node's devices, usage and attached processes.
+    Status {
+        /// Node name (default: $TMS_SIM_NODE or "default").
+        #[arg(long)]
+        node: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("tms-sim: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Env { node, devices, memory, lib } => {
+            let dir = link_dir(lib.as_deref())?;
+            println!(
+                "export LD_LIBRARY_PATH={}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}",
+                shell_quote(&dir.display().to_string())
+            );
+            if let Some(n) = node {
+                println!("export TMS_SIM_NODE={}", shell_quote(&n));
+            }
+            if let Some(d) = devices {
+                if !(1..=config::MAX_DEVICES as u32).contains(&d) {
+                    return Err(format!("--devices must be 1 to {}", config::MAX_DEVICES));
+                }
+                println!("export TMS_SIM_DEVICES={d}");
+            }
+            if let Some(m) = memory {
+                config::parse_size(&m).ok_or_else(|| format!("--memory {m:?} is not a size like 16GiB"))?;
+                println!("export TMS_SIM_MEMORY={}", shell_quote(&m));
+            }
+            Ok(())
+        }
+        Command::LibDir { lib } => {
+            println!("{}", link_dir(lib.as_deref())?.display());
+            Ok(())
+        }
+        Command::Status { node, json } => {
+            let node = node.or_else(|| std::env::var("TMS_SIM_NODE").ok()).unwrap_or_else(|| "default".into());
+            let path = state_file_for(&state_dir(), &node);
+            let report = tms_sim::node::inspect(&path).map_err(|e| {
+                format!("node {node:?} ({}): {e}. A node exists once a process has used it.", path.display())
+            })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+                return Ok(());
+            }
+            println!("node {node} ({})", report.path);
+            println!("{:<8} {:>14} {:>14} {:>14}", "device", "used", "free", "capacity");
+            for (d, used) in report.used.iter().enumerate() {
+                println!(
+                    "{:<8} {:>14} {:>14} {:>14}",
+                    d,
+                    human(*used),
+                    human(report.capacity.saturating_sub(*used)),
+                    human(report.capacity)
+                );
+            }
+            println!("\n{:<10} {:<6} used per device", "pid", "alive");
+            for p in &report.processes {
+                let used: Vec<String> = p.used.iter().map(|u| human(*u)).collect();
+                println!("{:<10} {:<6} {}", p.pid, if p.alive { "yes" } else { "no" }, used.join(" "));
+            }
+            Ok(())
+        }
+    }
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: &[&str] = &["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{bytes} B") } else { format!("{v:.2} {}", UNITS[i]) }
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+=:".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+fn find_library(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    let mut candidates = Vec::new();
+    if let Some(dir) = explicit {
+        candidates.push(dir.join("libtms_sim.so"));
+    } else if let Ok(exe) = std::env::current_exe()
+        && let Some(dir) = exe.parent()
+    {
+        candidates.push(dir.join("libtms_sim.so"));
+        candidates.push(dir.join("../lib/libtms_sim.so"));
+        // `cargo run` places binaries of examples/tests one level down.
+        candidates.push(dir.join("../libtms_sim.so"));
+    }
+    candidates.iter().find(|p| p.is_file()).map(|p| p.canonicalize().unwrap_or_else(|_| p.clone())).ok_or_else(|| {
+        format!(
+            "libtms_sim.so not found (looked at {}); build it with `cargo build -p tms-sim` or pass --lib DIR",
+            candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        )
+    })
+}
+
+/// Creates (or refreshes) `<lib dir>/tms-sim-lib/` with every runtime name linking to the library.
+fn link_dir(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    let lib = find_library(explicit)?;
+    let dir = lib.parent().expect("a file has a parent").join("tms-sim-lib");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    for name in RUNTIME_NAMES {
+        let link = dir.join(name);
+        if std::fs::read_link(&link).ok().as_deref() == Some(lib.as_path()) {
+            continue;
+        }
+        let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&lib, &tmp).map_err(|e| format!("cannot link {}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, &link).map_err(|e| format!("cannot place {}: {e}", link.display()))?;
+    }
+    Ok(dir)
+}

@@ -1,0 +1,146 @@
+//! Every tunable of the simulator, read once from the environment.
+
+use std::path::PathBuf;
+
+/// Most devices one simulated node can have (fixed so the shared state file has a fixed layout).
+pub const MAX_DEVICES: usize = 16;
+/// Granularity of physical allocations and reservations: what current GPUs and the 910B's huge
+/// pages report.
+pub const GRANULARITY: usize = 2 << 20;
+
+pub const DEFAULT_DEVICES: u32 = 1;
+pub const DEFAULT_MEMORY: u64 = 16 << 30;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Name of the simulated node: processes naming the same node share its devices.
+    pub node: String,
+    /// Folder that holds node state files.
+    pub dir: PathBuf,
+    pub devices: u32,
+    /// Capacity of each device in bytes.
+    pub memory: u64,
+    /// Host<->device copy bandwidth limit per direction per device, bytes per second (0 = none).
+    pub copy_bytes_per_sec: f64,
+    /// Cost of allocating pinned host memory, bytes per second (0 = free).
+    pub pin_bytes_per_sec: f64,
+    /// Fault-injection rules, see `fault.rs`.
+    pub fail: String,
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        let node = env_str("TMS_SIM_NODE").unwrap_or_else(|| "default".to_string());
+        let devices = match env_str("TMS_SIM_DEVICES") {
+            Some(v) => match v.parse::<u32>() {
+                Ok(n) if (1..=MAX_DEVICES as u32).contains(&n) => n,
+                _ => {
+                    warn(&format!(
+                        "TMS_SIM_DEVICES={v:?} is not a number from 1 to {MAX_DEVICES}; using {DEFAULT_DEVICES}"
+                    ));
+                    DEFAULT_DEVICES
+                }
+            },
+            None => DEFAULT_DEVICES,
+        };
+        let memory = match env_str("TMS_SIM_MEMORY") {
+            Some(v) => match parse_size(&v) {
+                Some(n) if n >= GRANULARITY as u64 => n,
+                _ => {
+                    warn(&format!("TMS_SIM_MEMORY={v:?} is not a size of at least 2MiB (e.g. 16GiB); using 16GiB"));
+                    DEFAULT_MEMORY
+                }
+            },
+            None => DEFAULT_MEMORY,
+        };
+        Config {
+            node,
+            dir: state_dir(),
+            devices,
+            memory,
+            copy_bytes_per_sec: gbps("TMS_SIM_COPY_GBPS"),
+            pin_bytes_per_sec: gbps("TMS_SIM_PIN_GBPS"),
+            fail: env_str("TMS_SIM_FAIL").unwrap_or_default(),
+        }
+    }
+
+    pub fn state_file(&self) -> PathBuf {
+        state_file_for(&self.dir, &self.node)
+    }
+}
+
+/// Where node state files live: `$TMS_SIM_DIR`, else `/dev/shm`, else the temp dir.
+pub fn state_dir() -> PathBuf {
+    if let Some(d) = env_str("TMS_SIM_DIR") {
+        return PathBuf::from(d);
+    }
+    let shm = PathBuf::from("/dev/shm");
+    if shm.is_dir() { shm } else { std::env::temp_dir() }
+}
+
+pub fn state_file_for(dir: &std::path::Path, node: &str) -> PathBuf {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let safe: String = node
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' })
+        .collect();
+    dir.join(format!("tms-sim-{uid}-{safe}"))
+}
+
+fn env_str(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn gbps(name: &str) -> f64 {
+    match env_str(name) {
+        None => 0.0,
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(g) if g >= 0.0 && g.is_finite() => g * 1e9,
+            _ => {
+                warn(&format!("{name}={v:?} is not a number of GB/s; no limit applied"));
+                0.0
+            }
+        },
+    }
+}
+
+/// Parses `16GiB`, `512MiB`, `1.5GB`, `4096`, `2M` (binary units for K/M/G/T with or without `i`).
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().ok()?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => return None,
+    };
+    let bytes = value * mult;
+    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+}
+
+/// One line on stderr; the simulator has no logger of its own so that it pulls nothing into the
+/// processes that load it.
+pub fn warn(msg: &str) {
+    eprintln!("tms-sim: {msg}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("2MiB"), Some(2 << 20));
+        assert_eq!(parse_size("16GiB"), Some(16 << 30));
+        assert_eq!(parse_size("1.5g"), Some(3 << 29));
+        assert_eq!(parse_size("12 GB"), Some(12 << 30));
+        assert_eq!(parse_size("lots"), None);
+        assert_eq!(parse_size("3PB"), None);
+    }
+}

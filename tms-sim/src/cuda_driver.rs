@@ -1,0 +1,512 @@
+//! The CUDA driver ABI (`libcuda.so.1`), including the virtual-memory management calls.
+
+use crate::config::GRANULARITY;
+use crate::fault;
+use crate::memory::MemError;
+use crate::sim::{CUDA_CTX, CUDA_CTX_TOKENS, CopyKind, DRIVER_INIT, ctx_device, ctx_handle, guard, sim};
+use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::sync::atomic::Ordering;
+
+pub const SUCCESS: i32 = 0;
+pub const INVALID_VALUE: i32 = 1;
+pub const OUT_OF_MEMORY: i32 = 2;
+pub const NOT_INITIALIZED: i32 = 3;
+pub const INVALID_DEVICE: i32 = 101;
+pub const INVALID_CONTEXT: i32 = 201;
+pub const INVALID_HANDLE: i32 = 400;
+pub const ILLEGAL_ADDRESS: i32 = 700;
+pub const UNKNOWN: i32 = 999;
+
+pub const ALLOCATION_TYPE_PINNED: c_int = 1;
+pub const LOCATION_TYPE_DEVICE: c_int = 1;
+pub const ACCESS_FLAGS_PROT_NONE: c_int = 0;
+pub const ACCESS_FLAGS_PROT_READ: c_int = 1;
+pub const ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CuMemLocation {
+    pub kind: c_int,
+    pub id: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CuMemAllocFlags {
+    pub compression_type: u8,
+    pub gpu_direct_rdma_capable: u8,
+    pub usage: u16,
+    pub reserved: [u8; 4],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CuMemAllocationProp {
+    pub kind: c_int,
+    pub requested_handle_types: c_int,
+    pub location: CuMemLocation,
+    pub win32_handle_meta_data: *mut c_void,
+    pub alloc_flags: CuMemAllocFlags,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CuMemAccessDesc {
+    pub location: CuMemLocation,
+    pub flags: c_int,
+}
+
+const _: () = assert!(std::mem::size_of::<CuMemLocation>() == 8);
+const _: () = assert!(std::mem::size_of::<CuMemAllocationProp>() == 32);
+const _: () = assert!(std::mem::size_of::<CuMemAccessDesc>() == 12);
+
+pub fn code_of(e: MemError) -> i32 {
+    match e {
+        MemError::Invalid => INVALID_VALUE,
+        MemError::OutOfMemory | MemError::Host => OUT_OF_MEMORY,
+        MemError::IllegalAddress => ILLEGAL_ADDRESS,
+    }
+}
+
+fn result(r: Result<(), MemError>) -> i32 {
+    r.map_or_else(code_of, |()| SUCCESS)
+}
+
+/// Runs a driver call: not before cuInit; panics become CUDA_ERROR_UNKNOWN; faults injected.
+fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
+    guard(UNKNOWN, || {
+        if !DRIVER_INIT.load(Ordering::Acquire) {
+            return NOT_INITIALIZED;
+        }
+        fault::check(name, OUT_OF_MEMORY).unwrap_or_else(body)
+    })
+}
+
+/// The device of the calling thread's current context, for calls that need one.
+fn current() -> Result<usize, i32> {
+    match CUDA_CTX.with(|c| c.get()) {
+        0 => Err(INVALID_CONTEXT),
+        n => Ok(n - 1),
+    }
+}
+
+/// Writes `value` through `out` if it is non-null.
+fn put<T>(out: *mut T, value: T) -> i32 {
+    if out.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: checked non-null; the caller provides a writable location.
+    unsafe { out.write(value) };
+    SUCCESS
+}
+
+pub unsafe extern "C" fn cu_init(flags: c_uint) -> i32 {
+    guard(UNKNOWN, || {
+        if flags != 0 {
+            return INVALID_VALUE;
+        }
+        fault::check("cuInit", NOT_INITIALIZED).unwrap_or_else(|| {
+            sim();
+            DRIVER_INIT.store(true, Ordering::Release);
+            SUCCESS
+        })
+    })
+}
+
+pub unsafe extern "C" fn cu_driver_get_version(v: *mut c_int) -> i32 {
+    put(v, 12040)
+}
+
+pub unsafe extern "C" fn cu_device_get(dev: *mut c_int, ordinal: c_int) -> i32 {
+    call("cuDeviceGet", || match sim().valid_device(ordinal as i64) {
+        Some(d) => put(dev, d as c_int),
+        None => INVALID_DEVICE,
+    })
+}
+
+pub unsafe extern "C" fn cu_device_get_count(count: *mut c_int) -> i32 {
+    call("cuDeviceGetCount", || put(count, sim().devices() as c_int))
+}
+
+pub unsafe extern "C" fn cu_device_get_attribute(value: *mut c_int, attr: c_int, dev: c_int) -> i32 {
+    call("cuDeviceGetAttribute", || {
+        if sim().valid_device(dev as i64).is_none() {
+            return INVALID_DEVICE;
+        }
+        let v = match attr {
+            16 => 132, // multiprocessor count, as an H100 SXM
+            75 => 9,   // compute capability major
+            76 => 0,   // compute capability minor
+            102 => 1,  // virtual address management supported
+            110 => 1,  // GPUDirect RDMA with VMM supported
+            1..=140 => 0,
+            _ => return INVALID_VALUE,
+        };
+        put(value, v)
+    })
+}
+
+pub unsafe extern "C" fn cu_device_get_name(name: *mut c_char, len: c_int, dev: c_int) -> i32 {
+    call("cuDeviceGetName", || {
+        if name.is_null() || len <= 0 {
+            return INVALID_VALUE;
+        }
+        if sim().valid_device(dev as i64).is_none() {
+            return INVALID_DEVICE;
+        }
+        let text = format!("tms-sim device {dev}");
+        let n = text.len().min(len as usize - 1);
+        // SAFETY: writes at most len bytes into the caller's buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), name.cast(), n);
+            *name.add(n) = 0;
+        }
+        SUCCESS
+    })
+}
+
+pub unsafe extern "C" fn cu_device_total_mem(bytes: *mut usize, dev: c_int) -> i32 {
+    call("cuDeviceTotalMem_v2", || match sim().valid_device(dev as i64) {
+        Some(_) => put(bytes, sim().node.capacity() as usize),
+        None => INVALID_DEVICE,
+    })
+}
+
+pub unsafe extern "C" fn cu_device_primary_ctx_retain(ctx: *mut *mut c_void, dev: c_int) -> i32 {
+    call("cuDevicePrimaryCtxRetain", || match sim().valid_device(dev as i64) {
+        Some(d) => put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d)),
+        None => INVALID_DEVICE,
+    })
+}
+
+pub unsafe extern "C" fn cu_device_primary_ctx_release(dev: c_int) -> i32 {
+    call("cuDevicePrimaryCtxRelease", || match sim().valid_device(dev as i64) {
+        Some(_) => SUCCESS,
+        None => INVALID_DEVICE,
+    })
+}
+
+pub unsafe extern "C" fn cu_ctx_get_current(ctx: *mut *mut c_void) -> i32 {
+    call("cuCtxGetCurrent", || {
+        let value = match CUDA_CTX.with(|c| c.get()) {
+            0 => std::ptr::null_mut(),
+            n => ctx_handle(&CUDA_CTX_TOKENS, n - 1),
+        };
+        put(ctx, value)
+    })
+}
+
+pub unsafe extern "C" fn cu_ctx_set_current(ctx: *mut c_void) -> i32 {
+    call("cuCtxSetCurrent", || {
+        if ctx.is_null() {
+            CUDA_CTX.with(|c| c.set(0));
+            return SUCCESS;
+        }
+        match ctx_device(&CUDA_CTX_TOKENS, ctx) {
+            Some(d) if d < sim().devices() => {
+                CUDA_CTX.with(|c| c.set(d + 1));
+                SUCCESS
+            }
+            _ => INVALID_CONTEXT,
+        }
+    })
+}
+
+pub unsafe extern "C" fn cu_ctx_get_device(dev: *mut c_int) -> i32 {
+    call("cuCtxGetDevice", || match current() {
+        Ok(d) => put(dev, d as c_int),
+        Err(e) => e,
+    })
+}
+
+pub unsafe extern "C" fn cu_ctx_synchronize() -> i32 {
+    call("cuCtxSynchronize", || match current() {
+        Ok(d) => sim().synchronize(Some(d)),
+        Err(e) => e,
+    })
+}
+
+const ERRORS: &[(i32, &std::ffi::CStr, &std::ffi::CStr)] = &[
+    (0, c"CUDA_SUCCESS", c"no error"),
+    (1, c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
+    (2, c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
+    (3, c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
+    (4, c"CUDA_ERROR_DEINITIALIZED", c"driver shutting down"),
+    (101, c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
+    (201, c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
+    (400, c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
+    (700, c"CUDA_ERROR_ILLEGAL_ADDRESS", c"an illegal memory access was encountered"),
+    (800, c"CUDA_ERROR_NOT_PERMITTED", c"operation not permitted"),
+    (801, c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+    (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
+];
+
+pub unsafe extern "C" fn cu_get_error_string(code: c_int, out: *mut *const c_char) -> i32 {
+    match ERRORS.iter().find(|e| e.0 == code) {
+        Some(e) => put(out, e.2.as_ptr()),
+        None => {
+            put(out, std::ptr::null());
+            INVALID_VALUE
+        }
+    }
+}
+
+pub unsafe extern "C" fn cu_get_error_name(code: c_int, out: *mut *const c_char) -> i32 {
+    match ERRORS.iter().find(|e| e.0 == code) {
+        Some(e) => put(out, e.1.as_ptr()),
+        None => {
+            put(out, std::ptr::null());
+            INVALID_VALUE
+        }
+    }
+}
+
+pub unsafe extern "C" fn cu_mem_get_info(free: *mut usize, total: *mut usize) -> i32 {
+    call("cuMemGetInfo_v2", || {
+        let dev = match current() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        if free.is_null() || total.is_null() {
+            return INVALID_VALUE;
+        }
+        let (f, t) = sim().mem_info(dev);
+        put(free, f as usize);
+        put(total, t as usize)
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_alloc(ptr: *mut c_ulonglong, size: usize) -> i32 {
+    call("cuMemAlloc_v2", || {
+        let dev = match current() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        if ptr.is_null() || size == 0 {
+            return INVALID_VALUE;
+        }
+        match sim().plain_alloc(dev, size) {
+            Ok(p) => put(ptr, p as c_ulonglong),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_free(ptr: c_ulonglong) -> i32 {
+    call("cuMemFree_v2", || match current() {
+        Ok(_) => result(sim().plain_free(ptr as usize)),
+        Err(e) => e,
+    })
+}
+
+fn copy(name: &str, dst: usize, src: usize, n: usize, kind: CopyKind, stream: usize) -> i32 {
+    call(name, || match current() {
+        Ok(_) => sim().copy(dst, src, n, kind, stream, code_of).err().unwrap_or(SUCCESS),
+        Err(e) => e,
+    })
+}
+
+pub unsafe extern "C" fn cu_memcpy_dtoh(dst: *mut c_void, src: c_ulonglong, n: usize) -> i32 {
+    copy("cuMemcpyDtoH_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, 0)
+}
+
+pub unsafe extern "C" fn cu_memcpy_htod(dst: c_ulonglong, src: *const c_void, n: usize) -> i32 {
+    copy("cuMemcpyHtoD_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, 0)
+}
+
+pub unsafe extern "C" fn cu_memcpy_dtoh_async(
+    dst: *mut c_void,
+    src: c_ulonglong,
+    n: usize,
+    stream: *mut c_void,
+) -> i32 {
+    copy("cuMemcpyDtoHAsync_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, stream as usize)
+}
+
+pub unsafe extern "C" fn cu_memcpy_htod_async(
+    dst: c_ulonglong,
+    src: *const c_void,
+    n: usize,
+    stream: *mut c_void,
+) -> i32 {
+    copy("cuMemcpyHtoDAsync_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, stream as usize)
+}
+
+pub unsafe extern "C" fn cu_memset_d8(dst: c_ulonglong, value: u8, n: usize) -> i32 {
+    call("cuMemsetD8_v2", || match current() {
+        Ok(_) => result(sim().memset(dst as usize, value, n)),
+        Err(e) => e,
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_host_alloc(ptr: *mut *mut c_void, size: usize, _flags: c_uint) -> i32 {
+    call("cuMemHostAlloc", || {
+        if ptr.is_null() || size == 0 {
+            return INVALID_VALUE;
+        }
+        match sim().host_alloc(size) {
+            Ok(p) => put(ptr, p as *mut c_void),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_alloc_host(ptr: *mut *mut c_void, size: usize) -> i32 {
+    // SAFETY: same contract as cuMemHostAlloc.
+    unsafe { cu_mem_host_alloc(ptr, size, 0) }
+}
+
+pub unsafe extern "C" fn cu_mem_free_host(ptr: *mut c_void) -> i32 {
+    call("cuMemFreeHost", || result(sim().host_free(ptr as usize)))
+}
+
+pub unsafe extern "C" fn cu_stream_create(stream: *mut *mut c_void, _flags: c_uint) -> i32 {
+    call("cuStreamCreate", || {
+        let dev = match current() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        match sim().streams.create(dev) {
+            Some(h) => put(stream, h as *mut c_void),
+            None => OUT_OF_MEMORY,
+        }
+    })
+}
+
+pub unsafe extern "C" fn cu_stream_synchronize(stream: *mut c_void) -> i32 {
+    call("cuStreamSynchronize", || sim().streams.synchronize(stream as usize).unwrap_or(INVALID_HANDLE))
+}
+
+pub unsafe extern "C" fn cu_stream_destroy(stream: *mut c_void) -> i32 {
+    call("cuStreamDestroy_v2", || if sim().streams.destroy(stream as usize) { SUCCESS } else { INVALID_HANDLE })
+}
+
+// ---- virtual memory management -------------------------------------------------------------
+
+/// Validates an allocation property; returns its device.
+fn prop_device(prop: *const CuMemAllocationProp) -> Result<usize, i32> {
+    if prop.is_null() {
+        return Err(INVALID_VALUE);
+    }
+    // SAFETY: checked non-null; the caller passes a CUmemAllocationProp.
+    let p = unsafe { *prop };
+    if p.kind != ALLOCATION_TYPE_PINNED || p.location.kind != LOCATION_TYPE_DEVICE {
+        return Err(INVALID_VALUE);
+    }
+    sim().valid_device(p.location.id as i64).ok_or(INVALID_DEVICE)
+}
+
+pub unsafe extern "C" fn cu_mem_get_allocation_granularity(
+    g: *mut usize,
+    prop: *const CuMemAllocationProp,
+    option: c_int,
+) -> i32 {
+    call("cuMemGetAllocationGranularity", || {
+        if let Err(e) = prop_device(prop) {
+            return e;
+        }
+        if !(0..=1).contains(&option) {
+            return INVALID_VALUE;
+        }
+        put(g, GRANULARITY)
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_address_reserve(
+    ptr: *mut c_ulonglong,
+    size: usize,
+    alignment: usize,
+    addr: c_ulonglong,
+    flags: c_ulonglong,
+) -> i32 {
+    call("cuMemAddressReserve", || {
+        if ptr.is_null() || flags != 0 {
+            return INVALID_VALUE;
+        }
+        match sim().reserve(size, alignment, addr as usize) {
+            Ok(p) => put(ptr, p as c_ulonglong),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_address_free(ptr: c_ulonglong, size: usize) -> i32 {
+    call("cuMemAddressFree", || result(sim().free_reservation(ptr as usize, Some(size))))
+}
+
+pub unsafe extern "C" fn cu_mem_create(
+    handle: *mut c_ulonglong,
+    size: usize,
+    prop: *const CuMemAllocationProp,
+    flags: c_ulonglong,
+) -> i32 {
+    call("cuMemCreate", || {
+        if handle.is_null() || flags != 0 {
+            return INVALID_VALUE;
+        }
+        let dev = match prop_device(prop) {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        match sim().create(dev, size) {
+            Ok(h) => put(handle, h),
+            Err(e) => code_of(e),
+        }
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_release(handle: c_ulonglong) -> i32 {
+    call("cuMemRelease", || result(sim().release(handle, false)))
+}
+
+pub unsafe extern "C" fn cu_mem_map(
+    ptr: c_ulonglong,
+    size: usize,
+    offset: usize,
+    handle: c_ulonglong,
+    flags: c_ulonglong,
+) -> i32 {
+    call("cuMemMap", || {
+        if flags != 0 {
+            return INVALID_VALUE;
+        }
+        result(sim().map(ptr as usize, size, offset, handle, false))
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_unmap(ptr: c_ulonglong, size: usize) -> i32 {
+    call("cuMemUnmap", || {
+        if size == 0 {
+            return INVALID_VALUE;
+        }
+        result(sim().unmap(ptr as usize, Some(size)))
+    })
+}
+
+pub unsafe extern "C" fn cu_mem_set_access(
+    ptr: c_ulonglong,
+    size: usize,
+    desc: *const CuMemAccessDesc,
+    count: usize,
+) -> i32 {
+    call("cuMemSetAccess", || {
+        if desc.is_null() || count == 0 {
+            return INVALID_VALUE;
+        }
+        // SAFETY: the caller passes `count` descriptors.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        let mut prot = libc::PROT_NONE;
+        for d in descs {
+            if d.location.kind != LOCATION_TYPE_DEVICE || sim().valid_device(d.location.id as i64).is_none() {
+                return INVALID_DEVICE;
+            }
+            prot |= match d.flags {
+                ACCESS_FLAGS_PROT_NONE => libc::PROT_NONE,
+                ACCESS_FLAGS_PROT_READ => libc::PROT_READ,
+                ACCESS_FLAGS_PROT_READWRITE => libc::PROT_READ | libc::PROT_WRITE,
+                _ => return INVALID_VALUE,
+            };
+        }
+        result(sim().set_access(ptr as usize, size, prot))
+    })
+}

@@ -1,0 +1,238 @@
+//! tms-sim: an emulated CUDA runtime, CUDA driver and Ascend runtime on host memory.
+//!
+//! Built as `libtms_sim.so` and reached under the names real programs load (`libcudart.so.12`,
+//! `libcuda.so.1`, `libascendcl.so`, see `tms-sim env`). Device usage is shared by every process
+//! that names the same node (`TMS_SIM_NODE`), so colocated processes see each other in
+//! `cudaMemGetInfo` and run out of memory together. See the README for the environment.
+
+pub mod acl;
+pub mod config;
+pub mod cuda_driver;
+pub mod cuda_runtime;
+pub mod fault;
+pub mod memory;
+pub mod node;
+pub mod sim;
+pub mod streams;
+pub mod timing;
+
+/// Exports `$imp` under the C name `$name` as a one-instruction trampoline. It is defined in
+/// assembly rather than as a `no_mangle` item so that our version script (cudart.map) decides its
+/// version node: rustc's own version script lists every `no_mangle` export exactly, and an exact
+/// match there would win. (A `.set` alias would be cheaper but is dropped when the target lands in
+/// another codegen unit.)
+macro_rules! export {
+    ($($name:ident => $imp:path;)*) => {$(
+        #[cfg(target_arch = "x86_64")]
+        std::arch::global_asm!(
+            ".pushsection .text",
+            concat!(".globl ", stringify!($name)),
+            concat!(".type ", stringify!($name), ", @function"),
+            ".p2align 4",
+            concat!(stringify!($name), ":"),
+            "jmp {f}",
+            concat!(".size ", stringify!($name), ", . - ", stringify!($name)),
+            ".popsection",
+            f = sym $imp,
+        );
+        #[cfg(target_arch = "aarch64")]
+        std::arch::global_asm!(
+            ".pushsection .text",
+            concat!(".globl ", stringify!($name)),
+            concat!(".type ", stringify!($name), ", %function"),
+            ".p2align 4",
+            concat!(stringify!($name), ":"),
+            "b {f}",
+            concat!(".size ", stringify!($name), ", . - ", stringify!($name)),
+            ".popsection",
+            f = sym $imp,
+        );
+    )*};
+}
+
+export! {
+    // CUDA runtime
+    cudaMalloc => cuda_runtime::cuda_malloc;
+    cudaFree => cuda_runtime::cuda_free;
+    cudaMallocAsync => cuda_runtime::cuda_malloc_async;
+    cudaFreeAsync => cuda_runtime::cuda_free_async;
+    cudaMallocHost => cuda_runtime::cuda_malloc_host;
+    cudaHostAlloc => cuda_runtime::cuda_host_alloc;
+    cudaFreeHost => cuda_runtime::cuda_free_host;
+    cudaMemcpy => cuda_runtime::cuda_memcpy;
+    cudaMemcpyAsync => cuda_runtime::cuda_memcpy_async;
+    cudaMemset => cuda_runtime::cuda_memset;
+    cudaMemsetAsync => cuda_runtime::cuda_memset_async;
+    cudaMemGetInfo => cuda_runtime::cuda_mem_get_info;
+    cudaGetDevice => cuda_runtime::cuda_get_device;
+    cudaSetDevice => cuda_runtime::cuda_set_device;
+    cudaGetDeviceCount => cuda_runtime::cuda_get_device_count;
+    cudaDeviceSynchronize => cuda_runtime::cuda_device_synchronize;
+    cudaDeviceReset => cuda_runtime::cuda_device_reset;
+    cudaStreamCreate => cuda_runtime::cuda_stream_create;
+    cudaStreamCreateWithFlags => cuda_runtime::cuda_stream_create_with_flags;
+    cudaStreamSynchronize => cuda_runtime::cuda_stream_synchronize;
+    cudaStreamDestroy => cuda_runtime::cuda_stream_destroy;
+    cudaGetLastError => cuda_runtime::cuda_get_last_error;
+    cudaPeekAtLastError => cuda_runtime::cuda_peek_at_last_error;
+    cudaGetErrorString => cuda_runtime::cuda_get_error_string;
+    cudaGetErrorName => cuda_runtime::cuda_get_error_name;
+    cudaRuntimeGetVersion => cuda_runtime::cuda_runtime_get_version;
+    cudaDriverGetVersion => cuda_runtime::cuda_driver_get_version;
+    // CUDA driver
+    cuInit => cuda_driver::cu_init;
+    cuDriverGetVersion => cuda_driver::cu_driver_get_version;
+    cuDeviceGet => cuda_driver::cu_device_get;
+    cuDeviceGetCount => cuda_driver::cu_device_get_count;
+    cuDeviceGetAttribute => cuda_driver::cu_device_get_attribute;
+    cuDeviceGetName => cuda_driver::cu_device_get_name;
+    cuDeviceTotalMem_v2 => cuda_driver::cu_device_total_mem;
+    cuDevicePrimaryCtxRetain => cuda_driver::cu_device_primary_ctx_retain;
+    cuDevicePrimaryCtxRelease => cuda_driver::cu_device_primary_ctx_release;
+    cuDevicePrimaryCtxRelease_v2 => cuda_driver::cu_device_primary_ctx_release;
+    cuCtxGetCurrent => cuda_driver::cu_ctx_get_current;
+    cuCtxSetCurrent => cuda_driver::cu_ctx_set_current;
+    cuCtxGetDevice => cuda_driver::cu_ctx_get_device;
+    cuCtxSynchronize => cuda_driver::cu_ctx_synchronize;
+    cuGetErrorString => cuda_driver::cu_get_error_string;
+    cuGetErrorName => cuda_driver::cu_get_error_name;
+    cuMemGetInfo_v2 => cuda_driver::cu_mem_get_info;
+    cuMemAlloc_v2 => cuda_driver::cu_mem_alloc;
+    cuMemFree_v2 => cuda_driver::cu_mem_free;
+    cuMemcpyDtoH_v2 => cuda_driver::cu_memcpy_dtoh;
+    cuMemcpyHtoD_v2 => cuda_driver::cu_memcpy_htod;
+    cuMemcpyDtoHAsync_v2 => cuda_driver::cu_memcpy_dtoh_async;
+    cuMemcpyHtoDAsync_v2 => cuda_driver::cu_memcpy_htod_async;
+    cuMemsetD8_v2 => cuda_driver::cu_memset_d8;
+    cuMemHostAlloc => cuda_driver::cu_mem_host_alloc;
+    cuMemAllocHost_v2 => cuda_driver::cu_mem_alloc_host;
+    cuMemFreeHost => cuda_driver::cu_mem_free_host;
+    cuStreamCreate => cuda_driver::cu_stream_create;
+    cuStreamSynchronize => cuda_driver::cu_stream_synchronize;
+    cuStreamDestroy_v2 => cuda_driver::cu_stream_destroy;
+    cuMemGetAllocationGranularity => cuda_driver::cu_mem_get_allocation_granularity;
+    cuMemAddressReserve => cuda_driver::cu_mem_address_reserve;
+    cuMemAddressFree => cuda_driver::cu_mem_address_free;
+    cuMemCreate => cuda_driver::cu_mem_create;
+    cuMemRelease => cuda_driver::cu_mem_release;
+    cuMemMap => cuda_driver::cu_mem_map;
+    cuMemUnmap => cuda_driver::cu_mem_unmap;
+    cuMemSetAccess => cuda_driver::cu_mem_set_access;
+    // Ascend ACL
+    aclInit => acl::acl_init;
+    aclFinalize => acl::acl_finalize;
+    aclGetRecentErrMsg => acl::acl_get_recent_err_msg;
+    aclrtSetDevice => acl::aclrt_set_device;
+    aclrtGetDevice => acl::aclrt_get_device;
+    aclrtResetDevice => acl::aclrt_reset_device;
+    aclrtGetDeviceCount => acl::aclrt_get_device_count;
+    aclrtCreateContext => acl::aclrt_create_context;
+    aclrtDestroyContext => acl::aclrt_destroy_context;
+    aclrtGetCurrentContext => acl::aclrt_get_current_context;
+    aclrtSetCurrentContext => acl::aclrt_set_current_context;
+    aclrtSynchronizeDevice => acl::aclrt_synchronize_device;
+    aclrtSynchronizeDeviceWithTimeout => acl::aclrt_synchronize_device_with_timeout;
+    aclrtCreateStream => acl::aclrt_create_stream;
+    aclrtSynchronizeStream => acl::aclrt_synchronize_stream;
+    aclrtDestroyStream => acl::aclrt_destroy_stream;
+    aclrtMalloc => acl::aclrt_malloc;
+    aclrtMallocAlign32 => acl::aclrt_malloc_align32;
+    aclrtFree => acl::aclrt_free;
+    aclrtMallocHost => acl::aclrt_malloc_host;
+    aclrtFreeHost => acl::aclrt_free_host;
+    aclrtMemcpy => acl::aclrt_memcpy;
+    aclrtMemcpyAsync => acl::aclrt_memcpy_async;
+    aclrtMemset => acl::aclrt_memset;
+    aclrtGetMemInfo => acl::aclrt_get_mem_info;
+    aclrtMemGetAllocationGranularity => acl::aclrt_mem_get_allocation_granularity;
+    aclrtReserveMemAddress => acl::aclrt_reserve_mem_address;
+    aclrtReleaseMemAddress => acl::aclrt_release_mem_address;
+    aclrtMallocPhysical => acl::aclrt_malloc_physical;
+    aclrtFreePhysical => acl::aclrt_free_physical;
+    aclrtMapMem => acl::aclrt_map_mem;
+    aclrtUnmapMem => acl::aclrt_unmap_mem;
+    aclrtMemSetAccess => acl::aclrt_mem_set_access;
+}
+
+pub mod introspect {
+    //! What tests read back: device usage, host memory really held, live objects.
+
+    use crate::config::MAX_DEVICES;
+    use crate::sim::{guard, sim};
+    use std::sync::atomic::Ordering;
+
+    /// Mirrors `struct tms_sim_stats` in include/tms_sim.h.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub struct SimStats {
+        pub device_count: u32,
+        pub _pad: u32,
+        pub capacity: u64,
+        /// Bytes used on each device by all processes of the node.
+        pub device_used: [u64; MAX_DEVICES],
+        /// Bytes used on each device by this process.
+        pub process_used: [u64; MAX_DEVICES],
+        /// Host bytes physically held by this process's simulated device memory.
+        pub host_resident_bytes: u64,
+        pub live_handles: u64,
+        pub live_mappings: u64,
+        pub reservations: u64,
+        pub plain_allocations: u64,
+        pub pinned_host_bytes: u64,
+    }
+
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn tms_sim_stats(out: *mut SimStats) -> i32 {
+        guard(1, || {
+            if out.is_null() {
+                return 1;
+            }
+            let s = sim();
+            let counts = s.mem.read().unwrap_or_else(|e| e.into_inner()).counts();
+            let mut st = SimStats {
+                device_count: s.devices() as u32,
+                _pad: 0,
+                capacity: s.node.capacity(),
+                device_used: [0; MAX_DEVICES],
+                process_used: [0; MAX_DEVICES],
+                host_resident_bytes: counts.resident,
+                live_handles: counts.handles,
+                live_mappings: counts.mappings,
+                reservations: counts.reservations,
+                plain_allocations: counts.plain,
+                pinned_host_bytes: s.pinned_bytes.load(Ordering::Relaxed),
+            };
+            for d in 0..s.devices() {
+                st.device_used[d] = s.node.used(d);
+                st.process_used[d] = s.node.process_used(d);
+            }
+            // SAFETY: checked non-null.
+            unsafe { out.write(st) };
+            0
+        })
+    }
+
+    /// Replaces the fault-injection rules (same syntax as TMS_SIM_FAIL; "" clears them) and
+    /// restarts call counting. Returns 0, or 1 for a malformed spec (rules left unchanged).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn tms_sim_set_faults(spec: *const libc::c_char) -> i32 {
+        guard(1, || {
+            let text = if spec.is_null() {
+                String::new()
+            } else {
+                // SAFETY: the caller passes a NUL-terminated string.
+                unsafe { std::ffi::CStr::from_ptr(spec) }.to_string_lossy().into_owned()
+            };
+            match crate::fault::parse(&text) {
+                Ok(rules) => {
+                    crate::fault::install(rules);
+                    0
+                }
+                Err(e) => {
+                    crate::config::warn(&e);
+                    1
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,476 @@
+//! Device memory emulated on host memory, with the virtual-memory semantics the hook rests on.
+//!
+//! - Physical memory is a range of one pooled memfd per process (one file descriptor however many
+//!   handles are alive); releasing it punches a hole, so the host really gets the pages back.
+//! - A reservation is a `PROT_NONE` anonymous mapping; mapping a handle replaces part of it with a
+//!   `MAP_SHARED|MAP_FIXED` view of the memfd range, and unmapping puts `PROT_NONE` back, so the
+//!   address range stays reserved and can be mapped again at the same address.
+//! - Access is granted separately (`set_access` = `mprotect`), as on a GPU: touching mapped memory
+//!   without access faults.
+//! - Plain allocations (`cudaMalloc`, `aclrtMalloc`) are memfd ranges mapped anywhere.
+
+use crate::config::GRANULARITY;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+pub const PAGE: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemError {
+    /// Bad argument: unknown pointer or handle, wrong size, overlapping or partial ranges.
+    Invalid,
+    /// The device is full.
+    OutOfMemory,
+    /// The address lies in a reservation but is not mapped with access (a device fault).
+    IllegalAddress,
+    /// A host resource ran out (mmap failed).
+    Host,
+}
+
+pub type MemResult<T> = Result<T, MemError>;
+
+struct Pool {
+    fd: libc::c_int,
+    file_len: u64,
+    bump: u64,
+    /// Free ranges by offset (for coalescing) and by (length, offset) (for best fit).
+    by_offset: BTreeMap<u64, u64>,
+    by_size: BTreeSet<(u64, u64)>,
+}
+
+impl Pool {
+    fn new() -> MemResult<Pool> {
+        // SAFETY: memfd_create with a static NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(c"tms-sim-device".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(MemError::Host);
+        }
+        Ok(Pool { fd, file_len: 0, bump: 0, by_offset: BTreeMap::new(), by_size: BTreeSet::new() })
+    }
+
+    fn alloc(&mut self, len: u64) -> MemResult<u64> {
+        if let Some(&(flen, off)) = self.by_size.range((len, 0)..).next() {
+            self.by_size.remove(&(flen, off));
+            self.by_offset.remove(&off);
+            if flen > len {
+                self.insert_free(off + len, flen - len);
+            }
+            return Ok(off);
+        }
+        let off = self.bump;
+        let end = off.checked_add(len).ok_or(MemError::Host)?;
+        if end > self.file_len {
+            // Grow in large steps: the file is sparse, so length costs nothing until touched.
+            let new_len = end.max(self.file_len.saturating_mul(2)).max(1 << 30);
+            // SAFETY: ftruncate on our own memfd.
+            if unsafe { libc::ftruncate(self.fd, new_len as libc::off_t) } != 0 {
+                return Err(MemError::Host);
+            }
+            self.file_len = new_len;
+        }
+        self.bump = end;
+        Ok(off)
+    }
+
+    fn free(&mut self, off: u64, len: u64) {
+        // SAFETY: punching a hole in our own memfd; this is what returns the pages to the host.
+        unsafe {
+            libc::fallocate(
+                self.fd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off as libc::off_t,
+                len as libc::off_t,
+            );
+        }
+        let (mut off, mut len) = (off, len);
+        if let Some((&poff, &plen)) = self.by_offset.range(..off).next_back()
+            && poff + plen == off
+        {
+            self.by_offset.remove(&poff);
+            self.by_size.remove(&(plen, poff));
+            off = poff;
+            len += plen;
+        }
+        if let Some(&nlen) = self.by_offset.get(&(off + len)) {
+            self.by_offset.remove(&(off + len));
+            self.by_size.remove(&(nlen, off + len));
+            len += nlen;
+        }
+        if off + len == self.bump {
+            self.bump = off;
+        } else {
+            self.insert_free(off, len);
+        }
+    }
+
+    fn insert_free(&mut self, off: u64, len: u64) {
+        self.by_offset.insert(off, len);
+        self.by_size.insert((len, off));
+    }
+
+    /// Bytes of host memory the pool really holds (allocated blocks of the memfd).
+    fn resident_bytes(&self) -> u64 {
+        // SAFETY: fstat on our own fd into a zeroed struct.
+        unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(self.fd, &mut st) != 0 {
+                return 0;
+            }
+            st.st_blocks as u64 * 512
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Physical {
+    pub device: usize,
+    offset: u64,
+    pub len: usize,
+    /// Mappings of this handle that are still in place.
+    mapped: u32,
+    /// The owner released the handle; the memory goes when the last mapping does.
+    released: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Mapping {
+    len: usize,
+    handle: u64,
+    prot: libc::c_int,
+}
+
+#[derive(Debug, Default)]
+struct Reservation {
+    len: usize,
+    mappings: BTreeMap<usize, Mapping>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Plain {
+    len: usize,
+    device: usize,
+    offset: u64,
+}
+
+pub struct Memory {
+    pool: Pool,
+    next_handle: u64,
+    handles: HashMap<u64, Physical>,
+    reservations: BTreeMap<usize, Reservation>,
+    plain: BTreeMap<usize, Plain>,
+}
+
+/// What a freed or released range gives back to the device.
+pub struct Freed {
+    pub device: usize,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemCounts {
+    pub handles: u64,
+    pub mappings: u64,
+    pub reservations: u64,
+    pub plain: u64,
+    pub resident: u64,
+}
+
+pub fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+impl Memory {
+    pub fn new() -> MemResult<Memory> {
+        Ok(Memory {
+            pool: Pool::new()?,
+            next_handle: 0x7e57_0000_0001,
+            handles: HashMap::new(),
+            reservations: BTreeMap::new(),
+            plain: BTreeMap::new(),
+        })
+    }
+
+    pub fn counts(&self) -> MemCounts {
+        MemCounts {
+            handles: self.handles.len() as u64,
+            mappings: self.reservations.values().map(|r| r.mappings.len() as u64).sum(),
+            reservations: self.reservations.len() as u64,
+            plain: self.plain.len() as u64,
+            resident: self.pool.resident_bytes(),
+        }
+    }
+
+    // ---- physical handles -------------------------------------------------------------------
+
+    /// Creates physical memory; the caller has already charged the device.
+    pub fn create(&mut self, device: usize, len: usize) -> MemResult<u64> {
+        if len == 0 || !len.is_multiple_of(GRANULARITY) {
+            return Err(MemError::Invalid);
+        }
+        let offset = self.pool.alloc(len as u64)?;
+        let h = self.next_handle;
+        self.next_handle += 1;
+        self.handles.insert(h, Physical { device, offset, len, mapped: 0, released: false });
+        Ok(h)
+    }
+
+    /// Releases a handle. `refuse_if_mapped` gives Ascend's rule (free fails while mapped);
+    /// otherwise CUDA's (the memory goes once the last mapping does).
+    pub fn release(&mut self, h: u64, refuse_if_mapped: bool) -> MemResult<Option<Freed>> {
+        let p = self.handles.get_mut(&h).ok_or(MemError::Invalid)?;
+        if p.released {
+            return Err(MemError::Invalid);
+        }
+        if p.mapped > 0 {
+            if refuse_if_mapped {
+                return Err(MemError::Invalid);
+            }
+            p.released = true;
+            return Ok(None);
+        }
+        Ok(Some(self.destroy_handle(h)))
+    }
+
+    fn destroy_handle(&mut self, h: u64) -> Freed {
+        let p = self.handles.remove(&h).expect("handle present");
+        self.pool.free(p.offset, p.len as u64);
+        Freed { device: p.device, bytes: p.len as u64 }
+    }
+
+    pub fn handle_len(&self, h: u64) -> Option<usize> {
+        self.handles.get(&h).filter(|p| !p.released).map(|p| p.len)
+    }
+
+    // ---- reservations -----------------------------------------------------------------------
+
+    pub fn reserve(&mut self, len: usize, align: usize, hint: usize) -> MemResult<usize> {
+        if len == 0 || !len.is_multiple_of(GRANULARITY) {
+            return Err(MemError::Invalid);
+        }
+        let align = align.max(GRANULARITY);
+        if !align.is_power_of_two() {
+            return Err(MemError::Invalid);
+        }
+        let total = len.checked_add(align).ok_or(MemError::Invalid)?;
+        // SAFETY: a fresh PROT_NONE anonymous mapping; the hint is only a hint.
+        let base = unsafe {
+            libc::mmap(
+                hint as *mut libc::c_void,
+                total,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(MemError::Host);
+        }
+        let base = base as usize;
+        let start = round_up(base, align);
+        // SAFETY: trimming the unaligned head and the tail of our own mapping.
+        unsafe {
+            if start > base {
+                libc::munmap(base as *mut libc::c_void, start - base);
+            }
+            let tail = base + total - (start + len);
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+        }
+        self.reservations.insert(start, Reservation { len, mappings: BTreeMap::new() });
+        Ok(start)
+    }
+
+    /// Frees a reservation, which must have no mapping left.
+    pub fn free_reservation(&mut self, addr: usize, len: Option<usize>) -> MemResult<()> {
+        let r = self.reservations.get(&addr).ok_or(MemError::Invalid)?;
+        if len.is_some_and(|l| l != r.len) || !r.mappings.is_empty() {
+            return Err(MemError::Invalid);
+        }
+        let r = self.reservations.remove(&addr).expect("present");
+        // SAFETY: the whole reservation is ours and nothing is mapped in it.
+        unsafe { libc::munmap(addr as *mut libc::c_void, r.len) };
+        Ok(())
+    }
+
+    fn reservation_containing(&self, addr: usize, len: usize) -> Option<usize> {
+        let (&start, r) = self.reservations.range(..=addr).next_back()?;
+        (addr.checked_add(len)? <= start + r.len).then_some(start)
+    }
+
+    /// Maps a whole handle at `addr`, inside a reservation, without access.
+    pub fn map(&mut self, addr: usize, len: usize, offset: usize, h: u64, exact_len: bool) -> MemResult<()> {
+        if offset != 0 || len == 0 || !len.is_multiple_of(GRANULARITY) || !addr.is_multiple_of(GRANULARITY) {
+            return Err(MemError::Invalid);
+        }
+        let hlen = self.handle_len(h).ok_or(MemError::Invalid)?;
+        if len > hlen || (exact_len && len != hlen) {
+            return Err(MemError::Invalid);
+        }
+        let rstart = self.reservation_containing(addr, len).ok_or(MemError::Invalid)?;
+        let r = &self.reservations[&rstart];
+        let overlaps_prev = r.mappings.range(..addr).next_back().is_some_and(|(&a, m)| a + m.len > addr);
+        let overlaps_next = r.mappings.range(addr..addr + len).next().is_some();
+        if overlaps_prev || overlaps_next {
+            return Err(MemError::Invalid);
+        }
+        let p = &self.handles[&h];
+        // SAFETY: the range lies inside our reservation and overlaps no mapping, so MAP_FIXED
+        // replaces only PROT_NONE reserved pages.
+        let got = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                self.pool.fd,
+                p.offset as libc::off_t,
+            )
+        };
+        if got == libc::MAP_FAILED {
+            return Err(MemError::Host);
+        }
+        self.handles.get_mut(&h).expect("present").mapped += 1;
+        self.reservations
+            .get_mut(&rstart)
+            .expect("present")
+            .mappings
+            .insert(addr, Mapping { len, handle: h, prot: libc::PROT_NONE });
+        Ok(())
+    }
+
+    /// Unmaps whole mappings covering exactly `[addr, addr+len)` (`len` None: the one mapping
+    /// starting at `addr`, Ascend's form). Returns memory freed by handles already released.
+    pub fn unmap(&mut self, addr: usize, len: Option<usize>) -> MemResult<Vec<Freed>> {
+        let probe = len.unwrap_or(1);
+        let rstart = self.reservation_containing(addr, probe).ok_or(MemError::Invalid)?;
+        let r = self.reservations.get(&rstart).expect("present");
+        let first = r.mappings.get(&addr).ok_or(MemError::Invalid)?;
+        let want = len.unwrap_or(first.len);
+        // Collect consecutive mappings that cover the range exactly.
+        let mut covered = 0usize;
+        let mut victims = Vec::new();
+        while covered < want {
+            let m = r.mappings.get(&(addr + covered)).ok_or(MemError::Invalid)?;
+            victims.push((addr + covered, *m));
+            covered += m.len;
+        }
+        if covered != want {
+            return Err(MemError::Invalid);
+        }
+        let mut freed = Vec::new();
+        for (a, m) in victims {
+            // SAFETY: turning our own mapping back into reserved PROT_NONE pages.
+            let got = unsafe {
+                libc::mmap(
+                    a as *mut libc::c_void,
+                    m.len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if got == libc::MAP_FAILED {
+                return Err(MemError::Host);
+            }
+            self.reservations.get_mut(&rstart).expect("present").mappings.remove(&a);
+            let p = self.handles.get_mut(&m.handle).expect("mapped handle exists");
+            p.mapped -= 1;
+            if p.mapped == 0 && p.released {
+                freed.push(self.destroy_handle(m.handle));
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Sets protection on mapped memory; the range must be fully mapped.
+    pub fn set_access(&mut self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<()> {
+        if len == 0 {
+            return Err(MemError::Invalid);
+        }
+        let rstart = self.reservation_containing(addr, len).ok_or(MemError::Invalid)?;
+        let r = self.reservations.get_mut(&rstart).expect("present");
+        let (&mstart, _) = r.mappings.range(..=addr).next_back().ok_or(MemError::Invalid)?;
+        let mut cursor = mstart;
+        let mut touched = Vec::new();
+        while cursor < addr + len {
+            let m = r.mappings.get(&cursor).ok_or(MemError::Invalid)?;
+            touched.push(cursor);
+            cursor += m.len;
+        }
+        // SAFETY: the range is fully mapped by us.
+        if unsafe { libc::mprotect(addr as *mut libc::c_void, len, prot) } != 0 {
+            return Err(MemError::Invalid);
+        }
+        for a in touched {
+            r.mappings.get_mut(&a).expect("present").prot = prot;
+        }
+        Ok(())
+    }
+
+    // ---- plain allocations ------------------------------------------------------------------
+
+    pub fn plain_alloc(&mut self, device: usize, len: usize) -> MemResult<usize> {
+        let offset = self.pool.alloc(len as u64)?;
+        // SAFETY: a fresh shared view of a pool range we just took.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                self.pool.fd,
+                offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            self.pool.free(offset, len as u64);
+            return Err(MemError::Host);
+        }
+        self.plain.insert(p as usize, Plain { len, device, offset });
+        Ok(p as usize)
+    }
+
+    pub fn plain_free(&mut self, addr: usize) -> MemResult<Freed> {
+        let p = self.plain.remove(&addr).ok_or(MemError::Invalid)?;
+        // SAFETY: unmapping our own plain allocation.
+        unsafe { libc::munmap(addr as *mut libc::c_void, p.len) };
+        self.pool.free(p.offset, p.len as u64);
+        Ok(Freed { device: p.device, bytes: p.len as u64 })
+    }
+
+    // ---- address classification -------------------------------------------------------------
+
+    /// Whether `[addr, addr+len)` is device memory the device may read (and write, if asked).
+    /// `Ok(None)`: not device memory at all (host memory).
+    pub fn device_range(&self, addr: usize, len: usize, write: bool) -> MemResult<Option<usize>> {
+        let len = len.max(1);
+        if let Some((&start, p)) = self.plain.range(..=addr).next_back()
+            && addr < start + p.len
+        {
+            return if addr + len <= start + p.len { Ok(Some(p.device)) } else { Err(MemError::Invalid) };
+        }
+        let Some((&rstart, r)) = self.reservations.range(..=addr).next_back() else {
+            return Ok(None);
+        };
+        if addr >= rstart + r.len {
+            return Ok(None);
+        }
+        if addr + len > rstart + r.len {
+            return Err(MemError::Invalid);
+        }
+        let need = if write { libc::PROT_WRITE } else { libc::PROT_READ };
+        let mut cursor = addr;
+        let mut device = None;
+        while cursor < addr + len {
+            let (&mstart, m) = r.mappings.range(..=cursor).next_back().ok_or(MemError::IllegalAddress)?;
+            if cursor >= mstart + m.len || m.prot & need == 0 {
+                return Err(MemError::IllegalAddress);
+            }
+            device.get_or_insert(self.handles[&m.handle].device);
+            cursor = mstart + m.len;
+        }
+        Ok(device)
+    }
+}

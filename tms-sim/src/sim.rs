@@ -1,0 +1,318 @@
+//! The process-wide simulator: one instance, created on the first API call, shared by the CUDA
+//! runtime, CUDA driver and ACL front ends (which differ only in names, codes and argument forms).
+
+use crate::config::{Config, warn};
+use crate::fault;
+use crate::memory::{Freed, MemError, MemResult, Memory, PAGE, round_up};
+use crate::node::Node;
+use crate::streams::Streams;
+use crate::timing::{self, TO_DEVICE, TO_HOST};
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, RwLock};
+
+pub struct Sim {
+    pub cfg: Config,
+    pub node: Node,
+    pub mem: RwLock<Memory>,
+    pub streams: Streams,
+    host: Mutex<HashMap<usize, usize>>,
+    pub pinned_bytes: AtomicU64,
+}
+
+static SIM: OnceLock<Sim> = OnceLock::new();
+/// Set by cuInit and by any runtime call (the runtime initializes the driver implicitly).
+pub static DRIVER_INIT: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// Current CUDA context of this thread: 0 for none, else device + 1.
+    pub static CUDA_CTX: Cell<usize> = const { Cell::new(0) };
+    /// The runtime's device for this thread (cudaSetDevice).
+    pub static RT_DEVICE: Cell<usize> = const { Cell::new(0) };
+    /// ACL device/context of this thread: 0 for none, else device + 1.
+    pub static ACL_DEVICE: Cell<usize> = const { Cell::new(0) };
+    /// cudaGetLastError's value.
+    pub static LAST_ERROR: Cell<i32> = const { Cell::new(0) };
+}
+
+/// Opaque context handles are addresses inside these arrays, one byte per device.
+pub static CUDA_CTX_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config::MAX_DEVICES];
+pub static ACL_CTX_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config::MAX_DEVICES];
+
+pub fn ctx_handle(tokens: &'static [u8], dev: usize) -> *mut libc::c_void {
+    &tokens[dev] as *const u8 as *mut libc::c_void
+}
+
+pub fn ctx_device(tokens: &'static [u8], ctx: *mut libc::c_void) -> Option<usize> {
+    let base = tokens.as_ptr() as usize;
+    let p = ctx as usize;
+    (p >= base && p < base + tokens.len()).then(|| p - base)
+}
+
+pub fn sim() -> &'static Sim {
+    SIM.get_or_init(|| {
+        let cfg = Config::from_env();
+        match fault::parse(&cfg.fail) {
+            Ok(rules) => fault::install(rules),
+            Err(e) => warn(&format!("TMS_SIM_FAIL ignored: {e}")),
+        }
+        let node = Node::attach(&cfg);
+        let mem = Memory::new().expect("memfd_create failed: the simulator needs Linux memfd support");
+        Sim {
+            cfg,
+            node,
+            mem: RwLock::new(mem),
+            streams: Streams::default(),
+            host: Mutex::new(HashMap::new()),
+            pinned_bytes: AtomicU64::new(0),
+        }
+    })
+}
+
+/// Runs an exported function's body, turning a panic into `on_panic` instead of unwinding into C.
+pub fn guard(on_panic: i32, body: impl FnOnce() -> i32) -> i32 {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or(on_panic)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    HostToHost,
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+    Default,
+}
+
+impl CopyKind {
+    pub fn from_code(k: i32) -> Option<CopyKind> {
+        Some(match k {
+            0 => CopyKind::HostToHost,
+            1 => CopyKind::HostToDevice,
+            2 => CopyKind::DeviceToHost,
+            3 => CopyKind::DeviceToDevice,
+            4 => CopyKind::Default,
+            _ => return None,
+        })
+    }
+}
+
+impl Sim {
+    pub fn devices(&self) -> usize {
+        self.node.devices() as usize
+    }
+
+    pub fn valid_device(&self, dev: i64) -> Option<usize> {
+        (dev >= 0 && (dev as usize) < self.devices()).then_some(dev as usize)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Memory> {
+        self.mem.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Memory> {
+        self.mem.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn give_back(&self, freed: impl IntoIterator<Item = Freed>) {
+        for f in freed {
+            self.node.uncharge(f.device, f.bytes);
+        }
+    }
+
+    pub fn mem_info(&self, dev: usize) -> (u64, u64) {
+        let cap = self.node.capacity();
+        (cap.saturating_sub(self.node.used(dev)), cap)
+    }
+
+    pub fn plain_alloc(&self, dev: usize, size: usize) -> MemResult<usize> {
+        let len = round_up(size.max(1), PAGE);
+        if !self.node.charge(dev, len as u64) {
+            return Err(MemError::OutOfMemory);
+        }
+        self.write().plain_alloc(dev, len).inspect_err(|_| self.node.uncharge(dev, len as u64))
+    }
+
+    pub fn plain_free(&self, addr: usize) -> MemResult<()> {
+        // Freeing waits for queued work, as the real runtimes do.
+        self.streams.synchronize_all(None);
+        let freed = self.write().plain_free(addr)?;
+        self.give_back([freed]);
+        Ok(())
+    }
+
+    pub fn create(&self, dev: usize, len: usize) -> MemResult<u64> {
+        if len == 0 || !len.is_multiple_of(crate::config::GRANULARITY) {
+            return Err(MemError::Invalid);
+        }
+        if !self.node.charge(dev, len as u64) {
+            return Err(MemError::OutOfMemory);
+        }
+        self.write().create(dev, len).inspect_err(|_| self.node.uncharge(dev, len as u64))
+    }
+
+    pub fn release(&self, h: u64, refuse_if_mapped: bool) -> MemResult<()> {
+        let freed = self.write().release(h, refuse_if_mapped)?;
+        self.give_back(freed);
+        Ok(())
+    }
+
+    pub fn reserve(&self, len: usize, align: usize, hint: usize) -> MemResult<usize> {
+        self.write().reserve(len, align, hint)
+    }
+
+    pub fn free_reservation(&self, addr: usize, len: Option<usize>) -> MemResult<()> {
+        self.write().free_reservation(addr, len)
+    }
+
+    pub fn map(&self, addr: usize, len: usize, offset: usize, h: u64, exact: bool) -> MemResult<()> {
+        self.write().map(addr, len, offset, h, exact)
+    }
+
+    pub fn unmap(&self, addr: usize, len: Option<usize>) -> MemResult<()> {
+        let freed = self.write().unmap(addr, len)?;
+        self.give_back(freed);
+        Ok(())
+    }
+
+    pub fn set_access(&self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<()> {
+        self.write().set_access(addr, len, prot)
+    }
+
+    /// Validates a copy and returns the bus it travels on: (device, direction), if any.
+    fn plan_copy(
+        &self,
+        mem: &Memory,
+        dst: usize,
+        src: usize,
+        n: usize,
+        kind: CopyKind,
+    ) -> MemResult<Option<(usize, usize)>> {
+        if dst == 0 || src == 0 {
+            return Err(MemError::Invalid);
+        }
+        let d = mem.device_range(dst, n, true)?;
+        let s = mem.device_range(src, n, false)?;
+        let ok = match kind {
+            CopyKind::HostToHost => d.is_none() && s.is_none(),
+            CopyKind::HostToDevice => d.is_some() && s.is_none(),
+            CopyKind::DeviceToHost => d.is_none() && s.is_some(),
+            CopyKind::DeviceToDevice => d.is_some() && s.is_some(),
+            CopyKind::Default => true,
+        };
+        if !ok {
+            return Err(MemError::Invalid);
+        }
+        Ok(match (d, s) {
+            (Some(dev), None) => Some((dev, TO_DEVICE)),
+            (None, Some(dev)) => Some((dev, TO_HOST)),
+            _ => None,
+        })
+    }
+
+    fn copy_now(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let bus = self.plan_copy(&self.read(), dst, src, n, kind)?;
+        let run = || {
+            // The range is re-checked under the lock that unmapping takes, so a copy can never
+            // touch memory that was unmapped after it was queued.
+            let mem = self.read();
+            self.plan_copy(&mem, dst, src, n, kind)?;
+            // SAFETY: both ranges were validated: device ranges are mapped with access, host
+            // ranges are the caller's responsibility as with the real runtime.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+            Ok(())
+        };
+        match bus {
+            Some((dev, dir)) => timing::on_bus(self.node.state(), self.cfg.copy_bytes_per_sec, dev, dir, n, run),
+            None => run(),
+        }
+    }
+
+    /// Synchronous copy (stream 0) or a copy queued on a stream. Errors found before queuing are
+    /// returned at once; errors while running are reported by the stream's next synchronize.
+    pub fn copy(
+        &'static self,
+        dst: usize,
+        src: usize,
+        n: usize,
+        kind: CopyKind,
+        stream: usize,
+        async_code: fn(MemError) -> i32,
+    ) -> Result<(), i32> {
+        if stream == 0 {
+            return self.copy_now(dst, src, n, kind).map_err(async_code);
+        }
+        if !self.streams.exists(stream) {
+            return Err(async_code(MemError::Invalid));
+        }
+        self.plan_copy(&self.read(), dst, src, n, kind).map_err(async_code)?;
+        let job = Box::new(move || match self.copy_now(dst, src, n, kind) {
+            Ok(()) => 0,
+            Err(e) => async_code(e),
+        });
+        match self.streams.submit(stream, job) {
+            Ok(code) => {
+                if code == 0 {
+                    Ok(())
+                } else {
+                    Err(code)
+                }
+            }
+            Err(_) => Err(async_code(MemError::Invalid)),
+        }
+    }
+
+    pub fn memset(&self, dst: usize, value: u8, n: usize) -> MemResult<()> {
+        if dst == 0 {
+            return Err(MemError::Invalid);
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let mem = self.read();
+        if mem.device_range(dst, n, true)?.is_none() {
+            return Err(MemError::Invalid);
+        }
+        // SAFETY: validated as device memory mapped with write access.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, value, n) };
+        Ok(())
+    }
+
+    pub fn host_alloc(&self, size: usize) -> MemResult<usize> {
+        let len = round_up(size.max(1), PAGE);
+        // SAFETY: a fresh anonymous mapping, populated up front the way pinning faults pages in.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(MemError::OutOfMemory);
+        }
+        timing::pin_cost(self.cfg.pin_bytes_per_sec, len);
+        self.host.lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize, len);
+        self.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(p as usize)
+    }
+
+    pub fn host_free(&self, p: usize) -> MemResult<()> {
+        let len = self.host.lock().unwrap_or_else(|e| e.into_inner()).remove(&p).ok_or(MemError::Invalid)?;
+        // SAFETY: unmapping a host allocation we made.
+        unsafe { libc::munmap(p as *mut libc::c_void, len) };
+        self.pinned_bytes.fetch_sub(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn synchronize(&self, device: Option<usize>) -> i32 {
+        self.streams.synchronize_all(device)
+    }
+}
