@@ -14,3 +14,7 @@ echo "CUDA virtual-memory cycle on tms-sim (4 GiB device):"
 "$out/sim_consumer" cuda-vmm
 echo "Ascend virtual-memory cycle on tms-sim:"
 "$out/sim_consumer" acl-vmm
+echo "libtms_hook.so preloaded: 100 pause/resume cycles with CPU backup (CUDA, then Ascend):"
+cc -O1 -DTMS_TEST_DLSYM -Itests/c -Iinclude -o "$out/hook_consumer" tests/c/hook_consumer.c tests/c/main_direct.c -ldl -lpthread
+LD_PRELOAD="$root/target/debug/libtms_hook.so" "$out/hook_consumer" cycle cuda 100
+LD_PRELOAD="$root/target/debug/libtms_hook.so" "$out/hook_consumer" cycle acl 100

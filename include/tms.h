@@ -1,0 +1,117 @@
+/* tms.h: the C ABI of libtms_hook.so.
+ *
+ * Load the library with LD_PRELOAD (preload mode: it intercepts cudaMalloc/cudaFree and
+ * aclrtMalloc/aclrtMallocAlign32/aclrtFree, also when reached through dlsym(handle, name)), or
+ * dlopen it and plug tms_torch_malloc/tms_torch_free into PyTorch's pluggable allocator (torch mode).
+ *
+ * Every function here is safe to call from any thread, never exits or aborts the process, and
+ * never lets an error pass silently: pause/resume return a code and can fill a report.
+ * A test (tests/tests/header.rs) keeps this file and the library's exports identical.
+ */
+#ifndef TMS_H
+#define TMS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Error codes of the tms_* API ------------------------------------------------------------ */
+#define TMS_OK 0
+#define TMS_ERR_INVALID 1        /* bad argument */
+#define TMS_ERR_OUT_OF_MEMORY 2  /* not enough device memory (margin included); nothing lost */
+#define TMS_ERR_DRIVER 3         /* a driver call failed; report.driver_error has its code */
+#define TMS_ERR_NO_DRIVER 4      /* no CUDA or Ascend driver could be loaded */
+#define TMS_ERR_INTERNAL 5       /* a bug in tms, caught before it reached the caller */
+
+/* What a pause or resume did. Allocations already in the target state are "skipped"; allocations
+ * the operation could not complete are "failed" and stay as they were (a paused allocation keeps
+ * its backup), so calling again later finishes the job. */
+typedef struct tms_report {
+  int32_t error;                /* TMS_OK or the first TMS_ERR_* met */
+  int32_t driver_error;         /* the vendor's code for that error (e.g. 2 or 207001 for OOM) */
+  uint64_t allocations_done;
+  uint64_t bytes_done;          /* rounded sizes (what the device gave or got back) */
+  uint64_t allocations_skipped;
+  uint64_t bytes_skipped;
+  uint64_t allocations_failed;
+  uint64_t bytes_failed;
+  uint64_t backup_bytes;        /* bytes copied to (pause) or from (resume) host backups */
+  uint64_t elapsed_ns;
+  uint64_t device_free_before;  /* device free memory before and after, as the driver reports */
+  uint64_t device_free_after;
+  uint64_t device_total;
+} tms_report;
+
+typedef struct tms_tag_status {
+  const char *tag;              /* valid for the life of the process */
+  uint64_t allocations_active;
+  uint64_t allocations_paused;
+  uint64_t bytes_active;
+  uint64_t bytes_paused;
+  uint64_t backup_bytes;        /* pinned host memory held for this tag's backups */
+} tms_tag_status;
+
+/* ---- torch_memory_saver's ABI (same names and signatures) ------------------------------------ */
+
+/* The calling thread's region flag: allocations made while it is set are tracked (default:
+ * TMS_INIT_ENABLE). */
+void tms_set_interesting_region(bool is_interesting_region);
+bool tms_get_interesting_region(void);
+/* The calling thread's tag; NULL or "" selects the default (TMS_INIT_TAG, else "default"). */
+void tms_set_current_tag(const char *tag);
+const char *tms_get_current_tag(void);
+/* Whether allocations made by this thread are copied to host memory on pause (default:
+ * TMS_INIT_ENABLE_CPU_BACKUP). Without backup, contents are undefined after resume. */
+bool tms_get_enable_cpu_backup(void);
+void tms_set_enable_cpu_backup(bool enable);
+/* "pinned" or "mmap"; both keep backups in pinned host memory here. */
+const char *tms_get_cpu_backup_backend(void);
+void tms_set_cpu_backup_backend(const char *backend);
+/* Accepted for compatibility; disk backup is not supported (a warning is printed once). */
+bool tms_get_enable_disk_backup(void);
+void tms_set_enable_disk_backup(bool enable);
+void tms_set_disk_backup_dir(const char *dir);
+/* Free device memory to keep: region allocations fail with out-of-memory when free < size +
+ * margin, and resume refuses up front when free < needed + margin (TMS_MEMORY_MARGIN_BYTES). */
+void set_memory_margin_bytes(uint64_t value);
+/* Keep pinned backup buffers after resume so the next pause allocates nothing (default: true,
+ * TMS_RETAIN_CPU_BACKUP). */
+void tms_set_retain_cpu_backup(bool retain);
+bool tms_get_retain_cpu_backup(void);
+/* Pause/resume every allocation of `tag` (NULL or "" = every tag). Idempotent per allocation.
+ * Return TMS_OK or a TMS_ERR_* code. */
+int tms_pause(const char *tag);
+int tms_resume(const char *tag);
+/* The host buffer holding the backup of [gpu_ptr, gpu_ptr + size), or NULL. */
+uint8_t *tms_get_cpu_backup_pointer(const uint8_t *gpu_ptr, uint64_t size);
+
+/* ---- torch mode (PyTorch CUDAPluggableAllocator / torch_npu NPUPluggableAllocator) ----------- */
+void *tms_torch_malloc(ssize_t size, int device, void *stream);
+void tms_torch_free(void *ptr, ssize_t size, int device, void *stream);
+
+/* ---- The tms API ------------------------------------------------------------------------------ */
+
+/* As tms_pause/tms_resume, and fill *out (may be NULL). */
+int tms_pause_report(const char *tag, tms_report *out);
+int tms_resume_report(const char *tag, tms_report *out);
+/* Write up to `capacity` per-tag entries to out; *count receives the number of tags. */
+int tms_status(tms_tag_status *out, size_t capacity, size_t *count);
+/* Free retained backup buffers of active allocations; *bytes_freed may be NULL. */
+int tms_release_cpu_backups(uint64_t *bytes_freed);
+uint64_t tms_get_memory_margin_bytes(void);
+/* Static text for a TMS_ERR_* code. */
+const char *tms_strerror(int code);
+const char *tms_version(void);
+
+/* ---- Interposed vendor entry points (declared by the vendors' headers) ------------------------
+ * cudaMalloc, cudaFree, aclrtMalloc, aclrtMallocAlign32, aclrtFree, and dlsym. */
+
+#ifdef __cplusplus
+}
+#endif
+#endif

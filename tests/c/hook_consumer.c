@@ -1,0 +1,465 @@
+/* Exercises libtms_hook.so (preloaded) on the simulator, through either vendor API and in any of
+ * the three loading styles (see vendor.h). The tms_* API is found at run time in the preloaded
+ * library. Usage: hook_consumer MODE API [ARGS]   (API: cuda | acl) */
+#define _GNU_SOURCE
+#include "vendor.h"
+#include "tms.h"
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MiB (1024ULL * 1024ULL)
+#define EXPECT(expr, want)                                                                      \
+  do {                                                                                          \
+    long long _r = (long long)(expr), _w = (long long)(want);                                   \
+    if (_r != _w) {                                                                             \
+      fprintf(stderr, "%s:%d: %s = %lld, want %lld\n", __FILE__, __LINE__, #expr, _r, _w);      \
+      exit(1);                                                                                  \
+    }                                                                                           \
+  } while (0)
+
+static void *tms_sym(const char *name) {
+  void *f = dlsym(RTLD_DEFAULT, name);
+  if (!f) {
+    fprintf(stderr, "%s not found: is libtms_hook.so preloaded?\n", name);
+    exit(92);
+  }
+  return f;
+}
+#define TMS(f) ((__typeof__(&f))tms_sym(#f))
+
+struct sim_stats {
+  uint32_t device_count, pad;
+  uint64_t capacity, device_used[16], process_used[16];
+  uint64_t host_resident_bytes, live_handles, live_mappings, reservations, plain_allocations,
+      pinned_host_bytes;
+};
+
+static void sim_stats(struct sim_stats *s) {
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  int (*f)(struct sim_stats *) = h ? (int (*)(struct sim_stats *))dlsym(h, "tms_sim_stats") : NULL;
+  if (!f || f(s) != 0) { fprintf(stderr, "tms_sim_stats unavailable\n"); exit(93); }
+}
+
+static void sim_faults(const char *spec) {
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  int (*f)(const char *) = h ? (int (*)(const char *))dlsym(h, "tms_sim_set_faults") : NULL;
+  if (!f || f(spec) != 0) { fprintf(stderr, "tms_sim_set_faults(%s) failed\n", spec); exit(93); }
+}
+
+/* ---- one vendor-neutral device interface ---------------------------------------------------- */
+static int use_acl;
+static int OOM, ILLEGAL;
+
+static void dev_init(const char *api) {
+  use_acl = strcmp(api, "acl") == 0;
+  if (use_acl) {
+    EXPECT(ACL(aclInit)(NULL), 0);
+    EXPECT(ACL(aclrtSetDevice)(0), 0);
+    OOM = 207001;
+    ILLEGAL = 107000;
+  } else {
+    EXPECT(CUDART(cudaSetDevice)(0), 0);
+    OOM = 2;
+    ILLEGAL = 700;
+  }
+}
+
+static void dev_thread_init(void) {
+  if (use_acl) EXPECT(ACL(aclrtSetDevice)(0), 0);
+}
+
+static int dev_malloc(void **p, size_t n) {
+  return use_acl ? ACL(aclrtMallocAlign32)(p, n, 0) : CUDART(cudaMalloc)(p, n);
+}
+static int dev_free(void *p) { return use_acl ? ACL(aclrtFree)(p) : CUDART(cudaFree)(p); }
+static int dev_write(void *dst, const void *src, size_t n) {
+  return use_acl ? ACL(aclrtMemcpy)(dst, n, src, n, 1) : CUDART(cudaMemcpy)(dst, src, n, 1);
+}
+static int dev_read(void *dst, const void *src, size_t n) {
+  return use_acl ? ACL(aclrtMemcpy)(dst, n, src, n, 2) : CUDART(cudaMemcpy)(dst, src, n, 2);
+}
+static size_t dev_free_mem(void) {
+  size_t f = 0, t = 0;
+  if (use_acl) ACL(aclrtGetMemInfo)(1, &f, &t); else CUDART(cudaMemGetInfo)(&f, &t);
+  return f;
+}
+
+static void region(const char *tag, int backup) {
+  TMS(tms_set_current_tag)(tag);
+  TMS(tms_set_interesting_region)(true);
+  TMS(tms_set_enable_cpu_backup)(backup != 0);
+}
+static void no_region(void) { TMS(tms_set_interesting_region)(false); }
+
+static uint64_t checksum(const unsigned char *p, size_t n) {
+  uint64_t h = 1469598103934665603ULL;
+  for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+static void fill(unsigned char *p, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((i * 2654435761u) >> 13) ^ (unsigned char)seed;
+}
+static uint64_t dev_checksum(void *d, size_t n) {
+  unsigned char *h = malloc(n);
+  EXPECT(dev_read(h, d, n), 0);
+  uint64_t c = checksum(h, n);
+  free(h);
+  return c;
+}
+static void dev_fill(void *d, size_t n, unsigned seed) {
+  unsigned char *h = malloc(n);
+  fill(h, n, seed);
+  EXPECT(dev_write(d, h, n), 0);
+  free(h);
+}
+
+static const size_t sizes[] = {8 * MiB, 3 * MiB + 5, 64 * 1024};
+static const size_t rounded[] = {8 * MiB, 4 * MiB, 2 * MiB};
+#define NALLOC 3
+
+/* Region allocations pause (free memory rises by the rounded sizes), resume at the same
+ * addresses, and hold the same bytes through `cycles` cycles with backup. */
+static int cycle(long cycles) {
+  void *p[NALLOC];
+  uint64_t sum[NALLOC];
+  size_t total = 0;
+  size_t free0 = dev_free_mem();
+  region("weights", 1);
+  for (int i = 0; i < NALLOC; i++) {
+    EXPECT(dev_malloc(&p[i], sizes[i]), 0);
+    dev_fill(p[i], sizes[i], (unsigned)i + 1);
+    sum[i] = dev_checksum(p[i], sizes[i]);
+    total += rounded[i];
+  }
+  /* Outside the region: passthrough, never paused. */
+  no_region();
+  void *plain;
+  EXPECT(dev_malloc(&plain, 1 * MiB), 0);
+  dev_fill(plain, 1 * MiB, 99);
+  uint64_t plain_sum = dev_checksum(plain, 1 * MiB);
+  size_t free1 = dev_free_mem();
+  EXPECT(free0 - free1 >= total, 1);
+  for (long c = 0; c < cycles; c++) {
+    tms_report r;
+    memset(&r, 0xff, sizeof r);
+    EXPECT(TMS(tms_pause_report)("weights", &r), 0);
+    EXPECT(r.error, 0);
+    EXPECT(r.allocations_done, NALLOC);
+    EXPECT(r.bytes_done, total);
+    EXPECT(r.device_free_after - r.device_free_before, total);
+    EXPECT(dev_free_mem() - free1, total);
+    if (c == 0) {
+      unsigned char b;
+      EXPECT(dev_read(&b, p[0], 1), ILLEGAL); /* paused memory is not there */
+      EXPECT(TMS(tms_pause_report)("weights", &r), 0); /* idempotent */
+      EXPECT(r.allocations_done, 0);
+      EXPECT(r.allocations_skipped, NALLOC);
+      tms_tag_status st[4];
+      size_t n = 0;
+      EXPECT(TMS(tms_status)(st, 4, &n), 0);
+      EXPECT(n, 1);
+      EXPECT(strcmp(st[0].tag, "weights"), 0);
+      EXPECT(st[0].allocations_paused, NALLOC);
+      EXPECT(st[0].bytes_paused, total);
+      uint8_t *bp = TMS(tms_get_cpu_backup_pointer)((const uint8_t *)p[0], 16);
+      EXPECT(bp != NULL, 1);
+      unsigned char expect[16];
+      fill(expect, 16, 1);
+      EXPECT(memcmp(bp, expect, 16), 0);
+    }
+    EXPECT(TMS(tms_resume_report)("weights", &r), 0);
+    EXPECT(r.allocations_done, NALLOC);
+    EXPECT(r.device_free_before - r.device_free_after, total);
+    EXPECT(dev_free_mem(), free1);
+    for (int i = 0; i < NALLOC; i++) EXPECT(dev_checksum(p[i], sizes[i]) == sum[i], 1);
+  }
+  tms_report r;
+  EXPECT(TMS(tms_resume_report)(NULL, &r), 0); /* nothing paused: all skipped */
+  EXPECT(r.allocations_skipped, NALLOC);
+  EXPECT(dev_checksum(plain, 1 * MiB) == plain_sum, 1);
+  for (int i = 0; i < NALLOC; i++) EXPECT(dev_free(p[i]), 0);
+  EXPECT(dev_free(plain), 0);
+  EXPECT(dev_free_mem(), free0);
+  struct sim_stats s;
+  sim_stats(&s);
+  EXPECT(s.live_handles + s.live_mappings + s.reservations + s.plain_allocations, 0);
+  printf("cycles=%ld bytes=%zu free0=%zu ok\n", cycles, total, free0);
+  return 0;
+}
+
+/* OOM on resume returns the vendor's code and loses nothing; a retry completes. */
+static int oom_resume(void) {
+  size_t cap = dev_free_mem();
+  region("kv", 1);
+  void *a, *b;
+  EXPECT(dev_malloc(&a, 16 * MiB), 0);
+  EXPECT(dev_malloc(&b, 16 * MiB), 0);
+  dev_fill(a, 16 * MiB, 5);
+  dev_fill(b, 16 * MiB, 6);
+  uint64_t sa = dev_checksum(a, 16 * MiB), sb = dev_checksum(b, 16 * MiB);
+  EXPECT(TMS(tms_pause)("kv"), 0);
+  /* Someone else takes almost everything. */
+  no_region();
+  void *hog;
+  EXPECT(dev_malloc(&hog, cap - 8 * MiB), 0);
+  tms_report r;
+  EXPECT(TMS(tms_resume_report)("kv", &r), TMS_ERR_OUT_OF_MEMORY);
+  EXPECT(r.driver_error, OOM);
+  EXPECT(r.allocations_done, 0);
+  tms_tag_status st;
+  size_t n;
+  EXPECT(TMS(tms_status)(&st, 1, &n), 0);
+  EXPECT(st.allocations_paused, 2);
+  EXPECT(dev_free(hog), 0);
+  /* A create that fails half-way (the second of two) leaves one resumed, one paused. */
+  sim_faults(use_acl ? "aclrtMallocPhysical:2" : "cuMemCreate:2");
+  EXPECT(TMS(tms_resume_report)("kv", &r), TMS_ERR_OUT_OF_MEMORY);
+  EXPECT(r.allocations_done, 1);
+  EXPECT(r.allocations_failed, 1);
+  sim_faults("");
+  EXPECT(TMS(tms_resume_report)("kv", &r), 0);
+  EXPECT(r.allocations_done, 1);
+  EXPECT(r.allocations_skipped, 1);
+  EXPECT(dev_checksum(a, 16 * MiB) == sa, 1);
+  EXPECT(dev_checksum(b, 16 * MiB) == sb, 1);
+  /* Margin: region malloc and resume keep `margin` bytes free. */
+  TMS(set_memory_margin_bytes)(dev_free_mem());
+  region("kv", 1);
+  void *c;
+  EXPECT(dev_malloc(&c, 2 * MiB), OOM);
+  EXPECT(TMS(tms_pause)("kv"), 0);
+  TMS(set_memory_margin_bytes)(dev_free_mem() - 16 * MiB);
+  EXPECT(TMS(tms_resume_report)("kv", &r), TMS_ERR_OUT_OF_MEMORY); /* refused up front */
+  EXPECT(r.allocations_done, 0);
+  EXPECT(r.device_free_after, r.device_free_before);
+  TMS(set_memory_margin_bytes)(0);
+  EXPECT(TMS(tms_resume)("kv"), 0);
+  EXPECT(dev_checksum(a, 16 * MiB) == sa, 1);
+  EXPECT(dev_free(a), 0);
+  EXPECT(dev_free(b), 0);
+  printf("oom-resume ok\n");
+  return 0;
+}
+
+static void assert_no_leak(const char *when) {
+  struct sim_stats s;
+  sim_stats(&s);
+  if (s.live_handles || s.live_mappings || s.reservations || s.plain_allocations) {
+    fprintf(stderr, "leak after %s: handles=%llu mappings=%llu reservations=%llu plain=%llu\n", when,
+            (unsigned long long)s.live_handles, (unsigned long long)s.live_mappings,
+            (unsigned long long)s.reservations, (unsigned long long)s.plain_allocations);
+    exit(1);
+  }
+}
+
+/* A fault in each driver call of malloc, free, pause and resume: an error comes back, state stays
+ * consistent (contents intact once the fault is gone), nothing leaks. */
+static int faults(void) {
+  const char *malloc_calls_cuda[] = {"cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", NULL};
+  const char *malloc_calls_acl[] = {"aclrtMallocPhysical", "aclrtReserveMemAddress", "aclrtMapMem", NULL};
+  const char *pause_calls_cuda[] = {"cuCtxSynchronize", "cuMemHostAlloc", "cuMemcpyDtoHAsync_v2", "cuStreamSynchronize", "cuMemUnmap", "cuMemRelease", NULL};
+  const char *pause_calls_acl[] = {"aclrtSynchronizeDevice", "aclrtMallocHost", "aclrtMemcpyAsync", "aclrtSynchronizeStream", "aclrtUnmapMem", "aclrtFreePhysical", NULL};
+  const char *resume_calls_cuda[] = {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemcpyHtoDAsync_v2", "cuStreamSynchronize", NULL};
+  const char *resume_calls_acl[] = {"aclrtMallocPhysical", "aclrtMapMem", "aclrtMemcpyAsync", "aclrtSynchronizeStream", NULL};
+  const char *free_calls_cuda[] = {"cuCtxSynchronize", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree", NULL};
+  const char *free_calls_acl[] = {"aclrtSynchronizeDevice", "aclrtUnmapMem", "aclrtFreePhysical", "aclrtReleaseMemAddress", NULL};
+  const char **mc = use_acl ? malloc_calls_acl : malloc_calls_cuda;
+  const char **pc = use_acl ? pause_calls_acl : pause_calls_cuda;
+  const char **rc = use_acl ? resume_calls_acl : resume_calls_cuda;
+  const char **fc = use_acl ? free_calls_acl : free_calls_cuda;
+  char spec[128];
+  region("f", 1);
+  for (int i = 0; mc[i]; i++) {
+    void *p = NULL;
+    snprintf(spec, sizeof spec, "%s:1:%d", mc[i], OOM);
+    sim_faults(spec);
+    EXPECT(dev_malloc(&p, 4 * MiB), OOM);
+    sim_faults("");
+    assert_no_leak(mc[i]);
+  }
+  for (int i = 0; pc[i]; i++) {
+    void *p;
+    EXPECT(dev_malloc(&p, 4 * MiB), 0);
+    dev_fill(p, 4 * MiB, (unsigned)i);
+    uint64_t sum = dev_checksum(p, 4 * MiB);
+    TMS(tms_release_cpu_backups)(NULL); /* so the pinned allocation runs again */
+    snprintf(spec, sizeof spec, "%s:1", pc[i]);
+    sim_faults(spec);
+    tms_report r;
+    int code = TMS(tms_pause_report)("f", &r);
+    sim_faults("");
+    if (code == 0) { fprintf(stderr, "pause with %s failing reported success\n", pc[i]); return 1; }
+    EXPECT(TMS(tms_resume)("f"), 0); /* whatever state it was left in, resume completes it */
+    EXPECT(dev_checksum(p, 4 * MiB) == sum, 1);
+    EXPECT(TMS(tms_pause)("f"), 0);
+    EXPECT(TMS(tms_resume)("f"), 0);
+    EXPECT(dev_checksum(p, 4 * MiB) == sum, 1);
+    EXPECT(dev_free(p), 0);
+    assert_no_leak(pc[i]);
+  }
+  for (int i = 0; rc[i]; i++) {
+    void *p;
+    EXPECT(dev_malloc(&p, 4 * MiB), 0);
+    dev_fill(p, 4 * MiB, (unsigned)i + 50);
+    uint64_t sum = dev_checksum(p, 4 * MiB);
+    EXPECT(TMS(tms_pause)("f"), 0);
+    snprintf(spec, sizeof spec, "%s:1", rc[i]);
+    sim_faults(spec);
+    tms_report r;
+    int code = TMS(tms_resume_report)("f", &r);
+    sim_faults("");
+    if (code == 0) { fprintf(stderr, "resume with %s failing reported success\n", rc[i]); return 1; }
+    EXPECT(r.allocations_failed, 1);
+    tms_tag_status st;
+    size_t n;
+    EXPECT(TMS(tms_status)(&st, 1, &n), 0);
+    EXPECT(st.allocations_paused, 1);
+    EXPECT(TMS(tms_resume)("f"), 0);
+    EXPECT(dev_checksum(p, 4 * MiB) == sum, 1);
+    EXPECT(dev_free(p), 0);
+    assert_no_leak(rc[i]);
+  }
+  for (int i = 0; fc[i]; i++) {
+    for (int paused = 0; paused < 2; paused++) {
+      void *p;
+      EXPECT(dev_malloc(&p, 4 * MiB), 0);
+      if (paused) EXPECT(TMS(tms_pause)("f"), 0);
+      snprintf(spec, sizeof spec, "%s:1", fc[i]);
+      sim_faults(spec);
+      int code = dev_free(p);
+      sim_faults("");
+      if (code != 0) EXPECT(dev_free(p), 0); /* a failed free can be retried */
+      assert_no_leak(fc[i]);
+    }
+  }
+  TMS(tms_release_cpu_backups)(NULL);
+  printf("faults ok\n");
+  return 0;
+}
+
+/* ---- concurrency ------------------------------------------------------------------------------ */
+static volatile int stop;
+
+/* Threads 1-4 write and verify their allocations under tag "churn", which is never paused
+ * (writing to memory while it is being paused loses the write on any saver); threads 5-8 allocate
+ * and free under tag "volatile", which the pauser pauses and resumes concurrently. */
+static void *churn(void *arg) {
+  unsigned seed = (unsigned)(size_t)arg;
+  int touch = seed <= 4;
+  dev_thread_init();
+  region(touch ? "churn" : "volatile", 1);
+  unsigned char *h = malloc(6 * MiB), *back = malloc(6 * MiB);
+  long rounds = 0;
+  while (!stop) {
+    size_t n = (size_t)(1 + rand_r(&seed) % 4) * 256 * 1024 - (rand_r(&seed) % 4096);
+    void *p;
+    int rc = dev_malloc(&p, n);
+    if (rc != 0) { fprintf(stderr, "churn malloc: %d\n", rc); exit(1); }
+    if (touch) {
+      fill(h, n, seed);
+      EXPECT(dev_write(p, h, n), 0);
+      EXPECT(dev_read(back, p, n), 0);
+      if (memcmp(h, back, n) != 0) { fprintf(stderr, "corruption in churn\n"); exit(1); }
+    }
+    EXPECT(dev_free(p), 0);
+    rounds++;
+    usleep(200); /* leave the pauser CPU on small machines */
+  }
+  free(h);
+  free(back);
+  return (void *)rounds;
+}
+
+static int threads(long cycles) {
+  region("stable", 1);
+  void *s;
+  EXPECT(dev_malloc(&s, 4 * MiB), 0);
+  dev_fill(s, 4 * MiB, 77);
+  uint64_t sum = dev_checksum(s, 4 * MiB);
+  pthread_t th[8];
+  for (long i = 0; i < 8; i++) pthread_create(&th[i], NULL, churn, (void *)(i + 1));
+  for (long c = 0; c < cycles; c++) {
+    const char *tag = (c % 2 == 0) ? "stable" : "volatile";
+    int rc = TMS(tms_pause)(tag);
+    if (rc) { fprintf(stderr, "pause %ld: %d\n", c, rc); return 1; }
+    rc = TMS(tms_resume)(tag);
+    if (rc) { fprintf(stderr, "resume %ld: %d\n", c, rc); return 1; }
+    if (c % 2 == 0) EXPECT(dev_checksum(s, 4 * MiB) == sum, 1);
+  }
+  stop = 1;
+  long total = 0;
+  for (int i = 0; i < 8; i++) {
+    void *r;
+    pthread_join(th[i], &r);
+    total += (long)r;
+  }
+  EXPECT(TMS(tms_resume)(NULL), 0);
+  EXPECT(dev_checksum(s, 4 * MiB) == sum, 1);
+  EXPECT(dev_free(s), 0);
+  TMS(tms_release_cpu_backups)(NULL);
+  assert_no_leak("threads");
+  printf("threads ok cycles=%ld churn_rounds=%ld\n", cycles, total);
+  return 0;
+}
+
+/* Driven over stdin by a test to make two processes take turns on one device:
+ * commands alloc MiB | fill | pause | resume | verify | free | info | quit; one reply line each. */
+static int serve(void) {
+  char line[128];
+  void *p = NULL;
+  size_t n = 0;
+  uint64_t sum = 0;
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  while (fgets(line, sizeof line, stdin)) {
+    long arg = 0;
+    if (sscanf(line, "alloc %ld", &arg) == 1) {
+      region("train", 1);
+      n = (size_t)arg * MiB;
+      printf("rc=%d\n", dev_malloc(&p, n));
+    } else if (!strncmp(line, "fill", 4)) {
+      dev_fill(p, n, 42);
+      sum = dev_checksum(p, n);
+      printf("rc=0\n");
+    } else if (!strncmp(line, "pause", 5)) {
+      tms_report r;
+      int rc = TMS(tms_pause_report)(NULL, &r);
+      printf("rc=%d done=%llu freed=%llu\n", rc, (unsigned long long)r.bytes_done,
+             (unsigned long long)(r.device_free_after - r.device_free_before));
+    } else if (!strncmp(line, "resume", 6)) {
+      tms_report r;
+      int rc = TMS(tms_resume_report)(NULL, &r);
+      printf("rc=%d done=%llu driver=%d\n", rc, (unsigned long long)r.bytes_done, r.driver_error);
+    } else if (!strncmp(line, "verify", 6)) {
+      printf("rc=%d\n", dev_checksum(p, n) == sum ? 0 : 1);
+    } else if (!strncmp(line, "free", 4)) {
+      printf("rc=%d\n", dev_free(p));
+    } else if (!strncmp(line, "info", 4)) {
+      printf("rc=0 free=%zu\n", dev_free_mem());
+    } else if (!strncmp(line, "quit", 4)) {
+      return 0;
+    } else {
+      printf("rc=-1 unknown\n");
+    }
+  }
+  return 0;
+}
+
+int tms_test_main(int argc, char **argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
+    return 2;
+  }
+  dev_init(argv[2]);
+  const char *m = argv[1];
+  if (!strcmp(m, "cycle")) return cycle(argc > 3 ? atol(argv[3]) : 1);
+  if (!strcmp(m, "oom-resume")) return oom_resume();
+  if (!strcmp(m, "faults")) return faults();
+  if (!strcmp(m, "threads")) return threads(argc > 3 ? atol(argv[3]) : 1000);
+  if (!strcmp(m, "serve")) return serve();
+  fprintf(stderr, "unknown mode %s\n", m);
+  return 2;
+}

@@ -1,0 +1,165 @@
+//! libtms_hook.so preloaded into C programs on the simulator, CUDA and Ascend, all loading styles.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use tms_e2e::*;
+
+fn hooked(node: &SimNode, style: Style, args: &[&str]) -> String {
+    let mut argv = c_program("hook_consumer", style);
+    argv.extend(args.iter().map(PathBuf::from));
+    run_ok(&mut node.hooked(&argv))
+}
+
+#[test]
+fn pause_resume_100_cycles_keeps_bytes_and_addresses_in_every_style() {
+    for style in STYLES {
+        for api in ["cuda", "acl"] {
+            let node = SimNode::new("1GiB");
+            let out = hooked(&node, style, &["cycle", api, "100"]);
+            assert!(out.contains("cycles=100"), "{style:?} {api}: {out}");
+        }
+    }
+}
+
+#[test]
+fn pause_frees_device_memory_others_can_see() {
+    // The C program checks its own free memory; here a second process checks it too.
+    let node = SimNode::new("1GiB");
+    let mut trainer = Served::start(&node, "cuda");
+    assert_eq!(trainer.ask("alloc 600"), "rc=0");
+    assert_eq!(trainer.ask("fill"), "rc=0");
+    let mut rollout = Served::start(&node, "acl");
+    // Both need more than half the device: without pause the second cannot allocate.
+    assert_eq!(rollout.ask("alloc 600"), "rc=207001");
+    let paused = trainer.ask("pause");
+    assert!(paused.starts_with("rc=0 done=629145600"), "{paused}");
+    assert_eq!(field(&paused, "freed"), 600 * MIB, "{paused}");
+    let info = rollout.ask("info");
+    assert_eq!(field(&info, "free"), 1024 * MIB, "{info}");
+    assert_eq!(rollout.ask("alloc 600"), "rc=0");
+    assert_eq!(rollout.ask("fill"), "rc=0");
+    // The trainer cannot come back while the rollout holds the memory: OOM, nothing lost.
+    let refused = trainer.ask("resume");
+    assert!(refused.starts_with("rc=2 done=0 driver=2"), "{refused}");
+    assert!(rollout.ask("pause").starts_with("rc=0"));
+    assert!(trainer.ask("resume").starts_with("rc=0 done=629145600"));
+    assert_eq!(trainer.ask("verify"), "rc=0");
+    assert!(trainer.ask("pause").starts_with("rc=0"));
+    assert!(rollout.ask("resume").starts_with("rc=0"));
+    assert_eq!(rollout.ask("verify"), "rc=0");
+    assert_eq!(rollout.ask("free"), "rc=0");
+    assert!(trainer.ask("resume").starts_with("rc=0"));
+    assert_eq!(trainer.ask("verify"), "rc=0");
+    assert_eq!(trainer.ask("free"), "rc=0");
+    trainer.quit();
+    rollout.quit();
+}
+
+struct Served {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Served {
+    fn start(node: &SimNode, api: &str) -> Served {
+        let mut argv = c_program("hook_consumer", Style::Linked);
+        argv.extend(["serve".into(), api.into()]);
+        let mut child = node.hooked(&argv).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Served { child, stdin, stdout }
+    }
+
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    }
+
+    fn quit(mut self) {
+        writeln!(self.stdin, "quit").unwrap();
+        assert!(self.child.wait().unwrap().success());
+    }
+}
+
+#[test]
+fn out_of_memory_on_resume_then_retry_succeeds() {
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("256MiB");
+        hooked(&node, Style::Linked, &["oom-resume", api]);
+    }
+}
+
+#[test]
+fn faults_in_every_driver_call_return_errors_and_leak_nothing() {
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("256MiB");
+        let out = hooked(&node, Style::Linked, &["faults", api]);
+        assert!(out.contains("faults ok"), "{out}");
+    }
+}
+
+#[test]
+fn eight_threads_churn_while_another_pauses_and_resumes_1000_times() {
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("1GiB");
+        let out = hooked(&node, Style::Linked, &["threads", api, "1000"]);
+        assert!(out.contains("threads ok cycles=1000"), "{out}");
+    }
+}
+
+#[test]
+fn acl_malloc_align32_reached_through_dlsym_handle_is_intercepted() {
+    // torch_npu's path: dlopen(libascendcl.so) + dlsym(handle, "aclrtMallocAlign32"). Pausing
+    // frees the memory only if the hook saw the allocation.
+    let node = SimNode::new("1GiB");
+    let out = hooked(&node, Style::Dlsym, &["cycle", "acl", "3"]);
+    assert!(out.contains("ok"), "{out}");
+}
+
+#[test]
+fn harmless_in_processes_that_never_use_a_device() {
+    let ws = workspace();
+    let dir = tempfile::tempdir().unwrap();
+    for argv in [vec!["sh", "-c", "true"], vec!["python3", "-c", "pass"], vec!["sh", "-c", "echo hi"]] {
+        let out = Command::new(argv[0])
+            .args(&argv[1..])
+            .env("LD_PRELOAD", ws.hook())
+            .env("TMS_INIT_ENABLE", "1")
+            .env("TMS_CONTROL_DIR", dir.path())
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{argv:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.stderr.is_empty(), "{argv:?} printed: {}", String::from_utf8_lossy(&out.stderr));
+        let expected: &[u8] = if argv[2] == "echo hi" { b"hi\n" } else { b"" };
+        assert_eq!(out.stdout, expected);
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the hook created files");
+}
+
+#[test]
+fn bad_environment_values_warn_and_keep_defaults() {
+    let node = SimNode::new("1GiB").env("TMS_INIT_ENABLE_CPU_BACKUP", "maybe").env("TMS_MEMORY_MARGIN_BYTES", "-3");
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["cycle".into(), "cuda".into(), "2".into()]);
+    let out = node.hooked(&argv).output().unwrap();
+    assert_ok(&out, "cycle with bad env");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("TMS_INIT_ENABLE_CPU_BACKUP=\"maybe\" is not a boolean"), "{err}");
+    assert!(err.contains("TMS_MEMORY_MARGIN_BYTES=\"-3\""), "{err}");
+}
+
+#[test]
+fn dlsym_next_and_default_keep_their_meaning_under_the_hook() {
+    let ws = workspace();
+    let plugin = compile("dlsym_probe.so", &[ws.c_src("dlsym_probe.c")], &["-shared", "-fPIC", "-ldl"]);
+    let main = compile("dlsym_probe_main", &[ws.c_src("dlsym_probe_main.c")], &["-ldl"]);
+    let plain = run_ok(Command::new(&main).arg(&plugin).env_remove("LD_PRELOAD"));
+    let under_hook = run_ok(Command::new(&main).arg(&plugin).env("LD_PRELOAD", ws.hook()));
+    assert!(plain.contains("ok"), "{plain}");
+    assert_eq!(plain, under_hook);
+}

@@ -1,0 +1,288 @@
+//! The CUDA driver (`libcuda.so.1`), loaded at run time. Nothing of CUDA is needed to build.
+
+use super::{DevResult, Device, DeviceError, PhysHandle, Stream, UNCHANGED, Vendor, symbol};
+use libc::{c_int, c_uint, c_ulonglong, c_void};
+
+const OUT_OF_MEMORY: i32 = 2;
+const INVALID_VALUE: i32 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MemLocation {
+    kind: c_int,
+    id: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AllocationProp {
+    kind: c_int,
+    requested_handle_types: c_int,
+    location: MemLocation,
+    win32_handle_meta_data: *mut c_void,
+    alloc_flags: [u8; 8],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AccessDesc {
+    location: MemLocation,
+    flags: c_int,
+}
+
+const _: () = assert!(std::mem::size_of::<AllocationProp>() == 32);
+const _: () = assert!(std::mem::size_of::<AccessDesc>() == 12);
+
+const ALLOCATION_TYPE_PINNED: c_int = 1;
+const LOCATION_TYPE_DEVICE: c_int = 1;
+const ACCESS_READWRITE: c_int = 3;
+
+type Ctx = *mut c_void;
+
+struct Api {
+    init: unsafe extern "C" fn(c_uint) -> c_int,
+    primary_ctx_retain: unsafe extern "C" fn(*mut Ctx, c_int) -> c_int,
+    ctx_get_current: unsafe extern "C" fn(*mut Ctx) -> c_int,
+    ctx_set_current: unsafe extern "C" fn(Ctx) -> c_int,
+    ctx_get_device: unsafe extern "C" fn(*mut c_int) -> c_int,
+    ctx_synchronize: unsafe extern "C" fn() -> c_int,
+    mem_get_info: unsafe extern "C" fn(*mut usize, *mut usize) -> c_int,
+    address_reserve: unsafe extern "C" fn(*mut c_ulonglong, usize, usize, c_ulonglong, c_ulonglong) -> c_int,
+    address_free: unsafe extern "C" fn(c_ulonglong, usize) -> c_int,
+    create: unsafe extern "C" fn(*mut c_ulonglong, usize, *const AllocationProp, c_ulonglong) -> c_int,
+    release: unsafe extern "C" fn(c_ulonglong) -> c_int,
+    map: unsafe extern "C" fn(c_ulonglong, usize, usize, c_ulonglong, c_ulonglong) -> c_int,
+    unmap: unsafe extern "C" fn(c_ulonglong, usize) -> c_int,
+    set_access: unsafe extern "C" fn(c_ulonglong, usize, *const AccessDesc, usize) -> c_int,
+    granularity: unsafe extern "C" fn(*mut usize, *const AllocationProp, c_int) -> c_int,
+    host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int,
+    free_host: unsafe extern "C" fn(*mut c_void) -> c_int,
+    stream_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int,
+    stream_synchronize: unsafe extern "C" fn(*mut c_void) -> c_int,
+    dtoh_async: unsafe extern "C" fn(*mut c_void, c_ulonglong, usize, *mut c_void) -> c_int,
+    htod_async: unsafe extern "C" fn(c_ulonglong, *const c_void, usize, *mut c_void) -> c_int,
+}
+
+pub struct Cuda {
+    api: Api,
+    _lib: libloading::Library,
+}
+
+// SAFETY: the driver API is thread-safe; the struct holds only function pointers and the library.
+unsafe impl Send for Cuda {}
+// SAFETY: as above.
+unsafe impl Sync for Cuda {}
+
+fn check(op: &'static str, code: c_int) -> DevResult<()> {
+    if code == 0 { Ok(()) } else { Err(DeviceError { op, code }) }
+}
+
+fn prop(dev: i32) -> AllocationProp {
+    AllocationProp {
+        kind: ALLOCATION_TYPE_PINNED,
+        requested_handle_types: 0,
+        location: MemLocation { kind: LOCATION_TYPE_DEVICE, id: dev },
+        win32_handle_meta_data: std::ptr::null_mut(),
+        alloc_flags: [0; 8],
+    }
+}
+
+impl Cuda {
+    /// Loads the driver; Err when it is not installed (the hook then passes everything through).
+    pub fn load() -> Result<Cuda, String> {
+        // SAFETY: loading the vendor driver; its initializers are the vendor's.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| e.to_string())?;
+        // SAFETY: each signature matches the CUDA driver API (shared/reference/cuda.md).
+        let api = unsafe {
+            Api {
+                init: symbol(&lib, "cuInit")?,
+                primary_ctx_retain: symbol(&lib, "cuDevicePrimaryCtxRetain")?,
+                ctx_get_current: symbol(&lib, "cuCtxGetCurrent")?,
+                ctx_set_current: symbol(&lib, "cuCtxSetCurrent")?,
+                ctx_get_device: symbol(&lib, "cuCtxGetDevice")?,
+                ctx_synchronize: symbol(&lib, "cuCtxSynchronize")?,
+                mem_get_info: symbol(&lib, "cuMemGetInfo_v2")?,
+                address_reserve: symbol(&lib, "cuMemAddressReserve")?,
+                address_free: symbol(&lib, "cuMemAddressFree")?,
+                create: symbol(&lib, "cuMemCreate")?,
+                release: symbol(&lib, "cuMemRelease")?,
+                map: symbol(&lib, "cuMemMap")?,
+                unmap: symbol(&lib, "cuMemUnmap")?,
+                set_access: symbol(&lib, "cuMemSetAccess")?,
+                granularity: symbol(&lib, "cuMemGetAllocationGranularity")?,
+                host_alloc: symbol(&lib, "cuMemHostAlloc")?,
+                free_host: symbol(&lib, "cuMemFreeHost")?,
+                stream_create: symbol(&lib, "cuStreamCreate")?,
+                stream_synchronize: symbol(&lib, "cuStreamSynchronize")?,
+                dtoh_async: symbol(&lib, "cuMemcpyDtoHAsync_v2")?,
+                htod_async: symbol(&lib, "cuMemcpyHtoDAsync_v2")?,
+            }
+        };
+        // SAFETY: cuInit(0) is always a valid call.
+        let rc = unsafe { (api.init)(0) };
+        if rc != 0 {
+            return Err(format!("cuInit returned {rc}"));
+        }
+        Ok(Cuda { api, _lib: lib })
+    }
+
+    fn current_context(&self) -> Ctx {
+        let mut ctx: Ctx = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        unsafe { (self.api.ctx_get_current)(&mut ctx) };
+        ctx
+    }
+}
+
+impl Device for Cuda {
+    fn vendor(&self) -> Vendor {
+        Vendor::Cuda
+    }
+
+    fn oom_code(&self) -> i32 {
+        OUT_OF_MEMORY
+    }
+
+    fn invalid_code(&self) -> i32 {
+        INVALID_VALUE
+    }
+
+    fn current_device(&self) -> DevResult<i32> {
+        if !self.current_context().is_null() {
+            let mut dev = 0;
+            // SAFETY: writes one int.
+            check("cuCtxGetDevice", unsafe { (self.api.ctx_get_device)(&mut dev) })?;
+            return Ok(dev);
+        }
+        // No context yet on this thread: the runtime's device is the one cudaMalloc would use.
+        if let Some(f) = crate::forward::CUDA_GET_DEVICE.resolve(0) {
+            let mut dev = 0;
+            // SAFETY: the runtime's cudaGetDevice(int*).
+            let f: unsafe extern "C" fn(*mut c_int) -> c_int = unsafe { std::mem::transmute(f) };
+            if unsafe { f(&mut dev) } == 0 {
+                return Ok(dev);
+            }
+        }
+        Ok(0)
+    }
+
+    fn bind_thread(&self, dev: i32) -> DevResult<usize> {
+        let ctx = self.current_context();
+        if !ctx.is_null() {
+            let mut cur = -1;
+            // SAFETY: writes one int.
+            if unsafe { (self.api.ctx_get_device)(&mut cur) } == 0 && cur == dev {
+                return Ok(UNCHANGED);
+            }
+        }
+        let mut primary: Ctx = std::ptr::null_mut();
+        // SAFETY: writes one pointer; the primary context is retained for the life of the process.
+        check("cuDevicePrimaryCtxRetain", unsafe { (self.api.primary_ctx_retain)(&mut primary, dev) })?;
+        // SAFETY: a context the driver just gave us.
+        check("cuCtxSetCurrent", unsafe { (self.api.ctx_set_current)(primary) })?;
+        Ok(ctx as usize)
+    }
+
+    fn restore_thread(&self, previous: usize) {
+        if previous != UNCHANGED && previous != 0 {
+            // SAFETY: the context that was current before bind_thread.
+            unsafe { (self.api.ctx_set_current)(previous as Ctx) };
+        }
+    }
+
+    fn granularity(&self, dev: i32) -> DevResult<usize> {
+        let mut g = 0usize;
+        let p = prop(dev);
+        // SAFETY: valid prop and out pointer. Option 0 = minimum granularity.
+        check("cuMemGetAllocationGranularity", unsafe { (self.api.granularity)(&mut g, &p, 0) })?;
+        Ok(g.max(1))
+    }
+
+    fn reserve(&self, size: usize) -> DevResult<u64> {
+        let mut addr: c_ulonglong = 0;
+        // SAFETY: writes one address.
+        check("cuMemAddressReserve", unsafe { (self.api.address_reserve)(&mut addr, size, 0, 0, 0) })?;
+        Ok(addr)
+    }
+
+    fn free_reservation(&self, addr: u64, size: usize) -> DevResult<()> {
+        // SAFETY: a reservation we made.
+        check("cuMemAddressFree", unsafe { (self.api.address_free)(addr, size) })
+    }
+
+    fn create(&self, dev: i32, size: usize) -> DevResult<PhysHandle> {
+        let mut h: c_ulonglong = 0;
+        let p = prop(dev);
+        // SAFETY: valid prop and out pointer.
+        check("cuMemCreate", unsafe { (self.api.create)(&mut h, size, &p, 0) })?;
+        Ok(h)
+    }
+
+    fn release(&self, handle: PhysHandle) -> DevResult<()> {
+        // SAFETY: a handle we created.
+        check("cuMemRelease", unsafe { (self.api.release)(handle) })
+    }
+
+    fn map(&self, addr: u64, size: usize, handle: PhysHandle) -> DevResult<()> {
+        // SAFETY: our reservation and handle.
+        check("cuMemMap", unsafe { (self.api.map)(addr, size, 0, handle, 0) })
+    }
+
+    fn set_access(&self, dev: i32, addr: u64, size: usize) -> DevResult<()> {
+        let desc =
+            AccessDesc { location: MemLocation { kind: LOCATION_TYPE_DEVICE, id: dev }, flags: ACCESS_READWRITE };
+        // SAFETY: one descriptor for our mapping.
+        check("cuMemSetAccess", unsafe { (self.api.set_access)(addr, size, &desc, 1) })
+    }
+
+    fn unmap(&self, addr: u64, size: usize) -> DevResult<()> {
+        // SAFETY: our mapping.
+        check("cuMemUnmap", unsafe { (self.api.unmap)(addr, size) })
+    }
+
+    fn synchronize(&self) -> DevResult<()> {
+        // SAFETY: no arguments.
+        check("cuCtxSynchronize", unsafe { (self.api.ctx_synchronize)() })
+    }
+
+    fn mem_info(&self) -> DevResult<(u64, u64)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: writes two sizes.
+        check("cuMemGetInfo", unsafe { (self.api.mem_get_info)(&mut free, &mut total) })?;
+        Ok((free as u64, total as u64))
+    }
+
+    fn host_alloc(&self, size: usize) -> DevResult<*mut u8> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer. PORTABLE: usable from every context.
+        check("cuMemHostAlloc", unsafe { (self.api.host_alloc)(&mut p, size, 1) })?;
+        Ok(p.cast())
+    }
+
+    fn host_free(&self, ptr: *mut u8) {
+        // SAFETY: memory from cuMemHostAlloc.
+        unsafe { (self.api.free_host)(ptr.cast()) };
+    }
+
+    fn stream_create(&self) -> DevResult<Stream> {
+        let mut s: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one handle. Flag 1: non-blocking with respect to the legacy stream.
+        check("cuStreamCreate", unsafe { (self.api.stream_create)(&mut s, 1) })?;
+        Ok(s as Stream)
+    }
+
+    fn stream_synchronize(&self, stream: Stream) -> DevResult<()> {
+        // SAFETY: a stream we created.
+        check("cuStreamSynchronize", unsafe { (self.api.stream_synchronize)(stream as *mut c_void) })
+    }
+
+    fn copy_to_host_async(&self, dst: *mut u8, src: u64, len: usize, stream: Stream) -> DevResult<()> {
+        // SAFETY: pinned destination of at least `len` bytes, mapped source.
+        check("cuMemcpyDtoHAsync", unsafe { (self.api.dtoh_async)(dst.cast(), src, len, stream as *mut c_void) })
+    }
+
+    fn copy_to_device_async(&self, dst: u64, src: *const u8, len: usize, stream: Stream) -> DevResult<()> {
+        // SAFETY: mapped destination, pinned source of at least `len` bytes.
+        check("cuMemcpyHtoDAsync", unsafe { (self.api.htod_async)(dst, src.cast(), len, stream as *mut c_void) })
+    }
+}

@@ -1,0 +1,88 @@
+//! One trait for a vendor's virtual-memory and copy primitives. The saver, registry and backup
+//! know nothing else of CUDA or ACL: a third vendor is one new file here and one in exports/.
+
+pub mod acl;
+pub mod cuda;
+
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Vendor {
+    Cuda,
+    Acl,
+}
+
+impl Vendor {
+    pub fn name(self) -> &'static str {
+        match self {
+            Vendor::Cuda => "cuda",
+            Vendor::Acl => "acl",
+        }
+    }
+}
+
+/// A failed driver call: which one and the vendor's code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceError {
+    pub op: &'static str,
+    pub code: i32,
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} returned {}", self.op, self.code)
+    }
+}
+
+pub type DevResult<T> = Result<T, DeviceError>;
+
+/// Opaque handles as the vendor gives them (CUDA: a 64-bit handle; ACL: a pointer).
+pub type PhysHandle = u64;
+pub type Stream = usize;
+
+/// `bind_thread`'s answer when the thread already had the device: nothing to restore.
+pub const UNCHANGED: usize = usize::MAX;
+
+pub trait Device: Send + Sync {
+    fn vendor(&self) -> Vendor;
+    /// The vendor's "out of memory" code (what allocation calls return when the device is full).
+    fn oom_code(&self) -> i32;
+    /// The vendor's "invalid value" code.
+    fn invalid_code(&self) -> i32;
+    fn is_oom(&self, code: i32) -> bool {
+        code == self.oom_code()
+    }
+    /// The device the calling thread works on.
+    fn current_device(&self) -> DevResult<i32>;
+    /// Makes `dev` current on the calling thread (a control thread has no context of its own).
+    /// Returns what to hand to `restore_thread` to put the thread back as it was.
+    fn bind_thread(&self, dev: i32) -> DevResult<usize>;
+    fn restore_thread(&self, previous: usize);
+    fn granularity(&self, dev: i32) -> DevResult<usize>;
+    fn reserve(&self, size: usize) -> DevResult<u64>;
+    fn free_reservation(&self, addr: u64, size: usize) -> DevResult<()>;
+    fn create(&self, dev: i32, size: usize) -> DevResult<PhysHandle>;
+    fn release(&self, handle: PhysHandle) -> DevResult<()>;
+    fn map(&self, addr: u64, size: usize, handle: PhysHandle) -> DevResult<()>;
+    fn set_access(&self, dev: i32, addr: u64, size: usize) -> DevResult<()>;
+    fn unmap(&self, addr: u64, size: usize) -> DevResult<()>;
+    /// Waits for all work on the calling thread's device.
+    fn synchronize(&self) -> DevResult<()>;
+    /// (free, total) of the calling thread's device.
+    fn mem_info(&self) -> DevResult<(u64, u64)>;
+    fn host_alloc(&self, size: usize) -> DevResult<*mut u8>;
+    fn host_free(&self, ptr: *mut u8);
+    fn stream_create(&self) -> DevResult<Stream>;
+    fn stream_synchronize(&self, stream: Stream) -> DevResult<()>;
+    fn copy_to_host_async(&self, dst: *mut u8, src: u64, len: usize, stream: Stream) -> DevResult<()>;
+    fn copy_to_device_async(&self, dst: u64, src: *const u8, len: usize, stream: Stream) -> DevResult<()>;
+}
+
+/// Resolves `name` in `lib` as a function pointer of type `T`.
+///
+/// # Safety
+/// `T` must be the function's true signature.
+pub(crate) unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &str) -> Result<T, String> {
+    // SAFETY: the caller guarantees the signature.
+    unsafe { lib.get::<T>(name.as_bytes()).map(|s| *s).map_err(|e| format!("{name}: {e}")) }
+}

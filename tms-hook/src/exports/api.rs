@@ -1,0 +1,172 @@
+//! The project's own C API: explicit error codes, reports and status (include/tms.h).
+
+use super::{api, opt_str};
+use crate::saver::{Error, Report};
+use crate::{region, saver};
+use libc::c_char;
+
+pub const TMS_OK: i32 = 0;
+pub const TMS_ERR_INVALID: i32 = 1;
+pub const TMS_ERR_OUT_OF_MEMORY: i32 = 2;
+pub const TMS_ERR_DRIVER: i32 = 3;
+pub const TMS_ERR_NO_DRIVER: i32 = 4;
+pub const TMS_ERR_INTERNAL: i32 = 5;
+
+/// Mirrors `tms_report` in include/tms.h.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CReport {
+    pub error: i32,
+    pub driver_error: i32,
+    pub allocations_done: u64,
+    pub bytes_done: u64,
+    pub allocations_skipped: u64,
+    pub bytes_skipped: u64,
+    pub allocations_failed: u64,
+    pub bytes_failed: u64,
+    pub backup_bytes: u64,
+    pub elapsed_ns: u64,
+    pub device_free_before: u64,
+    pub device_free_after: u64,
+    pub device_total: u64,
+}
+
+/// Mirrors `tms_tag_status` in include/tms.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CTagStatus {
+    pub tag: *const c_char,
+    pub allocations_active: u64,
+    pub allocations_paused: u64,
+    pub bytes_active: u64,
+    pub bytes_paused: u64,
+    pub backup_bytes: u64,
+}
+
+pub fn error_code(e: &Error) -> (i32, i32) {
+    match e {
+        Error::OutOfMemory { code, .. } => (TMS_ERR_OUT_OF_MEMORY, *code),
+        Error::Driver(d) => (TMS_ERR_DRIVER, d.code),
+        Error::NoDriver(_) => (TMS_ERR_NO_DRIVER, 0),
+        Error::Invalid(_) => (TMS_ERR_INVALID, 0),
+    }
+}
+
+pub fn to_c(r: &Report) -> CReport {
+    let (error, driver_error) = r.error.as_ref().map_or((TMS_OK, 0), error_code);
+    CReport {
+        error,
+        driver_error,
+        allocations_done: r.allocations_done,
+        bytes_done: r.bytes_done,
+        allocations_skipped: r.allocations_skipped,
+        bytes_skipped: r.bytes_skipped,
+        allocations_failed: r.allocations_failed,
+        bytes_failed: r.bytes_failed,
+        backup_bytes: r.backup_bytes,
+        elapsed_ns: r.elapsed_ns,
+        device_free_before: r.device_free_before,
+        device_free_after: r.device_free_after,
+        device_total: r.device_total,
+    }
+}
+
+fn operation(tag: *const c_char, out: *mut CReport, pause: bool) -> i32 {
+    // SAFETY: NULL or a NUL-terminated string (the exported contract).
+    let tag = unsafe { opt_str(tag) };
+    api(
+        || {
+            let s = saver();
+            let report = if pause { s.pause(tag.as_deref()) } else { s.resume(tag.as_deref()) };
+            let c = to_c(&report);
+            if !out.is_null() {
+                // SAFETY: the caller passes a tms_report to fill.
+                unsafe { out.write(c) };
+            }
+            c.error
+        },
+        TMS_ERR_INTERNAL,
+    )
+}
+
+/// Pauses `tag` (NULL or "" = every tag) and fills `out` if non-NULL.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_pause_report(tag: *const c_char, out: *mut CReport) -> i32 {
+    operation(tag, out, true)
+}
+
+/// Resumes `tag` (NULL or "" = every tag) and fills `out` if non-NULL.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_resume_report(tag: *const c_char, out: *mut CReport) -> i32 {
+    operation(tag, out, false)
+}
+
+/// Writes up to `capacity` per-tag entries to `out`; `*count` receives the number of tags.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_status(out: *mut CTagStatus, capacity: usize, count: *mut usize) -> i32 {
+    if count.is_null() || (out.is_null() && capacity > 0) {
+        return TMS_ERR_INVALID;
+    }
+    api(
+        || {
+            let tags = crate::existing_saver().map(|s| s.status()).unwrap_or_default();
+            for (i, t) in tags.iter().take(capacity).enumerate() {
+                let c = CTagStatus {
+                    tag: region::tag_ptr(t.tag).unwrap_or(c"".as_ptr()),
+                    allocations_active: t.allocations_active,
+                    allocations_paused: t.allocations_paused,
+                    bytes_active: t.bytes_active,
+                    bytes_paused: t.bytes_paused,
+                    backup_bytes: t.backup_bytes,
+                };
+                // SAFETY: `out` has room for `capacity` entries.
+                unsafe { out.add(i).write(c) };
+            }
+            // SAFETY: checked non-null.
+            unsafe { count.write(tags.len()) };
+            TMS_OK
+        },
+        TMS_ERR_INTERNAL,
+    )
+}
+
+/// Frees retained pinned backup buffers of active allocations; `*bytes_freed` if non-NULL.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_release_cpu_backups(bytes_freed: *mut u64) -> i32 {
+    api(
+        || {
+            let n = crate::existing_saver().map_or(0, |s| s.release_backups());
+            if !bytes_freed.is_null() {
+                // SAFETY: checked non-null.
+                unsafe { bytes_freed.write(n) };
+            }
+            TMS_OK
+        },
+        TMS_ERR_INTERNAL,
+    )
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_memory_margin_bytes() -> u64 {
+    api(|| saver().margin(), 0)
+}
+
+/// A static description of a TMS_ERR_* code.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_strerror(code: i32) -> *const c_char {
+    match code {
+        TMS_OK => c"success",
+        TMS_ERR_INVALID => c"invalid argument",
+        TMS_ERR_OUT_OF_MEMORY => c"out of device memory (see the report's driver_error)",
+        TMS_ERR_DRIVER => c"a driver call failed (see the report's driver_error)",
+        TMS_ERR_NO_DRIVER => c"no CUDA or Ascend driver could be loaded",
+        TMS_ERR_INTERNAL => c"internal error in tms (a bug: please report it)",
+        _ => c"unknown tms error code",
+    }
+    .as_ptr()
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}

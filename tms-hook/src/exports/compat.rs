@@ -1,0 +1,141 @@
+//! torch_memory_saver's C ABI, symbol for symbol (shared/reference/torch-memory-saver.md), so its
+//! Python wrapper and the frameworks that call it work unchanged. Differences are improvements:
+//! nothing here exits the process; pause/resume are idempotent and return error codes.
+
+use super::{api, opt_str};
+use crate::{region, saver};
+use libc::c_char;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+static BACKUP_BACKEND_MMAP: AtomicU8 = AtomicU8::new(2); // 2 = not set yet: use the environment
+static DISK_BACKUP: AtomicBool = AtomicBool::new(false);
+static DISK_WARNED: AtomicBool = AtomicBool::new(false);
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_set_interesting_region(is_interesting_region: bool) {
+    api(|| region::set_region(is_interesting_region), ())
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_interesting_region() -> bool {
+    api(region::in_region, false)
+}
+
+/// NULL or "" selects the default tag (`TMS_INIT_TAG`, else "default").
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_set_current_tag(tag: *const c_char) {
+    // SAFETY: NULL or a NUL-terminated string.
+    let tag = unsafe { opt_str(tag) };
+    api(|| region::set_tag(tag.as_deref()), ())
+}
+
+/// The calling thread's tag; the pointer stays valid for the life of the process.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_current_tag() -> *const c_char {
+    api(|| region::tag_ptr(region::current_tag()).unwrap_or(c"default".as_ptr()), c"default".as_ptr())
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_enable_cpu_backup() -> bool {
+    api(region::backup_enabled, false)
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_set_enable_cpu_backup(enable: bool) {
+    api(|| region::set_backup(enable), ())
+}
+
+/// "pinned" or "mmap". Both keep the backup in pinned host memory here (bus-speed copies);
+/// "mmap" is accepted so that callers choosing it keep working.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_cpu_backup_backend() -> *const c_char {
+    let mmap = match BACKUP_BACKEND_MMAP.load(Ordering::Relaxed) {
+        2 => crate::config::config().backup_backend == "mmap",
+        v => v == 1,
+    };
+    if mmap { c"mmap".as_ptr() } else { c"pinned".as_ptr() }
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) {
+    // SAFETY: NULL or a NUL-terminated string.
+    let backend = unsafe { opt_str(backend) };
+    api(
+        || match backend.as_deref() {
+            Some("mmap") => BACKUP_BACKEND_MMAP.store(1, Ordering::Relaxed),
+            Some("pinned") | None => BACKUP_BACKEND_MMAP.store(0, Ordering::Relaxed),
+            Some(other) => {
+                crate::log::init();
+                tracing::warn!("tms: cpu backup backend {other:?} is not pinned or mmap; keeping the current one")
+            }
+        },
+        (),
+    )
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_enable_disk_backup() -> bool {
+    DISK_BACKUP.load(Ordering::Relaxed)
+}
+
+/// Accepted for compatibility. Disk backup is not implemented: backups stay in host memory.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_set_enable_disk_backup(enable: bool) {
+    api(
+        || {
+            DISK_BACKUP.store(enable, Ordering::Relaxed);
+            if enable && !DISK_WARNED.swap(true, Ordering::Relaxed) {
+                crate::log::init();
+                tracing::warn!("tms: disk backup is not supported; CPU backup is used where enabled");
+            }
+        },
+        (),
+    )
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_set_disk_backup_dir(_dir: *const c_char) {}
+
+/// Free memory to keep when allocating in a region and when resuming (no `tms_` prefix, as in
+/// torch_memory_saver).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn set_memory_margin_bytes(value: u64) {
+    api(|| saver().set_margin(value), ())
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_set_retain_cpu_backup(retain: bool) {
+    api(|| saver().set_retain_backup(retain), ())
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_retain_cpu_backup() -> bool {
+    api(|| saver().retain_backup(), true)
+}
+
+/// Pauses `tag` (NULL or "" = every tag). Returns 0 or a TMS_ERR_* code; see tms_pause_report.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> i32 {
+    // SAFETY: forwarded contract.
+    unsafe { super::api::tms_pause_report(tag, std::ptr::null_mut()) }
+}
+
+/// Resumes `tag` (NULL or "" = every tag). Returns 0 or a TMS_ERR_* code; see tms_resume_report.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> i32 {
+    // SAFETY: forwarded contract.
+    unsafe { super::api::tms_resume_report(tag, std::ptr::null_mut()) }
+}
+
+/// The host buffer holding the backup of `[gpu_ptr, gpu_ptr+size)`, or NULL if that range has
+/// none (not tracked, backup disabled, or never paused).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_cpu_backup_pointer(gpu_ptr: *const u8, size: u64) -> *mut u8 {
+    api(
+        || match crate::existing_saver().and_then(|s| s.backup_pointer(gpu_ptr as u64, size)) {
+            Some(p) => p as *mut u8,
+            None => std::ptr::null_mut(),
+        },
+        std::ptr::null_mut(),
+    )
+}

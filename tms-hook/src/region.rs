@@ -1,0 +1,84 @@
+//! Thread-local region, tag and backup flags. Const-initialized `Cell`s without destructors, so
+//! they stay usable during thread teardown and `atexit`, when hooks still run.
+
+use crate::config::config;
+use std::cell::Cell;
+use std::ffi::{CStr, CString};
+use std::sync::Mutex;
+
+const UNSET: u8 = 0;
+const OFF: u8 = 1;
+const ON: u8 = 2;
+
+thread_local! {
+    static REGION: Cell<u8> = const { Cell::new(UNSET) };
+    static BACKUP: Cell<u8> = const { Cell::new(UNSET) };
+    /// Interned tag id + 1; 0 means the default tag.
+    static TAG: Cell<u32> = const { Cell::new(0) };
+}
+
+fn flag(v: bool) -> u8 {
+    if v { ON } else { OFF }
+}
+
+pub fn in_region() -> bool {
+    match REGION.with(Cell::get) {
+        UNSET => config().init_enable,
+        v => v == ON,
+    }
+}
+
+pub fn set_region(on: bool) {
+    REGION.with(|c| c.set(flag(on)));
+}
+
+pub fn backup_enabled() -> bool {
+    match BACKUP.with(Cell::get) {
+        UNSET => config().init_backup,
+        v => v == ON,
+    }
+}
+
+pub fn set_backup(on: bool) {
+    BACKUP.with(|c| c.set(flag(on)));
+}
+
+/// Tags are interned for the life of the process, so `tms_get_current_tag` can hand out pointers
+/// that stay valid; a program uses a handful of tags.
+static TAGS: Mutex<Vec<CString>> = Mutex::new(Vec::new());
+
+pub type TagId = u32;
+
+pub fn intern(tag: &str) -> TagId {
+    let mut tags = TAGS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = tags.iter().position(|t| t.to_bytes() == tag.as_bytes()) {
+        return i as TagId;
+    }
+    tags.push(CString::new(tag.replace('\0', "")).expect("NULs removed"));
+    (tags.len() - 1) as TagId
+}
+
+pub fn tag_name(id: TagId) -> String {
+    tag_ptr(id).map(|p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// A pointer to the interned tag's bytes, valid for the life of the process (the `CString`'s heap
+/// buffer does not move when the vector grows).
+pub fn tag_ptr(id: TagId) -> Option<*const libc::c_char> {
+    TAGS.lock().unwrap_or_else(|e| e.into_inner()).get(id as usize).map(|t| t.as_ptr())
+}
+
+pub fn current_tag() -> TagId {
+    match TAG.with(Cell::get) {
+        0 => intern(&config().init_tag),
+        n => n - 1,
+    }
+}
+
+pub fn set_tag(tag: Option<&str>) {
+    let id = match tag {
+        None => 0,
+        Some(t) => intern(t) + 1,
+    };
+    TAG.with(|c| c.set(id));
+}
