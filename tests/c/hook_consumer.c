@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define MiB (1024ULL * 1024ULL)
@@ -448,6 +449,55 @@ static int serve(void) {
   return 0;
 }
 
+/* A forked child starts with no tracked allocations of its own and can pause/resume its own;
+ * the parent's are untouched. */
+static int fork_child(void) {
+  region("parent", 1);
+  void *p;
+  EXPECT(dev_malloc(&p, 4 * MiB), 0);
+  dev_fill(p, 4 * MiB, 9);
+  uint64_t sum = dev_checksum(p, 4 * MiB);
+  pid_t pid = fork();
+  if (pid == 0) {
+    size_t n = 99;
+    EXPECT(TMS(tms_status)(NULL, 0, &n), 0);
+    EXPECT(n, 0);
+    region("child", 1);
+    void *c;
+    EXPECT(dev_malloc(&c, 2 * MiB), 0);
+    tms_report r;
+    EXPECT(TMS(tms_pause_report)(NULL, &r), 0);
+    EXPECT(r.allocations_done, 1);
+    EXPECT(TMS(tms_resume)(NULL), 0);
+    EXPECT(dev_free(c), 0);
+    _exit(0);
+  }
+  int status = -1;
+  waitpid(pid, &status, 0);
+  EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, 1);
+  tms_report r;
+  EXPECT(TMS(tms_pause_report)(NULL, &r), 0);
+  EXPECT(r.allocations_done, 1);
+  EXPECT(TMS(tms_resume)(NULL), 0);
+  EXPECT(dev_checksum(p, 4 * MiB) == sum, 1);
+  EXPECT(dev_free(p), 0);
+  printf("fork ok\n");
+  return 0;
+}
+
+/* Without a driver the hook passes everything through: allocations work, nothing is tracked. */
+static int no_driver(void) {
+  region("x", 1);
+  void *p;
+  EXPECT(dev_malloc(&p, 4 * MiB), 0);
+  tms_report r;
+  EXPECT(TMS(tms_pause_report)(NULL, &r), 0);
+  EXPECT(r.allocations_done, 0);
+  EXPECT(dev_free(p), 0);
+  printf("passthrough ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -460,6 +510,8 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "faults")) return faults();
   if (!strcmp(m, "threads")) return threads(argc > 3 ? atol(argv[3]) : 1000);
   if (!strcmp(m, "serve")) return serve();
+  if (!strcmp(m, "fork")) return fork_child();
+  if (!strcmp(m, "no-driver")) return no_driver();
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;
 }

@@ -163,3 +163,37 @@ fn dlsym_next_and_default_keep_their_meaning_under_the_hook() {
     assert!(plain.contains("ok"), "{plain}");
     assert_eq!(plain, under_hook);
 }
+
+#[test]
+fn forked_children_get_their_own_state() {
+    let node = SimNode::new("1GiB");
+    let out = hooked(&node, Style::Linked, &["fork", "cuda"]);
+    assert!(out.contains("fork ok"), "{out}");
+}
+
+#[test]
+fn without_a_driver_everything_passes_through() {
+    // A runtime without its driver: libcudart.so.12 is there, libcuda.so.1 is not.
+    let ws = workspace();
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(ws.sim_lib(), dir.path().join("libcudart.so.12")).unwrap();
+    let node = SimNode::new("1GiB");
+    let mut argv = c_program("hook_consumer", Style::Dlsym);
+    argv.extend(["no-driver".into(), "cuda".into()]);
+    let out = node.hooked(&argv).env("LD_LIBRARY_PATH", dir.path()).output().unwrap();
+    assert_ok(&out, "no-driver");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cuda driver unavailable"), "one warning expected: {err}");
+    assert_eq!(err.matches("driver unavailable").count(), 1, "{err}");
+}
+
+#[test]
+fn expandable_segments_are_reported_once() {
+    let node = SimNode::new("1GiB").env("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True");
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["cycle".into(), "cuda".into(), "1".into()]);
+    let out = node.hooked(&argv).output().unwrap();
+    assert_ok(&out, "cycle");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("expandable segments").count(), 1, "{err}");
+}
