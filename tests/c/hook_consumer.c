@@ -407,6 +407,32 @@ static int threads(long cycles) {
   return 0;
 }
 
+/* Churn threads run for `seconds` while something outside (tms-ctl) pauses and resumes tags
+ * "volatile" and "stable"; the stable allocation must hold its bytes at the end. */
+static int churn_for(long seconds) {
+  region("stable", 1);
+  void *s;
+  EXPECT(dev_malloc(&s, 4 * MiB), 0);
+  dev_fill(s, 4 * MiB, 77);
+  uint64_t sum = dev_checksum(s, 4 * MiB);
+  printf("ready\n");
+  fflush(stdout);
+  pthread_t th[8];
+  for (long i = 0; i < 8; i++) pthread_create(&th[i], NULL, churn, (void *)(i + 1));
+  sleep((unsigned)seconds);
+  stop = 1;
+  long total = 0;
+  for (int i = 0; i < 8; i++) {
+    void *r;
+    pthread_join(th[i], &r);
+    total += (long)r;
+  }
+  EXPECT(TMS(tms_resume)(NULL), 0);
+  EXPECT(dev_checksum(s, 4 * MiB) == sum, 1);
+  printf("churn ok rounds=%ld\n", total);
+  return 0;
+}
+
 /* Driven over stdin by a test to make two processes take turns on one device:
  * commands alloc MiB | fill | pause | resume | verify | free | info | quit; one reply line each. */
 static int serve(void) {
@@ -421,6 +447,10 @@ static int serve(void) {
       region("train", 1);
       n = (size_t)arg * MiB;
       printf("rc=%d\n", dev_malloc(&p, n));
+    } else if (sscanf(line, "plain %ld", &arg) == 1) {
+      no_region();
+      void *q;
+      printf("rc=%d\n", dev_malloc(&q, (size_t)arg * MiB));
     } else if (!strncmp(line, "fill", 4)) {
       dev_fill(p, n, 42);
       sum = dev_checksum(p, n);
@@ -511,6 +541,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "threads")) return threads(argc > 3 ? atol(argv[3]) : 1000);
   if (!strcmp(m, "serve")) return serve();
   if (!strcmp(m, "fork")) return fork_child();
+  if (!strcmp(m, "churn")) return churn_for(argc > 3 ? atol(argv[3]) : 3);
   if (!strcmp(m, "no-driver")) return no_driver();
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;

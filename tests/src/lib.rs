@@ -3,8 +3,9 @@
 //! styles, and give each test a private simulated node.
 
 use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
 use std::sync::{Mutex, OnceLock};
 
 pub struct Workspace {
@@ -217,6 +218,18 @@ impl SimNode {
         self
     }
 
+    /// This node's private control-socket folder.
+    pub fn control_dir(&self) -> PathBuf {
+        self.dir.path().join("ctl")
+    }
+
+    /// `tms-ctl` pointed at this node's sockets.
+    pub fn ctl(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(workspace().bin("tms-ctl"));
+        cmd.args(args).env("TMS_CONTROL_DIR", self.control_dir()).stdin(Stdio::null());
+        cmd
+    }
+
     /// A command for `argv` (program first) on this node.
     pub fn command(&self, argv: &[PathBuf]) -> Command {
         let ws = workspace();
@@ -227,6 +240,7 @@ impl SimNode {
             .env("TMS_SIM_NODE", "test")
             .env("TMS_SIM_MEMORY", &self.memory)
             .env("TMS_SIM_DEVICES", self.devices.to_string())
+            .env("TMS_CONTROL_DIR", self.control_dir())
             .env_remove("LD_PRELOAD")
             .env_remove("TMS_SIM_FAIL")
             .stdin(Stdio::null());
@@ -269,3 +283,45 @@ pub fn field(text: &str, key: &str) -> u64 {
 }
 
 pub const MIB: u64 = 1 << 20;
+
+/// A hooked C program in `serve` mode, driven line by line over stdin (see hook_consumer.c).
+pub struct Served {
+    pub child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Served {
+    pub fn start(node: &SimNode, api: &str) -> Served {
+        Served::start_with(node, api, &[])
+    }
+
+    pub fn start_with(node: &SimNode, api: &str, env: &[(&str, &str)]) -> Served {
+        let mut argv = c_program("hook_consumer", Style::Linked);
+        argv.extend(["serve".into(), api.into()]);
+        let mut cmd = node.hooked(&argv);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Served { child, stdin, stdout }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    }
+
+    pub fn quit(mut self) {
+        writeln!(self.stdin, "quit").unwrap();
+        assert!(self.child.wait().unwrap().success());
+    }
+}

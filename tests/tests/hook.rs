@@ -1,8 +1,7 @@
 //! libtms_hook.so preloaded into C programs on the simulator, CUDA and Ascend, all loading styles.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use tms_e2e::*;
 
 fn hooked(node: &SimNode, style: Style, args: &[&str]) -> String {
@@ -54,35 +53,6 @@ fn pause_frees_device_memory_others_can_see() {
     assert_eq!(trainer.ask("free"), "rc=0");
     trainer.quit();
     rollout.quit();
-}
-
-struct Served {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Served {
-    fn start(node: &SimNode, api: &str) -> Served {
-        let mut argv = c_program("hook_consumer", Style::Linked);
-        argv.extend(["serve".into(), api.into()]);
-        let mut child = node.hooked(&argv).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        Served { child, stdin, stdout }
-    }
-
-    fn ask(&mut self, cmd: &str) -> String {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        line.trim().to_string()
-    }
-
-    fn quit(mut self) {
-        writeln!(self.stdin, "quit").unwrap();
-        assert!(self.child.wait().unwrap().success());
-    }
 }
 
 #[test]

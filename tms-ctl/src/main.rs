@@ -1,6 +1,463 @@
-//! `tms-ctl`: the control-plane CLI. Not implemented yet (issue 4).
+//! `tms-ctl`: pause, resume and inspect processes running with libtms_hook.so, from outside.
 
-fn main() -> std::process::ExitCode {
-    eprintln!("tms-ctl: the control plane is not implemented yet (see issue 4)");
-    std::process::ExitCode::from(1)
+use clap::{CommandFactory, Parser, Subcommand};
+use serde::Serialize;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use tms_proto::{ClientError, OpReport, Request, Settings, SocketEntry, Status};
+
+const AFTER_HELP: &str = "\
+TARGET is a pid, a TMS_NAME (every process with that name), or a socket path.
+
+Sockets live in $TMS_CONTROL_DIR, else $XDG_RUNTIME_DIR/tms, else /tmp/tms-$UID (override: --dir).
+A hooked process serves one from its first region allocation on (TMS_CONTROL=1: from its first
+hooked call; TMS_CONTROL=0: never). Only the same user or root is served.
+
+Exit codes:
+  0  success
+  1  an operation failed (error reply, out of memory on resume, unreachable process)
+  2  usage error, or no process matches a TARGET";
+
+#[derive(Parser)]
+#[command(name = "tms-ctl", version, about = "Pause, resume and inspect processes that run with libtms_hook.so", after_help = AFTER_HELP)]
+struct Cli {
+    /// Seconds to wait for each process's reply.
+    #[arg(long, global = true, default_value_t = 30.0)]
+    timeout: f64,
+    /// Socket folder (default: $TMS_CONTROL_DIR, $XDG_RUNTIME_DIR/tms, or /tmp/tms-$UID).
+    #[arg(long, global = true)]
+    dir: Option<PathBuf>,
+    /// Machine-readable JSON output (stable field names).
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List hooked processes: pid, name, devices, bytes per tag and state. Removes sockets of
+    /// processes that are gone.
+    List,
+    /// Show one process (or all) in detail.
+    Status { targets: Vec<String> },
+    /// Release the device memory of a tag (or every tag) in the given processes.
+    Pause {
+        /// Only this tag (default: every tag).
+        #[arg(long)]
+        tag: Option<String>,
+        /// Every hooked process.
+        #[arg(long)]
+        all: bool,
+        targets: Vec<String>,
+    },
+    /// Bring paused memory back at the same addresses, contents restored where backed up.
+    Resume {
+        #[arg(long)]
+        tag: Option<String>,
+        #[arg(long)]
+        all: bool,
+        targets: Vec<String>,
+    },
+    /// Change a process's settings.
+    Set {
+        /// Free device memory to keep on region allocation and resume, in bytes.
+        #[arg(long)]
+        margin: Option<u64>,
+        /// Keep pinned backup buffers after resume.
+        #[arg(long)]
+        retain_backup: Option<bool>,
+        /// Backup flag of threads that never set one.
+        #[arg(long)]
+        default_backup: Option<bool>,
+        #[arg(long)]
+        all: bool,
+        targets: Vec<String>,
+    },
+    /// Check that processes answer.
+    Ping {
+        #[arg(long)]
+        all: bool,
+        targets: Vec<String>,
+    },
+    /// A live per-process, per-tag view, refreshed every --interval seconds (Ctrl-C to stop).
+    Watch {
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Stop after this many refreshes (default: never).
+        #[arg(long)]
+        count: Option<u64>,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
+}
+
+/// A failure with the exit code it maps to.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+fn usage(message: impl Into<String>) -> Failure {
+    Failure { code: 2, message: message.into() }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => {
+            eprintln!("tms-ctl: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+struct Ctx {
+    dir: PathBuf,
+    timeout: Duration,
+    json: bool,
+}
+
+fn run(cli: &Cli) -> Result<u8, Failure> {
+    if !(cli.timeout > 0.0 && cli.timeout.is_finite()) {
+        return Err(usage("--timeout must be a positive number of seconds"));
+    }
+    let ctx = Ctx {
+        dir: cli.dir.clone().unwrap_or_else(tms_proto::socket_dir),
+        timeout: Duration::from_secs_f64(cli.timeout),
+        json: cli.json,
+    };
+    match &cli.command {
+        Command::List => list(&ctx),
+        Command::Status { targets } => {
+            let procs = if targets.is_empty() { alive(&ctx) } else { resolve(&ctx, targets, false)? };
+            show_status(&ctx, &procs)
+        }
+        Command::Pause { tag, all, targets } => operate(&ctx, &resolve(&ctx, targets, *all)?, tag.as_deref(), true),
+        Command::Resume { tag, all, targets } => operate(&ctx, &resolve(&ctx, targets, *all)?, tag.as_deref(), false),
+        Command::Set { margin, retain_backup, default_backup, all, targets } => {
+            let settings =
+                Settings { default_backup: *default_backup, margin_bytes: *margin, retain_backup: *retain_backup };
+            if settings == Settings::default() {
+                return Err(usage("nothing to set: give --margin, --retain-backup or --default-backup"));
+            }
+            simple(&ctx, &resolve(&ctx, targets, *all)?, &Request::Set(settings))
+        }
+        Command::Ping { all, targets } => simple(&ctx, &resolve(&ctx, targets, *all)?, &Request::Ping),
+        Command::Watch { interval, count } => watch(&ctx, *interval, *count),
+        Command::Completions { shell } => {
+            clap_complete::generate(*shell, &mut Cli::command(), "tms-ctl", &mut std::io::stdout());
+            Ok(0)
+        }
+    }
+}
+
+/// Live sockets; stale ones (their process is gone) are removed.
+fn alive(ctx: &Ctx) -> Vec<SocketEntry> {
+    let (live, stale): (Vec<_>, Vec<_>) = tms_proto::list_sockets(&ctx.dir).into_iter().partition(|s| s.alive);
+    for s in stale {
+        if std::fs::remove_file(&s.path).is_ok() && !ctx.json {
+            eprintln!("tms-ctl: removed stale socket of exited pid {} ({})", s.pid, s.path.display());
+        }
+    }
+    live
+}
+
+fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>, Failure> {
+    if all && !targets.is_empty() {
+        return Err(usage("give TARGETs or --all, not both"));
+    }
+    let live = alive(ctx);
+    if all {
+        if live.is_empty() {
+            return Err(usage(format!("no hooked process has a socket in {}", ctx.dir.display())));
+        }
+        return Ok(live);
+    }
+    if targets.is_empty() {
+        return Err(usage("no TARGET given (a pid, a TMS_NAME, a socket path, or --all)"));
+    }
+    let mut out: Vec<SocketEntry> = Vec::new();
+    for t in targets {
+        let found: Vec<SocketEntry> = if t.contains('/') {
+            let path = PathBuf::from(t);
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let (pid, start_time) = tms_proto::parse_socket_name(&name).unwrap_or((0, 0));
+            if path.exists() { vec![SocketEntry { path, pid, start_time, alive: true }] } else { vec![] }
+        } else if let Ok(pid) = t.parse::<u32>() {
+            live.iter().filter(|s| s.pid == pid).cloned().collect()
+        } else {
+            live.iter()
+                .filter(|s| {
+                    tms_proto::status(&s.path, ctx.timeout).ok().and_then(|st| st.name).as_deref() == Some(t.as_str())
+                })
+                .cloned()
+                .collect()
+        };
+        if found.is_empty() {
+            return Err(usage(format!(
+                "no hooked process matches {t:?} in {}; `tms-ctl list` shows the running ones",
+                ctx.dir.display()
+            )));
+        }
+        for f in found {
+            if !out.iter().any(|o| o.path == f.path) {
+                out.push(f);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: &[&str] = &["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[i]) }
+}
+
+#[derive(Serialize)]
+struct ProcessRow {
+    pid: u32,
+    socket: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<Status>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+fn collect(ctx: &Ctx, procs: &[SocketEntry]) -> Vec<ProcessRow> {
+    procs
+        .iter()
+        .map(|p| {
+            let r = tms_proto::status(&p.path, ctx.timeout);
+            ProcessRow {
+                pid: p.pid,
+                socket: p.path.display().to_string(),
+                error: r.as_ref().err().map(|e| e.to_string()),
+                status: r.ok(),
+            }
+        })
+        .collect()
+}
+
+fn table(rows: &[ProcessRow]) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "{:<8} {:<18} {:<22} {:<14} {:>7} {:>11} {:>7} {:>11} {:>11}\n",
+        "PID", "NAME", "DEVICE FREE/TOTAL", "TAG", "ACTIVE", "BYTES", "PAUSED", "BYTES", "BACKUP"
+    ));
+    for r in rows {
+        let Some(st) = &r.status else {
+            out.push_str(&format!("{:<8} (unreachable: {})\n", r.pid, r.error.as_deref().unwrap_or("?")));
+            continue;
+        };
+        let name = st.name.clone().unwrap_or_else(|| "-".into());
+        let dev = st
+            .devices
+            .first()
+            .map(|d| format!("{}:{} {}/{}", d.vendor, d.device, human(d.free), human(d.total)))
+            .unwrap_or_else(|| "-".into());
+        if st.tags.is_empty() {
+            out.push_str(&format!("{:<8} {:<18} {:<22} {:<14}\n", r.pid, name, dev, "(no tracked memory)"));
+        }
+        for (i, t) in st.tags.iter().enumerate() {
+            let (pid, name, dev) =
+                if i == 0 { (r.pid.to_string(), name.as_str(), dev.as_str()) } else { (String::new(), "", "") };
+            out.push_str(&format!(
+                "{:<8} {:<18} {:<22} {:<14} {:>7} {:>11} {:>7} {:>11} {:>11}\n",
+                pid,
+                name,
+                dev,
+                t.tag,
+                t.allocations_active,
+                human(t.bytes_active),
+                t.allocations_paused,
+                human(t.bytes_paused),
+                human(t.backup_bytes)
+            ));
+        }
+    }
+    out
+}
+
+fn list(ctx: &Ctx) -> Result<u8, Failure> {
+    let rows = collect(ctx, &alive(ctx));
+    if ctx.json {
+        println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
+    } else if rows.is_empty() {
+        println!("no hooked processes (sockets in {})", ctx.dir.display());
+    } else {
+        print!("{}", table(&rows));
+    }
+    Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
+}
+
+fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
+    let rows = collect(ctx, procs);
+    if ctx.json {
+        println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
+    } else {
+        for r in &rows {
+            match &r.status {
+                Some(st) => {
+                    println!(
+                        "pid {} ({}), hook {}, socket {}",
+                        r.pid,
+                        st.name.as_deref().unwrap_or("unnamed"),
+                        st.hook_version,
+                        r.socket
+                    );
+                    for d in &st.devices {
+                        println!("  {} device {}: {} free of {}", d.vendor, d.device, human(d.free), human(d.total));
+                    }
+                    println!(
+                        "  margin {}, retain backup {}, default backup {}",
+                        human(st.margin_bytes),
+                        st.retain_backup,
+                        st.default_backup
+                    );
+                    for t in &st.tags {
+                        println!(
+                            "  tag {:<14} active {} ({}), paused {} ({}), backup {}",
+                            t.tag,
+                            t.allocations_active,
+                            human(t.bytes_active),
+                            t.allocations_paused,
+                            human(t.bytes_paused),
+                            human(t.backup_bytes)
+                        );
+                    }
+                }
+                None => println!("pid {}: unreachable: {}", r.pid, r.error.as_deref().unwrap_or("?")),
+            }
+        }
+    }
+    Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
+}
+
+#[derive(Serialize)]
+struct OpRow {
+    pid: u32,
+    socket: String,
+    ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    report: Option<OpReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> Result<u8, Failure> {
+    let verb = if pause { "paused" } else { "resumed" };
+    let mut rows = Vec::new();
+    for p in procs {
+        let request = if pause {
+            Request::Pause { tag: tag.map(String::from) }
+        } else {
+            Request::Resume { tag: tag.map(String::from) }
+        };
+        let row = match tms_proto::call_full(&p.path, &request, ctx.timeout) {
+            Ok((report, error)) => {
+                let report: Option<OpReport> = report.and_then(|v| serde_json::from_value(v).ok());
+                OpRow {
+                    pid: p.pid,
+                    socket: p.path.display().to_string(),
+                    ok: error.is_none(),
+                    report,
+                    error: error.map(|e| e.to_string()),
+                }
+            }
+            Err(e) => OpRow {
+                pid: p.pid,
+                socket: p.path.display().to_string(),
+                ok: false,
+                report: None,
+                error: Some(e.to_string()),
+            },
+        };
+        if !ctx.json {
+            let mut line = format!("pid {}: ", row.pid);
+            if let Some(r) = &row.report {
+                line.push_str(&format!(
+                    "{verb} {} allocations, {} in {:.1} ms (skipped {}, failed {}); device free {} -> {}",
+                    r.allocations_done,
+                    human(r.bytes_done),
+                    r.elapsed_ns as f64 / 1e6,
+                    r.allocations_skipped,
+                    r.allocations_failed,
+                    human(r.device_free_before),
+                    human(r.device_free_after)
+                ));
+            }
+            if let Some(e) = &row.error {
+                line.push_str(&format!("{}error: {e}", if row.report.is_some() { "; " } else { "" }));
+            }
+            println!("{line}");
+            let _ = std::io::stdout().flush();
+        }
+        rows.push(row);
+    }
+    if ctx.json {
+        println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
+    }
+    Ok(if rows.iter().all(|r| r.ok) { 0 } else { 1 })
+}
+
+fn simple(ctx: &Ctx, procs: &[SocketEntry], request: &Request) -> Result<u8, Failure> {
+    let mut failed = false;
+    let mut rows = Vec::new();
+    for p in procs {
+        let r = tms_proto::call(&p.path, request, ctx.timeout);
+        failed |= r.is_err();
+        if !ctx.json {
+            match &r {
+                Ok(_) => println!("pid {}: ok", p.pid),
+                Err(e) => println!("pid {}: error: {e}", p.pid),
+            }
+        }
+        rows.push(serde_json::json!({
+            "pid": p.pid,
+            "socket": p.path.display().to_string(),
+            "ok": r.is_ok(),
+            "result": r.as_ref().ok(),
+            "error": r.as_ref().err().map(|e: &ClientError| e.to_string()),
+        }));
+    }
+    if ctx.json {
+        println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
+    }
+    Ok(if failed { 1 } else { 0 })
+}
+
+fn watch(ctx: &Ctx, interval: f64, count: Option<u64>) -> Result<u8, Failure> {
+    if !(interval > 0.0 && interval.is_finite()) {
+        return Err(usage("--interval must be a positive number of seconds"));
+    }
+    let tty = std::io::stdout().is_terminal();
+    let mut n = 0u64;
+    loop {
+        let rows = collect(ctx, &alive(ctx));
+        if ctx.json {
+            println!("{}", serde_json::to_string(&rows).expect("serializes"));
+        } else {
+            if tty {
+                print!("\x1b[2J\x1b[H");
+            }
+            println!("tms-ctl watch: {} process(es), every {interval}s (Ctrl-C to stop)", rows.len());
+            print!("{}", table(&rows));
+        }
+        let _ = std::io::stdout().flush();
+        n += 1;
+        if count.is_some_and(|c| n >= c) {
+            return Ok(0);
+        }
+        std::thread::sleep(Duration::from_secs_f64(interval));
+    }
 }

@@ -23,6 +23,9 @@ pub struct Config {
     pub backup_chunk: usize,
     /// `TMS_INIT_ENABLE_DISK_BACKUP`: accepted for compatibility; disk backup is not supported.
     pub disk_backup: bool,
+    /// `TMS_CONTROL`: None = serve the control socket from the first region allocation on;
+    /// Some(true) = from the first hooked call; Some(false) = never.
+    pub control: Option<bool>,
     pub warnings: Vec<String>,
 }
 
@@ -55,6 +58,7 @@ impl Config {
         let init_backup = flag("TMS_INIT_ENABLE_CPU_BACKUP", false);
         let retain_backup = flag("TMS_RETAIN_CPU_BACKUP", true);
         let disk_backup = flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
+        let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| flag("TMS_CONTROL", true));
         let mut number = |name: &str, default: u64, min: u64| match var(name) {
             None => default,
             Some(v) => match v.trim().parse::<u64>() {
@@ -90,6 +94,7 @@ impl Config {
             backup_streams,
             backup_chunk,
             disk_backup,
+            control,
             warnings,
         }
     }

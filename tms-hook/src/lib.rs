@@ -11,6 +11,7 @@
 
 pub mod backup;
 pub mod config;
+pub mod control;
 pub mod device;
 pub mod exports;
 pub mod forward;

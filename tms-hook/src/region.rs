@@ -5,6 +5,7 @@ use crate::config::config;
 use std::cell::Cell;
 use std::ffi::{CStr, CString};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 const UNSET: u8 = 0;
 const OFF: u8 = 1;
@@ -32,9 +33,24 @@ pub fn set_region(on: bool) {
     REGION.with(|c| c.set(flag(on)));
 }
 
+/// The backup flag of threads that never set one: `TMS_INIT_ENABLE_CPU_BACKUP`, unless changed
+/// through the control socket (`set default_backup`).
+static DEFAULT_BACKUP: AtomicU8 = AtomicU8::new(UNSET);
+
+pub fn default_backup() -> bool {
+    match DEFAULT_BACKUP.load(Ordering::Relaxed) {
+        UNSET => config().init_backup,
+        v => v == ON,
+    }
+}
+
+pub fn set_default_backup(on: bool) {
+    DEFAULT_BACKUP.store(flag(on), Ordering::Relaxed);
+}
+
 pub fn backup_enabled() -> bool {
     match BACKUP.with(Cell::get) {
-        UNSET => config().init_backup,
+        UNSET => default_backup(),
         v => v == ON,
     }
 }

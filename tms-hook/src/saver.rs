@@ -261,6 +261,7 @@ impl Saver {
         };
         lock(&self.registry).map.insert(addr, entry);
         self.tracked.fetch_add(1, Ordering::AcqRel);
+        crate::control::ensure_started();
         tracing::debug!("tms: {} bytes at {addr:#x} (tag {})", rounded, region::tag_name(region::current_tag()));
         Ok(Some(addr))
     }
@@ -423,11 +424,8 @@ impl Saver {
             Some(v) => self.loaded(v)?,
             None => self.loaded(Vendor::Cuda).or_else(|| self.loaded(Vendor::Acl))?,
         };
-        let device = jobs.first().map(|j| j.a.device);
-        let previous = match device {
-            Some(d) => dev.bind_thread(d).ok()?,
-            None => crate::device::UNCHANGED,
-        };
+        let device = jobs.first().map(|j| j.a.device).unwrap_or_else(|| self.any_device(dev.vendor()));
+        let previous = dev.bind_thread(device).ok()?;
         let info = dev.mem_info().ok();
         dev.restore_thread(previous);
         info
@@ -664,6 +662,34 @@ impl Saver {
             }
             j.ok = true;
         }
+    }
+
+    /// A device this process uses with `vendor` (of a tracked allocation, else 0).
+    fn any_device(&self, vendor: Vendor) -> i32 {
+        lock(&self.registry).map.values().find(|a| a.vendor == vendor).map_or(0, |a| a.device)
+    }
+
+    /// (vendor, device, free, total) for every device with tracked memory (device 0 of each
+    /// loaded driver when there is none), measured from the calling thread.
+    pub fn devices(&self) -> Vec<(Vendor, i32, u64, u64)> {
+        let mut wanted: Vec<(Vendor, i32)> = lock(&self.registry).map.values().map(|a| (a.vendor, a.device)).collect();
+        for v in [Vendor::Cuda, Vendor::Acl] {
+            if self.loaded(v).is_some() && !wanted.iter().any(|w| w.0 == v) {
+                wanted.push((v, 0));
+            }
+        }
+        wanted.sort();
+        wanted.dedup();
+        let mut out = Vec::new();
+        for (v, d) in wanted {
+            let Some(dev) = self.loaded(v) else { continue };
+            let Ok(previous) = dev.bind_thread(d) else { continue };
+            if let Ok((free, total)) = dev.mem_info() {
+                out.push((v, d, free, total));
+            }
+            dev.restore_thread(previous);
+        }
+        out
     }
 
     /// Per-tag counts and bytes.

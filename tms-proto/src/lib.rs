@@ -1,3 +1,478 @@
-//! Control-protocol types and a blocking client for the control socket served by `libtms_hook.so`.
+//! The control protocol of `libtms_hook.so` (docs/protocol.md): types, a strict request parser,
+//! socket discovery and a blocking client.
 //!
-//! Not implemented yet (issue 4): this crate is a placeholder so the workspace has its final shape.
+//! Line-delimited JSON over a Unix socket, one request per connection:
+//! `{"v":1,"op":"pause","tag":"kv_cache"}\n` → `{"v":1,"ok":true,"result":{...}}\n`.
+//! This crate exports no C symbols, so tools can link it without interposing anything.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub const PROTOCOL_VERSION: u64 = 1;
+/// Longest request line accepted, newline included.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+/// Longest reply a client reads.
+pub const MAX_REPLY_BYTES: usize = 16 * 1024 * 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Ping,
+    Status,
+    /// `tag` None: every tag.
+    Pause {
+        tag: Option<String>,
+    },
+    Resume {
+        tag: Option<String>,
+    },
+    Set(Settings),
+}
+
+/// Process-wide settings a `set` request may change; absent fields stay as they are.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settings {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_backup: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub margin_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retain_backup: Option<bool>,
+}
+
+/// Stable error codes of the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Not JSON, not an object, a field of the wrong type, an unknown field.
+    BadRequest,
+    UnknownOp,
+    UnsupportedVersion,
+    TooLarge,
+    /// The request did not arrive in time (or had no newline).
+    Timeout,
+    /// The peer is neither the same user nor root.
+    Forbidden,
+    /// Too many connections at once.
+    Busy,
+    OutOfMemory,
+    DriverError,
+    NoDriver,
+    Internal,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::UnknownOp => "unknown_op",
+            ErrorCode::UnsupportedVersion => "unsupported_version",
+            ErrorCode::TooLarge => "too_large",
+            ErrorCode::Timeout => "timeout",
+            ErrorCode::Forbidden => "forbidden",
+            ErrorCode::Busy => "busy",
+            ErrorCode::OutOfMemory => "out_of_memory",
+            ErrorCode::DriverError => "driver_error",
+            ErrorCode::NoDriver => "no_driver",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProtoError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ProtoError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ProtoError {
+        ProtoError { code, message: message.into() }
+    }
+}
+
+impl std::fmt::Display for ProtoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code.as_str(), self.message)
+    }
+}
+
+impl std::error::Error for ProtoError {}
+
+fn bad(message: impl Into<String>) -> ProtoError {
+    ProtoError::new(ErrorCode::BadRequest, message)
+}
+
+fn only_fields(obj: &Map<String, Value>, allowed: &[&str]) -> Result<(), ProtoError> {
+    match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(bad(format!("unknown field {k:?} (allowed: {})", allowed.join(", ")))),
+        None => Ok(()),
+    }
+}
+
+fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ProtoError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(bad(format!("{key} must be true or false"))),
+    }
+}
+
+/// Parses one request line (without or with its newline). Strict: every field is checked.
+pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
+    if line.len() > MAX_REQUEST_BYTES {
+        return Err(ProtoError::new(ErrorCode::TooLarge, format!("request exceeds {MAX_REQUEST_BYTES} bytes")));
+    }
+    let value: Value = serde_json::from_slice(line).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let Value::Object(obj) = value else { return Err(bad("a request is a JSON object")) };
+    match obj.get("v") {
+        None => {}
+        Some(Value::Number(n)) if n.as_u64() == Some(PROTOCOL_VERSION) => {}
+        Some(Value::Number(n)) => {
+            return Err(ProtoError::new(
+                ErrorCode::UnsupportedVersion,
+                format!("protocol version {n} is not supported (this hook speaks {PROTOCOL_VERSION})"),
+            ));
+        }
+        Some(_) => return Err(bad("v must be a number")),
+    }
+    let op = match obj.get("op") {
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => return Err(bad("op must be a string")),
+        None => return Err(bad("missing op")),
+    };
+    match op {
+        "ping" | "status" => {
+            only_fields(&obj, &["v", "op"])?;
+            Ok(if op == "ping" { Request::Ping } else { Request::Status })
+        }
+        "pause" | "resume" => {
+            only_fields(&obj, &["v", "op", "tag"])?;
+            let tag = match obj.get("tag") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) if s.is_empty() => None,
+                Some(Value::String(s)) if s.len() <= 256 && !s.contains('\0') => Some(s.clone()),
+                Some(Value::String(_)) => return Err(bad("tag must be at most 256 bytes without NUL")),
+                Some(_) => return Err(bad("tag must be a string or null")),
+            };
+            Ok(if op == "pause" { Request::Pause { tag } } else { Request::Resume { tag } })
+        }
+        "set" => {
+            only_fields(&obj, &["v", "op", "default_backup", "margin_bytes", "retain_backup"])?;
+            let margin_bytes = match obj.get("margin_bytes") {
+                None | Some(Value::Null) => None,
+                Some(Value::Number(n)) => {
+                    Some(n.as_u64().ok_or_else(|| bad("margin_bytes must be a whole number >= 0"))?)
+                }
+                Some(_) => return Err(bad("margin_bytes must be a number")),
+            };
+            Ok(Request::Set(Settings {
+                default_backup: opt_bool(&obj, "default_backup")?,
+                margin_bytes,
+                retain_backup: opt_bool(&obj, "retain_backup")?,
+            }))
+        }
+        other => Err(ProtoError::new(
+            ErrorCode::UnknownOp,
+            format!("unknown op {other:?} (ping, status, pause, resume, set)"),
+        )),
+    }
+}
+
+impl Request {
+    pub fn to_line(&self) -> String {
+        let mut obj = Map::new();
+        obj.insert("v".into(), PROTOCOL_VERSION.into());
+        let op = match self {
+            Request::Ping => "ping",
+            Request::Status => "status",
+            Request::Pause { tag } | Request::Resume { tag } => {
+                if let Some(t) = tag {
+                    obj.insert("tag".into(), t.clone().into());
+                }
+                if matches!(self, Request::Pause { .. }) { "pause" } else { "resume" }
+            }
+            Request::Set(s) => {
+                if let Value::Object(m) = serde_json::to_value(s).expect("settings serialize") {
+                    obj.extend(m);
+                }
+                "set"
+            }
+        };
+        obj.insert("op".into(), op.into());
+        let mut line = Value::Object(obj).to_string();
+        line.push('\n');
+        line
+    }
+}
+
+/// What pause and resume report (same fields as `tms_report` in include/tms.h).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpReport {
+    pub tag: Option<String>,
+    pub allocations_done: u64,
+    pub bytes_done: u64,
+    pub allocations_skipped: u64,
+    pub bytes_skipped: u64,
+    pub allocations_failed: u64,
+    pub bytes_failed: u64,
+    pub backup_bytes: u64,
+    pub elapsed_ns: u64,
+    pub device_free_before: u64,
+    pub device_free_after: u64,
+    pub device_total: u64,
+    /// The first failure, if any; the operation still did what it could.
+    pub error: Option<ProtoError>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TagInfo {
+    pub tag: String,
+    pub allocations_active: u64,
+    pub allocations_paused: u64,
+    pub bytes_active: u64,
+    pub bytes_paused: u64,
+    pub backup_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub vendor: String,
+    pub device: i32,
+    pub free: u64,
+    pub total: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub pid: u32,
+    pub name: Option<String>,
+    pub hook_version: String,
+    pub protocol: u64,
+    pub devices: Vec<DeviceInfo>,
+    pub tags: Vec<TagInfo>,
+    pub margin_bytes: u64,
+    pub retain_backup: bool,
+    pub default_backup: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    pub v: u64,
+    pub ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ProtoError>,
+}
+
+impl Reply {
+    pub fn ok(result: Value) -> Reply {
+        Reply { v: PROTOCOL_VERSION, ok: true, result: Some(result), error: None }
+    }
+
+    pub fn err(e: ProtoError) -> Reply {
+        Reply { v: PROTOCOL_VERSION, ok: false, result: None, error: Some(e) }
+    }
+
+    pub fn to_line(&self) -> String {
+        let mut s = serde_json::to_string(self).expect("reply serializes");
+        s.push('\n');
+        s
+    }
+}
+
+// ---- discovery --------------------------------------------------------------------------------
+
+/// The control socket folder: `$TMS_CONTROL_DIR`, else `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-$UID`.
+pub fn socket_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("TMS_CONTROL_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("tms");
+    }
+    // SAFETY: getuid cannot fail.
+    PathBuf::from(format!("/tmp/tms-{}", unsafe { libc::getuid() }))
+}
+
+/// The socket file name of a process: pid and start time (pid reuse cannot alias it).
+pub fn socket_name(pid: u32, start_time: u64) -> String {
+    format!("tms-{pid}-{start_time}.sock")
+}
+
+/// (pid, start time) from a socket file name made by `socket_name`.
+pub fn parse_socket_name(name: &str) -> Option<(u32, u64)> {
+    let rest = name.strip_prefix("tms-")?.strip_suffix(".sock")?;
+    let (pid, start) = rest.split_once('-')?;
+    Some((pid.parse().ok()?, start.parse().ok()?))
+}
+
+/// Field 22 of /proc/PID/stat: start time in clock ticks since boot.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_comm = &stat[stat.rfind(')')? + 2..];
+    after_comm.split_whitespace().nth(19)?.parse().ok()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SocketEntry {
+    pub path: PathBuf,
+    pub pid: u32,
+    pub start_time: u64,
+    /// The process with that pid and start time still exists.
+    pub alive: bool,
+}
+
+/// The control sockets in `dir`, newest pid last.
+pub fn list_sockets(dir: &Path) -> Vec<SocketEntry> {
+    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut out: Vec<SocketEntry> = rd
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let (pid, start_time) = parse_socket_name(&name)?;
+            let alive = process_start_time(pid) == Some(start_time);
+            Some(SocketEntry { path: e.path(), pid, start_time, alive })
+        })
+        .collect();
+    out.sort_by_key(|s| s.pid);
+    out
+}
+
+// ---- client -----------------------------------------------------------------------------------
+
+#[derive(Debug)]
+pub enum ClientError {
+    Io(std::io::Error),
+    /// The reply was not a protocol reply.
+    BadReply(String),
+    /// The hook answered with an error.
+    Remote(ProtoError),
+}
+
+impl std::fmt::Display for ClientError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClientError::Io(e) => write!(f, "{e}"),
+            ClientError::BadReply(m) => write!(f, "unexpected reply: {m}"),
+            ClientError::Remote(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for ClientError {}
+
+impl From<std::io::Error> for ClientError {
+    fn from(e: std::io::Error) -> Self {
+        ClientError::Io(e)
+    }
+}
+
+/// Sends one request and returns the reply's result and error as they came: a failed pause or
+/// resume carries both (the report of what was done, and the first failure).
+pub fn call_full(
+    path: &Path,
+    request: &Request,
+    timeout: Duration,
+) -> Result<(Option<Value>, Option<ProtoError>), ClientError> {
+    let mut stream = UnixStream::connect(path)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(request.to_line().as_bytes())?;
+    let mut line = Vec::new();
+    BufReader::new(stream).take(MAX_REPLY_BYTES as u64).read_until(b'\n', &mut line)?;
+    if line.is_empty() {
+        return Err(ClientError::BadReply("connection closed without a reply".into()));
+    }
+    let reply: Reply = serde_json::from_slice(&line).map_err(|e| ClientError::BadReply(e.to_string()))?;
+    if reply.ok != reply.error.is_none() || (reply.result.is_none() && reply.error.is_none()) {
+        return Err(ClientError::BadReply("inconsistent ok/result/error".into()));
+    }
+    Ok((reply.result, reply.error))
+}
+
+/// Sends one request; its result, or the hook's error.
+pub fn call(path: &Path, request: &Request, timeout: Duration) -> Result<Value, ClientError> {
+    match call_full(path, request, timeout)? {
+        (Some(r), None) => Ok(r),
+        (_, Some(e)) => Err(ClientError::Remote(e)),
+        (None, None) => Err(ClientError::BadReply("neither result nor error".into())),
+    }
+}
+
+fn operation(path: &Path, request: &Request, timeout: Duration) -> Result<OpReport, ClientError> {
+    match call_full(path, request, timeout)? {
+        (Some(v), error) => {
+            let mut report: OpReport = serde_json::from_value(v).map_err(|e| ClientError::BadReply(e.to_string()))?;
+            if report.error.is_none() {
+                report.error = error;
+            }
+            Ok(report)
+        }
+        (None, Some(e)) => Err(ClientError::Remote(e)),
+        (None, None) => Err(ClientError::BadReply("neither result nor error".into())),
+    }
+}
+
+pub fn status(path: &Path, timeout: Duration) -> Result<Status, ClientError> {
+    let v = call(path, &Request::Status, timeout)?;
+    serde_json::from_value(v).map_err(|e| ClientError::BadReply(e.to_string()))
+}
+
+/// Pauses `tag` (None: every tag). `Ok` carries the report even when the operation failed
+/// (`report.error`); `Err` means no report came back.
+pub fn pause(path: &Path, tag: Option<&str>, timeout: Duration) -> Result<OpReport, ClientError> {
+    operation(path, &Request::Pause { tag: tag.map(String::from) }, timeout)
+}
+
+/// Resumes `tag` (None: every tag); as `pause`.
+pub fn resume(path: &Path, tag: Option<&str>, timeout: Duration) -> Result<OpReport, ClientError> {
+    operation(path, &Request::Resume { tag: tag.map(String::from) }, timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip() {
+        for r in [
+            Request::Ping,
+            Request::Status,
+            Request::Pause { tag: None },
+            Request::Resume { tag: Some("kv_cache".into()) },
+            Request::Set(Settings { default_backup: Some(true), margin_bytes: Some(1 << 30), retain_backup: None }),
+        ] {
+            assert_eq!(parse_request(r.to_line().as_bytes()).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn malformed_requests_get_specific_errors() {
+        let code = |s: &str| parse_request(s.as_bytes()).unwrap_err().code;
+        assert_eq!(code("not json"), ErrorCode::BadRequest);
+        assert_eq!(code("[1,2]"), ErrorCode::BadRequest);
+        assert_eq!(code(r#"{"v":1}"#), ErrorCode::BadRequest);
+        assert_eq!(code(r#"{"op":7}"#), ErrorCode::BadRequest);
+        assert_eq!(code(r#"{"op":"explode"}"#), ErrorCode::UnknownOp);
+        assert_eq!(code(r#"{"v":2,"op":"ping"}"#), ErrorCode::UnsupportedVersion);
+        assert_eq!(code(r#"{"op":"pause","tag":5}"#), ErrorCode::BadRequest);
+        assert_eq!(code(r#"{"op":"pause","tga":"x"}"#), ErrorCode::BadRequest);
+        assert_eq!(code(r#"{"op":"set","margin_bytes":-1}"#), ErrorCode::BadRequest);
+        assert_eq!(code(r#"{"op":"set","retain_backup":"yes"}"#), ErrorCode::BadRequest);
+        let huge = format!(r#"{{"op":"pause","tag":"{}"}}"#, "x".repeat(MAX_REQUEST_BYTES));
+        assert_eq!(code(&huge), ErrorCode::TooLarge);
+        assert_eq!(parse_request(br#"{"op":"pause","tag":""}"#).unwrap(), Request::Pause { tag: None });
+    }
+
+    #[test]
+    fn socket_names_carry_pid_and_start_time() {
+        assert_eq!(parse_socket_name(&socket_name(42, 123456)), Some((42, 123456)));
+        assert_eq!(parse_socket_name("tms-x-1.sock"), None);
+        assert_eq!(parse_socket_name("other.sock"), None);
+    }
+}

@@ -29,6 +29,7 @@ fn malloc(target: &'static Target, own: usize, ptr: *mut *mut c_void, size: usiz
     guarded(
         || real_malloc(target, own, ptr, size, policy),
         || {
+            crate::control::on_hooked_call();
             if !region::in_region() || size == 0 {
                 return real_malloc(target, own, ptr, size, policy);
             }

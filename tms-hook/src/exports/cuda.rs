@@ -39,6 +39,7 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
     guarded(
         || real_malloc(ptr, size),
         || {
+            crate::control::on_hooked_call();
             if !region::in_region() || size == 0 {
                 return real_malloc(ptr, size);
             }

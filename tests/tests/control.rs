@@ -1,0 +1,267 @@
+//! The control plane end to end: tms-ctl and raw clients against hooked processes on tms-sim.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use tms_e2e::*;
+
+fn json(mut cmd: Command) -> (i32, serde_json::Value) {
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {text}\nstderr: {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code().unwrap_or(-1), v)
+}
+
+fn socket_of(node: &SimNode, pid: u32) -> PathBuf {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(e) = tms_proto::list_sockets(&node.control_dir()).into_iter().find(|s| s.pid == pid) {
+            return e.path;
+        }
+        assert!(Instant::now() < deadline, "no control socket for pid {pid}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn external_pause_frees_memory_another_process_uses_and_resume_restores_it() {
+    let node = SimNode::new("1GiB");
+    let mut trainer = Served::start_with(&node, "cuda", &[("TMS_NAME", "trainer-rank0")]);
+    assert_eq!(trainer.ask("alloc 600"), "rc=0");
+    assert_eq!(trainer.ask("fill"), "rc=0");
+    socket_of(&node, trainer.pid());
+
+    let (code, list) = json(node.ctl(&["list", "--json"]));
+    assert_eq!(code, 0);
+    let row = &list[0];
+    assert_eq!(row["pid"], trainer.pid());
+    assert_eq!(row["status"]["name"], "trainer-rank0");
+    assert_eq!(row["status"]["tags"][0]["tag"], "train");
+    assert_eq!(row["status"]["tags"][0]["bytes_active"], 600 * MIB);
+    let human = run_ok(&mut node.ctl(&["list"]));
+    assert!(human.contains("trainer-rank0") && human.contains("600.0 MiB"), "{human}");
+
+    let mut rollout = Served::start(&node, "acl");
+    assert_eq!(rollout.ask("alloc 600"), "rc=207001");
+    let (code, paused) = json(node.ctl(&["pause", "trainer-rank0", "--json"]));
+    assert_eq!(code, 0, "{paused}");
+    assert_eq!(paused[0]["report"]["bytes_done"], 600 * MIB);
+    assert_eq!(
+        paused[0]["report"]["device_free_after"].as_u64().unwrap()
+            - paused[0]["report"]["device_free_before"].as_u64().unwrap(),
+        600 * MIB
+    );
+    assert_eq!(rollout.ask("alloc 600"), "rc=0");
+
+    // While the rollout holds the memory, resume fails with out_of_memory and loses nothing.
+    let (code, refused) = json(node.ctl(&["resume", "--all", "--json"]));
+    assert_eq!(code, 1, "{refused}");
+    let trainer_row = refused.as_array().unwrap().iter().find(|r| r["pid"] == trainer.pid()).unwrap();
+    assert!(trainer_row["error"].as_str().unwrap().starts_with("out_of_memory"), "{trainer_row}");
+    assert_eq!(trainer_row["report"]["allocations_done"], 0);
+
+    assert_eq!(rollout.ask("free"), "rc=0");
+    let pid = trainer.pid().to_string();
+    let resumed = run_ok(&mut node.ctl(&["resume", &pid]));
+    assert!(resumed.contains("resumed 1 allocations, 600.0 MiB"), "{resumed}");
+    assert_eq!(trainer.ask("verify"), "rc=0");
+    trainer.quit();
+    rollout.quit();
+}
+
+#[test]
+fn unknown_targets_and_bad_usage_exit_2() {
+    let node = SimNode::new("1GiB");
+    for args in [vec!["pause", "nobody"], vec!["pause"], vec!["resume", "12345678"], vec!["set", "--all"]] {
+        let out = node.ctl(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!out.stderr.is_empty());
+    }
+    let help = run_ok(&mut node.ctl(&["--help"]));
+    assert!(help.contains("Exit codes") && help.contains("TARGET"), "{help}");
+    let completions = run_ok(&mut node.ctl(&["completions", "bash"]));
+    assert!(completions.contains("tms-ctl"));
+}
+
+#[test]
+fn garbage_on_the_socket_changes_nothing_but_an_error_reply() {
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 64"), "rc=0");
+    assert_eq!(app.ask("fill"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    let mut rand = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let templates: &[&[u8]] = &[
+        b"{\"op\":\"pause\",\"tag\":5}\n",
+        b"{\"op\":\"explode\"}\n",
+        b"{\"v\":99,\"op\":\"ping\"}\n",
+        b"[1,2,3]\n",
+        b"{\"op\":\"set\",\"margin_bytes\":-4}\n",
+        b"{\"op\":\"status\",\"extra\":1}\n",
+        b"{\"op\":\"resume\"",
+        b"\n",
+        b"null\n",
+    ];
+    let mut replies = 0;
+    for i in 0..10_000u64 {
+        let mut msg: Vec<u8> = match i % 4 {
+            0 => templates[(rand() % templates.len() as u64) as usize].to_vec(),
+            1 => (0..(rand() % 200)).map(|_| (rand() & 0xff) as u8).chain([b'\n']).collect(),
+            2 => {
+                let mut m = templates[(rand() % templates.len() as u64) as usize].to_vec();
+                let cut = (rand() as usize) % m.len().max(1);
+                m.truncate(cut);
+                m
+            }
+            _ => {
+                let mut m = b"{\"op\":\"ping\"".to_vec();
+                let k = (rand() % 8) as usize;
+                m.insert(k.min(m.len()), (rand() & 0xff) as u8);
+                m.push(b'\n');
+                m
+            }
+        };
+        if i % 2500 == 0 {
+            msg = vec![b'x'; 70 * 1024]; // over the 64 KiB limit
+        }
+        let mut s = UnixStream::connect(&sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = s.write_all(&msg);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut reply = String::new();
+        let _ = s.read_to_string(&mut reply);
+        if !reply.is_empty() {
+            let v: serde_json::Value = serde_json::from_str(reply.trim()).unwrap_or_else(|e| panic!("{e}: {reply}"));
+            if v["ok"] == false {
+                assert!(v["error"]["code"].is_string(), "{reply}");
+            }
+            replies += 1;
+        }
+    }
+    assert!(replies > 9_000, "only {replies} replies");
+    // Still alive, still answering, memory untouched.
+    let ping = tms_proto::call(&sock, &tms_proto::Request::Ping, Duration::from_secs(5)).unwrap();
+    assert_eq!(ping["pong"], true);
+    let st = tms_proto::status(&sock, Duration::from_secs(5)).unwrap();
+    assert_eq!(st.tags[0].allocations_active, 1);
+    assert_eq!(app.ask("verify"), "rc=0");
+    app.quit();
+}
+
+#[test]
+fn a_silent_client_does_not_block_others() {
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    let _silent: Vec<UnixStream> = (0..4).map(|_| UnixStream::connect(&sock).unwrap()).collect();
+    let start = Instant::now();
+    tms_proto::call(&sock, &tms_proto::Request::Ping, Duration::from_secs(5)).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(2), "ping waited {:?}", start.elapsed());
+    // A silent client is answered with a timeout error and closed.
+    let mut s = UnixStream::connect(&sock).unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.contains("\"timeout\""), "{reply}");
+    app.quit();
+}
+
+#[test]
+fn stale_sockets_of_dead_processes_are_reaped() {
+    let node = SimNode::new("1GiB");
+    let dir = node.control_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let stale = dir.join(tms_proto::socket_name(4_000_000, 1));
+    let _l = std::os::unix::net::UnixListener::bind(&stale).unwrap();
+    let out = node.ctl(&["list"]).output().unwrap();
+    assert!(!stale.exists(), "stale socket still there");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("removed stale socket"));
+    let watch = run_ok(&mut node.ctl(&["watch", "--count", "2", "--interval", "0.05"]));
+    assert_eq!(watch.matches("tms-ctl watch: 0 process(es)").count(), 2, "{watch}");
+}
+
+#[test]
+fn socket_is_private_and_removed_at_exit() {
+    use std::os::unix::fs::PermissionsExt;
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    assert_eq!(std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::metadata(node.control_dir()).unwrap().permissions().mode() & 0o777, 0o700);
+    app.quit();
+    assert!(!sock.exists(), "socket left behind after exit");
+}
+
+#[test]
+fn other_users_are_refused() {
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } != 0 {
+        eprintln!("skipped: switching uid needs root (the check itself is unit-tested in tms-hook)");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    // Open the way on purpose so that only the peer-credential check stands.
+    for p in [node.dir.path().to_path_buf(), node.control_dir()] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o711)).unwrap();
+    }
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let out = node.ctl(&["--json", "ping", sock.to_str().unwrap()]).uid(65534).gid(65534).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("forbidden"), "{}", String::from_utf8_lossy(&out.stdout));
+    app.quit();
+}
+
+#[test]
+fn cli_pauses_and_resumes_while_the_process_allocates() {
+    let node = SimNode::new("1GiB");
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["churn".into(), "cuda".into(), "4".into()]);
+    let child = node.hooked(&argv).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let sock = socket_of(&node, child.id());
+    let target = sock.to_str().unwrap().to_string();
+    let mut cycles = 0;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(3) {
+        for tag in ["volatile", "stable"] {
+            run_ok(&mut node.ctl(&["pause", "--tag", tag, &target]));
+            run_ok(&mut node.ctl(&["resume", "--tag", tag, &target]));
+        }
+        cycles += 1;
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_ok(&out, "churn");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("churn ok"));
+    assert!(cycles > 3, "only {cycles} cycles");
+}
+
+#[test]
+fn control_can_be_disabled_or_started_early() {
+    let node = SimNode::new("1GiB").env("TMS_CONTROL", "0");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(tms_proto::list_sockets(&node.control_dir()).is_empty());
+    app.quit();
+
+    // With TMS_CONTROL=1 an allocation outside any region is enough.
+    let node = SimNode::new("1GiB").env("TMS_CONTROL", "1");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("plain 1"), "rc=0");
+    socket_of(&node, app.pid());
+    app.quit();
+}

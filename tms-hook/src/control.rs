@@ -1,0 +1,356 @@
+//! The control socket: each hooked process that uses device memory serves `tms-proto` requests on
+//! a Unix socket, so an operator or orchestrator can pause, resume and inspect it from outside.
+//!
+//! Started lazily on a background thread at the first region allocation (or at the first hooked
+//! call with `TMS_CONTROL=1`; never with `TMS_CONTROL=0`). A forked child starts its own on first
+//! use. The folder is created 0700 and refused unless it is a real directory owned by this user
+//! with no group/other access; the socket is 0600; peers must be the same user or root.
+
+use crate::saver::{Error, Report};
+use crate::{region, saver};
+use std::ffi::CString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::time::Duration;
+use tms_proto::{ErrorCode, MAX_REQUEST_BYTES, OpReport, ProtoError, Reply, Request, Status, TagInfo};
+
+/// Pid of the process whose server is running (a forked child has another pid and starts anew).
+static STARTED_FOR: AtomicU32 = AtomicU32::new(0);
+static ACTIVE_CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+const MAX_CONNECTIONS: usize = 32;
+/// Socket to remove at exit, with the pid that owns it (a forked child must not remove it).
+static SOCKET: Mutex<Option<(u32, CString)>> = Mutex::new(None);
+static WARNED: AtomicBool = AtomicBool::new(false);
+
+fn setting() -> Option<bool> {
+    crate::config::config().control
+}
+
+/// Called at every hooked allocation: starts the server when `TMS_CONTROL=1`.
+pub fn on_hooked_call() {
+    if setting() == Some(true) {
+        ensure_started();
+    }
+}
+
+/// Starts the server for this process if it is not running yet.
+pub fn ensure_started() {
+    if setting() == Some(false) {
+        return;
+    }
+    let pid = std::process::id();
+    let previous = STARTED_FOR.load(Ordering::Acquire);
+    if previous == pid || STARTED_FOR.compare_exchange(previous, pid, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("tms-control".into()).spawn(|| {
+        if let Err(e) = serve()
+            && !WARNED.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!("tms: control socket unavailable: {e}; tms-ctl cannot reach this process");
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!("tms: cannot start the control thread: {e}");
+    }
+}
+
+fn timeout() -> Duration {
+    let ms = std::env::var("TMS_CONTROL_TIMEOUT_MS").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(5000);
+    Duration::from_millis(ms.clamp(10, 600_000))
+}
+
+/// Creates the folder 0700 if needed, then refuses it unless it is safe to put a socket in.
+pub fn secure_dir(dir: &Path) -> std::io::Result<()> {
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let md = std::fs::symlink_metadata(dir)?;
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    if !md.file_type().is_dir() {
+        return Err(std::io::Error::other(format!("{} is not a real directory", dir.display())));
+    }
+    if md.uid() != uid {
+        return Err(std::io::Error::other(format!("{} is owned by uid {}, not {uid}", dir.display(), md.uid())));
+    }
+    if md.mode() & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "{} has mode {:o}; it must not be accessible to group or others (chmod 700)",
+            dir.display(),
+            md.mode() & 0o777
+        )));
+    }
+    Ok(())
+}
+
+extern "C" fn remove_socket_at_exit() {
+    // try_lock: a thread killed mid-update must not make exit hang.
+    if let Ok(guard) = SOCKET.try_lock()
+        && let Some((pid, path)) = guard.as_ref()
+        && *pid == std::process::id()
+    {
+        // SAFETY: a NUL-terminated path.
+        unsafe { libc::unlink(path.as_ptr()) };
+    }
+}
+
+fn serve() -> std::io::Result<()> {
+    let dir = tms_proto::socket_dir();
+    secure_dir(&dir)?;
+    let pid = std::process::id();
+    let start = tms_proto::process_start_time(pid).unwrap_or(0);
+    let path: PathBuf = dir.join(tms_proto::socket_name(pid, start));
+    if path.as_os_str().len() >= 108 {
+        return Err(std::io::Error::other(format!(
+            "socket path {} is too long for a Unix socket; set TMS_CONTROL_DIR to a shorter folder",
+            path.display()
+        )));
+    }
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    *SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = Some((pid, c_path));
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    AT_EXIT.call_once(|| {
+        // SAFETY: registers a function that only unlinks a path.
+        unsafe { libc::atexit(remove_socket_at_exit) };
+    });
+    tracing::info!("tms: control socket {}", path.display());
+    for conn in listener.incoming() {
+        if std::process::id() != pid {
+            break; // forked child: this listener belongs to the parent
+        }
+        let Ok(stream) = conn else { continue };
+        if ACTIVE_CONNECTIONS.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            ACTIVE_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = (&stream)
+                .write_all(Reply::err(ProtoError::new(ErrorCode::Busy, "too many connections")).to_line().as_bytes());
+            continue;
+        }
+        let spawned = std::thread::Builder::new().name("tms-control-conn".into()).spawn(move || {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(stream)));
+            ACTIVE_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            ACTIVE_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+    Ok(())
+}
+
+/// The peer's uid (SO_PEERCRED).
+fn peer_uid(stream: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt into a correctly sized ucred.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+/// Only the same user, or root, may drive a process's memory.
+pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
+    peer_uid == own_uid || peer_uid == 0
+}
+
+fn handle(stream: UnixStream) {
+    let t = timeout();
+    let _ = stream.set_read_timeout(Some(t));
+    let _ = stream.set_write_timeout(Some(t));
+    // SAFETY: getuid cannot fail.
+    let own = unsafe { libc::getuid() };
+    let reply = match peer_uid(&stream) {
+        Some(uid) if peer_allowed(uid, own) => match read_request(&stream) {
+            Ok(line) => match tms_proto::parse_request(&line) {
+                Ok(req) => dispatch(req),
+                Err(e) => Reply::err(e),
+            },
+            Err(e) => Reply::err(e),
+        },
+        Some(uid) => Reply::err(ProtoError::new(
+            ErrorCode::Forbidden,
+            format!("uid {uid} may not control a process of uid {own} (same user or root only)"),
+        )),
+        None => Reply::err(ProtoError::new(ErrorCode::Forbidden, "cannot read peer credentials")),
+    };
+    let mut s = &stream;
+    let _ = s.write_all(reply.to_line().as_bytes());
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+fn read_request(stream: &UnixStream) -> Result<Vec<u8>, ProtoError> {
+    let mut line = Vec::new();
+    let mut reader = BufReader::new(stream.take(MAX_REQUEST_BYTES as u64 + 1));
+    match reader.read_until(b'\n', &mut line) {
+        Ok(_) => {}
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            return Err(ProtoError::new(ErrorCode::Timeout, "no complete request line in time"));
+        }
+        Err(e) => return Err(ProtoError::new(ErrorCode::BadRequest, format!("read failed: {e}"))),
+    }
+    if line.last() != Some(&b'\n') {
+        return Err(if line.len() > MAX_REQUEST_BYTES {
+            ProtoError::new(ErrorCode::TooLarge, format!("request exceeds {MAX_REQUEST_BYTES} bytes"))
+        } else {
+            ProtoError::new(ErrorCode::BadRequest, "truncated request: a request ends with a newline")
+        });
+    }
+    line.pop();
+    Ok(line)
+}
+
+pub fn proto_error(e: &Error) -> ProtoError {
+    let code = match e {
+        Error::OutOfMemory { .. } => ErrorCode::OutOfMemory,
+        Error::Driver(_) => ErrorCode::DriverError,
+        Error::NoDriver(_) => ErrorCode::NoDriver,
+        Error::Invalid(_) => ErrorCode::BadRequest,
+    };
+    ProtoError::new(code, e.to_string())
+}
+
+fn op_report(tag: Option<String>, r: &Report) -> OpReport {
+    OpReport {
+        tag,
+        allocations_done: r.allocations_done,
+        bytes_done: r.bytes_done,
+        allocations_skipped: r.allocations_skipped,
+        bytes_skipped: r.bytes_skipped,
+        allocations_failed: r.allocations_failed,
+        bytes_failed: r.bytes_failed,
+        backup_bytes: r.backup_bytes,
+        elapsed_ns: r.elapsed_ns,
+        device_free_before: r.device_free_before,
+        device_free_after: r.device_free_after,
+        device_total: r.device_total,
+        error: r.error.as_ref().map(proto_error),
+    }
+}
+
+pub fn status() -> Status {
+    let s = saver();
+    Status {
+        pid: std::process::id(),
+        name: std::env::var("TMS_NAME").ok().filter(|n| !n.is_empty()),
+        hook_version: env!("CARGO_PKG_VERSION").to_string(),
+        protocol: tms_proto::PROTOCOL_VERSION,
+        devices: s
+            .devices()
+            .into_iter()
+            .map(|(vendor, device, free, total)| tms_proto::DeviceInfo {
+                vendor: vendor.name().to_string(),
+                device,
+                free,
+                total,
+            })
+            .collect(),
+        tags: s
+            .status()
+            .into_iter()
+            .map(|t| TagInfo {
+                tag: region::tag_name(t.tag),
+                allocations_active: t.allocations_active,
+                allocations_paused: t.allocations_paused,
+                bytes_active: t.bytes_active,
+                bytes_paused: t.bytes_paused,
+                backup_bytes: t.backup_bytes,
+            })
+            .collect(),
+        margin_bytes: s.margin(),
+        retain_backup: s.retain_backup(),
+        default_backup: region::default_backup(),
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
+}
+
+fn dispatch(req: Request) -> Reply {
+    match req {
+        Request::Ping => Reply::ok(serde_json::json!({ "pong": true, "pid": std::process::id() })),
+        Request::Status => Reply::ok(json(&status())),
+        Request::Pause { tag } => operation_reply(tag.clone(), &saver().pause(tag.as_deref())),
+        Request::Resume { tag } => operation_reply(tag.clone(), &saver().resume(tag.as_deref())),
+        Request::Set(settings) => {
+            let s = saver();
+            if let Some(m) = settings.margin_bytes {
+                s.set_margin(m);
+            }
+            if let Some(r) = settings.retain_backup {
+                s.set_retain_backup(r);
+            }
+            if let Some(b) = settings.default_backup {
+                region::set_default_backup(b);
+            }
+            Reply::ok(json(&status()))
+        }
+    }
+}
+
+/// A failed operation's reply carries its report too: what was done, skipped and failed.
+fn operation_reply(tag: Option<String>, report: &Report) -> Reply {
+    let out = op_report(tag, report);
+    match &out.error {
+        Some(e) => {
+            Reply { v: tms_proto::PROTOCOL_VERSION, ok: false, result: Some(json(&out)), error: Some(e.clone()) }
+        }
+        None => Reply::ok(json(&out)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_same_user_or_root_is_served() {
+        assert!(peer_allowed(1000, 1000));
+        assert!(peer_allowed(0, 1000));
+        assert!(!peer_allowed(1001, 1000));
+        assert!(!peer_allowed(1000, 0));
+    }
+
+    #[test]
+    fn unsafe_socket_folders_are_refused() {
+        let base = tempfile_dir();
+        let dir = base.join("ok");
+        secure_dir(&dir).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(secure_dir(&open).unwrap_err().to_string().contains("chmod 700"));
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        assert!(secure_dir(&link).unwrap_err().to_string().contains("not a real directory"));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tms-control-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}
