@@ -382,10 +382,14 @@ pub fn call_full(
     let mut stream = UnixStream::connect(path)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
-    stream.write_all(request.to_line().as_bytes())?;
+    // A server that refuses a peer (forbidden, busy) answers without reading and closes: the
+    // write may then fail while the reply is already waiting to be read.
+    let written = stream.write_all(request.to_line().as_bytes());
     let mut line = Vec::new();
-    BufReader::new(stream).take(MAX_REPLY_BYTES as u64).read_until(b'\n', &mut line)?;
+    let read = BufReader::new(stream).take(MAX_REPLY_BYTES as u64).read_until(b'\n', &mut line);
     if line.is_empty() {
+        written?;
+        read?;
         return Err(ClientError::BadReply("connection closed without a reply".into()));
     }
     let reply: Reply = serde_json::from_slice(&line).map_err(|e| ClientError::BadReply(e.to_string()))?;
