@@ -1,0 +1,221 @@
+"""Tests of the tms Python package on the simulator, with CPython only (torch tests skip cleanly).
+
+Expected environment (tests/tests/python.rs sets it up): LD_PRELOAD = the installed compatibility
+file name, LD_LIBRARY_PATH = the simulator's runtime-named links, TMS_SIM_* = a private node,
+TMS_CONTROL_DIR = a private socket folder, PYTHONPATH = the installed package, TMS_PREFIX = the
+install prefix.
+"""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import unittest
+
+import tms
+from tms import control
+
+MiB = 1 << 20
+
+
+def cudart():
+    lib = ctypes.CDLL("libcudart.so.12")
+    return lib
+
+
+def free_mem(rt):
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    assert rt.cudaMemGetInfo(ctypes.byref(f), ctypes.byref(t)) == 0
+    return f.value
+
+
+def malloc(rt, n):
+    p = ctypes.c_void_p()
+    rc = rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n))
+    return rc, p
+
+
+def has_torch_device():
+    try:
+        import torch  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+class PreloadMode(unittest.TestCase):
+    def test_found_under_the_compatibility_name(self):
+        self.assertEqual(tms.hook_mode(), "preload")
+        self.assertIn("torch_memory_saver_hook_mode_preload", tms.library_path())
+
+    def test_region_pause_resume_and_reports(self):
+        rt = cudart()
+        with tms.region("py-weights", enable_cpu_backup=True):
+            rc, p = malloc(rt, 6 * MiB)
+        self.assertEqual(rc, 0)
+        data = bytes((i * 13) % 251 for i in range(6 * MiB))
+        self.assertEqual(rt.cudaMemcpy(p, ctypes.c_char_p(data), ctypes.c_size_t(len(data)), 1), 0)
+        before = free_mem(rt)
+        rep = tms.pause_report("py-weights")
+        self.assertEqual(rep["allocations_done"], 1)
+        self.assertEqual(rep["bytes_done"], 6 * MiB)
+        self.assertEqual(free_mem(rt) - before, 6 * MiB)
+        st = {s["tag"]: s for s in tms.status()}
+        self.assertEqual(st["py-weights"]["allocations_paused"], 1)
+        self.assertEqual(tms.pause_report("py-weights")["allocations_skipped"], 1)
+        tms.resume("py-weights")
+        out = ctypes.create_string_buffer(len(data))
+        self.assertEqual(rt.cudaMemcpy(out, p, ctypes.c_size_t(len(data)), 2), 0)
+        self.assertEqual(out.raw, data)
+        self.assertEqual(rt.cudaFree(p), 0)
+
+    def test_outside_a_region_nothing_is_tracked(self):
+        rt = cudart()
+        with tms.disable():
+            rc, p = malloc(rt, 2 * MiB)
+        self.assertEqual(rc, 0)
+        self.assertEqual(tms.pause_report("default")["allocations_done"], 0)
+        self.assertEqual(rt.cudaFree(p), 0)
+
+    def test_out_of_memory_on_resume_raises_and_loses_nothing(self):
+        rt = cudart()
+        with tms.region("py-kv", enable_cpu_backup=True):
+            rc, p = malloc(rt, 4 * MiB)
+        self.assertEqual(rc, 0)
+        tms.pause("py-kv")
+        tms.torch_memory_saver.memory_margin_bytes = 1 << 50
+        try:
+            with self.assertRaises(tms.TmsError) as cm:
+                tms.resume("py-kv")
+            self.assertEqual(cm.exception.code, 2)
+            self.assertEqual(cm.exception.report["allocations_done"], 0)
+        finally:
+            tms.torch_memory_saver.memory_margin_bytes = 0
+        self.assertEqual(tms.memory_margin_bytes, 0)
+        tms.resume("py-kv")
+        self.assertEqual(rt.cudaFree(p), 0)
+
+    def test_object_api_matches_torch_memory_saver(self):
+        tms_obj = tms.torch_memory_saver
+        for name in ("region", "cuda_graph", "disable", "pause", "resume", "get_cpu_backup"):
+            self.assertTrue(callable(getattr(tms_obj, name)), name)
+        self.assertTrue(tms_obj.enabled)
+        self.assertEqual(tms_obj.hook_mode, "preload")
+
+    def test_configure_subprocess_propagates_the_preload(self):
+        path = tms.library_path()
+        env_before = os.environ.get("LD_PRELOAD")
+        os.environ.pop("LD_PRELOAD", None)
+        try:
+            with tms.configure_subprocess():
+                out = subprocess.run(
+                    [sys.executable, "-c", "import os; print(os.environ.get('LD_PRELOAD', ''))"],
+                    capture_output=True, text=True, check=True,
+                )
+            self.assertEqual(out.stdout.strip().split(":")[0], path)
+            self.assertNotIn("LD_PRELOAD", os.environ)
+        finally:
+            if env_before is not None:
+                os.environ["LD_PRELOAD"] = env_before
+
+    def test_control_client_pauses_another_process(self):
+        child_code = textwrap.dedent(
+            """
+            import ctypes, sys, tms
+            rt = ctypes.CDLL("libcudart.so.12")
+            p = ctypes.c_void_p()
+            with tms.region("remote", enable_cpu_backup=True):
+                assert rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(8 << 20)) == 0
+            data = bytes(range(256)) * (8 << 12)
+            assert rt.cudaMemcpy(p, ctypes.c_char_p(data), ctypes.c_size_t(len(data)), 1) == 0
+            print("ready", flush=True)
+            sys.stdin.readline()
+            out = ctypes.create_string_buffer(len(data))
+            rc = rt.cudaMemcpy(out, p, ctypes.c_size_t(len(data)), 2)
+            print("intact" if rc == 0 and out.raw == data else f"broken rc={rc}", flush=True)
+            """
+        )
+        env = dict(os.environ, TMS_NAME="py-remote")
+        child = subprocess.Popen([sys.executable, "-c", child_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            self.assertEqual(child.stdout.readline().strip(), "ready")
+            listed = subprocess.run([sys.executable, "-m", "tms.control", "list", "--json"], capture_output=True, text=True, check=True)
+            rows = [r for r in json.loads(listed.stdout) if r["pid"] == child.pid]
+            self.assertEqual(rows[0]["status"]["name"], "py-remote")
+            reports = control.pause("py-remote")
+            self.assertEqual(reports[0]["bytes_done"], 8 * MiB)
+            self.assertEqual(control.status(child.pid)["tags"][0]["allocations_paused"], 1)
+            with self.assertRaises(control.TargetNotFound):
+                control.pause("nobody-by-this-name")
+            cli = subprocess.run([sys.executable, "-m", "tms.control", "resume", str(child.pid), "--json"], capture_output=True, text=True)
+            self.assertEqual(cli.returncode, 0, cli.stderr)
+            self.assertEqual(json.loads(cli.stdout)[0]["report"]["bytes_done"], 8 * MiB)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            self.assertEqual(child.stdout.readline().strip(), "intact")
+        finally:
+            child.kill()
+            child.wait()
+            child.stdin.close()
+            child.stdout.close()
+
+
+class TorchModeWithoutPreload(unittest.TestCase):
+    """Loaded with ctypes (not preloaded), the library interposes nothing; tms_torch_malloc is
+    the way in."""
+
+    def test_no_interposition_and_torch_entry_points(self):
+        code = textwrap.dedent(
+            """
+            import ctypes, tms
+            assert tms.hook_mode() == "torch", tms.hook_mode()
+            lib = ctypes.CDLL(tms.library_path())
+            rt = ctypes.CDLL("libcudart.so.12")
+            p = ctypes.c_void_p()
+            with tms.disable():
+                pass
+            lib.tms_set_interesting_region(True)
+            assert rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(2 << 20)) == 0
+            assert tms.status() == [], "a plain cudaMalloc must not be tracked in torch mode"
+            lib.tms_torch_malloc.restype = ctypes.c_void_p
+            lib.tms_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            lib.tms_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            q = lib.tms_torch_malloc(4 << 20, 0, None)
+            assert q
+            assert tms.pause_report(None)["bytes_done"] == 4 << 20
+            tms.resume(None)
+            lib.tms_torch_free(q, 4 << 20, 0, None)
+            assert rt.cudaFree(p) == 0
+            print("torch-mode ok")
+            """
+        )
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env["TMS_LIBRARY"] = os.path.join(os.environ["TMS_PREFIX"], "lib", "libtms_hook.so")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("torch-mode ok", out.stdout)
+
+
+@unittest.skipUnless(has_torch_device(), "needs torch with a CUDA device (run by scripts/gpu-check.sh)")
+class WithTorch(unittest.TestCase):
+    def test_tensors_pause_and_resume_in_place(self):
+        import torch
+
+        with tms.region("torch", enable_cpu_backup=True):
+            x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        ptr = x.data_ptr()
+        expect = x.clone().cpu()
+        torch.cuda.synchronize()
+        free_before, _ = torch.cuda.mem_get_info()
+        tms.pause("torch")
+        free_after, _ = torch.cuda.mem_get_info()
+        self.assertGreaterEqual(free_after - free_before, x.numel() * 4)
+        tms.resume("torch")
+        self.assertEqual(x.data_ptr(), ptr)
+        self.assertTrue(torch.equal(x.cpu(), expect))
+
+
+if __name__ == "__main__":
+    unittest.main()

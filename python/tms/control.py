@@ -1,0 +1,234 @@
+"""Client of the control socket served by every process running with libtms_hook.so
+(docs/protocol.md), for orchestrators such as Ray drivers. Standard library only.
+
+    from tms import control
+    for p in control.list_processes():
+        print(p["pid"], p["status"]["name"])
+    control.pause("trainer-rank0", tag="weights")   # target: pid, TMS_NAME or socket path
+
+Command line: ``python -m tms.control list|status|pause|resume [--tag T] [--all | TARGET...] [--json]``
+(exit codes as tms-ctl: 0 success, 1 an operation failed, 2 usage or no such target).
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+PROTOCOL_VERSION = 1
+MAX_REPLY = 16 * 1024 * 1024
+
+
+class ControlError(RuntimeError):
+    """The hook answered with an error (``code`` is the protocol's, e.g. "out_of_memory");
+    ``result`` carries the report of a partly failed pause/resume."""
+
+    def __init__(self, code, message, result=None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.result = result
+
+
+class TargetNotFound(LookupError):
+    pass
+
+
+def socket_dir():
+    d = os.environ.get("TMS_CONTROL_DIR")
+    if d:
+        return d
+    x = os.environ.get("XDG_RUNTIME_DIR")
+    if x:
+        return os.path.join(x, "tms")
+    return f"/tmp/tms-{os.getuid()}"
+
+
+def _start_time(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def sockets(directory=None, reap=True):
+    """(pid, path) of live processes; sockets of exited processes are removed when ``reap``."""
+    directory = directory or socket_dir()
+    out = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return out
+    for name in sorted(names):
+        if not (name.startswith("tms-") and name.endswith(".sock")):
+            continue
+        try:
+            pid, start = (int(x) for x in name[4:-5].split("-", 1))
+        except ValueError:
+            continue
+        path = os.path.join(directory, name)
+        if _start_time(pid) == start:
+            out.append((pid, path))
+        elif reap:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return out
+
+
+def call(path, request, timeout=30.0):
+    """Sends one request (a dict); returns the result, raises ControlError on an error reply."""
+    req = dict(request)
+    req.setdefault("v", PROTOCOL_VERSION)
+    data = (json.dumps(req) + "\n").encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        try:
+            s.sendall(data)
+        except OSError:
+            pass  # a refused peer is answered without being read; the reply is still there
+        buf = b""
+        while not buf.endswith(b"\n") and len(buf) < MAX_REPLY:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    if not buf:
+        raise ControlError("no_reply", f"{path} closed the connection without a reply")
+    reply = json.loads(buf)
+    if not reply.get("ok"):
+        err = reply.get("error") or {}
+        raise ControlError(err.get("code", "unknown"), err.get("message", ""), reply.get("result"))
+    return reply["result"]
+
+
+def status(target, timeout=30.0):
+    return call(_one(target, timeout), {"op": "status"}, timeout)
+
+
+def pause(target, tag=None, timeout=30.0):
+    """Pauses ``tag`` (None: all) in every process matching ``target``; returns their reports."""
+    return [call(p, {"op": "pause", "tag": tag}, timeout) for p in resolve(target, timeout)]
+
+
+def resume(target, tag=None, timeout=30.0):
+    return [call(p, {"op": "resume", "tag": tag}, timeout) for p in resolve(target, timeout)]
+
+
+def list_processes(timeout=30.0):
+    """[{"pid", "socket", "status" or "error"}] for every hooked process of this user."""
+    out = []
+    for pid, path in sockets():
+        row = {"pid": pid, "socket": path}
+        try:
+            row["status"] = call(path, {"op": "status"}, timeout)
+        except (OSError, ControlError, ValueError) as e:
+            row["error"] = str(e)
+        out.append(row)
+    return out
+
+
+def resolve(target, timeout=30.0):
+    """Socket paths for a pid, a TMS_NAME (all processes with it), a socket path, or "all"."""
+    target = str(target)
+    live = sockets()
+    if target == "all":
+        found = [p for _, p in live]
+    elif "/" in target:
+        found = [target] if os.path.exists(target) else []
+    elif target.isdigit():
+        found = [p for pid, p in live if pid == int(target)]
+    else:
+        found = []
+        for _, p in live:
+            try:
+                if call(p, {"op": "status"}, timeout).get("name") == target:
+                    found.append(p)
+            except (OSError, ControlError, ValueError):
+                pass
+    if not found:
+        raise TargetNotFound(f"no hooked process matches {target!r} in {socket_dir()}")
+    return found
+
+
+def _one(target, timeout):
+    return resolve(target, timeout)[0]
+
+
+def _human(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def main(argv=None):
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each reply")
+    ap = argparse.ArgumentParser(prog="python -m tms.control", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", parents=[common], help="hooked processes and their memory per tag")
+    st = sub.add_parser("status", parents=[common], help="one process in detail")
+    st.add_argument("target")
+    for name in ("pause", "resume"):
+        p = sub.add_parser(name, parents=[common], help=f"{name} a tag (default: all) in processes")
+        p.add_argument("--tag")
+        p.add_argument("--all", action="store_true")
+        p.add_argument("targets", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "list":
+            rows = list_processes(args.timeout)
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                for r in rows:
+                    s = r.get("status")
+                    if not s:
+                        print(f"{r['pid']:<8} unreachable: {r.get('error')}")
+                        continue
+                    tags = ", ".join(
+                        f"{t['tag']}: {_human(t['bytes_active'])} active, {_human(t['bytes_paused'])} paused"
+                        for t in s["tags"]
+                    )
+                    print(f"{r['pid']:<8} {s.get('name') or '-':<18} {tags or '(no tracked memory)'}")
+            return 1 if any("error" in r for r in rows) else 0
+        if args.cmd == "status":
+            print(json.dumps(status(args.target, args.timeout), indent=None if not args.json else 2))
+            return 0
+        if args.all == bool(args.targets):
+            ap.error("give TARGETs or --all")
+        targets = ["all"] if args.all else args.targets
+        failed = False
+        out = []
+        for t in targets:
+            for path in resolve(t, args.timeout):
+                try:
+                    rep = call(path, {"op": args.cmd, "tag": args.tag}, args.timeout)
+                    out.append({"socket": path, "ok": True, "report": rep})
+                except ControlError as e:
+                    failed = True
+                    out.append({"socket": path, "ok": False, "error": str(e), "report": e.result})
+        if args.json:
+            print(json.dumps(out, indent=2))
+        else:
+            for r in out:
+                rep = r.get("report") or {}
+                print(f"{r['socket']}: {'ok' if r['ok'] else r['error']}; {rep.get('allocations_done', 0)} allocations, "
+                      f"{_human(rep.get('bytes_done', 0))}")
+        return 1 if failed else 0
+    except TargetNotFound as e:
+        print(f"tms.control: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ControlError) as e:
+        print(f"tms.control: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs tms into PREFIX:
+#   PREFIX/lib/libtms_hook.so            the hook (LD_PRELOAD it, or load it in torch mode)
+#   PREFIX/lib/torch_memory_saver_hook_mode_{preload,preload_cu12,preload_cu13,torch_cu12,torch_cu13}.abi3.so
+#                                        the file names torch_memory_saver's Python side looks for,
+#                                        linked to libtms_hook.so
+#   PREFIX/lib/libtms_sim.so             the simulator (tms-sim env points programs at it)
+#   PREFIX/include/tms.h, tms_sim.h
+#   PREFIX/bin/tms-ctl, tms-sim, relax-colocate
+#   PREFIX/lib/python/tms                the pure-Python package (PYTHONPATH=PREFIX/lib/python,
+#                                        or: pip install ./python)
+# Usage: scripts/install.sh [--profile release|debug] [--no-build] PREFIX
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+profile=release
+build=1
+prefix=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --profile) profile="${2:?--profile needs release or debug}"; shift 2 ;;
+    --no-build) build=0; shift ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) [ -z "$prefix" ] || { echo "install.sh: one PREFIX only" >&2; exit 2; }; prefix="$1"; shift ;;
+  esac
+done
+[ -n "$prefix" ] || { echo "usage: scripts/install.sh [--profile release|debug] [--no-build] PREFIX" >&2; exit 2; }
+case "$profile" in release|debug) ;; *) echo "install.sh: --profile must be release or debug" >&2; exit 2 ;; esac
+
+if [ "$build" = 1 ]; then
+  flag=(); [ "$profile" = release ] && flag=(--release)
+  (cd "$root" && cargo build "${flag[@]}" -p tms-hook -p tms-sim -p tms-ctl -p relax-colocate)
+fi
+out="${CARGO_TARGET_DIR:-$root/target}/$profile"
+for f in libtms_hook.so libtms_sim.so tms-ctl tms-sim relax-colocate; do
+  [ -e "$out/$f" ] || { echo "install.sh: $out/$f is missing; build first (or drop --no-build)" >&2; exit 1; }
+done
+
+mkdir -p "$prefix/lib" "$prefix/include" "$prefix/bin" "$prefix/lib/python"
+install -m 0755 "$out/libtms_hook.so" "$out/libtms_sim.so" "$prefix/lib/"
+install -m 0755 "$out/tms-ctl" "$out/tms-sim" "$out/relax-colocate" "$prefix/bin/"
+install -m 0644 "$root/include/tms.h" "$root/include/tms_sim.h" "$prefix/include/"
+for mode in preload preload_cu12 preload_cu13 torch_cu12 torch_cu13; do
+  ln -sfn libtms_hook.so "$prefix/lib/torch_memory_saver_hook_mode_${mode}.abi3.so"
+done
+rm -rf "$prefix/lib/python/tms"
+cp -R "$root/python/tms" "$prefix/lib/python/tms"
+find "$prefix/lib/python/tms" -name '__pycache__' -prune -exec rm -rf {} +
+
+cat <<MSG
+tms installed in $prefix
+  existing torch_memory_saver code:  LD_PRELOAD=$prefix/lib/torch_memory_saver_hook_mode_preload.abi3.so
+  native name:                       LD_PRELOAD=$prefix/lib/libtms_hook.so
+  Python package:                    PYTHONPATH=$prefix/lib/python  (or pip install $root/python)
+  control:                           $prefix/bin/tms-ctl list
+MSG

@@ -1,0 +1,70 @@
+//! The drop-in path for torch_memory_saver users: install into a prefix, preload the
+//! compatibility file name, and run the Python package's tests with CPython on the simulator.
+
+use std::process::Command;
+use tms_e2e::*;
+
+fn install() -> tempfile::TempDir {
+    let ws = workspace();
+    let prefix = tempfile::tempdir().unwrap();
+    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+    run_ok(
+        Command::new(ws.root.join("scripts/install.sh")).args(["--profile", profile, "--no-build"]).arg(prefix.path()),
+    );
+    prefix
+}
+
+#[test]
+fn install_lays_out_the_compatibility_names() {
+    let prefix = install();
+    let lib = prefix.path().join("lib");
+    for mode in ["preload", "preload_cu12", "preload_cu13", "torch_cu12", "torch_cu13"] {
+        let p = lib.join(format!("torch_memory_saver_hook_mode_{mode}.abi3.so"));
+        assert_eq!(std::fs::read_link(&p).unwrap().to_str(), Some("libtms_hook.so"), "{}", p.display());
+    }
+    for f in ["lib/libtms_hook.so", "include/tms.h", "bin/tms-ctl", "bin/tms-sim", "lib/python/tms/__init__.py"] {
+        assert!(prefix.path().join(f).exists(), "{f} not installed");
+    }
+}
+
+#[test]
+fn python_package_tests_pass_on_the_simulator() {
+    let ws = workspace();
+    let prefix = install();
+    let node = SimNode::new("2GiB");
+    let preload = prefix.path().join("lib/torch_memory_saver_hook_mode_preload.abi3.so");
+    let out = node
+        .command(&[
+            "python3".into(),
+            "-m".into(),
+            "unittest".into(),
+            "discover".into(),
+            "-v".into(),
+            "-s".into(),
+            ws.root.join("python/tests"),
+        ])
+        .env("LD_PRELOAD", &preload)
+        .env("PYTHONPATH", prefix.path().join("lib/python"))
+        .env("TMS_PREFIX", prefix.path())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "python tests failed:\n{err}");
+    assert!(err.contains("\nOK"), "{err}");
+    assert!(err.contains("Ran 9 tests"), "{err}");
+    assert!(!err.contains("FAIL") && !err.contains("ERROR"), "{err}");
+}
+
+#[test]
+fn a_torch_memory_saver_program_runs_unchanged_under_the_compatibility_name() {
+    let ws = workspace();
+    let prefix = install();
+    let node = SimNode::new("1GiB");
+    let preload = prefix.path().join("lib/torch_memory_saver_hook_mode_preload.abi3.so");
+    let script = ws.root.join("tests/python/tms_ctypes_check.py");
+    let out = run_ok(
+        node.command(&["python3".into(), script]).env("LD_PRELOAD", &preload).env("PYTHONDONTWRITEBYTECODE", "1"),
+    );
+    assert!(out.contains("ctypes ok"), "{out}");
+}
