@@ -46,7 +46,10 @@ pub fn workspace() -> &'static Workspace {
         let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
         let release = !cfg!(debug_assertions);
         let mut cmd = Command::new(env!("CARGO"));
-        cmd.current_dir(&root).args(["build", "--quiet", "-p", "tms-sim", "-p", "tms-hook", "-p", "tms-ctl", "-p", "relax-colocate"]);
+        cmd.current_dir(&root).args(["build", "--quiet"]);
+        for package in ["tms-sim", "tms-hook", "tms-ctl", "relax-colocate"] {
+            cmd.args(["-p", package]);
+        }
         if release {
             cmd.arg("--release");
         }
