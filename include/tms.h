@@ -45,6 +45,7 @@ typedef struct tms_report {
   uint64_t device_free_before;  /* device free memory before and after, as the driver reports */
   uint64_t device_free_after;
   uint64_t device_total;
+  uint64_t backup_ns;           /* time spent in backup/restore transfers (part of elapsed_ns) */
 } tms_report;
 
 typedef struct tms_tag_status {

@@ -71,6 +71,7 @@ class _Report(ctypes.Structure):
         ("device_free_before", ctypes.c_uint64),
         ("device_free_after", ctypes.c_uint64),
         ("device_total", ctypes.c_uint64),
+        ("backup_ns", ctypes.c_uint64),
     ]
 
     def as_dict(self):

@@ -243,6 +243,7 @@ fn op_report(tag: Option<String>, r: &Report) -> OpReport {
         device_free_before: r.device_free_before,
         device_free_after: r.device_free_after,
         device_total: r.device_total,
+        backup_ns: r.backup_ns,
         error: r.error.as_ref().map(proto_error),
     }
 }

@@ -67,6 +67,8 @@ pub struct Report {
     pub device_free_before: u64,
     pub device_free_after: u64,
     pub device_total: u64,
+    /// Time spent in backup/restore transfers (included in `elapsed_ns`).
+    pub backup_ns: u64,
     /// The first failure, if any (the operation still did what it could).
     pub error: Option<Error>,
 }
@@ -503,9 +505,11 @@ impl Saver {
             eligible.push(i);
         }
         if !copies.is_empty() {
+            let started = Instant::now();
             let copied = self.streams_for(dev, device).and_then(|s| {
                 backup::transfer(dev, &s, &copies, Direction::ToHost, config().backup_chunk).map_err(Error::Driver)
             });
+            report.backup_ns += started.elapsed().as_nanos() as u64;
             match copied {
                 Ok(()) => report.backup_bytes += copies.iter().map(|c| c.len as u64).sum::<u64>(),
                 Err(e) => {
@@ -638,9 +642,11 @@ impl Saver {
             .collect();
         let mut restore_failed = false;
         if !restores.is_empty() {
+            let started = Instant::now();
             let copied = self.streams_for(dev, device).and_then(|s| {
                 backup::transfer(dev, &s, &restores, Direction::ToDevice, config().backup_chunk).map_err(Error::Driver)
             });
+            report.backup_ns += started.elapsed().as_nanos() as u64;
             match copied {
                 Ok(()) => report.backup_bytes += restores.iter().map(|c| c.len as u64).sum::<u64>(),
                 Err(e) => {

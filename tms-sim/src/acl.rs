@@ -332,7 +332,7 @@ fn prop_device(prop: *const AclPhysicalMemProp) -> Result<usize, i32> {
         return Err(INVALID_PARAM);
     }
     // SAFETY: checked non-null; the caller passes an aclrtPhysicalMemProp.
-    let p = unsafe { *prop };
+    let p = unsafe { prop.read_unaligned() };
     if p.location.kind != MEM_LOCATION_TYPE_DEVICE || p.allocation_type != MEM_ALLOCATION_TYPE_PINNED {
         return Err(INVALID_PARAM);
     }
@@ -436,8 +436,8 @@ pub unsafe extern "C" fn aclrt_mem_set_access(
         if desc.is_null() || count == 0 {
             return INVALID_PARAM;
         }
-        // SAFETY: the caller passes `count` descriptors.
-        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        // SAFETY: the caller passes `count` descriptors; C callers may not align them.
+        let descs: Vec<_> = (0..count).map(|i| unsafe { desc.add(i).read_unaligned() }).collect();
         let mut prot = libc::PROT_NONE;
         for d in descs {
             if d.location.kind != MEM_LOCATION_TYPE_DEVICE || sim().valid_device(d.location.id as i64).is_none() {

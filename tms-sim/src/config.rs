@@ -26,6 +26,9 @@ pub struct Config {
     pub pin_bytes_per_sec: f64,
     /// Fault-injection rules, see `fault.rs`.
     pub fail: String,
+    /// Commit host pages when physical memory is created (as a device does), instead of on first
+    /// touch. Costs real host memory for every byte created.
+    pub commit: bool,
 }
 
 impl Config {
@@ -61,6 +64,7 @@ impl Config {
             copy_bytes_per_sec: gbps("TMS_SIM_COPY_GBPS"),
             pin_bytes_per_sec: gbps("TMS_SIM_PIN_GBPS"),
             fail: env_str("TMS_SIM_FAIL").unwrap_or_default(),
+            commit: env_str("TMS_SIM_COMMIT").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true")),
         }
     }
 

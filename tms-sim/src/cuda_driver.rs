@@ -389,7 +389,7 @@ fn prop_device(prop: *const CuMemAllocationProp) -> Result<usize, i32> {
         return Err(INVALID_VALUE);
     }
     // SAFETY: checked non-null; the caller passes a CUmemAllocationProp.
-    let p = unsafe { *prop };
+    let p = unsafe { prop.read_unaligned() };
     if p.kind != ALLOCATION_TYPE_PINNED || p.location.kind != LOCATION_TYPE_DEVICE {
         return Err(INVALID_VALUE);
     }
@@ -493,8 +493,8 @@ pub unsafe extern "C" fn cu_mem_set_access(
         if desc.is_null() || count == 0 {
             return INVALID_VALUE;
         }
-        // SAFETY: the caller passes `count` descriptors.
-        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        // SAFETY: the caller passes `count` descriptors; C callers may not align them.
+        let descs: Vec<_> = (0..count).map(|i| unsafe { desc.add(i).read_unaligned() }).collect();
         let mut prot = libc::PROT_NONE;
         for d in descs {
             if d.location.kind != LOCATION_TYPE_DEVICE || sim().valid_device(d.location.id as i64).is_none() {

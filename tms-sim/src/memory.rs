@@ -153,6 +153,8 @@ struct Plain {
 
 pub struct Memory {
     pool: Pool,
+    /// Commit pages at create (TMS_SIM_COMMIT).
+    pub commit: bool,
     next_handle: u64,
     handles: HashMap<u64, Physical>,
     reservations: BTreeMap<usize, Reservation>,
@@ -182,6 +184,7 @@ impl Memory {
     pub fn new() -> MemResult<Memory> {
         Ok(Memory {
             pool: Pool::new()?,
+            commit: false,
             next_handle: 0x7e57_0000_0001,
             handles: HashMap::new(),
             reservations: BTreeMap::new(),
@@ -207,6 +210,10 @@ impl Memory {
             return Err(MemError::Invalid);
         }
         let offset = self.pool.alloc(len as u64)?;
+        if self.commit {
+            // SAFETY: allocating blocks of our own memfd range.
+            unsafe { libc::fallocate(self.pool.fd, 0, offset as libc::off_t, len as libc::off_t) };
+        }
         let h = self.next_handle;
         self.next_handle += 1;
         self.handles.insert(h, Physical { device, offset, len, mapped: 0, released: false });
@@ -403,6 +410,14 @@ impl Memory {
         if unsafe { libc::mprotect(addr as *mut libc::c_void, len, prot) } != 0 {
             return Err(MemError::Invalid);
         }
+        if self.commit && prot != libc::PROT_NONE {
+            // Establish the page tables now, as a device's map does; otherwise the first copy
+            // into the range would pay the host's page faults. (MADV_POPULATE_WRITE, Linux 5.14+;
+            // older kernels just skip it.)
+            const MADV_POPULATE_WRITE: libc::c_int = 23;
+            // SAFETY: advice on a range we just made accessible.
+            unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
+        }
         for a in touched {
             r.mappings.get_mut(&a).expect("present").prot = prot;
         }
@@ -413,6 +428,10 @@ impl Memory {
 
     pub fn plain_alloc(&mut self, device: usize, len: usize) -> MemResult<usize> {
         let offset = self.pool.alloc(len as u64)?;
+        if self.commit {
+            // SAFETY: allocating blocks of our own memfd range.
+            unsafe { libc::fallocate(self.pool.fd, 0, offset as libc::off_t, len as libc::off_t) };
+        }
         // SAFETY: a fresh shared view of a pool range we just took.
         let p = unsafe {
             libc::mmap(

@@ -59,7 +59,8 @@ pub fn sim() -> &'static Sim {
             Err(e) => warn(&format!("TMS_SIM_FAIL ignored: {e}")),
         }
         let node = Node::attach(&cfg);
-        let mem = Memory::new().expect("memfd_create failed: the simulator needs Linux memfd support");
+        let mut mem = Memory::new().expect("memfd_create failed: the simulator needs Linux memfd support");
+        mem.commit = cfg.commit;
         Sim {
             cfg,
             node,

@@ -29,6 +29,7 @@ pub struct CReport {
     pub device_free_before: u64,
     pub device_free_after: u64,
     pub device_total: u64,
+    pub backup_ns: u64,
 }
 
 /// Mirrors `tms_tag_status` in include/tms.h.
@@ -68,6 +69,7 @@ pub fn to_c(r: &Report) -> CReport {
         device_free_before: r.device_free_before,
         device_free_after: r.device_free_after,
         device_total: r.device_total,
+        backup_ns: r.backup_ns,
     }
 }
 

@@ -1,0 +1,386 @@
+//! `relax-colocate bench`: the hook's costs measured against the physical limit in the same run.
+//!
+//! Each scenario runs in a child process (`relax-colocate bench-worker`), with libtms_hook.so
+//! preloaded or not as the comparison needs, on the simulator (a private node) or the real
+//! driver. Results: tables on stdout, `results.json` and SVG plots in the output folder.
+
+pub mod plot;
+pub mod worker;
+
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const MIB: usize = 1 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceKind {
+    /// The real CUDA driver if libcuda.so.1 loads, else the simulator.
+    Auto,
+    Sim,
+    Cuda,
+}
+
+pub struct Options {
+    pub device: DeviceKind,
+    pub quick: bool,
+    pub out: PathBuf,
+    pub hook: Option<PathBuf>,
+    pub sim_memory: String,
+    pub sim_copy_gbps: f64,
+}
+
+fn exe_dir() -> PathBuf {
+    std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default()
+}
+
+fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    let dir = exe_dir();
+    let candidates: Vec<PathBuf> = match explicit {
+        Some(p) => vec![p.to_path_buf()],
+        None => vec![dir.join("libtms_hook.so"), dir.join("../lib/libtms_hook.so")],
+    };
+    candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
+        format!("libtms_hook.so not found (looked at {candidates:?}); build it (cargo build) or pass --hook PATH")
+    })
+}
+
+fn cuda_present() -> bool {
+    // SAFETY: RTLD_LAZY probe of the driver; closed right away.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return false;
+        }
+        libc::dlclose(h);
+        true
+    }
+}
+
+struct Env {
+    sim: Option<(String, tempfile::TempDir)>,
+    hook: PathBuf,
+    opts_memory: String,
+    copy_gbps: f64,
+    counter: std::cell::Cell<u32>,
+}
+
+impl Env {
+    /// Runs one worker scenario; `hooked` preloads the library.
+    fn worker(&self, hooked: bool, scenario: &str, args: &[String]) -> Result<Value, String> {
+        self.worker_env(hooked, scenario, args, &[])
+    }
+
+    fn worker_env(
+        &self,
+        hooked: bool,
+        scenario: &str,
+        args: &[String],
+        extra: &[(&str, &str)],
+    ) -> Result<Value, String> {
+        let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+        cmd.arg("bench-worker").arg(scenario).args(args).env_remove("LD_PRELOAD");
+        if hooked {
+            cmd.env("LD_PRELOAD", &self.hook).env("TMS_CONTROL", "0");
+        }
+        if let Some((libdir, dir)) = &self.sim {
+            self.counter.set(self.counter.get() + 1);
+            cmd.env("LD_LIBRARY_PATH", libdir)
+                .env("TMS_SIM_DIR", dir.path())
+                .env("TMS_SIM_NODE", format!("bench-{}", self.counter.get()))
+                .env("TMS_SIM_MEMORY", &self.opts_memory)
+                .env("TMS_SIM_DEVICES", "1");
+            if self.copy_gbps > 0.0 {
+                cmd.env("TMS_SIM_COPY_GBPS", self.copy_gbps.to_string());
+            }
+        }
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().map_err(|e| format!("cannot run the bench worker: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "bench scenario {scenario} failed ({}):\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("scenario {scenario}: bad output ({e})"))
+    }
+}
+
+fn sim_lib_dir() -> Result<String, String> {
+    let tool = exe_dir().join("tms-sim");
+    let out = Command::new(&tool)
+        .arg("lib-dir")
+        .output()
+        .map_err(|e| format!("cannot run {} ({e}); build it with `cargo build -p tms-sim`", tool.display()))?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn gbs(bytes_per_s: f64) -> String {
+    format!("{:.2}", bytes_per_s / 1e9)
+}
+
+fn human(bytes: f64) -> String {
+    if bytes >= (1u64 << 30) as f64 {
+        format!("{:.0} GiB", bytes / (1u64 << 30) as f64)
+    } else if bytes >= MIB as f64 {
+        format!("{:.0} MiB", bytes / MIB as f64)
+    } else {
+        format!("{bytes:.0} B")
+    }
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or(f64::NAN)
+}
+
+pub fn run(opts: &Options) -> Result<(), String> {
+    let device = match opts.device {
+        DeviceKind::Auto if cuda_present() => DeviceKind::Cuda,
+        DeviceKind::Auto => DeviceKind::Sim,
+        d => d,
+    };
+    if device == DeviceKind::Cuda && !cuda_present() {
+        return Err("--device cuda: libcuda.so.1 cannot be loaded on this machine; use --device sim".into());
+    }
+    let hook = find_hook(opts.hook.as_deref())?;
+    let sim = if device == DeviceKind::Sim {
+        Some((sim_lib_dir()?, tempfile::tempdir().map_err(|e| e.to_string())?))
+    } else {
+        None
+    };
+    let env = Env {
+        sim,
+        hook,
+        opts_memory: opts.sim_memory.clone(),
+        copy_gbps: opts.sim_copy_gbps,
+        counter: std::cell::Cell::new(0),
+    };
+    std::fs::create_dir_all(&opts.out).map_err(|e| format!("cannot create {}: {e}", opts.out.display()))?;
+    let q = opts.quick;
+    let device_name = match device {
+        DeviceKind::Sim if opts.sim_copy_gbps > 0.0 => {
+            format!("tms-sim (copy bus {} GB/s per direction)", opts.sim_copy_gbps)
+        }
+        DeviceKind::Sim => "tms-sim (no copy throttle: host memcpy)".to_string(),
+        _ => "CUDA device 0".to_string(),
+    };
+    println!("relax-colocate bench on {device_name}{}", if q { ", --quick" } else { "" });
+    let step = |n: usize, what: &str| eprintln!("[{n}/5] {what}...");
+
+    step(1, "interception overhead (direct vs through the hook)");
+    let iters = if q { 200_000 } else { 2_000_000 };
+    let direct = env.worker(false, "passthrough", &[iters.to_string()])?;
+    let hooked = env.worker(true, "passthrough", &[iters.to_string()])?;
+    println!("\nInterception outside regions (ns per call)");
+    println!("{:<34} {:>10} {:>10} {:>10} {:>7}", "call", "direct", "hooked", "added", "ratio");
+    for (label, key) in [("cudaFree(NULL)", "free_null_ns"), ("cudaMalloc(4 KiB) + cudaFree", "malloc_free_pair_ns")] {
+        let (d, h) = (f(&direct, key), f(&hooked, key));
+        println!("{label:<34} {d:>10.1} {h:>10.1} {:>10.1} {:>7.2}", h - d, h / d);
+    }
+
+    step(2, "region malloc/free vs the bare virtual-memory sequence");
+    let region = env.worker(true, "region", &[(if q { 300 } else { 3000 }).to_string(), (2 * MIB).to_string()])?;
+    println!("\nRegion allocation, 2 MiB (ns per malloc+free)");
+    println!("{:<34} {:>12} {:>12} {:>7}", "", "bare VMM", "hook", "ratio");
+    println!(
+        "{:<34} {:>12.0} {:>12.0} {:>7.2}",
+        "reserve+create+map+access / undo",
+        f(&region, "bare_ns"),
+        f(&region, "hooked_ns"),
+        f(&region, "hooked_ns") / f(&region, "bare_ns")
+    );
+
+    step(3, "pause/resume against bytes, with and without backup, and the raw pinned copy");
+    let sizes: Vec<usize> =
+        if q { vec![1, 16, 128] } else { vec![1, 4, 16, 64, 256, 1024] }.into_iter().map(|m| m * MIB).collect();
+    let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    // Pages are committed at create, as on a device, so restores are not charged the simulator's
+    // first-touch page faults (a device allocates physical memory in cuMemCreate).
+    let bytes =
+        env.worker_env(true, "bytes", &[sizes_arg, (if q { 3 } else { 5 }).to_string()], &[("TMS_SIM_COMMIT", "1")])?;
+    println!("\nPause/resume of one allocation (median). GB/s: whole operation; copy GB/s: its backup transfers;");
+    println!("shares are of the raw pinned copy of the same size measured in the same process.");
+    println!(
+        "{:>9} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7}",
+        "bytes",
+        "backup",
+        "pause ms",
+        "resume ms",
+        "pause",
+        "resume",
+        "copy D2H",
+        "copy H2D",
+        "raw D2H",
+        "raw H2D",
+        "pause%",
+        "resume%",
+        "copyD%",
+        "copyH%"
+    );
+    let rows = bytes["rows"].as_array().cloned().unwrap_or_default();
+    let pct = |a: f64, b: f64| format!("{:.0}", 100.0 * a / b);
+    for r in &rows {
+        let backup = r["backup"].as_bool().unwrap_or(false);
+        let shares = if backup {
+            [
+                pct(f(r, "pause_bytes_per_s"), f(r, "raw_d2h_bytes_per_s")),
+                pct(f(r, "resume_bytes_per_s"), f(r, "raw_h2d_bytes_per_s")),
+                pct(f(r, "backup_d2h_bytes_per_s"), f(r, "raw_d2h_bytes_per_s")),
+                pct(f(r, "restore_h2d_bytes_per_s"), f(r, "raw_h2d_bytes_per_s")),
+            ]
+        } else {
+            ["-".into(), "-".into(), "-".into(), "-".into()]
+        };
+        let copy = |k: &str| if backup { gbs(f(r, k)) } else { "-".into() };
+        println!(
+            "{:>9} {:>6} {:>9.3} {:>9.3} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7}",
+            human(f(r, "bytes")),
+            if backup { "yes" } else { "no" },
+            f(r, "pause_ns") / 1e6,
+            f(r, "resume_ns") / 1e6,
+            gbs(f(r, "pause_bytes_per_s")),
+            gbs(f(r, "resume_bytes_per_s")),
+            copy("backup_d2h_bytes_per_s"),
+            copy("restore_h2d_bytes_per_s"),
+            gbs(f(r, "raw_d2h_bytes_per_s")),
+            gbs(f(r, "raw_h2d_bytes_per_s")),
+            shares[0],
+            shares[1],
+            shares[2],
+            shares[3]
+        );
+    }
+
+    step(4, "pause/resume against allocation count");
+    let counts: Vec<usize> = if q { vec![1, 10, 100, 1000] } else { vec![1, 10, 100, 1000, 10_000] };
+    let counts_arg = counts.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let count = env.worker(true, "count", &[counts_arg, "3".into()])?;
+    println!("\nPause/resume without backup against allocation count (mixed 2/4/6 MiB)");
+    println!(
+        "{:>8} {:>10} {:>11} {:>11} {:>14} {:>14}",
+        "allocs", "bytes", "pause ms", "resume ms", "pause us/alloc", "resume us/alloc"
+    );
+    let crow = count["rows"].as_array().cloned().unwrap_or_default();
+    for r in &crow {
+        println!(
+            "{:>8} {:>10} {:>11.3} {:>11.3} {:>14.1} {:>14.1}",
+            r["allocations"],
+            human(f(r, "bytes")),
+            f(r, "pause_ns") / 1e6,
+            f(r, "resume_ns") / 1e6,
+            f(r, "pause_ns_per_allocation") / 1e3,
+            f(r, "resume_ns_per_allocation") / 1e3
+        );
+    }
+
+    step(5, "host memory: bookkeeping per allocation, growth across cycles");
+    let mem = env.worker(
+        true,
+        "memory",
+        &[(if q { 1000 } else { 10_000 }).to_string(), (if q { 200 } else { 1000 }).to_string()],
+    )?;
+    println!("\nHost memory");
+    println!(
+        "heap per tracked allocation over {} allocations: {:.0} B in all, {:.0} B of it the driver's own (same allocations made by hand), {:.0} B the hook's",
+        mem["tracked"],
+        f(&mem, "heap_bytes_per_allocation"),
+        f(&mem, "driver_heap_bytes_per_allocation"),
+        f(&mem, "hook_heap_bytes_per_allocation")
+    );
+    println!(
+        "RSS across {} pause/resume cycles with backup: {} -> {} bytes ({:+})",
+        mem["cycles"], mem["rss_before"], mem["rss_after"], mem["rss_growth"]
+    );
+
+    // Targets, judged on figures from this run.
+    let largest_backup =
+        rows.iter().filter(|r| r["backup"] == true).max_by(|a, b| f(a, "bytes").total_cmp(&f(b, "bytes")));
+    let pause_share =
+        largest_backup.map(|r| f(r, "pause_bytes_per_s") / f(r, "raw_d2h_bytes_per_s")).unwrap_or(f64::NAN);
+    let resume_share =
+        largest_backup.map(|r| f(r, "resume_bytes_per_s") / f(r, "raw_h2d_bytes_per_s")).unwrap_or(f64::NAN);
+    let per_alloc = crow.last().map(|r| f(r, "pause_ns_per_allocation")).unwrap_or(f64::NAN);
+    let per_alloc_ratio = per_alloc / f(&region, "unmap_release_ns");
+    let added = f(&hooked, "free_null_ns") - f(&direct, "free_null_ns");
+    let heap = f(&mem, "hook_heap_bytes_per_allocation");
+    let growth = mem["rss_growth"].as_i64().unwrap_or(i64::MAX);
+    let mid =
+        crow.iter().find(|r| r["allocations"] == 100).map(|r| f(r, "pause_ns_per_allocation")).unwrap_or(f64::NAN);
+    let scaling = per_alloc / mid;
+    let copy_d =
+        largest_backup.map(|r| f(r, "backup_d2h_bytes_per_s") / f(r, "raw_d2h_bytes_per_s")).unwrap_or(f64::NAN);
+    let copy_h =
+        largest_backup.map(|r| f(r, "restore_h2d_bytes_per_s") / f(r, "raw_h2d_bytes_per_s")).unwrap_or(f64::NAN);
+    let targets = vec![
+        (
+            "pause with backup >= 90% of raw D2H copy (whole op)",
+            format!("{:.0}%", 100.0 * pause_share),
+            pause_share >= 0.9,
+        ),
+        (
+            "resume with backup >= 90% of raw H2D copy (whole op)",
+            format!("{:.0}%", 100.0 * resume_share),
+            resume_share >= 0.9,
+        ),
+        ("  backup transfers alone >= 90% of raw D2H", format!("{:.0}%", 100.0 * copy_d), copy_d >= 0.9),
+        ("  restore transfers alone >= 90% of raw H2D", format!("{:.0}%", 100.0 * copy_h), copy_h >= 0.9),
+        (
+            "pause w/o backup <= 2x driver unmap+release per allocation",
+            format!("{per_alloc_ratio:.2}x"),
+            per_alloc_ratio <= 2.0,
+        ),
+        ("passthrough adds <= 50 ns per call", format!("{added:.1} ns"), added <= 50.0),
+        ("hook bookkeeping <= 512 B per allocation", format!("{heap:.0} B"), heap <= 512.0),
+        ("no RSS growth across pause/resume cycles", format!("{growth:+} B"), growth <= 64 * 1024),
+        ("per-allocation pause cost at max count <= 2x at 100 (linear)", format!("{scaling:.2}x"), scaling <= 2.0),
+    ];
+    println!("\nTargets (this run)");
+    println!("{:<62} {:>10} {:>6}", "target", "measured", "met");
+    for (t, m, ok) in &targets {
+        println!("{t:<62} {m:>10} {:>6}", if *ok { "yes" } else { "NO" });
+    }
+
+    let result = json!({
+        "device": device_name, "quick": q,
+        "passthrough": { "direct": direct, "hooked": hooked },
+        "region": region, "bytes": bytes, "count": count, "memory": mem,
+        "targets": targets.iter().map(|(t, m, ok)| json!({"target": t, "measured": m, "met": ok})).collect::<Vec<_>>(),
+    });
+    let json_path = opts.out.join("results.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&result).expect("serializes"))
+        .map_err(|e| e.to_string())?;
+    plot::write_all(&opts.out, &rows, &crow).map_err(|e| e.to_string())?;
+    println!(
+        "\nresults: {} (plots: time_vs_bytes.svg, time_vs_count.svg, throughput_vs_limit.svg)",
+        json_path.display()
+    );
+    Ok(())
+}
+
+/// Entry point of the child process.
+pub fn worker_main(args: &[String]) -> Result<Value, String> {
+    let num = |i: usize| -> Result<usize, String> {
+        args.get(i).and_then(|s| s.parse().ok()).ok_or_else(|| format!("bench-worker: argument {i} must be a number"))
+    };
+    let list = |i: usize| -> Result<Vec<usize>, String> {
+        args.get(i)
+            .ok_or("bench-worker: missing list")?
+            .split(',')
+            .map(|s| s.parse().map_err(|_| format!("bench-worker: bad number {s:?}")))
+            .collect()
+    };
+    match args.first().map(String::as_str) {
+        Some("passthrough") => worker::passthrough(num(1)?),
+        Some("region") => worker::region(num(1)?, num(2)?),
+        Some("bytes") => worker::bytes_scan(&list(1)?, num(2)?),
+        Some("count") => worker::count_scan(&list(1)?, num(2)?),
+        Some("memory") => worker::memory(num(1)?, num(2)?),
+        other => Err(format!("bench-worker: unknown scenario {other:?}")),
+    }
+}

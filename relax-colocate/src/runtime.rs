@@ -1,0 +1,133 @@
+//! The vendor runtime as a hooked application sees it: `libcudart.so.12` is loaded, then every
+//! function is resolved with `dlsym(RTLD_DEFAULT)`, so a preloaded libtms_hook.so wins exactly as
+//! it does for PyTorch. The tms API is found the same way (present only when preloaded).
+
+use libc::{c_char, c_int, c_void};
+use std::ffi::CStr;
+
+fn sym(name: &CStr) -> Result<usize, String> {
+    // SAFETY: dlsym with a NUL-terminated name.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) } as usize;
+    if p == 0 { Err(format!("{} not found", name.to_string_lossy())) } else { Ok(p) }
+}
+
+macro_rules! api {
+    ($name:ident { $($field:ident : $sym:literal => fn($($arg:ty),*) -> $ret:ty;)* }) => {
+        #[allow(clippy::type_complexity)]
+        pub struct $name { $(pub $field: unsafe extern "C" fn($($arg),*) -> $ret,)* }
+        impl $name {
+            pub fn load() -> Result<$name, String> {
+                // SAFETY: each symbol is resolved with its documented signature.
+                unsafe { Ok($name { $($field: std::mem::transmute::<usize, unsafe extern "C" fn($($arg),*) -> $ret>(sym($sym)?),)* }) }
+            }
+        }
+    };
+}
+
+api!(Runtime {
+    malloc: c"cudaMalloc" => fn(*mut *mut c_void, usize) -> c_int;
+    free: c"cudaFree" => fn(*mut c_void) -> c_int;
+    memcpy: c"cudaMemcpy" => fn(*mut c_void, *const c_void, usize, c_int) -> c_int;
+    memset: c"cudaMemset" => fn(*mut c_void, c_int, usize) -> c_int;
+    malloc_host: c"cudaMallocHost" => fn(*mut *mut c_void, usize) -> c_int;
+    free_host: c"cudaFreeHost" => fn(*mut c_void) -> c_int;
+    set_device: c"cudaSetDevice" => fn(c_int) -> c_int;
+});
+
+api!(Driver {
+    init: c"cuInit" => fn(u32) -> c_int;
+    reserve: c"cuMemAddressReserve" => fn(*mut u64, usize, usize, u64, u64) -> c_int;
+    address_free: c"cuMemAddressFree" => fn(u64, usize) -> c_int;
+    create: c"cuMemCreate" => fn(*mut u64, usize, *const AllocationProp, u64) -> c_int;
+    release: c"cuMemRelease" => fn(u64) -> c_int;
+    map: c"cuMemMap" => fn(u64, usize, usize, u64, u64) -> c_int;
+    unmap: c"cuMemUnmap" => fn(u64, usize) -> c_int;
+    set_access: c"cuMemSetAccess" => fn(u64, usize, *const AccessDesc, usize) -> c_int;
+});
+
+/// CUmemAllocationProp (32 bytes): type, requested handle types, location {type, id}, win32
+/// metadata pointer, allocation flags.
+#[repr(C)]
+pub struct AllocationProp {
+    pub kind: c_int,
+    pub handle_types: c_int,
+    pub location_kind: c_int,
+    pub location_id: c_int,
+    pub win32: *mut c_void,
+    pub flags: [u8; 8],
+}
+
+/// CUmemAccessDesc (12 bytes): location {type, id}, flags.
+#[repr(C)]
+pub struct AccessDesc {
+    pub location_kind: c_int,
+    pub location_id: c_int,
+    pub flags: c_int,
+}
+
+/// Pinned device memory on device 0.
+pub fn device_prop() -> AllocationProp {
+    AllocationProp {
+        kind: 1,
+        handle_types: 0,
+        location_kind: 1,
+        location_id: 0,
+        win32: std::ptr::null_mut(),
+        flags: [0; 8],
+    }
+}
+
+/// Read/write access for device 0.
+pub fn device_access() -> AccessDesc {
+    AccessDesc { location_kind: 1, location_id: 0, flags: 3 }
+}
+
+/// tms_report, as include/tms.h lays it out.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Report {
+    pub error: i32,
+    pub driver_error: i32,
+    pub allocations_done: u64,
+    pub bytes_done: u64,
+    pub allocations_skipped: u64,
+    pub bytes_skipped: u64,
+    pub allocations_failed: u64,
+    pub bytes_failed: u64,
+    pub backup_bytes: u64,
+    pub elapsed_ns: u64,
+    pub device_free_before: u64,
+    pub device_free_after: u64,
+    pub device_total: u64,
+    pub backup_ns: u64,
+}
+
+api!(Tms {
+    set_region: c"tms_set_interesting_region" => fn(bool) -> ();
+    set_tag: c"tms_set_current_tag" => fn(*const c_char) -> ();
+    set_backup: c"tms_set_enable_cpu_backup" => fn(bool) -> ();
+    pause: c"tms_pause_report" => fn(*const c_char, *mut Report) -> c_int;
+    resume: c"tms_resume_report" => fn(*const c_char, *mut Report) -> c_int;
+});
+
+/// Loads the CUDA runtime into the global scope (the driver comes with it on real systems and
+/// on the simulator alike).
+pub fn load_cuda() -> Result<(), String> {
+    for name in [c"libcudart.so.12", c"libcudart.so.13", c"libcudart.so"] {
+        // SAFETY: dlopen of a vendor library by soname.
+        if !unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+            for drv in [c"libcuda.so.1", c"libcuda.so"] {
+                // SAFETY: as above.
+                if !unsafe { libc::dlopen(drv.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+                    return Ok(());
+                }
+            }
+            return Err("libcuda.so.1 not found".into());
+        }
+    }
+    Err("libcudart.so.12 not found: install the CUDA runtime or use --device sim".into())
+}
+
+pub fn check(what: &str, rc: c_int) -> Result<(), String> {
+    if rc == 0 { Ok(()) } else { Err(format!("{what} returned {rc}")) }
+}

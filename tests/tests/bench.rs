@@ -1,0 +1,45 @@
+//! `relax-colocate bench --quick` on the simulator: every table printed, targets judged on figures
+//! of the same run, results and plots written.
+
+use std::process::Command;
+use tms_e2e::*;
+
+#[test]
+fn quick_bench_prints_every_table_and_writes_results() {
+    let ws = workspace();
+    let out = tempfile::tempdir().unwrap();
+    let run = Command::new(ws.bin("relax-colocate"))
+        .args(["bench", "--device", "sim", "--quick", "--out"])
+        .arg(out.path())
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    for heading in [
+        "Interception outside regions",
+        "Region allocation, 2 MiB",
+        "Pause/resume of one allocation",
+        "against allocation count",
+        "Host memory",
+        "Targets (this run)",
+    ] {
+        assert!(stdout.contains(heading), "missing {heading:?}:\n{stdout}");
+    }
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("results.json")).unwrap()).unwrap();
+    let rows = results["bytes"]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 6, "3 sizes x backup on/off");
+    for r in rows {
+        assert!(r["pause_ns"].as_f64().unwrap() > 0.0 && r["raw_d2h_bytes_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(results["count"]["rows"].as_array().unwrap().len(), 4);
+    assert!(results["targets"].as_array().unwrap().len() >= 7);
+    // Host memory does not grow across pause/resume cycles (a retained-buffer or registry leak
+    // would show here).
+    assert!(results["memory"]["rss_growth"].as_i64().unwrap() <= 1 << 20, "{}", results["memory"]);
+    for svg in ["time_vs_bytes.svg", "time_vs_count.svg", "throughput_vs_limit.svg"] {
+        let text = std::fs::read_to_string(out.path().join(svg)).unwrap();
+        assert!(text.starts_with("<svg") && text.contains("<polyline"), "{svg}");
+    }
+}
