@@ -56,5 +56,14 @@ pub fn transfer(
             first_error.get_or_insert(e);
         }
     }
+    if first_error.is_some() {
+        // A failed synchronize does not mean the copies stopped: drain the device before the
+        // caller unmaps anything, so no copy still in flight lands on (or reads from) memory
+        // that is gone, and no stale error is left for the next operation.
+        let _ = device.synchronize();
+        for &s in streams {
+            let _ = device.stream_synchronize(s);
+        }
+    }
     first_error.map_or(Ok(()), Err)
 }
