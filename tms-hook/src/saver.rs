@@ -369,6 +369,23 @@ impl Saver {
         Ok(created)
     }
 
+    /// Runs backup or restore copies on this device's streams, timing them into the report.
+    fn transfer(
+        &self,
+        dev: &dyn Device,
+        device: i32,
+        jobs: &[CopyJob],
+        dir: Direction,
+        report: &mut Report,
+    ) -> Result<(), Error> {
+        let started = Instant::now();
+        let result = self
+            .streams_for(dev, device)
+            .and_then(|s| backup::transfer(dev, &s, jobs, dir, config().backup_chunk).map_err(Error::Driver));
+        report.backup_ns += started.elapsed().as_nanos() as u64;
+        result
+    }
+
     /// Takes every entry of `tag` (all tags when None) in state `want` for work (marks them Busy);
     /// counts the entries of the tag already in the other state as skipped.
     fn select(&self, tag: Option<TagId>, want: State, report: &mut Report) -> Vec<Job> {
@@ -505,12 +522,7 @@ impl Saver {
             eligible.push(i);
         }
         if !copies.is_empty() {
-            let started = Instant::now();
-            let copied = self.streams_for(dev, device).and_then(|s| {
-                backup::transfer(dev, &s, &copies, Direction::ToHost, config().backup_chunk).map_err(Error::Driver)
-            });
-            report.backup_ns += started.elapsed().as_nanos() as u64;
-            match copied {
+            match self.transfer(dev, device, &copies, Direction::ToHost, report) {
                 Ok(()) => report.backup_bytes += copies.iter().map(|c| c.len as u64).sum::<u64>(),
                 Err(e) => {
                     // Without a complete backup nothing that needs one may be released.
@@ -642,12 +654,7 @@ impl Saver {
             .collect();
         let mut restore_failed = false;
         if !restores.is_empty() {
-            let started = Instant::now();
-            let copied = self.streams_for(dev, device).and_then(|s| {
-                backup::transfer(dev, &s, &restores, Direction::ToDevice, config().backup_chunk).map_err(Error::Driver)
-            });
-            report.backup_ns += started.elapsed().as_nanos() as u64;
-            match copied {
+            match self.transfer(dev, device, &restores, Direction::ToDevice, report) {
                 Ok(()) => report.backup_bytes += restores.iter().map(|c| c.len as u64).sum::<u64>(),
                 Err(e) => {
                     Self::note(report, e);
