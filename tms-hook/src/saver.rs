@@ -450,6 +450,18 @@ impl Saver {
         info
     }
 
+    /// Takes the allocations an operation works on and opens its report with the device's free
+    /// memory before it.
+    fn begin(&self, tag: Option<TagId>, want: State) -> (Vec<Job>, Report) {
+        let mut report = Report::default();
+        let jobs = self.select(tag, want, &mut report);
+        if let Some((free, total)) = self.device_memory(&jobs) {
+            report.device_free_before = free;
+            report.device_total = total;
+        }
+        (jobs, report)
+    }
+
     fn groups(jobs: &mut [Job]) -> BTreeMap<(Vendor, i32), Vec<usize>> {
         let mut groups: BTreeMap<(Vendor, i32), Vec<usize>> = BTreeMap::new();
         for (i, j) in jobs.iter().enumerate() {
@@ -463,13 +475,8 @@ impl Saver {
     pub fn pause(&self, tag: Option<&str>) -> Report {
         let _op = lock(&self.operations);
         let start = Instant::now();
-        let mut report = Report::default();
         let tag = tag.map(region::intern);
-        let mut jobs = self.select(tag, State::Active, &mut report);
-        if let Some((free, total)) = self.device_memory(&jobs) {
-            report.device_free_before = free;
-            report.device_total = total;
-        }
+        let (mut jobs, mut report) = self.begin(tag, State::Active);
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };
             let previous = match dev.bind_thread(device) {
@@ -556,13 +563,8 @@ impl Saver {
     pub fn resume(&self, tag: Option<&str>) -> Report {
         let _op = lock(&self.operations);
         let start = Instant::now();
-        let mut report = Report::default();
         let tag = tag.map(region::intern);
-        let mut jobs = self.select(tag, State::Paused, &mut report);
-        if let Some((free, total)) = self.device_memory(&jobs) {
-            report.device_free_before = free;
-            report.device_total = total;
-        }
+        let (mut jobs, mut report) = self.begin(tag, State::Paused);
         let margin = self.margin();
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };

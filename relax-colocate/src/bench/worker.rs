@@ -1,7 +1,9 @@
 //! Measurements, each run in a child process (hooked or not, as the scenario needs) that prints
 //! one JSON object on stdout.
 
-use crate::runtime::{Driver, Report, Runtime, Tms, check, device_access, device_prop, load_cuda};
+use crate::runtime::{
+    AccessDesc, AllocationProp, Driver, Report, Runtime, Tms, check, device_access, device_prop, load_cuda,
+};
 use serde_json::{Value, json};
 use std::ffi::CString;
 use std::time::Instant;
@@ -97,6 +99,35 @@ pub fn passthrough(iters: usize) -> Result<Value, String> {
     Ok(json!({ "hooked": c.tms.is_some(), "free_null_ns": free_null_ns, "malloc_free_pair_ns": pair_ns }))
 }
 
+/// The virtual-memory sequence a region allocation performs, done by hand through the driver.
+///
+/// # Safety
+/// `d` is a loaded driver after cuInit.
+unsafe fn bare_alloc(d: &Driver, size: usize, p: &AllocationProp, a: &AccessDesc) -> Result<(u64, u64), String> {
+    let (mut va, mut h) = (0u64, 0u64);
+    // SAFETY: driver calls with valid arguments.
+    unsafe {
+        check("cuMemCreate", (d.create)(&mut h, size, p, 0))?;
+        check("cuMemAddressReserve", (d.reserve)(&mut va, size, 0, 0, 0))?;
+        check("cuMemMap", (d.map)(va, size, 0, h, 0))?;
+        check("cuMemSetAccess", (d.set_access)(va, size, a, 1))?;
+    }
+    Ok((va, h))
+}
+
+/// Undoes `bare_alloc`.
+///
+/// # Safety
+/// `(va, h)` came from `bare_alloc` with the same size.
+unsafe fn bare_free(d: &Driver, size: usize, va: u64, h: u64) -> Result<(), String> {
+    // SAFETY: undoing a mapping made by bare_alloc.
+    unsafe {
+        check("cuMemUnmap", (d.unmap)(va, size))?;
+        check("cuMemRelease", (d.release)(h))?;
+        check("cuMemAddressFree", (d.address_free)(va, size))
+    }
+}
+
 /// Region malloc/free pairs through the hook vs the same virtual-memory sequence by hand.
 pub fn region(iters: usize, size: usize) -> Result<Value, String> {
     let c = Ctx::new()?;
@@ -107,15 +138,8 @@ pub fn region(iters: usize, size: usize) -> Result<Value, String> {
         let (p, a) = (device_prop(), device_access());
         let t = Instant::now();
         for _ in 0..iters {
-            let mut va = 0u64;
-            let mut h = 0u64;
-            check("cuMemCreate", (d.create)(&mut h, size, &p, 0))?;
-            check("cuMemAddressReserve", (d.reserve)(&mut va, size, 0, 0, 0))?;
-            check("cuMemMap", (d.map)(va, size, 0, h, 0))?;
-            check("cuMemSetAccess", (d.set_access)(va, size, &a, 1))?;
-            check("cuMemUnmap", (d.unmap)(va, size))?;
-            check("cuMemRelease", (d.release)(h))?;
-            check("cuMemAddressFree", (d.address_free)(va, size))?;
+            let (va, h) = bare_alloc(&d, size, &p, &a)?;
+            bare_free(&d, size, va, h)?;
         }
         let bare_ns = t.elapsed().as_nanos() as f64 / iters as f64;
         c.region("bench-region", false)?;
@@ -129,12 +153,7 @@ pub fn region(iters: usize, size: usize) -> Result<Value, String> {
         // The driver's own unmap+release for one allocation, for the per-allocation pause target.
         let mut unmap_release = Vec::new();
         for _ in 0..iters.min(200) {
-            let mut va = 0u64;
-            let mut h = 0u64;
-            check("cuMemCreate", (d.create)(&mut h, size, &p, 0))?;
-            check("cuMemAddressReserve", (d.reserve)(&mut va, size, 0, 0, 0))?;
-            check("cuMemMap", (d.map)(va, size, 0, h, 0))?;
-            check("cuMemSetAccess", (d.set_access)(va, size, &a, 1))?;
+            let (va, h) = bare_alloc(&d, size, &p, &a)?;
             let t = Instant::now();
             check("cuMemUnmap", (d.unmap)(va, size))?;
             check("cuMemRelease", (d.release)(h))?;
@@ -311,12 +330,7 @@ pub fn memory(tracked: usize, cycles: usize) -> Result<Value, String> {
     unsafe {
         check("cuInit", (d.init)(0))?;
         for _ in 0..tracked {
-            let (mut va, mut h) = (0u64, 0u64);
-            check("cuMemCreate", (d.create)(&mut h, 2 * MIB, &prop, 0))?;
-            check("cuMemAddressReserve", (d.reserve)(&mut va, 2 * MIB, 0, 0, 0))?;
-            check("cuMemMap", (d.map)(va, 2 * MIB, 0, h, 0))?;
-            check("cuMemSetAccess", (d.set_access)(va, 2 * MIB, &acc, 1))?;
-            bare.push((va, h));
+            bare.push(bare_alloc(&d, 2 * MIB, &prop, &acc)?);
         }
     }
     let heap3 = heap_in_use();
@@ -324,9 +338,7 @@ pub fn memory(tracked: usize, cycles: usize) -> Result<Value, String> {
     // SAFETY: undoing the mappings made above.
     unsafe {
         for (va, h) in bare {
-            check("cuMemUnmap", (d.unmap)(va, 2 * MIB))?;
-            check("cuMemRelease", (d.release)(h))?;
-            check("cuMemAddressFree", (d.address_free)(va, 2 * MIB))?;
+            bare_free(&d, 2 * MIB, va, h)?;
         }
     }
     c.region("mem-cycles", true)?;
