@@ -1,9 +1,11 @@
 //! `relax-colocate`: the colocate driver and the benchmark harness of tms.
 //!
-//! `relax-colocate bench` measures the hook against the physical limit in one command. The
-//! colocated GRPO/PPO runner (`relax-colocate run`) is not implemented yet.
+//! `relax-colocate run` drives a trainer and a rollout worker per device through the colocated
+//! GRPO/PPO cycle and times it; `relax-colocate bench` measures the hook against the physical
+//! limit in one command.
 
 mod bench;
+mod run;
 mod runtime;
 
 use clap::{Parser, Subcommand};
@@ -24,6 +26,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run a colocated GRPO/PPO job: per device one trainer and one rollout worker under
+    /// libtms_hook.so, taking turns with device memory every step (generate, rollout offload,
+    /// wake_up, ref/old log-probs, advantages, train, sleep, update_weights, onload). Times every
+    /// phase, checks memory and weights every step, and writes metrics, a summary and plots.
+    #[command(after_long_help = RUN_HELP)]
+    Run(Box<RunArgs>),
     /// Measure interception, region allocation, pause/resume (bytes and counts, with and without
     /// backup) against the raw pinned copy, and host memory; print tables, write JSON and SVG.
     Bench {
@@ -47,14 +55,203 @@ enum Command {
         #[arg(long, default_value_t = 25.0)]
         sim_copy_gbps: f64,
     },
+    /// Internal: a built-in worker process of `run` (trainer or rollout).
+    #[command(hide = true)]
+    Worker { role: String },
     /// Internal: one measurement, run in a child process by `bench`.
     #[command(hide = true)]
     BenchWorker { args: Vec<String> },
 }
 
+const RUN_HELP: &str = "\
+Configuration: defaults, then --config FILE, then the flags above, then each --set. Every key is
+listed with its meaning by --print-config; the run directory records the effective one.
+
+Output: a progress line per step on stderr; at the end the phase table (median, p90, share of the
+step) on stdout, or the summary as JSON with --json. The run directory (run.out, default
+runs/run-<UTC time>) holds config.toml, metrics.jsonl (one line per step: perf/*_time, reward,
+pass rate, KL, clip fraction, device memory per process and tag at every phase boundary),
+memory.jsonl, summary.json, memory_timeline.svg, reward.svg and logs/<worker>.log.
+
+Checks every step (run.checks): device free memory rose by at least the bytes each pause reported;
+trainer weights after wake_up and rollout weights after update_weights match the trainer's
+checksum; device memory at each phase does not grow past its step-2 level. A failed check stops
+the run.
+
+Exit codes: 0 the run completed and every check passed; 1 the run failed (a worker crashed, hung
+past run.phase_timeout_s, ran out of memory, or a check failed: the message names the phase, the
+worker and the cause, and partial results stay in the run directory); 2 bad configuration or
+usage; 130 interrupted (Ctrl-C).
+
+Examples:
+  relax-colocate run                                   # GRPO on the simulator (no GPU needed)
+  relax-colocate run --algo ppo --steps 40
+  relax-colocate run --memory-profile qwen3-4b --tp 2 --device cuda
+  relax-colocate run --set memory.scale=0.01 --memory-profile qwen3-8b --device sim
+  relax-colocate run --offload false                   # see the OOM the saver prevents
+  relax-colocate run --trainer-cmd 'python3 my_trainer.py' --rollout-cmd 'python3 my_engine.py'";
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// TOML configuration file (see --print-config for every key).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override any configuration key: --set algo.lr=0.01 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Print the default configuration with every key explained, and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// RL steps [run.steps].
+    #[arg(long)]
+    steps: Option<u64>,
+    /// grpo or ppo [algo.name].
+    #[arg(long, value_enum)]
+    algo: Option<run::config::AlgoName>,
+    /// auto, sim, cuda or npu [run.device].
+    #[arg(long, value_enum)]
+    device: Option<run::config::DeviceChoice>,
+    /// Devices; one trainer and one rollout worker on each [run.devices].
+    #[arg(long)]
+    devices: Option<u32>,
+    /// Memory shape preset: none, tiny, qwen3-0.6b, qwen3-4b, qwen3-8b [memory.profile].
+    #[arg(long)]
+    memory_profile: Option<String>,
+    /// Tensor-parallel size of the memory profile [memory.tp].
+    #[arg(long)]
+    tp: Option<u32>,
+    /// Pause and resume (true) or keep both roles resident (false) [run.offload].
+    #[arg(long)]
+    offload: Option<bool>,
+    /// Trainer sleep keeps a CPU backup in the hook [memory.backup].
+    #[arg(long)]
+    backup: Option<bool>,
+    /// update_weights bucket size, e.g. 512MiB [memory.update_weight_buffer_size].
+    #[arg(long)]
+    update_weight_buffer_size: Option<String>,
+    /// Prompts per step [rollout.prompts_per_step].
+    #[arg(long)]
+    prompts: Option<usize>,
+    /// Samples per prompt, the GRPO group size [rollout.samples_per_prompt].
+    #[arg(long)]
+    samples: Option<usize>,
+    /// Learning rate [algo.lr].
+    #[arg(long)]
+    lr: Option<f64>,
+    /// KL coefficient [algo.kl_coef].
+    #[arg(long)]
+    kl_coef: Option<f64>,
+    /// KL estimator k1, k2 or k3 [algo.kl_type].
+    #[arg(long)]
+    kl_type: Option<String>,
+    /// Seed [run.seed].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Run directory [run.out].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// External trainer worker command (docs/worker-protocol.md) [run.trainer_cmd].
+    #[arg(long)]
+    trainer_cmd: Option<String>,
+    /// External rollout worker command [run.rollout_cmd].
+    #[arg(long)]
+    rollout_cmd: Option<String>,
+    /// Per-phase timeout in seconds [run.phase_timeout_s].
+    #[arg(long)]
+    phase_timeout: Option<f64>,
+    /// Simulator capacity per device: auto or a size [sim.memory].
+    #[arg(long)]
+    sim_memory: Option<String>,
+    /// libtms_hook.so to preload (default: next to this binary, or ../lib).
+    #[arg(long)]
+    hook: Option<PathBuf>,
+    /// Print the summary as JSON on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// No progress output.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+impl RunArgs {
+    /// The named flags, as --set assignments applied before the explicit ones.
+    fn assignments(&self) -> Vec<String> {
+        fn q(s: &str) -> String {
+            format!("{s:?}")
+        }
+        let mut v = Vec::new();
+        let mut add = |k: &str, val: Option<String>| {
+            if let Some(val) = val {
+                v.push(format!("{k}={val}"));
+            }
+        };
+        add("run.steps", self.steps.map(|x| x.to_string()));
+        add(
+            "algo.name",
+            self.algo.map(|a| {
+                q(match a {
+                    run::config::AlgoName::Grpo => "grpo",
+                    run::config::AlgoName::Ppo => "ppo",
+                })
+            }),
+        );
+        add(
+            "run.device",
+            self.device.map(|d| {
+                q(match d {
+                    run::config::DeviceChoice::Auto => "auto",
+                    run::config::DeviceChoice::Sim => "sim",
+                    run::config::DeviceChoice::Cuda => "cuda",
+                    run::config::DeviceChoice::Npu => "npu",
+                })
+            }),
+        );
+        add("run.devices", self.devices.map(|x| x.to_string()));
+        add("memory.profile", self.memory_profile.as_deref().map(q));
+        add("memory.tp", self.tp.map(|x| x.to_string()));
+        add("run.offload", self.offload.map(|x| x.to_string()));
+        add("memory.backup", self.backup.map(|x| x.to_string()));
+        add("memory.update_weight_buffer_size", self.update_weight_buffer_size.as_deref().map(q));
+        add("rollout.prompts_per_step", self.prompts.map(|x| x.to_string()));
+        add("rollout.samples_per_prompt", self.samples.map(|x| x.to_string()));
+        add("algo.lr", self.lr.map(|x| format!("{x:?}")));
+        add("algo.kl_coef", self.kl_coef.map(|x| format!("{x:?}")));
+        add("algo.kl_type", self.kl_type.as_deref().map(q));
+        add("run.seed", self.seed.map(|x| x.to_string()));
+        add("run.out", self.out.as_ref().map(|p| q(&p.display().to_string())));
+        add("run.trainer_cmd", self.trainer_cmd.as_deref().map(q));
+        add("run.rollout_cmd", self.rollout_cmd.as_deref().map(q));
+        add("run.phase_timeout_s", self.phase_timeout.map(|x| format!("{x:?}")));
+        add("sim.memory", self.sim_memory.as_deref().map(q));
+        v.extend(self.sets.iter().cloned());
+        v
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Run(args) => {
+            if args.print_config {
+                print!("{}", run::config::DEFAULT_TOML);
+                return ExitCode::SUCCESS;
+            }
+            let opts = run::Options {
+                config: args.config.clone(),
+                sets: args.assignments(),
+                hook: args.hook.clone(),
+                json: args.json,
+                quiet: args.quiet,
+            };
+            ExitCode::from(run::run(&opts))
+        }
+        Command::Worker { role } => match run::worker::main(&role) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("relax-colocate worker: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Bench { device, quick, out, hook, sim_memory, sim_copy_gbps } => {
             if !(sim_copy_gbps >= 0.0 && sim_copy_gbps.is_finite()) {
                 eprintln!("relax-colocate: --sim-copy-gbps must be a number >= 0");

@@ -32,6 +32,16 @@ api!(Runtime {
     malloc_host: c"cudaMallocHost" => fn(*mut *mut c_void, usize) -> c_int;
     free_host: c"cudaFreeHost" => fn(*mut c_void) -> c_int;
     set_device: c"cudaSetDevice" => fn(c_int) -> c_int;
+    mem_get_info: c"cudaMemGetInfo" => fn(*mut usize, *mut usize) -> c_int;
+});
+
+api!(Acl {
+    init: c"aclInit" => fn(*const c_char) -> c_int;
+    set_device: c"aclrtSetDevice" => fn(i32) -> c_int;
+    malloc: c"aclrtMalloc" => fn(*mut *mut c_void, usize, c_int) -> c_int;
+    free: c"aclrtFree" => fn(*mut c_void) -> c_int;
+    memcpy: c"aclrtMemcpy" => fn(*mut c_void, usize, *const c_void, usize, c_int) -> c_int;
+    get_mem_info: c"aclrtGetMemInfo" => fn(c_int, *mut usize, *mut usize) -> c_int;
 });
 
 api!(Driver {
@@ -126,6 +136,15 @@ pub fn load_cuda() -> Result<(), String> {
         }
     }
     Err("libcudart.so.12 not found: install the CUDA runtime or use --device sim".into())
+}
+
+/// Loads the Ascend runtime into the global scope.
+pub fn load_acl() -> Result<(), String> {
+    // SAFETY: dlopen of a vendor library by soname.
+    if unsafe { libc::dlopen(c"libascendcl.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+        return Err("libascendcl.so not found: source CANN's set_env.sh or use --device sim".into());
+    }
+    Ok(())
 }
 
 pub fn check(what: &str, rc: c_int) -> Result<(), String> {

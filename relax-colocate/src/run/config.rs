@@ -1,0 +1,300 @@
+//! Configuration: the commented default file (default.toml) is the single source of defaults; a
+//! user file and `--set` overrides are merged over it, then checked. Unknown keys are errors.
+
+use super::algo::{Aggregation, KlKind};
+use super::task::RewardKind;
+use serde::{Deserialize, Serialize};
+
+pub const DEFAULT_TOML: &str = include_str!("default.toml");
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub run: RunSection,
+    pub task: TaskSection,
+    pub rollout: RolloutSection,
+    pub algo: AlgoSection,
+    pub model: ModelSection,
+    pub memory: MemorySection,
+    pub sim: SimSection,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    pub steps: u64,
+    pub seed: u64,
+    pub device: DeviceChoice,
+    pub devices: u32,
+    pub out: String,
+    pub phase_timeout_s: f64,
+    pub checks: bool,
+    pub leak_tolerance_mib: f64,
+    pub offload: bool,
+    pub trainer_cmd: String,
+    pub rollout_cmd: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    Auto,
+    Sim,
+    Cuda,
+    Npu,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSection {
+    pub digits: u32,
+    pub reward: RewardKind,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSection {
+    pub prompts_per_step: usize,
+    pub samples_per_prompt: usize,
+    pub temperature: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AlgoName {
+    Grpo,
+    Ppo,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlgoSection {
+    pub name: AlgoName,
+    pub dr_grpo: bool,
+    pub lr: f64,
+    pub max_grad_norm: f64,
+    pub minibatches: usize,
+    pub epochs: usize,
+    pub clip_eps_low: f64,
+    pub clip_eps_high: f64,
+    pub dual_clip: f64,
+    pub kl_coef: f64,
+    pub kl_type: KlKind,
+    pub entropy_coef: f64,
+    pub aggregation: Aggregation,
+    pub gamma: f64,
+    pub lambda: f64,
+    pub value_coef: f64,
+    pub value_clip: f64,
+    pub whiten_advantages: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub hidden: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemorySection {
+    pub profile: String,
+    pub tp: u32,
+    pub scale: f64,
+    pub kv_cache_gib: f64,
+    pub backup: bool,
+    pub update_weight_buffer_size: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimSection {
+    pub api: String,
+    pub memory: String,
+    pub copy_gbps: f64,
+}
+
+/// Sets `section.key` in a TOML table from `value`, read as a TOML value when it parses as one
+/// (numbers, booleans, quoted strings) and as a bare string otherwise.
+fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<(), String> {
+    let (key, value) = assignment
+        .split_once('=')
+        .ok_or_else(|| format!("--set {assignment:?}: expected SECTION.KEY=VALUE, e.g. --set algo.lr=0.01"))?;
+    let (section, field) = key
+        .trim()
+        .split_once('.')
+        .ok_or_else(|| format!("--set {key:?}: expected SECTION.KEY (e.g. algo.lr); see --print-config"))?;
+    let value = value.trim();
+    let parsed = format!("v = {value}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let table = root
+        .get_mut(section)
+        .and_then(toml::Value::as_table_mut)
+        .ok_or_else(|| format!("--set {key}: no section [{section}]; see --print-config for the keys"))?;
+    if !table.contains_key(field) {
+        return Err(format!("--set {key}: no key {field:?} in [{section}]; see --print-config for the keys"));
+    }
+    // Integers given where floats are expected (lr=1) would fail to deserialize; widen them.
+    let parsed = match (&table[field], parsed) {
+        (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+        (_, v) => v,
+    };
+    table.insert(field.to_string(), parsed);
+    Ok(())
+}
+
+fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Result<(), String> {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o, &k)?,
+            (Some(slot), v) => {
+                *slot = match (&*slot, v) {
+                    (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+                    (_, v) => v,
+                }
+            }
+            (None, _) => {
+                let at = if path.is_empty() { k } else { format!("{path}.{k}") };
+                return Err(format!("unknown key {at:?}; see relax-colocate run --print-config"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The default configuration, overlaid with `file` (if any), then with each `--set`.
+pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, String> {
+    let mut root: toml::Table = DEFAULT_TOML.parse().map_err(|e| format!("built-in defaults: {e}"))?;
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
+        merge(&mut root, user, "").map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    for s in sets {
+        apply_override(&mut root, s)?;
+    }
+    let cfg: Config = toml::Value::Table(root).try_into().map_err(|e: toml::de::Error| e.message().to_string())?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<(), String> {
+        let mut errors = Vec::new();
+        let mut need = |ok: bool, msg: &str| {
+            if !ok {
+                errors.push(msg.to_string());
+            }
+        };
+        need(self.run.steps >= 1, "run.steps must be at least 1");
+        need((1..=64).contains(&self.run.devices), "run.devices must be 1..64");
+        need(self.run.phase_timeout_s > 0.0, "run.phase_timeout_s must be > 0");
+        need((1..=6).contains(&self.task.digits), "task.digits must be 1..6");
+        need(self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be at least 1");
+        need(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt must be at least 2 (groups)");
+        need(self.rollout.temperature > 0.0, "rollout.temperature must be > 0");
+        need(self.algo.lr > 0.0 && self.algo.lr.is_finite(), "algo.lr must be > 0");
+        need(self.algo.minibatches >= 1 && self.algo.epochs >= 1, "algo.minibatches and algo.epochs must be >= 1");
+        need(
+            self.algo.clip_eps_low > 0.0 && self.algo.clip_eps_low < 1.0 && self.algo.clip_eps_high > 0.0,
+            "algo.clip_eps_low must be in (0, 1) and algo.clip_eps_high > 0",
+        );
+        need(self.algo.dual_clip == 0.0 || self.algo.dual_clip > 1.0, "algo.dual_clip must be 0 (off) or > 1");
+        need(
+            (0.0..=1.0).contains(&self.algo.gamma) && (0.0..=1.0).contains(&self.algo.lambda),
+            "gamma, lambda in [0, 1]",
+        );
+        need(self.model.hidden >= 1 && self.model.hidden <= 4096, "model.hidden must be 1..4096");
+        need(self.memory.tp >= 1, "memory.tp must be >= 1");
+        need(self.memory.scale > 0.0, "memory.scale must be > 0");
+        need(self.memory.kv_cache_gib >= 0.0, "memory.kv_cache_gib must be >= 0");
+        need(self.sim.api == "cuda" || self.sim.api == "acl", "sim.api must be cuda or acl");
+        need(self.sim.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0");
+        if let Err(e) = parse_size(&self.memory.update_weight_buffer_size) {
+            errors.push(format!("memory.update_weight_buffer_size: {e}"));
+        }
+        if self.sim.memory != "auto"
+            && let Err(e) = parse_size(&self.sim.memory)
+        {
+            errors.push(format!("sim.memory: {e}"));
+        }
+        if let Err(e) = super::profile::preset(&self.memory.profile) {
+            errors.push(e);
+        }
+        if !self.rollout.prompts_per_step.is_multiple_of(self.run.devices as usize) {
+            errors.push("rollout.prompts_per_step must be a multiple of run.devices".into());
+        }
+        if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("config serializes")
+    }
+}
+
+/// "512MiB", "2GiB", "1.5G", "4096" (bytes).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 512MiB, 2GiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" | "kb" => 1024.0,
+        "m" | "mib" | "mb" => 1048576.0,
+        "g" | "gib" | "gb" => 1073741824.0,
+        "t" | "tib" | "tb" => 1099511627776.0,
+        u => return Err(format!("{s:?}: unknown unit {u:?} (B, KiB, MiB, GiB, TiB)")),
+    };
+    if n * mult < 1.0 {
+        return Err(format!("{s:?} is too small"));
+    }
+    Ok((n * mult) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_parse_and_validate() {
+        let c = load(None, &[]).unwrap();
+        assert_eq!(c.algo.name, AlgoName::Grpo);
+        assert_eq!(c.memory.profile, "tiny");
+    }
+
+    #[test]
+    fn overrides_apply_and_typos_are_errors() {
+        let c = load(None, &["algo.name=ppo".into(), "algo.lr=1".into(), "memory.profile=qwen3-4b".into()]).unwrap();
+        assert_eq!(c.algo.name, AlgoName::Ppo);
+        assert_eq!(c.algo.lr, 1.0);
+        assert_eq!(c.memory.profile, "qwen3-4b");
+        assert!(load(None, &["algo.lrr=1".into()]).unwrap_err().contains("no key"));
+        assert!(load(None, &["algo.kl_type=k9".into()]).is_err());
+        assert!(load(None, &["run.steps=0".into()]).unwrap_err().contains("steps"));
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "[algo]\nname = \"ppo\"\nbogus = 1\n").unwrap();
+        assert!(load(Some(&f), &[]).unwrap_err().contains("algo.bogus"));
+    }
+
+    #[test]
+    fn effective_config_round_trips() {
+        let c = load(None, &["rollout.temperature=0.7".into()]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, c.to_toml()).unwrap();
+        assert_eq!(load(Some(&f), &[]).unwrap().rollout.temperature, 0.7);
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("12 parsecs").is_err());
+    }
+}

@@ -1,0 +1,213 @@
+//! Device memory as a worker sees it: the vendor runtime's malloc/free/memcpy, resolved through
+//! `dlsym(RTLD_DEFAULT)` so the preloaded hook intercepts the allocations, and the tms region API
+//! for tagging them.
+
+use crate::runtime::{Acl, Runtime, Tms, load_acl, load_cuda};
+use std::ffi::CString;
+
+const CUDA_OOM: i32 = 2;
+const ACL_OOM: i32 = 207_001;
+const ACL_HBM_MEM: i32 = 1;
+
+#[derive(Debug)]
+pub enum DevError {
+    OutOfMemory(String),
+    Other(String),
+}
+
+impl std::fmt::Display for DevError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DevError::OutOfMemory(m) | DevError::Other(m) => f.write_str(m),
+        }
+    }
+}
+
+enum Api {
+    Cuda(Runtime),
+    Acl(Acl),
+}
+
+pub struct Device {
+    api: Api,
+    tms: Tms,
+}
+
+impl Device {
+    /// `api`: "cuda" or "acl".
+    pub fn open(api: &str, index: i32) -> Result<Device, String> {
+        let api = match api {
+            "cuda" => {
+                load_cuda()?;
+                let rt = Runtime::load()?;
+                // SAFETY: plain runtime call.
+                let rc = unsafe { (rt.set_device)(index) };
+                if rc != 0 {
+                    return Err(format!("cudaSetDevice({index}) returned {rc}"));
+                }
+                Api::Cuda(rt)
+            }
+            "acl" => {
+                load_acl()?;
+                let acl = Acl::load()?;
+                // SAFETY: aclInit accepts NULL (no config file); then a device for this thread.
+                unsafe {
+                    let rc = (acl.init)(std::ptr::null());
+                    // 100002: already initialized (a library in this process did it first).
+                    if rc != 0 && rc != 100_002 {
+                        return Err(format!("aclInit returned {rc}"));
+                    }
+                    let rc = (acl.set_device)(index);
+                    if rc != 0 {
+                        return Err(format!("aclrtSetDevice({index}) returned {rc}"));
+                    }
+                }
+                Api::Acl(acl)
+            }
+            other => return Err(format!("unknown device API {other:?} (cuda or acl)")),
+        };
+        let tms = Tms::load().map_err(|_| {
+            "the tms API is missing: run this worker with LD_PRELOAD=libtms_hook.so (relax-colocate run does)"
+                .to_string()
+        })?;
+        Ok(Device { api, tms })
+    }
+
+    fn fail(&self, what: &str, rc: i32) -> DevError {
+        let oom = match self.api {
+            Api::Cuda(_) => rc == CUDA_OOM,
+            Api::Acl(_) => rc == ACL_OOM,
+        };
+        let msg = format!("{what} returned {rc}");
+        if oom { DevError::OutOfMemory(format!("out of device memory: {msg}")) } else { DevError::Other(msg) }
+    }
+
+    /// Allocates inside a tms region with `tag`; `tag` None allocates outside any region.
+    pub fn malloc(&self, bytes: u64, tag: Option<&str>, backup: bool) -> Result<u64, DevError> {
+        let tag_c = CString::new(tag.unwrap_or("default")).expect("tags have no NUL");
+        // SAFETY: tms region calls with valid arguments; they only set this thread's state.
+        unsafe {
+            (self.tms.set_tag)(tag_c.as_ptr());
+            (self.tms.set_backup)(backup);
+            (self.tms.set_region)(tag.is_some());
+        }
+        let mut p = std::ptr::null_mut();
+        // SAFETY: the allocation functions write one pointer.
+        let rc = unsafe {
+            match &self.api {
+                Api::Cuda(rt) => (rt.malloc)(&mut p, bytes as usize),
+                Api::Acl(acl) => (acl.malloc)(&mut p, bytes as usize, 0),
+            }
+        };
+        // SAFETY: as above.
+        unsafe { (self.tms.set_region)(false) };
+        if rc != 0 {
+            return Err(self.fail(if matches!(self.api, Api::Cuda(_)) { "cudaMalloc" } else { "aclrtMalloc" }, rc));
+        }
+        Ok(p as u64)
+    }
+
+    pub fn free(&self, ptr: u64) -> Result<(), DevError> {
+        // SAFETY: a pointer this device returned.
+        let rc = unsafe {
+            match &self.api {
+                Api::Cuda(rt) => (rt.free)(ptr as *mut _),
+                Api::Acl(acl) => (acl.free)(ptr as *mut _),
+            }
+        };
+        if rc != 0 { Err(self.fail("free", rc)) } else { Ok(()) }
+    }
+
+    /// kind: 1 host→device, 2 device→host, 3 device→device (the same numbers in both APIs).
+    fn copy_raw(&self, dst: u64, src: u64, n: usize, kind: i32) -> Result<(), DevError> {
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller passes ranges that are valid for `n` bytes on the named sides.
+        let rc = unsafe {
+            match &self.api {
+                Api::Cuda(rt) => (rt.memcpy)(dst as *mut _, src as *const _, n, kind),
+                Api::Acl(acl) => (acl.memcpy)(dst as *mut _, n, src as *const _, n, kind),
+            }
+        };
+        if rc != 0 { Err(self.fail("memcpy", rc)) } else { Ok(()) }
+    }
+
+    pub fn write(&self, dst: u64, src: &[u8]) -> Result<(), DevError> {
+        self.copy_raw(dst, src.as_ptr() as u64, src.len(), 1)
+    }
+
+    pub fn read(&self, dst: &mut [u8], src: u64) -> Result<(), DevError> {
+        self.copy_raw(dst.as_mut_ptr() as u64, src, dst.len(), 2)
+    }
+
+    pub fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), DevError> {
+        self.copy_raw(dst, src, n, 3)
+    }
+
+    /// (free, total) bytes of this device.
+    pub fn mem_info(&self) -> Result<(u64, u64), DevError> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two out-parameters.
+        let rc = unsafe {
+            match &self.api {
+                Api::Cuda(rt) => (rt.mem_get_info)(&mut free, &mut total),
+                Api::Acl(acl) => (acl.get_mem_info)(ACL_HBM_MEM, &mut free, &mut total),
+            }
+        };
+        if rc != 0 { Err(self.fail("mem_get_info", rc)) } else { Ok((free as u64, total as u64)) }
+    }
+
+    pub fn write_f32(&self, dst: u64, v: &[f32]) -> Result<(), DevError> {
+        // SAFETY: f32 has no padding; the byte view covers exactly the slice.
+        self.write(dst, unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) })
+    }
+
+    pub fn read_f32(&self, dst: &mut [f32], src: u64) -> Result<(), DevError> {
+        let n = std::mem::size_of_val(dst);
+        // SAFETY: as above; every bit pattern is a valid f32.
+        self.read(unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) }, src)
+    }
+}
+
+/// A 64-bit content hash over bytes, four independent lanes so it runs near memory speed.
+#[derive(Debug, Clone)]
+pub struct Hasher {
+    lanes: [u64; 4],
+    len: u64,
+}
+
+impl Default for Hasher {
+    fn default() -> Self {
+        Hasher {
+            lanes: [0x243F_6A88_85A3_08D3, 0x1319_8A2E_0370_7344, 0xA409_3822_299F_31D0, 0x082E_FA98_EC4E_6C89],
+            len: 0,
+        }
+    }
+}
+
+impl Hasher {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+
+    pub fn update(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(32);
+        for c in &mut chunks {
+            for (i, lane) in self.lanes.iter_mut().enumerate() {
+                let w = u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+                *lane = (*lane ^ w).wrapping_mul(Self::K).rotate_left(29);
+            }
+        }
+        for (i, b) in chunks.remainder().iter().enumerate() {
+            self.lanes[i % 4] = (self.lanes[i % 4] ^ *b as u64).wrapping_mul(Self::K);
+        }
+        self.len += bytes.len() as u64;
+    }
+
+    pub fn hex(&self) -> String {
+        let mut h = self.len.wrapping_mul(Self::K);
+        for l in self.lanes {
+            h = (h ^ l).wrapping_mul(Self::K).rotate_left(31);
+        }
+        format!("{h:016x}")
+    }
+}

@@ -1,0 +1,121 @@
+//! The worker protocol's transport (docs/worker-protocol.md): JSON lines over a Unix socket whose
+//! path the runner passes in RELAX_WORKER_SOCKET. The worker connects and says hello; the runner
+//! sends requests `{"id", "method", "params"}`; the worker answers each with `{"id", "result"}` or
+//! `{"id", "error": {"kind", "message"}}`.
+
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, ErrorKind, Write};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+pub const PROTOCOL: u64 = 1;
+/// One message may carry a whole batch; anything larger is a broken peer.
+pub const MAX_LINE: usize = 256 << 20;
+
+pub struct Conn {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+    pending: Vec<u8>,
+}
+
+/// Why reading a line stopped.
+#[derive(Debug)]
+pub enum ReadError {
+    Closed,
+    TimedOut,
+    /// The caller's `keep_waiting` said stop (a child exited, Ctrl-C).
+    Abandoned(String),
+    Io(std::io::Error),
+    Malformed(String),
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::Closed => f.write_str("the connection closed"),
+            ReadError::TimedOut => f.write_str("timed out"),
+            ReadError::Abandoned(why) => f.write_str(why),
+            ReadError::Io(e) => write!(f, "{e}"),
+            ReadError::Malformed(m) => write!(f, "malformed message: {m}"),
+        }
+    }
+}
+
+impl Conn {
+    pub fn new(stream: UnixStream) -> std::io::Result<Conn> {
+        Ok(Conn { writer: stream.try_clone()?, reader: BufReader::new(stream), pending: Vec::new() })
+    }
+
+    pub fn send(&mut self, v: &Value) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(v).expect("JSON values serialize");
+        line.push(b'\n');
+        self.writer.write_all(&line)
+    }
+
+    /// Reads one JSON line. Waits in short slices so `keep_waiting` can stop the wait (it returns
+    /// Err(reason) to abandon), up to `deadline`.
+    pub fn recv(
+        &mut self,
+        deadline: Option<Instant>,
+        mut keep_waiting: impl FnMut() -> Result<(), String>,
+    ) -> Result<Value, ReadError> {
+        self.reader.get_ref().set_read_timeout(Some(Duration::from_millis(50))).map_err(ReadError::Io)?;
+        loop {
+            match self.reader.read_until(b'\n', &mut self.pending) {
+                Ok(0) => return Err(ReadError::Closed),
+                Ok(_) if self.pending.ends_with(b"\n") => {
+                    let line = std::mem::take(&mut self.pending);
+                    return serde_json::from_slice(&line).map_err(|e| {
+                        ReadError::Malformed(format!(
+                            "{e}: {:?}",
+                            String::from_utf8_lossy(&line[..line.len().min(200)])
+                        ))
+                    });
+                }
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+            if self.pending.len() > MAX_LINE {
+                return Err(ReadError::Malformed(format!("a message over {MAX_LINE} bytes")));
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(ReadError::TimedOut);
+            }
+            keep_waiting().map_err(ReadError::Abandoned)?;
+        }
+    }
+}
+
+/// Worker side: connect to the runner and say hello.
+pub fn connect(role: &str, implementation: &str) -> Result<Conn, String> {
+    let path = std::env::var("RELAX_WORKER_SOCKET")
+        .map_err(|_| "RELAX_WORKER_SOCKET is not set: workers are started by relax-colocate run".to_string())?;
+    let stream = UnixStream::connect(&path).map_err(|e| format!("cannot connect to {path}: {e}"))?;
+    let mut conn = Conn::new(stream).map_err(|e| e.to_string())?;
+    conn.send(&json!({"hello": {
+        "protocol": PROTOCOL, "role": role, "pid": std::process::id(), "implementation": implementation
+    }}))
+    .map_err(|e| e.to_string())?;
+    Ok(conn)
+}
+
+/// Worker side: serve requests until `shutdown` or the runner goes away.
+pub fn serve(conn: &mut Conn, mut handle: impl FnMut(&str, &Value) -> Result<Value, (String, String)>) {
+    loop {
+        let msg = match conn.recv(None, || Ok(())) {
+            Ok(m) => m,
+            Err(_) => return,
+        };
+        let id = msg.get("id").cloned().unwrap_or(Value::Null);
+        let method = msg.get("method").and_then(Value::as_str).unwrap_or("");
+        let params = msg.get("params").cloned().unwrap_or(json!({}));
+        let reply = match handle(method, &params) {
+            Ok(result) => json!({"id": id, "result": result}),
+            Err((kind, message)) => json!({"id": id, "error": {"kind": kind, "message": message}}),
+        };
+        if conn.send(&reply).is_err() || method == "shutdown" {
+            return;
+        }
+    }
+}

@@ -1,0 +1,666 @@
+//! The built-in trainer and rollout workers (`relax-colocate worker`), speaking the worker
+//! protocol. Their state lives in device memory allocated through the vendor runtime under the
+//! preloaded hook: the trainer's weights, gradients, Adam moments and reference copy, the rollout's
+//! weights, KV cache and logits workspace, plus the memory profile's allocations. Compute runs on
+//! the CPU, staged through memcpy, so the same code runs on a GPU, an NPU and the simulator.
+
+use super::device::{DevError, Device, Hasher};
+use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
+use super::task::Rng;
+use super::wire;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+const CHUNK: usize = 16 << 20;
+
+type Failure = (String, String);
+type Pairs = Vec<(Vec<u32>, Vec<u32>)>;
+
+fn dev_err(e: DevError) -> Failure {
+    match e {
+        DevError::OutOfMemory(m) => ("oom".into(), m),
+        DevError::Other(m) => ("device".into(), m),
+    }
+}
+
+fn bad(msg: impl Into<String>) -> Failure {
+    ("bad_request".into(), msg.into())
+}
+
+#[derive(Deserialize)]
+struct InitParams {
+    api: String,
+    device: i32,
+    shape: Shape,
+    seed: u64,
+    /// Profile allocations: (tag, sizes).
+    memory: Vec<(String, Vec<u64>)>,
+    #[serde(default = "yes")]
+    backup: bool,
+    #[serde(default)]
+    max_batch: usize,
+    loss: Option<LossConfig>,
+    adam: Option<Adam>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A device allocation and what it is for.
+#[derive(Clone, Copy)]
+struct Buf {
+    ptr: u64,
+    bytes: u64,
+}
+
+struct Pad {
+    tag: String,
+    buf: Buf,
+}
+
+struct Common {
+    dev: Device,
+    shape: Shape,
+    /// Policy tensors (layout order) of the weights the other side must match.
+    weights: Vec<Buf>,
+    pads: Vec<Pad>,
+    transfer: Option<Transfer>,
+    hog: Vec<u64>,
+}
+
+struct Transfer {
+    map: *mut u8,
+    map_len: usize,
+    bucket_bytes: u64,
+    device_buf: Buf,
+}
+
+impl Common {
+    fn alloc(&mut self, bytes: u64, tag: &str, backup: bool) -> Result<Buf, Failure> {
+        let ptr = self.dev.malloc(bytes, Some(tag), backup).map_err(dev_err)?;
+        Ok(Buf { ptr, bytes })
+    }
+
+    fn alloc_tensors(&mut self, tag: &str, backup: bool) -> Result<Vec<Buf>, Failure> {
+        model::layout(&self.shape).iter().map(|(_, n)| self.alloc((*n * 4) as u64, tag, backup)).collect()
+    }
+
+    /// Allocates the profile's memory and fills it with a pattern that is different in every
+    /// chunk of every allocation, so a lost or misplaced page changes the checksum.
+    fn alloc_profile(&mut self, memory: &[(String, Vec<u64>)], backup: bool, seed: u64) -> Result<(), Failure> {
+        let mut pattern = vec![0u8; CHUNK];
+        let mut rng = Rng::new(seed);
+        for w in pattern.chunks_exact_mut(8) {
+            w.copy_from_slice(&rng.next_u64().to_le_bytes());
+        }
+        for (tag, sizes) in memory {
+            for &size in sizes {
+                let buf = self.alloc(size, tag, backup)?;
+                let id = self.pads.len() as u64;
+                let mut off = 0u64;
+                while off < size {
+                    let n = (size - off).min(CHUNK as u64) as usize;
+                    pattern[..8].copy_from_slice(&((id << 32) ^ (off / CHUNK as u64) ^ seed).to_le_bytes());
+                    self.dev.write(buf.ptr + off, &pattern[..n]).map_err(dev_err)?;
+                    off += n as u64;
+                }
+                self.pads.push(Pad { tag: tag.clone(), buf });
+            }
+        }
+        Ok(())
+    }
+
+    /// The weights as the other side must hold them: policy tensors, then the profile's weights.
+    fn weight_entries(&self) -> Vec<Buf> {
+        let mut v = self.weights.clone();
+        v.extend(self.pads.iter().filter(|p| p.tag == "weights").map(|p| p.buf));
+        v
+    }
+
+    fn checksum(&self) -> Result<Value, Failure> {
+        let mut h = Hasher::default();
+        let mut host = vec![0u8; CHUNK];
+        let mut total = 0u64;
+        for e in self.weight_entries() {
+            let mut off = 0;
+            while off < e.bytes {
+                let n = (e.bytes - off).min(CHUNK as u64) as usize;
+                self.dev.read(&mut host[..n], e.ptr + off).map_err(dev_err)?;
+                h.update(&host[..n]);
+                off += n as u64;
+            }
+            total += e.bytes;
+        }
+        Ok(json!({"weights": h.hex(), "bytes": total}))
+    }
+
+    fn read_params(&self, bufs: &[Buf]) -> Result<Vec<f32>, Failure> {
+        let mut out = vec![0f32; model::param_count(&self.shape)];
+        let mut at = 0;
+        for b in bufs {
+            let n = b.bytes as usize / 4;
+            self.dev.read_f32(&mut out[at..at + n], b.ptr).map_err(dev_err)?;
+            at += n;
+        }
+        Ok(out)
+    }
+
+    fn write_params(&self, bufs: &[Buf], v: &[f32]) -> Result<(), Failure> {
+        let mut at = 0;
+        for b in bufs {
+            let n = b.bytes as usize / 4;
+            self.dev.write_f32(b.ptr, &v[at..at + n]).map_err(dev_err)?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn update_begin(&mut self, p: &Value) -> Result<Value, Failure> {
+        let path = p["shm"].as_str().ok_or_else(|| bad("update_begin needs shm"))?;
+        let bucket_bytes = p["bucket_bytes"].as_u64().filter(|b| *b > 0).ok_or_else(|| bad("bucket_bytes"))?;
+        let total: u64 = self.weight_entries().iter().map(|e| e.bytes).sum();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| bad(format!("cannot open {path}: {e}")))?;
+        let map_len = file.metadata().map_err(|e| bad(e.to_string()))?.len() as usize;
+        let span = bucket_bytes.min(total).max(1);
+        if (map_len as u64) < span {
+            return Err(bad(format!("{path} holds {map_len} bytes, a bucket needs {span}")));
+        }
+        // SAFETY: a shared mapping of a regular file we opened read/write, unmapped in update_end.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(("internal".into(), format!("mmap {path}: {}", std::io::Error::last_os_error())));
+        }
+        // The transfer buffer lives outside every region: it must not be paused, and on GPUs it
+        // is what CUDA IPC would export (VMM memory cannot be).
+        let ptr = match self.dev.malloc(span, None, false) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: the mapping made above.
+                unsafe { libc::munmap(map, map_len) };
+                return Err(dev_err(e));
+            }
+        };
+        self.transfer = Some(Transfer { map: map.cast(), map_len, bucket_bytes, device_buf: Buf { ptr, bytes: span } });
+        Ok(json!({"buckets": total.div_ceil(bucket_bytes), "bytes": total}))
+    }
+
+    fn update_end(&mut self) -> Result<Value, Failure> {
+        if let Some(t) = self.transfer.take() {
+            // SAFETY: the mapping made in update_begin.
+            unsafe { libc::munmap(t.map.cast(), t.map_len) };
+            self.dev.free(t.device_buf.ptr).map_err(dev_err)?;
+        }
+        Ok(json!({}))
+    }
+
+    /// The pieces of bucket `i`: (entry, offset in entry, offset in bucket, length).
+    fn bucket_pieces(&self, i: u64) -> Result<Vec<(Buf, u64, u64, u64)>, Failure> {
+        let t = self.transfer.as_ref().ok_or_else(|| bad("no update_begin"))?;
+        let (start, end) = (i * t.bucket_bytes, (i + 1) * t.bucket_bytes);
+        let mut pieces = Vec::new();
+        let mut at = 0u64;
+        for e in self.weight_entries() {
+            let (lo, hi) = (at.max(start), (at + e.bytes).min(end));
+            if lo < hi {
+                pieces.push((e, lo - at, lo - start, hi - lo));
+            }
+            at += e.bytes;
+        }
+        if pieces.is_empty() {
+            return Err(bad(format!("bucket {i} is past the end of the weights")));
+        }
+        Ok(pieces)
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn shm(&self, len: u64) -> &mut [u8] {
+        let t = self.transfer.as_ref().expect("checked by bucket_pieces");
+        // SAFETY: the mapping is map_len bytes and len ≤ the bucket span ≤ map_len; the runner
+        // lets one side touch it at a time.
+        unsafe { std::slice::from_raw_parts_mut(t.map, len as usize) }
+    }
+
+    fn hog(&mut self, bytes: u64) -> Result<(), Failure> {
+        let p = self.dev.malloc(bytes, None, false).map_err(dev_err)?;
+        self.hog.push(p);
+        Ok(())
+    }
+}
+
+struct Trainer {
+    c: Common,
+    grads: Vec<Buf>,
+    adam_m: Vec<Buf>,
+    adam_v: Vec<Buf>,
+    reference: Vec<Buf>,
+    loss: LossConfig,
+    adam: Adam,
+    optimizer_steps: u64,
+    /// Host copy of the weights taken after each train (slime's weight backuper): what
+    /// update_weights sends while the trainer sleeps.
+    snapshot: Vec<Vec<u8>>,
+    /// backup = false: the trainer's own copy of its state across a sleep.
+    saved: Option<Vec<Vec<u8>>>,
+}
+
+impl Trainer {
+    fn all_state(&self) -> Vec<Buf> {
+        let mut v = self.c.weights.clone();
+        v.extend(&self.grads);
+        v.extend(&self.adam_m);
+        v.extend(&self.adam_v);
+        v.extend(&self.reference);
+        v.extend(self.c.pads.iter().map(|p| p.buf));
+        v
+    }
+
+    fn take_snapshot(&mut self) -> Result<(), Failure> {
+        self.snapshot = self.c.weight_entries().iter().map(|e| read_all(&self.c.dev, *e)).collect::<Result<_, _>>()?;
+        Ok(())
+    }
+
+    fn samples(p: &Value) -> Result<Pairs, Failure> {
+        #[derive(Deserialize)]
+        struct S {
+            prompt: Vec<u32>,
+            response: Vec<u32>,
+        }
+        let v: Vec<S> = serde_json::from_value(p["samples"].clone()).map_err(|e| bad(format!("samples: {e}")))?;
+        Ok(v.into_iter().map(|s| (s.prompt, s.response)).collect())
+    }
+
+    fn check_tokens(&self, samples: &[(Vec<u32>, Vec<u32>)]) -> Result<(), Failure> {
+        for (p, r) in samples {
+            if p.len() + r.len() > self.c.shape.context + 1
+                || p.iter().chain(r).any(|t| *t as usize >= self.c.shape.vocab)
+            {
+                return Err(bad("a sample does not fit the model's context or vocabulary"));
+            }
+        }
+        Ok(())
+    }
+
+    fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
+        match method {
+            "log_probs" | "values" => {
+                let samples = Self::samples(p)?;
+                self.check_tokens(&samples)?;
+                let which = if p["model"] == "ref" { &self.reference } else { &self.c.weights };
+                let params = self.c.read_params(which)?;
+                let pol = Policy { shape: self.c.shape, params: &params };
+                let scores: Vec<Vec<model::TokenScore>> =
+                    samples.iter().map(|(pr, r)| pol.score(pr, r, self.loss.temperature)).collect();
+                let pick = |f: fn(&model::TokenScore) -> f64| -> Vec<Vec<f64>> {
+                    scores.iter().map(|s| s.iter().map(f).collect()).collect()
+                };
+                Ok(if method == "values" {
+                    json!({"values": pick(|s| s.value)})
+                } else {
+                    json!({"logprobs": pick(|s| s.logprob), "entropy": pick(|s| s.entropy)})
+                })
+            }
+            "train" => self.train(p),
+            "pack" => {
+                let i = p["bucket"].as_u64().ok_or_else(|| bad("pack needs bucket"))?;
+                let pieces = self.c.bucket_pieces(i)?;
+                let entries = self.c.weight_entries();
+                let t = self.c.transfer.as_ref().expect("checked");
+                let dbuf = t.device_buf.ptr;
+                let mut len = 0;
+                for (e, off, boff, n) in pieces {
+                    let idx = entries.iter().position(|x| x.ptr == e.ptr).expect("an entry");
+                    let src = &self.snapshot[idx][off as usize..(off + n) as usize];
+                    self.c.dev.write(dbuf + boff, src).map_err(dev_err)?;
+                    len = boff + n;
+                }
+                let shm = self.c.shm(len);
+                self.c.dev.read(shm, dbuf).map_err(dev_err)?;
+                Ok(json!({"bytes": len}))
+            }
+            "save_state" => {
+                let state = self.all_state().iter().map(|b| read_all(&self.c.dev, *b)).collect::<Result<_, _>>()?;
+                self.saved = Some(state);
+                Ok(json!({}))
+            }
+            "load_state" => {
+                let saved = self.saved.take().ok_or_else(|| bad("load_state without save_state"))?;
+                for (b, data) in self.all_state().iter().zip(&saved) {
+                    self.c.dev.write(b.ptr, data).map_err(dev_err)?;
+                }
+                Ok(json!({}))
+            }
+            _ => Err(("unknown_method".into(), format!("trainer has no method {method:?}"))),
+        }
+    }
+
+    fn train(&mut self, p: &Value) -> Result<Value, Failure> {
+        let samples: Vec<TrainSample> =
+            serde_json::from_value(p["samples"].clone()).map_err(|e| bad(format!("samples: {e}")))?;
+        let minibatches = p["minibatches"].as_u64().unwrap_or(1).max(1) as usize;
+        let epochs = p["epochs"].as_u64().unwrap_or(1).max(1) as usize;
+        for s in &samples {
+            let n = s.response.len();
+            if s.advantages.len() != n || s.old_logprobs.len() != n || s.ref_logprobs.len() != n {
+                return Err(bad("advantages, old_logprobs and ref_logprobs must match the response length"));
+            }
+            if self.loss.value_coef > 0.0 && (s.returns.len() != n || s.old_values.len() != n) {
+                return Err(bad("PPO samples need returns and old_values per token"));
+            }
+        }
+        let pairs: Vec<_> = samples.iter().map(|s| (s.prompt.clone(), s.response.clone())).collect();
+        self.check_tokens(&pairs)?;
+        let n = model::param_count(&self.c.shape);
+        let mut params = self.c.read_params(&self.c.weights)?;
+        let mut m = self.c.read_params(&self.adam_m)?;
+        let mut v = self.c.read_params(&self.adam_v)?;
+        let mut metrics = model::LossMetrics::default();
+        let mut grad_norm = 0.0;
+        let mut updates = 0;
+        let per = samples.len().div_ceil(minibatches).max(1);
+        for _ in 0..epochs {
+            for mb in samples.chunks(per) {
+                let mut grad = vec![0.0; n];
+                let lm = model::loss(&Policy { shape: self.c.shape, params: &params }, mb, &self.loss, Some(&mut grad));
+                // Gradients go through their device buffers, as a trainer's would.
+                let g32: Vec<f32> = grad.iter().map(|g| *g as f32).collect();
+                self.c.write_params(&self.grads, &g32)?;
+                let mut g_back = vec![0f32; n];
+                let mut at = 0;
+                for b in &self.grads {
+                    let k = b.bytes as usize / 4;
+                    self.c.dev.read_f32(&mut g_back[at..at + k], b.ptr).map_err(dev_err)?;
+                    at += k;
+                }
+                let grad: Vec<f64> = g_back.iter().map(|g| *g as f64).collect();
+                self.optimizer_steps += 1;
+                grad_norm += model::adam_step(&self.adam, self.optimizer_steps, &mut params, &grad, &mut m, &mut v);
+                updates += 1;
+                accumulate(&mut metrics, &lm);
+            }
+        }
+        self.c.write_params(&self.c.weights, &params)?;
+        self.c.write_params(&self.adam_m, &m)?;
+        self.c.write_params(&self.adam_v, &v)?;
+        // The profile's trainer state changes every step as a real one's would: stamp the step
+        // into every allocation so update_weights and the checksums see new contents.
+        let stamp = (p["step"].as_u64().unwrap_or(0) ^ 0x5EED_0000_0000).to_le_bytes();
+        for pad in &self.c.pads {
+            self.c.dev.write(pad.buf.ptr, &stamp[..(pad.buf.bytes as usize).min(8)]).map_err(dev_err)?;
+        }
+        self.take_snapshot()?;
+        let k = updates as f64;
+        Ok(json!({
+            "loss": metrics.loss / k, "pg_loss": metrics.pg_loss / k, "kl": metrics.kl / k,
+            "entropy": metrics.entropy / k, "value_loss": metrics.value_loss / k,
+            "clip_frac": metrics.clip_frac / k, "dual_clip_frac": metrics.dual_clip_frac / k,
+            "value_clip_frac": metrics.value_clip_frac / k, "grad_norm": grad_norm / k,
+            "optimizer_steps": updates, "tokens": metrics.tokens,
+        }))
+    }
+}
+
+fn accumulate(into: &mut model::LossMetrics, m: &model::LossMetrics) {
+    into.loss += m.loss;
+    into.pg_loss += m.pg_loss;
+    into.kl += m.kl;
+    into.entropy += m.entropy;
+    into.value_loss += m.value_loss;
+    into.clip_frac += m.clip_frac;
+    into.dual_clip_frac += m.dual_clip_frac;
+    into.value_clip_frac += m.value_clip_frac;
+    into.tokens += m.tokens;
+}
+
+fn read_all(dev: &Device, b: Buf) -> Result<Vec<u8>, Failure> {
+    let mut v = vec![0u8; b.bytes as usize];
+    for (i, chunk) in v.chunks_mut(CHUNK).enumerate() {
+        dev.read(chunk, b.ptr + (i * CHUNK) as u64).map_err(dev_err)?;
+    }
+    Ok(v)
+}
+
+struct Rollout {
+    c: Common,
+    /// hidden_pre of every sequence in flight, f64 (the KV cache of this policy).
+    kv: Buf,
+    /// Logits of every sequence at the current token (the graph workspace).
+    workspace: Buf,
+    max_batch: usize,
+}
+
+impl Rollout {
+    fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
+        match method {
+            "generate" => self.generate(p),
+            "unpack" => {
+                let i = p["bucket"].as_u64().ok_or_else(|| bad("unpack needs bucket"))?;
+                let pieces = self.c.bucket_pieces(i)?;
+                let len = pieces.last().map(|(_, _, boff, n)| boff + n).unwrap_or(0);
+                let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
+                let shm = self.c.shm(len);
+                self.c.dev.write(dbuf, shm).map_err(dev_err)?;
+                for (e, off, boff, n) in pieces {
+                    self.c.dev.copy(e.ptr + off, dbuf + boff, n as usize).map_err(dev_err)?;
+                }
+                Ok(json!({"bytes": len}))
+            }
+            _ => Err(("unknown_method".into(), format!("rollout has no method {method:?}"))),
+        }
+    }
+
+    fn generate(&mut self, p: &Value) -> Result<Value, Failure> {
+        let prompts: Vec<Vec<u32>> =
+            serde_json::from_value(p["prompts"].clone()).map_err(|e| bad(format!("prompts: {e}")))?;
+        let n = p["n"].as_u64().ok_or_else(|| bad("generate needs n"))? as usize;
+        let max_new = p["max_new_tokens"].as_u64().ok_or_else(|| bad("max_new_tokens"))? as usize;
+        let temperature = p["temperature"].as_f64().unwrap_or(1.0);
+        let eos = p["eos"].as_u64().map(|e| e as u32);
+        let seed = p["seed"].as_u64().unwrap_or(0);
+        let s = self.c.shape;
+        let batch = prompts.len() * n;
+        if batch > self.max_batch {
+            return Err(bad(format!("{batch} sequences exceed the max_batch {} given at init", self.max_batch)));
+        }
+        if prompts.iter().any(|pr| pr.len() + max_new > s.context + 1 || pr.iter().any(|t| *t as usize >= s.vocab)) {
+            return Err(bad("a prompt does not fit the model's context or vocabulary"));
+        }
+        // Weights come from device memory every time: that is what update_weights wrote.
+        let params = self.c.read_params(&self.c.weights)?;
+        let pol = Policy { shape: s, params: &params };
+        let h = s.hidden;
+        // Prefill: the KV cache of each sequence starts as the prompt's hidden_pre.
+        let mut kv_host = vec![0f64; batch * h];
+        let mut seqs: Vec<(usize, Vec<u32>, Vec<f64>, bool)> = Vec::with_capacity(batch);
+        for (pi, pr) in prompts.iter().enumerate() {
+            let pre = pol.hidden_pre(pr);
+            for _ in 0..n {
+                kv_host[seqs.len() * h..(seqs.len() + 1) * h].copy_from_slice(&pre);
+                seqs.push((pi, Vec::new(), Vec::new(), false));
+            }
+        }
+        self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
+        let mut rng = Rng::new(seed);
+        let mut logits_host = vec![0f64; batch * s.vocab];
+        for _ in 0..max_new {
+            if seqs.iter().all(|q| q.3) {
+                break;
+            }
+            self.c.dev.read(as_bytes_mut(&mut kv_host), self.kv.ptr).map_err(dev_err)?;
+            for (i, q) in seqs.iter().enumerate() {
+                if !q.3 {
+                    let e = pol.head(&kv_host[i * h..(i + 1) * h]);
+                    logits_host[i * s.vocab..(i + 1) * s.vocab].copy_from_slice(&e.logits);
+                }
+            }
+            self.c.dev.write(self.workspace.ptr, as_bytes(&logits_host)).map_err(dev_err)?;
+            self.c.dev.read(as_bytes_mut(&mut logits_host), self.workspace.ptr).map_err(dev_err)?;
+            for (i, q) in seqs.iter_mut().enumerate() {
+                if q.3 {
+                    continue;
+                }
+                let scaled: Vec<f64> =
+                    logits_host[i * s.vocab..(i + 1) * s.vocab].iter().map(|z| z / temperature).collect();
+                let (logp, probs) = super::algo::log_softmax(&scaled);
+                let mut u = rng.uniform();
+                let mut tok = probs.len() - 1;
+                for (j, pj) in probs.iter().enumerate() {
+                    if u < *pj {
+                        tok = j;
+                        break;
+                    }
+                    u -= pj;
+                }
+                let pos = prompts[q.0].len() + q.1.len();
+                q.1.push(tok as u32);
+                q.2.push(logp[tok]);
+                q.3 = Some(tok as u32) == eos || q.1.len() == max_new;
+                if !q.3 {
+                    for (a, w) in kv_host[i * h..(i + 1) * h].iter_mut().zip(pol.embed_row(pos, tok as u32)) {
+                        *a += *w as f64;
+                    }
+                }
+            }
+            self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
+        }
+        let samples: Vec<Value> = seqs
+            .into_iter()
+            .map(|(pi, resp, lp, _)| json!({"prompt_index": pi, "response": resp, "logprobs": lp}))
+            .collect();
+        Ok(json!({"samples": samples}))
+    }
+}
+
+fn as_bytes(v: &[f64]) -> &[u8] {
+    // SAFETY: f64 has no padding.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+fn as_bytes_mut(v: &mut [f64]) -> &mut [u8] {
+    // SAFETY: f64 has no padding and every bit pattern is valid.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+enum Role {
+    Trainer(Box<Trainer>),
+    Rollout(Box<Rollout>),
+}
+
+fn init(role: &str, p: &Value) -> Result<(Role, Value), Failure> {
+    let ip: InitParams = serde_json::from_value(p.clone()).map_err(|e| bad(format!("init: {e}")))?;
+    if ip.shape.vocab == 0 || ip.shape.hidden == 0 || ip.shape.context == 0 {
+        return Err(bad("shape must be non-zero"));
+    }
+    let dev = Device::open(&ip.api, ip.device).map_err(|e| ("device".to_string(), e))?;
+    let mut c = Common { dev, shape: ip.shape, weights: Vec::new(), pads: Vec::new(), transfer: None, hog: Vec::new() };
+    let role = if role == "trainer" {
+        let b = ip.backup;
+        c.weights = c.alloc_tensors("weights", b)?;
+        let params = model::init(&ip.shape, ip.seed);
+        c.write_params(&c.weights, &params)?;
+        let reference = c.alloc_tensors("ref", b)?;
+        c.write_params(&reference, &params)?;
+        let grads = c.alloc_tensors("grads", b)?;
+        let adam_m = c.alloc_tensors("optimizer", b)?;
+        let adam_v = c.alloc_tensors("optimizer", b)?;
+        let zeros = vec![0f32; params.len()];
+        for bufs in [&grads, &adam_m, &adam_v] {
+            c.write_params(bufs, &zeros)?;
+        }
+        c.alloc_profile(&ip.memory, b, ip.seed)?;
+        let mut t = Trainer {
+            c,
+            grads,
+            adam_m,
+            adam_v,
+            reference,
+            loss: ip.loss.ok_or_else(|| bad("trainer init needs loss"))?,
+            adam: ip.adam.ok_or_else(|| bad("trainer init needs adam"))?,
+            optimizer_steps: 0,
+            snapshot: Vec::new(),
+            saved: None,
+        };
+        t.take_snapshot()?;
+        Role::Trainer(Box::new(t))
+    } else {
+        c.weights = c.alloc_tensors("weights", false)?;
+        let max_batch = ip.max_batch.max(1);
+        let kv = c.alloc((max_batch * ip.shape.hidden * 8) as u64, "kv_cache", false)?;
+        let workspace = c.alloc((max_batch * ip.shape.vocab * 8) as u64, "cuda_graph", false)?;
+        c.alloc_profile(&ip.memory, false, ip.seed)?;
+        Role::Rollout(Box::new(Rollout { c, kv, workspace, max_batch }))
+    };
+    let common = match &role {
+        Role::Trainer(t) => &t.c,
+        Role::Rollout(r) => &r.c,
+    };
+    let (free, total) = common.dev.mem_info().map_err(dev_err)?;
+    Ok((role, json!({"params": model::param_count(&ip.shape), "device_free": free, "device_total": total})))
+}
+
+/// Test hook (RELAX_WORKER_FAULT=METHOD:STEP:ACTION, ACTION = crash | hang | hog): makes the
+/// failure paths of the runner testable. Never set in normal runs.
+fn fault(method: &str, p: &Value) -> Option<String> {
+    let spec = std::env::var("RELAX_WORKER_FAULT").ok()?;
+    let mut it = spec.split(':');
+    let (m, step, action) = (it.next()?, it.next()?.parse::<u64>().ok()?, it.next()?);
+    (m == method && p["step"].as_u64() == Some(step)).then(|| action.to_string())
+}
+
+pub fn main(role: &str) -> Result<(), String> {
+    if role != "trainer" && role != "rollout" {
+        return Err(format!("worker role must be trainer or rollout, not {role:?}"));
+    }
+    let mut conn = wire::connect(role, "relax-colocate built-in")?;
+    let mut state: Option<Role> = None;
+    wire::serve(&mut conn, |method, p| {
+        match fault(method, p).as_deref() {
+            Some("crash") => std::process::abort(),
+            Some("hang") => loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            },
+            Some("hog") => {
+                let c = match state.as_mut() {
+                    Some(Role::Trainer(t)) => &mut t.c,
+                    Some(Role::Rollout(r)) => &mut r.c,
+                    None => return Err(bad("hog before init")),
+                };
+                let (free, _) = c.dev.mem_info().map_err(dev_err)?;
+                c.hog(free / 2)?;
+            }
+            _ => {}
+        }
+        match (method, state.as_mut()) {
+            ("init", None) => {
+                let (r, v) = init(role, p)?;
+                state = Some(r);
+                Ok(v)
+            }
+            ("init", Some(_)) => Err(bad("init was already called")),
+            ("shutdown", _) => Ok(json!({})),
+            (_, None) => Err(bad(format!("{method} before init"))),
+            ("checksum", Some(Role::Trainer(t))) => t.c.checksum(),
+            ("checksum", Some(Role::Rollout(r))) => r.c.checksum(),
+            ("update_begin", Some(Role::Trainer(t))) => t.c.update_begin(p),
+            ("update_begin", Some(Role::Rollout(r))) => r.c.update_begin(p),
+            ("update_end", Some(Role::Trainer(t))) => t.c.update_end(),
+            ("update_end", Some(Role::Rollout(r))) => r.c.update_end(),
+            (m, Some(Role::Trainer(t))) => t.handle(m, p),
+            (m, Some(Role::Rollout(r))) => r.handle(m, p),
+        }
+    });
+    Ok(())
+}
