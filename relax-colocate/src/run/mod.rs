@@ -1018,6 +1018,7 @@ fn spawn_worker(
         .env("RELAX_ROLE", role.as_str())
         .env("RELAX_RANK", rank.to_string())
         .env("RELAX_DEVICE", rank.to_string())
+        .env("RELAX_RUN_DIR", run_dir)
         .stdin(Stdio::null())
         .stdout(file.try_clone().map_err(|e| setup_err(e.to_string()))?)
         .stderr(file);

@@ -1,0 +1,251 @@
+//! `relax-colocate run` end to end on the simulator: GRPO and PPO learn, every phase is timed and
+//! checked, the run directory holds what it promises; the same node that runs with pause/resume
+//! fails with OOM without it; a crash, a hang, an OOM on wake-up and Ctrl-C each stop the run with
+//! the phase, the worker and the cause named, leave partial results and no process behind; an
+//! external Python worker runs the same cycle.
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+use tms_e2e::*;
+
+fn run_cmd(out: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(workspace().bin("relax-colocate"));
+    c.current_dir(&workspace().root)
+        .args(["run", "--device", "sim", "--quiet", "--out"])
+        .arg(out)
+        .args(args)
+        .env_remove("LD_PRELOAD")
+        .env_remove("RELAX_WORKER_FAULT");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+fn metrics(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Worker processes of the run in `dir` still alive (they carry RELAX_RUN_DIR in their environment).
+fn survivors(dir: &Path) -> Vec<u32> {
+    let needle = format!("RELAX_RUN_DIR={}", dir.display());
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if let Ok(env) = std::fs::read(e.path().join("environ"))
+            && env.split(|b| *b == 0).any(|v| v == needle.as_bytes())
+        {
+            // A zombie is gone for every purpose that matters here.
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            if !stat.contains(") Z ") {
+                pids.push(pid);
+            }
+        }
+    }
+    pids
+}
+
+#[test]
+fn grpo_run_learns_times_every_phase_checks_and_writes_its_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--steps", "14"]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for row in ["generate", "sleep", "update_weights", "wake_up", "actor_train", "train_wait", "step"] {
+        assert!(stdout.lines().any(|l| l.starts_with(row)), "phase table lacks {row}:\n{stdout}");
+    }
+    let m = metrics(dir.path());
+    assert_eq!(m.len(), 14);
+    for step in &m {
+        for k in [
+            "perf/sleep_time",
+            "perf/wake_up_time",
+            "perf/update_weights_time",
+            "perf/train_wait_time",
+            "perf/ref_log_probs_time",
+            "perf/log_probs_time",
+            "perf/actor_train_time",
+            "perf/step_time",
+            "rollout/reward_mean",
+            "rollout/pass_rate",
+            "train/kl",
+            "train/clip_frac",
+        ] {
+            assert!(step[k].is_number(), "step lacks {k}: {step}");
+        }
+        // step_time = train_wait + train, as slime defines it.
+        let sum = step["perf/train_wait_time"].as_f64().unwrap() + step["perf/train_time"].as_f64().unwrap();
+        assert!((sum - step["perf/step_time"].as_f64().unwrap()).abs() < 1e-9);
+        // Memory per process per tag at phase boundaries: the rollout is empty after its offload
+        // and holds weights + KV after onload; the trainer is resident only while awake.
+        let mem = &step["memory"];
+        let resident = |phase: &str, worker: &str| -> u64 {
+            mem[phase]["workers"][worker].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum()
+        };
+        assert_eq!(resident("rollout_offload", "rollout-0"), 0, "{mem}");
+        assert!(resident("actor_train", "trainer-0") > 0);
+        assert_eq!(resident("sleep", "trainer-0"), 0);
+        assert!(mem["onload_kv"]["workers"]["rollout-0"]["kv_cache"].as_u64().unwrap() > 0);
+        // The device really had room freed: in use after the trainer sleeps is below in use while it trains.
+        let used = |phase: &str| mem[phase]["device_used"][0].as_u64().unwrap();
+        assert!(used("sleep") < used("actor_train"));
+    }
+    let first: f64 = m[..3].iter().map(|s| s["rollout/reward_mean"].as_f64().unwrap()).sum::<f64>() / 3.0;
+    let last: f64 = m[11..].iter().map(|s| s["rollout/reward_mean"].as_f64().unwrap()).sum::<f64>() / 3.0;
+    assert!(last > first + 0.15, "reward did not rise: {first:.3} -> {last:.3}");
+    let summary = json(&dir.path().join("summary.json"));
+    assert_eq!(summary["status"], "ok");
+    assert!(summary["checks"]["passed"].as_u64().unwrap() > 14 * 4, "{summary}");
+    let cfg = std::fs::read_to_string(dir.path().join("config.toml")).unwrap();
+    assert!(cfg.contains("steps = 14"), "{cfg}");
+    for svg in ["memory_timeline.svg", "reward.svg"] {
+        let s = std::fs::read_to_string(dir.path().join(svg)).unwrap();
+        assert!(s.starts_with("<svg") && s.ends_with("</svg>") && s.contains("polyline"), "{svg}");
+    }
+    assert!(dir.path().join("logs/trainer-0.log").is_file() && dir.path().join("logs/rollout-0.log").is_file());
+    assert!(survivors(dir.path()).is_empty());
+}
+
+#[test]
+fn ppo_run_uses_values_and_gae() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--algo", "ppo", "--steps", "5", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let summary: Value = serde_json::from_slice(&out.stdout).expect("--json prints the summary");
+    assert_eq!(summary["algo"], "ppo");
+    let m = metrics(dir.path());
+    assert!(m.iter().all(|s| s["perf/values_time"].is_number() && s["train/value_loss"].as_f64().unwrap() > 0.0));
+}
+
+#[test]
+fn the_same_node_ooms_without_the_saver_and_runs_with_it() {
+    // Trainer (236 MiB) + rollout (168 MiB) exceed 300 MiB; each alone fits.
+    let without = tempfile::tempdir().unwrap();
+    let out =
+        run_cmd(without.path(), &["--steps", "2", "--sim-memory", "300MiB", "--offload", "false"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("init_trainer") && err.contains("out of device memory") && err.contains("offload"), "{err}");
+    assert_eq!(json(&without.path().join("summary.json"))["failure"]["kind"], "out_of_memory");
+    assert!(survivors(without.path()).is_empty());
+
+    let with = tempfile::tempdir().unwrap();
+    let out = run_cmd(with.path(), &["--steps", "2", "--sim-memory", "300MiB"]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let peak = json(&with.path().join("summary.json"))["memory"]["peak_device_used"][0].as_u64().unwrap();
+    assert!(peak <= 300 * MIB, "{peak}");
+}
+
+fn failing_run(fault: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = vec!["--steps", "3"];
+    args.extend_from_slice(extra);
+    let out = run_cmd(dir.path(), &args).env("RELAX_WORKER_FAULT", fault).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
+    (dir, out)
+}
+
+#[test]
+fn a_crashed_worker_is_named_with_its_phase_and_signal() {
+    let (dir, out) = failing_run("train:2:crash", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("step 2, phase actor_train") && err.contains("trainer-0") && err.contains("signal 6"),
+        "{err}"
+    );
+    // Partial metrics survive: step 1 completed.
+    assert_eq!(metrics(dir.path()).len(), 1);
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["status"], "failed");
+    assert_eq!(s["failure"]["kind"], "crash");
+}
+
+#[test]
+fn a_hung_worker_times_out() {
+    let (dir, out) = failing_run("generate:2:hang", &["--phase-timeout", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("phase generate") && err.contains("rollout-0") && err.contains("within 2s"), "{err}");
+    assert_eq!(json(&dir.path().join("summary.json"))["failure"]["kind"], "timeout");
+}
+
+#[test]
+fn memory_held_by_the_rollout_makes_wake_up_fail_with_oom() {
+    let (dir, out) = failing_run("generate:2:hog", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("phase wake_up") && err.contains("trainer-0") && err.contains("out of device memory"),
+        "{err}"
+    );
+    assert_eq!(json(&dir.path().join("summary.json"))["failure"]["kind"], "out_of_memory");
+}
+
+#[test]
+fn ctrl_c_stops_every_worker_and_keeps_partial_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = run_cmd(dir.path(), &["--steps", "10000"]).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(dir.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < 2 {
+        assert!(Instant::now() < deadline, "no step completed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["status"], "interrupted");
+    assert!(s["steps_completed"].as_u64().unwrap() >= 2);
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
+}
+
+#[test]
+fn external_python_workers_run_the_same_cycle() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = "python3 scripts/example_worker.py";
+    let out = run_cmd(dir.path(), &["--steps", "3", "--trainer-cmd", cmd, "--rollout-cmd", cmd]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let s = json(&dir.path().join("summary.json"));
+    assert!(s["checks"]["passed"].as_u64().unwrap() > 10, "{s}");
+    // The hook tracked the Python workers' allocations under their tags.
+    let m = metrics(dir.path());
+    assert!(m[0]["memory"]["actor_train"]["workers"]["trainer-0"]["ref"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn acl_api_and_two_devices_on_the_simulator() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--steps", "2", "--devices", "2", "--set", "sim.api=acl"]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let m = metrics(dir.path());
+    let workers = m[0]["memory"]["onload_kv"]["workers"].as_object().unwrap();
+    assert_eq!(workers.len(), 4, "{workers:?}");
+}
+
+#[test]
+fn configuration_errors_exit_2_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--set", "algo.lrr=1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--print-config"));
+    let printed = Command::new(workspace().bin("relax-colocate")).args(["run", "--print-config"]).output().unwrap();
+    let text = String::from_utf8_lossy(&printed.stdout);
+    assert!(text.contains("[algo]") && text.contains("kl_type"), "{text}");
+    // A file's unknown section is named.
+    let f = dir.path().join("c.toml");
+    std::fs::write(&f, format!("{text}\n[extra]\nx = 1\n")).unwrap();
+    let out = run_cmd(dir.path(), &["--config", f.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("extra"), "{}", String::from_utf8_lossy(&out.stderr));
+}
