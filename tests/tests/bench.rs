@@ -23,6 +23,7 @@ fn quick_bench_prints_every_table_and_writes_results() {
         "against allocation count",
         "Host memory",
         "Targets (this run)",
+        "Colocate switch per step",
     ] {
         assert!(stdout.contains(heading), "missing {heading:?}:\n{stdout}");
     }

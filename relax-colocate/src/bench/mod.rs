@@ -171,7 +171,7 @@ pub fn run(opts: &Options) -> Result<(), String> {
         _ => "CUDA device 0".to_string(),
     };
     println!("relax-colocate bench on {device_name}{}", if q { ", --quick" } else { "" });
-    let step = |n: usize, what: &str| eprintln!("[{n}/5] {what}...");
+    let step = |n: usize, what: &str| eprintln!("[{n}/6] {what}...");
 
     step(1, "interception overhead (direct vs through the hook)");
     let iters = if q { 200_000 } else { 2_000_000 };
@@ -298,6 +298,25 @@ pub fn run(opts: &Options) -> Result<(), String> {
         mem["cycles"], mem["rss_before"], mem["rss_after"], mem["rss_growth"]
     );
 
+    step(6, "the colocate switch (sleep + update_weights + wake_up) from a memory-profile run");
+    let switch = colocate_switch(device, opts)?;
+    println!("\nColocate switch per step (median over the run's steps; relax-colocate run --memory-profile)");
+    println!(
+        "{:<12} {:>12} {:>12} {:>10} {:>10} {:>14} {:>10} {:>12}",
+        "profile", "trainer", "weights", "sleep s", "update s", "wake_up s", "switch s", "s per GiB"
+    );
+    println!(
+        "{:<12} {:>12} {:>12} {:>10.4} {:>10.4} {:>14.4} {:>10.4} {:>12.4}",
+        switch["profile"].as_str().unwrap_or(""),
+        human(f(&switch, "trainer_bytes")),
+        human(f(&switch, "weights_bytes")),
+        f(&switch, "sleep_s"),
+        f(&switch, "update_weights_s"),
+        f(&switch, "wake_up_s"),
+        f(&switch, "switch_s"),
+        f(&switch, "switch_s_per_gib")
+    );
+
     // Targets, judged on figures from this run.
     let largest_backup =
         rows.iter().filter(|r| r["backup"] == true).max_by(|a, b| f(a, "bytes").total_cmp(&f(b, "bytes")));
@@ -349,7 +368,7 @@ pub fn run(opts: &Options) -> Result<(), String> {
     let result = json!({
         "device": device_name, "quick": q,
         "passthrough": { "direct": direct, "hooked": hooked },
-        "region": region, "bytes": bytes, "count": count, "memory": mem,
+        "region": region, "bytes": bytes, "count": count, "memory": mem, "colocate_switch": switch,
         "targets": targets.iter().map(|(t, m, ok)| json!({"target": t, "measured": m, "met": ok})).collect::<Vec<_>>(),
     });
     let json_path = opts.out.join("results.json");
@@ -361,6 +380,50 @@ pub fn run(opts: &Options) -> Result<(), String> {
         json_path.display()
     );
     Ok(())
+}
+
+/// Runs `relax-colocate run` with a memory profile and reads the switch phases from its summary.
+/// "Per GiB" is per GiB of trainer state (weights, grads, optimizer), which sleep and wake_up
+/// move; update_weights moves the weights alone.
+fn colocate_switch(device: DeviceKind, opts: &Options) -> Result<Value, String> {
+    let (profile, scale, steps) = match (device, opts.quick) {
+        (_, true) => ("tiny", "1.0", "3"),
+        (DeviceKind::Sim, false) => ("qwen3-0.6b", "0.1", "5"),
+        _ => ("qwen3-0.6b", "1.0", "5"),
+    };
+    let out = opts.out.join("colocate");
+    let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+    cmd.args(["run", "--quiet", "--json", "--steps", steps, "--memory-profile", profile])
+        .args(["--device", if device == DeviceKind::Sim { "sim" } else { "cuda" }])
+        .args(["--set", &format!("memory.scale={scale}")])
+        .args(["--set", &format!("sim.copy_gbps={}", opts.sim_copy_gbps)])
+        .arg("--out")
+        .arg(&out)
+        .env_remove("LD_PRELOAD");
+    if let Some(h) = &opts.hook {
+        cmd.arg("--hook").arg(h);
+    }
+    let run = cmd.output().map_err(|e| format!("cannot run relax-colocate run: {e}"))?;
+    if !run.status.success() {
+        return Err(format!("the colocate run failed:\n{}", String::from_utf8_lossy(&run.stderr)));
+    }
+    let summary: Value = serde_json::from_slice(&run.stdout).map_err(|e| format!("colocate run summary: {e}"))?;
+    let median = |phase: &str| -> f64 {
+        summary["phases"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["phase"] == phase))
+            .map(|p| f(p, "median_s"))
+            .unwrap_or(f64::NAN)
+    };
+    let (sleep, update, wake) = (median("sleep"), median("update_weights"), median("wake_up"));
+    let trainer = f(&summary["memory"], "trainer_bytes_per_device");
+    let switch = sleep + update + wake;
+    Ok(json!({
+        "profile": format!("{profile}{}", if scale == "1.0" { String::new() } else { format!(" x{scale}") }),
+        "trainer_bytes": trainer, "weights_bytes": f(&summary["memory"], "weights_bytes_per_device"),
+        "sleep_s": sleep, "update_weights_s": update, "wake_up_s": wake, "switch_s": switch,
+        "switch_s_per_gib": switch / (trainer / (1u64 << 30) as f64), "run_dir": out,
+    }))
 }
 
 /// Entry point of the child process.
