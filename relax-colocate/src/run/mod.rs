@@ -143,7 +143,8 @@ pub struct Runner {
     profile: Profile,
     started: Instant,
     workers: Vec<Worker>,
-    tmp: tempfile::TempDir,
+    /// Holds the sockets, the control folder and the simulator state; removed on drop.
+    _tmp: tempfile::TempDir,
     ctl_dir: PathBuf,
     run_dir: PathBuf,
     api: &'static str,
@@ -1269,7 +1270,7 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
         profile,
         started: Instant::now(),
         workers,
-        tmp,
+        _tmp: tmp,
         ctl_dir,
         run_dir,
         api,
@@ -1300,6 +1301,5 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
 impl Drop for Runner {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.shm);
-        let _ = self.tmp.path();
     }
 }

@@ -269,7 +269,7 @@ impl Frame {
     }
 }
 
-fn polyline(out: &mut String, f: &Frame, pts: &[(f64, f64)], color: &str, step: bool) {
+fn polyline(out: &mut String, f: &Frame, pts: &[(f64, f64)], color: &str, width: f64, step: bool) {
     let mut d = String::new();
     for (i, (x, y)) in pts.iter().enumerate() {
         if step && i > 0 {
@@ -277,7 +277,7 @@ fn polyline(out: &mut String, f: &Frame, pts: &[(f64, f64)], color: &str, step: 
         }
         let _ = write!(d, "{:.1},{:.1} ", f.px(*x), f.py(*y));
     }
-    let _ = write!(out, r#"<polyline points="{d}" fill="none" stroke="{color}" stroke-width="1.6"/>"#);
+    let _ = write!(out, r#"<polyline points="{d}" fill="none" stroke="{color}" stroke-width="{width}"/>"#);
 }
 
 fn legend(out: &mut String, f: &Frame, items: &[(String, &str)]) {
@@ -334,6 +334,14 @@ pub fn memory_timeline(r: &Runner) -> String {
     }
     f.axes(&mut out);
     let mut items: Vec<(String, &str)> = Vec::new();
+    // The device total goes underneath, wide and grey, so the per-process lines stay visible where
+    // one process is all the device holds.
+    for d in 0..r.cfg.run.devices as usize {
+        let pts: Vec<(f64, f64)> =
+            r.memory.iter().map(|s| (s.t_s, s.device_used.get(d).copied().unwrap_or(0) as f64 / unit)).collect();
+        polyline(&mut out, &f, &pts, "#bbb", 5.0, true);
+    }
+    items.push(("device in use".into(), "#bbb"));
     let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
     for (i, name) in names.iter().enumerate() {
         let pts: Vec<(f64, f64)> = r
@@ -342,24 +350,18 @@ pub fn memory_timeline(r: &Runner) -> String {
             .map(|s| (s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64 / unit))
             .collect();
         let c = COLORS[i % COLORS.len()];
-        polyline(&mut out, &f, &pts, c, true);
+        polyline(&mut out, &f, &pts, c, 1.6, true);
         items.push((name.clone(), c));
-    }
-    for d in 0..r.cfg.run.devices as usize {
-        let pts: Vec<(f64, f64)> =
-            r.memory.iter().map(|s| (s.t_s, s.device_used.get(d).copied().unwrap_or(0) as f64 / unit)).collect();
-        polyline(&mut out, &f, &pts, "#000", true);
-        items.push((format!("device {d} in use"), "#000"));
     }
     if total > 0.0 {
         let y = f.py(total / unit);
         let _ = write!(
             out,
-            r##"<line x1="{}" y1="{y}" x2="{}" y2="{y}" stroke="#d62728" stroke-dasharray="6 4"/>"##,
+            r##"<line x1="{}" y1="{y}" x2="{}" y2="{y}" stroke="#555" stroke-dasharray="6 4"/>"##,
             f.left,
             f.w - f.right
         );
-        items.push(("device capacity".into(), "#d62728"));
+        items.push(("device capacity".into(), "#555"));
     }
     for (p, c) in [
         ("generate", "generate"),
@@ -395,8 +397,8 @@ pub fn reward_curve(r: &Runner) -> String {
     let mut out = String::new();
     f.open(&mut out, "Reward and pass rate per step", "step", "", &|y| format!("{y:.2}"));
     f.axes(&mut out);
-    polyline(&mut out, &f, &get("rollout/reward_mean"), COLORS[0], false);
-    polyline(&mut out, &f, &get("rollout/pass_rate"), COLORS[2], false);
+    polyline(&mut out, &f, &get("rollout/reward_mean"), COLORS[0], 1.6, false);
+    polyline(&mut out, &f, &get("rollout/pass_rate"), COLORS[2], 1.6, false);
     legend(&mut out, &f, &[("reward mean".into(), COLORS[0]), ("pass rate (exact)".into(), COLORS[2])]);
     out.push_str("</svg>");
     out
