@@ -249,3 +249,14 @@ fn configuration_errors_exit_2_with_the_fix() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("extra"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn an_external_worker_that_cannot_start_shows_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--trainer-cmd", "no-such-trainer-binary"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("trainer-0") && err.contains("status 127") && err.contains("not found"), "{err}");
+    assert_eq!(json(&dir.path().join("summary.json"))["status"], "failed");
+    assert!(survivors(dir.path()).is_empty());
+}

@@ -1140,13 +1140,25 @@ fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) {
         if e.step == 0 { format!("setup, phase {}", e.phase) } else { format!("step {}, phase {}", e.step, e.phase) };
     let who = e.worker.as_ref().map(|w| format!("worker {w}: ")).unwrap_or_default();
     eprintln!("relax-colocate run: failed at {at}: {who}{} [{}]", e.cause, e.kind.as_str());
-    if let (Some(r), Some(w)) = (runner, &e.worker)
-        && let Some(wk) = r.workers.iter().find(|x| &x.name == w)
-    {
-        let t = tail(&wk.log, 20);
+    if let Some(w) = &e.worker {
+        let log = runner
+            .and_then(|r| r.workers.iter().find(|x| &x.name == w))
+            .map(|wk| wk.log.clone())
+            .unwrap_or_else(|| run_dir.join("logs").join(format!("{w}.log")));
+        let t = tail(&log, 20);
         if !t.is_empty() {
-            eprintln!("--- last lines of {} ---\n{t}\n---", wk.log.display());
+            eprintln!("--- last lines of {} ---\n{t}\n---", log.display());
         }
+    }
+    if runner.is_none() {
+        // The workers never got going: the summary says why, for scripts that read it.
+        let summary = json!({
+            "status": if e.kind == FailKind::Interrupted { "interrupted" } else { "failed" },
+            "failure": {"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause},
+            "steps_completed": 0,
+        });
+        let _ =
+            std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
     }
     eprintln!("partial results: {}", run_dir.display());
 }
