@@ -30,11 +30,11 @@ pub struct Options {
     pub sim_copy_gbps: f64,
 }
 
-fn exe_dir() -> PathBuf {
+pub(crate) fn exe_dir() -> PathBuf {
     std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default()
 }
 
-fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
+pub(crate) fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
     let dir = exe_dir();
     let candidates: Vec<PathBuf> = match explicit {
         Some(p) => vec![p.to_path_buf()],
@@ -109,7 +109,7 @@ impl Env {
     }
 }
 
-fn sim_lib_dir() -> Result<String, String> {
+pub(crate) fn sim_lib_dir() -> Result<String, String> {
     let tool = exe_dir().join("tms-sim");
     let out = Command::new(&tool)
         .arg("lib-dir")

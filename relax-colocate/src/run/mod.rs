@@ -15,6 +15,7 @@ pub mod task;
 pub mod wire;
 pub mod worker;
 
+use crate::bench::{find_hook, sim_lib_dir};
 use config::{AlgoName, Config, DeviceChoice};
 use profile::Profile;
 use serde_json::{Value, json};
@@ -165,23 +166,8 @@ pub struct Runner {
     checks_passed: u64,
 }
 
-fn exe_dir() -> PathBuf {
-    std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default()
-}
-
 fn setup_err(cause: impl Into<String>) -> RunError {
     RunError { kind: FailKind::Setup, step: 0, phase: "setup".into(), worker: None, cause: cause.into() }
-}
-
-fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
-    let dir = exe_dir();
-    let candidates: Vec<PathBuf> = match explicit {
-        Some(p) => vec![p.to_path_buf()],
-        None => vec![dir.join("libtms_hook.so"), dir.join("../lib/libtms_hook.so")],
-    };
-    candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
-        format!("libtms_hook.so not found (looked at {candidates:?}); build it (cargo build) or pass --hook PATH")
-    })
 }
 
 fn can_load(lib: &std::ffi::CStr) -> bool {
@@ -194,18 +180,6 @@ fn can_load(lib: &std::ffi::CStr) -> bool {
         libc::dlclose(h);
         true
     }
-}
-
-fn sim_lib_dir() -> Result<String, String> {
-    let tool = exe_dir().join("tms-sim");
-    let out = Command::new(&tool)
-        .arg("lib-dir")
-        .output()
-        .map_err(|e| format!("cannot run {} ({e}); build it with `cargo build -p tms-sim`", tool.display()))?;
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 fn round_up(v: u64, to: u64) -> u64 {
