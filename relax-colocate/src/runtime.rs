@@ -147,6 +147,19 @@ pub fn load_acl() -> Result<(), String> {
     Ok(())
 }
 
+/// Whether a vendor library can be loaded here (an RTLD_LAZY probe, closed right away).
+pub fn can_load(lib: &CStr) -> bool {
+    // SAFETY: dlopen/dlclose of a library by soname.
+    unsafe {
+        let h = libc::dlopen(lib.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return false;
+        }
+        libc::dlclose(h);
+        true
+    }
+}
+
 pub fn check(what: &str, rc: c_int) -> Result<(), String> {
     if rc == 0 { Ok(()) } else { Err(format!("{what} returned {rc}")) }
 }

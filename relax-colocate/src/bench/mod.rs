@@ -46,15 +46,7 @@ pub(crate) fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
 }
 
 fn cuda_present() -> bool {
-    // SAFETY: RTLD_LAZY probe of the driver; closed right away.
-    unsafe {
-        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-        if h.is_null() {
-            return false;
-        }
-        libc::dlclose(h);
-        true
-    }
+    crate::runtime::can_load(c"libcuda.so.1")
 }
 
 struct Env {

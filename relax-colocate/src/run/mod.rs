@@ -16,6 +16,7 @@ pub mod wire;
 pub mod worker;
 
 use crate::bench::{find_hook, sim_lib_dir};
+use crate::runtime::can_load;
 use config::{AlgoName, Config, DeviceChoice};
 use profile::Profile;
 use serde_json::{Value, json};
@@ -170,18 +171,6 @@ fn setup_err(cause: impl Into<String>) -> RunError {
     RunError { kind: FailKind::Setup, step: 0, phase: "setup".into(), worker: None, cause: cause.into() }
 }
 
-fn can_load(lib: &std::ffi::CStr) -> bool {
-    // SAFETY: RTLD_LAZY probe of a vendor library; closed right away.
-    unsafe {
-        let h = libc::dlopen(lib.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-        if h.is_null() {
-            return false;
-        }
-        libc::dlclose(h);
-        true
-    }
-}
-
 fn round_up(v: u64, to: u64) -> u64 {
     v.div_ceil(to) * to
 }
@@ -194,33 +183,26 @@ struct Footprint {
     transfer: u64,
 }
 
+/// What the hook charges for allocations of these sizes (each rounded up to the granularity).
+fn charged<'a>(sizes: impl IntoIterator<Item = &'a u64>) -> u64 {
+    sizes.into_iter().map(|s| round_up(*s, GRANULARITY)).sum()
+}
+
 fn footprint(cfg: &Config, shape: &model::Shape, profile: &Profile, bucket: u64) -> Footprint {
-    let tensors: Vec<u64> = model::layout(shape).iter().map(|(_, n)| round_up(*n as u64 * 4, GRANULARITY)).collect();
-    let policy: u64 = tensors.iter().sum();
-    let rounded = |sizes: &[(String, Vec<u64>)]| -> u64 {
-        sizes.iter().flat_map(|(_, s)| s).map(|s| round_up(*s, GRANULARITY)).sum()
-    };
+    let tensors: Vec<u64> = model::layout(shape).iter().map(|(_, n)| *n as u64 * 4).collect();
+    let policy = charged(&tensors);
     let max_batch = (cfg.rollout.prompts_per_step / cfg.run.devices as usize * cfg.rollout.samples_per_prompt) as u64;
-    let weights_pad: u64 = profile.rollout.tags.iter().filter(|(t, _)| t == "weights").flat_map(|(_, s)| s).sum();
-    let weights_exact: u64 = model::param_count(shape) as u64 * 4 + weights_pad;
-    let transfer = round_up(bucket.min(weights_exact), 4096);
-    let rollout_weights = policy
-        + profile
-            .rollout
-            .tags
-            .iter()
-            .filter(|(t, _)| t == "weights")
-            .flat_map(|(_, s)| s)
-            .map(|s| round_up(*s, GRANULARITY))
-            .sum::<u64>();
+    let weight_pads: Vec<u64> =
+        profile.rollout.tags.iter().filter(|(t, _)| t == "weights").flat_map(|(_, s)| s).copied().collect();
+    let weights_exact = tensors.iter().sum::<u64>() + weight_pads.iter().sum::<u64>();
     Footprint {
-        trainer: 5 * policy + rounded(&profile.trainer.tags),
+        trainer: 5 * policy + charged(profile.trainer.tags.iter().flat_map(|(_, s)| s)),
         rollout: policy
             + round_up(max_batch * shape.hidden as u64 * 8, GRANULARITY)
             + round_up(max_batch * shape.vocab as u64 * 8, GRANULARITY)
-            + rounded(&profile.rollout.tags),
-        rollout_weights,
-        transfer,
+            + charged(profile.rollout.tags.iter().flat_map(|(_, s)| s)),
+        rollout_weights: policy + charged(&weight_pads),
+        transfer: round_up(bucket.min(weights_exact), 4096),
     }
 }
 
@@ -548,13 +530,6 @@ impl Runner {
         })
     }
 
-    fn onload_kv(&mut self) -> R<()> {
-        self.phase("onload_kv", |r| {
-            r.control(Role::Rollout, false, Some("kv_cache"))?;
-            r.control(Role::Rollout, false, Some("cuda_graph")).map(|_| ())
-        })
-    }
-
     /// Rollout and trainer start, the trainer's initial weights reach the rollout: slime's
     /// colocated startup.
     fn setup(&mut self) -> R<()> {
@@ -596,6 +571,14 @@ impl Runner {
             })?;
             r.find_control_sockets(Role::Trainer)
         })?;
+        self.hand_weights_to_rollout("on the rollout after the initial update_weights")
+    }
+
+    /// The second half of every step (and of setup): record the trainer's weights, put it to
+    /// sleep, wake the rollout's weights, push the trainer's into them and check they arrived,
+    /// then wake the KV cache last so the peak stays low.
+    fn hand_weights_to_rollout(&mut self, when: &str) -> R<()> {
+        let offload = self.cfg.run.offload;
         let sum = self.trainer_checksum()?;
         self.weights_checksum = Some(sum.clone());
         if offload {
@@ -603,9 +586,12 @@ impl Runner {
             self.phase("onload_weights", |r| r.control(Role::Rollout, false, Some("weights")).map(|_| ()))?;
         }
         self.update_weights()?;
-        self.expect_checksum(Role::Rollout, &sum, "on the rollout after the initial update_weights")?;
+        self.expect_checksum(Role::Rollout, &sum, when)?;
         if offload {
-            self.onload_kv()?;
+            self.phase("onload_kv", |r| {
+                r.control(Role::Rollout, false, Some("kv_cache"))?;
+                r.control(Role::Rollout, false, Some("cuda_graph")).map(|_| ())
+            })?;
         }
         Ok(())
     }
@@ -801,17 +787,7 @@ impl Runner {
                 json!({"samples": train_samples, "minibatches": cfg.algo.minibatches, "epochs": cfg.algo.epochs, "step": r.step}),
             )
         })?;
-        let sum = self.trainer_checksum()?;
-        self.weights_checksum = Some(sum.clone());
-        if offload {
-            self.sleep_trainer()?;
-            self.phase("onload_weights", |r| r.control(Role::Rollout, false, Some("weights")).map(|_| ()))?;
-        }
-        self.update_weights()?;
-        self.expect_checksum(Role::Rollout, &sum, "on the rollout after update_weights")?;
-        if offload {
-            self.onload_kv()?;
-        }
+        self.hand_weights_to_rollout("on the rollout after update_weights")?;
 
         // Metrics of the step.
         let t = |k: &str| self.step_times.get(k).copied().unwrap_or(0.0);

@@ -43,22 +43,16 @@ struct Offsets {
     bv: usize,
 }
 
+/// Where each tensor starts in the flat parameter vector (the order of `layout`). Computed
+/// without allocating: it runs for every token of generation and training.
 fn offsets(s: &Shape) -> Offsets {
-    let mut at = 0;
-    let mut next = |n: usize| {
-        let o = at;
-        at += n;
-        o
-    };
-    let l = layout(s);
-    Offsets {
-        embed: next(l[0].1),
-        b1: next(l[1].1),
-        w2: next(l[2].1),
-        b2: next(l[3].1),
-        wv: next(l[4].1),
-        bv: next(l[5].1),
-    }
+    let embed = 0;
+    let b1 = embed + s.context * s.vocab * s.hidden;
+    let w2 = b1 + s.hidden;
+    let b2 = w2 + s.hidden * s.vocab;
+    let wv = b2 + s.vocab;
+    let bv = wv + s.hidden;
+    Offsets { embed, b1, w2, b2, wv, bv }
 }
 
 /// Small random embeddings and a near-zero output layer, so the first policy is close to uniform.
@@ -372,6 +366,22 @@ mod tests {
             }
             assert!(checked > 10, "too few non-zero gradients checked");
         }
+    }
+
+    #[test]
+    fn offsets_follow_the_layout() {
+        let s = shape();
+        let o = offsets(&s);
+        let starts: Vec<usize> = layout(&s)
+            .iter()
+            .scan(0, |at, (_, n)| {
+                let start = *at;
+                *at += n;
+                Some(start)
+            })
+            .collect();
+        assert_eq!(starts, vec![o.embed, o.b1, o.w2, o.b2, o.wv, o.bv]);
+        assert_eq!(o.bv + 1, param_count(&s));
     }
 
     #[test]

@@ -207,16 +207,17 @@ impl Common {
         Ok(json!({}))
     }
 
-    /// The pieces of bucket `i`: (entry, offset in entry, offset in bucket, length).
-    fn bucket_pieces(&self, i: u64) -> Result<Vec<(Buf, u64, u64, u64)>, Failure> {
+    /// The pieces of bucket `i`: (entry, offset in entry, offset in bucket, length), the entry
+    /// as its index in `weight_entries`.
+    fn bucket_pieces(&self, i: u64, entries: &[Buf]) -> Result<Vec<(usize, u64, u64, u64)>, Failure> {
         let t = self.transfer.as_ref().ok_or_else(|| bad("no update_begin"))?;
         let (start, end) = (i * t.bucket_bytes, (i + 1) * t.bucket_bytes);
         let mut pieces = Vec::new();
         let mut at = 0u64;
-        for e in self.weight_entries() {
+        for (idx, e) in entries.iter().enumerate() {
             let (lo, hi) = (at.max(start), (at + e.bytes).min(end));
             if lo < hi {
-                pieces.push((e, lo - at, lo - start, hi - lo));
+                pieces.push((idx, lo - at, lo - start, hi - lo));
             }
             at += e.bytes;
         }
@@ -316,13 +317,10 @@ impl Trainer {
             "train" => self.train(p),
             "pack" => {
                 let i = p["bucket"].as_u64().ok_or_else(|| bad("pack needs bucket"))?;
-                let pieces = self.c.bucket_pieces(i)?;
-                let entries = self.c.weight_entries();
-                let t = self.c.transfer.as_ref().expect("checked");
-                let dbuf = t.device_buf.ptr;
+                let pieces = self.c.bucket_pieces(i, &self.c.weight_entries())?;
+                let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
                 let mut len = 0;
-                for (e, off, boff, n) in pieces {
-                    let idx = entries.iter().position(|x| x.ptr == e.ptr).expect("an entry");
+                for (idx, off, boff, n) in pieces {
                     let src = &self.snapshot[idx][off as usize..(off + n) as usize];
                     self.c.dev.write(dbuf + boff, src).map_err(dev_err)?;
                     len = boff + n;
@@ -448,13 +446,14 @@ impl Rollout {
             "generate" => self.generate(p),
             "unpack" => {
                 let i = p["bucket"].as_u64().ok_or_else(|| bad("unpack needs bucket"))?;
-                let pieces = self.c.bucket_pieces(i)?;
+                let entries = self.c.weight_entries();
+                let pieces = self.c.bucket_pieces(i, &entries)?;
                 let len = pieces.last().map(|(_, _, boff, n)| boff + n).unwrap_or(0);
                 let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
                 let shm = self.c.shm(len);
                 self.c.dev.write(dbuf, shm).map_err(dev_err)?;
-                for (e, off, boff, n) in pieces {
-                    self.c.dev.copy(e.ptr + off, dbuf + boff, n as usize).map_err(dev_err)?;
+                for (idx, off, boff, n) in pieces {
+                    self.c.dev.copy(entries[idx].ptr + off, dbuf + boff, n as usize).map_err(dev_err)?;
                 }
                 Ok(json!({"bytes": len}))
             }
