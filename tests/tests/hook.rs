@@ -73,6 +73,20 @@ fn faults_in_every_driver_call_return_errors_and_leak_nothing() {
 }
 
 #[test]
+fn faults_in_a_later_piece_of_a_large_allocation_lose_nothing() {
+    // 2 MiB pieces and copies: an 8 MiB allocation has 4 handles, and the second call of each
+    // per-piece driver function fails, after the first piece was already released (pause) or
+    // created (resume, malloc).
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("256MiB").env("TMS_PHYSICAL_CHUNK_MB", "2").env("TMS_BACKUP_CHUNK_MB", "2");
+        let out = hooked(&node, Style::Linked, &["faults", api, "8", "2"]);
+        assert!(out.contains("faults ok"), "{out}");
+        let out = hooked(&node, Style::Linked, &["rollback-fails", api]);
+        assert!(out.contains("rollback-fails ok"), "{out}");
+    }
+}
+
+#[test]
 fn eight_threads_churn_while_another_pauses_and_resumes_1000_times() {
     for api in ["cuda", "acl"] {
         let node = SimNode::new("1GiB");

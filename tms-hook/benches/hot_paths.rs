@@ -4,18 +4,19 @@
 
 use criterion::{Criterion, black_box, criterion_group, criterion_main};
 use tms_hook::device::Vendor;
-use tms_hook::registry::{Allocation, Registry, State};
+use tms_hook::registry::{Allocation, Piece, Registry, State};
 
 fn entry(tag: u32) -> Allocation {
     Allocation {
         size: 2 << 20,
         rounded: 2 << 20,
+        piece_len: 2 << 20,
         device: 0,
         vendor: Vendor::Cuda,
         tag,
         backup_enabled: false,
         state: State::Active,
-        handle: Some(1),
+        pieces: vec![Piece { handle: Some(1), mapped: true }],
         backup: None,
         backup_valid: false,
         doomed: false,

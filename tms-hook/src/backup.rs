@@ -1,9 +1,14 @@
-//! Moving contents between device memory and pinned host buffers at bus speed: large allocations
-//! are split into chunks, and chunks of all allocations of one pause or resume are spread over
-//! several streams, so copies overlap each other (and the driver's own latency) instead of
-//! running one synchronous copy per allocation.
+//! Moving contents between device memory and pinned host buffers at bus speed while the saver
+//! releases or creates physical memory on the calling thread.
+//!
+//! Work goes out in batches of about one chunk. Each stream carries at most one batch at a time,
+//! so synchronizing a stream reports on exactly that batch: the saver retires the oldest batch
+//! (releases its memory, or records its failure) while the other streams are still copying. No
+//! events are needed, which keeps the driver surface the hook depends on small.
 
-use crate::device::{DevResult, Device, Stream};
+use crate::device::{DevResult, Device, DeviceError, Stream};
+use std::collections::VecDeque;
+use std::ops::Range;
 
 #[derive(Debug, Clone, Copy)]
 pub struct CopyJob {
@@ -18,52 +23,126 @@ pub enum Direction {
     ToDevice,
 }
 
-/// Queues every chunk of `jobs` round-robin on `streams`, then waits for all of them. Returns the
-/// first error; every stream is synchronized either way so no copy is left in flight.
-pub fn transfer(
-    device: &dyn Device,
-    streams: &[Stream],
-    jobs: &[CopyJob],
-    dir: Direction,
+/// A batch that left the window: the caller's unit indices it carried and how its copies ended.
+pub type Finished = (Vec<usize>, DevResult<()>);
+
+/// Splits `count` units into consecutive batches of at least `target` bytes (a unit larger than
+/// that is a batch of its own), so that many small allocations share one synchronize.
+pub fn batches(count: usize, target: usize, mut bytes_of: impl FnMut(usize) -> usize) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut bytes = 0;
+    for u in 0..count {
+        bytes += bytes_of(u);
+        if bytes >= target {
+            out.push(start..u + 1);
+            start = u + 1;
+            bytes = 0;
+        }
+    }
+    if start < count {
+        out.push(start..count);
+    }
+    out
+}
+
+pub struct Window<'a> {
+    device: &'a dyn Device,
+    streams: &'a [Stream],
     chunk: usize,
-) -> DevResult<()> {
-    assert!(!streams.is_empty());
-    let chunk = chunk.max(1 << 20);
-    let mut first_error = None;
-    let mut next = 0usize;
-    'outer: for job in jobs {
-        let mut offset = 0usize;
-        while offset < job.len {
-            let len = chunk.min(job.len - offset);
-            let stream = streams[next % streams.len()];
-            next += 1;
-            // SAFETY: `host` points to a buffer of at least `job.len` bytes.
-            let host = unsafe { job.host.add(offset) };
-            let dev = job.device_addr + offset as u64;
-            let r = match dir {
-                Direction::ToHost => device.copy_to_host_async(host, dev, len, stream),
-                Direction::ToDevice => device.copy_to_device_async(dev, host, len, stream),
-            };
-            if let Err(e) = r {
-                first_error = Some(e);
-                break 'outer;
+    /// Batches in flight, oldest first: (index into `streams`, units).
+    in_flight: VecDeque<(usize, Vec<usize>)>,
+    idle: Vec<usize>,
+}
+
+impl<'a> Window<'a> {
+    pub fn new(device: &'a dyn Device, streams: &'a [Stream], chunk: usize) -> Window<'a> {
+        assert!(!streams.is_empty());
+        Window {
+            device,
+            streams,
+            chunk: chunk.max(1 << 20),
+            in_flight: VecDeque::new(),
+            idle: (0..streams.len()).rev().collect(),
+        }
+    }
+
+    /// When every stream carries a batch, waits for the oldest one and hands it back.
+    pub fn make_room(&mut self) -> Option<Finished> {
+        if self.idle.is_empty() { self.retire_oldest() } else { None }
+    }
+
+    /// Queues `copies` on an idle stream as one batch carrying `units`. A batch that cannot be
+    /// queued completely is drained at once and handed back as failed.
+    pub fn submit(&mut self, units: Vec<usize>, copies: &[CopyJob], dir: Direction) -> Result<(), Finished> {
+        let slot = match self.idle.pop() {
+            Some(s) => s,
+            None => {
+                let e = DeviceError { op: "tms: copy window full", code: self.device.invalid_code() };
+                return Err((units, Err(e)));
             }
-            offset += len;
+        };
+        let stream = self.streams[slot];
+        for job in copies {
+            let mut offset = 0usize;
+            while offset < job.len {
+                let len = self.chunk.min(job.len - offset);
+                // SAFETY: `host` points to a buffer of at least `job.len` bytes.
+                let host = unsafe { job.host.add(offset) };
+                let dev = job.device_addr + offset as u64;
+                let queued = match dir {
+                    Direction::ToHost => self.device.copy_to_host_async(host, dev, len, stream),
+                    Direction::ToDevice => self.device.copy_to_device_async(dev, host, len, stream),
+                };
+                if let Err(e) = queued {
+                    self.drain_after_error(stream);
+                    self.idle.push(slot);
+                    return Err((units, Err(e)));
+                }
+                offset += len;
+            }
         }
+        self.in_flight.push_back((slot, units));
+        Ok(())
     }
-    for &s in streams {
-        if let Err(e) = device.stream_synchronize(s) {
-            first_error.get_or_insert(e);
+
+    /// Waits for the oldest batch in flight and hands it back.
+    pub fn retire_oldest(&mut self) -> Option<Finished> {
+        let (slot, units) = self.in_flight.pop_front()?;
+        let stream = self.streams[slot];
+        let result = self.device.stream_synchronize(stream);
+        if result.is_err() {
+            self.drain_after_error(stream);
         }
+        self.idle.push(slot);
+        Some((units, result))
     }
-    if first_error.is_some() {
-        // A failed synchronize does not mean the copies stopped: drain the device before the
-        // caller unmaps anything, so no copy still in flight lands on (or reads from) memory
-        // that is gone, and no stale error is left for the next operation.
-        let _ = device.synchronize();
-        for &s in streams {
-            let _ = device.stream_synchronize(s);
-        }
+
+    /// A failed synchronize does not mean the copies stopped: drain the device before the caller
+    /// unmaps anything, so that no copy still in flight lands on (or reads from) memory that is
+    /// gone, and no stale error is left on the stream for the next batch.
+    fn drain_after_error(&self, stream: Stream) {
+        let _ = self.device.synchronize();
+        let _ = self.device.stream_synchronize(stream);
     }
-    first_error.map_or(Ok(()), Err)
+}
+
+impl Drop for Window<'_> {
+    /// Nothing may stay in flight once the saver lets go of the memory it copies.
+    fn drop(&mut self) {
+        while self.retire_oldest().is_some() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batches;
+
+    #[test]
+    fn batches_group_small_units_and_isolate_large_ones() {
+        let sizes = [2, 2, 2, 2, 10, 1, 1];
+        let got = batches(sizes.len(), 4, |u| sizes[u]);
+        assert_eq!(got, vec![0..2, 2..4, 4..5, 5..7]);
+        assert!(batches(0, 4, |_| 1).is_empty());
+    }
 }

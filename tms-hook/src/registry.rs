@@ -8,8 +8,9 @@ use std::collections::BTreeMap;
 pub enum State {
     /// Physical memory mapped with access at the address.
     Active,
-    /// Address reserved; physical memory released (or, after a failed release, still held in
-    /// `handle` but unmapped). Contents live in `backup` when `backup_valid`.
+    /// Address reserved; no piece mapped. A piece's physical memory is released, or, after a
+    /// failed release (or a pause that had to stop half-way), still held and unmapped, with its
+    /// contents in it. Contents of released pieces live in `backup` when `backup_valid`.
     Paused,
     /// Being paused, resumed or freed by one thread; others wait for it to settle.
     Busy,
@@ -22,24 +23,56 @@ pub struct HostBuf {
     pub len: usize,
 }
 
+/// One physical handle behind part of an allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Piece {
+    /// None once released.
+    pub handle: Option<PhysHandle>,
+    pub mapped: bool,
+}
+
 #[derive(Debug, Clone)]
 pub struct Allocation {
     /// Bytes the application asked for.
     pub size: usize,
     /// Bytes reserved and mapped (size rounded to the driver's granularity).
     pub rounded: usize,
+    /// Bytes behind each physical handle (the last piece may be shorter). Large allocations are
+    /// backed by several handles so that pause and resume can release or create one piece while
+    /// another one's contents are on the bus.
+    pub piece_len: usize,
     pub device: i32,
     pub vendor: Vendor,
     pub tag: TagId,
     pub backup_enabled: bool,
     pub state: State,
-    pub handle: Option<PhysHandle>,
+    /// Active: every piece mapped; Paused: none mapped.
+    pub pieces: Vec<Piece>,
     pub backup: Option<HostBuf>,
-    /// The backup holds the allocation's contents (it was paused with backup).
+    /// The backup holds the contents of every piece whose memory was released (it was paused
+    /// with backup).
     pub backup_valid: bool,
     /// The application freed it but a driver call failed half-way; freeing again finishes the job,
     /// and pause/resume leave it alone.
     pub doomed: bool,
+}
+
+impl Allocation {
+    /// Offset and length of piece `i` in the reserved range.
+    pub fn piece_range(&self, i: usize) -> (usize, usize) {
+        let offset = i * self.piece_len;
+        (offset, self.piece_len.min(self.rounded - offset))
+    }
+
+    /// Bytes of piece `i` that hold the application's data (nothing past `size` is copied).
+    pub fn piece_data_len(&self, i: usize) -> usize {
+        let (offset, len) = self.piece_range(i);
+        self.size.saturating_sub(offset).min(len)
+    }
+
+    pub fn all_mapped(&self) -> bool {
+        self.pieces.iter().all(|p| p.mapped)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -61,8 +94,32 @@ mod tests {
 
     #[test]
     fn allocation_record_stays_small() {
-        // Budget: 512 bytes per tracked allocation, B-tree overhead included (< 2x the entry).
+        // Budget: 512 bytes per tracked allocation, B-tree overhead included (< 2x the entry),
+        // plus the heap block of a one-piece list (allocator header included).
         let entry = std::mem::size_of::<u64>() + std::mem::size_of::<Allocation>();
-        assert!(entry * 2 <= 512, "entry is {entry} bytes");
+        let one_piece = (std::mem::size_of::<Piece>() + 16).next_multiple_of(16);
+        assert!(entry * 2 + one_piece <= 512, "entry is {entry} bytes, a piece {one_piece}");
+    }
+
+    #[test]
+    fn pieces_cover_the_range_and_data_stops_at_size() {
+        let a = Allocation {
+            size: 5 << 20,
+            rounded: 6 << 20,
+            piece_len: 4 << 20,
+            device: 0,
+            vendor: Vendor::Cuda,
+            tag: 0,
+            backup_enabled: true,
+            state: State::Active,
+            pieces: vec![Piece::default(); 2],
+            backup: None,
+            backup_valid: false,
+            doomed: false,
+        };
+        assert_eq!(a.piece_range(0), (0, 4 << 20));
+        assert_eq!(a.piece_range(1), (4 << 20, 2 << 20));
+        assert_eq!(a.piece_data_len(0), 4 << 20);
+        assert_eq!(a.piece_data_len(1), 1 << 20);
     }
 }

@@ -7,9 +7,9 @@
 
 use crate::backup::{self, CopyJob, Direction};
 use crate::config::config;
-use crate::device::{Device, DeviceError, PhysHandle, Stream, Vendor};
+use crate::device::{Device, DeviceError, Stream, Vendor};
 use crate::region::{self, TagId};
-use crate::registry::{Allocation, HostBuf, Registry, State};
+use crate::registry::{Allocation, HostBuf, Piece, Registry, State};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -223,7 +223,8 @@ impl Saver {
     pub fn malloc(&self, vendor: Vendor, size: usize) -> Result<Option<u64>, Error> {
         let Some(dev) = self.device(vendor) else { return Ok(None) };
         let device = dev.current_device().map_err(Error::Driver)?;
-        let rounded = round_up(size.max(1), self.granularity(dev.as_ref(), device)?);
+        let granularity = self.granularity(dev.as_ref(), device)?;
+        let rounded = round_up(size.max(1), granularity);
         let margin = self.margin();
         if margin > 0 {
             let (free, _) = dev.mem_info().map_err(Error::Driver)?;
@@ -232,35 +233,35 @@ impl Saver {
                 return Err(Error::OutOfMemory { code: dev.oom_code(), needed, free });
             }
         }
-        let handle = dev.create(device, rounded).map_err(Error::Driver)?;
-        let undo_create = |e: DeviceError| {
-            let _ = dev.release(handle);
-            Error::Driver(e)
+        let piece_len = match config().physical_chunk {
+            0 => rounded,
+            chunk => round_up(chunk, granularity).min(rounded),
         };
-        let addr = dev.reserve(rounded).map_err(undo_create)?;
-        let undo_reserve = |e: DeviceError| {
-            let _ = dev.free_reservation(addr, rounded);
-            let _ = dev.release(handle);
-            Error::Driver(e)
-        };
-        dev.map(addr, rounded, handle).map_err(undo_reserve)?;
-        if let Err(e) = dev.set_access(device, addr, rounded) {
-            let _ = dev.unmap(addr, rounded);
-            return Err(undo_reserve(e));
-        }
-        let entry = Allocation {
+        let addr = dev.reserve(rounded).map_err(Error::Driver)?;
+        let mut entry = Allocation {
             size,
             rounded,
+            piece_len,
             device,
             vendor,
             tag: region::current_tag(),
             backup_enabled: region::backup_enabled(),
             state: State::Active,
-            handle: Some(handle),
+            pieces: vec![Piece::default(); rounded.div_ceil(piece_len)],
             backup: None,
             backup_valid: false,
             doomed: false,
         };
+        for i in 0..entry.pieces.len() {
+            if let Err(e) = map_piece(dev.as_ref(), device, addr, &mut entry, i) {
+                for j in 0..i {
+                    let _ = unmap_piece(dev.as_ref(), addr, &mut entry, j);
+                    let _ = release_piece(dev.as_ref(), &mut entry, j);
+                }
+                let _ = dev.free_reservation(addr, rounded);
+                return Err(Error::Driver(e));
+            }
+        }
         lock(&self.registry).map.insert(addr, entry);
         self.tracked.fetch_add(1, Ordering::AcqRel);
         crate::control::ensure_started();
@@ -312,17 +313,19 @@ impl Saver {
         };
         a.doomed = true;
         let released = (|| {
-            if let Some(h) = a.handle {
-                if a.state == State::Active {
-                    let previous = dev.bind_thread(a.device).map_err(Error::Driver)?;
-                    let synced = dev.synchronize();
-                    dev.restore_thread(previous);
-                    synced.map_err(Error::Driver)?;
-                    dev.unmap(addr, a.rounded).map_err(Error::Driver)?;
-                    a.state = State::Paused;
-                }
-                dev.release(h).map_err(Error::Driver)?;
-                a.handle = None;
+            if a.pieces.iter().any(|p| p.mapped) {
+                let previous = dev.bind_thread(a.device).map_err(Error::Driver)?;
+                let synced = dev.synchronize();
+                dev.restore_thread(previous);
+                synced.map_err(Error::Driver)?;
+            }
+            for i in 0..a.pieces.len() {
+                unmap_piece(dev.as_ref(), addr, &mut a, i).map_err(Error::Driver)?;
+                // Part of it is gone: the application can no longer use it as a whole.
+                a.state = State::Paused;
+            }
+            for i in 0..a.pieces.len() {
+                release_piece(dev.as_ref(), &mut a, i).map_err(Error::Driver)?;
             }
             Ok(())
         })();
@@ -367,23 +370,6 @@ impl Saver {
         }
         map.insert(key, created.clone());
         Ok(created)
-    }
-
-    /// Runs backup or restore copies on this device's streams, timing them into the report.
-    fn transfer(
-        &self,
-        dev: &dyn Device,
-        device: i32,
-        jobs: &[CopyJob],
-        dir: Direction,
-        report: &mut Report,
-    ) -> Result<(), Error> {
-        let started = Instant::now();
-        let result = self
-            .streams_for(dev, device)
-            .and_then(|s| backup::transfer(dev, &s, jobs, dir, config().backup_chunk).map_err(Error::Driver));
-        report.backup_ns += started.elapsed().as_nanos() as u64;
-        result
     }
 
     /// Takes every entry of `tag` (all tags when None) in state `want` for work (marks them Busy);
@@ -504,12 +490,11 @@ impl Saver {
             Self::note(report, Error::Driver(e));
             return;
         }
-        let mut eligible: Vec<usize> = Vec::new();
-        let mut copies = Vec::new();
+        let mut saving: Vec<usize> = Vec::new();
         for &i in idx {
             let j = &mut jobs[i];
             if !j.a.backup_enabled {
-                eligible.push(i);
+                j.ok = Self::pause_without_backup(dev, device, j, report);
                 continue;
             }
             if j.a.backup.is_none_or(|b| b.len < j.a.size) {
@@ -519,42 +504,177 @@ impl Saver {
                 match dev.host_alloc(j.a.size.max(1)) {
                     Ok(p) => j.a.backup = Some(HostBuf { ptr: p as usize, len: j.a.size.max(1) }),
                     Err(e) => {
+                        // Without a backup buffer nothing of it may be released.
                         Self::note(report, Error::Driver(e));
                         continue;
                     }
                 }
             }
-            let b = j.a.backup.expect("just ensured");
-            copies.push(CopyJob { device_addr: j.addr, host: b.ptr as *mut u8, len: j.a.size });
-            eligible.push(i);
+            saving.push(i);
         }
-        if !copies.is_empty() {
-            match self.transfer(dev, device, &copies, Direction::ToHost, report) {
-                Ok(()) => report.backup_bytes += copies.iter().map(|c| c.len as u64).sum::<u64>(),
+        if saving.is_empty() {
+            return;
+        }
+        let streams = match self.streams_for(dev, device) {
+            Ok(s) => s,
+            Err(e) => {
+                Self::note(report, e);
+                return;
+            }
+        };
+        let started = Instant::now();
+        let units: Vec<(usize, usize)> =
+            saving.iter().flat_map(|&i| (0..jobs[i].a.pieces.len()).map(move |p| (i, p))).collect();
+        let mut failed = vec![false; jobs.len()];
+        {
+            let mut window = backup::Window::new(dev, &streams, config().backup_chunk);
+            for batch in backup::batches(units.len(), config().backup_chunk, |u| {
+                let (i, p) = units[u];
+                jobs[i].a.piece_range(p).1
+            }) {
+                let live: Vec<usize> = batch.filter(|&u| !failed[units[u].0]).collect();
+                if live.is_empty() {
+                    continue;
+                }
+                let copies: Vec<CopyJob> =
+                    live.iter().filter_map(|&u| piece_copy(&jobs[units[u].0], units[u].1)).collect();
+                if let Some(done) = window.make_room() {
+                    Self::retire_saved(dev, jobs, &units, &mut failed, done, report);
+                }
+                if let Err(done) = window.submit(live, &copies, Direction::ToHost) {
+                    Self::retire_saved(dev, jobs, &units, &mut failed, done, report);
+                }
+            }
+            while let Some(done) = window.retire_oldest() {
+                Self::retire_saved(dev, jobs, &units, &mut failed, done, report);
+            }
+        }
+        for &i in &saving {
+            if failed[i] {
+                self.roll_back_pause(dev, device, streams[0], &mut jobs[i], report);
+            } else {
+                jobs[i].a.backup_valid = true;
+                jobs[i].ok = true;
+                report.backup_bytes += jobs[i].a.size as u64;
+            }
+        }
+        report.backup_ns += started.elapsed().as_nanos() as u64;
+    }
+
+    /// Gives up an allocation's memory and contents. All pieces are unmapped before any is
+    /// released, so a failure part-way maps them back with their contents intact.
+    fn pause_without_backup(dev: &dyn Device, device: i32, j: &mut Job, report: &mut Report) -> bool {
+        for p in 0..j.a.pieces.len() {
+            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+                for q in 0..p {
+                    if let Err(e) = map_piece(dev, device, j.addr, &mut j.a, q) {
+                        Self::note(report, Error::Driver(e));
+                    }
+                }
+                // Still mapped as a whole: active. Otherwise every piece keeps its handle, so
+                // it counts as paused and resume maps the same memory back.
+                return !j.a.all_mapped() && Self::park(dev, j, report);
+            }
+        }
+        for p in 0..j.a.pieces.len() {
+            if let Err(e) = release_piece(dev, &mut j.a, p) {
+                // Unmapped but still held: resume maps the same handle back.
+                Self::note(report, Error::Driver(e));
+            }
+        }
+        true
+    }
+
+    /// Unmaps every piece still mapped, keeping its handle (and so its contents). True when the
+    /// allocation ended up fully unmapped, i.e. paused.
+    fn park(dev: &dyn Device, j: &mut Job, report: &mut Report) -> bool {
+        for p in 0..j.a.pieces.len() {
+            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+            }
+        }
+        !j.a.pieces.iter().any(|p| p.mapped)
+    }
+
+    /// A batch of backup copies finished: release the pieces whose contents are now on the host,
+    /// or mark their allocations failed.
+    fn retire_saved(
+        dev: &dyn Device,
+        jobs: &mut [Job],
+        units: &[(usize, usize)],
+        failed: &mut [bool],
+        (done, result): backup::Finished,
+        report: &mut Report,
+    ) {
+        if let Err(e) = result {
+            Self::note(report, Error::Driver(e));
+            for u in done {
+                failed[units[u].0] = true;
+            }
+            return;
+        }
+        for u in done {
+            let (i, p) = units[u];
+            if failed[i] {
+                continue;
+            }
+            let j = &mut jobs[i];
+            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+                failed[i] = true;
+                continue;
+            }
+            if let Err(e) = release_piece(dev, &mut j.a, p) {
+                // Unmapped but still held, contents and all: resume maps the same handle back.
+                Self::note(report, Error::Driver(e));
+            }
+        }
+    }
+
+    /// A backup copy of this allocation failed after some of its pieces were already released:
+    /// bring them back from the backup so the allocation stays active and intact. If even that
+    /// fails, park it paused instead, with nothing lost: released pieces are in the backup and
+    /// the others keep their memory.
+    fn roll_back_pause(&self, dev: &dyn Device, device: i32, stream: Stream, j: &mut Job, report: &mut Report) {
+        let mut recreated = vec![false; j.a.pieces.len()];
+        let mut problem = None;
+        for (p, again) in recreated.iter_mut().enumerate() {
+            if j.a.pieces[p].mapped {
+                continue;
+            }
+            match map_piece(dev, device, j.addr, &mut j.a, p) {
+                Ok(false) => {}
+                Ok(true) => {
+                    *again = true;
+                    if let Some(c) = piece_copy(j, p)
+                        && let Err(e) = dev
+                            .copy_to_device_async(c.device_addr, c.host, c.len, stream)
+                            .and_then(|()| dev.stream_synchronize(stream))
+                    {
+                        problem = Some(e);
+                        break;
+                    }
+                }
                 Err(e) => {
-                    // Without a complete backup nothing that needs one may be released.
-                    Self::note(report, e);
-                    eligible.retain(|&i| !jobs[i].a.backup_enabled);
+                    problem = Some(e);
+                    break;
                 }
             }
         }
-        for i in eligible {
-            let j = &mut jobs[i];
-            let h: PhysHandle = j.a.handle.expect("active allocations hold a handle");
-            if let Err(e) = dev.unmap(j.addr, j.a.rounded) {
-                Self::note(report, Error::Driver(e));
-                continue;
-            }
-            j.a.backup_valid = j.a.backup_enabled;
-            if let Err(e) = dev.release(h) {
-                // Unmapped but still held: it counts as paused (the address is not usable) and
-                // resume maps the same handle back.
-                Self::note(report, Error::Driver(e));
-            } else {
-                j.a.handle = None;
-            }
-            j.ok = true;
+        let Some(e) = problem else { return };
+        Self::note(report, Error::Driver(e));
+        if !Self::park(dev, j, report) {
+            return;
         }
+        for (p, again) in recreated.into_iter().enumerate() {
+            // Its contents are in the backup, not (reliably) in the new memory.
+            if again && let Err(e) = release_piece(dev, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+            }
+        }
+        j.a.backup_valid = true;
+        j.ok = true;
     }
 
     /// Resumes every paused allocation of `tag` (all when None) at its address, restoring the
@@ -575,8 +695,7 @@ impl Saver {
                     continue;
                 }
             };
-            let needed: u64 =
-                idx.iter().filter(|&&i| jobs[i].a.handle.is_none()).map(|&i| jobs[i].a.rounded as u64).sum();
+            let needed: u64 = idx.iter().map(|&i| &jobs[i].a).map(|a| missing_bytes(a) as u64).sum();
             match dev.mem_info() {
                 Ok((free, _)) if needed > 0 && free < needed + margin => {
                     Self::note(&mut report, Error::OutOfMemory { code: dev.oom_code(), needed: needed + margin, free });
@@ -606,76 +725,117 @@ impl Saver {
     }
 
     fn resume_group(&self, dev: &dyn Device, device: i32, jobs: &mut [Job], idx: &[usize], report: &mut Report) {
-        let mut mapped: Vec<usize> = Vec::new();
+        let streams = match self.streams_for(dev, device) {
+            Ok(s) => s,
+            Err(e) => {
+                Self::note(report, e);
+                return;
+            }
+        };
+        let started = Instant::now();
+        // (job, piece, created here)
+        let mut units: Vec<(usize, usize, bool)> = idx
+            .iter()
+            .flat_map(|&i| (0..jobs[i].a.pieces.len()).map(move |p| (i, p, false)))
+            .filter(|&(i, p, _)| !jobs[i].a.pieces[p].mapped)
+            .collect();
+        let mut failed = vec![false; jobs.len()];
         let mut out_of_memory = false;
-        for &i in idx {
-            let j = &mut jobs[i];
-            let h = match j.a.handle {
-                Some(h) => h,
-                None if out_of_memory => continue,
-                None => match dev.create(device, j.a.rounded) {
-                    Ok(h) => h,
-                    Err(e) => {
-                        let err = if dev.is_oom(e.code) {
-                            out_of_memory = true;
-                            let free = dev.mem_info().map(|m| m.0).unwrap_or(0);
-                            Error::OutOfMemory { code: e.code, needed: j.a.rounded as u64, free }
-                        } else {
-                            Error::Driver(e)
-                        };
-                        Self::note(report, err);
+        let mut restoring = false;
+        {
+            let mut window = backup::Window::new(dev, &streams, config().backup_chunk);
+            for batch in backup::batches(units.len(), config().backup_chunk, |u| {
+                let (i, p, _) = units[u];
+                jobs[i].a.piece_range(p).1
+            }) {
+                let mut live = Vec::new();
+                let mut copies = Vec::new();
+                for u in batch {
+                    let (i, p, _) = units[u];
+                    let j = &mut jobs[i];
+                    if failed[i] {
                         continue;
                     }
-                },
-            };
-            j.a.handle = Some(h);
-            if let Err(e) = dev.map(j.addr, j.a.rounded, h) {
-                Self::note(report, Error::Driver(e));
-                if dev.release(h).is_ok() {
-                    j.a.handle = None;
+                    if out_of_memory && j.a.pieces[p].handle.is_none() {
+                        failed[i] = true;
+                        continue;
+                    }
+                    match map_piece(dev, device, j.addr, &mut j.a, p) {
+                        Ok(created) => {
+                            units[u].2 = created;
+                            // A piece that kept its memory kept its contents.
+                            if created
+                                && j.a.backup_valid
+                                && let Some(c) = piece_copy(j, p)
+                            {
+                                copies.push(c);
+                                live.push(u);
+                            }
+                        }
+                        Err(e) => {
+                            failed[i] = true;
+                            let err = if dev.is_oom(e.code) {
+                                out_of_memory = true;
+                                let free = dev.mem_info().map(|m| m.0).unwrap_or(0);
+                                Error::OutOfMemory { code: e.code, needed: j.a.rounded as u64, free }
+                            } else {
+                                Error::Driver(e)
+                            };
+                            Self::note(report, err);
+                        }
+                    }
                 }
+                if copies.is_empty() {
+                    continue;
+                }
+                restoring = true;
+                if let Some(done) = window.make_room() {
+                    Self::retire_restored(&units, &mut failed, done, report);
+                }
+                if let Err(done) = window.submit(live, &copies, Direction::ToDevice) {
+                    Self::retire_restored(&units, &mut failed, done, report);
+                }
+            }
+            while let Some(done) = window.retire_oldest() {
+                Self::retire_restored(&units, &mut failed, done, report);
+            }
+        }
+        for &(i, p, created) in &units {
+            if !failed[i] {
                 continue;
             }
-            if let Err(e) = dev.set_access(device, j.addr, j.a.rounded) {
-                Self::note(report, Error::Driver(e));
-                let _ = dev.unmap(j.addr, j.a.rounded);
-                if dev.release(h).is_ok() {
-                    j.a.handle = None;
-                }
-                continue;
-            }
-            mapped.push(i);
-        }
-        let restores: Vec<CopyJob> = mapped
-            .iter()
-            .filter(|&&i| jobs[i].a.backup_valid)
-            .map(|&i| {
-                let b = jobs[i].a.backup.expect("valid backup exists");
-                CopyJob { device_addr: jobs[i].addr, host: b.ptr as *mut u8, len: jobs[i].a.size }
-            })
-            .collect();
-        let mut restore_failed = false;
-        if !restores.is_empty() {
-            match self.transfer(dev, device, &restores, Direction::ToDevice, report) {
-                Ok(()) => report.backup_bytes += restores.iter().map(|c| c.len as u64).sum::<u64>(),
-                Err(e) => {
-                    Self::note(report, e);
-                    restore_failed = true;
-                }
-            }
-        }
-        for i in mapped {
+            // Back to paused as it was: the backup is intact, kept memory keeps its contents.
             let j = &mut jobs[i];
-            if restore_failed && j.a.backup_valid {
-                // Contents did not come back: put the allocation back to paused, backup intact.
-                let h = j.a.handle.expect("mapped");
-                let _ = dev.unmap(j.addr, j.a.rounded);
-                if dev.release(h).is_ok() {
-                    j.a.handle = None;
-                }
-                continue;
+            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+            } else if created && let Err(e) = release_piece(dev, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
             }
-            j.ok = true;
+        }
+        for &(i, p, created) in &units {
+            if !failed[i] && created && jobs[i].a.backup_valid {
+                report.backup_bytes += jobs[i].a.piece_data_len(p) as u64;
+            }
+        }
+        for &i in idx {
+            jobs[i].ok = !failed[i];
+        }
+        if restoring {
+            report.backup_ns += started.elapsed().as_nanos() as u64;
+        }
+    }
+
+    fn retire_restored(
+        units: &[(usize, usize, bool)],
+        failed: &mut [bool],
+        (done, result): backup::Finished,
+        report: &mut Report,
+    ) {
+        if let Err(e) = result {
+            Self::note(report, Error::Driver(e));
+            for u in done {
+                failed[units[u].0] = true;
+            }
         }
     }
 
@@ -764,4 +924,71 @@ impl Saver {
         }
         bytes
     }
+}
+
+/// Bytes of physical memory a paused allocation needs to be resumed (pieces that kept their
+/// memory need none).
+fn missing_bytes(a: &Allocation) -> usize {
+    (0..a.pieces.len()).filter(|&p| a.pieces[p].handle.is_none()).map(|p| a.piece_range(p).1).sum()
+}
+
+/// The copy that saves or restores the data in piece `p` of a job (None: no data there).
+fn piece_copy(j: &Job, p: usize) -> Option<CopyJob> {
+    let len = j.a.piece_data_len(p);
+    let b = j.a.backup?;
+    (len > 0).then(|| {
+        let offset = j.a.piece_range(p).0;
+        // SAFETY: the backup holds `size` bytes and offset + len <= size.
+        let host = unsafe { (b.ptr as *mut u8).add(offset) };
+        CopyJob { device_addr: j.addr + offset as u64, host, len }
+    })
+}
+
+/// Maps piece `i` of `a` at its place, creating physical memory unless the piece kept its handle.
+/// Returns whether memory was created. On failure the piece is left unmapped, and memory created
+/// here is released again.
+fn map_piece(dev: &dyn Device, device: i32, addr: u64, a: &mut Allocation, i: usize) -> Result<bool, DeviceError> {
+    if a.pieces[i].mapped {
+        return Ok(false);
+    }
+    let (offset, len) = a.piece_range(i);
+    let at = addr + offset as u64;
+    let (handle, created) = match a.pieces[i].handle {
+        Some(h) => (h, false),
+        None => (dev.create(device, len)?, true),
+    };
+    let undo = |e: DeviceError| {
+        if created {
+            let _ = dev.release(handle);
+        }
+        e
+    };
+    dev.map(at, len, handle).map_err(undo)?;
+    if let Err(e) = dev.set_access(device, at, len) {
+        let _ = dev.unmap(at, len);
+        return Err(undo(e));
+    }
+    a.pieces[i] = Piece { handle: Some(handle), mapped: true };
+    Ok(created)
+}
+
+/// Unmaps piece `i` if it is mapped; its handle (and contents) stay.
+fn unmap_piece(dev: &dyn Device, addr: u64, a: &mut Allocation, i: usize) -> Result<(), DeviceError> {
+    if a.pieces[i].mapped {
+        let (offset, len) = a.piece_range(i);
+        dev.unmap(addr + offset as u64, len)?;
+        a.pieces[i].mapped = false;
+    }
+    Ok(())
+}
+
+/// Releases the memory of an unmapped piece, if it still holds some.
+fn release_piece(dev: &dyn Device, a: &mut Allocation, i: usize) -> Result<(), DeviceError> {
+    if !a.pieces[i].mapped
+        && let Some(h) = a.pieces[i].handle
+    {
+        dev.release(h)?;
+        a.pieces[i].handle = None;
+    }
+    Ok(())
 }
