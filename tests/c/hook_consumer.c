@@ -101,8 +101,15 @@ static uint64_t checksum(const unsigned char *p, size_t n) {
   for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
   return h;
 }
+/* Every byte depends on its whole offset (no period), so bytes restored to the wrong place, even
+ * a whole piece or chunk off, change the checksum. */
 static void fill(unsigned char *p, size_t n, unsigned seed) {
-  for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((i * 2654435761u) >> 13) ^ (unsigned char)seed;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t x = ((uint64_t)i + 1) * 0x9E3779B97F4A7C15ULL;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    p[i] = (unsigned char)(x >> 56) ^ (unsigned char)seed;
+  }
 }
 static uint64_t dev_checksum(void *d, size_t n) {
   unsigned char *h = malloc(n);

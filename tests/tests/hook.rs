@@ -22,6 +22,17 @@ fn pause_resume_100_cycles_keeps_bytes_and_addresses_in_every_style() {
 }
 
 #[test]
+fn allocations_of_many_pieces_cycle_with_contents_and_free_memory_exact() {
+    // 2 MiB pieces and copies: every allocation of the cycle test is split, so pause releases
+    // pieces while others are copied and resume creates them while others are restored.
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("1GiB").env("TMS_PHYSICAL_CHUNK_MB", "2").env("TMS_BACKUP_CHUNK_MB", "2");
+        let out = hooked(&node, Style::Linked, &["cycle", api, "20"]);
+        assert!(out.contains("cycles=20"), "{api}: {out}");
+    }
+}
+
+#[test]
 fn pause_frees_device_memory_others_can_see() {
     // The C program checks its own free memory; here a second process checks it too.
     let node = SimNode::new("1GiB");

@@ -21,8 +21,8 @@ pub struct Config {
     pub backup_streams: usize,
     /// `TMS_BACKUP_CHUNK_MB`: size of one backup copy.
     pub backup_chunk: usize,
-    /// `TMS_PHYSICAL_CHUNK_MB`: allocations larger than this are backed by several physical
-    /// handles of this size (0: one handle per allocation).
+    /// `TMS_PHYSICAL_CHUNK_MB`: allocations with CPU backup larger than this are backed by several
+    /// physical handles of this size (0: one handle per allocation).
     pub physical_chunk: usize,
     /// `TMS_INIT_ENABLE_DISK_BACKUP`: accepted for compatibility; disk backup is not supported.
     pub disk_backup: bool,
@@ -74,8 +74,8 @@ impl Config {
         };
         let margin = number("TMS_MEMORY_MARGIN_BYTES", 0, 0);
         let backup_streams = number("TMS_BACKUP_STREAMS", 4, 1).min(64) as usize;
-        let backup_chunk = (number("TMS_BACKUP_CHUNK_MB", 32, 1).min(4096) as usize) << 20;
-        let physical_chunk = (number("TMS_PHYSICAL_CHUNK_MB", 32, 0).min(1 << 20) as usize) << 20;
+        let backup_chunk = (number("TMS_BACKUP_CHUNK_MB", 16, 1).min(4096) as usize) << 20;
+        let physical_chunk = (number("TMS_PHYSICAL_CHUNK_MB", 16, 0).min(1 << 20) as usize) << 20;
         let init_tag = var("TMS_INIT_TAG").filter(|t| !t.is_empty()).unwrap_or_else(|| DEFAULT_TAG.to_string());
         let backup_backend = match var("TMS_INIT_CPU_BACKUP_BACKEND").as_deref() {
             None | Some("") | Some("pinned") => "pinned".to_string(),

@@ -233,9 +233,12 @@ impl Saver {
                 return Err(Error::OutOfMemory { code: dev.oom_code(), needed, free });
             }
         }
+        let backup_enabled = region::backup_enabled();
+        // Pieces pay off only where a copy runs to overlap with; without a backup, one handle
+        // keeps the number of driver calls (and their fixed costs) at a minimum.
         let piece_len = match config().physical_chunk {
-            0 => rounded,
-            chunk => round_up(chunk, granularity).min(rounded),
+            chunk if backup_enabled && chunk > 0 => round_up(chunk, granularity).min(rounded),
+            _ => rounded,
         };
         let addr = dev.reserve(rounded).map_err(Error::Driver)?;
         let mut entry = Allocation {
@@ -245,7 +248,7 @@ impl Saver {
             device,
             vendor,
             tag: region::current_tag(),
-            backup_enabled: region::backup_enabled(),
+            backup_enabled,
             state: State::Active,
             pieces: vec![Piece::default(); rounded.div_ceil(piece_len)],
             backup: None,
@@ -497,19 +500,6 @@ impl Saver {
                 j.ok = Self::pause_without_backup(dev, device, j, report);
                 continue;
             }
-            if j.a.backup.is_none_or(|b| b.len < j.a.size) {
-                if let Some(old) = j.a.backup.take() {
-                    dev.host_free(old.ptr as *mut u8);
-                }
-                match dev.host_alloc(j.a.size.max(1)) {
-                    Ok(p) => j.a.backup = Some(HostBuf { ptr: p as usize, len: j.a.size.max(1) }),
-                    Err(e) => {
-                        // Without a backup buffer nothing of it may be released.
-                        Self::note(report, Error::Driver(e));
-                        continue;
-                    }
-                }
-            }
             saving.push(i);
         }
         if saving.is_empty() {
@@ -532,7 +522,21 @@ impl Saver {
                 let (i, p) = units[u];
                 jobs[i].a.piece_range(p).1
             }) {
-                let live: Vec<usize> = batch.filter(|&u| !failed[units[u].0]).collect();
+                let mut live = Vec::new();
+                for u in batch {
+                    let i = units[u].0;
+                    if failed[i] {
+                        continue;
+                    }
+                    // Pinning a buffer overlaps with the copies already in flight.
+                    if let Err(e) = ensure_backup_buffer(dev, &mut jobs[i].a) {
+                        // Without a backup buffer nothing of it may be released.
+                        Self::note(report, Error::Driver(e));
+                        failed[i] = true;
+                        continue;
+                    }
+                    live.push(u);
+                }
                 if live.is_empty() {
                     continue;
                 }
@@ -924,6 +928,19 @@ impl Saver {
         }
         bytes
     }
+}
+
+/// Gives the allocation a pinned host buffer big enough for its contents (kept from an earlier
+/// pause when it is).
+fn ensure_backup_buffer(dev: &dyn Device, a: &mut Allocation) -> Result<(), DeviceError> {
+    if a.backup.is_none_or(|b| b.len < a.size) {
+        if let Some(old) = a.backup.take() {
+            dev.host_free(old.ptr as *mut u8);
+        }
+        let len = a.size.max(1);
+        a.backup = Some(HostBuf { ptr: dev.host_alloc(len)? as usize, len });
+    }
+    Ok(())
 }
 
 /// Bytes of physical memory a paused allocation needs to be resumed (pieces that kept their

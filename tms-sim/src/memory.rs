@@ -72,15 +72,12 @@ impl Pool {
     }
 
     fn free(&mut self, off: u64, len: u64) {
-        // SAFETY: punching a hole in our own memfd; this is what returns the pages to the host.
-        unsafe {
-            libc::fallocate(
-                self.fd,
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                off as libc::off_t,
-                len as libc::off_t,
-            );
-        }
+        punch(self.fd, off, len);
+        self.recycle(off, len);
+    }
+
+    /// Puts a range whose pages were already given back onto the free lists.
+    fn recycle(&mut self, off: u64, len: u64) {
         let (mut off, mut len) = (off, len);
         if let Some((&poff, &plen)) = self.by_offset.range(..off).next_back()
             && poff + plen == off
@@ -116,6 +113,47 @@ impl Pool {
                 return 0;
             }
             st.st_blocks as u64 * 512
+        }
+    }
+}
+
+/// Returns the pages of a memfd range to the host.
+fn punch(fd: libc::c_int, off: u64, len: u64) {
+    // SAFETY: punching a hole in our own memfd.
+    unsafe {
+        libc::fallocate(
+            fd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off as libc::off_t,
+            len as libc::off_t,
+        );
+    }
+}
+
+/// Host page work that the simulator does outside its memory lock, so that copies on other
+/// streams go on meanwhile (a device does not stall its copy engines to create or free memory).
+#[derive(Debug, Clone, Copy)]
+pub enum PageWork {
+    /// Allocate the pages of a new handle (TMS_SIM_COMMIT).
+    Commit { fd: libc::c_int, offset: u64, len: u64 },
+    /// Build the page tables of a range just made accessible (TMS_SIM_COMMIT).
+    Populate { addr: usize, len: usize },
+}
+
+impl PageWork {
+    pub fn run(self) {
+        match self {
+            // SAFETY: allocating blocks of a memfd range owned by a handle nobody else knows yet.
+            PageWork::Commit { fd, offset, len } => unsafe {
+                libc::fallocate(fd, 0, offset as libc::off_t, len as libc::off_t);
+            },
+            PageWork::Populate { addr, len } => {
+                // MADV_POPULATE_WRITE (Linux 5.14+; older kernels just skip it). If the range was
+                // unmapped meanwhile, the advice fails harmlessly.
+                const MADV_POPULATE_WRITE: libc::c_int = 23;
+                // SAFETY: advice only; no memory is touched through Rust.
+                unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
+            }
         }
     }
 }
@@ -161,10 +199,12 @@ pub struct Memory {
     plain: BTreeMap<usize, Plain>,
 }
 
-/// What a freed or released range gives back to the device.
+/// What a freed or released range gives back to the device. Its memfd range is out of every
+/// list until `Sim::give_back` has punched it and handed it to `Memory::recycle`.
 pub struct Freed {
     pub device: usize,
     pub bytes: u64,
+    pub offset: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -204,20 +244,18 @@ impl Memory {
 
     // ---- physical handles -------------------------------------------------------------------
 
-    /// Creates physical memory; the caller has already charged the device.
-    pub fn create(&mut self, device: usize, len: usize) -> MemResult<u64> {
+    /// Creates physical memory; the caller has already charged the device, and runs the page
+    /// work (if any) once it has let go of the lock.
+    pub fn create(&mut self, device: usize, len: usize) -> MemResult<(u64, Option<PageWork>)> {
         if len == 0 || !len.is_multiple_of(GRANULARITY) {
             return Err(MemError::Invalid);
         }
         let offset = self.pool.alloc(len as u64)?;
-        if self.commit {
-            // SAFETY: allocating blocks of our own memfd range.
-            unsafe { libc::fallocate(self.pool.fd, 0, offset as libc::off_t, len as libc::off_t) };
-        }
         let h = self.next_handle;
         self.next_handle += 1;
         self.handles.insert(h, Physical { device, offset, len, mapped: 0, released: false });
-        Ok(h)
+        let work = self.commit.then_some(PageWork::Commit { fd: self.pool.fd, offset, len: len as u64 });
+        Ok((h, work))
     }
 
     /// Releases a handle. `refuse_if_mapped` gives Ascend's rule (free fails while mapped);
@@ -239,8 +277,21 @@ impl Memory {
 
     fn destroy_handle(&mut self, h: u64) -> Freed {
         let p = self.handles.remove(&h).expect("handle present");
-        self.pool.free(p.offset, p.len as u64);
-        Freed { device: p.device, bytes: p.len as u64 }
+        Freed { device: p.device, bytes: p.len as u64, offset: p.offset }
+    }
+
+    /// Gives a freed range's pages back to the host; needs no lock (the range belongs to nobody).
+    pub fn punch_freed(fd: libc::c_int, f: &Freed) {
+        punch(fd, f.offset, f.bytes);
+    }
+
+    pub fn pool_fd(&self) -> libc::c_int {
+        self.pool.fd
+    }
+
+    /// Makes a punched range available to new allocations.
+    pub fn recycle(&mut self, f: &Freed) {
+        self.pool.recycle(f.offset, f.bytes);
     }
 
     pub fn handle_len(&self, h: u64) -> Option<usize> {
@@ -391,8 +442,9 @@ impl Memory {
         Ok(freed)
     }
 
-    /// Sets protection on mapped memory; the range must be fully mapped.
-    pub fn set_access(&mut self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<()> {
+    /// Sets protection on mapped memory; the range must be fully mapped. Returns page work to run
+    /// outside the lock.
+    pub fn set_access(&mut self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<Option<PageWork>> {
         if len == 0 {
             return Err(MemError::Invalid);
         }
@@ -410,18 +462,12 @@ impl Memory {
         if unsafe { libc::mprotect(addr as *mut libc::c_void, len, prot) } != 0 {
             return Err(MemError::Invalid);
         }
-        if self.commit && prot != libc::PROT_NONE {
-            // Establish the page tables now, as a device's map does; otherwise the first copy
-            // into the range would pay the host's page faults. (MADV_POPULATE_WRITE, Linux 5.14+;
-            // older kernels just skip it.)
-            const MADV_POPULATE_WRITE: libc::c_int = 23;
-            // SAFETY: advice on a range we just made accessible.
-            unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
-        }
         for a in touched {
             r.mappings.get_mut(&a).expect("present").prot = prot;
         }
-        Ok(())
+        // Establish the page tables now, as a device's map does; otherwise the first copy into
+        // the range would pay the host's page faults.
+        Ok((self.commit && prot != libc::PROT_NONE).then_some(PageWork::Populate { addr, len }))
     }
 
     // ---- plain allocations ------------------------------------------------------------------
@@ -429,8 +475,7 @@ impl Memory {
     pub fn plain_alloc(&mut self, device: usize, len: usize) -> MemResult<usize> {
         let offset = self.pool.alloc(len as u64)?;
         if self.commit {
-            // SAFETY: allocating blocks of our own memfd range.
-            unsafe { libc::fallocate(self.pool.fd, 0, offset as libc::off_t, len as libc::off_t) };
+            PageWork::Commit { fd: self.pool.fd, offset, len: len as u64 }.run();
         }
         // SAFETY: a fresh shared view of a pool range we just took.
         let p = unsafe {
@@ -455,8 +500,7 @@ impl Memory {
         let p = self.plain.remove(&addr).ok_or(MemError::Invalid)?;
         // SAFETY: unmapping our own plain allocation.
         unsafe { libc::munmap(addr as *mut libc::c_void, p.len) };
-        self.pool.free(p.offset, p.len as u64);
-        Ok(Freed { device: p.device, bytes: p.len as u64 })
+        Ok(Freed { device: p.device, bytes: p.len as u64, offset: p.offset })
     }
 
     // ---- address classification -------------------------------------------------------------

@@ -116,8 +116,13 @@ impl Sim {
         self.mem.read().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Returns freed memory to the host (outside the lock, so copies go on meanwhile), then to
+    /// the pool and the device's free count.
     fn give_back(&self, freed: impl IntoIterator<Item = Freed>) {
+        let fd = self.read().pool_fd();
         for f in freed {
+            Memory::punch_freed(fd, &f);
+            self.write().recycle(&f);
             self.node.uncharge(f.device, f.bytes);
         }
     }
@@ -150,7 +155,11 @@ impl Sim {
         if !self.node.charge(dev, len as u64) {
             return Err(MemError::OutOfMemory);
         }
-        self.write().create(dev, len).inspect_err(|_| self.node.uncharge(dev, len as u64))
+        let (h, work) = self.write().create(dev, len).inspect_err(|_| self.node.uncharge(dev, len as u64))?;
+        if let Some(w) = work {
+            w.run();
+        }
+        Ok(h)
     }
 
     pub fn release(&self, h: u64, refuse_if_mapped: bool) -> MemResult<()> {
@@ -178,7 +187,11 @@ impl Sim {
     }
 
     pub fn set_access(&self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<()> {
-        self.write().set_access(addr, len, prot)
+        let work = self.write().set_access(addr, len, prot)?;
+        if let Some(w) = work {
+            w.run();
+        }
+        Ok(())
     }
 
     /// Validates a copy and returns the bus it travels on: (device, direction), if any.
