@@ -45,7 +45,8 @@ typedef struct tms_report {
   uint64_t device_free_before;  /* device free memory before and after, as the driver reports */
   uint64_t device_free_after;
   uint64_t device_total;
-  uint64_t backup_ns;           /* time spent in backup/restore transfers (part of elapsed_ns) */
+  uint64_t backup_ns;           /* time of the backup/restore pipeline: copies, with the releases
+                                   (pause) or creates (resume) overlapped into it (part of elapsed_ns) */
 } tms_report;
 
 typedef struct tms_tag_status {

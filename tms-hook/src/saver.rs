@@ -67,7 +67,8 @@ pub struct Report {
     pub device_free_before: u64,
     pub device_free_after: u64,
     pub device_total: u64,
-    /// Time spent in backup/restore transfers (included in `elapsed_ns`).
+    /// Time of the backup/restore pipeline: the copies, with the releases (pause) or creates
+    /// (resume) overlapped into them (included in `elapsed_ns`).
     pub backup_ns: u64,
     /// The first failure, if any (the operation still did what it could).
     pub error: Option<Error>,

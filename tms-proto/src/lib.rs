@@ -224,7 +224,7 @@ pub struct OpReport {
     pub device_free_before: u64,
     pub device_free_after: u64,
     pub device_total: u64,
-    /// Time spent in backup/restore transfers (part of `elapsed_ns`).
+    /// Time of the backup/restore pipeline, releases or creates overlapped (part of `elapsed_ns`).
     #[serde(default)]
     pub backup_ns: u64,
     /// The first failure, if any; the operation still did what it could.

@@ -17,6 +17,10 @@ pub struct Sim {
     pub cfg: Config,
     pub node: Node,
     pub mem: RwLock<Memory>,
+    /// Held (shared) by every copy while it moves bytes, and exclusively by whatever takes
+    /// memory away (unmap, plain free, revoking access). Creating and mapping memory does not
+    /// need it, so a thread preparing memory never waits for copies on the streams.
+    copying: RwLock<()>,
     pub streams: Streams,
     host: Mutex<HashMap<usize, usize>>,
     pub pinned_bytes: AtomicU64,
@@ -65,6 +69,7 @@ pub fn sim() -> &'static Sim {
             cfg,
             node,
             mem: RwLock::new(mem),
+            copying: RwLock::new(()),
             streams: Streams::default(),
             host: Mutex::new(HashMap::new()),
             pinned_bytes: AtomicU64::new(0),
@@ -143,6 +148,7 @@ impl Sim {
     pub fn plain_free(&self, addr: usize) -> MemResult<()> {
         // Freeing waits for queued work, as the real runtimes do.
         self.streams.synchronize_all(None);
+        let _no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
         let freed = self.write().plain_free(addr)?;
         self.give_back([freed]);
         Ok(())
@@ -181,13 +187,18 @@ impl Sim {
     }
 
     pub fn unmap(&self, addr: usize, len: Option<usize>) -> MemResult<()> {
+        let no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
         let freed = self.write().unmap(addr, len)?;
+        drop(no_copy);
         self.give_back(freed);
         Ok(())
     }
 
     pub fn set_access(&self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<()> {
+        let revoking = prot != libc::PROT_READ | libc::PROT_WRITE;
+        let no_copy = revoking.then(|| self.copying.write().unwrap_or_else(|e| e.into_inner()));
         let work = self.write().set_access(addr, len, prot)?;
+        drop(no_copy);
         if let Some(w) = work {
             w.run();
         }
@@ -231,10 +242,10 @@ impl Sim {
         }
         let bus = self.plan_copy(&self.read(), dst, src, n, kind)?;
         let run = || {
-            // The range is re-checked under the lock that unmapping takes, so a copy can never
-            // touch memory that was unmapped after it was queued.
-            let mem = self.read();
-            self.plan_copy(&mem, dst, src, n, kind)?;
+            // The range is re-checked while holding off anything that takes memory away, so a
+            // copy can never touch memory that was unmapped after it was queued.
+            let _copying = self.copying.read().unwrap_or_else(|e| e.into_inner());
+            self.plan_copy(&self.read(), dst, src, n, kind)?;
             // SAFETY: both ranges were validated: device ranges are mapped with access, host
             // ranges are the caller's responsibility as with the real runtime.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
