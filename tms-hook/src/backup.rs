@@ -67,14 +67,28 @@ impl<'a> Window<'a> {
         }
     }
 
-    /// When every stream carries a batch, waits for the oldest one and hands it back.
-    pub fn make_room(&mut self) -> Option<Finished> {
-        if self.idle.is_empty() { self.retire_oldest() } else { None }
+    /// Queues `copies` as one batch carrying `units`. When every stream is busy, the oldest batch
+    /// is waited for first; each batch that leaves the window (that one, or this one if it cannot
+    /// be queued completely) goes to `retire`.
+    pub fn send(&mut self, units: Vec<usize>, copies: &[CopyJob], dir: Direction, mut retire: impl FnMut(Finished)) {
+        if self.idle.is_empty()
+            && let Some(done) = self.retire_oldest()
+        {
+            retire(done);
+        }
+        if let Err(done) = self.submit(units, copies, dir) {
+            retire(done);
+        }
     }
 
-    /// Queues `copies` on an idle stream as one batch carrying `units`. A batch that cannot be
-    /// queued completely is drained at once and handed back as failed.
-    pub fn submit(&mut self, units: Vec<usize>, copies: &[CopyJob], dir: Direction) -> Result<(), Finished> {
+    /// Waits for every batch still in flight, oldest first, handing each to `retire`.
+    pub fn drain(&mut self, mut retire: impl FnMut(Finished)) {
+        while let Some(done) = self.retire_oldest() {
+            retire(done);
+        }
+    }
+
+    fn submit(&mut self, units: Vec<usize>, copies: &[CopyJob], dir: Direction) -> Result<(), Finished> {
         let slot = match self.idle.pop() {
             Some(s) => s,
             None => {
@@ -107,7 +121,7 @@ impl<'a> Window<'a> {
     }
 
     /// Waits for the oldest batch in flight and hands it back.
-    pub fn retire_oldest(&mut self) -> Option<Finished> {
+    fn retire_oldest(&mut self) -> Option<Finished> {
         let (slot, units) = self.in_flight.pop_front()?;
         let stream = self.streams[slot];
         let result = self.device.stream_synchronize(stream);

@@ -7,7 +7,7 @@
 
 use crate::backup::{self, CopyJob, Direction};
 use crate::config::config;
-use crate::device::{Device, DeviceError, Stream, Vendor};
+use crate::device::{DevResult, Device, DeviceError, Stream, Vendor};
 use crate::region::{self, TagId};
 use crate::registry::{Allocation, HostBuf, Piece, Registry, State};
 use std::collections::{BTreeMap, HashMap};
@@ -506,13 +506,7 @@ impl Saver {
         if saving.is_empty() {
             return;
         }
-        let streams = match self.streams_for(dev, device) {
-            Ok(s) => s,
-            Err(e) => {
-                Self::note(report, e);
-                return;
-            }
-        };
+        let Some(streams) = self.streams_for(dev, device).map_err(|e| Self::note(report, e)).ok() else { return };
         let started = Instant::now();
         let units: Vec<(usize, usize)> =
             saving.iter().flat_map(|&i| (0..jobs[i].a.pieces.len()).map(move |p| (i, p))).collect();
@@ -543,16 +537,11 @@ impl Saver {
                 }
                 let copies: Vec<CopyJob> =
                     live.iter().filter_map(|&u| piece_copy(&jobs[units[u].0], units[u].1)).collect();
-                if let Some(done) = window.make_room() {
-                    Self::retire_saved(dev, jobs, &units, &mut failed, done, report);
-                }
-                if let Err(done) = window.submit(live, &copies, Direction::ToHost) {
-                    Self::retire_saved(dev, jobs, &units, &mut failed, done, report);
-                }
+                window.send(live, &copies, Direction::ToHost, |done| {
+                    Self::retire_saved(dev, jobs, &units, &mut failed, done, report)
+                });
             }
-            while let Some(done) = window.retire_oldest() {
-                Self::retire_saved(dev, jobs, &units, &mut failed, done, report);
-            }
+            window.drain(|done| Self::retire_saved(dev, jobs, &units, &mut failed, done, report));
         }
         for &i in &saving {
             if failed[i] {
@@ -612,11 +601,7 @@ impl Saver {
         (done, result): backup::Finished,
         report: &mut Report,
     ) {
-        if let Err(e) = result {
-            Self::note(report, Error::Driver(e));
-            for u in done {
-                failed[units[u].0] = true;
-            }
+        if Self::fail_batch(result, done.iter().map(|&u| units[u].0), failed, report) {
             return;
         }
         for u in done {
@@ -730,13 +715,7 @@ impl Saver {
     }
 
     fn resume_group(&self, dev: &dyn Device, device: i32, jobs: &mut [Job], idx: &[usize], report: &mut Report) {
-        let streams = match self.streams_for(dev, device) {
-            Ok(s) => s,
-            Err(e) => {
-                Self::note(report, e);
-                return;
-            }
-        };
+        let Some(streams) = self.streams_for(dev, device).map_err(|e| Self::note(report, e)).ok() else { return };
         let started = Instant::now();
         // (job, piece, created here)
         let mut units: Vec<(usize, usize, bool)> = idx
@@ -794,16 +773,13 @@ impl Saver {
                     continue;
                 }
                 restoring = true;
-                if let Some(done) = window.make_room() {
-                    Self::retire_restored(&units, &mut failed, done, report);
-                }
-                if let Err(done) = window.submit(live, &copies, Direction::ToDevice) {
-                    Self::retire_restored(&units, &mut failed, done, report);
-                }
+                window.send(live, &copies, Direction::ToDevice, |(done, result)| {
+                    Self::fail_batch(result, done.iter().map(|&u| units[u].0), &mut failed, report);
+                });
             }
-            while let Some(done) = window.retire_oldest() {
-                Self::retire_restored(&units, &mut failed, done, report);
-            }
+            window.drain(|(done, result)| {
+                Self::fail_batch(result, done.iter().map(|&u| units[u].0), &mut failed, report);
+            });
         }
         for &(i, p, created) in &units {
             if !failed[i] {
@@ -830,18 +806,19 @@ impl Saver {
         }
     }
 
-    fn retire_restored(
-        units: &[(usize, usize, bool)],
+    /// A batch whose copies failed fails every allocation it carried. Returns whether it failed.
+    fn fail_batch(
+        result: DevResult<()>,
+        jobs_in_batch: impl Iterator<Item = usize>,
         failed: &mut [bool],
-        (done, result): backup::Finished,
         report: &mut Report,
-    ) {
-        if let Err(e) = result {
-            Self::note(report, Error::Driver(e));
-            for u in done {
-                failed[units[u].0] = true;
-            }
+    ) -> bool {
+        let Err(e) = result else { return false };
+        Self::note(report, Error::Driver(e));
+        for i in jobs_in_batch {
+            failed[i] = true;
         }
+        true
     }
 
     /// A device this process uses with `vendor` (of a tracked allocation, else 0).
