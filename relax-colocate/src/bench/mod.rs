@@ -326,27 +326,12 @@ pub fn run(opts: &Options) -> Result<(), String> {
     let scaling = per_alloc / mid;
     let pause_overlap = largest_backup.map(|r| f(r, "pause_bound_ns") / f(r, "pause_ns")).unwrap_or(f64::NAN);
     let resume_overlap = largest_backup.map(|r| f(r, "resume_bound_ns") / f(r, "resume_ns")).unwrap_or(f64::NAN);
+    let at_least_90 = |name: &'static str, share: f64| (name, format!("{:.0}%", 100.0 * share), share >= 0.9);
     let targets = vec![
-        (
-            "pause with backup >= 90% of raw D2H copy (whole op)",
-            format!("{:.0}%", 100.0 * pause_share),
-            pause_share >= 0.9,
-        ),
-        (
-            "resume with backup >= 90% of raw H2D copy (whole op)",
-            format!("{:.0}%", 100.0 * resume_share),
-            resume_share >= 0.9,
-        ),
-        (
-            "  pause with backup >= 90% of its bound (copy | release)",
-            format!("{:.0}%", 100.0 * pause_overlap),
-            pause_overlap >= 0.9,
-        ),
-        (
-            "  resume with backup >= 90% of its bound (copy | create)",
-            format!("{:.0}%", 100.0 * resume_overlap),
-            resume_overlap >= 0.9,
-        ),
+        at_least_90("pause with backup >= 90% of raw D2H copy (whole op)", pause_share),
+        at_least_90("resume with backup >= 90% of raw H2D copy (whole op)", resume_share),
+        at_least_90("  pause with backup >= 90% of its bound (copy | release)", pause_overlap),
+        at_least_90("  resume with backup >= 90% of its bound (copy | create)", resume_overlap),
         (
             "pause w/o backup <= 2x driver unmap+release per allocation",
             format!("{per_alloc_ratio:.2}x"),
