@@ -5,6 +5,7 @@
 #                                        the file names torch_memory_saver's Python side looks for,
 #                                        linked to libtms_hook.so
 #   PREFIX/lib/libtms_sim.so             the simulator (tms-sim env points programs at it)
+#   PREFIX/lib/tms-sim/python            its Python start-up hook (runs PyTorch on the simulator)
 #   PREFIX/include/tms.h, tms_sim.h
 #   PREFIX/bin/tms-ctl, tms-sim, relax-colocate
 #   PREFIX/lib/python/tms                the pure-Python package (PYTHONPATH=PREFIX/lib/python,
@@ -19,7 +20,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --profile) profile="${2:?--profile needs release or debug}"; shift 2 ;;
     --no-build) build=0; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -z "$prefix" ] || { echo "install.sh: one PREFIX only" >&2; exit 2; }; prefix="$1"; shift ;;
   esac
@@ -46,6 +47,12 @@ done
 rm -rf "$prefix/lib/python/tms"
 cp -R "$root/python/tms" "$prefix/lib/python/tms"
 find "$prefix/lib/python/tms" -name '__pycache__' -prune -exec rm -rf {} +
+# The simulator's Python start-up hook and CPU compute layer (tms-sim env puts it on PYTHONPATH).
+rm -rf "$prefix/lib/tms-sim/python"
+mkdir -p "$prefix/lib/tms-sim"
+cp -R "$root/tms-sim/python" "$prefix/lib/tms-sim/python"
+rm -rf "$prefix/lib/tms-sim/python/tests"
+find "$prefix/lib/tms-sim/python" -name '__pycache__' -prune -exec rm -rf {} +
 
 cat <<MSG
 tms installed in $prefix

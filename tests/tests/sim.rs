@@ -41,7 +41,9 @@ fn consumer_carries_the_versioned_runtime_reference() {
     );
     let sim = Command::new("objdump").arg("-T").arg(workspace().sim_lib()).output().expect("objdump");
     let text = String::from_utf8_lossy(&sim.stdout);
-    assert!(text.lines().any(|l| l.contains(" libcudart.so.12 ") && l.trim_end().ends_with(" cudaMalloc")));
+    // Both runtime majors' references bind: .12 as a non-default version, .13 as the default.
+    assert!(text.lines().any(|l| l.contains("(libcudart.so.12)") && l.trim_end().ends_with(" cudaMalloc")));
+    assert!(text.lines().any(|l| l.contains(" libcudart.so.13 ") && l.trim_end().ends_with(" cudaMalloc")));
 }
 
 /// Starts a process holding `mib` on the node; returns it and its HOLD line.
@@ -166,4 +168,29 @@ fn cli_prints_env_and_node_status() {
     assert!(status.contains("\"capacity\": 1073741824"), "{status}");
     assert!(status.contains(&format!("{}", 100 * MIB)), "{status}");
     release(a);
+}
+
+#[test]
+fn docs_list_the_runtime_surface_as_exported() {
+    let ws = workspace();
+    let out = Command::new(ws.bin("tms-sim")).args(["surface", "--markdown"]).output().expect("run tms-sim surface");
+    assert!(out.status.success());
+    let table = String::from_utf8(out.stdout).unwrap();
+    let docs = std::fs::read_to_string(ws.root.join("docs/simulator.md")).unwrap();
+    assert!(
+        docs.contains(&table),
+        "docs/simulator.md's runtime table is out of date: regenerate it with `tms-sim surface --markdown`"
+    );
+    // Every listed name is exported under both runtime majors' version nodes.
+    let dynsym = Command::new("objdump").arg("-T").arg(ws.sim_lib()).output().expect("objdump");
+    let dynsym = String::from_utf8_lossy(&dynsym.stdout);
+    for line in table.lines().skip(2) {
+        let name = line.split('`').nth(1).expect("a name in backticks");
+        for node in ["(libcudart.so.12)", " libcudart.so.13 "] {
+            assert!(
+                dynsym.lines().any(|l| l.contains(node) && l.trim_end().ends_with(&format!(" {name}"))),
+                "{name} is not exported under {node}"
+            );
+        }
+    }
 }

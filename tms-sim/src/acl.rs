@@ -245,7 +245,7 @@ pub unsafe extern "C" fn aclrt_malloc_host(ptr: *mut *mut c_void, size: usize) -
         if ptr.is_null() || size == 0 {
             return INVALID_PARAM;
         }
-        match sim().host_alloc(size) {
+        match sim().host_alloc(size, 0) {
             Ok(p) => put(ptr, p as *mut c_void),
             Err(e) => code_of(e),
         }

@@ -15,6 +15,7 @@ pub const INVALID_DEVICE: i32 = 101;
 pub const INVALID_CONTEXT: i32 = 201;
 pub const INVALID_HANDLE: i32 = 400;
 pub const ILLEGAL_ADDRESS: i32 = 700;
+pub const NOT_SUPPORTED: i32 = 801;
 pub const UNKNOWN: i32 = 999;
 
 pub const ALLOCATION_TYPE_PINNED: c_int = 1;
@@ -114,7 +115,7 @@ pub unsafe extern "C" fn cu_init(flags: c_uint) -> i32 {
 }
 
 pub unsafe extern "C" fn cu_driver_get_version(v: *mut c_int) -> i32 {
-    put(v, 12040)
+    put(v, crate::cuda_runtime::RUNTIME_VERSION)
 }
 
 pub unsafe extern "C" fn cu_device_get(dev: *mut c_int, ordinal: c_int) -> i32 {
@@ -133,15 +134,7 @@ pub unsafe extern "C" fn cu_device_get_attribute(value: *mut c_int, attr: c_int,
         if sim().valid_device(dev as i64).is_none() {
             return INVALID_DEVICE;
         }
-        let v = match attr {
-            16 => 132, // multiprocessor count, as an H100 SXM
-            75 => 9,   // compute capability major
-            76 => 0,   // compute capability minor
-            102 => 1,  // virtual address management supported
-            110 => 1,  // GPUDirect RDMA with VMM supported
-            1..=140 => 0,
-            _ => return INVALID_VALUE,
-        };
+        let Some(v) = crate::cuda_runtime::devices::attribute(attr) else { return INVALID_VALUE };
         put(value, v)
     })
 }
@@ -174,9 +167,38 @@ pub unsafe extern "C" fn cu_device_total_mem(bytes: *mut usize, dev: c_int) -> i
 
 pub unsafe extern "C" fn cu_device_primary_ctx_retain(ctx: *mut *mut c_void, dev: c_int) -> i32 {
     call("cuDevicePrimaryCtxRetain", || match sim().valid_device(dev as i64) {
-        Some(d) => put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d)),
+        Some(d) => {
+            crate::sim::mark_primary_active(d);
+            put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d))
+        }
         None => INVALID_DEVICE,
     })
+}
+
+/// Flags (none are kept) and whether the device's primary context exists: retained through the
+/// driver, or created by the runtime's first call on that device.
+pub unsafe extern "C" fn cu_device_primary_ctx_get_state(dev: c_int, flags: *mut c_uint, active: *mut c_int) -> i32 {
+    call("cuDevicePrimaryCtxGetState", || match sim().valid_device(dev as i64) {
+        Some(d) => {
+            if flags.is_null() || active.is_null() {
+                return INVALID_VALUE;
+            }
+            put(flags, 0);
+            put(active, c_int::from(crate::sim::primary_active(d)))
+        }
+        None => INVALID_DEVICE,
+    })
+}
+
+/// The answer of every driver entry point the simulator does not implement:
+/// CUDA_ERROR_NOT_SUPPORTED, and one log line per name.
+pub(crate) fn not_supported(name: &str) -> i32 {
+    static SAID: std::sync::Mutex<Option<std::collections::HashSet<String>>> = std::sync::Mutex::new(None);
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if said.get_or_insert_with(Default::default).insert(name.to_string()) {
+        crate::config::warn(&format!("{name} is not supported by the simulator (CUDA_ERROR_NOT_SUPPORTED)"));
+    }
+    NOT_SUPPORTED
 }
 
 pub unsafe extern "C" fn cu_device_primary_ctx_release(dev: c_int) -> i32 {
@@ -344,7 +366,7 @@ pub unsafe extern "C" fn cu_mem_host_alloc(ptr: *mut *mut c_void, size: usize, _
         if ptr.is_null() || size == 0 {
             return INVALID_VALUE;
         }
-        match sim().host_alloc(size) {
+        match sim().host_alloc(size, 0) {
             Ok(p) => put(ptr, p as *mut c_void),
             Err(e) => code_of(e),
         }

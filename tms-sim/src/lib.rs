@@ -1,7 +1,9 @@
 //! tms-sim: an emulated CUDA runtime, CUDA driver and Ascend runtime on host memory.
 //!
 //! Built as `libtms_sim.so` and reached under the names real programs load (`libcudart.so.12`,
-//! `libcuda.so.1`, `libascendcl.so`, see `tms-sim env`). Device usage is shared by every process
+//! `libcudart.so.13`, `libcuda.so.1`, `libascendcl.so`, see `tms-sim env`). Its soname is
+//! `libcudart.so.13`: PyTorch's libraries find their runtime through an RPATH that beats
+//! `LD_LIBRARY_PATH`, and only an already-loaded object of that soname (preloaded) stands in. Device usage is shared by every process
 //! that names the same node (`TMS_SIM_NODE`), so colocated processes see each other in
 //! `cudaMemGetInfo` and run out of memory together. See the README for the environment.
 
@@ -16,7 +18,8 @@ pub mod sim;
 pub mod streams;
 pub mod timing;
 
-/// Exports `$imp` under the C name `$name` as a one-instruction trampoline. It is defined in
+/// Exports `$imp` under the C name `$name` as a one-instruction trampoline (driver, ACL: the
+/// runtime's names are declared in `cuda_runtime/surface.rs`). It is defined in
 /// assembly rather than as a `no_mangle` item so that our version script (cudart.map) decides its
 /// version node: rustc's own version script lists every `no_mangle` export exactly, and an exact
 /// match there would win. (A `.set` alias would be cheaper but is dropped when the target lands in
@@ -50,35 +53,85 @@ macro_rules! export {
     )*};
 }
 
+/// Driver entry points PyTorch looks up (its NVRTC loader, the expandable-segments allocator)
+/// that the simulator does not implement: CUDA_ERROR_NOT_SUPPORTED and one log line each.
+#[allow(non_snake_case)]
+mod driver_not_supported {
+    pub unsafe extern "C" fn cuFuncGetAttribute() -> i32 {
+        crate::cuda_driver::not_supported("cuFuncGetAttribute")
+    }
+    pub unsafe extern "C" fn cuFuncSetAttribute() -> i32 {
+        crate::cuda_driver::not_supported("cuFuncSetAttribute")
+    }
+    pub unsafe extern "C" fn cuFuncSetCacheConfig() -> i32 {
+        crate::cuda_driver::not_supported("cuFuncSetCacheConfig")
+    }
+    pub unsafe extern "C" fn cuLaunchCooperativeKernel() -> i32 {
+        crate::cuda_driver::not_supported("cuLaunchCooperativeKernel")
+    }
+    pub unsafe extern "C" fn cuLaunchKernel() -> i32 {
+        crate::cuda_driver::not_supported("cuLaunchKernel")
+    }
+    pub unsafe extern "C" fn cuLinkAddData_v2() -> i32 {
+        crate::cuda_driver::not_supported("cuLinkAddData_v2")
+    }
+    pub unsafe extern "C" fn cuLinkComplete() -> i32 {
+        crate::cuda_driver::not_supported("cuLinkComplete")
+    }
+    pub unsafe extern "C" fn cuLinkCreate_v2() -> i32 {
+        crate::cuda_driver::not_supported("cuLinkCreate_v2")
+    }
+    pub unsafe extern "C" fn cuLinkDestroy() -> i32 {
+        crate::cuda_driver::not_supported("cuLinkDestroy")
+    }
+    pub unsafe extern "C" fn cuModuleGetFunction() -> i32 {
+        crate::cuda_driver::not_supported("cuModuleGetFunction")
+    }
+    pub unsafe extern "C" fn cuModuleLoad() -> i32 {
+        crate::cuda_driver::not_supported("cuModuleLoad")
+    }
+    pub unsafe extern "C" fn cuModuleLoadData() -> i32 {
+        crate::cuda_driver::not_supported("cuModuleLoadData")
+    }
+    pub unsafe extern "C" fn cuModuleLoadDataEx() -> i32 {
+        crate::cuda_driver::not_supported("cuModuleLoadDataEx")
+    }
+    pub unsafe extern "C" fn cuModuleUnload() -> i32 {
+        crate::cuda_driver::not_supported("cuModuleUnload")
+    }
+    pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessor() -> i32 {
+        crate::cuda_driver::not_supported("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    }
+    pub unsafe extern "C" fn cuPointerGetAttribute() -> i32 {
+        crate::cuda_driver::not_supported("cuPointerGetAttribute")
+    }
+    pub unsafe extern "C" fn cuTensorMapEncodeTiled() -> i32 {
+        crate::cuda_driver::not_supported("cuTensorMapEncodeTiled")
+    }
+    pub unsafe extern "C" fn cuMemGetAddressRange_v2() -> i32 {
+        crate::cuda_driver::not_supported("cuMemGetAddressRange_v2")
+    }
+    pub unsafe extern "C" fn cuMemExportToShareableHandle() -> i32 {
+        crate::cuda_driver::not_supported("cuMemExportToShareableHandle")
+    }
+    pub unsafe extern "C" fn cuMemImportFromShareableHandle() -> i32 {
+        crate::cuda_driver::not_supported("cuMemImportFromShareableHandle")
+    }
+    pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle() -> i32 {
+        crate::cuda_driver::not_supported("cuMemGetAllocationPropertiesFromHandle")
+    }
+    pub unsafe extern "C" fn cuMemRetainAllocationHandle() -> i32 {
+        crate::cuda_driver::not_supported("cuMemRetainAllocationHandle")
+    }
+    pub unsafe extern "C" fn cuMemsetD32Async() -> i32 {
+        crate::cuda_driver::not_supported("cuMemsetD32Async")
+    }
+    pub unsafe extern "C" fn cuStreamWriteValue32_v2() -> i32 {
+        crate::cuda_driver::not_supported("cuStreamWriteValue32_v2")
+    }
+}
+
 export! {
-    // CUDA runtime
-    cudaMalloc => cuda_runtime::cuda_malloc;
-    cudaFree => cuda_runtime::cuda_free;
-    cudaMallocAsync => cuda_runtime::cuda_malloc_async;
-    cudaFreeAsync => cuda_runtime::cuda_free_async;
-    cudaMallocHost => cuda_runtime::cuda_malloc_host;
-    cudaHostAlloc => cuda_runtime::cuda_host_alloc;
-    cudaFreeHost => cuda_runtime::cuda_free_host;
-    cudaMemcpy => cuda_runtime::cuda_memcpy;
-    cudaMemcpyAsync => cuda_runtime::cuda_memcpy_async;
-    cudaMemset => cuda_runtime::cuda_memset;
-    cudaMemsetAsync => cuda_runtime::cuda_memset_async;
-    cudaMemGetInfo => cuda_runtime::cuda_mem_get_info;
-    cudaGetDevice => cuda_runtime::cuda_get_device;
-    cudaSetDevice => cuda_runtime::cuda_set_device;
-    cudaGetDeviceCount => cuda_runtime::cuda_get_device_count;
-    cudaDeviceSynchronize => cuda_runtime::cuda_device_synchronize;
-    cudaDeviceReset => cuda_runtime::cuda_device_reset;
-    cudaStreamCreate => cuda_runtime::cuda_stream_create;
-    cudaStreamCreateWithFlags => cuda_runtime::cuda_stream_create_with_flags;
-    cudaStreamSynchronize => cuda_runtime::cuda_stream_synchronize;
-    cudaStreamDestroy => cuda_runtime::cuda_stream_destroy;
-    cudaGetLastError => cuda_runtime::cuda_get_last_error;
-    cudaPeekAtLastError => cuda_runtime::cuda_peek_at_last_error;
-    cudaGetErrorString => cuda_runtime::cuda_get_error_string;
-    cudaGetErrorName => cuda_runtime::cuda_get_error_name;
-    cudaRuntimeGetVersion => cuda_runtime::cuda_runtime_get_version;
-    cudaDriverGetVersion => cuda_runtime::cuda_driver_get_version;
     // CUDA driver
     cuInit => cuda_driver::cu_init;
     cuDriverGetVersion => cuda_driver::cu_driver_get_version;
@@ -89,6 +142,7 @@ export! {
     cuDeviceTotalMem_v2 => cuda_driver::cu_device_total_mem;
     cuDevicePrimaryCtxRetain => cuda_driver::cu_device_primary_ctx_retain;
     cuDevicePrimaryCtxRelease => cuda_driver::cu_device_primary_ctx_release;
+    cuDevicePrimaryCtxGetState => cuda_driver::cu_device_primary_ctx_get_state;
     cuDevicePrimaryCtxRelease_v2 => cuda_driver::cu_device_primary_ctx_release;
     cuCtxGetCurrent => cuda_driver::cu_ctx_get_current;
     cuCtxSetCurrent => cuda_driver::cu_ctx_set_current;
@@ -118,6 +172,30 @@ export! {
     cuMemMap => cuda_driver::cu_mem_map;
     cuMemUnmap => cuda_driver::cu_mem_unmap;
     cuMemSetAccess => cuda_driver::cu_mem_set_access;
+    cuFuncGetAttribute => driver_not_supported::cuFuncGetAttribute;
+    cuFuncSetAttribute => driver_not_supported::cuFuncSetAttribute;
+    cuFuncSetCacheConfig => driver_not_supported::cuFuncSetCacheConfig;
+    cuLaunchCooperativeKernel => driver_not_supported::cuLaunchCooperativeKernel;
+    cuLaunchKernel => driver_not_supported::cuLaunchKernel;
+    cuLinkAddData_v2 => driver_not_supported::cuLinkAddData_v2;
+    cuLinkComplete => driver_not_supported::cuLinkComplete;
+    cuLinkCreate_v2 => driver_not_supported::cuLinkCreate_v2;
+    cuLinkDestroy => driver_not_supported::cuLinkDestroy;
+    cuModuleGetFunction => driver_not_supported::cuModuleGetFunction;
+    cuModuleLoad => driver_not_supported::cuModuleLoad;
+    cuModuleLoadData => driver_not_supported::cuModuleLoadData;
+    cuModuleLoadDataEx => driver_not_supported::cuModuleLoadDataEx;
+    cuModuleUnload => driver_not_supported::cuModuleUnload;
+    cuOccupancyMaxActiveBlocksPerMultiprocessor => driver_not_supported::cuOccupancyMaxActiveBlocksPerMultiprocessor;
+    cuPointerGetAttribute => driver_not_supported::cuPointerGetAttribute;
+    cuTensorMapEncodeTiled => driver_not_supported::cuTensorMapEncodeTiled;
+    cuMemGetAddressRange_v2 => driver_not_supported::cuMemGetAddressRange_v2;
+    cuMemExportToShareableHandle => driver_not_supported::cuMemExportToShareableHandle;
+    cuMemImportFromShareableHandle => driver_not_supported::cuMemImportFromShareableHandle;
+    cuMemGetAllocationPropertiesFromHandle => driver_not_supported::cuMemGetAllocationPropertiesFromHandle;
+    cuMemRetainAllocationHandle => driver_not_supported::cuMemRetainAllocationHandle;
+    cuMemsetD32Async => driver_not_supported::cuMemsetD32Async;
+    cuStreamWriteValue32_v2 => driver_not_supported::cuStreamWriteValue32_v2;
     // Ascend ACL
     aclInit => acl::acl_init;
     aclFinalize => acl::acl_finalize;

@@ -505,6 +505,24 @@ impl Memory {
 
     // ---- address classification -------------------------------------------------------------
 
+    /// The device whose address space holds `addr` (a plain allocation, or a reservation: then
+    /// the device of its mapping there, else of any of its mappings, else device 0), or None for
+    /// host memory.
+    pub fn device_of(&self, addr: usize) -> Option<usize> {
+        if let Some((&start, p)) = self.plain.range(..=addr).next_back()
+            && addr < start + p.len
+        {
+            return Some(p.device);
+        }
+        let (&rstart, r) = self.reservations.range(..=addr).next_back()?;
+        if addr >= rstart + r.len {
+            return None;
+        }
+        let here = r.mappings.range(..=addr).next_back().filter(|(s, m)| addr < **s + m.len).map(|(_, m)| m);
+        let any = here.or_else(|| r.mappings.values().next());
+        Some(any.and_then(|m| self.handles.get(&m.handle)).map_or(0, |h| h.device))
+    }
+
     /// Whether `[addr, addr+len)` is device memory the device may read (and write, if asked).
     /// `Ok(None)`: not device memory at all (host memory).
     pub fn device_range(&self, addr: usize, len: usize, write: bool) -> MemResult<Option<usize>> {

@@ -8,7 +8,7 @@ use crate::node::Node;
 use crate::streams::Streams;
 use crate::timing::{self, TO_DEVICE, TO_HOST};
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock};
@@ -22,8 +22,25 @@ pub struct Sim {
     /// need it, so a thread preparing memory never waits for copies on the streams.
     copying: RwLock<()>,
     pub streams: Streams,
-    host: Mutex<HashMap<usize, usize>>,
+    /// Page-locked host ranges by start: allocated by the simulator or registered by the caller.
+    host: Mutex<BTreeMap<usize, HostRange>>,
     pub pinned_bytes: AtomicU64,
+}
+
+pub struct HostRange {
+    len: usize,
+    /// Registered by the caller (cudaHostRegister): not ours to unmap.
+    registered: bool,
+    flags: u32,
+}
+
+/// An address as the runtime classifies it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PointerKind {
+    /// Inside device memory (a plain allocation or a reserved range) of this device.
+    Device(usize),
+    PinnedHost,
+    Unregistered,
 }
 
 static SIM: OnceLock<Sim> = OnceLock::new();
@@ -44,6 +61,20 @@ thread_local! {
 /// Opaque context handles are addresses inside these arrays, one byte per device.
 pub static CUDA_CTX_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config::MAX_DEVICES];
 pub static ACL_CTX_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config::MAX_DEVICES];
+
+/// Whether each device's primary context exists in this process (`cuDevicePrimaryCtxGetState`).
+static PRIMARY_ACTIVE: [AtomicBool; crate::config::MAX_DEVICES] =
+    [const { AtomicBool::new(false) }; crate::config::MAX_DEVICES];
+
+pub fn mark_primary_active(dev: usize) {
+    if let Some(flag) = PRIMARY_ACTIVE.get(dev) {
+        flag.store(true, Ordering::Relaxed);
+    }
+}
+
+pub fn primary_active(dev: usize) -> bool {
+    PRIMARY_ACTIVE.get(dev).is_some_and(|f| f.load(Ordering::Relaxed))
+}
 
 pub fn ctx_handle(tokens: &'static [u8], dev: usize) -> *mut libc::c_void {
     &tokens[dev] as *const u8 as *mut libc::c_void
@@ -71,7 +102,7 @@ pub fn sim() -> &'static Sim {
             mem: RwLock::new(mem),
             copying: RwLock::new(()),
             streams: Streams::default(),
-            host: Mutex::new(HashMap::new()),
+            host: Mutex::new(BTreeMap::new()),
             pinned_bytes: AtomicU64::new(0),
         }
     })
@@ -268,7 +299,7 @@ impl Sim {
         stream: usize,
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
-        if stream == 0 {
+        if crate::streams::is_null(stream) {
             return self.copy_now(dst, src, n, kind).map_err(async_code);
         }
         if !self.streams.exists(stream) {
@@ -307,7 +338,7 @@ impl Sim {
         Ok(())
     }
 
-    pub fn host_alloc(&self, size: usize) -> MemResult<usize> {
+    pub fn host_alloc(&self, size: usize, flags: u32) -> MemResult<usize> {
         let len = round_up(size.max(1), PAGE);
         // SAFETY: a fresh anonymous mapping, populated up front the way pinning faults pages in.
         let p = unsafe {
@@ -324,17 +355,75 @@ impl Sim {
             return Err(MemError::OutOfMemory);
         }
         timing::pin_cost(self.cfg.pin_bytes_per_sec, len);
-        self.host.lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize, len);
+        self.host_ranges().insert(p as usize, HostRange { len, registered: false, flags });
         self.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(p as usize)
     }
 
+    fn host_ranges(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, HostRange>> {
+        self.host.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Frees page-locked memory the simulator allocated (not a registered range).
     pub fn host_free(&self, p: usize) -> MemResult<()> {
-        let len = self.host.lock().unwrap_or_else(|e| e.into_inner()).remove(&p).ok_or(MemError::Invalid)?;
+        let mut ranges = self.host_ranges();
+        let len = match ranges.get(&p) {
+            Some(r) if !r.registered => r.len,
+            _ => return Err(MemError::Invalid),
+        };
+        ranges.remove(&p);
+        drop(ranges);
         // SAFETY: unmapping a host allocation we made.
         unsafe { libc::munmap(p as *mut libc::c_void, len) };
         self.pinned_bytes.fetch_sub(len as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Page-locks a caller's range (cudaHostRegister). `Ok(false)`: it overlaps a range that is
+    /// already page-locked.
+    pub fn host_register(&self, p: usize, len: usize, flags: u32) -> MemResult<bool> {
+        if p == 0 || len == 0 {
+            return Err(MemError::Invalid);
+        }
+        if self.read().device_range(p, len, false)?.is_some() {
+            return Err(MemError::Invalid);
+        }
+        let mut ranges = self.host_ranges();
+        let overlaps = ranges.range(..p + len).next_back().is_some_and(|(&start, r)| start + r.len > p);
+        if overlaps {
+            return Ok(false);
+        }
+        ranges.insert(p, HostRange { len, registered: true, flags });
+        Ok(true)
+    }
+
+    /// Undoes `host_register`; false if `p` does not start a registered range.
+    pub fn host_unregister(&self, p: usize) -> bool {
+        let mut ranges = self.host_ranges();
+        if ranges.get(&p).is_some_and(|r| r.registered) {
+            ranges.remove(&p);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The page-locked range holding `p`, as (start, flags).
+    pub fn host_lookup(&self, p: usize) -> Option<(usize, u32)> {
+        let ranges = self.host_ranges();
+        let (&start, r) = ranges.range(..=p).next_back()?;
+        (p < start + r.len).then_some((start, r.flags))
+    }
+
+    /// What an address is, as `cudaPointerGetAttributes` reports it.
+    pub fn classify(&self, p: usize) -> PointerKind {
+        if let Some(device) = self.read().device_of(p) {
+            return PointerKind::Device(device);
+        }
+        match self.host_lookup(p) {
+            Some(_) => PointerKind::PinnedHost,
+            None => PointerKind::Unregistered,
+        }
     }
 
     pub fn synchronize(&self, device: Option<usize>) -> i32 {

@@ -1,12 +1,20 @@
-//! Streams: each is a worker thread that runs queued work in order. Asynchronous copies really
-//! overlap with the caller and with other streams, which is what the hook's backup pipeline is
-//! measured on. Errors are sticky per stream and reported by the next synchronize.
+//! Streams and events. A stream is a worker thread that runs queued work in order, started on
+//! its first job (PyTorch creates 128 streams per device at start-up and uses few). Asynchronous
+//! copies really overlap with the caller and with other streams, which is what the hook's backup
+//! pipeline is measured on. Errors are sticky per stream and reported by the next synchronize.
+//! An event completes when the work queued before its record has run.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 type Job = Box<dyn FnOnce() -> i32 + Send>;
+
+/// The default stream under its three names: 0, `cudaStreamLegacy` (1), `cudaStreamPerThread`
+/// (2). The simulator runs its work synchronously.
+pub fn is_null(handle: usize) -> bool {
+    handle <= 2
+}
 
 struct Progress {
     submitted: u64,
@@ -17,7 +25,10 @@ struct Progress {
 
 struct Stream {
     device: usize,
-    tx: Mutex<Sender<Job>>,
+    priority: i32,
+    flags: u32,
+    /// Started on the first job.
+    tx: Mutex<Option<Sender<Job>>>,
     progress: Arc<(Mutex<Progress>, Condvar)>,
 }
 
@@ -26,70 +37,147 @@ struct Stream {
 pub struct UnknownStream;
 
 #[derive(Default)]
+struct EventState {
+    /// Records made so far; 0: never recorded.
+    recorded: u64,
+    /// The latest record that has completed.
+    completed: u64,
+    /// When the latest completed record completed (ns, monotonic).
+    at_ns: u64,
+}
+
+pub struct Event {
+    pub flags: u32,
+    state: Mutex<EventState>,
+    cv: Condvar,
+}
+
+impl Event {
+    fn lock(&self) -> MutexGuard<'_, EventState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn complete(&self, generation: u64) {
+        let mut st = self.lock();
+        if generation > st.completed {
+            st.completed = generation;
+            st.at_ns = crate::timing::now_ns();
+        }
+        self.cv.notify_all();
+    }
+
+    /// Whether the latest record (if any) has completed.
+    pub fn is_complete(&self) -> bool {
+        let st = self.lock();
+        st.completed >= st.recorded
+    }
+
+    /// Waits until record `generation` has completed.
+    fn wait_for(&self, generation: u64) {
+        let mut st = self.lock();
+        while st.completed < generation {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Waits for the latest record.
+    pub fn synchronize(&self) {
+        let target = self.lock().recorded;
+        self.wait_for(target);
+    }
+
+    /// Completion time of the latest record, if it was recorded and has completed.
+    pub fn completed_at(&self) -> Option<u64> {
+        let st = self.lock();
+        (st.recorded > 0 && st.completed >= st.recorded).then_some(st.at_ns)
+    }
+}
+
+#[derive(Default)]
 pub struct Streams {
     live: Mutex<HashMap<usize, Arc<Stream>>>,
+    events: Mutex<HashMap<usize, Arc<Event>>>,
 }
 
 impl Streams {
-    /// Creates a stream; returns its opaque handle (never 0, which is the default stream).
+    fn live(&self) -> MutexGuard<'_, HashMap<usize, Arc<Stream>>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn get(&self, handle: usize) -> Result<Arc<Stream>, UnknownStream> {
+        self.live().get(&handle).cloned().ok_or(UnknownStream)
+    }
+
+    /// Creates a stream; returns its opaque handle (never one of the default stream's names).
     pub fn create(&self, device: usize) -> Option<usize> {
-        let (tx, rx) = channel::<Job>();
+        self.create_with(device, 0, 0)
+    }
+
+    pub fn create_with(&self, device: usize, flags: u32, priority: i32) -> Option<usize> {
         let progress = Arc::new((Mutex::new(Progress { submitted: 0, done: 0, error: 0 }), Condvar::new()));
-        let worker_progress = progress.clone();
-        std::thread::Builder::new()
-            .name("tms-sim-stream".into())
-            .spawn(move || {
-                for job in rx {
-                    let code = job();
-                    let (lock, cv) = &*worker_progress;
-                    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-                    p.done += 1;
-                    if code != 0 && p.error == 0 {
-                        p.error = code;
-                    }
-                    cv.notify_all();
-                }
-            })
-            .ok()?;
-        let stream = Arc::new(Stream { device, tx: Mutex::new(tx), progress });
+        let stream = Arc::new(Stream { device, priority, flags, tx: Mutex::new(None), progress });
         let handle = Arc::as_ptr(&stream) as usize;
-        self.live.lock().unwrap_or_else(|e| e.into_inner()).insert(handle, stream);
+        self.live().insert(handle, stream);
         Some(handle)
     }
 
     pub fn exists(&self, handle: usize) -> bool {
-        self.live.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&handle)
+        is_null(handle) || self.live().contains_key(&handle)
     }
 
     pub fn device_of(&self, handle: usize) -> Option<usize> {
-        self.live.lock().unwrap_or_else(|e| e.into_inner()).get(&handle).map(|s| s.device)
+        self.live().get(&handle).map(|s| s.device)
     }
 
-    /// Queues `job` on `handle`, or runs it now on the default stream (0). Returns false for an
-    /// unknown stream.
+    /// (flags, priority) of a created stream.
+    pub fn properties(&self, handle: usize) -> Result<(u32, i32), UnknownStream> {
+        let s = self.get(handle)?;
+        Ok((s.flags, s.priority))
+    }
+
+    /// Queues `job` on `handle`, or runs it now on the default stream. Returns the job's code
+    /// when it ran now, else 0.
     pub fn submit(&self, handle: usize, job: Job) -> Result<i32, UnknownStream> {
-        if handle == 0 {
+        if is_null(handle) {
             return Ok(job());
         }
-        let stream = self.live.lock().unwrap_or_else(|e| e.into_inner()).get(&handle).cloned().ok_or(UnknownStream)?;
+        let stream = self.get(handle)?;
         stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted += 1;
-        let tx = stream.tx.lock().unwrap_or_else(|e| e.into_inner());
-        tx.send(job).map_err(|_| UnknownStream)?;
-        Ok(0)
+        let mut tx = stream.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            *tx = Some(start_worker(stream.progress.clone()).ok_or(UnknownStream)?);
+        }
+        let sent = tx.as_ref().map(|t| t.send(job));
+        match sent {
+            Some(Ok(())) => Ok(0),
+            _ => {
+                stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted -= 1;
+                Err(UnknownStream)
+            }
+        }
     }
 
     /// Waits for everything queued on `handle`; returns the first error of those jobs.
     pub fn synchronize(&self, handle: usize) -> Result<i32, UnknownStream> {
-        if handle == 0 {
+        if is_null(handle) {
             return Ok(0);
         }
-        let stream = self.live.lock().unwrap_or_else(|e| e.into_inner()).get(&handle).cloned().ok_or(UnknownStream)?;
-        Ok(wait(&stream))
+        Ok(wait(&*self.get(handle)?))
+    }
+
+    /// Whether everything queued on `handle` has run.
+    pub fn is_idle(&self, handle: usize) -> Result<bool, UnknownStream> {
+        if is_null(handle) {
+            return Ok(true);
+        }
+        let s = self.get(handle)?;
+        let p = s.progress.0.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(p.done >= p.submitted)
     }
 
     /// Waits for every stream (of `device`, or all when None).
     pub fn synchronize_all(&self, device: Option<usize>) -> i32 {
-        let all: Vec<Arc<Stream>> = self.live.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let all: Vec<Arc<Stream>> = self.live().values().cloned().collect();
         let mut first = 0;
         for s in all.iter().filter(|s| device.is_none_or(|d| d == s.device)) {
             let code = wait(s);
@@ -102,7 +190,7 @@ impl Streams {
 
     /// Destroys a stream after its queued work finishes (as the real APIs do).
     pub fn destroy(&self, handle: usize) -> bool {
-        let stream = self.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&handle);
+        let stream = self.live().remove(&handle);
         match stream {
             Some(s) => {
                 wait(&s);
@@ -111,6 +199,84 @@ impl Streams {
             None => false,
         }
     }
+
+    fn events(&self) -> MutexGuard<'_, HashMap<usize, Arc<Event>>> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn event_create(&self, flags: u32) -> usize {
+        let event = Arc::new(Event { flags, state: Mutex::new(EventState::default()), cv: Condvar::new() });
+        let handle = Arc::as_ptr(&event) as usize;
+        self.events().insert(handle, event);
+        handle
+    }
+
+    pub fn event(&self, handle: usize) -> Option<Arc<Event>> {
+        self.events().get(&handle).cloned()
+    }
+
+    pub fn event_destroy(&self, handle: usize) -> bool {
+        self.events().remove(&handle).is_some()
+    }
+
+    /// Records `event` on `stream`: it completes once the work queued there before now has run.
+    pub fn event_record(&self, event: &Arc<Event>, stream: usize) -> Result<(), UnknownStream> {
+        let generation = {
+            let mut st = event.lock();
+            st.recorded += 1;
+            st.recorded
+        };
+        let target = event.clone();
+        self.submit(
+            stream,
+            Box::new(move || {
+                target.complete(generation);
+                0
+            }),
+        )
+        .map(|_| ())
+        .inspect_err(|_| {
+            // Not queued: nothing will complete this record.
+            event.complete(generation);
+        })
+    }
+
+    /// Makes `stream` wait for the event's latest record (a no-op if it was never recorded).
+    pub fn wait_event(&self, stream: usize, event: &Arc<Event>) -> Result<(), UnknownStream> {
+        let generation = event.lock().recorded;
+        if event.lock().completed >= generation {
+            return if self.exists(stream) { Ok(()) } else { Err(UnknownStream) };
+        }
+        let target = event.clone();
+        self.submit(
+            stream,
+            Box::new(move || {
+                target.wait_for(generation);
+                0
+            }),
+        )
+        .map(|_| ())
+    }
+}
+
+fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>> {
+    let (tx, rx) = channel::<Job>();
+    std::thread::Builder::new()
+        .name("tms-sim-stream".into())
+        .spawn(move || {
+            for job in rx {
+                let code = job();
+                let (lock, cv) = &*progress;
+                let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+                p.done += 1;
+                if code != 0 && p.error == 0 {
+                    p.error = code;
+                }
+                cv.notify_all();
+            }
+        })
+        .ok()?;
+    Some(tx)
 }
 
 fn wait(stream: &Stream) -> i32 {

@@ -16,8 +16,10 @@ const RUNTIME_NAMES: &[&str] =
     about = "Emulated CUDA + Ascend devices on host memory",
     long_about = "Emulated CUDA + Ascend devices on host memory.\n\n\
         Programs run on the simulator by finding libtms_sim.so under the names of the vendor \
-        runtimes (libcudart.so.12, libcuda.so.1, libascendcl.so). `tms-sim env` prints the \
-        environment that does this; `eval \"$(tms-sim env)\"` applies it to a shell.\n\n\
+        runtimes (libcudart.so.12, libcudart.so.13, libcuda.so.1, libascendcl.so). `tms-sim env` \
+        prints the environment that does this; `eval \"$(tms-sim env)\"` applies it to a shell. \
+        PyTorch's CUDA wheels run unchanged under it: the Python start-up hook it puts on \
+        PYTHONPATH loads the simulator before torch (no kernel runs: ops that need one raise).\n\n\
         Environment read by the simulator:\n  \
         TMS_SIM_NODE       node name; processes naming the same node share its devices (default: default)\n  \
         TMS_SIM_DIR        folder for node state files (default: /dev/shm, else the temp dir)\n  \
@@ -56,6 +58,15 @@ enum Command {
         #[arg(long)]
         lib: Option<PathBuf>,
     },
+    /// List the CUDA runtime entry points the simulator exports and how each is answered.
+    Surface {
+        /// Print the Markdown table docs/simulator.md carries.
+        #[arg(long, conflicts_with = "json")]
+        markdown: bool,
+        /// Machine-readable output: [{"name": ..., "support": "implemented"|"not supported"}].
+        #[arg(long)]
+        json: bool,
+    },
     /// Show a node's devices, usage and attached processes.
     Status {
         /// Node name (default: $TMS_SIM_NODE or "default").
@@ -86,6 +97,12 @@ fn run(cli: Cli) -> Result<(), String> {
                 "export LD_LIBRARY_PATH={}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}",
                 shell_quote(&dir.display().to_string())
             );
+            // PyTorch reaches its runtime through an RPATH that beats LD_LIBRARY_PATH; the Python
+            // start-up hook loads this file (soname libcudart.so.13) before torch so it stands in.
+            println!("export TMS_SIM_LIB={}", shell_quote(&dir.join("libcudart.so.13").display().to_string()));
+            if let Some(py) = python_dir() {
+                println!("export PYTHONPATH={}${{PYTHONPATH:+:$PYTHONPATH}}", shell_quote(&py.display().to_string()));
+            }
             if let Some(n) = node {
                 println!("export TMS_SIM_NODE={}", shell_quote(&n));
             }
@@ -99,6 +116,10 @@ fn run(cli: Cli) -> Result<(), String> {
                 config::parse_size(&m).ok_or_else(|| format!("--memory {m:?} is not a size like 16GiB"))?;
                 println!("export TMS_SIM_MEMORY={}", shell_quote(&m));
             }
+            Ok(())
+        }
+        Command::Surface { markdown, json } => {
+            print!("{}", surface_text(markdown, json));
             Ok(())
         }
         Command::LibDir { lib } => {
@@ -136,6 +157,29 @@ fn run(cli: Cli) -> Result<(), String> {
     }
 }
 
+fn surface_text(markdown: bool, json: bool) -> String {
+    use tms_sim::cuda_runtime::surface::{SURFACE, Support};
+    let label = |s: Support| match s {
+        Support::Implemented => "implemented",
+        Support::NotSupported => "not supported",
+    };
+    let mut rows: Vec<(&str, &str)> = SURFACE.iter().map(|(n, s)| (*n, label(*s))).collect();
+    rows.sort();
+    if json {
+        let list: Vec<serde_json::Value> =
+            rows.iter().map(|(n, s)| serde_json::json!({"name": n, "support": s})).collect();
+        return serde_json::to_string_pretty(&list).unwrap_or_default() + "\n";
+    }
+    if markdown {
+        let mut out = String::from("| runtime entry point | answer |\n|---|---|\n");
+        for (n, s) in rows {
+            out.push_str(&format!("| `{n}` | {s} |\n"));
+        }
+        return out;
+    }
+    rows.iter().map(|(n, s)| format!("{n:<58} {s}\n")).collect()
+}
+
 fn human(bytes: u64) -> String {
     const UNITS: &[&str] = &["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
@@ -153,6 +197,17 @@ fn shell_quote(s: &str) -> String {
     } else {
         format!("'{}'", s.replace('\'', "'\\''"))
     }
+}
+
+/// The simulator's Python start-up hook (sitecustomize and the CPU compute layer for PyTorch):
+/// `tms-sim/python` of the source tree, or `lib/tms-sim/python` of an install.
+fn python_dir() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    [dir.join("../../tms-sim/python"), dir.join("../../../tms-sim/python"), dir.join("../lib/tms-sim/python")]
+        .into_iter()
+        .find(|p| p.join("sitecustomize.py").is_file())
+        .map(|p| p.canonicalize().unwrap_or(p))
 }
 
 fn find_library(explicit: Option<&Path>) -> Result<PathBuf, String> {

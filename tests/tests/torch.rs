@@ -1,0 +1,62 @@
+//! The real consumers on the simulator: PyTorch's CUDA 13.2 build from the package index and
+//! torch_memory_saver 0.0.10, installed once into a cached virtual environment by
+//! scripts/torch-env.sh (about 3 GB the first time). The scenarios are pytest files under
+//! tests/torch-consumers/; each runs its Python snippets in fresh processes on private simulated nodes.
+//!
+//! `TMS_TORCH_TESTS=0` skips them (and says so), for machines that cannot reach the package index.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use tms_e2e::*;
+
+/// The test environment's Python, or None when the user opted out.
+fn torch_python() -> Option<&'static PathBuf> {
+    static PY: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PY.get_or_init(|| {
+        if std::env::var("TMS_TORCH_TESTS").is_ok_and(|v| v == "0") {
+            eprintln!("TMS_TORCH_TESTS=0: skipping the real-PyTorch tests");
+            return None;
+        }
+        let ws = workspace();
+        let out = Command::new(ws.root.join("scripts/torch-env.sh"))
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .expect("run scripts/torch-env.sh");
+        assert!(
+            out.status.success(),
+            "scripts/torch-env.sh could not prepare PyTorch (see above); TMS_TORCH_TESTS=0 skips these tests"
+        );
+        Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
+    })
+    .as_ref()
+}
+
+fn pytest(file: &str) {
+    let Some(python) = torch_python() else { return };
+    let ws = workspace();
+    let scratch = tempfile::tempdir().unwrap();
+    let out = Command::new(python)
+        .current_dir(ws.root.join("tests/torch-consumers"))
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", file])
+        .env("TMS_TEST_SIM_LIB_DIR", &ws.sim_dir)
+        .env("TMS_TEST_SIM_PYTHON", ws.root.join("tms-sim/python"))
+        .env("TMS_TEST_HOOK", ws.hook())
+        .env("TMS_TEST_TMP", scratch.path())
+        .env_remove("LD_PRELOAD")
+        .output()
+        .expect("run pytest");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("{text}");
+    assert!(out.status.success(), "pytest {file} failed:\n{text}");
+}
+
+#[test]
+fn pytorch_runs_on_the_simulator() {
+    pytest("test_sim_torch.py");
+}
+
+#[test]
+fn hook_under_real_torch_and_torch_memory_saver_package() {
+    pytest("test_hook_under_torch.py");
+}

@@ -1,0 +1,86 @@
+"""Shared fixtures of the real-consumer tests: every test runs its scenario in a fresh Python
+process on a private simulated node, with the simulator's environment (tms-sim env) and, where
+asked, a memory-saver library preloaded. The harness (tests/tests/torch.rs) sets:
+
+  TMS_TEST_SIM_LIB_DIR   folder of runtime-named links to libtms_sim.so
+  TMS_TEST_SIM_PYTHON    the simulator's Python start-up hook folder (tms-sim/python)
+  TMS_TEST_HOOK          libtms_hook.so
+  TMS_TEST_TMP           a scratch folder for this run
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def _required(name):
+    value = os.environ.get(name)
+    if not value:
+        pytest.fail(f"{name} is not set: run these tests through `cargo test -p tms-e2e --test torch`")
+    return value
+
+
+class SimRun:
+    """Runs Python snippets on a simulated node of its own."""
+
+    def __init__(self, tmp):
+        self.lib_dir = Path(_required("TMS_TEST_SIM_LIB_DIR"))
+        self.sim_python = _required("TMS_TEST_SIM_PYTHON")
+        self.hook = Path(_required("TMS_TEST_HOOK"))
+        self.tmp = Path(tmp)
+        self.node = f"torch-{uuid.uuid4().hex[:12]}"
+
+    def env(self, devices=1, memory="4GiB", preload=None, extra=None):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_PRELOAD"))}
+        env.update(
+            {
+                "LD_LIBRARY_PATH": str(self.lib_dir),
+                "TMS_SIM_LIB": str(self.lib_dir / "libcudart.so.13"),
+                "TMS_SIM_NODE": self.node,
+                "TMS_SIM_DIR": str(self.tmp),
+                "TMS_SIM_DEVICES": str(devices),
+                "TMS_SIM_MEMORY": memory,
+                "PYTHONPATH": self.sim_python,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if preload:
+            env["LD_PRELOAD"] = str(preload)
+        env.update(extra or {})
+        return env
+
+    def python(self, code, timeout=240, **kw):
+        """Runs `code` (dedented) and returns the completed process; stdout/stderr as text."""
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=self.env(**kw),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=self.tmp,
+        )
+
+    def ok(self, code, **kw):
+        """Runs `code`, requires exit 0, and returns the `KEY=VALUE` lines it printed as a dict."""
+        proc = self.python(code, **kw)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+
+    def compat_dir(self):
+        """A folder where our hook carries torch_memory_saver's preload file name."""
+        d = self.tmp / "compat"
+        d.mkdir(exist_ok=True)
+        link = d / "torch_memory_saver_hook_mode_preload.abi3.so"
+        if not link.exists():
+            link.symlink_to(self.hook)
+        return d
+
+
+@pytest.fixture
+def sim(tmp_path):
+    return SimRun(tmp_path)

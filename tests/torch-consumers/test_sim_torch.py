@@ -1,0 +1,126 @@
+"""Real PyTorch (the package index's CUDA 13.2 build) on tms-sim: the runtime surface it imports,
+devices, memory, copies, pinned memory, streams, events and MemPools, with no kernel launched."""
+
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+SITE = Path(sysconfig.get_paths()["purelib"])
+TORCH_LIBS = [
+    "libtorch_cuda.so",
+    "libtorch_cuda_linalg.so",
+    "libtorch_global_deps.so",
+    "libtorch_nvshmem.so",
+    "libtorch_cpu.so",
+    "libc10_cuda.so",
+    "libtorch_python.so",
+]
+
+
+def _dynsym(path):
+    out = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def test_every_runtime_name_torch_imports_is_exported(sim):
+    imported = set()
+    for lib in TORCH_LIBS:
+        for line in _dynsym(SITE / "torch" / "lib" / lib):
+            fields = line.split()
+            if "*UND*" in line and "(libcudart.so.13)" in line:
+                imported.add(fields[-1])
+    assert len(imported) > 100, f"expected torch to import the CUDA 13 runtime, found {sorted(imported)}"
+    exported = {
+        line.split()[-1] for line in _dynsym(sim.lib_dir / "libcudart.so.13") if " libcudart.so.13 " in line
+    }
+    missing = sorted(imported - exported)
+    assert not missing, f"torch imports runtime names the simulator does not export: {missing}"
+
+
+def test_devices_memory_and_copies(sim):
+    out = sim.ok(
+        """
+        import torch
+        assert torch.cuda.is_available()
+        print("count=%d" % torch.cuda.device_count())
+        props = torch.cuda.get_device_properties(1)
+        print("major=%d sms=%d total=%d" % (props.major, props.multi_processor_count, props.total_memory))
+        free0 = [torch.cuda.mem_get_info(d)[0] for d in range(2)]
+        torch.cuda.set_device(1)
+        x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        free1 = [torch.cuda.mem_get_info(d)[0] for d in range(2)]
+        print("drop0=%d" % (free0[0] - free1[0]))
+        print("drop1=%d" % (free0[1] - free1[1]))
+        print("device=%d" % x.device.index)
+        src = torch.arange(1 << 20, dtype=torch.int64) * 7 - 3
+        y = src.to("cuda:0")
+        back = y.cpu()
+        print("roundtrip=%s" % bool(torch.equal(back, src)))
+        z = torch.zeros(1000, dtype=torch.int32, device="cuda:1")
+        print("zeros=%s" % bool(torch.equal(z.cpu(), torch.zeros(1000, dtype=torch.int32))))
+        """,
+        devices=2,
+    )
+    assert out["count"] == "2"
+    assert out["major"].split()[0] == "9"
+    assert int(out["drop0"]) == 0, "allocating on device 1 must not use device 0"
+    assert int(out["drop1"]) >= 256 << 20
+    assert out["device"] == "1"
+    assert out["roundtrip"] == "True"
+    assert out["zeros"] == "True"
+
+
+def test_pinned_memory_streams_events_and_mempools(sim):
+    out = sim.ok(
+        """
+        import torch
+        p = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+        print("pinned=%s unpinned=%s" % (p.is_pinned(), torch.empty(16).is_pinned()))
+        p.copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8))
+        side = torch.cuda.Stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            d = p.to("cuda", non_blocking=True)
+            end.record()
+        end.synchronize()
+        torch.cuda.current_stream().wait_stream(side)
+        print("same=%s" % bool(torch.equal(d.cpu(), p)))
+        print("elapsed_ok=%s" % (start.elapsed_time(end) >= 0.0))
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        b = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        print("pool_segments=%d" % len(pool.snapshot()))
+        print("distinct=%s" % (abs(a.data_ptr() - b.data_ptr()) >= 8 << 20))
+        reserved = torch.cuda.memory_reserved()
+        free_before = torch.cuda.mem_get_info()[0]
+        del a, b, pool
+        torch.cuda.empty_cache()
+        print("released=%d" % (reserved - torch.cuda.memory_reserved()))
+        print("device_regained=%d" % (torch.cuda.mem_get_info()[0] - free_before))
+        """
+    )
+    assert out["pinned"].split() == ["True", "unpinned=False"]
+    assert out["same"] == "True"
+    assert out["elapsed_ok"] == "True"
+    assert int(out["pool_segments"]) >= 1
+    assert out["distinct"] == "True"
+    assert int(out["released"]) >= 16 << 20
+    assert int(out["device_regained"]) >= 16 << 20, "empty_cache must give the memory back to the device"
+
+
+def test_a_kernel_the_simulator_cannot_run_raises(sim):
+    proc = sim.python(
+        """
+        import torch
+        x = torch.ones(4, device="cuda") + 1
+        torch.cuda.synchronize()
+        print("value", x.cpu())
+        """,
+        extra={"TMS_SIM_TORCH_LAYER": "0"},
+    )
+    assert proc.returncode != 0, f"a kernel ran on the simulator without the CPU layer:\n{proc.stdout}"
+    assert "no kernel image is available" in proc.stderr, proc.stderr

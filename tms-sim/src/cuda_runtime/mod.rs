@@ -1,0 +1,140 @@
+//! The CUDA runtime ABI (`libcudart.so.12` and `libcudart.so.13`), by family: memory and copies,
+//! devices, streams and events, module registration and launches. `surface.rs` declares every
+//! exported name once; this module holds what every family shares: error codes, the thread's
+//! last error, the implicit context, and the "not supported" answer.
+
+pub mod devices;
+pub mod launch;
+pub mod memory;
+pub mod streams;
+pub mod surface;
+
+use crate::fault;
+use crate::memory::MemError;
+use crate::sim::{CUDA_CTX, DRIVER_INIT, LAST_ERROR, RT_DEVICE, guard};
+use libc::c_char;
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+/// The runtime version presented: CUDA 13.2, the runtime PyTorch's current wheels are built for.
+pub const RUNTIME_VERSION: i32 = 13020;
+
+pub const SUCCESS: i32 = 0;
+pub const INVALID_VALUE: i32 = 1;
+pub const MEMORY_ALLOCATION: i32 = 2;
+pub const INVALID_DEVICE: i32 = 101;
+pub const INVALID_DEVICE_FUNCTION: i32 = 98;
+pub const NO_KERNEL_IMAGE: i32 = 209;
+pub const INVALID_RESOURCE_HANDLE: i32 = 400;
+pub const SYMBOL_NOT_FOUND: i32 = 500;
+pub const NOT_READY: i32 = 600;
+pub const ILLEGAL_ADDRESS: i32 = 700;
+pub const PEER_ACCESS_ALREADY_ENABLED: i32 = 704;
+pub const PEER_ACCESS_NOT_ENABLED: i32 = 705;
+pub const HOST_MEMORY_ALREADY_REGISTERED: i32 = 712;
+pub const HOST_MEMORY_NOT_REGISTERED: i32 = 713;
+pub const NOT_SUPPORTED: i32 = 801;
+pub const UNKNOWN: i32 = 999;
+
+pub fn code_of(e: MemError) -> i32 {
+    match e {
+        MemError::Invalid => INVALID_VALUE,
+        MemError::OutOfMemory | MemError::Host => MEMORY_ALLOCATION,
+        MemError::IllegalAddress => ILLEGAL_ADDRESS,
+    }
+}
+
+/// Records `code` as the thread's last error (as the runtime does) and returns it.
+fn rt(code: i32) -> i32 {
+    if code != SUCCESS {
+        LAST_ERROR.with(|e| e.set(code));
+    }
+    code
+}
+
+/// Common prologue: the runtime initializes the driver and makes its device's primary context
+/// current on first use by a thread. Returns the thread's device.
+fn enter() -> usize {
+    DRIVER_INIT.store(true, std::sync::atomic::Ordering::Release);
+    CUDA_CTX.with(|c| {
+        if c.get() == 0 {
+            let dev = RT_DEVICE.with(|d| d.get());
+            crate::sim::mark_primary_active(dev);
+            c.set(dev + 1);
+        }
+        c.get() - 1
+    })
+}
+
+/// Runs a runtime call: panics become cudaErrorUnknown, failures are recorded for
+/// cudaGetLastError, and injected faults are honoured.
+fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
+    rt(guard(UNKNOWN, || fault::check(name, MEMORY_ALLOCATION).unwrap_or_else(body)))
+}
+
+fn result(r: Result<(), MemError>) -> i32 {
+    r.map_or_else(code_of, |()| SUCCESS)
+}
+
+/// Writes `value` through `out`, or answers cudaErrorInvalidValue for a null pointer.
+fn put<T>(out: *mut T, value: T) -> i32 {
+    if out.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: checked non-null; the caller provides a writable location.
+    unsafe { out.write(value) };
+    SUCCESS
+}
+
+/// The answer of every entry point the simulator does not implement: cudaErrorNotSupported,
+/// recorded as the last error (so frameworks that check it raise), and one log line per name.
+pub(crate) fn not_supported(name: &str) -> i32 {
+    static SAID: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if said.get_or_insert_with(HashSet::new).insert(name.to_string()) {
+        crate::config::warn(&format!("{name} is not supported by the simulator (cudaErrorNotSupported)"));
+    }
+    rt(NOT_SUPPORTED)
+}
+
+pub unsafe extern "C" fn cuda_get_last_error() -> i32 {
+    LAST_ERROR.with(|e| e.replace(SUCCESS))
+}
+
+pub unsafe extern "C" fn cuda_peek_at_last_error() -> i32 {
+    LAST_ERROR.with(|e| e.get())
+}
+
+const ERRORS: &[(i32, &std::ffi::CStr, &std::ffi::CStr)] = &[
+    (0, c"cudaSuccess", c"no error"),
+    (1, c"cudaErrorInvalidValue", c"invalid argument"),
+    (2, c"cudaErrorMemoryAllocation", c"out of memory"),
+    (3, c"cudaErrorInitializationError", c"initialization error"),
+    (4, c"cudaErrorCudartUnloading", c"driver shutting down"),
+    (98, c"cudaErrorInvalidDeviceFunction", c"invalid device function"),
+    (101, c"cudaErrorInvalidDevice", c"invalid device ordinal"),
+    (
+        209,
+        c"cudaErrorNoKernelImageForDevice",
+        c"no kernel image is available for execution on the device (tms-sim runs no kernels: \
+          enable the simulator's CPU compute layer, see docs/simulator.md)",
+    ),
+    (400, c"cudaErrorInvalidResourceHandle", c"invalid resource handle"),
+    (500, c"cudaErrorSymbolNotFound", c"named symbol not found"),
+    (600, c"cudaErrorNotReady", c"device not ready"),
+    (700, c"cudaErrorIllegalAddress", c"an illegal memory access was encountered"),
+    (704, c"cudaErrorPeerAccessAlreadyEnabled", c"peer access is already enabled"),
+    (705, c"cudaErrorPeerAccessNotEnabled", c"peer access has not been enabled"),
+    (712, c"cudaErrorHostMemoryAlreadyRegistered", c"part or all of the requested memory range is already mapped"),
+    (713, c"cudaErrorHostMemoryNotRegistered", c"pointer does not correspond to a registered memory region"),
+    (801, c"cudaErrorNotSupported", c"operation not supported (by tms-sim: see docs/simulator.md)"),
+    (999, c"cudaErrorUnknown", c"unknown error"),
+];
+
+pub unsafe extern "C" fn cuda_get_error_string(code: i32) -> *const c_char {
+    ERRORS.iter().find(|e| e.0 == code).map_or(c"unrecognized error code".as_ptr(), |e| e.2.as_ptr())
+}
+
+pub unsafe extern "C" fn cuda_get_error_name(code: i32) -> *const c_char {
+    ERRORS.iter().find(|e| e.0 == code).map_or(c"unrecognized error code".as_ptr(), |e| e.1.as_ptr())
+}

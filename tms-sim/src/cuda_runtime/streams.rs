@@ -1,0 +1,272 @@
+//! Streams, events, host callbacks and stream-capture queries. The simulator never captures
+//! (cudaStreamBeginCapture is not supported), so every stream reports "not capturing".
+
+use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, NOT_READY, SUCCESS, call, enter, put};
+use crate::sim::sim;
+use libc::{c_float, c_int, c_uint, c_ulonglong, c_void};
+
+/// cudaStreamNonBlocking and the default.
+const STREAM_FLAGS: c_uint = 0x1;
+/// The priority range an H100 reports: 0 (least) to -5 (greatest).
+pub const LEAST_PRIORITY: c_int = 0;
+pub const GREATEST_PRIORITY: c_int = -5;
+
+fn create(stream: *mut *mut c_void, flags: c_uint, priority: c_int) -> i32 {
+    if stream.is_null() || flags & !STREAM_FLAGS != 0 {
+        return INVALID_VALUE;
+    }
+    let dev = enter();
+    // Out-of-range priorities are clamped, as the runtime documents.
+    let priority = priority.clamp(GREATEST_PRIORITY, LEAST_PRIORITY);
+    match sim().streams.create_with(dev, flags, priority) {
+        Some(h) => put(stream, h as *mut c_void),
+        None => super::MEMORY_ALLOCATION,
+    }
+}
+
+pub unsafe extern "C" fn cuda_stream_create(stream: *mut *mut c_void) -> i32 {
+    call("cudaStreamCreate", || create(stream, 0, 0))
+}
+
+pub unsafe extern "C" fn cuda_stream_create_with_flags(stream: *mut *mut c_void, flags: c_uint) -> i32 {
+    call("cudaStreamCreateWithFlags", || create(stream, flags, 0))
+}
+
+pub unsafe extern "C" fn cuda_stream_create_with_priority(
+    stream: *mut *mut c_void,
+    flags: c_uint,
+    priority: c_int,
+) -> i32 {
+    call("cudaStreamCreateWithPriority", || create(stream, flags, priority))
+}
+
+fn properties(stream: *mut c_void) -> Result<(u32, i32), i32> {
+    let s = stream as usize;
+    if crate::streams::is_null(s) {
+        return Ok((0, 0));
+    }
+    sim().streams.properties(s).map_err(|_| INVALID_RESOURCE_HANDLE)
+}
+
+pub unsafe extern "C" fn cuda_stream_get_priority(stream: *mut c_void, priority: *mut c_int) -> i32 {
+    call("cudaStreamGetPriority", || {
+        enter();
+        properties(stream).map_or_else(|e| e, |(_, p)| put(priority, p))
+    })
+}
+
+pub unsafe extern "C" fn cuda_stream_get_flags(stream: *mut c_void, flags: *mut c_uint) -> i32 {
+    call("cudaStreamGetFlags", || {
+        enter();
+        properties(stream).map_or_else(|e| e, |(f, _)| put(flags, f))
+    })
+}
+
+pub unsafe extern "C" fn cuda_stream_synchronize(stream: *mut c_void) -> i32 {
+    call("cudaStreamSynchronize", || {
+        enter();
+        sim().streams.synchronize(stream as usize).unwrap_or(INVALID_RESOURCE_HANDLE)
+    })
+}
+
+pub unsafe extern "C" fn cuda_stream_query(stream: *mut c_void) -> i32 {
+    call("cudaStreamQuery", || {
+        enter();
+        match sim().streams.is_idle(stream as usize) {
+            Ok(true) => SUCCESS,
+            Ok(false) => NOT_READY,
+            Err(_) => INVALID_RESOURCE_HANDLE,
+        }
+    })
+}
+
+pub unsafe extern "C" fn cuda_stream_destroy(stream: *mut c_void) -> i32 {
+    call("cudaStreamDestroy", || {
+        enter();
+        if sim().streams.destroy(stream as usize) { SUCCESS } else { INVALID_RESOURCE_HANDLE }
+    })
+}
+
+pub unsafe extern "C" fn cuda_stream_wait_event(stream: *mut c_void, event: *mut c_void, _flags: c_uint) -> i32 {
+    call("cudaStreamWaitEvent", || {
+        enter();
+        let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
+        if crate::streams::is_null(stream as usize) {
+            // The default stream runs synchronously: waiting is waiting now.
+            ev.synchronize();
+            return SUCCESS;
+        }
+        sim().streams.wait_event(stream as usize, &ev).map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
+    })
+}
+
+/// A host function pointer and its argument, carried to a stream's worker thread.
+struct HostCall(usize, usize);
+// SAFETY: the caller hands the function and its data to the runtime to call on another thread,
+// which is what the runtime's contract allows.
+unsafe impl Send for HostCall {}
+
+pub unsafe extern "C" fn cuda_launch_host_func(
+    stream: *mut c_void,
+    func: Option<unsafe extern "C" fn(*mut c_void)>,
+    data: *mut c_void,
+) -> i32 {
+    call("cudaLaunchHostFunc", || {
+        enter();
+        let Some(f) = func else { return INVALID_VALUE };
+        let job = HostCall(f as usize, data as usize);
+        let run = move || {
+            let job = job;
+            // SAFETY: the pointer was a valid `void (*)(void *)` when queued.
+            let f: unsafe extern "C" fn(*mut c_void) = unsafe { std::mem::transmute(job.0) };
+            // SAFETY: calling the user's host function with its own data, as the runtime does.
+            unsafe { f(job.1 as *mut c_void) };
+            0
+        };
+        sim().streams.submit(stream as usize, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
+    })
+}
+
+type StreamCallback = unsafe extern "C" fn(*mut c_void, c_int, *mut c_void);
+
+pub unsafe extern "C" fn cuda_stream_add_callback(
+    stream: *mut c_void,
+    callback: Option<StreamCallback>,
+    data: *mut c_void,
+    flags: c_uint,
+) -> i32 {
+    call("cudaStreamAddCallback", || {
+        enter();
+        let Some(cb) = callback else { return INVALID_VALUE };
+        if flags != 0 {
+            return INVALID_VALUE;
+        }
+        let job = HostCall(cb as usize, data as usize);
+        let handle = stream as usize;
+        let run = move || {
+            let job = job;
+            // SAFETY: the pointer was a valid stream callback when queued.
+            let f: StreamCallback = unsafe { std::mem::transmute(job.0) };
+            // SAFETY: the runtime calls back with the stream, its status and the user's data.
+            unsafe { f(handle as *mut c_void, SUCCESS, job.1 as *mut c_void) };
+            0
+        };
+        sim().streams.submit(handle, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
+    })
+}
+
+pub unsafe extern "C" fn cuda_stream_is_capturing(stream: *mut c_void, status: *mut c_int) -> i32 {
+    call("cudaStreamIsCapturing", || {
+        if !sim().streams.exists(stream as usize) {
+            return INVALID_RESOURCE_HANDLE;
+        }
+        // cudaStreamCaptureStatusNone
+        put(status, 0)
+    })
+}
+
+/// CUDA 13's seven-argument form: status, id, graph, dependencies, edge data, count.
+pub unsafe extern "C" fn cuda_stream_get_capture_info(
+    stream: *mut c_void,
+    status: *mut c_int,
+    id: *mut c_ulonglong,
+    graph: *mut *mut c_void,
+    deps: *mut *const c_void,
+    edges: *mut *const c_void,
+    count: *mut usize,
+) -> i32 {
+    call("cudaStreamGetCaptureInfo", || {
+        if !sim().streams.exists(stream as usize) {
+            return INVALID_RESOURCE_HANDLE;
+        }
+        let code = put(status, 0);
+        // The optional outputs are left alone when the stream is not capturing, as documented.
+        let _ = (id, graph, deps, edges, count);
+        code
+    })
+}
+
+pub unsafe extern "C" fn cuda_thread_exchange_stream_capture_mode(mode: *mut c_int) -> i32 {
+    thread_local! {
+        static MODE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
+    }
+    call("cudaThreadExchangeStreamCaptureMode", || {
+        if mode.is_null() {
+            return INVALID_VALUE;
+        }
+        // SAFETY: checked non-null; the caller passes the mode to install and gets the old one.
+        unsafe { *mode = MODE.with(|m| m.replace(*mode)) };
+        SUCCESS
+    })
+}
+
+/// cudaEventDefault, BlockingSync, DisableTiming, Interprocess.
+const EVENT_FLAGS: c_uint = 0x1 | 0x2 | 0x4;
+
+pub unsafe extern "C" fn cuda_event_create_with_flags(event: *mut *mut c_void, flags: c_uint) -> i32 {
+    call("cudaEventCreateWithFlags", || {
+        if event.is_null() || flags & !EVENT_FLAGS != 0 {
+            return INVALID_VALUE;
+        }
+        enter();
+        put(event, sim().streams.event_create(flags) as *mut c_void)
+    })
+}
+
+pub unsafe extern "C" fn cuda_event_create(event: *mut *mut c_void) -> i32 {
+    // SAFETY: same contract with default flags.
+    unsafe { cuda_event_create_with_flags(event, 0) }
+}
+
+pub unsafe extern "C" fn cuda_event_record(event: *mut c_void, stream: *mut c_void) -> i32 {
+    call("cudaEventRecord", || {
+        enter();
+        let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
+        sim().streams.event_record(&ev, stream as usize).map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
+    })
+}
+
+pub unsafe extern "C" fn cuda_event_record_with_flags(event: *mut c_void, stream: *mut c_void, _flags: c_uint) -> i32 {
+    // SAFETY: same contract; the only flag (external) changes nothing without graphs.
+    unsafe { cuda_event_record(event, stream) }
+}
+
+pub unsafe extern "C" fn cuda_event_query(event: *mut c_void) -> i32 {
+    call("cudaEventQuery", || match sim().streams.event(event as usize) {
+        Some(ev) if ev.is_complete() => SUCCESS,
+        Some(_) => NOT_READY,
+        None => INVALID_RESOURCE_HANDLE,
+    })
+}
+
+pub unsafe extern "C" fn cuda_event_synchronize(event: *mut c_void) -> i32 {
+    call("cudaEventSynchronize", || match sim().streams.event(event as usize) {
+        Some(ev) => {
+            ev.synchronize();
+            SUCCESS
+        }
+        None => INVALID_RESOURCE_HANDLE,
+    })
+}
+
+pub unsafe extern "C" fn cuda_event_elapsed_time(ms: *mut c_float, start: *mut c_void, end: *mut c_void) -> i32 {
+    call("cudaEventElapsedTime", || {
+        let (Some(a), Some(b)) = (sim().streams.event(start as usize), sim().streams.event(end as usize)) else {
+            return INVALID_RESOURCE_HANDLE;
+        };
+        // cudaEventDisableTiming on either event: cudaErrorInvalidResourceHandle.
+        if (a.flags | b.flags) & 0x2 != 0 {
+            return INVALID_RESOURCE_HANDLE;
+        }
+        match (a.completed_at(), b.completed_at()) {
+            (Some(t0), Some(t1)) => put(ms, (t1 as f64 - t0 as f64) as c_float / 1e6),
+            _ => NOT_READY,
+        }
+    })
+}
+
+pub unsafe extern "C" fn cuda_event_destroy(event: *mut c_void) -> i32 {
+    call("cudaEventDestroy", || {
+        if sim().streams.event_destroy(event as usize) { SUCCESS } else { INVALID_RESOURCE_HANDLE }
+    })
+}

@@ -1,0 +1,224 @@
+//! The CUDA runtime surface: every `cuda*` / `__cuda*` name the simulator exports, declared once.
+//!
+//! Each name is exported twice, as `NAME@libcudart.so.12` and `NAME@@libcudart.so.13`, so that
+//! binaries linked against either runtime major bind to it (their references are versioned, and
+//! the loader refuses a library that lacks the node). Names in `not_supported` answer
+//! `cudaErrorNotSupported` (801), set the thread's last error and say so once in the log: a
+//! program that needs them fails loudly instead of computing with data that was never written.
+//!
+//! The table [`SURFACE`] is what docs/simulator.md's runtime table and the surface test are made
+//! from: a PyTorch upgrade that imports a new name fails that test with the name.
+
+use super::{devices, launch, memory, streams};
+
+/// How the simulator answers a runtime entry point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Support {
+    /// Implemented with the vendor's documented semantics.
+    Implemented,
+    /// Returns cudaErrorNotSupported (801) and logs once.
+    NotSupported,
+}
+
+/// Defines the two versioned trampolines of one runtime name. A trampoline is a tail jump, so
+/// the callee sees the caller's arguments and return address untouched.
+macro_rules! versioned_export {
+    ($name:ident => $imp:path) => {
+        #[cfg(target_arch = "x86_64")]
+        std::arch::global_asm!(
+            ".pushsection .text",
+            concat!(".globl tms_cudart12_", stringify!($name)),
+            concat!(".type tms_cudart12_", stringify!($name), ", @function"),
+            ".p2align 4",
+            concat!("tms_cudart12_", stringify!($name), ":"),
+            "jmp {f}",
+            concat!(".symver tms_cudart12_", stringify!($name), ", ", stringify!($name), "@libcudart.so.12"),
+            concat!(".globl tms_cudart13_", stringify!($name)),
+            concat!(".type tms_cudart13_", stringify!($name), ", @function"),
+            ".p2align 4",
+            concat!("tms_cudart13_", stringify!($name), ":"),
+            "jmp {f}",
+            concat!(".symver tms_cudart13_", stringify!($name), ", ", stringify!($name), "@@libcudart.so.13"),
+            ".popsection",
+            f = sym $imp,
+        );
+        #[cfg(target_arch = "aarch64")]
+        std::arch::global_asm!(
+            ".pushsection .text",
+            concat!(".globl tms_cudart12_", stringify!($name)),
+            concat!(".type tms_cudart12_", stringify!($name), ", %function"),
+            ".p2align 4",
+            concat!("tms_cudart12_", stringify!($name), ":"),
+            "b {f}",
+            concat!(".symver tms_cudart12_", stringify!($name), ", ", stringify!($name), "@libcudart.so.12"),
+            concat!(".globl tms_cudart13_", stringify!($name)),
+            concat!(".type tms_cudart13_", stringify!($name), ", %function"),
+            ".p2align 4",
+            concat!("tms_cudart13_", stringify!($name), ":"),
+            "b {f}",
+            concat!(".symver tms_cudart13_", stringify!($name), ", ", stringify!($name), "@@libcudart.so.13"),
+            ".popsection",
+            f = sym $imp,
+        );
+    };
+}
+
+macro_rules! runtime_surface {
+    (
+        implemented { $($name:ident => $imp:path,)* }
+        not_supported { $($missing:ident,)* }
+    ) => {
+        $( versioned_export!($name => $imp); )*
+
+        /// One entry point per name that answers "not supported".
+        #[allow(non_snake_case)]
+        mod not_supported_entries {
+            $(
+                pub unsafe extern "C" fn $missing() -> i32 {
+                    super::super::not_supported(stringify!($missing))
+                }
+            )*
+        }
+        $( versioned_export!($missing => not_supported_entries::$missing); )*
+
+        /// Every exported runtime name and how it is answered.
+        pub const SURFACE: &[(&str, Support)] = &[
+            $((stringify!($name), Support::Implemented),)*
+            $((stringify!($missing), Support::NotSupported),)*
+        ];
+    };
+}
+
+runtime_surface! {
+    implemented {
+        // memory and copies
+        cudaMalloc => memory::cuda_malloc,
+        cudaFree => memory::cuda_free,
+        cudaMallocAsync => memory::cuda_malloc_async,
+        cudaFreeAsync => memory::cuda_free_async,
+        cudaMallocHost => memory::cuda_malloc_host,
+        cudaHostAlloc => memory::cuda_host_alloc,
+        cudaFreeHost => memory::cuda_free_host,
+        cudaHostRegister => memory::cuda_host_register,
+        cudaHostUnregister => memory::cuda_host_unregister,
+        cudaHostGetFlags => memory::cuda_host_get_flags,
+        cudaHostGetDevicePointer => memory::cuda_host_get_device_pointer,
+        cudaPointerGetAttributes => memory::cuda_pointer_get_attributes,
+        cudaMemcpy => memory::cuda_memcpy,
+        cudaMemcpyAsync => memory::cuda_memcpy_async,
+        cudaMemcpyPeer => memory::cuda_memcpy_peer,
+        cudaMemcpyPeerAsync => memory::cuda_memcpy_peer_async,
+        cudaMemcpy2D => memory::cuda_memcpy_2d,
+        cudaMemcpy2DAsync => memory::cuda_memcpy_2d_async,
+        cudaMemset => memory::cuda_memset,
+        cudaMemsetAsync => memory::cuda_memset_async,
+        cudaMemGetInfo => memory::cuda_mem_get_info,
+        // devices
+        cudaGetDevice => devices::cuda_get_device,
+        cudaSetDevice => devices::cuda_set_device,
+        cudaGetDeviceCount => devices::cuda_get_device_count,
+        cudaGetDeviceProperties => devices::cuda_get_device_properties,
+        cudaGetDeviceProperties_v2 => devices::cuda_get_device_properties,
+        cudaDeviceGetAttribute => devices::cuda_device_get_attribute,
+        cudaDeviceGetPCIBusId => devices::cuda_device_get_pci_bus_id,
+        cudaDeviceGetStreamPriorityRange => devices::cuda_device_get_stream_priority_range,
+        cudaDeviceCanAccessPeer => devices::cuda_device_can_access_peer,
+        cudaDeviceEnablePeerAccess => devices::cuda_device_enable_peer_access,
+        cudaDeviceDisablePeerAccess => devices::cuda_device_disable_peer_access,
+        cudaDeviceSynchronize => devices::cuda_device_synchronize,
+        cudaDeviceReset => devices::cuda_device_reset,
+        cudaRuntimeGetVersion => devices::cuda_runtime_get_version,
+        cudaDriverGetVersion => devices::cuda_driver_get_version,
+        cudaGetDriverEntryPointByVersion => devices::cuda_get_driver_entry_point_by_version,
+        cudaGetDriverEntryPoint => devices::cuda_get_driver_entry_point,
+        cudaProfilerStart => devices::cuda_profiler_start,
+        cudaProfilerStop => devices::cuda_profiler_stop,
+        // errors
+        cudaGetLastError => super::cuda_get_last_error,
+        cudaPeekAtLastError => super::cuda_peek_at_last_error,
+        cudaGetErrorString => super::cuda_get_error_string,
+        cudaGetErrorName => super::cuda_get_error_name,
+        // streams, events, capture state
+        cudaStreamCreate => streams::cuda_stream_create,
+        cudaStreamCreateWithFlags => streams::cuda_stream_create_with_flags,
+        cudaStreamCreateWithPriority => streams::cuda_stream_create_with_priority,
+        cudaStreamGetPriority => streams::cuda_stream_get_priority,
+        cudaStreamGetFlags => streams::cuda_stream_get_flags,
+        cudaStreamSynchronize => streams::cuda_stream_synchronize,
+        cudaStreamQuery => streams::cuda_stream_query,
+        cudaStreamDestroy => streams::cuda_stream_destroy,
+        cudaStreamWaitEvent => streams::cuda_stream_wait_event,
+        cudaStreamAddCallback => streams::cuda_stream_add_callback,
+        cudaLaunchHostFunc => streams::cuda_launch_host_func,
+        cudaStreamIsCapturing => streams::cuda_stream_is_capturing,
+        cudaStreamGetCaptureInfo => streams::cuda_stream_get_capture_info,
+        cudaThreadExchangeStreamCaptureMode => streams::cuda_thread_exchange_stream_capture_mode,
+        cudaEventCreate => streams::cuda_event_create,
+        cudaEventCreateWithFlags => streams::cuda_event_create_with_flags,
+        cudaEventRecord => streams::cuda_event_record,
+        cudaEventRecordWithFlags => streams::cuda_event_record_with_flags,
+        cudaEventQuery => streams::cuda_event_query,
+        cudaEventSynchronize => streams::cuda_event_synchronize,
+        cudaEventElapsedTime => streams::cuda_event_elapsed_time,
+        cudaEventDestroy => streams::cuda_event_destroy,
+        // module registration (every CUDA binary does this at load) and launches
+        __cudaRegisterFatBinary => launch::register_fat_binary,
+        __cudaRegisterFatBinaryEnd => launch::register_fat_binary_end,
+        __cudaUnregisterFatBinary => launch::unregister_fat_binary,
+        __cudaRegisterFunction => launch::register_function,
+        __cudaRegisterVar => launch::register_var,
+        __cudaPushCallConfiguration => launch::push_call_configuration,
+        __cudaPopCallConfiguration => launch::pop_call_configuration,
+        __cudaGetKernel => launch::get_kernel,
+        cudaLaunchKernel => launch::cuda_launch_kernel,
+        cudaLaunchKernelExC => launch::cuda_launch_kernel_ex_c,
+        cudaLaunchCooperativeKernel => launch::cuda_launch_cooperative_kernel,
+        __cudaLaunchKernel => launch::cuda_launch_kernel,
+        cudaFuncGetAttributes => launch::cuda_func_get_attributes,
+        cudaFuncSetAttribute => launch::cuda_func_set_attribute,
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor => launch::cuda_occupancy_max_active_blocks,
+        cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags => launch::cuda_occupancy_max_active_blocks_with_flags,
+    }
+    not_supported {
+        cudaGetSymbolAddress,
+        cudaMemcpyToSymbol,
+        cudaKernelSetAttributeForDevice,
+        cudaMallocManaged,
+        cudaDeviceGetDefaultMemPool,
+        cudaMemPoolGetAttribute,
+        cudaMemPoolSetAttribute,
+        cudaMemPoolSetAccess,
+        cudaMemPoolTrimTo,
+        cudaDeviceGetGraphMemAttribute,
+        cudaDeviceSetGraphMemAttribute,
+        cudaStreamBeginCapture,
+        cudaStreamBeginCaptureToGraph,
+        cudaStreamEndCapture,
+        cudaStreamUpdateCaptureDependencies,
+        cudaGraphAddNode,
+        cudaGraphConditionalHandleCreate,
+        cudaGraphDestroy,
+        cudaGraphExecDestroy,
+        cudaGraphGetNodes,
+        cudaGraphInstantiate,
+        cudaGraphInstantiateWithFlags,
+        cudaGraphLaunch,
+        cudaGraphNodeGetDependencies,
+        cudaGraphRetainUserObject,
+        cudaUserObjectCreate,
+        cudaUserObjectRelease,
+        cudaIpcGetMemHandle,
+        cudaIpcOpenMemHandle,
+        cudaIpcCloseMemHandle,
+        cudaIpcGetEventHandle,
+        cudaIpcOpenEventHandle,
+        cudaLibraryLoadData,
+        cudaLibraryLoadFromFile,
+        cudaLibraryUnload,
+        cudaLibraryGetKernel,
+        cudaLibraryGetKernelCount,
+        cudaLibraryGetGlobal,
+        cudaLibraryGetManaged,
+        cudaLibraryGetUnifiedFunction,
+    }
+}
