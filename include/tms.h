@@ -81,8 +81,10 @@ void tms_set_disk_backup_dir(const char *dir);
 /* Free device memory to keep: region allocations fail with out-of-memory when free < size +
  * margin, and resume refuses up front when free < needed + margin (TMS_MEMORY_MARGIN_BYTES). */
 void set_memory_margin_bytes(uint64_t value);
-/* Keep pinned backup buffers after resume so the next pause allocates nothing (default: true,
- * TMS_RETAIN_CPU_BACKUP). */
+/* After resume, keep handing out the last pause's backup through tms_get_cpu_backup_pointer
+ * (default: false, as torch_memory_saver; TMS_RETAIN_CPU_BACKUP). Without it the pointer is NULL
+ * once the allocation is active again. Pinned buffers are pooled for the next pause either way
+ * (TMS_KEEP_PINNED_BUFFERS). */
 void tms_set_retain_cpu_backup(bool retain);
 bool tms_get_retain_cpu_backup(void);
 /* Pause/resume every allocation of `tag` (NULL or "" = every tag). Idempotent per allocation.

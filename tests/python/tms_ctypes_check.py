@@ -67,7 +67,8 @@ def main():
     assert lib.tms_get_interesting_region() is True
     assert lib.tms_get_enable_cpu_backup() is True
     assert lib.tms_get_cpu_backup_backend() == b"pinned"
-    assert lib.tms_get_retain_cpu_backup() is True
+    # Retention is off by default, as upstream's.
+    assert lib.tms_get_retain_cpu_backup() is False
 
     ptr = ctypes.c_void_p()
     assert cudart.cudaMalloc(ctypes.byref(ptr), size_t(4 * MiB)) == 0
@@ -87,6 +88,9 @@ def main():
     dst = ctypes.create_string_buffer(len(payload))
     assert cudart.cudaMemcpy(dst, ptr, size_t(len(payload)), 2) == 0
     assert dst.raw == payload, "contents changed across pause/resume"
+    assert not lib.tms_get_cpu_backup_pointer(gpu, 4 * MiB), "a resumed allocation's backup must not be handed out"
+    lib.tms_set_retain_cpu_backup(True)
+    assert lib.tms_get_cpu_backup_pointer(gpu, 4 * MiB), "a retained backup is handed out after resume"
     lib.set_memory_margin_bytes(123)
     assert cudart.cudaFree(ptr) == 0
     print("ctypes ok")

@@ -59,20 +59,14 @@ def test_pause_frees_and_resume_restores_real_tensors(sim, which):
     assert out["outside_kept"] == "True"
 
 
-@pytest.mark.parametrize(
-    "which",
-    [
-        pytest.param(
-            "ours",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 12: TMS_RETAIN_CPU_BACKUP defaults to 1 (upstream: 0), so get_cpu_backup "
-                "returns the last pause's snapshot after resume; slime would push stale weights",
-            ),
-        ),
-        "upstream",
-    ],
-)
+@pytest.mark.parametrize("which", ["ours", "upstream"])
 def test_no_cpu_backup_is_handed_out_after_resume(sim, which):
+    # slime pushes whatever get_cpu_backup returns: a stale snapshot would be old weights.
     out = sim.ok(CYCLE, preload=_preload(sim, which), memory="2GiB")
     assert out["backup_after_resume"] == "False"
+
+
+@pytest.mark.parametrize("which", ["ours", "upstream"])
+def test_retained_backup_is_handed_out_after_resume(sim, which):
+    out = sim.ok(CYCLE, preload=_preload(sim, which), memory="2GiB", extra={"TMS_RETAIN_CPU_BACKUP": "1"})
+    assert out["backup_after_resume"] == "True"

@@ -13,8 +13,13 @@ pub struct Config {
     pub init_tag: String,
     /// `TMS_INIT_CPU_BACKUP_BACKEND`: "pinned" (default) or "mmap".
     pub backup_backend: String,
-    /// `TMS_RETAIN_CPU_BACKUP`: keep pinned backup buffers after resume for the next pause.
+    /// `TMS_RETAIN_CPU_BACKUP`: after resume, keep handing out the last pause's backup
+    /// (`tms_get_cpu_backup_pointer`), as torch_memory_saver does when it retains. Off by default,
+    /// as upstream: callers such as slime use the backup whenever one is returned.
     pub retain_backup: bool,
+    /// `TMS_KEEP_PINNED_BUFFERS`: keep the pinned buffers of a resumed allocation for its next
+    /// pause (their contents are not handed out unless retained), so pinning is paid once.
+    pub keep_pinned: bool,
     /// `TMS_MEMORY_MARGIN_BYTES`: free memory to keep when allocating in a region or resuming.
     pub margin: u64,
     /// `TMS_BACKUP_STREAMS`: concurrent copy streams per device for backup/restore.
@@ -59,7 +64,8 @@ impl Config {
         };
         let init_enable = flag("TMS_INIT_ENABLE", false);
         let init_backup = flag("TMS_INIT_ENABLE_CPU_BACKUP", false);
-        let retain_backup = flag("TMS_RETAIN_CPU_BACKUP", true);
+        let retain_backup = flag("TMS_RETAIN_CPU_BACKUP", false);
+        let keep_pinned = flag("TMS_KEEP_PINNED_BUFFERS", true);
         let disk_backup = flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
         let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| flag("TMS_CONTROL", true));
         let mut number = |name: &str, default: u64, min: u64| match var(name) {
@@ -94,6 +100,7 @@ impl Config {
             init_tag,
             backup_backend,
             retain_backup,
+            keep_pinned,
             margin,
             backup_streams,
             backup_chunk,

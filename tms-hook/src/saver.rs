@@ -698,10 +698,12 @@ impl Saver {
         if let Some((free, _)) = self.device_memory(&jobs) {
             report.device_free_after = free;
         }
-        let retain = self.retain_backup();
+        // The buffers stay for the next pause if retained (their snapshot is still handed out) or
+        // pooled (they are not).
+        let keep = self.retain_backup() || config().keep_pinned;
         for j in jobs.iter_mut().filter(|j| j.ok) {
             j.a.backup_valid = false;
-            if !retain
+            if !keep
                 && let Some(b) = j.a.backup.take()
                 && let Some(dev) = self.loaded(j.a.vendor)
             {
@@ -875,8 +877,14 @@ impl Saver {
     /// The host address holding the backup of `[ptr, ptr+size)`, if that range lies in one
     /// allocation that has a backup buffer.
     pub fn backup_pointer(&self, ptr: u64, size: u64) -> Option<usize> {
+        let retain = self.retain_backup();
         let reg = lock(&self.registry);
         let (start, a) = reg.containing(ptr)?;
+        // A resumed allocation's buffer is a pooled one unless retention is on: handing it out
+        // would give callers the last pause's snapshot as if it were current.
+        if a.state != State::Paused && !retain {
+            return None;
+        }
         let b = a.backup?;
         let offset = ptr - start;
         (offset + size <= b.len as u64).then_some(b.ptr + offset as usize)

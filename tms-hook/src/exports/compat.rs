@@ -110,7 +110,7 @@ pub extern "C" fn tms_set_retain_cpu_backup(retain: bool) {
 
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_get_retain_cpu_backup() -> bool {
-    api(|| saver().retain_backup(), true)
+    api(|| saver().retain_backup(), false)
 }
 
 /// Pauses `tag` (NULL or "" = every tag). Returns 0 or a TMS_ERR_* code; see tms_pause_report.
