@@ -584,6 +584,28 @@ static int no_driver(void) {
   return 0;
 }
 
+/* A thread that never made a context current (a weight-loading worker, say) allocates in a
+ * region while a margin is set: the margin check must not reach the driver without a context. */
+static void *margin_alloc(void *arg) {
+  (void)arg;
+  region("loader", 0);
+  void *p = NULL;
+  long rc = dev_malloc(&p, 4 * MiB);
+  if (rc == 0 && dev_free(p) != 0) rc = -1;
+  return (void *)rc;
+}
+
+static int margin_thread(void) {
+  TMS(set_memory_margin_bytes)(64 * MiB);
+  pthread_t th;
+  void *r;
+  pthread_create(&th, NULL, margin_alloc, NULL);
+  pthread_join(th, &r);
+  EXPECT((long)r, 0);
+  printf("margin-thread ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -600,6 +622,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "fork")) return fork_child();
   if (!strcmp(m, "churn")) return churn_for(argc > 3 ? atol(argv[3]) : 3);
   if (!strcmp(m, "no-driver")) return no_driver();
+  if (!strcmp(m, "margin-thread")) return margin_thread();
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;
 }

@@ -192,3 +192,14 @@ fn expandable_segments_are_reported_once() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.matches("expandable segments").count(), 1, "{err}");
 }
+
+#[test]
+fn a_thread_without_a_context_allocates_in_a_region_with_a_margin() {
+    // cudaGetDevice makes no context current (the simulator refuses cuMemGetInfo without one, as
+    // a GPU does): the hook must bind the device's primary context before checking the margin.
+    for style in STYLES {
+        let node = SimNode::new("1GiB");
+        let out = hooked(&node, style, &["margin-thread", "cuda"]);
+        assert!(out.contains("margin-thread ok"), "{style:?}: {out}");
+    }
+}

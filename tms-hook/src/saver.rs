@@ -224,7 +224,17 @@ impl Saver {
     pub fn malloc(&self, vendor: Vendor, size: usize) -> Result<Option<u64>, Error> {
         let Some(dev) = self.device(vendor) else { return Ok(None) };
         let device = dev.current_device().map_err(Error::Driver)?;
-        let granularity = self.granularity(dev.as_ref(), device)?;
+        // The calling thread may have no current context yet (the runtime makes one only in the
+        // call we intercepted): the driver calls below need one. A thread that had none keeps the
+        // device's primary context current afterwards, as the runtime call would have left it.
+        let previous = dev.bind_thread(device).map_err(Error::Driver)?;
+        let result = self.malloc_on(dev.as_ref(), vendor, device, size);
+        dev.restore_thread(previous);
+        result.map(Some)
+    }
+
+    fn malloc_on(&self, dev: &dyn Device, vendor: Vendor, device: i32, size: usize) -> Result<u64, Error> {
+        let granularity = self.granularity(dev, device)?;
         let rounded = round_up(size.max(1), granularity);
         let margin = self.margin();
         if margin > 0 {
@@ -257,10 +267,10 @@ impl Saver {
             doomed: false,
         };
         for i in 0..entry.pieces.len() {
-            if let Err(e) = map_piece(dev.as_ref(), device, addr, &mut entry, i) {
+            if let Err(e) = map_piece(dev, device, addr, &mut entry, i) {
                 for j in 0..i {
-                    let _ = unmap_piece(dev.as_ref(), addr, &mut entry, j);
-                    let _ = release_piece(dev.as_ref(), &mut entry, j);
+                    let _ = unmap_piece(dev, addr, &mut entry, j);
+                    let _ = release_piece(dev, &mut entry, j);
                 }
                 let _ = dev.free_reservation(addr, rounded);
                 return Err(Error::Driver(e));
@@ -270,7 +280,7 @@ impl Saver {
         self.tracked.fetch_add(1, Ordering::AcqRel);
         crate::control::ensure_started();
         tracing::debug!("tms: {} bytes at {addr:#x} (tag {})", rounded, region::tag_name(region::current_tag()));
-        Ok(Some(addr))
+        Ok(addr)
     }
 
     /// Waits until the entry at `addr` is not Busy, then marks it Busy and returns a copy.

@@ -206,8 +206,14 @@ fn properties(dev: usize) -> DeviceProp {
     p
 }
 
+/// The thread's device. Unlike most runtime calls it needs no context, and makes none current
+/// (CUDA Runtime API, "Initialization": the primary context is created by the first call that
+/// needs one); code that goes on to driver calls on this thread must make one current itself.
 pub unsafe extern "C" fn cuda_get_device(dev: *mut c_int) -> i32 {
-    call("cudaGetDevice", || put(dev, enter() as c_int))
+    call("cudaGetDevice", || {
+        DRIVER_INIT.store(true, std::sync::atomic::Ordering::Release);
+        put(dev, RT_DEVICE.with(|d| d.get()) as c_int)
+    })
 }
 
 pub unsafe extern "C" fn cuda_set_device(dev: c_int) -> i32 {
