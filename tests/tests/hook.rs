@@ -203,3 +203,30 @@ fn a_thread_without_a_context_allocates_in_a_region_with_a_margin() {
         assert!(out.contains("margin-thread ok"), "{style:?}: {out}");
     }
 }
+
+#[test]
+fn resume_sees_the_memory_of_a_process_that_died() {
+    // A device frees a dead process's memory at once. The hook's resume checks free memory
+    // before creating anything, so the simulator must reclaim on that query too, not only when an
+    // allocation fails.
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let node = SimNode::new("1GiB");
+    let mut trainer = Served::start(&node, "cuda");
+    assert_eq!(trainer.ask("alloc 600"), "rc=0");
+    assert_eq!(trainer.ask("fill"), "rc=0");
+    assert!(trainer.ask("pause").starts_with("rc=0"));
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.extend(["hold".into(), "cuda".into(), "700".into()]);
+    let mut holder = node.command(&argv).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(holder.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(field(&line, "rc"), 0, "{line}");
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let resumed = trainer.ask("resume");
+    assert!(resumed.starts_with("rc=0 done=629145600"), "{resumed}");
+    assert_eq!(trainer.ask("verify"), "rc=0");
+    assert_eq!(trainer.ask("free"), "rc=0");
+    trainer.quit();
+}

@@ -77,6 +77,13 @@ impl Node {
         self.state.used[dev].load(Ordering::Acquire)
     }
 
+    /// Device usage as a free-memory query reports it: a device frees a process's memory when it
+    /// dies, so the usage of dead processes is reclaimed first.
+    pub fn used_now(&self, dev: usize) -> u64 {
+        reclaim_dead(self.state);
+        self.used(dev)
+    }
+
     pub fn process_used(&self, dev: usize) -> u64 {
         self.state.slots[self.slot].used[dev].load(Ordering::Relaxed)
     }

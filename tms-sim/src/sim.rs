@@ -165,7 +165,7 @@ impl Sim {
 
     pub fn mem_info(&self, dev: usize) -> (u64, u64) {
         let cap = self.node.capacity();
-        (cap.saturating_sub(self.node.used(dev)), cap)
+        (cap.saturating_sub(self.node.used_now(dev)), cap)
     }
 
     pub fn plain_alloc(&self, dev: usize, size: usize) -> MemResult<usize> {
