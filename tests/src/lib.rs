@@ -60,9 +60,15 @@ pub fn workspace() -> &'static Workspace {
         std::fs::create_dir_all(&c_out).unwrap();
         let sim_dir = c_out.join("sim-lib");
         std::fs::create_dir_all(&sim_dir).unwrap();
-        for name in
-            ["libcudart.so.12", "libcudart.so.13", "libcudart.so", "libcuda.so.1", "libcuda.so", "libascendcl.so"]
-        {
+        for name in [
+            "libcudart.so.12",
+            "libcudart.so.13",
+            "libcudart.so",
+            "libcuda.so.1",
+            "libcuda.so",
+            "libascendcl.so",
+            "libnvidia-ml.so.1",
+        ] {
             replace_symlink(&bin_dir.join("libtms_sim.so"), &sim_dir.join(name));
         }
         let stub_dir = c_out.join("stubs");

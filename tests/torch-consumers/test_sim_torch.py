@@ -124,3 +124,31 @@ def test_a_kernel_the_simulator_cannot_run_raises(sim):
     )
     assert proc.returncode != 0, f"a kernel ran on the simulator without the CPU layer:\n{proc.stdout}"
     assert "no kernel image is available" in proc.stderr, proc.stderr
+
+
+def test_nvml_reports_the_node_as_nvidia_smi_would(sim):
+    # torch_memory_saver's own tests measure with torch.cuda.device_memory_used (pynvml), and
+    # torch's caching allocator asks NVML for running processes when it reports an OOM.
+    out = sim.ok(
+        """
+        import os, torch, pynvml
+        used0 = torch.cuda.device_memory_used(0)
+        x = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")
+        used1 = torch.cuda.device_memory_used(0)
+        print("grew=%d" % (used1 - used0))
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        print("total=%d consistent=%s" % (mem.total, mem.total == mem.free + mem.used))
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        mine = [p for p in procs if p.pid == os.getpid()]
+        print("listed=%s" % (len(mine) == 1 and mine[0].usedGpuMemory >= 300 << 20))
+        print("count=%d" % pynvml.nvmlDeviceGetCount())
+        """,
+        memory="1GiB",
+    )
+    assert int(out["grew"]) >= 300 << 20, out
+    assert out["total"].split()[0] == str(1 << 30)
+    assert out["total"].endswith("consistent=True")
+    assert out["listed"] == "True"
+    assert out["count"] == "1"

@@ -88,6 +88,20 @@ impl Node {
         self.state.slots[self.slot].used[dev].load(Ordering::Relaxed)
     }
 
+    /// Live processes using device `dev`, with their usage (what NVML lists as running processes).
+    pub fn processes_on(&self, dev: usize) -> Vec<(u32, u64)> {
+        reclaim_dead(self.state);
+        self.state
+            .slots
+            .iter()
+            .filter_map(|slot| {
+                let pid = slot.pid.load(Ordering::Acquire);
+                let used = slot.used[dev].load(Ordering::Acquire);
+                (pid != 0 && pid != RECLAIMING && used > 0).then_some((pid, used))
+            })
+            .collect()
+    }
+
     pub fn state(&self) -> &'static NodeState {
         self.state
     }

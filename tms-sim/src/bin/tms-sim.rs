@@ -6,8 +6,15 @@ use std::process::ExitCode;
 use tms_sim::config::{self, state_dir, state_file_for};
 
 /// Names under which programs look for the vendor runtimes; each becomes a link to libtms_sim.so.
-const RUNTIME_NAMES: &[&str] =
-    &["libcudart.so.12", "libcudart.so.13", "libcudart.so", "libcuda.so.1", "libcuda.so", "libascendcl.so"];
+const RUNTIME_NAMES: &[&str] = &[
+    "libcudart.so.12",
+    "libcudart.so.13",
+    "libcudart.so",
+    "libcuda.so.1",
+    "libcuda.so",
+    "libascendcl.so",
+    "libnvidia-ml.so.1",
+];
 
 #[derive(Parser)]
 #[command(
