@@ -54,10 +54,17 @@ class SimRun:
         env.update(extra or {})
         return env
 
-    def python(self, code, timeout=240, **kw):
-        """Runs `code` (dedented) and returns the completed process; stdout/stderr as text."""
+    def python(self, code, timeout=240, as_file=False, **kw):
+        """Runs `code` (dedented) and returns the completed process; stdout/stderr as text.
+        `as_file`: run it as a script file (multiprocessing's spawn needs an importable main)."""
+        code = textwrap.dedent(code)
+        argv = [sys.executable, "-c", code]
+        if as_file:
+            script = self.tmp / f"scenario_{uuid.uuid4().hex[:8]}.py"
+            script.write_text(code)
+            argv = [sys.executable, str(script)]
         return subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)],
+            argv,
             env=self.env(**kw),
             capture_output=True,
             text=True,

@@ -70,3 +70,29 @@ def test_no_cpu_backup_is_handed_out_after_resume(sim, which):
 def test_retained_backup_is_handed_out_after_resume(sim, which):
     out = sim.ok(CYCLE, preload=_preload(sim, which), memory="2GiB", extra={"TMS_RETAIN_CPU_BACKUP": "1"})
     assert out["backup_after_resume"] == "True"
+
+
+def test_region_memory_has_no_cuda_ipc_handle_as_on_a_gpu(sim):
+    # Region memory is made with cuMemCreate, which CUDA IPC cannot export: transfer buffers that
+    # another process opens must be allocated outside regions (README). The simulator refuses it
+    # as a GPU does, so a consumer that tries finds out here, not on the cluster.
+    out = sim.ok(
+        """
+        import torch, torch_memory_saver
+        from torch.multiprocessing.reductions import reduce_tensor
+        saver = torch_memory_saver.torch_memory_saver
+        with saver.region(tag="weights"):
+            w = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+        plain = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+        reduce_tensor(plain)
+        print("plain_shared=True")
+        try:
+            reduce_tensor(w)
+            print("region_shared=True")
+        except RuntimeError as e:
+            print("region_shared=False")
+        """,
+        preload=_preload(sim, "ours"),
+    )
+    assert out["plain_shared"] == "True"
+    assert out["region_shared"] == "False"

@@ -152,3 +152,38 @@ def test_nvml_reports_the_node_as_nvidia_smi_would(sim):
     assert out["total"].endswith("consistent=True")
     assert out["listed"] == "True"
     assert out["count"] == "1"
+
+
+def test_cuda_ipc_hands_a_tensor_to_another_process(sim):
+    # How SGLang and slime hand weights over: torch.multiprocessing shares CUDA storage through
+    # cudaIpcGetMemHandle / cudaIpcOpenMemHandle (and an interprocess event).
+    out = sim.ok(
+        """
+        import torch, torch.multiprocessing as mp
+
+        def child(q, done):
+            t = q.get()
+            print("child_sum=%d" % int(t.cpu().to(torch.int64).sum()), flush=True)
+            t.copy_(torch.full((t.numel(),), 7, dtype=torch.uint8))
+            torch.cuda.synchronize()
+            done.put(True)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q, done = ctx.Queue(), ctx.Queue()
+            src = (torch.arange(4 << 20) % 251).to(torch.uint8)
+            t = src.to("cuda")
+            p = ctx.Process(target=child, args=(q, done))
+            p.start()
+            q.put(t)
+            assert done.get(timeout=60)
+            p.join(timeout=60)
+            print("expected_sum=%d" % int(src.to(torch.int64).sum()))
+            print("child_exit=%d" % p.exitcode)
+            print("written_back=%s" % bool(torch.equal(t.cpu(), torch.full((4 << 20,), 7, dtype=torch.uint8))))
+        """,
+        as_file=True,
+    )
+    assert out["child_exit"] == "0", out
+    assert out["child_sum"] == out["expected_sum"], out
+    assert out["written_back"] == "True", out

@@ -197,6 +197,8 @@ pub struct Memory {
     handles: HashMap<u64, Physical>,
     reservations: BTreeMap<usize, Reservation>,
     plain: BTreeMap<usize, Plain>,
+    /// Other processes' plain allocations opened here through CUDA IPC: start -> (len, device).
+    imported: BTreeMap<usize, (usize, usize)>,
 }
 
 /// What a freed or released range gives back to the device. Its memfd range is out of every
@@ -229,6 +231,7 @@ impl Memory {
             handles: HashMap::new(),
             reservations: BTreeMap::new(),
             plain: BTreeMap::new(),
+            imported: BTreeMap::new(),
         })
     }
 
@@ -503,6 +506,50 @@ impl Memory {
         Ok(Freed { device: p.device, bytes: p.len as u64, offset: p.offset })
     }
 
+    // ---- CUDA IPC -----------------------------------------------------------------------------
+
+    /// The plain allocation holding `addr`, as (start, len, device, pool offset) for an IPC
+    /// handle. Memory made with the virtual-memory calls (reserved ranges) has none, as on a GPU.
+    pub fn ipc_export(&self, addr: usize) -> MemResult<(usize, usize, usize, u64)> {
+        let (&start, p) = self.plain.range(..=addr).next_back().ok_or(MemError::Invalid)?;
+        if addr >= start + p.len {
+            return Err(MemError::Invalid);
+        }
+        Ok((start, p.len, p.device, p.offset))
+    }
+
+    pub fn pool_fd_for_ipc(&self) -> libc::c_int {
+        self.pool.fd
+    }
+
+    /// Maps `len` bytes at `offset` of another process's device pool (an fd opened from
+    /// /proc/PID/fd), as device memory of `device`.
+    pub fn ipc_import(&mut self, fd: libc::c_int, offset: u64, len: usize, device: usize) -> MemResult<usize> {
+        // SAFETY: a fresh shared mapping of a range of the exporter's pool.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(MemError::Host);
+        }
+        self.imported.insert(p as usize, (len, device));
+        Ok(p as usize)
+    }
+
+    pub fn ipc_close(&mut self, addr: usize) -> MemResult<()> {
+        let (len, _) = self.imported.remove(&addr).ok_or(MemError::Invalid)?;
+        // SAFETY: unmapping an import we mapped.
+        unsafe { libc::munmap(addr as *mut libc::c_void, len) };
+        Ok(())
+    }
+
     // ---- address classification -------------------------------------------------------------
 
     /// The device whose address space holds `addr` (a plain allocation, or a reservation: then
@@ -513,6 +560,11 @@ impl Memory {
             && addr < start + p.len
         {
             return Some(p.device);
+        }
+        if let Some((&start, &(ilen, device))) = self.imported.range(..=addr).next_back()
+            && addr < start + ilen
+        {
+            return Some(device);
         }
         let (&rstart, r) = self.reservations.range(..=addr).next_back()?;
         if addr >= rstart + r.len {
@@ -531,6 +583,11 @@ impl Memory {
             && addr < start + p.len
         {
             return if addr + len <= start + p.len { Ok(Some(p.device)) } else { Err(MemError::Invalid) };
+        }
+        if let Some((&start, &(ilen, device))) = self.imported.range(..=addr).next_back()
+            && addr < start + ilen
+        {
+            return if addr + len <= start + ilen { Ok(Some(device)) } else { Err(MemError::Invalid) };
         }
         let Some((&rstart, r)) = self.reservations.range(..=addr).next_back() else {
             return Ok(None);

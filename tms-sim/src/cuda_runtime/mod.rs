@@ -4,6 +4,7 @@
 //! last error, the implicit context, and the "not supported" answer.
 
 pub mod devices;
+pub mod ipc;
 pub mod launch;
 pub mod memory;
 pub mod streams;

@@ -9,7 +9,7 @@
 //! The table [`SURFACE`] is what docs/simulator.md's runtime table and the surface test are made
 //! from: a PyTorch upgrade that imports a new name fails that test with the name.
 
-use super::{devices, launch, memory, streams};
+use super::{devices, ipc, launch, memory, streams};
 
 /// How the simulator answers a runtime entry point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +161,12 @@ runtime_surface! {
         cudaEventSynchronize => streams::cuda_event_synchronize,
         cudaEventElapsedTime => streams::cuda_event_elapsed_time,
         cudaEventDestroy => streams::cuda_event_destroy,
+        // CUDA IPC between processes of one simulated node
+        cudaIpcGetMemHandle => ipc::cuda_ipc_get_mem_handle,
+        cudaIpcOpenMemHandle => ipc::cuda_ipc_open_mem_handle,
+        cudaIpcCloseMemHandle => ipc::cuda_ipc_close_mem_handle,
+        cudaIpcGetEventHandle => ipc::cuda_ipc_get_event_handle,
+        cudaIpcOpenEventHandle => ipc::cuda_ipc_open_event_handle,
         // module registration (every CUDA binary does this at load) and launches
         __cudaRegisterFatBinary => launch::register_fat_binary,
         __cudaRegisterFatBinaryEnd => launch::register_fat_binary_end,
@@ -207,11 +213,6 @@ runtime_surface! {
         cudaGraphRetainUserObject,
         cudaUserObjectCreate,
         cudaUserObjectRelease,
-        cudaIpcGetMemHandle,
-        cudaIpcOpenMemHandle,
-        cudaIpcCloseMemHandle,
-        cudaIpcGetEventHandle,
-        cudaIpcOpenEventHandle,
         cudaLibraryLoadData,
         cudaLibraryLoadFromFile,
         cudaLibraryUnload,
