@@ -32,23 +32,52 @@ fn torch_python() -> Option<&'static PathBuf> {
     .as_ref()
 }
 
+/// Runs a pytest file of tests/torch-consumers/, whose scenarios start their own processes on
+/// private simulated nodes.
 fn pytest(file: &str) {
     let Some(python) = torch_python() else { return };
     let ws = workspace();
     let scratch = tempfile::tempdir().unwrap();
-    let out = Command::new(python)
-        .current_dir(ws.root.join("tests/torch-consumers"))
+    let mut cmd = Command::new(python);
+    cmd.current_dir(ws.root.join("tests/torch-consumers"))
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", file])
         .env("TMS_TEST_SIM_LIB_DIR", &ws.sim_dir)
         .env("TMS_TEST_SIM_PYTHON", ws.root.join("tms-sim/python"))
         .env("TMS_TEST_HOOK", ws.hook())
         .env("TMS_TEST_TMP", scratch.path())
+        .env_remove("LD_PRELOAD");
+    run_pytest(cmd, file);
+}
+
+/// Runs a pytest file whose own process is on the simulator, as after `eval "$(tms-sim env)"`.
+fn pytest_on_simulator(file: &str) {
+    let Some(python) = torch_python() else { return };
+    let ws = workspace();
+    let scratch = tempfile::tempdir().unwrap();
+    let path = ws.root.join(file);
+    let mut cmd = Command::new(python);
+    cmd.current_dir(scratch.path())
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs"])
+        .arg(&path)
+        .env("LD_LIBRARY_PATH", &ws.sim_dir)
+        .env("TMS_SIM_LIB", ws.sim_dir.join("libcudart.so.13"))
+        .env("PYTHONPATH", ws.root.join("tms-sim/python"))
+        .env("TMS_SIM_NODE", format!("torch-layer-{}", std::process::id()))
+        .env("TMS_SIM_DIR", scratch.path())
+        // Two cores: one kernel thread each avoids oversubscription in the CPU-computed ops.
+        .env("OMP_NUM_THREADS", "1")
         .env_remove("LD_PRELOAD")
-        .output()
-        .expect("run pytest");
+        .env_remove("TMS_SIM_TORCH_LAYER");
+    let text = run_pytest(cmd, file);
+    assert!(!text.contains(" skipped"), "{file}: tests were skipped on the simulator:\n{text}");
+}
+
+fn run_pytest(mut cmd: Command, file: &str) -> String {
+    let out = cmd.output().expect("run pytest");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     eprintln!("{text}");
     assert!(out.status.success(), "pytest {file} failed:\n{text}");
+    text
 }
 
 #[test]
@@ -59,4 +88,9 @@ fn pytorch_runs_on_the_simulator() {
 #[test]
 fn hook_under_real_torch_and_torch_memory_saver_package() {
     pytest("test_hook_under_torch.py");
+}
+
+#[test]
+fn cpu_compute_layer_matches_the_cpu_exactly() {
+    pytest_on_simulator("tms-sim/python/tests/test_cpu_layer.py");
 }

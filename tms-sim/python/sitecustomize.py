@@ -1,13 +1,15 @@
 """tms-sim's Python start-up hook (on PYTHONPATH through `tms-sim env`).
 
-Costs nothing until a program imports torch. Then, before torch loads, it loads the simulator
-($TMS_SIM_LIB, soname libcudart.so.13) so that torch's `NEEDED libcudart.so.13` binds to it
-instead of the runtime its RPATH names; after torch has loaded, it installs the CPU compute layer
-(tms_sim_torch) unless TMS_SIM_TORCH_LAYER=0.
+Costs nothing until a program imports torch (no import beyond what Python has already loaded).
+Then, before torch loads, it loads the simulator ($TMS_SIM_LIB, soname libcudart.so.13) so that
+torch's `NEEDED libcudart.so.13` binds to it instead of the runtime its RPATH names (a simulator
+already loaded with LD_PRELOAD is fine too); right after torch has loaded, it installs the CPU
+compute layer (`tms_sim_torch.install()`) unless TMS_SIM_TORCH_LAYER=0. The layer itself checks
+that the simulator is the CUDA runtime in use, so on a real GPU nothing changes.
+
+A `sitecustomize` later on sys.path (which this file shadows) is run too.
 """
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 
@@ -29,32 +31,65 @@ def _install_layer():
         return
     try:
         import tms_sim_torch
-    except ImportError:
-        return
-    tms_sim_torch.install()
+
+        tms_sim_torch.install()
+    except Exception as exc:  # never break `import torch`; kernels then raise as without the layer
+        sys.stderr.write(f"tms-sim: the CPU compute layer for torch is not installed: {exc!r}\n")
 
 
-class _TorchImportHook(importlib.abc.MetaPathFinder):
-    """Wraps the loading of the top-level `torch` package, once."""
+class _TorchImportHook:
+    """A meta path finder that wraps the loading of the top-level `torch` package, once."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if find is not None:
+                spec = find(name, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader = spec.loader
-        original_exec = loader.exec_module
+        original_exec = spec.loader.exec_module
 
         def exec_module(module):
             _load_simulator()
             original_exec(module)
             _install_layer()
 
-        loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module
         return spec
 
 
-if os.environ.get("TMS_SIM_LIB") and "torch" not in sys.modules:
+def _chain():
+    """Runs the next `sitecustomize.py` on sys.path, which this module shadows."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        d = os.path.abspath(entry or os.getcwd())
+        if d == here:
+            continue
+        path = os.path.join(d, "sitecustomize.py")
+        if os.path.isfile(path):
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("_tms_sim_chained_sitecustomize", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:
+                sys.stderr.write(f"tms-sim: {path} failed: {exc!r}\n")
+            return
+
+
+if "torch" not in sys.modules and (
+    os.environ.get("TMS_SIM_LIB") or os.environ.get("TMS_SIM_TORCH_LAYER", "1") != "0"
+):
     sys.meta_path.insert(0, _TorchImportHook())
+_chain()

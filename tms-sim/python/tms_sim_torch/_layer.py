@@ -1,0 +1,592 @@
+"""The CPU compute layer: CPU implementations of PyTorch's CUDA kernels for the simulated device.
+
+The simulator's device memory is host memory mapped into the process at the device address, so a
+CUDA tensor's bytes can be viewed as a CPU tensor without copying: same address, dtype, sizes,
+strides and storage offset (an *alias*). Every aten operator with a CUDA kernel (and a CPU
+implementation to run instead) gets a CUDA-key kernel registered through `torch.library`:
+
+    1. synchronize the current stream of the operands' device (async copies queued on it land
+       first, as they would before a kernel on a GPU);
+    2. replace every CUDA tensor argument by its alias (tensors sharing a storage share one alias
+       storage, so in-place ops, out= variants and overlapping views behave as on the device);
+    3. run the same operator on the aliases (it dispatches to the CPU kernel);
+    4. map the results back: an alias becomes the CUDA tensor it stands for, a view of an alias a
+       CUDA view of the same storage, and a new CPU tensor is copied into fresh memory from
+       torch's CUDA caching allocator (same sizes, strides and dtype).
+
+Allocation (`empty*`), views, `resize_`/`set_`, `_local_scalar_dense` (`.item()`), pinning and
+host<->device or contiguous same-dtype copies keep their real CUDA kernels: they launch nothing and
+stay on the simulated device, so the caching allocator, MemPools, streams and memory-saver hooks
+see exactly what they see on a GPU. Random numbers come from CPU generators (see "Random numbers"
+below). CUDA-only ops without a CPU kernel run a Python decomposition from torch._decomp where
+there is one; the others keep their CUDA kernel, whose launch fails and raises.
+"""
+
+import collections
+import ctypes
+import os
+import threading
+import warnings
+
+import torch
+import torch._decomp
+
+_CPU = torch.device("cpu")
+_Tensor = torch.Tensor
+_construct_storage = torch._C._construct_storage_from_data_pointer
+_raw_stream = torch._C._cuda_getCurrentRawStream
+_empty_cpu = torch.empty
+_empty_strided = torch.empty_strided
+_set_conj = torch._C._set_conj
+_set_neg = torch._C._set_neg
+_memmove = ctypes.memmove
+_STRIDED = torch.strided
+_CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_NOTE = "(raised by the CPU kernel that tms_sim_torch runs for this CUDA op on the simulated device)"
+
+# Ops with a CUDA kernel that launch nothing on a GPU (allocation, metadata, host-side queries,
+# plain copies): they keep their real CUDA kernel. View ops (returns alias an input without
+# writing) and in-place view ops (`resize_`, `set_`) are kept by rule, see `_keep`.
+KEEP = frozenset(
+    {
+        "aten::empty.memory_format",
+        "aten::empty_strided",
+        "aten::_efficientzerotensor",
+        "aten::_local_scalar_dense",  # cudaMemcpy + sync
+        "aten::is_pinned",
+        "aten::_pin_memory",
+        "aten::is_set_to",
+        "aten::record_stream",
+        "aten::_cudnn_init_dropout_state",
+        "aten::_nested_view_from_buffer",
+    }
+)
+
+# CompositeExplicitAutograd ops whose CUDA path picks CUDA-only kernels (cuDNN, depthwise): run
+# the whole op on the CPU instead. `copy_` has its own kernel below.
+EXTRA = ("aten::convolution", "aten::_convolution")
+
+
+class LayerError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# The simulator's runtime, for stream synchronization and the range check.
+
+
+def _runtime():
+    for name in ("libcudart.so.13", "libcudart.so.12"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        if hasattr(lib, "tms_sim_stats"):
+            return lib
+    return None
+
+
+_rt = None
+_stream_sync = None
+_memcpy = None
+# Before computing on device memory, ask the simulator whether its first and last byte are mapped
+# with access (2 calls per storage and op): memory the memory saver has paused then raises
+# cudaErrorIllegalAddress like a copy would, instead of the process faulting on the access.
+_CHECK = os.environ.get("TMS_SIM_TORCH_CHECK", "1") != "0"
+
+
+def _init_runtime(rt):
+    global _rt, _stream_sync, _memcpy
+    _rt = rt
+    _stream_sync = rt.cudaStreamSynchronize
+    _stream_sync.argtypes = [ctypes.c_void_p]
+    _stream_sync.restype = ctypes.c_int
+    _memcpy = rt.cudaMemcpy
+    _memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _memcpy.restype = ctypes.c_int
+
+
+def _sync(dev_index):
+    s = _raw_stream(dev_index)
+    if s > 2:  # 0, 1 and 2 are the default stream, which the simulator runs synchronously
+        rc = _stream_sync(s)
+        if rc:
+            raise RuntimeError(f"CUDA error {rc}: reported by the current stream before a CPU-computed op")
+
+
+def _check_range(ptr, nbytes):
+    # A device-to-device copy of the first and of the last byte onto itself: the simulator checks
+    # the range is mapped with access (a paused allocation gives cudaErrorIllegalAddress, 700).
+    for p in (ptr, ptr + nbytes - 1):
+        rc = _memcpy(p, p, 1, 3)
+        if rc:
+            raise LayerError(
+                f"CUDA error {rc} (an illegal memory access was encountered): device memory at {p:#x} "
+                "is not mapped with access (paused by the memory saver, or freed); tms_sim_torch "
+                "cannot compute on it"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Aliases.
+
+
+class _Call:
+    """State of one op call: alias storages by device pointer, aliases by id."""
+
+    __slots__ = ("storages", "aliases", "device", "synced")
+
+    def __init__(self):
+        self.storages = {}  # data_ptr -> (cpu storage, cuda untyped storage, device)
+        self.aliases = {}  # id(alias) -> (alias, original)
+        self.device = None  # where new results go: the first CUDA operand's device
+        self.synced = ()  # device indices whose current stream was synchronized
+
+    def alias(self, t):
+        """The CPU tensor viewing CUDA tensor `t`'s memory (same sizes, strides, offset, dtype)."""
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        ent = self.storages.get(ptr)
+        if ent is None:
+            dev = t.device
+            if self.device is None:
+                self.device = dev
+            if dev.index not in self.synced:
+                _sync(dev.index)
+                self.synced = self.synced + (dev.index,)
+            n = st.nbytes()
+            if _CHECK and n:
+                _check_range(ptr, n)
+            ent = self.storages[ptr] = (_construct_storage(ptr, _CPU, n), st, dev)
+        a = _empty_cpu(0, dtype=t.dtype).set_(ent[0], t.storage_offset(), t.size(), t.stride())
+        if t.is_conj():
+            _set_conj(a, True)
+        if t.is_neg():
+            _set_neg(a, True)
+        self.aliases[id(a)] = (a, t)
+        return a
+
+    def back(self, r):
+        """Maps a CPU result to what the CUDA kernel returns."""
+        if isinstance(r, _Tensor):
+            ent = self.aliases.get(id(r))
+            if ent is not None and ent[0] is r:
+                return ent[1]
+            if not r.is_cpu:
+                return r
+            if r.layout is not _STRIDED:
+                return r.to(self._device())  # sparse results: torch's own conversion
+            if self.storages:
+                st = r.untyped_storage()
+                src = self.storages.get(st.data_ptr())
+                if src is not None and st.nbytes() and st.nbytes() <= src[0].nbytes():
+                    # A view of an operand: the same view of the device storage.
+                    v = _empty_strided((0,), (1,), dtype=r.dtype, device=src[2])
+                    v = v.set_(src[1], r.storage_offset(), r.size(), r.stride())
+                    if r.is_conj():
+                        _set_conj(v, True)
+                    if r.is_neg():
+                        _set_neg(v, True)
+                    return v
+            return self.new(r)
+        if isinstance(r, (tuple, list)):
+            return type(r)(self.back(x) for x in r)
+        return r
+
+    def _device(self):
+        if self.device is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        return self.device
+
+    def new(self, r):
+        """A CUDA tensor from the caching allocator holding a copy of CPU tensor `r`."""
+        if r.is_conj() or r.is_neg():
+            r = r.resolve_conj().resolve_neg()
+        dev = self.device
+        if dev is None:
+            dev = self._device()
+        # Same sizes and strides: the bytes from r's first element on are the device layout (an
+        # empty_strided storage is exactly the span the strides reach, gaps and overlaps included).
+        out = _empty_strided(r.size(), r.stride(), dtype=r.dtype, device=dev)
+        n = out.untyped_storage().nbytes()
+        if n and r.numel():
+            p = out.data_ptr()
+            if _CHECK:
+                _check_range(p, n)
+            _memmove(p, r.data_ptr(), n)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Random numbers.
+#
+# The choice: CUDA random ops draw from CPU generators, so a seeded program gives on the simulated
+# device exactly the numbers it gives on the CPU.
+# - The default CUDA generator is the CPU default generator: an op that would draw from
+#   `torch.cuda.default_generators[i]` draws from `torch.default_generator`. `torch.manual_seed`
+#   seeds it; `torch.cuda.manual_seed*` and `torch.cuda.{get,set}_rng_state` do not affect the
+#   numbers (`torch.utils.checkpoint` and `torch.random.fork_rng` save and restore the CPU state
+#   too, so recomputation sees the same masks).
+# - An explicit CUDA generator (`torch.Generator("cuda")`) draws from a CPU generator seeded with
+#   its seed, so it gives the numbers a CPU generator with that seed gives. After each draw its
+#   Philox offset advances by 4, and the CPU generator's state is remembered under the CUDA
+#   generator's new (seed, offset): the next draw, or one after `set_state` back to a state read
+#   after one of the last 256 draws of any explicit generator, continues from there. A (seed,
+#   offset) never reached this way (offset 0 is the seed's start) seeds the CPU generator from
+#   both, deterministically. As with Philox, two generators at the same (seed, offset) give the
+#   same numbers.
+
+
+class _ExplicitRng:
+    def __init__(self):
+        self.gen = torch.Generator(device="cpu")
+        self.states = collections.OrderedDict()  # (seed, offset) -> CPU generator state
+        self.lock = threading.Lock()
+
+    def enter(self, g):
+        key = (g.initial_seed(), g.get_offset())
+        state = self.states.get(key)
+        if state is not None:
+            self.gen.set_state(state)
+        elif key[1] == 0:
+            self.gen.manual_seed(key[0])
+        else:
+            self.gen.manual_seed((key[0] * 0x9E3779B97F4A7C15 + key[1]) & 0xFFFFFFFFFFFFFFFF)
+        return key
+
+    def leave(self, g, key):
+        key = (key[0], key[1] + 4)
+        g.set_offset(key[1])
+        self.states[key] = self.gen.get_state()
+        self.states.move_to_end(key)
+        while len(self.states) > 256:
+            self.states.popitem(last=False)
+
+
+_explicit_rng = _ExplicitRng()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels.
+
+
+def _spec(op):
+    """Where an op's tensors, generators and devices are:
+    (index, name, kind, keyword-only, written, out) per argument of interest."""
+    spec = []
+    for i, a in enumerate(op._schema.arguments):
+        t = str(a.type)
+        if t in ("Tensor", "Optional[Tensor]"):
+            kind = "T"
+        elif t in ("List[Tensor]", "List[Optional[Tensor]]"):
+            kind = "L"
+        elif t in ("Generator", "Optional[Generator]"):
+            kind = "G"
+        elif t in ("Device", "Optional[Device]"):
+            kind = "D"
+        else:
+            continue
+        written = a.alias_info is not None and a.alias_info.is_write
+        spec.append((i, a.name, kind, a.kwarg_only, written, written and a.is_out))
+    return tuple(spec)
+
+
+def _number_tensor(v):
+    """A C++ caller's wrapped number reaches a Python kernel as a Python number; the op (unless it
+    is one of those that take numbers for tensors) needs a tensor. A 0-dim CPU tensor of the dtype
+    a wrapped number promotes as; it differs from a wrapped number only next to another 0-dim
+    tensor of the same category."""
+    if isinstance(v, bool):
+        return torch.tensor(v, dtype=torch.bool)
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    if isinstance(v, float):
+        return torch.tensor(v, dtype=torch.get_default_dtype())
+    if isinstance(v, complex):
+        complex_dtype = torch.complex128 if torch.get_default_dtype() == torch.float64 else torch.complex64
+        return torch.tensor(v, dtype=complex_dtype)
+    return v
+
+
+def _add_note(e, op):
+    try:
+        e.add_note(f"{_NOTE}: {op}")
+    except Exception:
+        pass
+
+
+def _resizable(call, t, keep_values):
+    """A CPU tensor standing for written CUDA tensor `t` that the CPU op may resize (an alias's
+    storage cannot grow): empty for an out= tensor, a copy for an in-place operand. After the op,
+    `_propagate` gives `t` its sizes and values (on device memory from the caching allocator)."""
+    if call.device is None:
+        call.device = t.device
+    if keep_values:
+        tmp = call.alias(t).clone(memory_format=torch.preserve_format)
+    else:
+        if t.device.index not in call.synced:
+            _sync(t.device.index)
+            call.synced = call.synced + (t.device.index,)
+        tmp = _empty_cpu(0, dtype=t.dtype)
+    call.aliases[id(tmp)] = (tmp, t)
+    return tmp
+
+
+def _written_arg(call, t, out, resizable):
+    if not isinstance(t, _Tensor) or not t.is_cuda:
+        return t
+    if out and not t.untyped_storage().nbytes():
+        return _resizable(call, t, False)
+    if resizable:
+        return _resizable(call, t, not out)
+    return call.alias(t)
+
+
+def _make_kernel(op, spec, impl=None):
+    """The CUDA kernel of `op`: runs `impl` (default: `op` itself, which then dispatches to its CPU
+    kernel) on CPU aliases of the CUDA operands."""
+    fn = op if impl is None else impl
+    written = tuple(s for s in spec if s[4])
+    has_written = any(s[4] for s in spec)
+    numbers_ok = torch._C._should_allow_numbers_as_tensors(op._schema.name.split("::")[-1])
+
+    def convert(call, args, kwargs, resizable=False):
+        args = list(args)
+        gen_slot = None
+        for i, name, kind, kwonly, w, out in spec:
+            if not kwonly and i < len(args):
+                where, key = args, i
+            elif name in kwargs:
+                where, key = kwargs, name
+            else:
+                continue
+            v = where[key]
+            if kind == "T":
+                if isinstance(v, _Tensor):
+                    if v.is_cuda:
+                        if call.device is not None and v.device != call.device:
+                            raise RuntimeError(
+                                "Expected all tensors to be on the same device, but found at least two "
+                                f"devices, {call.device} and {v.device}! (tms_sim_torch: {op})"
+                            )
+                        where[key] = _written_arg(call, v, out, resizable) if w else call.alias(v)
+                elif v is not None and not numbers_ok:
+                    where[key] = _number_tensor(v)
+            elif kind == "L":
+                if any(isinstance(x, _Tensor) and x.is_cuda for x in v):
+                    if w:
+                        where[key] = [_written_arg(call, x, out, resizable) for x in v]
+                    else:
+                        where[key] = [call.alias(x) if isinstance(x, _Tensor) and x.is_cuda else x for x in v]
+            elif kind == "D":
+                if v is not None:
+                    d = torch.device(v) if not isinstance(v, torch.device) else v
+                    if d.type == "cuda":
+                        if call.device is None:
+                            idx = d.index if d.index is not None else torch.cuda.current_device()
+                            call.device = torch.device("cuda", idx)
+                        where[key] = _CPU
+            elif v is not None:  # an explicit generator (None: the CPU default generator)
+                gen_slot = (where, key, v)
+        return args, gen_slot
+
+    def run(args, kwargs, gen_slot):
+        if gen_slot is not None:
+            where, key, g = gen_slot
+            if g.device.type != "cuda":
+                raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{g.device.type}'")
+            rng = _explicit_rng
+            with rng.lock:
+                k = rng.enter(g)
+                where[key] = rng.gen
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    rng.leave(g, k)
+        return fn(*args, **kwargs)
+
+    def kernel(*args, **kwargs):
+        call = _Call()
+        ckwargs = dict(kwargs) if kwargs else {}
+        cargs, gen_slot = convert(call, args, ckwargs)
+        try:
+            try:
+                result = run(cargs, ckwargs, gen_slot)
+            except RuntimeError as e:
+                if not has_written or "not resizable" not in str(e):
+                    raise
+                # A written tensor had to grow beyond its storage: compute into resizable CPU
+                # tensors and give the CUDA tensors new memory (as `resize_` does on a device).
+                call = _Call()
+                ckwargs = dict(kwargs)
+                cargs, gen_slot = convert(call, args, ckwargs, resizable=True)
+                result = run(cargs, ckwargs, gen_slot)
+        except Exception as e:
+            _add_note(e, op)
+            raise
+        for i, name, kind, kwonly, _, _ in written:
+            _propagate(call, cargs[i] if (not kwonly and i < len(cargs)) else ckwargs.get(name))
+        return call.back(result)
+
+    kernel.__name__ = f"tms_sim_cpu_{op.__name__}"
+    return kernel
+
+
+def _propagate(call, a):
+    """A written argument after the op: when the CPU op resized or restrided its alias (CPU
+    `resize_`/`as_strided_`/`set_` of an out= tensor), give the CUDA tensor the same sizes and
+    strides, and when it gave the alias other memory, device memory holding the same values."""
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            _propagate(call, x)
+        return
+    if not isinstance(a, _Tensor):
+        return
+    ent = call.aliases.get(id(a))
+    if ent is None:
+        return
+    t = ent[1]
+    same_memory = a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    if same_memory and a.size() == t.size() and a.stride() == t.stride() and a.storage_offset() == t.storage_offset():
+        return
+    if same_memory:
+        t.set_(t.untyped_storage(), a.storage_offset(), a.size(), a.stride())
+    else:
+        _adopt(call, t, a)
+
+
+def _adopt(call, t, a):
+    """Gives CUDA tensor `t` the sizes, strides, offset and values of CPU tensor `a`, growing its
+    storage in place (the storage object stays, as with `resize_` on the device) when needed."""
+    if not t.untyped_storage().nbytes():
+        # The usual case (an out= tensor made by `empty(0)`): nothing to keep, new memory.
+        fresh = call.new(a)
+        t.set_(fresh.untyped_storage(), 0, fresh.size(), fresh.stride())
+        return
+    if a.is_contiguous() and a.storage_offset() == 0:
+        if t.size() != a.size() or not t.is_contiguous() or t.storage_offset():
+            t.resize_(0).resize_(a.size())
+    else:
+        need = a.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(a.size(), a.stride())) if a.numel() else 0
+        st = t.untyped_storage()
+        have = st.nbytes() // t.element_size()
+        t.set_(st, 0, (have,), (1,))
+        if need > have:
+            t.resize_(need)
+        t.as_strided_(a.size(), a.stride(), a.storage_offset())
+    if a.numel():
+        call.alias(t).copy_(a)
+
+
+def _copy_kernel(dst, src, non_blocking=False):
+    """`copy_`: host<->device copies and contiguous same-dtype device copies keep torch's own path
+    (cudaMemcpy on the simulator; it comes back here for any part that needs a kernel), the rest
+    (dtype conversion, strides, broadcasting) is a CPU copy between aliases."""
+    if dst.is_cuda and src.is_cuda:
+        if (
+            dst.dtype == src.dtype
+            and dst.device == src.device
+            and dst.size() == src.size()
+            and dst.is_contiguous()
+            and src.is_contiguous()
+            and dst.is_conj() == src.is_conj()
+            and dst.is_neg() == src.is_neg()
+        ):
+            return _copy_op.redispatch(_CPU_KEYSET, dst, src, non_blocking)
+        call = _Call()
+        try:
+            call.alias(dst).copy_(call.alias(src))
+        except Exception as e:
+            _add_note(e, "aten.copy_.default")
+            raise
+        return dst
+    return _copy_op.redispatch(_CPU_KEYSET, dst, src, non_blocking)
+
+
+_copy_op = torch.ops.aten.copy_.default
+
+
+def _fused_sdp_choice_kernel(*args, **kwargs):
+    # Fused attention kernels have no CPU implementation reachable from CUDA tensors: the math path.
+    return int(torch._C._SDPBackend.MATH)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration.
+
+
+def _op_of(qualname):
+    ns, rest = qualname.split("::", 1)
+    name, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+
+
+def _keep(name, op):
+    if name in KEEP:
+        return True
+    if torch.Tag.inplace_view in op.tags:
+        return True
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+def plan():
+    """(qualified name, op, impl) of every op this layer computes on the CPU: impl is None for the
+    op's own CPU kernel, else a Python decomposition (for CUDA-only ops that have one)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    computed = torch._C._dispatch_has_computed_kernel_for_dispatch_key
+    decompositions = torch._decomp.decomposition_table
+    ops = []
+    for name in sorted(torch._C._dispatch_get_all_op_names()):
+        if not name.startswith("aten::") or not has(name, "CUDA"):
+            continue
+        op = _op_of(name)
+        if _keep(name, op):
+            continue
+        if computed(name, "CPU"):
+            ops.append((name, op, None))
+        elif op in decompositions:
+            ops.append((name, op, decompositions[op]))
+        # else nothing runs instead: the CUDA kernel stays (and raises if it launches one)
+    for name in EXTRA:
+        ops.append((name, _op_of(name), None))
+    return ops
+
+
+_lib = None
+
+
+def register():
+    """Registers the CUDA kernels (once: see `install`); returns how many ops it covers."""
+    global _lib
+    rt = _runtime()
+    if rt is None:
+        raise LayerError("tms_sim_torch: the simulator's runtime (libtms_sim.so as libcudart) is not loaded")
+    _init_runtime(rt)
+    lib = torch.library.Library("aten", "IMPL")
+    specials = {
+        "aten::_fused_sdp_choice": _fused_sdp_choice_kernel,
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
+        count = 0
+        for name, op, impl in plan():
+            count += 1
+            short = name.split("::", 1)[1]
+            fn = specials.get(name)
+            if fn is None:
+                fn = _make_kernel(op, _spec(op), impl)
+            lib.impl(short, fn, "CUDA")
+        lib.impl("copy_", _copy_kernel, "CUDA")
+    _lib = lib
+    # cuDNN would be chosen for batch norm, RNNs, grid sampling and CTC loss on CUDA tensors; its
+    # library cannot run on the simulator. Without it torch takes its native kernels, which this
+    # layer computes on the CPU.
+    torch.backends.cudnn.enabled = False
+    # Likewise the fused attention kernels (flash, memory-efficient, cuDNN) have no CPU version
+    # reachable from CUDA tensors: scaled_dot_product_attention takes its math path.
+    for name in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp"):
+        fn = getattr(torch.backends.cuda, name, None)
+        if fn is not None:
+            fn(False)
+    return count + 1
