@@ -27,6 +27,7 @@ extern "C" {
 #define TMS_ERR_DRIVER 3         /* a driver call failed; report.driver_error has its code */
 #define TMS_ERR_NO_DRIVER 4      /* no CUDA or Ascend driver could be loaded */
 #define TMS_ERR_INTERNAL 5       /* a bug in tms, caught before it reached the caller */
+#define TMS_ERR_IO 6             /* a disk backup file could not be read; it stays paused with it */
 
 /* What a pause or resume did. Allocations already in the target state are "skipped"; allocations
  * the operation could not complete are "failed" and stay as they were (a paused allocation keeps
@@ -74,17 +75,21 @@ void tms_set_enable_cpu_backup(bool enable);
 /* "pinned" or "mmap"; both keep backups in pinned host memory here. */
 const char *tms_get_cpu_backup_backend(void);
 void tms_set_cpu_backup_backend(const char *backend);
-/* Accepted for compatibility; disk backup is not supported (a warning is printed once). */
+/* Whether region allocations made by this thread keep their contents in a file while paused
+ * (default: TMS_INIT_ENABLE_DISK_BACKUP). One file per allocation, tms-backup-PID-ADDR.bin in the
+ * disk backup folder, removed at resume or free. */
 bool tms_get_enable_disk_backup(void);
 void tms_set_enable_disk_backup(bool enable);
+/* The disk backup folder for the whole process (default TMS_DISK_BACKUP_DIR, else /tmp; NULL or
+ * "" restores it). Use a real disk: tmpfs would keep the contents in host memory. */
 void tms_set_disk_backup_dir(const char *dir);
 /* Free device memory to keep: region allocations fail with out-of-memory when free < size +
  * margin, and resume refuses up front when free < needed + margin (TMS_MEMORY_MARGIN_BYTES). */
 void set_memory_margin_bytes(uint64_t value);
-/* After resume, keep handing out the last pause's backup through tms_get_cpu_backup_pointer
- * (default: false, as torch_memory_saver; TMS_RETAIN_CPU_BACKUP). Without it the pointer is NULL
- * once the allocation is active again. Pinned buffers are pooled for the next pause either way
- * (TMS_KEEP_PINNED_BUFFERS). */
+/* Resumes made while this is on keep handing out the last pause's backup through
+ * tms_get_cpu_backup_pointer until the next pause (default: false, as torch_memory_saver, which
+ * also decides it at resume; TMS_RETAIN_CPU_BACKUP). After a resume without it the pointer is
+ * NULL. Pinned buffers are pooled for the next pause either way (TMS_KEEP_PINNED_BUFFERS). */
 void tms_set_retain_cpu_backup(bool retain);
 bool tms_get_retain_cpu_backup(void);
 /* Pause/resume every allocation of `tag` (NULL or "" = every tag). Idempotent per allocation.

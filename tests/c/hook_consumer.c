@@ -6,6 +6,8 @@
 #include "tms.h"
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -584,6 +586,47 @@ static int no_driver(void) {
   return 0;
 }
 
+/* Disk backup: a paused allocation's contents live in a file of the chosen folder (and nowhere
+ * else), come back byte for byte, and the file goes at resume. A file that cannot be read fails
+ * the resume with TMS_ERR_IO and leaves the allocation paused with it; once the file is back, the
+ * resume completes. */
+static int disk_backup(const char *dir) {
+  TMS(tms_set_disk_backup_dir)(dir);
+  region("disk", 0);
+  TMS(tms_set_enable_disk_backup)(true);
+  EXPECT(TMS(tms_get_enable_disk_backup)(), true);
+  void *p;
+  EXPECT(dev_malloc(&p, 6 * MiB + 123), 0);
+  TMS(tms_set_enable_disk_backup)(false);
+  no_region();
+  dev_fill(p, 6 * MiB + 123, 9);
+  uint64_t sum = dev_checksum(p, 6 * MiB + 123);
+  size_t free0 = dev_free_mem();
+  tms_report r;
+  EXPECT(TMS(tms_pause_report)("disk", &r), 0);
+  EXPECT(r.allocations_done, 1);
+  EXPECT(dev_free_mem() - free0, 8 * MiB);
+  EXPECT(TMS(tms_get_cpu_backup_pointer)((const uint8_t *)p, 16) == NULL, 1); /* not in host memory */
+  char path[512], moved[600];
+  snprintf(path, sizeof path, "%s/tms-backup-%d-%lx.bin", dir, (int)getpid(), (unsigned long)(uintptr_t)p);
+  struct stat st;
+  EXPECT(stat(path, &st), 0);
+  EXPECT((size_t)st.st_size, 6 * MiB + 123);
+  snprintf(moved, sizeof moved, "%s.away", path);
+  EXPECT(rename(path, moved), 0);
+  EXPECT(TMS(tms_resume_report)("disk", &r), 6); /* TMS_ERR_IO */
+  EXPECT(r.allocations_failed, 1);
+  EXPECT(dev_free_mem() - free0, 8 * MiB); /* still paused */
+  EXPECT(rename(moved, path), 0);
+  EXPECT(TMS(tms_resume_report)("disk", &r), 0);
+  EXPECT(r.allocations_done, 1);
+  EXPECT(dev_checksum(p, 6 * MiB + 123) == sum, 1);
+  EXPECT(stat(path, &st), -1); /* the file is gone once resumed */
+  EXPECT(dev_free(p), 0);
+  printf("disk-backup ok\n");
+  return 0;
+}
+
 /* A thread that never made a context current (a weight-loading worker, say) allocates in a
  * region while a margin is set: the margin check must not reach the driver without a context. */
 static void *margin_alloc(void *arg) {
@@ -623,6 +666,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "churn")) return churn_for(argc > 3 ? atol(argv[3]) : 3);
   if (!strcmp(m, "no-driver")) return no_driver();
   if (!strcmp(m, "margin-thread")) return margin_thread();
+  if (!strcmp(m, "disk-backup")) return disk_backup(argc > 3 ? argv[3] : "/tmp");
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;
 }

@@ -89,8 +89,15 @@ def main():
     assert cudart.cudaMemcpy(dst, ptr, size_t(len(payload)), 2) == 0
     assert dst.raw == payload, "contents changed across pause/resume"
     assert not lib.tms_get_cpu_backup_pointer(gpu, 4 * MiB), "a resumed allocation's backup must not be handed out"
+    # Retention is decided at resume, as upstream: switching it on afterwards exposes nothing.
     lib.tms_set_retain_cpu_backup(True)
-    assert lib.tms_get_cpu_backup_pointer(gpu, 4 * MiB), "a retained backup is handed out after resume"
+    assert not lib.tms_get_cpu_backup_pointer(gpu, 4 * MiB)
+    assert lib.tms_pause(b"py") == 0 and lib.tms_resume(b"py") == 0
+    lib.tms_set_retain_cpu_backup(False)
+    kept = lib.tms_get_cpu_backup_pointer(gpu, 4 * MiB)
+    assert kept and ctypes.string_at(kept, 64) == payload[:64], "a backup retained at resume is handed out"
+    assert lib.tms_pause(b"py") == 0 and lib.tms_resume(b"py") == 0
+    assert not lib.tms_get_cpu_backup_pointer(gpu, 4 * MiB), "a resume without retention ends it"
     lib.set_memory_margin_bytes(123)
     assert cudart.cudaFree(ptr) == 0
     print("ctypes ok")

@@ -230,3 +230,14 @@ fn resume_sees_the_memory_of_a_process_that_died() {
     assert_eq!(trainer.ask("free"), "rc=0");
     trainer.quit();
 }
+
+#[test]
+fn disk_backup_keeps_contents_in_a_file_and_survives_an_unreadable_one() {
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("1GiB");
+        let dir = tempfile::tempdir().unwrap();
+        let out = hooked(&node, Style::Linked, &["disk-backup", api, dir.path().to_str().unwrap()]);
+        assert!(out.contains("disk-backup ok"), "{api}: {out}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "{api}: files left behind");
+    }
+}

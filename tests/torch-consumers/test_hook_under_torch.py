@@ -96,3 +96,32 @@ def test_region_memory_has_no_cuda_ipc_handle_as_on_a_gpu(sim):
     )
     assert out["plain_shared"] == "True"
     assert out["region_shared"] == "False"
+
+
+@pytest.mark.parametrize("which", ["ours", "upstream"])
+def test_disk_backup_round_trips_through_files(sim, which):
+    disk = sim.tmp / "disk"
+    disk.mkdir()
+    out = sim.ok(
+        f"""
+        import os, torch, torch_memory_saver
+        saver = torch_memory_saver.torch_memory_saver
+        saver.set_disk_backup_dir({str(disk)!r})
+        src = (torch.arange(3 << 20, dtype=torch.int64) * 40503 % 65521).to(torch.float32)
+        with saver.region(tag="w", enable_disk_backup=True):
+            w = torch.empty(3 << 20, dtype=torch.float32, device="cuda")
+        w.copy_(src)
+        free0 = torch.cuda.mem_get_info()[0]
+        saver.pause("w")
+        files = os.listdir({str(disk)!r})
+        size = sum(os.path.getsize(os.path.join({str(disk)!r}, f)) for f in files)
+        print("freed=%d" % (torch.cuda.mem_get_info()[0] - free0))
+        print("on_disk=%d" % size)
+        saver.resume("w")
+        print("same=%s" % bool(torch.equal(w.cpu(), src)))
+        """,
+        preload=_preload(sim, which),
+    )
+    assert int(out["freed"]) >= 12 << 20, out
+    assert int(out["on_disk"]) >= 12 << 20, out
+    assert out["same"] == "True"

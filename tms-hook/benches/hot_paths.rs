@@ -19,6 +19,9 @@ fn entry(tag: u32) -> Allocation {
         pieces: vec![Piece { handle: Some(1), mapped: true }],
         backup: None,
         backup_valid: false,
+        backup_retained: false,
+        disk: false,
+        disk_file: None,
         doomed: false,
     }
 }

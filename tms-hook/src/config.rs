@@ -29,7 +29,8 @@ pub struct Config {
     /// `TMS_PHYSICAL_CHUNK_MB`: allocations with CPU backup larger than this are backed by several
     /// physical handles of this size (0: one handle per allocation).
     pub physical_chunk: usize,
-    /// `TMS_INIT_ENABLE_DISK_BACKUP`: accepted for compatibility; disk backup is not supported.
+    /// `TMS_INIT_ENABLE_DISK_BACKUP`: the default disk-backup flag (files in
+    /// `TMS_DISK_BACKUP_DIR`, see disk.rs).
     pub disk_backup: bool,
     /// `TMS_CONTROL`: None = serve the control socket from the first region allocation on;
     /// Some(true) = from the first hooked call; Some(false) = never.
@@ -91,9 +92,6 @@ impl Config {
                 "pinned".to_string()
             }
         };
-        if disk_backup {
-            warnings.push("TMS_INIT_ENABLE_DISK_BACKUP=1: disk backup is not supported; CPU backup is used".into());
-        }
         Config {
             init_enable,
             init_backup,

@@ -225,6 +225,7 @@ pub fn proto_error(e: &Error) -> ProtoError {
         Error::Driver(_) => ErrorCode::DriverError,
         Error::NoDriver(_) => ErrorCode::NoDriver,
         Error::Invalid(_) => ErrorCode::BadRequest,
+        Error::Disk(_) => ErrorCode::Internal,
     };
     ProtoError::new(code, e.to_string())
 }

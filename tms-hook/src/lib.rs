@@ -13,6 +13,7 @@ pub mod backup;
 pub mod config;
 pub mod control;
 pub mod device;
+pub mod disk;
 pub mod exports;
 pub mod forward;
 pub mod log;

@@ -14,6 +14,7 @@ const ON: u8 = 2;
 thread_local! {
     static REGION: Cell<u8> = const { Cell::new(UNSET) };
     static BACKUP: Cell<u8> = const { Cell::new(UNSET) };
+    static DISK_BACKUP: Cell<u8> = const { Cell::new(UNSET) };
     /// Interned tag id + 1; 0 means the default tag.
     static TAG: Cell<u32> = const { Cell::new(0) };
 }
@@ -57,6 +58,19 @@ pub fn backup_enabled() -> bool {
 
 pub fn set_backup(on: bool) {
     BACKUP.with(|c| c.set(flag(on)));
+}
+
+/// Whether this thread's region allocations back up to disk (thread-local, as upstream's flag;
+/// threads that never set it: `TMS_INIT_ENABLE_DISK_BACKUP`).
+pub fn disk_backup_enabled() -> bool {
+    match DISK_BACKUP.with(Cell::get) {
+        UNSET => config().disk_backup,
+        v => v == ON,
+    }
+}
+
+pub fn set_disk_backup(on: bool) {
+    DISK_BACKUP.with(|c| c.set(flag(on)));
 }
 
 /// Tags are interned for the life of the process, so `tms_get_current_tag` can hand out pointers

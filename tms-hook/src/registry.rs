@@ -52,6 +52,13 @@ pub struct Allocation {
     /// The backup holds the contents of every piece whose memory was released (it was paused
     /// with backup).
     pub backup_valid: bool,
+    /// Resumed while retention was on: the backup (the last pause's snapshot) is still handed
+    /// out (`tms_get_cpu_backup_pointer`) until the next pause, as torch_memory_saver decides at
+    /// resume time.
+    pub backup_retained: bool,
+    /// Made with disk backup: while paused, the contents live in `disk_file`, not in `backup`.
+    pub disk: bool,
+    pub disk_file: Option<std::path::PathBuf>,
     /// The application freed it but a driver call failed half-way; freeing again finishes the job,
     /// and pause/resume leave it alone.
     pub doomed: bool,
@@ -115,6 +122,9 @@ mod tests {
             pieces: vec![Piece::default(); 2],
             backup: None,
             backup_valid: false,
+            backup_retained: false,
+            disk: false,
+            disk_file: None,
             doomed: false,
         };
         assert_eq!(a.piece_range(0), (0, 4 << 20));

@@ -8,6 +8,7 @@
 use crate::backup::{self, CopyJob, Direction};
 use crate::config::config;
 use crate::device::{DevResult, Device, DeviceError, Stream, Vendor};
+use crate::disk;
 use crate::region::{self, TagId};
 use crate::registry::{Allocation, HostBuf, Piece, Registry, State};
 use std::collections::{BTreeMap, HashMap};
@@ -26,6 +27,8 @@ pub enum Error {
     NoDriver(Vendor),
     /// Bad argument from the caller.
     Invalid(&'static str),
+    /// A disk backup file could not be read (the allocation stays paused with its file).
+    Disk(String),
 }
 
 impl Error {
@@ -34,7 +37,7 @@ impl Error {
         match self {
             Error::Driver(e) => e.code,
             Error::OutOfMemory { code, .. } => *code,
-            Error::NoDriver(_) | Error::Invalid(_) => invalid,
+            Error::NoDriver(_) | Error::Invalid(_) | Error::Disk(_) => invalid,
         }
     }
 }
@@ -48,6 +51,7 @@ impl std::fmt::Display for Error {
             }
             Error::NoDriver(v) => write!(f, "no {} driver could be loaded", v.name()),
             Error::Invalid(what) => write!(f, "invalid argument: {what}"),
+            Error::Disk(what) => write!(f, "disk backup unreadable: {what}"),
         }
     }
 }
@@ -244,7 +248,9 @@ impl Saver {
                 return Err(Error::OutOfMemory { code: dev.oom_code(), needed, free });
             }
         }
-        let backup_enabled = region::backup_enabled();
+        // Disk backup is staged through pinned memory like CPU backup (see disk.rs).
+        let disk = region::disk_backup_enabled();
+        let backup_enabled = region::backup_enabled() || disk;
         // Pieces pay off only where a copy runs to overlap with; without a backup, one handle
         // keeps the number of driver calls (and their fixed costs) at a minimum.
         let piece_len = match config().physical_chunk {
@@ -264,6 +270,9 @@ impl Saver {
             pieces: vec![Piece::default(); rounded.div_ceil(piece_len)],
             backup: None,
             backup_valid: false,
+            backup_retained: false,
+            disk,
+            disk_file: None,
             doomed: false,
         };
         for i in 0..entry.pieces.len() {
@@ -357,6 +366,9 @@ impl Saver {
         }
         if let Some(b) = a.backup.take() {
             dev.host_free(b.ptr as *mut u8);
+        }
+        if let Some(path) = a.disk_file.take() {
+            disk::remove(&path);
         }
         Some(Ok(()))
     }
@@ -492,6 +504,7 @@ impl Saver {
         if let Some((free, _)) = self.device_memory(&jobs) {
             report.device_free_after = free;
         }
+        self.spill_to_disk(&mut jobs);
         self.finish(jobs, &mut report, State::Paused, State::Active);
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
         tracing::info!("tms: pause {:?}: {:?}", tag.map(region::tag_name), report);
@@ -684,7 +697,8 @@ impl Saver {
         let _op = lock(&self.operations);
         let start = Instant::now();
         let tag = tag.map(region::intern);
-        let (mut jobs, mut report) = self.begin(tag, State::Paused);
+        let (jobs, mut report) = self.begin(tag, State::Paused);
+        let (mut jobs, unreadable) = self.load_from_disk(jobs, &mut report);
         let margin = self.margin();
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };
@@ -710,10 +724,16 @@ impl Saver {
         }
         // The buffers stay for the next pause if retained (their snapshot is still handed out) or
         // pooled (they are not).
-        let keep = self.retain_backup() || config().keep_pinned;
+        let retain = self.retain_backup();
+        let keep = retain || config().keep_pinned;
         for j in jobs.iter_mut().filter(|j| j.ok) {
             j.a.backup_valid = false;
-            if !keep
+            j.a.backup_retained = retain && !j.a.disk;
+            if let Some(path) = j.a.disk_file.take() {
+                disk::remove(&path);
+            }
+            // A disk-backed allocation's staging buffer goes: its contents live on disk, not here.
+            if (!keep || j.a.disk)
                 && let Some(b) = j.a.backup.take()
                 && let Some(dev) = self.loaded(j.a.vendor)
             {
@@ -721,9 +741,62 @@ impl Saver {
             }
         }
         self.finish(jobs, &mut report, State::Active, State::Paused);
+        self.finish(unreadable, &mut report, State::Active, State::Paused);
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
         tracing::info!("tms: resume {:?}: {:?}", tag.map(region::tag_name), report);
         report
+    }
+
+    /// Moves paused disk-backed contents from their staging buffers to files. A write that fails
+    /// keeps the contents in host memory (nothing is lost) and says so.
+    fn spill_to_disk(&self, jobs: &mut [Job]) {
+        for j in jobs.iter_mut().filter(|j| j.ok && j.a.disk && j.a.backup_valid) {
+            let Some(b) = j.a.backup else { continue };
+            let Some(dev) = self.loaded(j.a.vendor) else { continue };
+            let path = disk::file_for(j.addr);
+            match disk::write(&path, b.ptr, j.a.size) {
+                Ok(()) => {
+                    dev.host_free(b.ptr as *mut u8);
+                    j.a.backup = None;
+                    j.a.disk_file = Some(path);
+                }
+                Err(e) => {
+                    disk::remove(&path);
+                    tracing::warn!(
+                        "tms: cannot write the disk backup {} ({e}); the contents stay in host memory",
+                        path.display()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Reads disk-backed contents back into staging buffers before a resume. Returns the jobs to
+    /// resume and those whose file could not be read (they stay paused with their file).
+    fn load_from_disk(&self, jobs: Vec<Job>, report: &mut Report) -> (Vec<Job>, Vec<Job>) {
+        let (mut ready, mut unreadable) = (Vec::with_capacity(jobs.len()), Vec::new());
+        for mut j in jobs {
+            let Some(path) = j.a.disk_file.clone() else {
+                ready.push(j);
+                continue;
+            };
+            let Some(dev) = self.loaded(j.a.vendor) else {
+                unreadable.push(j);
+                continue;
+            };
+            let loaded = ensure_backup_buffer(dev.as_ref(), &mut j.a).map_err(Error::Driver).and_then(|()| {
+                let b = j.a.backup.expect("ensured above");
+                disk::read(&path, b.ptr, j.a.size).map_err(|e| Error::Disk(format!("{}: {e}", path.display())))
+            });
+            match loaded {
+                Ok(()) => ready.push(j),
+                Err(e) => {
+                    Self::note(report, e);
+                    unreadable.push(j);
+                }
+            }
+        }
+        (ready, unreadable)
     }
 
     fn resume_group(&self, dev: &dyn Device, device: i32, jobs: &mut [Job], idx: &[usize], report: &mut Report) {
@@ -887,12 +960,11 @@ impl Saver {
     /// The host address holding the backup of `[ptr, ptr+size)`, if that range lies in one
     /// allocation that has a backup buffer.
     pub fn backup_pointer(&self, ptr: u64, size: u64) -> Option<usize> {
-        let retain = self.retain_backup();
         let reg = lock(&self.registry);
         let (start, a) = reg.containing(ptr)?;
-        // A resumed allocation's buffer is a pooled one unless retention is on: handing it out
-        // would give callers the last pause's snapshot as if it were current.
-        if a.state != State::Paused && !retain {
+        // A resumed allocation's buffer is a pooled one unless it was resumed with retention on:
+        // handing it out would give callers the last pause's snapshot as if it were current.
+        if a.state != State::Paused && !a.backup_retained {
             return None;
         }
         let b = a.backup?;

@@ -11,6 +11,7 @@ pub const TMS_ERR_OUT_OF_MEMORY: i32 = 2;
 pub const TMS_ERR_DRIVER: i32 = 3;
 pub const TMS_ERR_NO_DRIVER: i32 = 4;
 pub const TMS_ERR_INTERNAL: i32 = 5;
+pub const TMS_ERR_IO: i32 = 6;
 
 /// Mirrors `tms_report` in include/tms.h.
 #[repr(C)]
@@ -50,6 +51,7 @@ pub fn error_code(e: &Error) -> (i32, i32) {
         Error::Driver(d) => (TMS_ERR_DRIVER, d.code),
         Error::NoDriver(_) => (TMS_ERR_NO_DRIVER, 0),
         Error::Invalid(_) => (TMS_ERR_INVALID, 0),
+        Error::Disk(_) => (TMS_ERR_IO, 0),
     }
 }
 
@@ -163,6 +165,7 @@ pub extern "C" fn tms_strerror(code: i32) -> *const c_char {
         TMS_ERR_DRIVER => c"a driver call failed (see the report's driver_error)",
         TMS_ERR_NO_DRIVER => c"no CUDA or Ascend driver could be loaded",
         TMS_ERR_INTERNAL => c"internal error in tms (a bug: please report it)",
+        TMS_ERR_IO => c"a disk backup file could not be read; the allocation stays paused with its file",
         _ => c"unknown tms error code",
     }
     .as_ptr()

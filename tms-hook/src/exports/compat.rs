@@ -5,11 +5,9 @@
 use super::{api, opt_str};
 use crate::{region, saver};
 use libc::c_char;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 static BACKUP_BACKEND_MMAP: AtomicU8 = AtomicU8::new(2); // 2 = not set yet: use the environment
-static DISK_BACKUP: AtomicBool = AtomicBool::new(false);
-static DISK_WARNED: AtomicBool = AtomicBool::new(false);
 
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_set_interesting_region(is_interesting_region: bool) {
@@ -75,26 +73,24 @@ pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) {
 
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_get_enable_disk_backup() -> bool {
-    DISK_BACKUP.load(Ordering::Relaxed)
+    api(region::disk_backup_enabled, false)
 }
 
-/// Accepted for compatibility. Disk backup is not implemented: backups stay in host memory.
+/// This thread's disk-backup flag: region allocations made while it is on keep their contents in
+/// a file of the disk backup folder while paused (see disk.rs).
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_set_enable_disk_backup(enable: bool) {
-    api(
-        || {
-            DISK_BACKUP.store(enable, Ordering::Relaxed);
-            if enable && !DISK_WARNED.swap(true, Ordering::Relaxed) {
-                crate::log::init();
-                tracing::warn!("tms: disk backup is not supported; CPU backup is used where enabled");
-            }
-        },
-        (),
-    )
+    api(|| region::set_disk_backup(enable), ())
 }
 
+/// The folder of disk backup files, for the whole process (default `TMS_DISK_BACKUP_DIR`, else
+/// /tmp). NULL or "" restores the default.
 #[cfg_attr(not(test), unsafe(no_mangle))]
-pub unsafe extern "C" fn tms_set_disk_backup_dir(_dir: *const c_char) {}
+pub unsafe extern "C" fn tms_set_disk_backup_dir(dir: *const c_char) {
+    // SAFETY: NULL or a NUL-terminated string.
+    let dir = unsafe { opt_str(dir) };
+    api(|| crate::disk::set_dir(dir.filter(|d| !d.is_empty()).map(Into::into)), ())
+}
 
 /// Free memory to keep when allocating in a region and when resuming (no `tms_` prefix, as in
 /// torch_memory_saver).

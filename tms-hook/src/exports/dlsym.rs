@@ -31,7 +31,7 @@ extern "C" fn decide(handle: *mut c_void, name: *const c_char) -> usize {
                 (&forward::ACL_MALLOC_ALIGN32, super::acl::aclrtMallocAlign32 as *const () as usize)
             }
             b"aclrtFree" => (&forward::ACL_FREE, super::acl::aclrtFree as *const () as usize),
-            _ => return 0,
+            _ => return vendor_through_own_handle(handle, n),
         };
         // Only answer for handles that really provide the function; for others the real dlsym
         // reports the failure (and sets dlerror) itself.
@@ -43,6 +43,55 @@ extern "C" fn decide(handle: *mut c_void, name: *const c_char) -> usize {
         own
     })
     .unwrap_or(0)
+}
+
+/// torch_memory_saver's libraries link the vendor runtime, so a lookup on their handle of a
+/// vendor name they do not define (its tests do `CDLL(lib).cudaHostGetFlags`) finds the runtime's
+/// through their dependencies. The hook loads the runtime at run time instead; for a lookup on its
+/// own handle that glibc cannot answer, it answers from the vendor library already loaded (never
+/// loading one). Other lookups are untouched.
+fn vendor_through_own_handle(handle: *mut c_void, name: &CStr) -> usize {
+    let bytes = name.to_bytes();
+    let sonames = if bytes.starts_with(b"cuda") {
+        forward::CUDART
+    } else if bytes.starts_with(b"acl") {
+        forward::ASCENDCL
+    } else {
+        return 0;
+    };
+    if own_handle() != Some(handle as usize) || !forward::real_dlsym(handle, name).is_null() {
+        return 0;
+    }
+    sonames
+        .iter()
+        .find_map(|soname| {
+            // SAFETY: RTLD_NOLOAD only returns a handle to an already loaded library.
+            let h = unsafe { libc::dlopen(soname.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+            if h.is_null() {
+                return None;
+            }
+            let p = forward::real_dlsym(h, name) as usize;
+            // SAFETY: drops the reference RTLD_NOLOAD took; the library stays loaded.
+            unsafe { libc::dlclose(h) };
+            (p != 0).then_some(p)
+        })
+        .unwrap_or(0)
+}
+
+/// The handle `dlopen` gives for this library, under whatever name it was loaded.
+fn own_handle() -> Option<usize> {
+    static OWN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| {
+        // SAFETY: a zeroed Dl_info is a valid out-parameter.
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        // SAFETY: dladdr on one of our own functions names our file.
+        if unsafe { libc::dladdr(decide as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        // SAFETY: we are loaded; NOLOAD only returns our handle (its reference is kept: we stay).
+        let h = unsafe { libc::dlopen(info.dli_fname, libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        (!h.is_null()).then_some(h as usize)
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
