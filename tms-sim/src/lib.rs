@@ -12,6 +12,7 @@ pub mod config;
 pub mod cuda_driver;
 pub mod cuda_runtime;
 pub mod fault;
+pub mod graphs;
 pub mod memory;
 pub mod node;
 pub mod nvml;

@@ -22,6 +22,7 @@ pub struct Sim {
     /// need it, so a thread preparing memory never waits for copies on the streams.
     copying: RwLock<()>,
     pub streams: Streams,
+    pub graphs: crate::graphs::Graphs,
     /// Page-locked host ranges by start: allocated by the simulator or registered by the caller.
     host: Mutex<BTreeMap<usize, HostRange>>,
     pub pinned_bytes: AtomicU64,
@@ -102,6 +103,7 @@ pub fn sim() -> &'static Sim {
             mem: RwLock::new(mem),
             copying: RwLock::new(()),
             streams: Streams::default(),
+            graphs: crate::graphs::Graphs::default(),
             host: Mutex::new(BTreeMap::new()),
             pinned_bytes: AtomicU64::new(0),
         }
@@ -267,7 +269,7 @@ impl Sim {
         })
     }
 
-    fn copy_now(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
+    pub fn copy_now(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
         if n == 0 {
             return Ok(());
         }
@@ -306,6 +308,9 @@ impl Sim {
             return Err(async_code(MemError::Invalid));
         }
         self.plan_copy(&self.read(), dst, src, n, kind).map_err(async_code)?;
+        if self.graphs.record(stream, || crate::graphs::Node::Copy { dst, src, n, kind }) {
+            return Ok(());
+        }
         let job = Box::new(move || match self.copy_now(dst, src, n, kind) {
             Ok(()) => 0,
             Err(e) => async_code(e),

@@ -50,6 +50,7 @@ pub struct Event {
     pub flags: u32,
     state: Mutex<EventState>,
     cv: Condvar,
+    capture: std::sync::atomic::AtomicU64,
 }
 
 impl Event {
@@ -64,6 +65,25 @@ impl Event {
             st.at_ns = crate::timing::now_ns();
         }
         self.cv.notify_all();
+    }
+
+    /// A record made and completed at once (a graph's event node at replay).
+    pub fn complete_now(&self) {
+        let generation = {
+            let mut st = self.lock();
+            st.recorded += 1;
+            st.recorded
+        };
+        self.complete(generation);
+    }
+
+    /// The capture the latest record was made in (0: none), so a stream that waits on it joins.
+    pub fn capture(&self) -> u64 {
+        self.capture.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn set_capture(&self, id: u64) {
+        self.capture.store(id, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether the latest record (if any) has completed.
@@ -205,7 +225,12 @@ impl Streams {
     }
 
     pub fn event_create(&self, flags: u32) -> usize {
-        let event = Arc::new(Event { flags, state: Mutex::new(EventState::default()), cv: Condvar::new() });
+        let event = Arc::new(Event {
+            flags,
+            state: Mutex::new(EventState::default()),
+            cv: Condvar::new(),
+            capture: std::sync::atomic::AtomicU64::new(0),
+        });
         let handle = Arc::as_ptr(&event) as usize;
         self.events().insert(handle, event);
         handle

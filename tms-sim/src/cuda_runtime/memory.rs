@@ -119,6 +119,9 @@ pub unsafe extern "C" fn cuda_memset_async(dst: *mut c_void, value: c_int, count
         if crate::streams::is_null(stream) {
             return result(sim().memset(dst, value, count));
         }
+        if sim().graphs.record(stream, || crate::graphs::Node::Memset { dst, value, n: count }) {
+            return SUCCESS;
+        }
         let job = Box::new(move || sim().memset(dst, value, count).map_or_else(code_of, |()| SUCCESS));
         sim().streams.submit(stream, job).unwrap_or(INVALID_RESOURCE_HANDLE)
     })

@@ -4,6 +4,7 @@
 //! last error, the implicit context, and the "not supported" answer.
 
 pub mod devices;
+pub mod graphs;
 pub mod ipc;
 pub mod launch;
 pub mod memory;
@@ -128,6 +129,8 @@ const ERRORS: &[(i32, &std::ffi::CStr, &std::ffi::CStr)] = &[
     (705, c"cudaErrorPeerAccessNotEnabled", c"peer access has not been enabled"),
     (712, c"cudaErrorHostMemoryAlreadyRegistered", c"part or all of the requested memory range is already mapped"),
     (713, c"cudaErrorHostMemoryNotRegistered", c"pointer does not correspond to a registered memory region"),
+    (900, c"cudaErrorStreamCaptureUnsupported", c"operation not permitted when stream is capturing"),
+    (901, c"cudaErrorStreamCaptureInvalidated", c"operation failed due to a previous error during capture"),
     (801, c"cudaErrorNotSupported", c"operation not supported (by tms-sim: see docs/simulator.md)"),
     (999, c"cudaErrorUnknown", c"unknown error"),
 ];

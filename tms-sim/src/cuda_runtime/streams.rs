@@ -1,7 +1,8 @@
-//! Streams, events, host callbacks and stream-capture queries. The simulator never captures
-//! (cudaStreamBeginCapture is not supported), so every stream reports "not capturing".
+//! Streams, events, host callbacks and stream-capture queries. Work submitted to a capturing
+//! stream is recorded into its graph (crate::graphs) instead of run.
 
 use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, NOT_READY, SUCCESS, call, enter, put};
+use crate::graphs::{CAPTURE_UNSUPPORTED, Node};
 use crate::sim::sim;
 use libc::{c_float, c_int, c_uint, c_ulonglong, c_void};
 
@@ -65,6 +66,9 @@ pub unsafe extern "C" fn cuda_stream_get_flags(stream: *mut c_void, flags: *mut 
 pub unsafe extern "C" fn cuda_stream_synchronize(stream: *mut c_void) -> i32 {
     call("cudaStreamSynchronize", || {
         enter();
+        if sim().graphs.capture_of(stream as usize).is_some() {
+            return CAPTURE_UNSUPPORTED;
+        }
         sim().streams.synchronize(stream as usize).unwrap_or(INVALID_RESOURCE_HANDLE)
     })
 }
@@ -72,6 +76,9 @@ pub unsafe extern "C" fn cuda_stream_synchronize(stream: *mut c_void) -> i32 {
 pub unsafe extern "C" fn cuda_stream_query(stream: *mut c_void) -> i32 {
     call("cudaStreamQuery", || {
         enter();
+        if sim().graphs.capture_of(stream as usize).is_some() {
+            return CAPTURE_UNSUPPORTED;
+        }
         match sim().streams.is_idle(stream as usize) {
             Ok(true) => SUCCESS,
             Ok(false) => NOT_READY,
@@ -91,6 +98,11 @@ pub unsafe extern "C" fn cuda_stream_wait_event(stream: *mut c_void, event: *mut
     call("cudaStreamWaitEvent", || {
         enter();
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
+        // Waiting on an event recorded during a capture joins that capture.
+        if ev.capture() != 0 {
+            sim().graphs.join(stream as usize, ev.capture());
+            return SUCCESS;
+        }
         if crate::streams::is_null(stream as usize) {
             // The default stream runs synchronously: waiting is waiting now.
             ev.synchronize();
@@ -114,6 +126,9 @@ pub unsafe extern "C" fn cuda_launch_host_func(
     call("cudaLaunchHostFunc", || {
         enter();
         let Some(f) = func else { return INVALID_VALUE };
+        if sim().graphs.record(stream as usize, || Node::Host { f: f as usize, data: data as usize }) {
+            return SUCCESS;
+        }
         let job = HostCall(f as usize, data as usize);
         let run = move || {
             let job = job;
@@ -141,8 +156,11 @@ pub unsafe extern "C" fn cuda_stream_add_callback(
         if flags != 0 {
             return INVALID_VALUE;
         }
-        let job = HostCall(cb as usize, data as usize);
         let handle = stream as usize;
+        if sim().graphs.record(handle, || Node::Callback { f: cb as usize, stream: handle, data: data as usize }) {
+            return SUCCESS;
+        }
+        let job = HostCall(cb as usize, data as usize);
         let run = move || {
             let job = job;
             // SAFETY: the pointer was a valid stream callback when queued.
@@ -160,8 +178,8 @@ pub unsafe extern "C" fn cuda_stream_is_capturing(stream: *mut c_void, status: *
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
-        // cudaStreamCaptureStatusNone
-        put(status, 0)
+        // cudaStreamCaptureStatusActive (1) or None (0)
+        put(status, c_int::from(sim().graphs.capture_of(stream as usize).is_some()))
     })
 }
 
@@ -179,9 +197,27 @@ pub unsafe extern "C" fn cuda_stream_get_capture_info(
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
-        let code = put(status, 0);
-        // The optional outputs are left alone when the stream is not capturing, as documented.
-        let _ = (id, graph, deps, edges, count);
+        let Some(capture) = sim().graphs.capture_of(stream as usize) else {
+            // The optional outputs are left alone when the stream is not capturing, as documented.
+            return put(status, 0);
+        };
+        let code = put(status, 1);
+        if !id.is_null() {
+            put(id, capture);
+        }
+        // The graph under construction has no handle yet; no dependency nodes are exposed.
+        if !graph.is_null() {
+            put(graph, std::ptr::null_mut());
+        }
+        if !deps.is_null() {
+            put(deps, std::ptr::null());
+        }
+        if !edges.is_null() {
+            put(edges, std::ptr::null());
+        }
+        if !count.is_null() {
+            put(count, 0);
+        }
         code
     })
 }
@@ -222,6 +258,12 @@ pub unsafe extern "C" fn cuda_event_record(event: *mut c_void, stream: *mut c_vo
     call("cudaEventRecord", || {
         enter();
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
+        if let Some(capture) = sim().graphs.capture_of(stream as usize) {
+            ev.set_capture(capture);
+            sim().graphs.record(stream as usize, || Node::EventRecord { event: ev.clone() });
+            return SUCCESS;
+        }
+        ev.set_capture(0);
         sim().streams.event_record(&ev, stream as usize).map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
     })
 }

@@ -9,7 +9,7 @@
 //! The table [`SURFACE`] is what docs/simulator.md's runtime table and the surface test are made
 //! from: a PyTorch upgrade that imports a new name fails that test with the name.
 
-use super::{devices, ipc, launch, memory, streams};
+use super::{devices, graphs, ipc, launch, memory, streams};
 
 /// How the simulator answers a runtime entry point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +161,18 @@ runtime_surface! {
         cudaEventSynchronize => streams::cuda_event_synchronize,
         cudaEventElapsedTime => streams::cuda_event_elapsed_time,
         cudaEventDestroy => streams::cuda_event_destroy,
+        // CUDA graphs by stream capture
+        cudaStreamBeginCapture => graphs::cuda_stream_begin_capture,
+        cudaStreamEndCapture => graphs::cuda_stream_end_capture,
+        cudaGraphInstantiate => graphs::cuda_graph_instantiate,
+        cudaGraphInstantiateWithFlags => graphs::cuda_graph_instantiate_with_flags,
+        cudaGraphLaunch => graphs::cuda_graph_launch,
+        cudaGraphExecDestroy => graphs::cuda_graph_exec_destroy,
+        cudaGraphDestroy => graphs::cuda_graph_destroy,
+        cudaGraphGetNodes => graphs::cuda_graph_get_nodes,
+        cudaUserObjectCreate => graphs::cuda_user_object_create,
+        cudaUserObjectRelease => graphs::cuda_user_object_release,
+        cudaGraphRetainUserObject => graphs::cuda_graph_retain_user_object,
         // CUDA IPC between processes of one simulated node
         cudaIpcGetMemHandle => ipc::cuda_ipc_get_mem_handle,
         cudaIpcOpenMemHandle => ipc::cuda_ipc_open_mem_handle,
@@ -197,22 +209,11 @@ runtime_surface! {
         cudaMemPoolTrimTo,
         cudaDeviceGetGraphMemAttribute,
         cudaDeviceSetGraphMemAttribute,
-        cudaStreamBeginCapture,
         cudaStreamBeginCaptureToGraph,
-        cudaStreamEndCapture,
         cudaStreamUpdateCaptureDependencies,
         cudaGraphAddNode,
         cudaGraphConditionalHandleCreate,
-        cudaGraphDestroy,
-        cudaGraphExecDestroy,
-        cudaGraphGetNodes,
-        cudaGraphInstantiate,
-        cudaGraphInstantiateWithFlags,
-        cudaGraphLaunch,
         cudaGraphNodeGetDependencies,
-        cudaGraphRetainUserObject,
-        cudaUserObjectCreate,
-        cudaUserObjectRelease,
         cudaLibraryLoadData,
         cudaLibraryLoadFromFile,
         cudaLibraryUnload,

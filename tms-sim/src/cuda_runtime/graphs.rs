@@ -1,0 +1,184 @@
+//! CUDA graphs: stream capture, instantiation, launch and user objects (see `crate::graphs`).
+
+use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call, enter, put};
+use crate::graphs::{Exec, Graph, UserObject};
+use crate::sim::sim;
+use libc::{c_int, c_uint, c_ulonglong, c_void};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+/// Live handles, so a stale or foreign handle is an error instead of a wild pointer.
+struct Handles<T> {
+    live: Mutex<BTreeMap<usize, Arc<T>>>,
+}
+
+impl<T> Handles<T> {
+    const fn new() -> Self {
+        Handles { live: Mutex::new(BTreeMap::new()) }
+    }
+
+    fn insert(&self, value: T) -> usize {
+        let value = Arc::new(value);
+        let handle = Arc::as_ptr(&value) as usize;
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).insert(handle, value);
+        handle
+    }
+
+    fn get(&self, handle: usize) -> Option<Arc<T>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).get(&handle).cloned()
+    }
+
+    fn remove(&self, handle: usize) -> Option<Arc<T>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&handle)
+    }
+}
+
+static GRAPHS: Handles<Graph> = Handles::new();
+static EXECS: Handles<Exec> = Handles::new();
+static USER_OBJECTS: Handles<Arc<UserObject>> = Handles::new();
+
+/// cudaStreamCaptureModeGlobal, ThreadLocal, Relaxed.
+const CAPTURE_MODES: c_int = 2;
+
+pub unsafe extern "C" fn cuda_stream_begin_capture(stream: *mut c_void, mode: c_int) -> i32 {
+    call("cudaStreamBeginCapture", || {
+        enter();
+        if !(0..=CAPTURE_MODES).contains(&mode) {
+            return INVALID_VALUE;
+        }
+        if !sim().streams.exists(stream as usize) {
+            return INVALID_RESOURCE_HANDLE;
+        }
+        sim().graphs.begin(stream as usize).map_or_else(|e| e, |_| SUCCESS)
+    })
+}
+
+pub unsafe extern "C" fn cuda_stream_end_capture(stream: *mut c_void, graph: *mut *mut c_void) -> i32 {
+    call("cudaStreamEndCapture", || {
+        enter();
+        if graph.is_null() {
+            return INVALID_VALUE;
+        }
+        match sim().graphs.end(stream as usize) {
+            Ok(g) => put(graph, GRAPHS.insert(g) as *mut c_void),
+            Err(code) => code,
+        }
+    })
+}
+
+fn instantiate(exec: *mut *mut c_void, graph: *mut c_void) -> i32 {
+    let Some(g) = GRAPHS.get(graph as usize) else { return INVALID_RESOURCE_HANDLE };
+    put(exec, EXECS.insert(g.instantiate()) as *mut c_void)
+}
+
+pub unsafe extern "C" fn cuda_graph_instantiate(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    _flags: c_ulonglong,
+) -> i32 {
+    call("cudaGraphInstantiate", || {
+        enter();
+        instantiate(exec, graph)
+    })
+}
+
+pub unsafe extern "C" fn cuda_graph_instantiate_with_flags(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    _flags: c_ulonglong,
+) -> i32 {
+    call("cudaGraphInstantiateWithFlags", || {
+        enter();
+        instantiate(exec, graph)
+    })
+}
+
+pub unsafe extern "C" fn cuda_graph_launch(exec: *mut c_void, stream: *mut c_void) -> i32 {
+    call("cudaGraphLaunch", || {
+        enter();
+        let Some(e) = EXECS.get(exec as usize) else { return INVALID_RESOURCE_HANDLE };
+        if !sim().streams.exists(stream as usize) {
+            return INVALID_RESOURCE_HANDLE;
+        }
+        crate::graphs::launch(&e, stream as usize)
+    })
+}
+
+pub unsafe extern "C" fn cuda_graph_exec_destroy(exec: *mut c_void) -> i32 {
+    call(
+        "cudaGraphExecDestroy",
+        || if EXECS.remove(exec as usize).is_some() { SUCCESS } else { INVALID_RESOURCE_HANDLE },
+    )
+}
+
+pub unsafe extern "C" fn cuda_graph_destroy(graph: *mut c_void) -> i32 {
+    call("cudaGraphDestroy", || if GRAPHS.remove(graph as usize).is_some() { SUCCESS } else { INVALID_RESOURCE_HANDLE })
+}
+
+/// Node handles are the addresses of the graph's nodes.
+pub unsafe extern "C" fn cuda_graph_get_nodes(graph: *mut c_void, nodes: *mut *mut c_void, count: *mut usize) -> i32 {
+    call("cudaGraphGetNodes", || {
+        let Some(g) = GRAPHS.get(graph as usize) else { return INVALID_RESOURCE_HANDLE };
+        if count.is_null() {
+            return INVALID_VALUE;
+        }
+        if nodes.is_null() {
+            return put(count, g.nodes.len());
+        }
+        // SAFETY: checked non-null; the caller passes room for *count handles.
+        let room = unsafe { *count };
+        for (i, node) in g.nodes.iter().take(room).enumerate() {
+            // SAFETY: i < room.
+            unsafe { *nodes.add(i) = node as *const _ as *mut c_void };
+        }
+        put(count, room.min(g.nodes.len()))
+    })
+}
+
+pub unsafe extern "C" fn cuda_user_object_create(
+    object: *mut *mut c_void,
+    ptr: *mut c_void,
+    destroy: Option<crate::graphs::HostFn>,
+    initial_refcount: c_uint,
+    _flags: c_uint,
+) -> i32 {
+    call("cudaUserObjectCreate", || {
+        let Some(destroy) = destroy else { return INVALID_VALUE };
+        if initial_refcount == 0 {
+            return INVALID_VALUE;
+        }
+        let obj = UserObject::new(ptr as usize, destroy as usize, initial_refcount as usize);
+        put(object, USER_OBJECTS.insert(obj) as *mut c_void)
+    })
+}
+
+pub unsafe extern "C" fn cuda_user_object_release(object: *mut c_void, count: c_uint) -> i32 {
+    call("cudaUserObjectRelease", || match USER_OBJECTS.get(object as usize) {
+        Some(obj) => {
+            obj.release(count as usize);
+            SUCCESS
+        }
+        None => INVALID_RESOURCE_HANDLE,
+    })
+}
+
+/// cudaGraphUserObjectMove: the caller's references move to the graph.
+const USER_OBJECT_MOVE: c_uint = 1;
+
+pub unsafe extern "C" fn cuda_graph_retain_user_object(
+    graph: *mut c_void,
+    object: *mut c_void,
+    count: c_uint,
+    flags: c_uint,
+) -> i32 {
+    call("cudaGraphRetainUserObject", || {
+        let (Some(g), Some(obj)) = (GRAPHS.get(graph as usize), USER_OBJECTS.get(object as usize)) else {
+            return INVALID_RESOURCE_HANDLE;
+        };
+        if flags & USER_OBJECT_MOVE == 0 {
+            obj.retain(count as usize);
+        }
+        g.retain((*obj).clone(), count as usize);
+        SUCCESS
+    })
+}

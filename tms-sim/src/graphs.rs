@@ -1,0 +1,209 @@
+//! CUDA graphs by stream capture: while a stream captures, the work submitted to it (copies,
+//! memsets, host functions, event records) is recorded as nodes instead of run; a launch of the
+//! instantiated graph runs the nodes in capture order. The simulator has no kernels: the CPU
+//! compute layer records each op it would have computed as a host-function node, so replaying a
+//! graph re-runs the captured computation on the memory the graph captured.
+//!
+//! A launch waits for the stream's earlier work and then runs the nodes synchronously in the
+//! calling thread (host functions of the layer need the caller's interpreter). A stream that
+//! waits on an event recorded during a capture joins that capture, as on a GPU.
+
+use crate::sim::{CopyKind, sim};
+use crate::streams::Event;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A host function pointer and its argument.
+pub type HostFn = unsafe extern "C" fn(*mut libc::c_void);
+/// A stream callback: (stream, status, user data).
+pub type StreamCallback = unsafe extern "C" fn(*mut libc::c_void, libc::c_int, *mut libc::c_void);
+
+#[derive(Clone)]
+pub enum Node {
+    Copy { dst: usize, src: usize, n: usize, kind: CopyKind },
+    Memset { dst: usize, value: u8, n: usize },
+    Host { f: usize, data: usize },
+    Callback { f: usize, stream: usize, data: usize },
+    EventRecord { event: Arc<Event> },
+}
+
+/// A user object (cudaUserObjectCreate): a destructor run when its last reference goes.
+pub struct UserObject {
+    refs: AtomicUsize,
+    destroy: usize,
+    ptr: usize,
+}
+
+impl UserObject {
+    pub fn new(ptr: usize, destroy: usize, refs: usize) -> Arc<UserObject> {
+        Arc::new(UserObject { refs: AtomicUsize::new(refs), destroy, ptr })
+    }
+
+    pub fn retain(&self, n: usize) {
+        self.refs.fetch_add(n, Ordering::AcqRel);
+    }
+
+    pub fn release(&self, n: usize) {
+        let before = self.refs.fetch_sub(n.min(self.refs.load(Ordering::Acquire)), Ordering::AcqRel);
+        if before <= n && self.destroy != 0 {
+            // SAFETY: the destructor the caller registered, with its pointer, called once.
+            let f: HostFn = unsafe { std::mem::transmute(self.destroy) };
+            unsafe { f(self.ptr as *mut libc::c_void) };
+        }
+    }
+}
+
+/// References a graph holds on user objects, released when the graph and every executable made
+/// from it are gone.
+#[derive(Default)]
+pub struct Retained(Mutex<Vec<(Arc<UserObject>, usize)>>);
+
+impl Drop for Retained {
+    fn drop(&mut self) {
+        for (obj, n) in self.0.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            obj.release(n);
+        }
+    }
+}
+
+/// A captured graph (what cudaStreamEndCapture returns) and an instantiated one share the nodes.
+pub struct Graph {
+    pub nodes: Arc<Vec<Node>>,
+    pub retained: Arc<Retained>,
+}
+
+pub struct Exec {
+    pub nodes: Arc<Vec<Node>>,
+    _retained: Arc<Retained>,
+}
+
+impl Graph {
+    pub fn instantiate(&self) -> Exec {
+        Exec { nodes: self.nodes.clone(), _retained: self.retained.clone() }
+    }
+
+    pub fn retain(&self, obj: Arc<UserObject>, n: usize) {
+        self.retained.0.lock().unwrap_or_else(|e| e.into_inner()).push((obj, n));
+    }
+}
+
+#[derive(Default)]
+pub struct Graphs {
+    /// Captures in progress; lets every stream operation skip the lookup when there are none.
+    active: AtomicUsize,
+    next_id: AtomicU64,
+    /// Capturing stream -> capture id.
+    streams: Mutex<HashMap<usize, u64>>,
+    /// Capture id -> nodes recorded so far.
+    building: Mutex<HashMap<u64, Vec<Node>>>,
+}
+
+/// Why a capture call was refused, as the runtime's codes.
+pub const CAPTURE_UNSUPPORTED: i32 = 900;
+pub const CAPTURE_INVALIDATED: i32 = 901;
+
+impl Graphs {
+    fn streams(&self) -> MutexGuard<'_, HashMap<usize, u64>> {
+        self.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn building(&self) -> MutexGuard<'_, HashMap<u64, Vec<Node>>> {
+        self.building.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The capture `stream` records into, if any.
+    pub fn capture_of(&self, stream: usize) -> Option<u64> {
+        if self.active.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.streams().get(&stream).copied()
+    }
+
+    /// Starts capturing on `stream` (not the default stream, which cannot capture).
+    pub fn begin(&self, stream: usize) -> Result<u64, i32> {
+        if crate::streams::is_null(stream) {
+            return Err(CAPTURE_UNSUPPORTED);
+        }
+        let mut streams = self.streams();
+        if streams.contains_key(&stream) {
+            return Err(CAPTURE_INVALIDATED);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::AcqRel) + 1;
+        streams.insert(stream, id);
+        self.building().insert(id, Vec::new());
+        self.active.fetch_add(1, Ordering::AcqRel);
+        Ok(id)
+    }
+
+    /// Makes `stream` record into capture `id` too (it waited on an event of that capture).
+    pub fn join(&self, stream: usize, id: u64) {
+        if !crate::streams::is_null(stream) && self.building().contains_key(&id) {
+            self.streams().insert(stream, id);
+        }
+    }
+
+    /// Records `node` if `stream` is capturing; false if it is not (run the work now).
+    pub fn record(&self, stream: usize, node: impl FnOnce() -> Node) -> bool {
+        let Some(id) = self.capture_of(stream) else { return false };
+        match self.building().get_mut(&id) {
+            Some(nodes) => {
+                nodes.push(node());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Ends the capture `stream` started; every stream that joined it stops capturing.
+    pub fn end(&self, stream: usize) -> Result<Graph, i32> {
+        let mut streams = self.streams();
+        let id = streams.get(&stream).copied().ok_or(crate::cuda_runtime::INVALID_VALUE)?;
+        streams.retain(|_, c| *c != id);
+        drop(streams);
+        let nodes = self.building().remove(&id).unwrap_or_default();
+        self.active.fetch_sub(1, Ordering::AcqRel);
+        Ok(Graph { nodes: Arc::new(nodes), retained: Arc::new(Retained::default()) })
+    }
+}
+
+/// Runs an instantiated graph's nodes in order in the calling thread, after the stream's
+/// earlier work. Returns the first error code (0 if none).
+pub fn launch(exec: &Exec, stream: usize) -> i32 {
+    let s = sim();
+    if let Ok(code) = s.streams.synchronize(stream)
+        && code != 0
+    {
+        return code;
+    }
+    for node in exec.nodes.iter() {
+        let code = match node {
+            Node::Copy { dst, src, n, kind } => {
+                s.copy_now(*dst, *src, *n, *kind).map_or_else(crate::cuda_runtime::code_of, |()| 0)
+            }
+            Node::Memset { dst, value, n } => {
+                s.memset(*dst, *value, *n).map_or_else(crate::cuda_runtime::code_of, |()| 0)
+            }
+            Node::Host { f, data } => {
+                // SAFETY: a host function recorded during capture, with its own argument.
+                let f: HostFn = unsafe { std::mem::transmute(*f) };
+                unsafe { f(*data as *mut libc::c_void) };
+                0
+            }
+            Node::Callback { f, stream, data } => {
+                // SAFETY: a stream callback recorded during capture.
+                let f: StreamCallback = unsafe { std::mem::transmute(*f) };
+                unsafe { f(*stream as *mut libc::c_void, 0, *data as *mut libc::c_void) };
+                0
+            }
+            Node::EventRecord { event } => {
+                event.complete_now();
+                0
+            }
+        };
+        if code != 0 {
+            return code;
+        }
+    }
+    0
+}
