@@ -1,9 +1,10 @@
-//! `cudaMalloc` and `cudaFree` (CUDA runtime ABI).
+//! `cudaMalloc` and `cudaFree` (CUDA runtime ABI), and two runtime functions forwarded as they
+//! are (see `cudaHostGetFlags`).
 #![allow(non_snake_case)] // the vendor ABI names these functions
 
 use super::guarded;
 use crate::device::Vendor;
-use crate::forward::{CUDA_FREE, CUDA_MALLOC};
+use crate::forward::{CUDA_FREE, CUDA_GET_LAST_ERROR, CUDA_HOST_GET_FLAGS, CUDA_MALLOC};
 use crate::{existing_saver, region, saver};
 use libc::{c_int, c_void};
 
@@ -81,4 +82,29 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
         },
         || ERROR_UNKNOWN,
     )
+}
+
+/// torch_memory_saver's libraries link the CUDA runtime, so callers look runtime functions up
+/// through their handle (its test suite does `CDLL(lib).cudaHostGetFlags` and `cudaGetLastError`
+/// to see whether a backup buffer is still pinned). This library loads the runtime at run time
+/// instead, so it exports those two as plain forwarders; in a preloaded hook they pass every call
+/// straight to the runtime.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaHostGetFlags(flags: *mut libc::c_uint, host: *mut c_void) -> c_int {
+    type HostGetFlagsFn = unsafe extern "C" fn(*mut libc::c_uint, *mut c_void) -> c_int;
+    match CUDA_HOST_GET_FLAGS.resolve(cudaHostGetFlags as *const () as usize) {
+        // SAFETY: the runtime's cudaHostGetFlags, with the caller's arguments.
+        Some(f) => unsafe { std::mem::transmute::<usize, HostGetFlagsFn>(f)(flags, host) },
+        None => ERROR_INITIALIZATION,
+    }
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaGetLastError() -> c_int {
+    type GetLastErrorFn = unsafe extern "C" fn() -> c_int;
+    match CUDA_GET_LAST_ERROR.resolve(cudaGetLastError as *const () as usize) {
+        // SAFETY: the runtime's cudaGetLastError.
+        Some(f) => unsafe { std::mem::transmute::<usize, GetLastErrorFn>(f)() },
+        None => ERROR_INITIALIZATION,
+    }
 }
