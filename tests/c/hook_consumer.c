@@ -627,6 +627,45 @@ static int disk_backup(const char *dir) {
   return 0;
 }
 
+/* Pause while a (simulated) kernel still runs on another stream and writes the allocation: the
+ * pause must wait for it (a GPU faults work whose memory is unmapped under it), so the backup
+ * holds the kernel's output and the stream ends without an error. */
+static int kernel_then_pause(void) {
+  region("train", 1);
+  void *p;
+  EXPECT(dev_malloc(&p, 8 * MiB), 0);
+  no_region();
+  dev_fill(p, 8 * MiB, 3);
+  void *stream = NULL;
+  EXPECT(CUDART(cudaStreamCreate)(&stream), 0);
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  int (*kernel)(void *, void *, size_t, int, unsigned) =
+      h ? (int (*)(void *, void *, size_t, int, unsigned))dlsym(h, "tms_sim_launch_kernel") : NULL;
+  EXPECT(kernel != NULL, 1);
+  EXPECT(kernel(stream, p, 8 * MiB, 0xAB, 300000), 0); /* 0.3 s of work, then the write */
+  tms_report r;
+  EXPECT(TMS(tms_pause_report)("train", &r), 0);
+  EXPECT(r.allocations_done, 1);
+  /* While paused: the backup holds the kernel's output, and the kernel ended without a fault. */
+  const unsigned char *bp = TMS(tms_get_cpu_backup_pointer)((const uint8_t *)p, 8 * MiB);
+  EXPECT(bp != NULL, 1);
+  size_t stale = 0;
+  for (size_t i = 0; i < 8 * MiB; i++) stale += bp[i] != 0xAB;
+  EXPECT(stale, 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(stream), 0);
+  EXPECT(TMS(tms_resume_report)("train", &r), 0);
+  unsigned char *back = malloc(8 * MiB);
+  EXPECT(dev_read(back, p, 8 * MiB), 0);
+  size_t wrong = 0;
+  for (size_t i = 0; i < 8 * MiB; i++) wrong += back[i] != 0xAB;
+  free(back);
+  EXPECT(wrong, 0);
+  EXPECT(CUDART(cudaStreamDestroy)(stream), 0);
+  EXPECT(dev_free(p), 0);
+  printf("kernel-pause ok\n");
+  return 0;
+}
+
 /* A thread that never made a context current (a weight-loading worker, say) allocates in a
  * region while a margin is set: the margin check must not reach the driver without a context. */
 static void *margin_alloc(void *arg) {
@@ -666,6 +705,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "churn")) return churn_for(argc > 3 ? atol(argv[3]) : 3);
   if (!strcmp(m, "no-driver")) return no_driver();
   if (!strcmp(m, "margin-thread")) return margin_thread();
+  if (!strcmp(m, "kernel-pause")) return kernel_then_pause();
   if (!strcmp(m, "disk-backup")) return disk_backup(argc > 3 ? argv[3] : "/tmp");
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;

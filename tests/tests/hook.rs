@@ -241,3 +241,12 @@ fn disk_backup_keeps_contents_in_a_file_and_survives_an_unreadable_one() {
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "{api}: files left behind");
     }
 }
+
+#[test]
+fn pause_waits_for_a_kernel_still_running_on_another_stream() {
+    // A simulated kernel writes the allocation 0.3 s after pause is called: a pause that does not
+    // synchronize the device backs up the old bytes and unmaps memory under the kernel (700).
+    let node = SimNode::new("1GiB");
+    let out = hooked(&node, Style::Linked, &["kernel-pause", "cuda"]);
+    assert!(out.contains("kernel-pause ok"), "{out}");
+}

@@ -320,6 +320,36 @@ pub mod introspect {
         })
     }
 
+    /// A simulated kernel (see include/tms_sim.h): `usec` of work on `stream`, then a fill of the
+    /// range, checked when it runs.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn tms_sim_launch_kernel(
+        stream: *mut libc::c_void,
+        dst: *mut libc::c_void,
+        bytes: usize,
+        value: libc::c_int,
+        usec: libc::c_uint,
+    ) -> i32 {
+        guard(1, || {
+            let s = sim();
+            let (stream, dst) = (stream as usize, dst as usize);
+            if !s.streams.exists(stream) || dst == 0 {
+                return 1;
+            }
+            if !matches!(s.classify(dst), crate::sim::PointerKind::Device(_)) {
+                return 1;
+            }
+            let job = Box::new(move || {
+                std::thread::sleep(std::time::Duration::from_micros(usec as u64));
+                match sim().kernel_fill(dst, value as u8, bytes) {
+                    Ok(()) => 0,
+                    Err(e) => crate::cuda_runtime::code_of(e),
+                }
+            });
+            s.streams.submit(stream, job).unwrap_or(1)
+        })
+    }
+
     /// Replaces the fault-injection rules (same syntax as TMS_SIM_FAIL; "" clears them) and
     /// restarts call counting. Returns 0, or 1 for a malformed spec (rules left unchanged).
     #[unsafe(no_mangle)]

@@ -327,6 +327,13 @@ impl Sim {
         }
     }
 
+    /// A simulated kernel's write: like a copy, it holds off whatever takes memory away while it
+    /// writes, and the range must be mapped with write access when it runs.
+    pub fn kernel_fill(&self, dst: usize, value: u8, n: usize) -> MemResult<()> {
+        let _running = self.copying.read().unwrap_or_else(|e| e.into_inner());
+        self.memset(dst, value, n)
+    }
+
     pub fn memset(&self, dst: usize, value: u8, n: usize) -> MemResult<()> {
         if dst == 0 {
             return Err(MemError::Invalid);
