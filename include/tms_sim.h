@@ -30,6 +30,11 @@ int tms_sim_stats(struct tms_sim_stats *out);
  * clears them) and restarts call counting. Returns 0, or 1 for a malformed spec. */
 int tms_sim_set_faults(const char *spec);
 
+/* Whether [ptr, ptr + len) is device memory mapped with read and write access: 1 yes, 0 no
+ * (paused, freed or partly unmapped), -1 not device memory. A query, not an access: it never
+ * faults (the CPU compute layer asks before it computes on device memory). */
+int tms_sim_range_accessible(const void *ptr, size_t len);
+
 /* A simulated kernel: queues on `stream` (a CUDA stream, or an ACL stream) work that runs for
  * `usec` microseconds and then writes `value` over [dst, dst + bytes) of device memory, as a
  * training step or a collective still running when someone pauses. The range is checked when the

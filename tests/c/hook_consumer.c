@@ -163,8 +163,12 @@ static int cycle(long cycles) {
     EXPECT(r.device_free_after - r.device_free_before, total);
     EXPECT(dev_free_mem() - free1, total);
     if (c == 0) {
-      unsigned char b;
-      EXPECT(dev_read(&b, p[0], 1), ILLEGAL); /* paused memory is not there */
+      /* Paused memory is not there. On CUDA touching it is a sticky fault that ends the context
+       * (sim::a_device_fault_is_sticky); the Ascend runtime reports it per call. */
+      if (use_acl) {
+        unsigned char b;
+        EXPECT(dev_read(&b, p[0], 1), ILLEGAL);
+      }
       EXPECT(TMS(tms_pause_report)("weights", &r), 0); /* idempotent */
       EXPECT(r.allocations_done, 0);
       EXPECT(r.allocations_skipped, NALLOC);

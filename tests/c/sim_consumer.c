@@ -97,7 +97,6 @@ static int cuda_vmm(void) {
   EXPECT(CUDRV(cuMemRelease)(h), 0);
   size_t free2 = cuda_free_now();
   EXPECT(free2 - free1, size);
-  EXPECT(CUDART(cudaMemcpy)(host, (void *)va, 16, 2), 700); /* unmapped: a device fault */
   /* resume at the same address */
   EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
   EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
@@ -237,6 +236,32 @@ static void *acl_no_device_thread(void *out) {
   size_t f, t;
   *(int *)out = ACL(aclrtGetMemInfo)(1, &f, &t);
   return NULL;
+}
+
+/* A copy from an unmapped range is a device fault, and it is sticky: the context is dead, every
+ * later call that needs it fails with 700 and cudaGetLastError keeps returning it; queries that
+ * need no context still answer. */
+static int cuda_sticky_fault(void) {
+  EXPECT(CUDART(cudaSetDevice)(0), 0);
+  void *plain = NULL;
+  EXPECT(CUDART(cudaMalloc)(&plain, 1 * MiB), 0);
+  EXPECT(CUDRV(cuInit)(0), 0);
+  size_t size = 2 * MiB;
+  CUdeviceptr va = 0;
+  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
+  unsigned char host[16];
+  EXPECT(CUDART(cudaMemcpy)(host, (void *)va, 16, 2), 700); /* reserved, never mapped */
+  void *p = NULL;
+  EXPECT(CUDART(cudaMalloc)(&p, 1 * MiB), 700);
+  EXPECT(CUDART(cudaFree)(plain), 700);
+  EXPECT(CUDART(cudaGetLastError)(), 700);
+  EXPECT(CUDART(cudaGetLastError)(), 700); /* not cleared */
+  size_t f = 0, t = 0;
+  EXPECT(CUDRV(cuMemGetInfo_v2)(&f, &t), 700);
+  int n = 0;
+  EXPECT(CUDART(cudaGetDeviceCount)(&n), 0);
+  printf("sticky ok\n");
+  return 0;
 }
 
 static int acl_errors(void) {
@@ -436,6 +461,7 @@ int tms_test_main(int argc, char **argv) {
   const char *m = argv[1];
   if (!strcmp(m, "cuda-vmm")) return cuda_vmm();
   if (!strcmp(m, "cuda-errors")) return cuda_errors();
+  if (!strcmp(m, "cuda-sticky")) return cuda_sticky_fault();
   if (!strcmp(m, "acl-vmm")) return acl_vmm();
   if (!strcmp(m, "acl-errors")) return acl_errors();
   if (!strcmp(m, "hold") && argc == 4) return hold(argv[2], atol(argv[3]));

@@ -194,3 +194,15 @@ fn docs_list_the_runtime_surface_as_exported() {
         }
     }
 }
+
+#[test]
+fn a_device_fault_is_sticky() {
+    // On a GPU an illegal address kills the context: later calls fail until the process exits.
+    for style in STYLES {
+        let node = SimNode::new("256MiB");
+        let mut argv = c_program("sim_consumer", style);
+        argv.push("cuda-sticky".into());
+        let out = run_ok(&mut node.command(&argv));
+        assert!(out.contains("sticky ok"), "{style:?}: {out}");
+    }
+}

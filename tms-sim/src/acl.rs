@@ -69,6 +69,7 @@ fn result(r: Result<(), MemError>) -> i32 {
 }
 
 fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
+    crate::sim::ACL_IN_USE.store(true, std::sync::atomic::Ordering::Relaxed);
     guard(RT_INTERNAL_ERROR, || fault::check(name, RT_MEMORY_ALLOCATION).unwrap_or_else(body))
 }
 

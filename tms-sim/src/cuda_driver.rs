@@ -79,6 +79,10 @@ fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
         if !DRIVER_INIT.load(Ordering::Acquire) {
             return NOT_INITIALIZED;
         }
+        // A context that met an illegal address is dead: every call fails with that code.
+        if let Some(code) = crate::sim::current_cuda_fault() {
+            return code;
+        }
         fault::check(name, OUT_OF_MEMORY).unwrap_or_else(body)
     })
 }

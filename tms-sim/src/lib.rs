@@ -320,6 +320,22 @@ pub mod introspect {
         })
     }
 
+    /// Whether `[ptr, ptr + len)` is device memory mapped with read and write access: 1 yes, 0 no
+    /// (paused, freed or partly unmapped), -1 not device memory. Never faults (see tms_sim.h).
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn tms_sim_range_accessible(ptr: *const libc::c_void, len: usize) -> i32 {
+        guard(-1, || {
+            let mem = sim().mem.read().unwrap_or_else(|e| e.into_inner());
+            if mem.device_of(ptr as usize).is_none() {
+                return -1;
+            }
+            match mem.device_range(ptr as usize, len, true) {
+                Ok(Some(_)) => 1,
+                _ => 0,
+            }
+        })
+    }
+
     /// A simulated kernel (see include/tms_sim.h): `usec` of work on `stream`, then a fill of the
     /// range, checked when it runs.
     #[unsafe(no_mangle)]

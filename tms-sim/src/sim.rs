@@ -45,6 +45,8 @@ pub enum PointerKind {
 }
 
 static SIM: OnceLock<Sim> = OnceLock::new();
+/// Set once an ACL call has run in this process (stickiness is a CUDA rule here).
+pub static ACL_IN_USE: AtomicBool = AtomicBool::new(false);
 /// Set by cuInit and by any runtime call (the runtime initializes the driver implicitly).
 pub static DRIVER_INIT: AtomicBool = AtomicBool::new(false);
 
@@ -75,6 +77,34 @@ pub fn mark_primary_active(dev: usize) {
 
 pub fn primary_active(dev: usize) -> bool {
     PRIMARY_ACTIVE.get(dev).is_some_and(|f| f.load(Ordering::Relaxed))
+}
+
+/// A device fault (an illegal address met by a copy, memset or kernel on a CUDA device) is sticky:
+/// the context is dead and every later CUDA call of the process on that device fails with the
+/// same code, as on a GPU. 0: no fault.
+static STICKY: [std::sync::atomic::AtomicI32; crate::config::MAX_DEVICES] =
+    [const { std::sync::atomic::AtomicI32::new(0) }; crate::config::MAX_DEVICES];
+
+/// The sticky fault of the calling thread's CUDA device (its current context's, else the
+/// runtime's device), if any.
+pub fn current_cuda_fault() -> Option<i32> {
+    let dev = match CUDA_CTX.with(|c| c.get()) {
+        0 => RT_DEVICE.with(|d| d.get()),
+        n => n - 1,
+    };
+    sticky_fault(dev)
+}
+
+/// The sticky fault of `dev`'s context, if it has one.
+pub fn sticky_fault(dev: usize) -> Option<i32> {
+    let code = STICKY.get(dev)?.load(Ordering::Acquire);
+    (code != 0).then_some(code)
+}
+
+fn record_fault(dev: usize) {
+    if let Some(slot) = STICKY.get(dev) {
+        let _ = slot.compare_exchange(0, crate::cuda_runtime::ILLEGAL_ADDRESS, Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 pub fn ctx_handle(tokens: &'static [u8], dev: usize) -> *mut libc::c_void {
@@ -270,6 +300,29 @@ impl Sim {
     }
 
     pub fn copy_now(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
+        self.copy_unchecked(dst, src, n, kind).inspect_err(|e| self.on_fault(*e, &[dst, src]))
+    }
+
+    /// A device that meets an illegal address while moving bytes kills its context (sticky).
+    /// Only the CUDA side: the Ascend runtime reports such faults per call.
+    fn on_fault(&self, e: MemError, addrs: &[usize]) {
+        if e != MemError::IllegalAddress || !self.cuda_faults_sticky() {
+            return;
+        }
+        let mem = self.read();
+        for &a in addrs {
+            if let Some(dev) = mem.device_of(a) {
+                record_fault(dev);
+            }
+        }
+    }
+
+    /// Stickiness applies to processes on the CUDA API (the ACL front end has no such rule here).
+    fn cuda_faults_sticky(&self) -> bool {
+        CUDA_CTX.with(|c| c.get()) != 0 || !ACL_IN_USE.load(Ordering::Relaxed)
+    }
+
+    fn copy_unchecked(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
         if n == 0 {
             return Ok(());
         }
@@ -335,6 +388,10 @@ impl Sim {
     }
 
     pub fn memset(&self, dst: usize, value: u8, n: usize) -> MemResult<()> {
+        self.memset_unchecked(dst, value, n).inspect_err(|e| self.on_fault(*e, &[dst]))
+    }
+
+    fn memset_unchecked(&self, dst: usize, value: u8, n: usize) -> MemResult<()> {
         if dst == 0 {
             return Err(MemError::Invalid);
         }

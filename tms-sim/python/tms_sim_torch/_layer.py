@@ -115,10 +115,16 @@ def _sync(dev_index):
 
 
 def _check_range(ptr, nbytes):
-    # A device-to-device copy of the first and of the last byte onto itself: the simulator checks
-    # the range is mapped with access (a paused allocation gives cudaErrorIllegalAddress, 700).
+    # Asks the simulator whether the range is mapped with access (a query: touching it with a copy
+    # would be a sticky device fault that ends the context, as on a GPU).
+    accessible = getattr(_rt, "tms_sim_range_accessible", None)
+    if accessible is not None:
+        accessible.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        accessible.restype = ctypes.c_int
     for p in (ptr, ptr + nbytes - 1):
-        rc = _memcpy(p, p, 1, 3)
+        rc = 0 if accessible is not None and accessible(p, 1) == 1 else 700
+        if accessible is None:
+            rc = _memcpy(p, p, 1, 3)
         if rc:
             raise LayerError(
                 f"CUDA error {rc} (an illegal memory access was encountered): device memory at {p:#x} "

@@ -71,8 +71,27 @@ fn enter() -> usize {
 /// Runs a runtime call: panics become cudaErrorUnknown, failures are recorded for
 /// cudaGetLastError, and injected faults are honoured.
 fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
-    rt(guard(UNKNOWN, || fault::check(name, MEMORY_ALLOCATION).unwrap_or_else(body)))
+    rt(guard(UNKNOWN, || {
+        // A context that met an illegal address is dead: every call that uses it fails with that
+        // code (queries of devices and versions, which need no context, still answer).
+        if let Some(code) = crate::sim::current_cuda_fault()
+            && !NEEDS_NO_CONTEXT.contains(&name)
+        {
+            return code;
+        }
+        fault::check(name, MEMORY_ALLOCATION).unwrap_or_else(body)
+    }))
 }
+
+/// Runtime calls that still answer after a sticky fault.
+const NEEDS_NO_CONTEXT: &[&str] = &[
+    "cudaGetDevice",
+    "cudaGetDeviceCount",
+    "cudaGetDeviceProperties",
+    "cudaDeviceGetAttribute",
+    "cudaDeviceGetPCIBusId",
+    "cudaPointerGetAttributes",
+];
 
 fn result(r: Result<(), MemError>) -> i32 {
     r.map_or_else(code_of, |()| SUCCESS)
@@ -99,12 +118,14 @@ pub(crate) fn not_supported(name: &str) -> i32 {
     rt(NOT_SUPPORTED)
 }
 
+/// The last error, cleared, unless the context holds a sticky fault, which stays.
 pub unsafe extern "C" fn cuda_get_last_error() -> i32 {
-    LAST_ERROR.with(|e| e.replace(SUCCESS))
+    let last = LAST_ERROR.with(|e| e.replace(SUCCESS));
+    crate::sim::current_cuda_fault().unwrap_or(last)
 }
 
 pub unsafe extern "C" fn cuda_peek_at_last_error() -> i32 {
-    LAST_ERROR.with(|e| e.get())
+    crate::sim::current_cuda_fault().unwrap_or_else(|| LAST_ERROR.with(|e| e.get()))
 }
 
 const ERRORS: &[(i32, &std::ffi::CStr, &std::ffi::CStr)] = &[
