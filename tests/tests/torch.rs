@@ -94,3 +94,8 @@ fn hook_under_real_torch_and_torch_memory_saver_package() {
 fn cpu_compute_layer_matches_the_cpu_exactly() {
     pytest_on_simulator("tms-sim/python/tests/test_cpu_layer.py");
 }
+
+#[test]
+fn cuda_graphs_capture_and_replay_through_the_layer() {
+    pytest_on_simulator("tms-sim/python/tests/test_cuda_graphs.py");
+}

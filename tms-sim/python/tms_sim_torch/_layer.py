@@ -20,6 +20,10 @@ stay on the simulated device, so the caching allocator, MemPools, streams and me
 see exactly what they see on a GPU. Random numbers come from CPU generators (see "Random numbers"
 below). CUDA-only ops without a CPU kernel run a Python decomposition from torch._decomp where
 there is one; the others keep their CUDA kernel, whose launch fails and raises.
+
+While the op's stream captures a CUDA graph, nothing is computed: the kernel determines the
+results' layout without computing, allocates them, and records the computation as a host-function
+node that each `graph.replay()` runs on the captured memory (see `_graphs`).
 """
 
 import collections
@@ -30,6 +34,8 @@ import warnings
 
 import torch
 import torch._decomp
+
+from . import _graphs
 
 _CPU = torch.device("cpu")
 _Tensor = torch.Tensor
@@ -104,11 +110,16 @@ def _init_runtime(rt):
     _memcpy = rt.cudaMemcpy
     _memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     _memcpy.restype = ctypes.c_int
+    _graphs.init(rt)
+    _graphs.install_torch_hooks()
 
 
 def _sync(dev_index):
     s = _raw_stream(dev_index)
     if s > 2:  # 0, 1 and 2 are the default stream, which the simulator runs synchronously
+        if _graphs.runtime.capturing(s):
+            # Nothing computes while the stream captures: the kernel records the op instead.
+            raise _graphs.Capturing(s, dev_index)
         rc = _stream_sync(s)
         if rc:
             raise RuntimeError(f"CUDA error {rc}: reported by the current stream before a CPU-computed op")
@@ -388,36 +399,41 @@ def _make_kernel(op, spec, impl=None):
                 if v is not None:
                     d = torch.device(v) if not isinstance(v, torch.device) else v
                     if d.type == "cuda":
+                        idx = d.index if d.index is not None else torch.cuda.current_device()
                         if call.device is None:
-                            idx = d.index if d.index is not None else torch.cuda.current_device()
                             call.device = torch.device("cuda", idx)
+                        if idx not in call.synced:
+                            _sync(idx)
+                            call.synced = call.synced + (idx,)
                         where[key] = _CPU
             elif v is not None:  # an explicit generator (None: the CPU default generator)
                 gen_slot = (where, key, v)
         return args, gen_slot
 
-    def run(args, kwargs, gen_slot):
-        if gen_slot is not None:
-            where, key, g = gen_slot
-            if g.device.type != "cuda":
-                raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{g.device.type}'")
-            rng = _explicit_rng
-            with rng.lock:
-                k = rng.enter(g)
-                where[key] = rng.gen
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    rng.leave(g, k)
-        return fn(*args, **kwargs)
-
     def kernel(*args, **kwargs):
+        if _graphs.pending is not None:
+            _graphs.raise_pending()
         call = _Call()
         ckwargs = dict(kwargs) if kwargs else {}
-        cargs, gen_slot = convert(call, args, ckwargs)
+        try:
+            cargs, gen_slot = convert(call, args, ckwargs)
+        except _graphs.Capturing as e:
+            stop = e
+        else:
+            stop = None
+        if stop is not None:  # the stream captures: record the op, compute at replay
+            if impl is not None:
+                return impl(*args, **kwargs)  # a decomposition: its ops are captured one by one
+            try:
+                return _graphs.capture(op, spec, fn, args, kwargs, stop)
+            except _graphs.CaptureError:
+                raise
+            except Exception as e:
+                _add_note(e, op)
+                raise
         try:
             try:
-                result = run(cargs, ckwargs, gen_slot)
+                result = _run(fn, cargs, ckwargs, gen_slot)
             except RuntimeError as e:
                 if not has_written or "not resizable" not in str(e):
                     raise
@@ -426,7 +442,7 @@ def _make_kernel(op, spec, impl=None):
                 call = _Call()
                 ckwargs = dict(kwargs)
                 cargs, gen_slot = convert(call, args, ckwargs, resizable=True)
-                result = run(cargs, ckwargs, gen_slot)
+                result = _run(fn, cargs, ckwargs, gen_slot)
         except Exception as e:
             _add_note(e, op)
             raise
@@ -436,6 +452,24 @@ def _make_kernel(op, spec, impl=None):
 
     kernel.__name__ = f"tms_sim_cpu_{op.__name__}"
     return kernel
+
+
+def _run(fn, args, kwargs, gen_slot):
+    """fn(*args, **kwargs) on CPU aliases; an explicit CUDA generator at gen_slot (where, key,
+    generator) draws from its CPU stand-in (see "Random numbers")."""
+    if gen_slot is not None:
+        where, key, g = gen_slot
+        if g.device.type != "cuda":
+            raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{g.device.type}'")
+        rng = _explicit_rng
+        with rng.lock:
+            k = rng.enter(g)
+            where[key] = rng.gen
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rng.leave(g, k)
+    return fn(*args, **kwargs)
 
 
 def _propagate(call, a):
@@ -499,9 +533,19 @@ def _copy_kernel(dst, src, non_blocking=False):
             and dst.is_neg() == src.is_neg()
         ):
             return _copy_op.redispatch(_CPU_KEYSET, dst, src, non_blocking)
+        if _graphs.pending is not None:
+            _graphs.raise_pending()
         call = _Call()
         try:
-            call.alias(dst).copy_(call.alias(src))
+            stop = None
+            try:
+                call.alias(dst).copy_(call.alias(src))
+            except _graphs.Capturing as e:
+                stop = e
+            if stop is not None:  # the stream captures: record the copy, run it at replay
+                _graphs.capture(_copy_op, _copy_spec, _copy_op, (dst, src, non_blocking), {}, stop)
+        except _graphs.CaptureError:
+            raise
         except Exception as e:
             _add_note(e, "aten.copy_.default")
             raise
@@ -510,6 +554,7 @@ def _copy_kernel(dst, src, non_blocking=False):
 
 
 _copy_op = torch.ops.aten.copy_.default
+_copy_spec = _spec(_copy_op)
 
 
 def _fused_sdp_choice_kernel(*args, **kwargs):
