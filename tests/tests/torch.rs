@@ -91,6 +91,11 @@ fn hook_under_real_torch_and_torch_memory_saver_package() {
 }
 
 #[test]
+fn sglang_and_slime_call_sequences_with_ours_and_upstream() {
+    pytest("test_frameworks.py");
+}
+
+#[test]
 fn cpu_compute_layer_matches_the_cpu_exactly() {
     pytest_on_simulator("tms-sim/python/tests/test_cpu_layer.py");
 }

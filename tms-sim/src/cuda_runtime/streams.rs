@@ -175,6 +175,9 @@ pub unsafe extern "C" fn cuda_stream_add_callback(
 
 pub unsafe extern "C" fn cuda_stream_is_capturing(stream: *mut c_void, status: *mut c_int) -> i32 {
     call("cudaStreamIsCapturing", || {
+        // Like most runtime calls it makes the device's primary context current (torch calls it
+        // right before cudaMalloc, from any thread, including autograd's workers).
+        enter();
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
@@ -194,6 +197,7 @@ pub unsafe extern "C" fn cuda_stream_get_capture_info(
     count: *mut usize,
 ) -> i32 {
     call("cudaStreamGetCaptureInfo", || {
+        enter();
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
