@@ -64,6 +64,7 @@ fn pytest_on_simulator(file: &str) {
         .env("PYTHONPATH", ws.root.join("tms-sim/python"))
         .env("TMS_SIM_NODE", format!("torch-layer-{}", std::process::id()))
         .env("TMS_SIM_DIR", scratch.path())
+        .env("TMS_TEST_HOOK", ws.hook())
         // Two cores: one kernel thread each avoids oversubscription in the CPU-computed ops.
         .env("OMP_NUM_THREADS", "1")
         .env_remove("LD_PRELOAD")

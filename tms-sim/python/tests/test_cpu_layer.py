@@ -477,7 +477,9 @@ def test_memory_saver_pause_resume():
     """Computing across tms pause/resume (torch mode of libtms_hook.so, if built): values survive
     through the CPU backup, and an op on paused memory raises instead of faulting."""
     root = os.path.dirname(os.path.dirname(PYDIR))
-    hooks = [os.path.join(root, "target", p, "libtms_hook.so") for p in ("debug", "release")]
+    # The harness names the hook it built (its target folder may be elsewhere: CARGO_TARGET_DIR).
+    hooks = [os.environ.get("TMS_TEST_HOOK", "")]
+    hooks += [os.path.join(root, "target", p, "libtms_hook.so") for p in ("debug", "release")]
     hook = next((h for h in hooks if os.path.isfile(h)), None)
     if hook is None or not os.path.isdir(os.path.join(root, "python", "tms")):
         pytest.skip("libtms_hook.so or the tms package is not built")

@@ -306,7 +306,9 @@ def test_memory_saver_pause_resume_between_replays():
     region's tensor replays correctly after pause/resume and a refill; a replay while the region
     is paused reports the illegal access at the next op instead of faulting."""
     root = os.path.dirname(os.path.dirname(PYDIR))
-    hooks = [os.path.join(root, "target", p, "libtms_hook.so") for p in ("debug", "release")]
+    # The harness names the hook it built (its target folder may be elsewhere: CARGO_TARGET_DIR).
+    hooks = [os.environ.get("TMS_TEST_HOOK", "")]
+    hooks += [os.path.join(root, "target", p, "libtms_hook.so") for p in ("debug", "release")]
     hook = next((h for h in hooks if os.path.isfile(h)), None)
     if hook is None or not os.path.isdir(os.path.join(root, "python", "tms")):
         pytest.skip("libtms_hook.so or the tms package is not built")
