@@ -201,10 +201,7 @@ def region(tag="default", enable_cpu_backup=False):
     lib.tms_set_interesting_region(True)
     lib.tms_set_enable_cpu_backup(bool(enable_cpu_backup))
     try:
-        if _mode == "torch":
-            with _torch_pool():
-                yield
-        else:
+        with _region_pool((tag, bool(enable_cpu_backup))):
             yield
     finally:
         lib.tms_set_interesting_region(prev[0])
@@ -219,7 +216,8 @@ def disable():
     prev = lib.tms_get_interesting_region()
     lib.tms_set_interesting_region(False)
     try:
-        yield
+        with _region_pool(None):
+            yield
     finally:
         lib.tms_set_interesting_region(prev)
 
@@ -325,25 +323,57 @@ def _sync_torch():
             mod.synchronize()
 
 
-_pool_state = threading.local()
+# One torch MemPool per (tag, backup flag, device), as torch_memory_saver keeps: PyTorch's caching
+# allocator must never hand a cached block of one region to another region, or to code outside
+# regions, or a pause would release memory a live tensor of another tag still uses (or miss memory
+# it should release). disable() gets a fresh pool each time, as upstream's does.
+_pools = {}
+_pools_lock = threading.Lock()
+_allocator = None
 
 
-@contextlib.contextmanager
-def _torch_pool():
-    """Torch mode: route this block's allocations through tms_torch_malloc/tms_torch_free."""
-    torch = _torch()
-    mod = _device_module()
-    allocator = getattr(_pool_state, "allocator", None)
-    if allocator is None:
+def _torch_allocator(mod):
+    """Torch mode: the pluggable allocator over tms_torch_malloc/tms_torch_free (one per process)."""
+    global _allocator
+    if _allocator is None:
+        torch = _torch()
         if mod is torch.cuda:
-            allocator = torch.cuda.memory.CUDAPluggableAllocator(_path, "tms_torch_malloc", "tms_torch_free")
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(_path, "tms_torch_malloc", "tms_torch_free")
         else:
             import torch_npu  # noqa: F401,PLC0415
 
-            allocator = torch_npu.npu.memory.NPUPluggableAllocator(_path, "tms_torch_malloc", "tms_torch_free")
-        _pool_state.allocator = allocator
-        _pool_state.pool = mod.MemPool(allocator.allocator())
-    with mod.use_mem_pool(_pool_state.pool):
+            _allocator = torch_npu.npu.memory.NPUPluggableAllocator(_path, "tms_torch_malloc", "tms_torch_free")
+    return _allocator
+
+
+@contextlib.contextmanager
+def _region_pool(key):
+    """Routes the block's allocations through the MemPool of `key` (None: a fresh pool). In preload
+    mode nothing is done for programs that never imported torch (the hook sees cudaMalloc itself);
+    without torch at all, nothing is done either."""
+    import sys
+
+    if "torch" not in sys.modules:
+        # Preload mode: a program without torch needs no pool. Torch mode: allocations only go
+        # through torch, so import it if it is there at all.
+        try:
+            if _mode != "torch":
+                raise ImportError
+            _torch()
+        except ImportError:
+            yield
+            return
+    mod = _device_module()
+    if not mod.is_available():
+        yield
+        return
+    with _pools_lock:
+        pool = _pools.get((key, mod.current_device())) if key is not None else None
+        if pool is None:
+            pool = mod.MemPool(_torch_allocator(mod).allocator()) if _mode == "torch" else mod.MemPool()
+            if key is not None:
+                _pools[(key, mod.current_device())] = pool
+    with mod.use_mem_pool(pool):
         yield
 
 

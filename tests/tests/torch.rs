@@ -92,6 +92,11 @@ fn hook_under_real_torch_and_torch_memory_saver_package() {
 }
 
 #[test]
+fn our_python_package_isolates_regions_in_pytorch() {
+    pytest("test_tms_package.py");
+}
+
+#[test]
 fn sglang_and_slime_call_sequences_with_ours_and_upstream() {
     pytest("test_frameworks.py");
 }
