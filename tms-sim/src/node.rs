@@ -80,7 +80,11 @@ impl Node {
     /// Device usage as a free-memory query reports it: a device frees a process's memory when it
     /// dies, so the usage of dead processes is reclaimed first.
     pub fn used_now(&self, dev: usize) -> u64 {
-        reclaim_dead(self.state);
+        // Cheap first: one kill(pid, 0) per attached process; the full check (start times read
+        // from /proc) runs only when one of them is gone.
+        if any_gone(self.state) {
+            reclaim_dead(self.state);
+        }
         self.used(dev)
     }
 
@@ -311,6 +315,21 @@ fn reclaim_dead(state: &NodeState) -> usize {
         reclaimed += 1;
     }
     reclaimed
+}
+
+/// Whether some attached process no longer exists (a pid reused by another process is left to
+/// the full check of `reclaim_dead`, which runs on attach and before refusing an allocation).
+fn any_gone(state: &NodeState) -> bool {
+    let me = std::process::id();
+    state.slots.iter().any(|slot| {
+        let pid = slot.pid.load(Ordering::Acquire);
+        if pid == 0 || pid == RECLAIMING || pid == me {
+            return false;
+        }
+        // SAFETY: signal 0 only checks for existence.
+        let missing = unsafe { libc::kill(pid as libc::pid_t, 0) } != 0;
+        missing && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    })
 }
 
 fn is_alive(pid: u32, start_time: u64) -> bool {
