@@ -58,32 +58,20 @@ pub fn workspace() -> &'static Workspace {
         let bin_dir = target.join(if release { "release" } else { "debug" });
         let c_out = target.join("tms-e2e");
         std::fs::create_dir_all(&c_out).unwrap();
-        let sim_dir = c_out.join("sim-lib");
-        std::fs::create_dir_all(&sim_dir).unwrap();
-        for name in [
-            "libcudart.so.12",
-            "libcudart.so.13",
-            "libcudart.so",
-            "libcuda.so.1",
-            "libcuda.so",
-            "libascendcl.so",
-            "libnvidia-ml.so.1",
-        ] {
-            replace_symlink(&bin_dir.join("libtms_sim.so"), &sim_dir.join(name));
-        }
+        // The simulator's own CLI lays out its runtime-named links, as users get them.
+        let out = Command::new(bin_dir.join("tms-sim"))
+            .args(["lib-dir", "--lib"])
+            .arg(&bin_dir)
+            .output()
+            .expect("run tms-sim lib-dir");
+        assert!(out.status.success(), "tms-sim lib-dir failed: {}", String::from_utf8_lossy(&out.stderr));
+        let sim_dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
         let stub_dir = c_out.join("stubs");
         std::fs::create_dir_all(&stub_dir).unwrap();
         let ws = Workspace { root, bin_dir, sim_dir, c_out, stub_dir };
         build_stubs(&ws);
         ws
     })
-}
-
-fn replace_symlink(target: &Path, link: &Path) {
-    let tmp = link.with_extension(format!("tmp{}", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(target, &tmp).unwrap();
-    std::fs::rename(&tmp, link).unwrap();
 }
 
 /// The vendor functions vendor.h declares, by library.

@@ -133,6 +133,15 @@ pub fn warn(msg: &str) {
     eprintln!("tms-sim: {msg}");
 }
 
+/// Says that an entry point the simulator does not implement was called, once per name.
+pub fn warn_not_supported(name: &str, code_name: &str) {
+    static SAID: std::sync::Mutex<Option<std::collections::HashSet<String>>> = std::sync::Mutex::new(None);
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if said.get_or_insert_with(Default::default).insert(name.to_string()) {
+        warn(&format!("{name} is not supported by the simulator ({code_name})"));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_size;

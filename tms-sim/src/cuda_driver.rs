@@ -197,11 +197,7 @@ pub unsafe extern "C" fn cu_device_primary_ctx_get_state(dev: c_int, flags: *mut
 /// The answer of every driver entry point the simulator does not implement:
 /// CUDA_ERROR_NOT_SUPPORTED, and one log line per name.
 pub(crate) fn not_supported(name: &str) -> i32 {
-    static SAID: std::sync::Mutex<Option<std::collections::HashSet<String>>> = std::sync::Mutex::new(None);
-    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
-    if said.get_or_insert_with(Default::default).insert(name.to_string()) {
-        crate::config::warn(&format!("{name} is not supported by the simulator (CUDA_ERROR_NOT_SUPPORTED)"));
-    }
+    crate::config::warn_not_supported(name, "CUDA_ERROR_NOT_SUPPORTED");
     NOT_SUPPORTED
 }
 

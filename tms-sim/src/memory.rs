@@ -218,6 +218,23 @@ pub struct MemCounts {
     pub resident: u64,
 }
 
+/// A fresh read/write shared view of `len` bytes at `offset` of a device pool (ours, or another
+/// process's opened for IPC), at an address the kernel picks.
+fn map_view(fd: libc::c_int, offset: u64, len: usize) -> Option<usize> {
+    // SAFETY: a new mapping at no fixed address; it replaces nothing.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as usize)
+}
+
 pub fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
 }
@@ -480,23 +497,12 @@ impl Memory {
         if self.commit {
             PageWork::Commit { fd: self.pool.fd, offset, len: len as u64 }.run();
         }
-        // SAFETY: a fresh shared view of a pool range we just took.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                self.pool.fd,
-                offset as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
+        let Some(p) = map_view(self.pool.fd, offset, len) else {
             self.pool.free(offset, len as u64);
             return Err(MemError::Host);
-        }
-        self.plain.insert(p as usize, Plain { len, device, offset });
-        Ok(p as usize)
+        };
+        self.plain.insert(p, Plain { len, device, offset });
+        Ok(p)
     }
 
     pub fn plain_free(&mut self, addr: usize) -> MemResult<Freed> {
@@ -525,22 +531,9 @@ impl Memory {
     /// Maps `len` bytes at `offset` of another process's device pool (an fd opened from
     /// /proc/PID/fd), as device memory of `device`.
     pub fn ipc_import(&mut self, fd: libc::c_int, offset: u64, len: usize, device: usize) -> MemResult<usize> {
-        // SAFETY: a fresh shared mapping of a range of the exporter's pool.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                offset as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(MemError::Host);
-        }
-        self.imported.insert(p as usize, (len, device));
-        Ok(p as usize)
+        let p = map_view(fd, offset, len).ok_or(MemError::Host)?;
+        self.imported.insert(p, (len, device));
+        Ok(p)
     }
 
     pub fn ipc_close(&mut self, addr: usize) -> MemResult<()> {

@@ -473,22 +473,10 @@ def test_ops_the_layer_cannot_run_raise():
     same(a.float().sum(), a.cpu().float().sum())
 
 
-def test_memory_saver_pause_resume():
+def test_memory_saver_pause_resume(tms_torch_mode):
     """Computing across tms pause/resume (torch mode of libtms_hook.so, if built): values survive
     through the CPU backup, and an op on paused memory raises instead of faulting."""
-    root = os.path.dirname(os.path.dirname(PYDIR))
-    # The harness names the hook it built (its target folder may be elsewhere: CARGO_TARGET_DIR).
-    hooks = [os.environ.get("TMS_TEST_HOOK", "")]
-    hooks += [os.path.join(root, "target", p, "libtms_hook.so") for p in ("debug", "release")]
-    hook = next((h for h in hooks if os.path.isfile(h)), None)
-    if hook is None or not os.path.isdir(os.path.join(root, "python", "tms")):
-        pytest.skip("libtms_hook.so or the tms package is not built")
-    os.environ.setdefault("TMS_LIBRARY", hook)
-    sys.path.insert(0, os.path.join(root, "python"))
-    import tms
-
-    if tms.hook_mode() != "torch":
-        pytest.skip("the hook is preloaded; this test uses torch mode")
+    tms = tms_torch_mode
     with tms.region("cpu-layer-test", enable_cpu_backup=True):
         w = torch.arange(1 << 18, dtype=torch.float32, device="cuda") * 3
     view = w[1::2]

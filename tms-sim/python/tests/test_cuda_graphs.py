@@ -301,26 +301,13 @@ def test_replay_on_paused_memory_reports_at_the_next_op():
 
 
 @needs_capture
-def test_memory_saver_pause_resume_between_replays():
+def test_memory_saver_pause_resume_between_replays(tms_torch_mode):
     """torch_memory_saver's flow with libtms_hook.so (torch mode, if built): a graph reading a
     region's tensor replays correctly after pause/resume and a refill; a replay while the region
     is paused reports the illegal access at the next op instead of faulting."""
-    root = os.path.dirname(os.path.dirname(PYDIR))
-    # The harness names the hook it built (its target folder may be elsewhere: CARGO_TARGET_DIR).
-    hooks = [os.environ.get("TMS_TEST_HOOK", "")]
-    hooks += [os.path.join(root, "target", p, "libtms_hook.so") for p in ("debug", "release")]
-    hook = next((h for h in hooks if os.path.isfile(h)), None)
-    if hook is None or not os.path.isdir(os.path.join(root, "python", "tms")):
-        pytest.skip("libtms_hook.so or the tms package is not built")
-    os.environ.setdefault("TMS_LIBRARY", hook)
-    sys.path.insert(0, os.path.join(root, "python"))
-    import tms
-
-    if tms.hook_mode() != "torch":
-        pytest.skip("the hook is preloaded; this test uses torch mode")
+    tms = tms_torch_mode
     with tms.region("graph-test-kv"):
-        # 4 MiB: a segment of the caching allocator's large pool, which the small allocations of
-        # other tests' regions (tms's torch mode shares one pool among tags) do not reuse.
+        # 4 MiB: a segment of the caching allocator's large pool, of this tag's own pool.
         kv = torch.full((1 << 20,), 1.0, device="cuda")
     x = torch.zeros(4, device="cuda")
     g = torch.cuda.CUDAGraph()

@@ -94,22 +94,23 @@ def _runtime():
 
 _rt = None
 _stream_sync = None
-_memcpy = None
-# Before computing on device memory, ask the simulator whether its first and last byte are mapped
-# with access (2 calls per storage and op): memory the memory saver has paused then raises
-# cudaErrorIllegalAddress like a copy would, instead of the process faulting on the access.
+_range_accessible = None
+# Before computing on device memory, ask the simulator whether the whole range is mapped with
+# access (one query per storage and op): memory the memory saver has paused then raises
+# cudaErrorIllegalAddress, instead of the process faulting on the access. A query, not a touch:
+# touching unmapped memory with a copy would be a sticky device fault that ends the context.
 _CHECK = os.environ.get("TMS_SIM_TORCH_CHECK", "1") != "0"
 
 
 def _init_runtime(rt):
-    global _rt, _stream_sync, _memcpy
+    global _rt, _stream_sync, _range_accessible
     _rt = rt
     _stream_sync = rt.cudaStreamSynchronize
     _stream_sync.argtypes = [ctypes.c_void_p]
     _stream_sync.restype = ctypes.c_int
-    _memcpy = rt.cudaMemcpy
-    _memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _memcpy.restype = ctypes.c_int
+    _range_accessible = rt.tms_sim_range_accessible
+    _range_accessible.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _range_accessible.restype = ctypes.c_int
     _graphs.init(rt)
     _graphs.install_torch_hooks()
 
@@ -126,22 +127,12 @@ def _sync(dev_index):
 
 
 def _check_range(ptr, nbytes):
-    # Asks the simulator whether the range is mapped with access (a query: touching it with a copy
-    # would be a sticky device fault that ends the context, as on a GPU).
-    accessible = getattr(_rt, "tms_sim_range_accessible", None)
-    if accessible is not None:
-        accessible.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        accessible.restype = ctypes.c_int
-    for p in (ptr, ptr + nbytes - 1):
-        rc = 0 if accessible is not None and accessible(p, 1) == 1 else 700
-        if accessible is None:
-            rc = _memcpy(p, p, 1, 3)
-        if rc:
-            raise LayerError(
-                f"CUDA error {rc} (an illegal memory access was encountered): device memory at {p:#x} "
-                "is not mapped with access (paused by the memory saver, or freed); tms_sim_torch "
-                "cannot compute on it"
-            )
+    if _range_accessible(ptr, nbytes) != 1:
+        raise LayerError(
+            f"CUDA error 700 (an illegal memory access was encountered): device memory at {ptr:#x} "
+            f"({nbytes} bytes) is not mapped with access (paused by the memory saver, or freed); "
+            "tms_sim_torch cannot compute on it"
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,8 +15,6 @@ use crate::fault;
 use crate::memory::MemError;
 use crate::sim::{CUDA_CTX, DRIVER_INIT, LAST_ERROR, RT_DEVICE, guard};
 use libc::c_char;
-use std::collections::HashSet;
-use std::sync::Mutex;
 
 /// The runtime version presented: CUDA 13.2, the runtime PyTorch's current wheels are built for.
 pub const RUNTIME_VERSION: i32 = 13020;
@@ -110,11 +108,7 @@ fn put<T>(out: *mut T, value: T) -> i32 {
 /// The answer of every entry point the simulator does not implement: cudaErrorNotSupported,
 /// recorded as the last error (so frameworks that check it raise), and one log line per name.
 pub(crate) fn not_supported(name: &str) -> i32 {
-    static SAID: Mutex<Option<HashSet<String>>> = Mutex::new(None);
-    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
-    if said.get_or_insert_with(HashSet::new).insert(name.to_string()) {
-        crate::config::warn(&format!("{name} is not supported by the simulator (cudaErrorNotSupported)"));
-    }
+    crate::config::warn_not_supported(name, "cudaErrorNotSupported");
     rt(NOT_SUPPORTED)
 }
 
