@@ -23,7 +23,7 @@ extern "C" {
 /* ---- Error codes of the tms_* API ------------------------------------------------------------ */
 #define TMS_OK 0
 #define TMS_ERR_INVALID 1        /* bad argument */
-#define TMS_ERR_OUT_OF_MEMORY 2  /* not enough device memory (margin included); nothing lost */
+#define TMS_ERR_OUT_OF_MEMORY 2  /* not enough device memory (any margin included); nothing lost */
 #define TMS_ERR_DRIVER 3         /* a driver call failed; report.driver_error has its code */
 #define TMS_ERR_NO_DRIVER 4      /* no CUDA or Ascend driver could be loaded */
 #define TMS_ERR_INTERNAL 5       /* a bug in tms, caught before it reached the caller */
@@ -72,7 +72,9 @@ const char *tms_get_current_tag(void);
  * TMS_INIT_ENABLE_CPU_BACKUP). Without backup, contents are undefined after resume. */
 bool tms_get_enable_cpu_backup(void);
 void tms_set_enable_cpu_backup(bool enable);
-/* "pinned" or "mmap"; both keep backups in pinned host memory here. */
+/* This thread's CPU backup backend (default TMS_INIT_CPU_BACKUP_BACKEND): "pinned" (page-locked,
+ * pooled for the next pause) or "mmap" (pageable memory, given back at resume; CUDA only, Ascend
+ * backs up to page-locked memory either way). Allocations keep the backend they were made with. */
 const char *tms_get_cpu_backup_backend(void);
 void tms_set_cpu_backup_backend(const char *backend);
 /* Whether region allocations made by this thread keep their contents in a file while paused
@@ -84,7 +86,8 @@ void tms_set_enable_disk_backup(bool enable);
  * "" restores it). Use a real disk: tmpfs would keep the contents in host memory. */
 void tms_set_disk_backup_dir(const char *dir);
 /* Free device memory to keep: region allocations fail with out-of-memory when free < size +
- * margin, and resume refuses up front when free < needed + margin (TMS_MEMORY_MARGIN_BYTES). */
+ * margin (TMS_MEMORY_MARGIN_BYTES). Resume checks it too only with TMS_RESUME_KEEPS_MARGIN=1
+ * (torch_memory_saver checks it at allocation only). */
 void set_memory_margin_bytes(uint64_t value);
 /* Resumes made while this is on keep handing out the last pause's backup through
  * tms_get_cpu_backup_pointer until the next pause (default: false, as torch_memory_saver, which

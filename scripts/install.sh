@@ -8,8 +8,9 @@
 #   PREFIX/lib/tms-sim/python            its Python start-up hook (runs PyTorch on the simulator)
 #   PREFIX/include/tms.h, tms_sim.h
 #   PREFIX/bin/tms-ctl, tms-sim, relax-colocate
-#   PREFIX/lib/python/tms                the pure-Python package (PYTHONPATH=PREFIX/lib/python,
-#                                        or: pip install ./python)
+#   PREFIX/lib/python/{tms,torch_memory_saver}
+#                                        the Python packages (PYTHONPATH=PREFIX/lib/python; the
+#                                        wheel, scripts/build-wheel.sh, installs them with pip)
 # Usage: scripts/install.sh [--profile release|debug] [--no-build] PREFIX
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -44,9 +45,11 @@ install -m 0644 "$root/include/tms.h" "$root/include/tms_sim.h" "$prefix/include
 for mode in preload preload_cu12 preload_cu13 torch_cu12 torch_cu13; do
   ln -sfn libtms_hook.so "$prefix/lib/torch_memory_saver_hook_mode_${mode}.abi3.so"
 done
-rm -rf "$prefix/lib/python/tms"
-cp -R "$root/python/tms" "$prefix/lib/python/tms"
-find "$prefix/lib/python/tms" -name '__pycache__' -prune -exec rm -rf {} +
+for pkg in tms torch_memory_saver; do
+  rm -rf "$prefix/lib/python/$pkg"
+  cp -R "$root/python/$pkg" "$prefix/lib/python/$pkg"
+  find "$prefix/lib/python/$pkg" -name '__pycache__' -prune -exec rm -rf {} +
+done
 # The simulator's Python start-up hook and CPU compute layer (tms-sim env puts it on PYTHONPATH).
 rm -rf "$prefix/lib/tms-sim/python"
 mkdir -p "$prefix/lib/tms-sim"
@@ -58,6 +61,6 @@ cat <<MSG
 tms installed in $prefix
   existing torch_memory_saver code:  LD_PRELOAD=$prefix/lib/torch_memory_saver_hook_mode_preload.abi3.so
   native name:                       LD_PRELOAD=$prefix/lib/libtms_hook.so
-  Python package:                    PYTHONPATH=$prefix/lib/python  (or pip install $root/python)
+  Python packages (tms, torch_memory_saver): PYTHONPATH=$prefix/lib/python  (or the wheel: scripts/build-wheel.sh)
   control:                           $prefix/bin/tms-ctl list
 MSG

@@ -84,17 +84,42 @@ class PreloadMode(unittest.TestCase):
         with tms.region("py-kv", enable_cpu_backup=True):
             rc, p = malloc(rt, 4 * MiB)
         self.assertEqual(rc, 0)
+        pattern = (ctypes.c_uint8 * (4 * MiB))(*([7] * (4 * MiB)))
+        self.assertEqual(rt.cudaMemcpy(p, pattern, ctypes.c_size_t(4 * MiB), 1), 0)
         tms.pause("py-kv")
-        tms.torch_memory_saver.memory_margin_bytes = 1 << 50
-        try:
-            with self.assertRaises(tms.TmsError) as cm:
-                tms.resume("py-kv")
-            self.assertEqual(cm.exception.code, 2)
-            self.assertEqual(cm.exception.report["allocations_done"], 0)
-        finally:
-            tms.torch_memory_saver.memory_margin_bytes = 0
-        self.assertEqual(tms.memory_margin_bytes, 0)
+        # Someone else takes the memory while it is paused.
+        with tms.disable():
+            rc, hog = malloc(rt, free_mem(rt) - 1 * MiB)
+        self.assertEqual(rc, 0)
+        with self.assertRaises(tms.TmsError) as cm:
+            tms.resume("py-kv")
+        self.assertEqual(cm.exception.code, tms.TMS_ERR_OUT_OF_MEMORY)
+        self.assertEqual(cm.exception.report["allocations_done"], 0)
+        self.assertIn("Nothing is lost", str(cm.exception))
+        self.assertEqual(rt.cudaFree(hog), 0)
         tms.resume("py-kv")
+        back = (ctypes.c_uint8 * (4 * MiB))()
+        self.assertEqual(rt.cudaMemcpy(back, p, ctypes.c_size_t(4 * MiB), 2), 0)
+        self.assertEqual(bytes(back), bytes(pattern))
+        self.assertEqual(rt.cudaFree(p), 0)
+
+    def test_the_margin_guards_allocation_not_resume(self):
+        # torch_memory_saver's semantics: a waking job must get its memory back even when the
+        # margin is not free; only new region allocations are refused.
+        rt = cudart()
+        with tms.region("py-margin"):
+            rc, p = malloc(rt, 4 * MiB)
+        self.assertEqual(rc, 0)
+        tms.pause("py-margin")
+        tms.torch_memory_saver.memory_margin_bytes = free_mem(rt)
+        try:
+            with tms.region("py-margin"):
+                rc, q = malloc(rt, 2 * MiB)
+            self.assertEqual(rc, 2, "cudaErrorMemoryAllocation when the margin would not stay free")
+            tms.resume("py-margin")
+        finally:
+            tms.set_memory_margin_bytes(0)
+        self.assertEqual(tms.memory_margin_bytes, 0)
         self.assertEqual(rt.cudaFree(p), 0)
 
     def test_object_api_matches_torch_memory_saver(self):

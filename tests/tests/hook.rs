@@ -71,7 +71,16 @@ fn out_of_memory_on_resume_then_retry_succeeds() {
     for api in ["cuda", "acl"] {
         let node = SimNode::new("256MiB");
         hooked(&node, Style::Linked, &["oom-resume", api]);
+        let node = SimNode::new("256MiB").env("TMS_RESUME_KEEPS_MARGIN", "1");
+        hooked(&node, Style::Linked, &["oom-resume", api]);
     }
+}
+
+#[test]
+fn the_mmap_backend_backs_up_to_pageable_memory_given_back_at_resume() {
+    let node = SimNode::new("256MiB");
+    let out = hooked(&node, Style::Linked, &["backup-backends", "cuda"]);
+    assert!(out.contains("backup-backends ok"), "{out}");
 }
 
 #[test]

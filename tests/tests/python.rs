@@ -22,7 +22,14 @@ fn install_lays_out_the_compatibility_names() {
         let p = lib.join(format!("torch_memory_saver_hook_mode_{mode}.abi3.so"));
         assert_eq!(std::fs::read_link(&p).unwrap().to_str(), Some("libtms_hook.so"), "{}", p.display());
     }
-    for f in ["lib/libtms_hook.so", "include/tms.h", "bin/tms-ctl", "bin/tms-sim", "lib/python/tms/__init__.py"] {
+    for f in [
+        "lib/libtms_hook.so",
+        "include/tms.h",
+        "bin/tms-ctl",
+        "bin/tms-sim",
+        "lib/python/tms/__init__.py",
+        "lib/python/torch_memory_saver/__init__.py",
+    ] {
         assert!(prefix.path().join(f).exists(), "{f} not installed");
     }
 }
@@ -52,7 +59,7 @@ fn python_package_tests_pass_on_the_simulator() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "python tests failed:\n{err}");
     assert!(err.contains("\nOK"), "{err}");
-    assert!(err.contains("Ran 9 tests"), "{err}");
+    assert!(err.contains("Ran 10 tests"), "{err}");
     assert!(!err.contains("FAIL") && !err.contains("ERROR"), "{err}");
 }
 

@@ -32,13 +32,38 @@ fn torch_python() -> Option<&'static PathBuf> {
     .as_ref()
 }
 
+/// The tms-memory-saver wheel, built once per test binary by scripts/build-wheel.sh (glibc 2.17
+/// through cargo-zigbuild; the script checks the symbol versions).
+fn wheel() -> &'static PathBuf {
+    static WHEEL: OnceLock<PathBuf> = OnceLock::new();
+    WHEEL.get_or_init(|| {
+        let ws = workspace();
+        let out_dir = ws.c_out.join("wheel");
+        let _ = std::fs::remove_dir_all(&out_dir);
+        let out = Command::new(ws.root.join("scripts/build-wheel.sh"))
+            .arg(&out_dir)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .expect("run scripts/build-wheel.sh");
+        assert!(out.status.success(), "scripts/build-wheel.sh failed (exit {:?}; see above)", out.status.code());
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+}
+
 /// Runs a pytest file of tests/torch-consumers/, whose scenarios start their own processes on
-/// private simulated nodes.
+/// private simulated nodes. `with_wheel`: the file installs the wheel (TMS_TEST_WHEEL).
 fn pytest(file: &str) {
+    pytest_with(file, false)
+}
+
+fn pytest_with(file: &str, with_wheel: bool) {
     let Some(python) = torch_python() else { return };
     let ws = workspace();
     let scratch = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(python);
+    if with_wheel {
+        cmd.env("TMS_TEST_WHEEL", wheel());
+    }
     cmd.current_dir(ws.root.join("tests/torch-consumers"))
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", file])
         .env("TMS_TEST_SIM_LIB_DIR", &ws.sim_dir)
@@ -97,8 +122,13 @@ fn our_python_package_isolates_regions_in_pytorch() {
 }
 
 #[test]
-fn sglang_and_slime_call_sequences_with_ours_and_upstream() {
-    pytest("test_frameworks.py");
+fn sglang_and_slime_call_sequences_with_ours_the_wheel_and_upstream() {
+    pytest_with("test_frameworks.py", true);
+}
+
+#[test]
+fn the_wheel_installs_with_pip_and_replaces_torch_memory_saver() {
+    pytest_with("test_wheel.py", true);
 }
 
 #[test]

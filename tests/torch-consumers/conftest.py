@@ -6,6 +6,7 @@ asked, a memory-saver library preloaded. The harness (tests/tests/torch.rs) sets
   TMS_TEST_SIM_PYTHON    the simulator's Python start-up hook folder (tms-sim/python)
   TMS_TEST_HOOK          libtms_hook.so
   TMS_TEST_TMP           a scratch folder for this run
+  TMS_TEST_WHEEL         the tms-memory-saver wheel built by scripts/build-wheel.sh
 """
 
 import os
@@ -34,6 +35,8 @@ class SimRun:
         self.hook = Path(_required("TMS_TEST_HOOK"))
         self.tmp = Path(tmp)
         self.node = f"torch-{uuid.uuid4().hex[:12]}"
+        # Folders put before the simulator's on PYTHONPATH (an installed wheel's site folder).
+        self.python_path = []
 
     def env(self, devices=1, memory="4GiB", preload=None, extra=None):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_PRELOAD"))}
@@ -45,7 +48,7 @@ class SimRun:
                 "TMS_SIM_DIR": str(self.tmp),
                 "TMS_SIM_DEVICES": str(devices),
                 "TMS_SIM_MEMORY": memory,
-                "PYTHONPATH": self.sim_python,
+                "PYTHONPATH": ":".join(self.python_path + [self.sim_python]),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -54,15 +57,16 @@ class SimRun:
         env.update(extra or {})
         return env
 
-    def python(self, code, timeout=240, as_file=False, **kw):
-        """Runs `code` (dedented) and returns the completed process; stdout/stderr as text.
-        `as_file`: run it as a script file (multiprocessing's spawn needs an importable main)."""
+    def python(self, code, timeout=240, as_file=False, python=sys.executable, **kw):
+        """Runs `code` (dedented) with `python` and returns the completed process; stdout/stderr
+        as text. `as_file`: run it as a script file (multiprocessing's spawn needs an importable
+        main)."""
         code = textwrap.dedent(code)
-        argv = [sys.executable, "-c", code]
+        argv = [str(python), "-c", code]
         if as_file:
             script = self.tmp / f"scenario_{uuid.uuid4().hex[:8]}.py"
             script.write_text(code)
-            argv = [sys.executable, str(script)]
+            argv = [str(python), str(script)]
         return subprocess.run(
             argv,
             env=self.env(**kw),
@@ -91,3 +95,41 @@ class SimRun:
 @pytest.fixture
 def sim(tmp_path):
     return SimRun(tmp_path)
+
+
+def _pip(python, *args):
+    subprocess.run(
+        [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True, capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="session")
+def wheel_site(tmp_path_factory):
+    """The wheel installed with pip into a folder of its own (put first on PYTHONPATH, its
+    torch_memory_saver stands in front of upstream's in the test environment)."""
+    wheel = _required("TMS_TEST_WHEEL")
+    site = tmp_path_factory.mktemp("wheel-site")
+    _pip(sys.executable, "install", "--no-deps", "--no-index", "--target", str(site), wheel)
+    return site
+
+
+@pytest.fixture(scope="session")
+def fresh_venv(tmp_path_factory):
+    """A new virtual environment with only the wheel installed by pip; PyTorch (and numpy) are
+    reached through a .pth file naming the test environment's site-packages, after the venv's
+    own. Returns (python, site-packages)."""
+    import sysconfig
+
+    wheel = _required("TMS_TEST_WHEEL")
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    _pip(python, "install", "--no-deps", "--no-index", wheel)
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()
+    )
+    (site / "zz-torch-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python, site

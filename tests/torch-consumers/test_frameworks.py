@@ -79,13 +79,25 @@ from pathlib import Path
 import pytest
 
 SITE = Path(sysconfig.get_paths()["purelib"])
-WHICH = ["ours", "upstream"]
+# ours: our hook under upstream's file name, with upstream's Python package; wheel: our wheel's
+# Python package and hook (what `pip install tms-memory-saver` gives); upstream: theirs, whole.
+WHICH = ["ours", "wheel", "upstream"]
 MIB = 1 << 20
+
+
+@pytest.fixture
+def which(request, sim):
+    if request.param == "wheel":
+        sim.python_path.insert(0, str(request.getfixturevalue("wheel_site")))
+    return request.param
 
 
 def _preload(sim, which):
     if which == "ours":
         return sim.compat_dir() / "torch_memory_saver_hook_mode_preload.abi3.so"
+    if which == "wheel":
+        # The name slime puts in LD_PRELOAD, in the wheel's site folder.
+        return Path(sim.python_path[0]) / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
     return SITE / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
 
 
@@ -220,7 +232,7 @@ print("kv_usable=%s" % bool(kv_ok and req_to_token[0, :4].sum().item() == 10))
 """
 
 
-@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("which", WHICH, indirect=True)
 @pytest.mark.parametrize("weights_backup", [True, False], ids=["weights_cpu_backup", "weights_no_backup"])
 def test_sglang_release_and_resume_memory_occupation(sim, which, weights_backup):
     out = sim.ok(SGLANG_ENGINE.format(weights_backup=weights_backup), preload=_preload(sim, which), memory="2GiB")
@@ -382,7 +394,7 @@ print("adam_steps=%s" % [int(s["step"]) for s in state][:1])
 """
 
 
-@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("which", WHICH, indirect=True)
 @pytest.mark.parametrize("layout", ["whole_process", "megatron_buffers"])
 def test_slime_trainer_sleep_and_wake_up_between_steps(sim, which, layout):
     code = SLIME_TRAINER.format(layout=layout)
@@ -476,7 +488,7 @@ print("second_resume_equal=%s" % all(torch.equal(p.detach().cpu(), live[n]) for 
 """
 
 
-@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("which", WHICH, indirect=True)
 @pytest.mark.parametrize("retain", [False, True], ids=["no_retain", "retain"])
 def test_slime_update_weights_from_cpu_backup(sim, which, retain):
     code = SLIME_CPU_BACKUP.format(retain=retain)
@@ -658,7 +670,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("which", WHICH, indirect=True)
 def test_slime_weight_handover_by_cuda_ipc(sim, which):
     out = sim.ok(
         SLIME_IPC_HANDOVER.format(),
@@ -764,7 +776,7 @@ print("replays_same=%s" % all(same))
 """
 
 
-@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("which", WHICH, indirect=True)
 def test_sglang_cuda_graphs_under_the_cuda_graph_tag(sim, which):
     out = sim.ok(SGLANG_CUDA_GRAPHS.format(), preload=_preload(sim, which), memory="2GiB")
     assert int(out["graph_bytes"]) > 0, out
@@ -830,6 +842,9 @@ def _wheel_layout(sim, which):
     library the package looks for: the wheel's own file, or our hook installed under its name."""
     if which == "upstream":
         return SITE, SITE / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+    if which == "wheel":
+        site = Path(sim.python_path[0])
+        return site, site / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
     site = sim.tmp / "site"
     site.mkdir(exist_ok=True)
     (site / "torch_memory_saver").symlink_to(SITE / "torch_memory_saver", target_is_directory=True)
@@ -837,7 +852,7 @@ def _wheel_layout(sim, which):
     return site, sim.hook
 
 
-@pytest.mark.parametrize("which", WHICH)
+@pytest.mark.parametrize("which", WHICH, indirect=True)
 def test_sglang_scheduler_started_under_configure_subprocess(sim, which):
     site, lib = _wheel_layout(sim, which)
     out = sim.ok(

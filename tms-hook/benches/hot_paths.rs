@@ -15,6 +15,7 @@ fn entry(tag: u32) -> Allocation {
         vendor: Vendor::Cuda,
         tag,
         backup_enabled: false,
+        pageable_backup: false,
         state: State::Active,
         pieces: vec![Piece { handle: Some(1), mapped: true }],
         backup: None,

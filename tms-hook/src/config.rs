@@ -22,6 +22,8 @@ pub struct Config {
     pub keep_pinned: bool,
     /// `TMS_MEMORY_MARGIN_BYTES`: free memory to keep when allocating in a region or resuming.
     pub margin: u64,
+    /// Resume refuses unless the margin stays free too (`TMS_RESUME_KEEPS_MARGIN`, default off).
+    pub resume_keeps_margin: bool,
     /// `TMS_BACKUP_STREAMS`: concurrent copy streams per device for backup/restore.
     pub backup_streams: usize,
     /// `TMS_BACKUP_CHUNK_MB`: size of one backup copy.
@@ -67,6 +69,9 @@ impl Config {
         let init_backup = flag("TMS_INIT_ENABLE_CPU_BACKUP", false);
         let retain_backup = flag("TMS_RETAIN_CPU_BACKUP", false);
         let keep_pinned = flag("TMS_KEEP_PINNED_BUFFERS", true);
+        // torch_memory_saver checks the margin at allocation only; a resume that kept it too
+        // would leave a waking trainer's weights unmapped where upstream's succeeds.
+        let resume_keeps_margin = flag("TMS_RESUME_KEEPS_MARGIN", false);
         let disk_backup = flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
         let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| flag("TMS_CONTROL", true));
         let mut number = |name: &str, default: u64, min: u64| match var(name) {
@@ -100,6 +105,7 @@ impl Config {
             retain_backup,
             keep_pinned,
             margin,
+            resume_keeps_margin,
             backup_streams,
             backup_chunk,
             physical_chunk,

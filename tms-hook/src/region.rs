@@ -15,6 +15,8 @@ thread_local! {
     static REGION: Cell<u8> = const { Cell::new(UNSET) };
     static BACKUP: Cell<u8> = const { Cell::new(UNSET) };
     static DISK_BACKUP: Cell<u8> = const { Cell::new(UNSET) };
+    /// ON: the "mmap" CPU backup backend (pageable host memory); OFF: "pinned".
+    static PAGEABLE_BACKUP: Cell<u8> = const { Cell::new(UNSET) };
     /// Interned tag id + 1; 0 means the default tag.
     static TAG: Cell<u32> = const { Cell::new(0) };
 }
@@ -71,6 +73,20 @@ pub fn disk_backup_enabled() -> bool {
 
 pub fn set_disk_backup(on: bool) {
     DISK_BACKUP.with(|c| c.set(flag(on)));
+}
+
+/// Whether this thread's region allocations back up to pageable host memory (torch_memory_saver's
+/// "mmap" backend, a per-thread setting there too; threads that never set it:
+/// `TMS_INIT_CPU_BACKUP_BACKEND`).
+pub fn pageable_backup() -> bool {
+    match PAGEABLE_BACKUP.with(Cell::get) {
+        UNSET => config().backup_backend == "mmap",
+        v => v == ON,
+    }
+}
+
+pub fn set_pageable_backup(on: bool) {
+    PAGEABLE_BACKUP.with(|c| c.set(flag(on)));
 }
 
 /// Tags are interned for the life of the process, so `tms_get_current_tag` can hand out pointers

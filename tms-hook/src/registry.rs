@@ -16,11 +16,13 @@ pub enum State {
     Busy,
 }
 
-/// A pinned host buffer (the vendor's page-locked allocation).
+/// A host buffer holding a backup: the vendor's page-locked allocation, or anonymous pageable
+/// memory (`mmap`) for the "mmap" backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostBuf {
     pub ptr: usize,
     pub len: usize,
+    pub pageable: bool,
 }
 
 /// One physical handle behind part of an allocation.
@@ -45,6 +47,8 @@ pub struct Allocation {
     pub vendor: Vendor,
     pub tag: TagId,
     pub backup_enabled: bool,
+    /// Backs up to pageable memory (the "mmap" backend), freed at resume instead of pooled.
+    pub pageable_backup: bool,
     pub state: State,
     /// Active: every piece mapped; Paused: none mapped.
     pub pieces: Vec<Piece>,
@@ -118,6 +122,7 @@ mod tests {
             vendor: Vendor::Cuda,
             tag: 0,
             backup_enabled: true,
+            pageable_backup: false,
             state: State::Active,
             pieces: vec![Piece::default(); 2],
             backup: None,

@@ -47,7 +47,7 @@ impl std::fmt::Display for Error {
         match self {
             Error::Driver(e) => write!(f, "driver call failed: {e}"),
             Error::OutOfMemory { needed, free, .. } => {
-                write!(f, "out of device memory: {needed} bytes needed (margin included), {free} free")
+                write!(f, "out of device memory: {needed} bytes needed (any margin included), {free} free")
             }
             Error::NoDriver(v) => write!(f, "no {} driver could be loaded", v.name()),
             Error::Invalid(what) => write!(f, "invalid argument: {what}"),
@@ -148,6 +148,11 @@ fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
 }
 
+/// `round_up` for sizes callers choose: None where the rounded size does not fit in an address.
+fn checked_round_up(n: usize, to: usize) -> Option<usize> {
+    n.div_ceil(to).checked_mul(to)
+}
+
 /// One allocation taken out for work, with everything needed outside the lock.
 struct Job {
     addr: u64,
@@ -239,7 +244,11 @@ impl Saver {
 
     fn malloc_on(&self, dev: &dyn Device, vendor: Vendor, device: i32, size: usize) -> Result<u64, Error> {
         let granularity = self.granularity(dev, device)?;
-        let rounded = round_up(size.max(1), granularity);
+        // cudaMalloc(SIZE_MAX) is a plain out-of-memory on the hardware, never a wrapped size.
+        let Some(rounded) = checked_round_up(size.max(1), granularity) else {
+            let free = dev.mem_info().map(|(free, _)| free).unwrap_or(0);
+            return Err(Error::OutOfMemory { code: dev.oom_code(), needed: u64::MAX, free });
+        };
         let margin = self.margin();
         if margin > 0 {
             let (free, _) = dev.mem_info().map_err(Error::Driver)?;
@@ -266,6 +275,8 @@ impl Saver {
             vendor,
             tag: region::current_tag(),
             backup_enabled,
+            // Ascend's asynchronous copies need page-locked host memory.
+            pageable_backup: vendor == Vendor::Cuda && region::pageable_backup() && !disk,
             state: State::Active,
             pieces: vec![Piece::default(); rounded.div_ceil(piece_len)],
             backup: None,
@@ -365,7 +376,7 @@ impl Saver {
             return Some(Err(self.free_failed(addr, a, Error::Driver(e))));
         }
         if let Some(b) = a.backup.take() {
-            dev.host_free(b.ptr as *mut u8);
+            free_host_buf(dev.as_ref(), b);
         }
         if let Some(path) = a.disk_file.take() {
             disk::remove(&path);
@@ -692,14 +703,15 @@ impl Saver {
 
     /// Resumes every paused allocation of `tag` (all when None) at its address, restoring the
     /// backup where there is one. Refuses up front, touching nothing, when the device lacks the
-    /// memory plus the margin; an allocation that cannot be resumed stays paused, backup intact.
+    /// memory (plus the margin with `TMS_RESUME_KEEPS_MARGIN`); an allocation that cannot be
+    /// resumed stays paused, backup intact, and the failure is logged as a warning.
     pub fn resume(&self, tag: Option<&str>) -> Report {
         let _op = lock(&self.operations);
         let start = Instant::now();
         let tag = tag.map(region::intern);
         let (jobs, mut report) = self.begin(tag, State::Paused);
         let (mut jobs, unreadable) = self.load_from_disk(jobs, &mut report);
-        let margin = self.margin();
+        let margin = if config().resume_keeps_margin { self.margin() } else { 0 };
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };
             let previous = match dev.bind_thread(device) {
@@ -733,17 +745,30 @@ impl Saver {
                 disk::remove(&path);
             }
             // A disk-backed allocation's staging buffer goes: its contents live on disk, not here.
-            if (!keep || j.a.disk)
+            // A pageable backup goes too unless retained: the "mmap" backend is chosen to give
+            // host memory back.
+            if (!keep || j.a.disk || (j.a.pageable_backup && !j.a.backup_retained))
                 && let Some(b) = j.a.backup.take()
                 && let Some(dev) = self.loaded(j.a.vendor)
             {
-                dev.host_free(b.ptr as *mut u8);
+                free_host_buf(dev.as_ref(), b);
             }
         }
         self.finish(jobs, &mut report, State::Active, State::Paused);
         self.finish(unreadable, &mut report, State::Active, State::Paused);
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
-        tracing::info!("tms: resume {:?}: {:?}", tag.map(region::tag_name), report);
+        match &report.error {
+            // A job that wakes with memory still unmapped crashes on its next kernel: say so even
+            // when the caller ignores the return code (torch_memory_saver's Python does).
+            Some(e) => tracing::warn!(
+                "tms: resume {:?} left {} allocation(s), {} bytes, paused: {e}; their contents are \
+                 kept, free device memory and resume again",
+                tag.map(region::tag_name),
+                report.allocations_failed,
+                report.bytes_failed
+            ),
+            None => tracing::info!("tms: resume {:?}: {:?}", tag.map(region::tag_name), report),
+        }
         report
     }
 
@@ -756,7 +781,7 @@ impl Saver {
             let path = disk::file_for(j.addr);
             match disk::write(&path, b.ptr, j.a.size) {
                 Ok(()) => {
-                    dev.host_free(b.ptr as *mut u8);
+                    free_host_buf(dev.as_ref(), b);
                     j.a.backup = None;
                     j.a.disk_file = Some(path);
                 }
@@ -990,7 +1015,7 @@ impl Saver {
         let mut bytes = 0;
         for (vendor, b) in freed {
             if let Some(dev) = self.loaded(vendor) {
-                dev.host_free(b.ptr as *mut u8);
+                free_host_buf(dev.as_ref(), b);
                 bytes += b.len as u64;
             }
         }
@@ -998,17 +1023,49 @@ impl Saver {
     }
 }
 
-/// Gives the allocation a pinned host buffer big enough for its contents (kept from an earlier
-/// pause when it is).
+/// Gives the allocation a host buffer of its backend big enough for its contents (kept from an
+/// earlier pause when it is).
 fn ensure_backup_buffer(dev: &dyn Device, a: &mut Allocation) -> Result<(), DeviceError> {
-    if a.backup.is_none_or(|b| b.len < a.size) {
+    let pageable = a.pageable_backup;
+    if a.backup.is_none_or(|b| b.len < a.size || b.pageable != pageable) {
         if let Some(old) = a.backup.take() {
-            dev.host_free(old.ptr as *mut u8);
+            free_host_buf(dev, old);
         }
         let len = a.size.max(1);
-        a.backup = Some(HostBuf { ptr: dev.host_alloc(len)? as usize, len });
+        let ptr = if pageable {
+            map_pageable(len).ok_or(DeviceError { op: "mmap", code: dev.oom_code() })?
+        } else {
+            dev.host_alloc(len)?
+        };
+        a.backup = Some(HostBuf { ptr: ptr as usize, len, pageable });
     }
     Ok(())
+}
+
+/// Anonymous pageable memory for the "mmap" backend: the kernel may reclaim or swap it, and
+/// `munmap` returns it to the system at once.
+fn map_pageable(len: usize) -> Option<*mut u8> {
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p.cast())
+}
+
+fn free_host_buf(dev: &dyn Device, b: HostBuf) {
+    if b.pageable {
+        // SAFETY: a mapping of exactly this length made by map_pageable and no longer used.
+        unsafe { libc::munmap(b.ptr as *mut libc::c_void, b.len) };
+    } else {
+        dev.host_free(b.ptr as *mut u8);
+    }
 }
 
 /// Bytes of physical memory a paused allocation needs to be resumed (pieces that kept their

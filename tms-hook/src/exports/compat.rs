@@ -5,9 +5,6 @@
 use super::{api, opt_str};
 use crate::{region, saver};
 use libc::c_char;
-use std::sync::atomic::{AtomicU8, Ordering};
-
-static BACKUP_BACKEND_MMAP: AtomicU8 = AtomicU8::new(2); // 2 = not set yet: use the environment
 
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_set_interesting_region(is_interesting_region: bool) {
@@ -43,15 +40,13 @@ pub extern "C" fn tms_set_enable_cpu_backup(enable: bool) {
     api(|| region::set_backup(enable), ())
 }
 
-/// "pinned" or "mmap". Both keep the backup in pinned host memory here (bus-speed copies);
-/// "mmap" is accepted so that callers choosing it keep working.
+/// The calling thread's CPU backup backend: "pinned" (page-locked, bus-speed copies) or "mmap"
+/// (pageable memory the kernel may reclaim or swap, returned at resume; CUDA only: Ascend's
+/// asynchronous copies need page-locked memory, so "mmap" backs up to pinned memory there).
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_get_cpu_backup_backend() -> *const c_char {
-    let mmap = match BACKUP_BACKEND_MMAP.load(Ordering::Relaxed) {
-        2 => crate::config::config().backup_backend == "mmap",
-        v => v == 1,
-    };
-    if mmap { c"mmap".as_ptr() } else { c"pinned".as_ptr() }
+    let pageable = api(region::pageable_backup, false);
+    if pageable { c"mmap".as_ptr() } else { c"pinned".as_ptr() }
 }
 
 #[cfg_attr(not(test), unsafe(no_mangle))]
@@ -60,8 +55,8 @@ pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) {
     let backend = unsafe { opt_str(backend) };
     api(
         || match backend.as_deref() {
-            Some("mmap") => BACKUP_BACKEND_MMAP.store(1, Ordering::Relaxed),
-            Some("pinned") | None => BACKUP_BACKEND_MMAP.store(0, Ordering::Relaxed),
+            Some("mmap") => region::set_pageable_backup(true),
+            Some("pinned") | None => region::set_pageable_backup(false),
             Some(other) => {
                 crate::log::init();
                 tracing::warn!("tms: cpu backup backend {other:?} is not pinned or mmap; keeping the current one")

@@ -1,0 +1,39 @@
+"""Rust parts of the tms-memory-saver wheel (metadata is in pyproject.toml).
+
+The hook is one library for every CUDA major and for Ascend. It is installed at the top of
+site-packages under each name torch_memory_saver's users refer to: slime builds LD_PRELOAD from
+``<site-packages>/torch_memory_saver_hook_mode_preload_cu13.abi3.so`` (cu12 and unsuffixed as
+fallbacks), and code written for upstream's torch mode loads the ``hook_mode_torch`` names.
+Wheels cannot hold symbolic links, so these are copies, made by setuptools-rust from one cargo
+build (the later ones are cargo cache hits).
+"""
+
+import os
+
+from setuptools import setup
+from setuptools_rust import Binding, RustBin, RustExtension
+
+HOOK_NAMES = [
+    f"torch_memory_saver_hook_mode_{mode}{cuda}"
+    for mode in ("preload", "torch")
+    for cuda in ("", "_cu12", "_cu13")
+]
+
+# A wheel carries no debug info (the exported symbols stay): 3 MB a copy instead of 15.
+os.environ.setdefault("CARGO_PROFILE_RELEASE_DEBUG", "0")
+os.environ.setdefault("CARGO_PROFILE_RELEASE_STRIP", "debuginfo")
+
+options = {"bdist_wheel": {"py_limited_api": "cp38"}}
+# Only a build linked against glibc 2.17 (cargo-zigbuild's x86_64-unknown-linux-gnu.2.17) may
+# claim manylinux2014; scripts/build-wheel.sh checks the symbol versions before it says so.
+if os.environ.get("CARGO_BUILD_TARGET", "").endswith(".2.17"):
+    options["bdist_wheel"]["plat_name"] = "manylinux2014_x86_64"
+
+setup(
+    rust_extensions=[
+        RustExtension(name, path="tms-hook/Cargo.toml", binding=Binding.NoBinding, py_limited_api=True)
+        for name in HOOK_NAMES
+    ]
+    + [RustBin("tms-ctl", path="tms-ctl/Cargo.toml")],
+    options=options,
+)
