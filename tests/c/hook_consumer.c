@@ -59,13 +59,15 @@ static int OOM, ILLEGAL;
 
 static void dev_init(const char *api) {
   use_acl = strcmp(api, "acl") == 0;
+  /* TMS_TEST_DEVICE: the one device this process uses (default 0). */
+  int device = getenv("TMS_TEST_DEVICE") ? atoi(getenv("TMS_TEST_DEVICE")) : 0;
   if (use_acl) {
     EXPECT(ACL(aclInit)(NULL), 0);
-    EXPECT(ACL(aclrtSetDevice)(0), 0);
+    EXPECT(ACL(aclrtSetDevice)(device), 0);
     OOM = 207001;
     ILLEGAL = 107000;
   } else {
-    EXPECT(CUDART(cudaSetDevice)(0), 0);
+    EXPECT(CUDART(cudaSetDevice)(device), 0);
     OOM = 2;
     ILLEGAL = 700;
   }
@@ -318,7 +320,7 @@ static int rollback_fails(void) {
 
 /* Calls made once per operation; every other call is made once per piece of an allocation. */
 static int once_per_operation(const char *name) {
-  const char *once[] = {"Reserve", "AddressFree", "ReleaseMemAddress", "CtxSynchronize", "SynchronizeDevice",
+  const char *once[] = {"Reserve", "AddressFree", "ReleaseMemAddress", "CtxSynchronize", "SynchronizeDevice", "cuEvent",
                         "HostAlloc", "MallocHost", NULL};
   for (int i = 0; once[i]; i++)
     if (strstr(name, once[i])) return 1;
@@ -332,7 +334,7 @@ static int once_per_operation(const char *name) {
 static int faults(size_t size, int nth) {
   const char *malloc_calls_cuda[] = {"cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", NULL};
   const char *malloc_calls_acl[] = {"aclrtMallocPhysical", "aclrtReserveMemAddress", "aclrtMapMem", NULL};
-  const char *pause_calls_cuda[] = {"cuCtxSynchronize", "cuMemHostAlloc", "cuMemcpyDtoHAsync_v2", "cuStreamSynchronize", "cuMemUnmap", "cuMemRelease", NULL};
+  const char *pause_calls_cuda[] = {"cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuMemHostAlloc", "cuMemcpyDtoHAsync_v2", "cuStreamSynchronize", "cuMemUnmap", "cuMemRelease", NULL};
   const char *pause_calls_acl[] = {"aclrtSynchronizeDevice", "aclrtMallocHost", "aclrtMemcpyAsync", "aclrtSynchronizeStream", "aclrtUnmapMem", "aclrtFreePhysical", NULL};
   const char *resume_calls_cuda[] = {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemcpyHtoDAsync_v2", "cuStreamSynchronize", NULL};
   const char *resume_calls_acl[] = {"aclrtMallocPhysical", "aclrtMapMem", "aclrtMemcpyAsync", "aclrtSynchronizeStream", NULL};
@@ -538,6 +540,14 @@ static int serve(void) {
       printf("rc=%d\n", dev_checksum(p, n) == sum ? 0 : 1);
     } else if (!strncmp(line, "free", 4)) {
       printf("rc=%d\n", dev_free(p));
+    } else if (sscanf(line, "ctx %ld", &arg) == 1) {
+      /* Whether this process has a (primary) context on device `arg`, asked without making one. */
+      void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+      int (*state)(int, unsigned *, int *) = h ? (int (*)(int, unsigned *, int *))dlsym(h, "cuDevicePrimaryCtxGetState") : NULL;
+      unsigned flags = 0;
+      int active = -1;
+      int rc = state ? state((int)arg, &flags, &active) : -2;
+      printf("rc=%d active=%d\n", rc, active);
     } else if (!strncmp(line, "info", 4)) {
       printf("rc=0 free=%zu\n", dev_free_mem());
     } else if (!strncmp(line, "quit", 4)) {
@@ -753,6 +763,87 @@ static int backup_backends(void) {
   return 0;
 }
 
+/* Region memory is GPUDirect-RDMA capable where the device supports it, like cudaMalloc's, also
+ * after a pause and resume (NCCL checks this attribute before registering a user buffer). */
+static int rdma_capable(void *p) {
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  int (*attr)(void *, int, unsigned long long) =
+      h ? (int (*)(void *, int, unsigned long long))dlsym(h, "cuPointerGetAttribute") : NULL;
+  unsigned v = 99;
+  if (!attr || attr(&v, 15 /* CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE */, (unsigned long long)(uintptr_t)p) != 0)
+    return -1;
+  return (int)v;
+}
+static int rdma(void) {
+  no_region();
+  void *plain, *a;
+  EXPECT(dev_malloc(&plain, 2 * MiB), 0);
+  EXPECT(rdma_capable(plain), 1);
+  region("kv", 1);
+  EXPECT(dev_malloc(&a, 6 * MiB), 0);
+  EXPECT(rdma_capable(a), 1);
+  EXPECT(rdma_capable((char *)a + 5 * MiB), 1);
+  EXPECT(TMS(tms_pause)("kv"), 0);
+  EXPECT(TMS(tms_resume)("kv"), 0);
+  EXPECT(rdma_capable(a), 1);
+  EXPECT(dev_free(a), 0);
+  EXPECT(dev_free(plain), 0);
+  printf("rdma ok\n");
+  return 0;
+}
+
+/* Pause waits for what the application queued where a synchronous copy would (the default
+ * stream and blocking streams), and not for non-blocking streams: a collective blocked on a peer
+ * that itself waits for this process to pause must not hang the pause. */
+static int collective_released, pause_rc = -1;
+static void block_like_a_collective(void *arg) {
+  (void)arg;
+  while (!__atomic_load_n(&collective_released, __ATOMIC_ACQUIRE)) usleep(1000);
+}
+static void slow_kernel(void *arg) {
+  (void)arg;
+  usleep(200 * 1000);
+}
+static void *pause_in_thread(void *arg) {
+  (void)arg;
+  __atomic_store_n(&pause_rc, TMS(tms_pause)("kv"), __ATOMIC_RELEASE);
+  return NULL;
+}
+static int pause_streams(void) {
+  region("kv", 1);
+  void *a;
+  EXPECT(dev_malloc(&a, 4 * MiB), 0);
+  no_region();
+  unsigned char *host = malloc(4 * MiB);
+  fill(host, 4 * MiB, 7);
+  cudaStream_t comm, work;
+  EXPECT(CUDART(cudaStreamCreateWithFlags)(&comm, 1 /* cudaStreamNonBlocking, as NCCL's */), 0);
+  EXPECT(CUDART(cudaStreamCreateWithFlags)(&work, 0), 0);
+  EXPECT(CUDART(cudaLaunchHostFunc)(comm, block_like_a_collective, NULL), 0);
+  EXPECT(CUDART(cudaLaunchHostFunc)(work, slow_kernel, NULL), 0);
+  EXPECT(CUDART(cudaMemcpyAsync)(a, host, 4 * MiB, 1, work), 0);
+  pthread_t th;
+  pthread_create(&th, NULL, pause_in_thread, NULL);
+  for (int i = 0; i < 10000 && __atomic_load_n(&pause_rc, __ATOMIC_ACQUIRE) == -1; i++) usleep(1000);
+  if (__atomic_load_n(&pause_rc, __ATOMIC_ACQUIRE) == -1) {
+    fprintf(stderr, "pause waited 10 s for a non-blocking stream\n");
+    exit(1);
+  }
+  pthread_join(th, NULL);
+  EXPECT(pause_rc, 0);
+  __atomic_store_n(&collective_released, 1, __ATOMIC_RELEASE);
+  EXPECT(CUDART(cudaStreamSynchronize)(comm), 0);
+  EXPECT(TMS(tms_resume)("kv"), 0);
+  /* The write queued on the blocking stream landed before the pause took the memory. */
+  EXPECT(dev_checksum(a, 4 * MiB) == checksum(host, 4 * MiB), 1);
+  EXPECT(CUDART(cudaStreamDestroy)(comm), 0);
+  EXPECT(CUDART(cudaStreamDestroy)(work), 0);
+  EXPECT(dev_free(a), 0);
+  free(host);
+  printf("pause-streams ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -772,6 +863,8 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "margin-thread")) return margin_thread();
   if (!strcmp(m, "kernel-pause")) return kernel_then_pause();
   if (!strcmp(m, "backup-backends")) return backup_backends();
+  if (!strcmp(m, "rdma")) return rdma();
+  if (!strcmp(m, "pause-streams")) return pause_streams();
   if (!strcmp(m, "disk-backup")) return disk_backup(argc > 3 ? argv[3] : "/tmp");
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;

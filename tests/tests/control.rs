@@ -265,3 +265,39 @@ fn control_can_be_disabled_or_started_early() {
     socket_of(&node, app.pid());
     app.quit();
 }
+
+#[test]
+fn control_requests_create_no_context_on_a_device_the_process_does_not_use() {
+    // A process on device 1 of two: status, pause and resume from outside, with and without
+    // tracked memory, must not make a context on device 0 (on a GPU that costs hundreds of MiB
+    // of memory another job may be using).
+    let mut node = SimNode::new("256MiB");
+    node.devices = 2;
+    let mut app = Served::start_with(&node, "cuda", &[("TMS_TEST_DEVICE", "1"), ("TMS_CONTROL", "1")]);
+    assert_eq!(app.ask("plain 4"), "rc=0");
+    assert_eq!(app.ask("ctx 0"), "rc=0 active=0");
+    assert_eq!(app.ask("ctx 1"), "rc=0 active=1");
+    // Tracked memory that is freed again: the driver is loaded, nothing is tracked.
+    assert_eq!(app.ask("alloc 2"), "rc=0");
+    assert_eq!(app.ask("free"), "rc=0");
+    socket_of(&node, app.pid());
+    let pid = app.pid().to_string();
+    for args in [["status", pid.as_str()], ["pause", pid.as_str()], ["resume", pid.as_str()]] {
+        let (code, out) = json(node.ctl(&[args[0], args[1], "--json"]));
+        assert_eq!(code, 0, "{args:?}: {out}");
+    }
+    assert_eq!(app.ask("ctx 0"), "rc=0 active=0", "untracked process");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    assert_eq!(app.ask("fill"), "rc=0");
+    let (code, status) = json(node.ctl(&["status", &pid, "--json"]));
+    assert_eq!(code, 0);
+    let devices = status[0]["status"]["devices"].as_array().cloned().unwrap_or_default();
+    assert!(devices.iter().all(|d| d["device"] == 1), "{status}");
+    for args in [["pause", pid.as_str()], ["resume", pid.as_str()], ["status", pid.as_str()]] {
+        let (code, out) = json(node.ctl(&[args[0], args[1], "--json"]));
+        assert_eq!(code, 0, "{args:?}: {out}");
+    }
+    assert_eq!(app.ask("verify"), "rc=0");
+    assert_eq!(app.ask("ctx 0"), "rc=0 active=0", "tracked process");
+    app.quit();
+}

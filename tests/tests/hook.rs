@@ -84,6 +84,21 @@ fn the_mmap_backend_backs_up_to_pageable_memory_given_back_at_resume() {
 }
 
 #[test]
+fn region_memory_is_gpu_direct_rdma_capable_like_cudamalloc_memory() {
+    // 2 MiB pieces: an allocation of several physical handles carries the flag on every one.
+    let node = SimNode::new("256MiB").env("TMS_PHYSICAL_CHUNK_MB", "2");
+    let out = hooked(&node, Style::Linked, &["rdma", "cuda"]);
+    assert!(out.contains("rdma ok"), "{out}");
+}
+
+#[test]
+fn pause_waits_for_blocking_streams_and_not_for_a_stalled_collective() {
+    let node = SimNode::new("256MiB");
+    let out = hooked(&node, Style::Linked, &["pause-streams", "cuda"]);
+    assert!(out.contains("pause-streams ok"), "{out}");
+}
+
+#[test]
 fn faults_in_every_driver_call_return_errors_and_leak_nothing() {
     for api in ["cuda", "acl"] {
         let node = SimNode::new("256MiB");

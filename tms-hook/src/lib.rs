@@ -59,6 +59,16 @@ pub fn saver() -> &'static Saver {
     }
 }
 
+/// A region allocation through the saver (see `Saver::malloc`). The first one also starts the
+/// control socket: the saver knows nothing of the control plane, which drives it.
+pub fn region_malloc(vendor: device::Vendor, size: usize) -> Result<Option<u64>, saver::Error> {
+    let result = saver().malloc(vendor, size);
+    if let Ok(Some(_)) = result {
+        control::ensure_started();
+    }
+    result
+}
+
 /// The saver if this process has one already (frees of untracked memory need no saver).
 pub fn existing_saver() -> Option<&'static Saver> {
     let p = SAVER.load(Ordering::Acquire);

@@ -3,9 +3,11 @@
 use crate::config::GRANULARITY;
 use crate::fault;
 use crate::memory::MemError;
-use crate::sim::{CUDA_CTX, CUDA_CTX_TOKENS, CopyKind, DRIVER_INIT, ctx_device, ctx_handle, guard, sim};
+use crate::sim::{CUDA_CTX, CUDA_CTX_TOKENS, CopyKind, DRIVER_INIT, PointerKind, ctx_device, ctx_handle, guard, sim};
 use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
+use std::sync::{LazyLock, Mutex};
 
 pub const SUCCESS: i32 = 0;
 pub const INVALID_VALUE: i32 = 1;
@@ -399,6 +401,45 @@ pub unsafe extern "C" fn cu_stream_synchronize(stream: *mut c_void) -> i32 {
     call("cuStreamSynchronize", || sim().streams.synchronize(stream as usize).unwrap_or(INVALID_HANDLE))
 }
 
+/// CU_EVENT_DEFAULT, BLOCKING_SYNC, DISABLE_TIMING, INTERPROCESS.
+const EVENT_FLAGS: c_uint = 0x1 | 0x2 | 0x4;
+
+pub unsafe extern "C" fn cu_event_create(event: *mut *mut c_void, flags: c_uint) -> i32 {
+    call("cuEventCreate", || {
+        if event.is_null() || flags & !EVENT_FLAGS != 0 {
+            return INVALID_VALUE;
+        }
+        if let Err(e) = current() {
+            return e;
+        }
+        put(event, sim().streams.event_create(flags) as *mut c_void)
+    })
+}
+
+pub unsafe extern "C" fn cu_event_record(event: *mut c_void, stream: *mut c_void) -> i32 {
+    call("cuEventRecord", || {
+        if let Err(e) = current() {
+            return e;
+        }
+        let Some(ev) = sim().streams.event(event as usize) else { return INVALID_HANDLE };
+        sim().streams.event_record(&ev, stream as usize).map_or(INVALID_HANDLE, |()| SUCCESS)
+    })
+}
+
+pub unsafe extern "C" fn cu_event_synchronize(event: *mut c_void) -> i32 {
+    call("cuEventSynchronize", || match sim().streams.event(event as usize) {
+        Some(ev) => {
+            ev.synchronize();
+            SUCCESS
+        }
+        None => INVALID_HANDLE,
+    })
+}
+
+pub unsafe extern "C" fn cu_event_destroy(event: *mut c_void) -> i32 {
+    call("cuEventDestroy_v2", || if sim().streams.event_destroy(event as usize) { SUCCESS } else { INVALID_HANDLE })
+}
+
 pub unsafe extern "C" fn cu_stream_destroy(stream: *mut c_void) -> i32 {
     call("cuStreamDestroy_v2", || if sim().streams.destroy(stream as usize) { SUCCESS } else { INVALID_HANDLE })
 }
@@ -456,6 +497,12 @@ pub unsafe extern "C" fn cu_mem_address_free(ptr: c_ulonglong, size: usize) -> i
     call("cuMemAddressFree", || result(sim().free_reservation(ptr as usize, Some(size))))
 }
 
+/// Physical handles of this process created GPUDirect-RDMA capable (handles are per process).
+fn rdma_handles() -> std::sync::MutexGuard<'static, HashSet<u64>> {
+    static HANDLES: LazyLock<Mutex<HashSet<u64>>> = LazyLock::new(|| Mutex::new(HashSet::new()));
+    HANDLES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub unsafe extern "C" fn cu_mem_create(
     handle: *mut c_ulonglong,
     size: usize,
@@ -470,15 +517,64 @@ pub unsafe extern "C" fn cu_mem_create(
             Ok(d) => d,
             Err(e) => return e,
         };
+        // SAFETY: prop_device checked it is non-null.
+        let rdma = unsafe { prop.read_unaligned() }.alloc_flags.gpu_direct_rdma_capable;
+        if rdma > 1 {
+            return INVALID_VALUE;
+        }
         match sim().create(dev, size) {
-            Ok(h) => put(handle, h),
+            Ok(h) => {
+                if rdma == 1 {
+                    rdma_handles().insert(h);
+                }
+                put(handle, h)
+            }
             Err(e) => code_of(e),
         }
     })
 }
 
 pub unsafe extern "C" fn cu_mem_release(handle: c_ulonglong) -> i32 {
-    call("cuMemRelease", || result(sim().release(handle, false)))
+    call("cuMemRelease", || {
+        let code = result(sim().release(handle, false));
+        if code == SUCCESS {
+            rdma_handles().remove(&handle);
+        }
+        code
+    })
+}
+
+/// CU_POINTER_ATTRIBUTE_MEMORY_TYPE, _DEVICE_ORDINAL, _IS_GPU_DIRECT_RDMA_CAPABLE: the ones
+/// answered here (NCCL asks the last one before registering a user buffer).
+const POINTER_MEMORY_TYPE: c_int = 2;
+const POINTER_DEVICE_ORDINAL: c_int = 9;
+const POINTER_IS_GPU_DIRECT_RDMA_CAPABLE: c_int = 15;
+
+pub unsafe extern "C" fn cu_pointer_get_attribute(data: *mut c_void, attribute: c_int, ptr: c_ulonglong) -> i32 {
+    call("cuPointerGetAttribute", || {
+        if data.is_null() {
+            return INVALID_VALUE;
+        }
+        let p = ptr as usize;
+        match (sim().classify(p), attribute) {
+            (PointerKind::Device(_), POINTER_MEMORY_TYPE) => put(data.cast::<c_uint>(), 2),
+            (PointerKind::PinnedHost, POINTER_MEMORY_TYPE) => put(data.cast::<c_uint>(), 1),
+            (PointerKind::Device(d), POINTER_DEVICE_ORDINAL) => put(data.cast::<c_int>(), d as c_int),
+            (PointerKind::Device(_), POINTER_IS_GPU_DIRECT_RDMA_CAPABLE) => {
+                // cudaMalloc memory is capable; virtual-memory allocations only when created so.
+                let capable = match sim().handle_at(p) {
+                    Some(h) => rdma_handles().contains(&h),
+                    None if sim().in_plain(p) => true,
+                    None => return INVALID_VALUE,
+                };
+                put(data.cast::<c_uint>(), c_uint::from(capable))
+            }
+            (PointerKind::Device(_) | PointerKind::PinnedHost, _) => {
+                not_supported("cuPointerGetAttribute (this attribute)")
+            }
+            (PointerKind::Unregistered, _) => INVALID_VALUE,
+        }
+    })
 }
 
 pub unsafe extern "C" fn cu_mem_map(

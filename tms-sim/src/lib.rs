@@ -104,9 +104,6 @@ mod driver_not_supported {
     pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessor() -> i32 {
         crate::cuda_driver::not_supported("cuOccupancyMaxActiveBlocksPerMultiprocessor")
     }
-    pub unsafe extern "C" fn cuPointerGetAttribute() -> i32 {
-        crate::cuda_driver::not_supported("cuPointerGetAttribute")
-    }
     pub unsafe extern "C" fn cuTensorMapEncodeTiled() -> i32 {
         crate::cuda_driver::not_supported("cuTensorMapEncodeTiled")
     }
@@ -166,6 +163,10 @@ export! {
     cuStreamCreate => cuda_driver::cu_stream_create;
     cuStreamSynchronize => cuda_driver::cu_stream_synchronize;
     cuStreamDestroy_v2 => cuda_driver::cu_stream_destroy;
+    cuEventCreate => cuda_driver::cu_event_create;
+    cuEventRecord => cuda_driver::cu_event_record;
+    cuEventSynchronize => cuda_driver::cu_event_synchronize;
+    cuEventDestroy_v2 => cuda_driver::cu_event_destroy;
     cuMemGetAllocationGranularity => cuda_driver::cu_mem_get_allocation_granularity;
     cuMemAddressReserve => cuda_driver::cu_mem_address_reserve;
     cuMemAddressFree => cuda_driver::cu_mem_address_free;
@@ -189,7 +190,7 @@ export! {
     cuModuleLoadDataEx => driver_not_supported::cuModuleLoadDataEx;
     cuModuleUnload => driver_not_supported::cuModuleUnload;
     cuOccupancyMaxActiveBlocksPerMultiprocessor => driver_not_supported::cuOccupancyMaxActiveBlocksPerMultiprocessor;
-    cuPointerGetAttribute => driver_not_supported::cuPointerGetAttribute;
+    cuPointerGetAttribute => cuda_driver::cu_pointer_get_attribute;
     cuTensorMapEncodeTiled => driver_not_supported::cuTensorMapEncodeTiled;
     cuMemGetAddressRange_v2 => driver_not_supported::cuMemGetAddressRange_v2;
     cuMemExportToShareableHandle => driver_not_supported::cuMemExportToShareableHandle;

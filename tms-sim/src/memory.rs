@@ -568,6 +568,20 @@ impl Memory {
         Some(any.and_then(|m| self.handles.get(&m.handle)).map_or(0, |h| h.device))
     }
 
+    /// Whether `addr` lies in a plain (cudaMalloc/aclrtMalloc) allocation.
+    pub fn in_plain(&self, addr: usize) -> bool {
+        self.plain.range(..=addr).next_back().is_some_and(|(&start, p)| addr < start + p.len)
+    }
+
+    /// The physical handle mapped at `addr`, if `addr` lies in a mapping of a reservation.
+    pub fn handle_at(&self, addr: usize) -> Option<u64> {
+        let (&rstart, r) = self.reservations.range(..=addr).next_back()?;
+        if addr >= rstart + r.len {
+            return None;
+        }
+        r.mappings.range(..=addr).next_back().filter(|(s, m)| addr < **s + m.len).map(|(_, m)| m.handle)
+    }
+
     /// Whether `[addr, addr+len)` is device memory the device may read (and write, if asked).
     /// `Ok(None)`: not device memory at all (host memory).
     pub fn device_range(&self, addr: usize, len: usize, write: bool) -> MemResult<Option<usize>> {

@@ -484,6 +484,15 @@ impl Sim {
         (p < start + r.len).then_some((start, r.flags))
     }
 
+    pub fn in_plain(&self, addr: usize) -> bool {
+        self.read().in_plain(addr)
+    }
+
+    /// The physical handle mapped at `addr` (virtual-memory allocations only).
+    pub fn handle_at(&self, addr: usize) -> Option<u64> {
+        self.read().handle_at(addr)
+    }
+
     /// What an address is, as `cudaPointerGetAttributes` reports it.
     pub fn classify(&self, p: usize) -> PointerKind {
         if let Some(device) = self.read().device_of(p) {

@@ -23,6 +23,9 @@ struct Progress {
     error: i32,
 }
 
+/// cudaStreamNonBlocking / CU_STREAM_NON_BLOCKING.
+const NON_BLOCKING: u32 = 0x1;
+
 struct Stream {
     device: usize,
     priority: i32,
@@ -159,6 +162,7 @@ impl Streams {
     /// when it ran now, else 0.
     pub fn submit(&self, handle: usize, job: Job) -> Result<i32, UnknownStream> {
         if is_null(handle) {
+            self.legacy_barrier(handle);
             return Ok(job());
         }
         let stream = self.get(handle)?;
@@ -174,6 +178,26 @@ impl Streams {
                 stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted -= 1;
                 Err(UnknownStream)
             }
+        }
+    }
+
+    /// An action on the legacy default stream first waits for all work queued on the blocking
+    /// streams of the calling thread's CUDA device; non-blocking streams (NCCL's, PyTorch's side
+    /// streams, the hook's copy streams) are not waited for, as CUDA documents.
+    fn legacy_barrier(&self, handle: usize) {
+        // 0 is the legacy stream in programs built with the default (legacy) behaviour, 1 is
+        // CU_STREAM_LEGACY; 2 (per-thread) synchronizes with nothing.
+        if handle > 1 {
+            return;
+        }
+        let device = match crate::sim::CUDA_CTX.with(|c| c.get()) {
+            0 => return,
+            n => n - 1,
+        };
+        let blocking: Vec<Arc<Stream>> =
+            self.live().values().filter(|s| s.device == device && s.flags & NON_BLOCKING == 0).cloned().collect();
+        for s in blocking {
+            wait(&s);
         }
     }
 

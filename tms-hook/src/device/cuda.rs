@@ -2,6 +2,8 @@
 
 use super::{DevResult, Device, DeviceError, PhysHandle, Stream, UNCHANGED, Vendor, symbol};
 use libc::{c_int, c_uint, c_ulonglong, c_void};
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 const OUT_OF_MEMORY: i32 = 2;
 const INVALID_VALUE: i32 = 1;
@@ -42,6 +44,9 @@ type Ctx = *mut c_void;
 struct Api {
     init: unsafe extern "C" fn(c_uint) -> c_int,
     primary_ctx_retain: unsafe extern "C" fn(*mut Ctx, c_int) -> c_int,
+    primary_ctx_get_state: unsafe extern "C" fn(c_int, *mut c_uint, *mut c_int) -> c_int,
+    device_get_count: unsafe extern "C" fn(*mut c_int) -> c_int,
+    device_get_attribute: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int,
     ctx_get_current: unsafe extern "C" fn(*mut Ctx) -> c_int,
     ctx_set_current: unsafe extern "C" fn(Ctx) -> c_int,
     ctx_get_device: unsafe extern "C" fn(*mut c_int) -> c_int,
@@ -59,6 +64,10 @@ struct Api {
     free_host: unsafe extern "C" fn(*mut c_void) -> c_int,
     stream_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int,
     stream_synchronize: unsafe extern "C" fn(*mut c_void) -> c_int,
+    event_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int,
+    event_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int,
+    event_synchronize: unsafe extern "C" fn(*mut c_void) -> c_int,
+    event_destroy: unsafe extern "C" fn(*mut c_void) -> c_int,
     dtoh_async: unsafe extern "C" fn(*mut c_void, c_ulonglong, usize, *mut c_void) -> c_int,
     htod_async: unsafe extern "C" fn(c_ulonglong, *const c_void, usize, *mut c_void) -> c_int,
 }
@@ -66,7 +75,14 @@ struct Api {
 pub struct Cuda {
     api: Api,
     _lib: libloading::Library,
+    /// Per device: whether it supports GPUDirect RDMA on virtual-memory allocations.
+    rdma: Mutex<HashMap<i32, bool>>,
 }
+
+/// CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED.
+const ATTRIBUTE_GPU_DIRECT_RDMA_WITH_VMM: c_int = 110;
+/// Offset of `gpuDirectRDMACapable` in CUmemAllocationProp's allocFlags.
+const ALLOC_FLAG_GPU_DIRECT_RDMA: usize = 1;
 
 // SAFETY: the driver API is thread-safe; the struct holds only function pointers and the library.
 unsafe impl Send for Cuda {}
@@ -88,6 +104,21 @@ fn prop(dev: i32) -> AllocationProp {
 }
 
 impl Cuda {
+    /// The property of region memory on `dev`: RDMA capable where the device supports it, as
+    /// cudaMalloc memory is, so NCCL user-buffer registration and KV-transfer engines accept it.
+    fn prop_for_memory(&self, dev: i32) -> AllocationProp {
+        let mut p = prop(dev);
+        let supported = *self.rdma.lock().unwrap_or_else(|e| e.into_inner()).entry(dev).or_insert_with(|| {
+            let mut v: c_int = 0;
+            // SAFETY: writes one int.
+            unsafe { (self.api.device_get_attribute)(&mut v, ATTRIBUTE_GPU_DIRECT_RDMA_WITH_VMM, dev) == 0 && v != 0 }
+        });
+        p.alloc_flags[ALLOC_FLAG_GPU_DIRECT_RDMA] = u8::from(supported);
+        p
+    }
+}
+
+impl Cuda {
     /// Loads the driver; Err when it is not installed (the hook then passes everything through).
     pub fn load() -> Result<Cuda, String> {
         // SAFETY: loading the vendor driver; its initializers are the vendor's.
@@ -97,6 +128,9 @@ impl Cuda {
             Api {
                 init: symbol(&lib, "cuInit")?,
                 primary_ctx_retain: symbol(&lib, "cuDevicePrimaryCtxRetain")?,
+                primary_ctx_get_state: symbol(&lib, "cuDevicePrimaryCtxGetState")?,
+                device_get_count: symbol(&lib, "cuDeviceGetCount")?,
+                device_get_attribute: symbol(&lib, "cuDeviceGetAttribute")?,
                 ctx_get_current: symbol(&lib, "cuCtxGetCurrent")?,
                 ctx_set_current: symbol(&lib, "cuCtxSetCurrent")?,
                 ctx_get_device: symbol(&lib, "cuCtxGetDevice")?,
@@ -114,6 +148,10 @@ impl Cuda {
                 free_host: symbol(&lib, "cuMemFreeHost")?,
                 stream_create: symbol(&lib, "cuStreamCreate")?,
                 stream_synchronize: symbol(&lib, "cuStreamSynchronize")?,
+                event_create: symbol(&lib, "cuEventCreate")?,
+                event_record: symbol(&lib, "cuEventRecord")?,
+                event_synchronize: symbol(&lib, "cuEventSynchronize")?,
+                event_destroy: symbol(&lib, "cuEventDestroy_v2")?,
                 dtoh_async: symbol(&lib, "cuMemcpyDtoHAsync_v2")?,
                 htod_async: symbol(&lib, "cuMemcpyHtoDAsync_v2")?,
             }
@@ -123,7 +161,7 @@ impl Cuda {
         if rc != 0 {
             return Err(format!("cuInit returned {rc}"));
         }
-        Ok(Cuda { api, _lib: lib })
+        Ok(Cuda { api, _lib: lib, rdma: Mutex::new(HashMap::new()) })
     }
 
     fn current_context(&self) -> Ctx {
@@ -183,6 +221,21 @@ impl Device for Cuda {
         Ok(ctx as usize)
     }
 
+    fn active_devices(&self) -> Vec<i32> {
+        let mut count: c_int = 0;
+        // SAFETY: writes one int.
+        if unsafe { (self.api.device_get_count)(&mut count) } != 0 {
+            return Vec::new();
+        }
+        (0..count)
+            .filter(|&d| {
+                let (mut flags, mut active): (c_uint, c_int) = (0, 0);
+                // SAFETY: writes two ints; asking creates nothing.
+                unsafe { (self.api.primary_ctx_get_state)(d, &mut flags, &mut active) == 0 && active != 0 }
+            })
+            .collect()
+    }
+
     fn restore_thread(&self, previous: usize) {
         if previous != UNCHANGED && previous != 0 {
             // SAFETY: the context that was current before bind_thread.
@@ -212,7 +265,7 @@ impl Device for Cuda {
 
     fn create(&self, dev: i32, size: usize) -> DevResult<PhysHandle> {
         let mut h: c_ulonglong = 0;
-        let p = prop(dev);
+        let p = self.prop_for_memory(dev);
         // SAFETY: valid prop and out pointer.
         check("cuMemCreate", unsafe { (self.api.create)(&mut h, size, &p, 0) })?;
         Ok(h)
@@ -243,6 +296,24 @@ impl Device for Cuda {
     fn synchronize(&self) -> DevResult<()> {
         // SAFETY: no arguments.
         check("cuCtxSynchronize", unsafe { (self.api.ctx_synchronize)() })
+    }
+
+    /// An event recorded on the legacy default stream completes once everything queued before
+    /// it there and on every blocking stream has run: what upstream's synchronous cudaMemcpy
+    /// waits for, and nothing on non-blocking streams (NCCL's, PyTorch's side streams).
+    fn wait_for_queued_work(&self) -> DevResult<()> {
+        const EVENT_DISABLE_TIMING: c_uint = 0x2;
+        const STREAM_LEGACY: usize = 0x1;
+        let mut event: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check("cuEventCreate", unsafe { (self.api.event_create)(&mut event, EVENT_DISABLE_TIMING) })?;
+        // SAFETY: our event; CU_STREAM_LEGACY is a valid stream handle in every context.
+        let recorded = check("cuEventRecord", unsafe { (self.api.event_record)(event, STREAM_LEGACY as *mut c_void) })
+            // SAFETY: the event just recorded.
+            .and_then(|()| check("cuEventSynchronize", unsafe { (self.api.event_synchronize)(event) }));
+        // SAFETY: our event, no longer waited on.
+        unsafe { (self.api.event_destroy)(event) };
+        recorded
     }
 
     fn mem_info(&self) -> DevResult<(u64, u64)> {

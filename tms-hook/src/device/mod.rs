@@ -57,6 +57,11 @@ pub trait Device: Send + Sync {
     /// Makes `dev` current on the calling thread (a control thread has no context of its own).
     /// Returns what to hand to `restore_thread` to put the thread back as it was.
     fn bind_thread(&self, dev: i32) -> DevResult<usize>;
+    /// Devices this process already has a context on, found without creating one (a context
+    /// costs hundreds of MiB of the device's memory). Empty where the vendor cannot tell.
+    fn active_devices(&self) -> Vec<i32> {
+        Vec::new()
+    }
     fn restore_thread(&self, previous: usize);
     fn granularity(&self, dev: i32) -> DevResult<usize>;
     fn reserve(&self, size: usize) -> DevResult<u64>;
@@ -68,6 +73,13 @@ pub trait Device: Send + Sync {
     fn unmap(&self, addr: u64, size: usize) -> DevResult<()>;
     /// Waits for all work on the calling thread's device.
     fn synchronize(&self) -> DevResult<()>;
+    /// Waits for the work a pause must not cut short: what the application queued where a
+    /// synchronous copy would wait for it. Never for streams that do not synchronize with the
+    /// default stream (communication streams may be blocked on a peer that waits for this
+    /// process). Vendors without that distinction wait for the whole device.
+    fn wait_for_queued_work(&self) -> DevResult<()> {
+        self.synchronize()
+    }
     /// (free, total) of the calling thread's device.
     fn mem_info(&self) -> DevResult<(u64, u64)>;
     fn host_alloc(&self, size: usize) -> DevResult<*mut u8>;

@@ -4,7 +4,7 @@
 use super::guarded;
 use crate::device::Vendor;
 use crate::forward::{ACL_FREE, ACL_MALLOC, ACL_MALLOC_ALIGN32, Target};
-use crate::{existing_saver, region, saver};
+use crate::{existing_saver, region};
 use libc::{c_int, c_void};
 
 const ERROR_INVALID_PARAM: c_int = 100_000;
@@ -36,7 +36,7 @@ fn malloc(target: &'static Target, own: usize, ptr: *mut *mut c_void, size: usiz
             if ptr.is_null() {
                 return ERROR_INVALID_PARAM;
             }
-            match saver().malloc(Vendor::Acl, size) {
+            match crate::region_malloc(Vendor::Acl, size) {
                 Ok(Some(addr)) => {
                     // SAFETY: checked non-null.
                     unsafe { *ptr = addr as *mut c_void };

@@ -5,7 +5,7 @@
 use super::guarded;
 use crate::device::Vendor;
 use crate::forward::{CUDA_FREE, CUDA_GET_LAST_ERROR, CUDA_HOST_GET_FLAGS, CUDA_MALLOC};
-use crate::{existing_saver, region, saver};
+use crate::{existing_saver, region};
 use libc::{c_int, c_void};
 
 const ERROR_INVALID_VALUE: c_int = 1;
@@ -47,7 +47,7 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
             if ptr.is_null() {
                 return ERROR_INVALID_VALUE;
             }
-            match saver().malloc(Vendor::Cuda, size) {
+            match crate::region_malloc(Vendor::Cuda, size) {
                 Ok(Some(addr)) => {
                     // SAFETY: checked non-null; the caller passes a writable pointer.
                     unsafe { *ptr = addr as *mut c_void };

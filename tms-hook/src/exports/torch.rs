@@ -54,7 +54,7 @@ pub unsafe extern "C" fn tms_torch_malloc(size: ssize_t, _device: c_int, _stream
             if !region::in_region() {
                 return runtime_malloc(v, size as usize);
             }
-            match saver().malloc(v, size as usize) {
+            match crate::region_malloc(v, size as usize) {
                 Ok(Some(addr)) => addr as *mut c_void,
                 Ok(None) => runtime_malloc(v, size as usize),
                 Err(e) => {

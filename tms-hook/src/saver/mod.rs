@@ -1,0 +1,229 @@
+//! The state machine, written once for every vendor: allocate in a region, free, pause, resume.
+//!
+//! Locking: `registry` is held only to read or change entries, never across a driver call.
+//! An entry being worked on is marked `Busy`; a thread that needs it waits on `settled`.
+//! `operations` serializes whole pause/resume operations (in-process calls and control-socket
+//! requests alike) with each other, not with the application's allocations and frees.
+//!
+//! One idea per file: `alloc` (region allocations and frees), `pause` and `resume` (the two
+//! operations), `inspect` (status, devices, backup pointers), `pieces` (physical pieces and host
+//! buffers), `drivers` (loading each vendor's driver once), `error` (what callers get back).
+
+mod alloc;
+mod drivers;
+mod error;
+mod inspect;
+mod pause;
+mod pieces;
+mod resume;
+
+pub use error::{Error, Report, TagStatus};
+
+use crate::config::config;
+use crate::device::{Device, Stream, Vendor};
+use crate::region::TagId;
+use crate::registry::{Allocation, Registry, State};
+use drivers::DriverSlot;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+pub struct Saver {
+    registry: Mutex<Registry>,
+    settled: Condvar,
+    operations: Mutex<()>,
+    /// Number of tracked allocations, read without a lock so frees of untracked pointers stay
+    /// cheap in processes that never allocate in a region.
+    tracked: AtomicUsize,
+    margin: AtomicU64,
+    retain_backup: AtomicBool,
+    cuda: DriverSlot,
+    acl: DriverSlot,
+    granularity: Mutex<HashMap<(Vendor, i32), usize>>,
+    streams: Mutex<HashMap<(Vendor, i32), Vec<Stream>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One allocation taken out for work, with everything needed outside the lock.
+struct Job {
+    addr: u64,
+    a: Allocation,
+    ok: bool,
+}
+
+impl Default for Saver {
+    fn default() -> Self {
+        Saver::new()
+    }
+}
+
+impl Saver {
+    pub fn new() -> Saver {
+        let cfg = config();
+        Saver {
+            registry: Mutex::new(Registry::default()),
+            settled: Condvar::new(),
+            operations: Mutex::new(()),
+            tracked: AtomicUsize::new(0),
+            margin: AtomicU64::new(cfg.margin),
+            retain_backup: AtomicBool::new(cfg.retain_backup),
+            cuda: DriverSlot::new(Vendor::Cuda),
+            acl: DriverSlot::new(Vendor::Acl),
+            granularity: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn device(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
+        match vendor {
+            Vendor::Cuda => self.cuda.get(),
+            Vendor::Acl => self.acl.get(),
+        }
+    }
+
+    /// A driver already loaded, without trying to load one.
+    fn loaded(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
+        match vendor {
+            Vendor::Cuda => self.cuda.device.get().cloned(),
+            Vendor::Acl => self.acl.device.get().cloned(),
+        }
+    }
+
+    pub fn set_margin(&self, bytes: u64) {
+        self.margin.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn margin(&self) -> u64 {
+        self.margin.load(Ordering::Relaxed)
+    }
+
+    pub fn set_retain_backup(&self, retain: bool) {
+        self.retain_backup.store(retain, Ordering::Relaxed);
+    }
+
+    pub fn retain_backup(&self) -> bool {
+        self.retain_backup.load(Ordering::Relaxed)
+    }
+
+    pub fn tracked(&self) -> usize {
+        self.tracked.load(Ordering::Acquire)
+    }
+
+    /// Waits until the entry at `addr` is not Busy, then marks it Busy and returns a copy.
+    /// None: not tracked.
+    fn claim(&self, addr: u64) -> Option<Allocation> {
+        let mut reg = lock(&self.registry);
+        loop {
+            let a = reg.map.get_mut(&addr)?;
+            if a.state != State::Busy {
+                let copy = a.clone();
+                a.state = State::Busy;
+                return Some(copy);
+            }
+            reg = self.settled.wait(reg).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn settle(&self, addr: u64, a: Option<Allocation>) {
+        let mut reg = lock(&self.registry);
+        match a {
+            Some(a) => {
+                reg.map.insert(addr, a);
+            }
+            None => {
+                if reg.map.remove(&addr).is_some() {
+                    self.tracked.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+        drop(reg);
+        self.settled.notify_all();
+    }
+
+    fn streams_for(&self, dev: &dyn Device, device: i32) -> Result<Vec<Stream>, Error> {
+        let key = (dev.vendor(), device);
+        let mut map = lock(&self.streams);
+        if let Some(s) = map.get(&key) {
+            return Ok(s.clone());
+        }
+        let mut created = Vec::new();
+        for _ in 0..config().backup_streams {
+            created.push(dev.stream_create().map_err(Error::Driver)?);
+        }
+        map.insert(key, created.clone());
+        Ok(created)
+    }
+
+    /// Takes every entry of `tag` (all tags when None) in state `want` for work (marks them Busy);
+    /// counts the entries of the tag already in the other state as skipped.
+    fn select(&self, tag: Option<TagId>, want: State, report: &mut Report) -> Vec<Job> {
+        let mut reg = lock(&self.registry);
+        loop {
+            let busy = reg.map.values().any(|a| a.state == State::Busy && tag.is_none_or(|t| t == a.tag));
+            if !busy {
+                break;
+            }
+            reg = self.settled.wait(reg).unwrap_or_else(|e| e.into_inner());
+        }
+        let mut jobs = Vec::new();
+        for (&addr, a) in reg.map.iter_mut() {
+            if a.doomed || tag.is_some_and(|t| t != a.tag) {
+                continue;
+            }
+            if a.state == want {
+                jobs.push(Job { addr, a: a.clone(), ok: false });
+                a.state = State::Busy;
+            } else {
+                report.allocations_skipped += 1;
+                report.bytes_skipped += a.rounded as u64;
+            }
+        }
+        jobs
+    }
+
+    fn finish(&self, jobs: Vec<Job>, report: &mut Report, done_state: State, undone_state: State) {
+        let mut reg = lock(&self.registry);
+        for mut job in jobs {
+            if job.ok {
+                job.a.state = done_state;
+                report.allocations_done += 1;
+                report.bytes_done += job.a.rounded as u64;
+            } else {
+                job.a.state = undone_state;
+                report.allocations_failed += 1;
+                report.bytes_failed += job.a.rounded as u64;
+            }
+            reg.map.insert(job.addr, job.a);
+        }
+        drop(reg);
+        self.settled.notify_all();
+    }
+
+    fn note(report: &mut Report, e: Error) {
+        tracing::warn!("tms: {e}");
+        report.error.get_or_insert(e);
+    }
+
+    /// Takes the allocations an operation works on and opens its report with the device's free
+    /// memory before it.
+    fn begin(&self, tag: Option<TagId>, want: State) -> (Vec<Job>, Report) {
+        let mut report = Report::default();
+        let jobs = self.select(tag, want, &mut report);
+        if let Some((free, total)) = self.device_memory(&jobs) {
+            report.device_free_before = free;
+            report.device_total = total;
+        }
+        (jobs, report)
+    }
+
+    fn groups(jobs: &mut [Job]) -> BTreeMap<(Vendor, i32), Vec<usize>> {
+        let mut groups: BTreeMap<(Vendor, i32), Vec<usize>> = BTreeMap::new();
+        for (i, j) in jobs.iter().enumerate() {
+            groups.entry((j.a.vendor, j.a.device)).or_default().push(i);
+        }
+        groups
+    }
+}

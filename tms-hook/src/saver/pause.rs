@@ -1,0 +1,261 @@
+//! Pause: synchronize, copy to the host backup where enabled, unmap, release.
+
+use super::pieces::{ensure_backup_buffer, free_host_buf, map_piece, piece_copy, release_piece, unmap_piece};
+use super::{Error, Job, Report, Saver, lock};
+use crate::backup::{self, CopyJob, Direction};
+use crate::config::config;
+use crate::device::{Device, Stream};
+use crate::disk;
+use crate::region;
+use crate::registry::State;
+use std::time::Instant;
+
+impl Saver {
+    /// Pauses every active allocation of `tag` (all tags when None): synchronize, copy to the
+    /// host backup where enabled, unmap, release. Already paused ones are skipped.
+    pub fn pause(&self, tag: Option<&str>) -> Report {
+        let _op = lock(&self.operations);
+        let start = Instant::now();
+        let tag = tag.map(region::intern);
+        let (mut jobs, mut report) = self.begin(tag, State::Active);
+        for ((vendor, device), idx) in Self::groups(&mut jobs) {
+            let Some(dev) = self.loaded(vendor) else { continue };
+            let previous = match dev.bind_thread(device) {
+                Ok(p) => p,
+                Err(e) => {
+                    Self::note(&mut report, Error::Driver(e));
+                    continue;
+                }
+            };
+            self.pause_group(dev.as_ref(), device, &mut jobs, &idx, &mut report);
+            dev.restore_thread(previous);
+        }
+        if let Some((free, _)) = self.device_memory(&jobs) {
+            report.device_free_after = free;
+        }
+        self.spill_to_disk(&mut jobs);
+        self.finish(jobs, &mut report, State::Paused, State::Active);
+        report.elapsed_ns = start.elapsed().as_nanos() as u64;
+        tracing::info!("tms: pause {:?}: {:?}", tag.map(region::tag_name), report);
+        report
+    }
+
+    pub(super) fn pause_group(
+        &self,
+        dev: &dyn Device,
+        device: i32,
+        jobs: &mut [Job],
+        idx: &[usize],
+        report: &mut Report,
+    ) {
+        // Kernels still running on the memory would fault once it is unmapped. Only what a
+        // synchronous copy would wait for: a device-wide synchronize would also wait for
+        // communication streams, which may be blocked on a peer waiting for this very pause.
+        if let Err(e) = dev.wait_for_queued_work() {
+            Self::note(report, Error::Driver(e));
+            return;
+        }
+        let mut saving: Vec<usize> = Vec::new();
+        for &i in idx {
+            let j = &mut jobs[i];
+            if !j.a.backup_enabled {
+                j.ok = Self::pause_without_backup(dev, device, j, report);
+                continue;
+            }
+            saving.push(i);
+        }
+        if saving.is_empty() {
+            return;
+        }
+        let Some(streams) = self.streams_for(dev, device).map_err(|e| Self::note(report, e)).ok() else { return };
+        let started = Instant::now();
+        let units: Vec<(usize, usize)> =
+            saving.iter().flat_map(|&i| (0..jobs[i].a.pieces.len()).map(move |p| (i, p))).collect();
+        let mut failed = vec![false; jobs.len()];
+        {
+            let mut window = backup::Window::new(dev, &streams, config().backup_chunk);
+            for batch in backup::batches(units.len(), config().backup_chunk, |u| {
+                let (i, p) = units[u];
+                jobs[i].a.piece_range(p).1
+            }) {
+                let mut live = Vec::new();
+                for u in batch {
+                    let i = units[u].0;
+                    if failed[i] {
+                        continue;
+                    }
+                    // Pinning a buffer overlaps with the copies already in flight.
+                    if let Err(e) = ensure_backup_buffer(dev, &mut jobs[i].a) {
+                        // Without a backup buffer nothing of it may be released.
+                        Self::note(report, Error::Driver(e));
+                        failed[i] = true;
+                        continue;
+                    }
+                    live.push(u);
+                }
+                if live.is_empty() {
+                    continue;
+                }
+                let copies: Vec<CopyJob> =
+                    live.iter().filter_map(|&u| piece_copy(&jobs[units[u].0], units[u].1)).collect();
+                window.send(live, &copies, Direction::ToHost, |done| {
+                    Self::retire_saved(dev, jobs, &units, &mut failed, done, report)
+                });
+            }
+            window.drain(|done| Self::retire_saved(dev, jobs, &units, &mut failed, done, report));
+        }
+        for &i in &saving {
+            if failed[i] {
+                self.roll_back_pause(dev, device, streams[0], &mut jobs[i], report);
+            } else {
+                jobs[i].a.backup_valid = true;
+                jobs[i].ok = true;
+                report.backup_bytes += jobs[i].a.size as u64;
+            }
+        }
+        report.backup_ns += started.elapsed().as_nanos() as u64;
+    }
+
+    /// Gives up an allocation's memory and contents. All pieces are unmapped before any is
+    /// released, so a failure part-way maps them back with their contents intact.
+    pub(super) fn pause_without_backup(dev: &dyn Device, device: i32, j: &mut Job, report: &mut Report) -> bool {
+        for p in 0..j.a.pieces.len() {
+            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+                for q in 0..p {
+                    if let Err(e) = map_piece(dev, device, j.addr, &mut j.a, q) {
+                        Self::note(report, Error::Driver(e));
+                    }
+                }
+                // Still mapped as a whole: active. Otherwise every piece keeps its handle, so
+                // it counts as paused and resume maps the same memory back.
+                return !j.a.all_mapped() && Self::park(dev, j, report);
+            }
+        }
+        for p in 0..j.a.pieces.len() {
+            if let Err(e) = release_piece(dev, &mut j.a, p) {
+                // Unmapped but still held: resume maps the same handle back.
+                Self::note(report, Error::Driver(e));
+            }
+        }
+        true
+    }
+
+    /// Unmaps every piece still mapped, keeping its handle (and so its contents). True when the
+    /// allocation ended up fully unmapped, i.e. paused.
+    pub(super) fn park(dev: &dyn Device, j: &mut Job, report: &mut Report) -> bool {
+        for p in 0..j.a.pieces.len() {
+            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+            }
+        }
+        !j.a.pieces.iter().any(|p| p.mapped)
+    }
+
+    /// A batch of backup copies finished: release the pieces whose contents are now on the host,
+    /// or mark their allocations failed.
+    pub(super) fn retire_saved(
+        dev: &dyn Device,
+        jobs: &mut [Job],
+        units: &[(usize, usize)],
+        failed: &mut [bool],
+        (done, result): backup::Finished,
+        report: &mut Report,
+    ) {
+        if Self::fail_batch(result, done.iter().map(|&u| units[u].0), failed, report) {
+            return;
+        }
+        for u in done {
+            let (i, p) = units[u];
+            if failed[i] {
+                continue;
+            }
+            let j = &mut jobs[i];
+            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+                failed[i] = true;
+                continue;
+            }
+            if let Err(e) = release_piece(dev, &mut j.a, p) {
+                // Unmapped but still held, contents and all: resume maps the same handle back.
+                Self::note(report, Error::Driver(e));
+            }
+        }
+    }
+
+    /// A backup copy of this allocation failed after some of its pieces were already released:
+    /// bring them back from the backup so the allocation stays active and intact. If even that
+    /// fails, park it paused instead, with nothing lost: released pieces are in the backup and
+    /// the others keep their memory.
+    pub(super) fn roll_back_pause(
+        &self,
+        dev: &dyn Device,
+        device: i32,
+        stream: Stream,
+        j: &mut Job,
+        report: &mut Report,
+    ) {
+        let mut recreated = vec![false; j.a.pieces.len()];
+        let mut problem = None;
+        for (p, again) in recreated.iter_mut().enumerate() {
+            if j.a.pieces[p].mapped {
+                continue;
+            }
+            match map_piece(dev, device, j.addr, &mut j.a, p) {
+                Ok(false) => {}
+                Ok(true) => {
+                    *again = true;
+                    if let Some(c) = piece_copy(j, p)
+                        && let Err(e) = dev
+                            .copy_to_device_async(c.device_addr, c.host, c.len, stream)
+                            .and_then(|()| dev.stream_synchronize(stream))
+                    {
+                        problem = Some(e);
+                        break;
+                    }
+                }
+                Err(e) => {
+                    problem = Some(e);
+                    break;
+                }
+            }
+        }
+        let Some(e) = problem else { return };
+        Self::note(report, Error::Driver(e));
+        if !Self::park(dev, j, report) {
+            return;
+        }
+        for (p, again) in recreated.into_iter().enumerate() {
+            // Its contents are in the backup, not (reliably) in the new memory.
+            if again && let Err(e) = release_piece(dev, &mut j.a, p) {
+                Self::note(report, Error::Driver(e));
+            }
+        }
+        j.a.backup_valid = true;
+        j.ok = true;
+    }
+
+    /// Moves paused disk-backed contents from their staging buffers to files. A write that fails
+    /// keeps the contents in host memory (nothing is lost) and says so.
+    pub(super) fn spill_to_disk(&self, jobs: &mut [Job]) {
+        for j in jobs.iter_mut().filter(|j| j.ok && j.a.disk && j.a.backup_valid) {
+            let Some(b) = j.a.backup else { continue };
+            let Some(dev) = self.loaded(j.a.vendor) else { continue };
+            let path = disk::file_for(j.addr);
+            match disk::write(&path, b.ptr, j.a.size) {
+                Ok(()) => {
+                    free_host_buf(dev.as_ref(), b);
+                    j.a.backup = None;
+                    j.a.disk_file = Some(path);
+                }
+                Err(e) => {
+                    disk::remove(&path);
+                    tracing::warn!(
+                        "tms: cannot write the disk backup {} ({e}); the contents stay in host memory",
+                        path.display()
+                    );
+                }
+            }
+        }
+    }
+}
