@@ -35,6 +35,10 @@ int tms_sim_set_faults(const char *spec);
  * faults (the CPU compute layer asks before it computes on device memory). */
 int tms_sim_range_accessible(const void *ptr, size_t len);
 
+/* The aclrtMemAttr the Ascend physical memory mapped at `ptr` was created with (aclrtMallocPhysical),
+ * or -1 when `ptr` is not in such memory (a plain aclrtMalloc, a CUDA allocation, host memory). */
+int tms_sim_mem_attr(const void *ptr);
+
 /* A simulated kernel: queues on `stream` (a CUDA stream, or an ACL stream) work that runs for
  * `usec` microseconds and then writes `value` over [dst, dst + bytes) of device memory, as a
  * training step or a collective still running when someone pauses. The range is checked when the

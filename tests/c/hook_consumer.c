@@ -77,8 +77,10 @@ static void dev_thread_init(void) {
   if (use_acl) EXPECT(ACL(aclrtSetDevice)(0), 0);
 }
 
+/* ACL: huge pages only (policy 1), so an injected out-of-memory is not answered by the huge-first
+ * fallback to normal pages (acl-policies tests the policies themselves). */
 static int dev_malloc(void **p, size_t n) {
-  return use_acl ? ACL(aclrtMallocAlign32)(p, n, 0) : CUDART(cudaMalloc)(p, n);
+  return use_acl ? ACL(aclrtMallocAlign32)(p, n, 1) : CUDART(cudaMalloc)(p, n);
 }
 static int dev_free(void *p) { return use_acl ? ACL(aclrtFree)(p) : CUDART(cudaFree)(p); }
 static int dev_write(void *dst, const void *src, size_t n) {
@@ -844,6 +846,59 @@ static int pause_streams(void) {
   return 0;
 }
 
+/* aclrtMalloc's policy decides the physical memory of region allocations, as the runtime's own
+ * allocator would: huge or normal pages, P2P memory; huge-first falls back to normal pages when
+ * huge ones run out; a policy that cannot be reproduced (read-only) passes through untracked. */
+static int mem_attr_at(void *p) {
+  void *h = dlopen("libascendcl.so", RTLD_LAZY | RTLD_NOLOAD);
+  int (*f)(const void *) = h ? (int (*)(const void *))dlsym(h, "tms_sim_mem_attr") : NULL;
+  return f ? f(p) : -2;
+}
+static int acl_policies(void) {
+  struct { int policy; size_t size; int attr; } cases[] = {
+      {0 /* HUGE_FIRST */, 4 * MiB, 4 /* HBM_MEM_HUGE */},
+      {0, 512 * 1024, 5 /* HBM_MEM_NORMAL: 1 MiB or less */},
+      {1 /* HUGE_ONLY */, 4 * MiB, 4},
+      {2 /* NORMAL_ONLY */, 4 * MiB, 5},
+      {3 /* HUGE_FIRST_P2P */, 4 * MiB, 8 /* HBM_MEM_P2P_HUGE */},
+      {5 /* NORMAL_ONLY_P2P */, 4 * MiB, 9 /* HBM_MEM_P2P_NORMAL */},
+      {0x1000 | 2 /* HIGH_BAND_WIDTH | NORMAL_ONLY */, 4 * MiB, 5},
+  };
+  region("kv", 1);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    void *p;
+    EXPECT(ACL(aclrtMallocAlign32)(&p, cases[i].size, cases[i].policy), 0);
+    EXPECT(mem_attr_at(p), cases[i].attr);
+    dev_fill(p, cases[i].size, (unsigned)i);
+    uint64_t sum = dev_checksum(p, cases[i].size);
+    EXPECT(TMS(tms_pause)("kv"), 0);
+    EXPECT(mem_attr_at(p), -1);
+    EXPECT(TMS(tms_resume)("kv"), 0);
+    EXPECT(mem_attr_at(p), cases[i].attr);
+    EXPECT(dev_checksum(p, cases[i].size) == sum, 1);
+    EXPECT(dev_free(p), 0);
+  }
+  /* Huge pages exhausted: huge-first takes normal ones; huge-only fails with the runtime's code. */
+  void *p;
+  sim_faults("aclrtMallocPhysical:1:207001");
+  EXPECT(ACL(aclrtMallocAlign32)(&p, 4 * MiB, 0), 0);
+  sim_faults("");
+  EXPECT(mem_attr_at(p), 5);
+  EXPECT(dev_free(p), 0);
+  sim_faults("aclrtMallocPhysical:1:207001");
+  EXPECT(ACL(aclrtMallocAlign32)(&p, 4 * MiB, 1), 207001);
+  sim_faults("");
+  /* Read-only memory cannot be rebuilt from physical memory: plain, untracked, still usable. */
+  EXPECT(ACL(aclrtMalloc)(&p, 4 * MiB, 0x100000), 0);
+  EXPECT(mem_attr_at(p), -1);
+  size_t n = 99;
+  EXPECT(TMS(tms_status)(NULL, 0, &n), 0);
+  EXPECT(n, 0);
+  EXPECT(dev_free(p), 0);
+  printf("acl-policies ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -865,6 +920,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "backup-backends")) return backup_backends();
   if (!strcmp(m, "rdma")) return rdma();
   if (!strcmp(m, "pause-streams")) return pause_streams();
+  if (!strcmp(m, "acl-policies")) return acl_policies();
   if (!strcmp(m, "disk-backup")) return disk_backup(argc > 3 ? argv[3] : "/tmp");
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;

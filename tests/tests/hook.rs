@@ -99,6 +99,13 @@ fn pause_waits_for_blocking_streams_and_not_for_a_stalled_collective() {
 }
 
 #[test]
+fn ascend_malloc_policies_choose_the_physical_memory_of_region_allocations() {
+    let node = SimNode::new("256MiB");
+    let out = hooked(&node, Style::Linked, &["acl-policies", "acl"]);
+    assert!(out.contains("acl-policies ok"), "{out}");
+}
+
+#[test]
 fn faults_in_every_driver_call_return_errors_and_leak_nothing() {
     for api in ["cuda", "acl"] {
         let node = SimNode::new("256MiB");

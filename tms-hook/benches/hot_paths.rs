@@ -13,6 +13,7 @@ fn entry(tag: u32) -> Allocation {
         piece_len: 2 << 20,
         device: 0,
         vendor: Vendor::Cuda,
+        mem_kind: 0,
         tag,
         backup_enabled: false,
         pageable_backup: false,

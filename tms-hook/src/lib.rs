@@ -61,8 +61,8 @@ pub fn saver() -> &'static Saver {
 
 /// A region allocation through the saver (see `Saver::malloc`). The first one also starts the
 /// control socket: the saver knows nothing of the control plane, which drives it.
-pub fn region_malloc(vendor: device::Vendor, size: usize) -> Result<Option<u64>, saver::Error> {
-    let result = saver().malloc(vendor, size);
+pub fn region_malloc(vendor: device::Vendor, size: usize, kind: device::MemKind) -> Result<Option<u64>, saver::Error> {
+    let result = saver().malloc(vendor, size, kind);
     if let Ok(Some(_)) = result {
         control::ensure_started();
     }

@@ -45,6 +45,8 @@ pub struct Allocation {
     pub piece_len: usize,
     pub device: i32,
     pub vendor: Vendor,
+    /// The physical memory kind its pieces are created with (again at every resume).
+    pub mem_kind: crate::device::MemKind,
     pub tag: TagId,
     pub backup_enabled: bool,
     /// Backs up to pageable memory (the "mmap" backend), freed at resume instead of pooled.
@@ -120,6 +122,7 @@ mod tests {
             piece_len: 4 << 20,
             device: 0,
             vendor: Vendor::Cuda,
+            mem_kind: 0,
             tag: 0,
             backup_enabled: true,
             pageable_backup: false,

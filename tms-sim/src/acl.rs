@@ -208,13 +208,20 @@ pub unsafe extern "C" fn aclrt_destroy_stream(stream: *mut c_void) -> i32 {
     call("aclrtDestroyStream", || if sim().streams.destroy(stream as usize) { SUCCESS } else { RT_PARAM_INVALID })
 }
 
+/// A documented aclrtMemMallocPolicy: HUGE_FIRST (0) .. HUGE1G_ONLY_P2P (7), optionally with the
+/// LOW/HIGH_BAND_WIDTH (0x100, 0x1000) and USER_SPACE_READONLY (0x100000) bits.
+fn valid_policy(policy: c_int) -> bool {
+    const FLAGS: c_int = 0x0100 | 0x1000 | 0x10_0000;
+    (0..=7).contains(&(policy & !FLAGS))
+}
+
 fn malloc(name: &str, ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 {
     call(name, || {
         let dev = match current() {
             Ok(d) => d,
             Err(e) => return e,
         };
-        if ptr.is_null() || size == 0 || !(0..=9).contains(&policy) {
+        if ptr.is_null() || size == 0 || !valid_policy(policy) {
             return INVALID_PARAM;
         }
         match sim().plain_alloc(dev, size) {
@@ -328,13 +335,40 @@ pub unsafe extern "C" fn aclrt_get_mem_info(attr: c_int, free: *mut usize, total
 
 // ---- virtual memory management -------------------------------------------------------------
 
+/// aclrtMemAttr: DDR_MEM (0) .. HBM_MEM_P2P_HUGE1G (11), then MEM_NORMAL (12) .. MEM_P2P_HUGE1G (17).
+const MEM_ATTR_LAST: c_int = 17;
+
+/// The 1 GiB-page attributes (HBM_MEM_HUGE1G, HBM_MEM_P2P_HUGE1G, MEM_HUGE1G, MEM_P2P_HUGE1G).
+fn huge_1g(attr: c_int) -> bool {
+    matches!(attr, 10 | 11 | 14 | 17)
+}
+
+fn attr_granularity(attr: c_int) -> usize {
+    if huge_1g(attr) { 1 << 30 } else { GRANULARITY }
+}
+
+/// The memory attribute of each physical handle of this process (handles are per process).
+fn handle_attrs() -> std::sync::MutexGuard<'static, std::collections::HashMap<u64, c_int>> {
+    static ATTRS: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<u64, c_int>>> =
+        std::sync::LazyLock::new(Default::default);
+    ATTRS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The memory attribute a physical handle was created with (tms_sim_mem_attr).
+pub fn handle_attr(h: u64) -> Option<c_int> {
+    handle_attrs().get(&h).copied()
+}
+
 fn prop_device(prop: *const AclPhysicalMemProp) -> Result<usize, i32> {
     if prop.is_null() {
         return Err(INVALID_PARAM);
     }
     // SAFETY: checked non-null; the caller passes an aclrtPhysicalMemProp.
     let p = unsafe { prop.read_unaligned() };
-    if p.location.kind != MEM_LOCATION_TYPE_DEVICE || p.allocation_type != MEM_ALLOCATION_TYPE_PINNED {
+    if p.location.kind != MEM_LOCATION_TYPE_DEVICE
+        || p.allocation_type != MEM_ALLOCATION_TYPE_PINNED
+        || !(0..=MEM_ATTR_LAST).contains(&p.mem_attr)
+    {
         return Err(INVALID_PARAM);
     }
     sim().valid_device(p.location.id as i64).ok_or(RT_INVALID_DEVICEID)
@@ -352,7 +386,8 @@ pub unsafe extern "C" fn aclrt_mem_get_allocation_granularity(
         if !(0..=1).contains(&option) {
             return INVALID_PARAM;
         }
-        put(g, GRANULARITY)
+        // SAFETY: prop_device checked it is non-null.
+        put(g, attr_granularity(unsafe { prop.read_unaligned() }.mem_attr))
     })
 }
 
@@ -392,15 +427,29 @@ pub unsafe extern "C" fn aclrt_malloc_physical(
             Ok(d) => d,
             Err(e) => return e,
         };
+        // SAFETY: prop_device checked it is non-null.
+        let attr = unsafe { prop.read_unaligned() }.mem_attr;
+        if !size.is_multiple_of(attr_granularity(attr)) {
+            return code_of(MemError::Invalid);
+        }
         match sim().create(dev, size) {
-            Ok(h) => put(handle, h as usize as *mut c_void),
+            Ok(h) => {
+                handle_attrs().insert(h, attr);
+                put(handle, h as usize as *mut c_void)
+            }
             Err(e) => code_of(e),
         }
     })
 }
 
 pub unsafe extern "C" fn aclrt_free_physical(handle: *mut c_void) -> i32 {
-    call("aclrtFreePhysical", || result(sim().release(handle as usize as u64, true)))
+    call("aclrtFreePhysical", || {
+        let code = result(sim().release(handle as usize as u64, true));
+        if code == 0 {
+            handle_attrs().remove(&(handle as usize as u64));
+        }
+        code
+    })
 }
 
 pub unsafe extern "C" fn aclrt_map_mem(

@@ -1,7 +1,7 @@
 //! The Ascend runtime (`libascendcl.so`), loaded at run time with a hand-written FFI declared from
 //! the public acl_rt.h facts (shared/reference/ascend.md). Nothing of CANN is needed to build.
 
-use super::{DevResult, Device, DeviceError, PhysHandle, Stream, UNCHANGED, Vendor, symbol};
+use super::{DevResult, Device, DeviceError, MemKind, PhysHandle, Stream, UNCHANGED, Vendor, symbol};
 use libc::{c_int, c_void};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -9,7 +9,37 @@ use std::sync::Mutex;
 const RT_MEMORY_ALLOCATION: i32 = 207_001;
 const RT_PARAM_INVALID: i32 = 107_000;
 const HBM_MEM: c_int = 1;
-const HBM_MEM_HUGE: c_int = 4;
+// aclrtMemAttr values (CANN aclrtMemAttr): physical memory of each kind a malloc policy asks for.
+pub const HBM_MEM_HUGE: MemKind = 4;
+pub const HBM_MEM_NORMAL: MemKind = 5;
+pub const HBM_MEM_P2P_HUGE: MemKind = 8;
+pub const HBM_MEM_P2P_NORMAL: MemKind = 9;
+pub const HBM_MEM_HUGE1G: MemKind = 10;
+pub const HBM_MEM_P2P_HUGE1G: MemKind = 11;
+
+/// The physical memory an `aclrtMalloc` policy asks for, and what to try when that kind is
+/// exhausted (CANN aclrtMemMallocPolicy): `*_FIRST` takes huge pages, normal ones when huge ones
+/// run out (and, without P2P, normal pages for 1 MiB or less); `*_ONLY` takes that kind or fails;
+/// `_P2P` variants are memory for device-to-device copies; `HUGE1G` has 1 GiB pages. The
+/// bandwidth bits (`ACL_MEM_TYPE_LOW/HIGH_BAND_WIDTH`) are ignored, as CANN documents it ignores
+/// them. None: a policy tms cannot reproduce with physical memory (`ACL_MEM_ACCESS_USER_SPACE_
+/// READONLY`, unknown values); such allocations pass through untracked.
+pub fn memory_for_policy(policy: c_int, size: usize) -> Option<(MemKind, Option<MemKind>)> {
+    const BANDWIDTH_BITS: c_int = 0x0100 | 0x1000;
+    const SMALL: usize = 1 << 20;
+    match policy & !BANDWIDTH_BITS {
+        0 if size <= SMALL => Some((HBM_MEM_NORMAL, None)),
+        0 => Some((HBM_MEM_HUGE, Some(HBM_MEM_NORMAL))),
+        1 => Some((HBM_MEM_HUGE, None)),
+        2 => Some((HBM_MEM_NORMAL, None)),
+        3 => Some((HBM_MEM_P2P_HUGE, Some(HBM_MEM_P2P_NORMAL))),
+        4 => Some((HBM_MEM_P2P_HUGE, None)),
+        5 => Some((HBM_MEM_P2P_NORMAL, None)),
+        6 => Some((HBM_MEM_HUGE1G, None)),
+        7 => Some((HBM_MEM_P2P_HUGE1G, None)),
+        _ => None,
+    }
+}
 const MEMCPY_HOST_TO_DEVICE: c_int = 1;
 const MEMCPY_DEVICE_TO_HOST: c_int = 2;
 
@@ -34,11 +64,11 @@ const _: () = assert!(std::mem::size_of::<PhysicalMemProp>() == 32);
 const _: () = assert!(std::mem::offset_of!(PhysicalMemProp, location) == 12);
 const _: () = assert!(std::mem::offset_of!(PhysicalMemProp, reserve) == 24);
 
-fn prop(dev: i32) -> PhysicalMemProp {
+fn prop(dev: i32, kind: MemKind) -> PhysicalMemProp {
     PhysicalMemProp {
         handle_type: 0,     // ACL_MEM_HANDLE_TYPE_NONE
         allocation_type: 0, // ACL_MEM_ALLOCATION_TYPE_PINNED
-        mem_attr: HBM_MEM_HUGE,
+        mem_attr: kind,
         location: MemLocation { id: dev as u32, kind: 1 }, // ACL_MEM_LOCATION_TYPE_DEVICE
         reserve: 0,
     }
@@ -169,8 +199,8 @@ impl Device for Acl {
         }
     }
 
-    fn granularity(&self, dev: i32) -> DevResult<usize> {
-        let mut p = prop(dev);
+    fn granularity(&self, dev: i32, kind: MemKind) -> DevResult<usize> {
+        let mut p = prop(dev, kind);
         let mut g = 0usize;
         // SAFETY: valid prop and out pointer; option 0 = minimum.
         check("aclrtMemGetAllocationGranularity", unsafe { (self.api.granularity)(&mut p, 0, &mut g) })?;
@@ -189,8 +219,8 @@ impl Device for Acl {
         check("aclrtReleaseMemAddress", unsafe { (self.api.release_address)(addr as Ptr) })
     }
 
-    fn create(&self, dev: i32, size: usize) -> DevResult<PhysHandle> {
-        let p = prop(dev);
+    fn create(&self, dev: i32, size: usize, kind: MemKind) -> DevResult<PhysHandle> {
+        let p = prop(dev, kind);
         let mut h: Ptr = std::ptr::null_mut();
         // SAFETY: valid prop; writes one handle.
         check("aclrtMallocPhysical", unsafe { (self.api.malloc_physical)(&mut h, size, &p, 0) })?;
@@ -265,5 +295,29 @@ impl Device for Acl {
         check("aclrtMemcpyAsync", unsafe {
             (self.api.memcpy_async)(dst as Ptr, len, src.cast(), len, MEMCPY_HOST_TO_DEVICE, stream as Ptr)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malloc_policies_choose_the_physical_memory_cann_documents() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(memory_for_policy(0, MIB), Some((HBM_MEM_NORMAL, None)), "huge first, 1 MiB or less");
+        assert_eq!(memory_for_policy(0, 4 * MIB), Some((HBM_MEM_HUGE, Some(HBM_MEM_NORMAL))));
+        assert_eq!(memory_for_policy(1, MIB), Some((HBM_MEM_HUGE, None)));
+        assert_eq!(memory_for_policy(2, 4 * MIB), Some((HBM_MEM_NORMAL, None)));
+        assert_eq!(memory_for_policy(3, MIB), Some((HBM_MEM_P2P_HUGE, Some(HBM_MEM_P2P_NORMAL))));
+        assert_eq!(memory_for_policy(4, MIB), Some((HBM_MEM_P2P_HUGE, None)));
+        assert_eq!(memory_for_policy(5, MIB), Some((HBM_MEM_P2P_NORMAL, None)));
+        assert_eq!(memory_for_policy(6, MIB), Some((HBM_MEM_HUGE1G, None)));
+        assert_eq!(memory_for_policy(7, MIB), Some((HBM_MEM_P2P_HUGE1G, None)));
+        // Bandwidth bits change nothing; read-only and unknown policies are not reproduced.
+        assert_eq!(memory_for_policy(0x1000 | 1, MIB), Some((HBM_MEM_HUGE, None)));
+        assert_eq!(memory_for_policy(0x0100 | 2, MIB), Some((HBM_MEM_NORMAL, None)));
+        assert_eq!(memory_for_policy(0x10_0000, 4 * MIB), None);
+        assert_eq!(memory_for_policy(8, 4 * MIB), None);
     }
 }

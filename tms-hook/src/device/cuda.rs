@@ -1,6 +1,6 @@
 //! The CUDA driver (`libcuda.so.1`), loaded at run time. Nothing of CUDA is needed to build.
 
-use super::{DevResult, Device, DeviceError, PhysHandle, Stream, UNCHANGED, Vendor, symbol};
+use super::{DevResult, Device, DeviceError, MemKind, PhysHandle, Stream, UNCHANGED, Vendor, symbol};
 use libc::{c_int, c_uint, c_ulonglong, c_void};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -243,7 +243,7 @@ impl Device for Cuda {
         }
     }
 
-    fn granularity(&self, dev: i32) -> DevResult<usize> {
+    fn granularity(&self, dev: i32, _kind: MemKind) -> DevResult<usize> {
         let mut g = 0usize;
         let p = prop(dev);
         // SAFETY: valid prop and out pointer. Option 0 = minimum granularity.
@@ -263,7 +263,7 @@ impl Device for Cuda {
         check("cuMemAddressFree", unsafe { (self.api.address_free)(addr, size) })
     }
 
-    fn create(&self, dev: i32, size: usize) -> DevResult<PhysHandle> {
+    fn create(&self, dev: i32, size: usize, _kind: MemKind) -> DevResult<PhysHandle> {
         let mut h: c_ulonglong = 0;
         let p = self.prop_for_memory(dev);
         // SAFETY: valid prop and out pointer.

@@ -38,6 +38,10 @@ pub type DevResult<T> = Result<T, DeviceError>;
 
 /// Opaque handles as the vendor gives them (CUDA: a 64-bit handle; ACL: a pointer).
 pub type PhysHandle = u64;
+/// A vendor's kind of physical memory: Ascend's `aclrtMemAttr` (huge or normal pages, P2P,
+/// 1 GiB pages), chosen from the allocation's malloc policy; CUDA has one kind (`DEFAULT_KIND`).
+pub type MemKind = i32;
+pub const DEFAULT_KIND: MemKind = 0;
 pub type Stream = usize;
 
 /// `bind_thread`'s answer when the thread already had the device: nothing to restore.
@@ -63,10 +67,10 @@ pub trait Device: Send + Sync {
         Vec::new()
     }
     fn restore_thread(&self, previous: usize);
-    fn granularity(&self, dev: i32) -> DevResult<usize>;
+    fn granularity(&self, dev: i32, kind: MemKind) -> DevResult<usize>;
     fn reserve(&self, size: usize) -> DevResult<u64>;
     fn free_reservation(&self, addr: u64, size: usize) -> DevResult<()>;
-    fn create(&self, dev: i32, size: usize) -> DevResult<PhysHandle>;
+    fn create(&self, dev: i32, size: usize, kind: MemKind) -> DevResult<PhysHandle>;
     fn release(&self, handle: PhysHandle) -> DevResult<()>;
     fn map(&self, addr: u64, size: usize, handle: PhysHandle) -> DevResult<()>;
     fn set_access(&self, dev: i32, addr: u64, size: usize) -> DevResult<()>;

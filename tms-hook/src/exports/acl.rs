@@ -2,16 +2,47 @@
 #![allow(non_snake_case)] // the vendor ABI names these functions
 
 use super::guarded;
-use crate::device::Vendor;
+use crate::device::{Vendor, acl};
 use crate::forward::{ACL_FREE, ACL_MALLOC, ACL_MALLOC_ALIGN32, Target};
+use crate::saver::Error;
 use crate::{existing_saver, region};
 use libc::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 const ERROR_INVALID_PARAM: c_int = 100_000;
 const ERROR_UNINITIALIZE: c_int = 100_001;
 const ERROR_INTERNAL: c_int = 507_899;
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize, c_int) -> c_int;
+
+/// A region allocation of the physical memory `policy` asks for (huge pages first falling back
+/// to normal ones where the policy says so). None: a policy tms cannot reproduce; the caller
+/// passes the call through (untracked, never paused), and it is said once.
+pub(super) fn region_malloc(size: usize, policy: c_int) -> Option<Result<Option<u64>, Error>> {
+    let Some((kind, fallback)) = acl::memory_for_policy(policy, size) else {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "tms: aclrtMalloc policy {policy:#x} cannot be reproduced with physical memory; such allocations stay resident (not paused)"
+            );
+        }
+        return None;
+    };
+    let first = crate::region_malloc(Vendor::Acl, size, kind);
+    Some(match (first, fallback) {
+        (Err(e), Some(normal)) if out_of_memory(&e) => crate::region_malloc(Vendor::Acl, size, normal),
+        (result, _) => result,
+    })
+}
+
+fn out_of_memory(e: &Error) -> bool {
+    const RT_MEMORY_ALLOCATION: c_int = 207_001;
+    match e {
+        Error::OutOfMemory { .. } => true,
+        Error::Driver(d) => d.code == RT_MEMORY_ALLOCATION,
+        _ => false,
+    }
+}
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
 
 fn real_malloc(target: &Target, own: usize, ptr: *mut *mut c_void, size: usize, policy: c_int) -> c_int {
@@ -36,7 +67,10 @@ fn malloc(target: &'static Target, own: usize, ptr: *mut *mut c_void, size: usiz
             if ptr.is_null() {
                 return ERROR_INVALID_PARAM;
             }
-            match crate::region_malloc(Vendor::Acl, size) {
+            let Some(result) = region_malloc(size, policy) else {
+                return real_malloc(target, own, ptr, size, policy);
+            };
+            match result {
                 Ok(Some(addr)) => {
                     // SAFETY: checked non-null.
                     unsafe { *ptr = addr as *mut c_void };

@@ -47,7 +47,7 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
             if ptr.is_null() {
                 return ERROR_INVALID_VALUE;
             }
-            match crate::region_malloc(Vendor::Cuda, size) {
+            match crate::region_malloc(Vendor::Cuda, size, crate::device::DEFAULT_KIND) {
                 Ok(Some(addr)) => {
                     // SAFETY: checked non-null; the caller passes a writable pointer.
                     unsafe { *ptr = addr as *mut c_void };

@@ -54,7 +54,15 @@ pub unsafe extern "C" fn tms_torch_malloc(size: ssize_t, _device: c_int, _stream
             if !region::in_region() {
                 return runtime_malloc(v, size as usize);
             }
-            match crate::region_malloc(v, size as usize) {
+            let result = match v {
+                Vendor::Cuda => crate::region_malloc(v, size as usize, crate::device::DEFAULT_KIND),
+                // torch_npu's caching allocator asks for huge pages first (policy 0).
+                Vendor::Acl => match super::acl::region_malloc(size as usize, 0) {
+                    Some(r) => r,
+                    None => return runtime_malloc(v, size as usize),
+                },
+            };
+            match result {
                 Ok(Some(addr)) => addr as *mut c_void,
                 Ok(None) => runtime_malloc(v, size as usize),
                 Err(e) => {

@@ -3,7 +3,7 @@
 use super::pieces::{free_host_buf, map_piece, release_piece, unmap_piece};
 use super::{Error, Saver, lock};
 use crate::config::config;
-use crate::device::{Device, Vendor};
+use crate::device::{Device, MemKind, Vendor};
 use crate::disk;
 use crate::region;
 use crate::registry::{Allocation, Piece, State};
@@ -19,32 +19,40 @@ pub(super) fn checked_round_up(n: usize, to: usize) -> Option<usize> {
 }
 
 impl Saver {
-    pub(super) fn granularity(&self, dev: &dyn Device, device: i32) -> Result<usize, Error> {
-        let key = (dev.vendor(), device);
+    pub(super) fn granularity(&self, dev: &dyn Device, device: i32, kind: MemKind) -> Result<usize, Error> {
+        let key = (dev.vendor(), device, kind);
         if let Some(g) = lock(&self.granularity).get(&key) {
             return Ok(*g);
         }
-        let g = dev.granularity(device).map_err(Error::Driver)?;
+        let g = dev.granularity(device, kind).map_err(Error::Driver)?;
         lock(&self.granularity).insert(key, g);
         Ok(g)
     }
 
     /// Allocates `size` bytes backed by releasable physical memory, under the calling thread's
-    /// tag and backup flag. `Ok(None)`: no driver, the caller should pass the call through.
-    pub fn malloc(&self, vendor: Vendor, size: usize) -> Result<Option<u64>, Error> {
+    /// tag and backup flag, of physical memory `kind`. `Ok(None)`: no driver, the caller should
+    /// pass the call through.
+    pub fn malloc(&self, vendor: Vendor, size: usize, kind: MemKind) -> Result<Option<u64>, Error> {
         let Some(dev) = self.device(vendor) else { return Ok(None) };
         let device = dev.current_device().map_err(Error::Driver)?;
         // The calling thread may have no current context yet (the runtime makes one only in the
         // call we intercepted): the driver calls below need one. A thread that had none keeps the
         // device's primary context current afterwards, as the runtime call would have left it.
         let previous = dev.bind_thread(device).map_err(Error::Driver)?;
-        let result = self.malloc_on(dev.as_ref(), vendor, device, size);
+        let result = self.malloc_on(dev.as_ref(), vendor, device, size, kind);
         dev.restore_thread(previous);
         result.map(Some)
     }
 
-    fn malloc_on(&self, dev: &dyn Device, vendor: Vendor, device: i32, size: usize) -> Result<u64, Error> {
-        let granularity = self.granularity(dev, device)?;
+    fn malloc_on(
+        &self,
+        dev: &dyn Device,
+        vendor: Vendor,
+        device: i32,
+        size: usize,
+        kind: MemKind,
+    ) -> Result<u64, Error> {
+        let granularity = self.granularity(dev, device, kind)?;
         // cudaMalloc(SIZE_MAX) is a plain out-of-memory on the hardware, never a wrapped size.
         let Some(rounded) = checked_round_up(size.max(1), granularity) else {
             let free = dev.mem_info().map(|(free, _)| free).unwrap_or(0);
@@ -74,6 +82,7 @@ impl Saver {
             piece_len,
             device,
             vendor,
+            mem_kind: kind,
             tag: region::current_tag(),
             backup_enabled,
             // Ascend's asynchronous copies need page-locked host memory.

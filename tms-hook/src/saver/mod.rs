@@ -20,7 +20,7 @@ mod resume;
 pub use error::{Error, Report, TagStatus};
 
 use crate::config::config;
-use crate::device::{Device, Stream, Vendor};
+use crate::device::{Device, MemKind, Stream, Vendor};
 use crate::region::TagId;
 use crate::registry::{Allocation, Registry, State};
 use drivers::DriverSlot;
@@ -39,7 +39,7 @@ pub struct Saver {
     retain_backup: AtomicBool,
     cuda: DriverSlot,
     acl: DriverSlot,
-    granularity: Mutex<HashMap<(Vendor, i32), usize>>,
+    granularity: Mutex<HashMap<(Vendor, i32, MemKind), usize>>,
     streams: Mutex<HashMap<(Vendor, i32), Vec<Stream>>>,
 }
 

@@ -85,7 +85,7 @@ pub(super) fn map_piece(
     let at = addr + offset as u64;
     let (handle, created) = match a.pieces[i].handle {
         Some(h) => (h, false),
-        None => (dev.create(device, len)?, true),
+        None => (dev.create(device, len, a.mem_kind)?, true),
     };
     let undo = |e: DeviceError| {
         if created {
