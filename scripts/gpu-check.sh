@@ -1,42 +1,240 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU and driver: build, run the hook against the real driver, run the
-# benchmark there, and, where PyTorch is installed, check tensors in a region: pause frees their
-# memory in torch.cuda.mem_get_info, resume brings them back intact at the same data_ptr.
-# Usage: scripts/gpu-check.sh [OUT_DIR]   (default: runs/gpu-check-<date>)
-set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${1:-runs/gpu-check-$(date +%Y%m%d-%H%M%S)}"
-mkdir -p "$out"
-log() { echo "== $*" | tee -a "$out/summary.txt"; }
+# The hardware kit: proves tms on a real GPU in one command, on a machine with no Rust toolchain
+# and no network (NVIDIA driver, CUDA 12 or 13 runtime, Python 3 with PyTorch and pytest, gcc).
+#
+#   scripts/gpu-check.sh prepare DIR          on the build machine: release build, stripped, plus
+#                                             the wheel, C test sources and Python tests, into DIR
+#                                             (about 15 MiB; carry it to the GPU machine)
+#   DIR/gpu-check.sh run DIR OUTDIR           on the GPU machine: every check, each with a timeout;
+#                                             writes OUTDIR/summary.md, OUTDIR/summary.json, logs/
+#   DIR/gpu-check.sh run --sim DIR OUTDIR     the same kit on the simulator (what CI runs), for the
+#                                             checks that need no PyTorch
+#
+# What `run` checks: the C consumers against the driver (100 pause/resume cycles with backup,
+# contents, addresses and free memory; a thread without a context allocating with a margin;
+# threads churning during pause; RDMA-capable region memory; a pause that must not wait for a
+# stalled non-blocking stream; disk backup), real PyTorch through the installed wheel in preload
+# and torch modes (tests/torch-consumers: torch_memory_saver programs, SGLang's and slime's call
+# sequences, MemPool isolation), `relax-colocate run` and `relax-colocate bench` on the device.
+# Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
+set -uo pipefail
 
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' 2>/dev/null || { echo "gpu-check: libcuda.so.1 not loadable: no NVIDIA driver here" >&2; exit 1; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "gpu-check: $*" >&2; exit 2; }
 
-log "build (release)"
-cargo build --release -p tms-hook -p tms-sim -p tms-ctl -p relax-colocate
-hook="$root/target/release/libtms_hook.so"
+prepare() {
+  local dir="$1" root
+  root="$(cd "$(dirname "$0")/.." && pwd)"
+  [ -f "$root/Cargo.toml" ] || die "prepare runs from a checkout (scripts/gpu-check.sh)"
+  command -v cargo >/dev/null || die "prepare needs the Rust toolchain (cargo)"
+  set -e
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+  rm -rf "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests"
+  mkdir -p "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests"
+  # Everything is linked against glibc 2.17 with the wheel's tools (cargo-zigbuild): the GPU
+  # machine's glibc may be older than this one's.
+  echo "gpu-check: building the wheel" >&2
+  "$root/scripts/build-wheel.sh" "$dir/wheel" >/dev/null
+  echo "gpu-check: building the binaries (release, glibc 2.17)" >&2
+  local venv="${TMS_BUILD_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tms/build-venv}"
+  local target="${TMS_WHEEL_TARGET_DIR:-${CARGO_TARGET_DIR:-$root/target}/wheel}"
+  (cd "$root" && PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$target" "$venv/bin/cargo-zigbuild" zigbuild --release \
+    --quiet --target x86_64-unknown-linux-gnu.2.17 -p tms-hook -p tms-sim -p tms-ctl -p relax-colocate)
+  local out="$target/x86_64-unknown-linux-gnu/release"
+  for b in tms-ctl tms-sim relax-colocate; do cp "$out/$b" "$dir/bin/"; done
+  for l in libtms_hook.so libtms_sim.so; do cp "$out/$l" "$dir/lib/"; done
+  # Debug info is most of the size; the exported symbols stay.
+  strip --strip-debug "$dir"/bin/* "$dir"/lib/*
+  cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
+  mkdir -p "$dir/tests/torch-consumers"
+  cp "$root"/tests/torch-consumers/{conftest.py,test_wheel.py,test_frameworks.py,test_tms_package.py} "$dir/tests/torch-consumers/"
+  cp "$root/scripts/gpu-check.sh" "$dir/gpu-check.sh"
+  (cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown) >"$dir/VERSION"
+  set +e
+  local size
+  size=$(du -sm "$dir" | cut -f1)
+  [ "$size" -lt 60 ] || die "$dir is $size MiB; the device tool carries at most 64 MiB"
+  echo "gpu-check: $dir ready ($size MiB); on the GPU machine: $dir/gpu-check.sh run $dir OUTDIR" >&2
+}
 
-log "hook against the real driver: C consumer, 100 pause/resume cycles with backup"
-cc -O2 -DTMS_TEST_DLSYM -Itests/c -Iinclude -o "$out/hook_consumer" tests/c/hook_consumer.c tests/c/main_direct.c -ldl -lpthread
-# The real runtime must be findable: libcudart.so.12 from the CUDA toolkit or PyTorch's wheel.
-if ! python3 -c 'import ctypes; ctypes.CDLL("libcudart.so.12")' 2>/dev/null; then
-  cudart=$(python3 -c 'import nvidia.cuda_runtime, os; print(os.path.join(os.path.dirname(nvidia.cuda_runtime.__file__), "lib"))' 2>/dev/null || true)
-  [ -n "$cudart" ] && export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-LD_PRELOAD="$hook" "$out/hook_consumer" cycle cuda 100 | tee -a "$out/summary.txt"
-LD_PRELOAD="$hook" "$out/hook_consumer" oom-resume cuda | tee -a "$out/summary.txt" || echo "oom-resume needs the simulator's fault injection; skipped on real hardware" | tee -a "$out/summary.txt"
+# ---- run ----------------------------------------------------------------------------------------
 
-log "benchmark on the GPU"
-target/release/relax-colocate bench --device cuda --out "$out/bench" | tee "$out/bench.txt"
+results=""
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$results"; }
 
-if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  log "PyTorch: tensors in a region, pause/resume through the tms package"
-  tmp=$(mktemp -d)
-  scripts/install.sh --profile release --no-build "$tmp" >/dev/null
-  LD_PRELOAD="$tmp/lib/torch_memory_saver_hook_mode_preload.abi3.so" PYTHONPATH="$tmp/lib/python" TMS_PREFIX="$tmp" \
-    python3 -m unittest discover -v -s python/tests -k WithTorch 2>&1 | tee -a "$out/summary.txt"
-else
-  log "PyTorch with CUDA not installed: torch checks skipped"
-fi
-log "done: results in $out"
+# check NAME TIMEOUT_S COMMAND...: runs COMMAND with a timeout, logs it, records pass/fail.
+check() {
+  local name="$1" limit="$2"
+  shift 2
+  local log="$outdir/logs/$name.log" start=$SECONDS rc
+  echo "gpu-check: $name" >&2
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  local secs=$((SECONDS - start))
+  if [ $rc -eq 0 ]; then
+    record "$name" pass "$secs" ""
+  else
+    local why="exit $rc"
+    [ $rc -eq 124 ] && why="timed out after ${limit}s"
+    record "$name" fail "$secs" "$why: $(grep -v '^\s*$' "$log" | tail -n 5 | tr '\n\t' '  ' | cut -c1-400)"
+  fi
+}
+
+skip() { echo "gpu-check: $1 skipped: $2" >&2; record "$1" skip 0 "$2"; }
+
+find_cudart() {
+  # The runtime the C consumers load: CUDA 13 first, then 12; from the system or PyTorch's wheels.
+  local so
+  for so in libcudart.so.13 libcudart.so.12; do
+    python3 -c "import ctypes; ctypes.CDLL('$so')" 2>/dev/null && { echo "$so"; return 0; }
+  done
+  local d
+  d=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site, sys
+dirs = site.getsitepackages() + [site.getusersitepackages()]
+for d in dirs:
+    for pat in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib", "nvidia/cu12/lib"):
+        for hit in glob.glob(os.path.join(d, pat)):
+            if glob.glob(os.path.join(hit, "libcudart.so.1[23]")):
+                print(hit); sys.exit(0)
+PY
+)
+  [ -n "$d" ] || return 1
+  export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  for so in libcudart.so.13 libcudart.so.12; do
+    [ -e "$d/$so" ] && { echo "$so"; return 0; }
+  done
+  return 1
+}
+
+run() {
+  local sim=0
+  if [ "${1:-}" = --sim ]; then sim=1; shift; fi
+  [ $# -eq 2 ] || { usage >&2; exit 2; }
+  kit="$(cd "$1" 2>/dev/null && pwd)" || die "no kit at $1 (make one with: scripts/gpu-check.sh prepare DIR)"
+  outdir="$2"
+  mkdir -p "$outdir/logs" || die "cannot create $outdir"
+  outdir="$(cd "$outdir" && pwd)"
+  results="$outdir/results.tsv"
+  : >"$results"
+  for f in bin/relax-colocate lib/libtms_hook.so src/hook_consumer.c; do
+    [ -e "$kit/$f" ] || die "$kit/$f is missing: not a kit made by gpu-check.sh prepare"
+  done
+  command -v cc >/dev/null || die "a C compiler (cc) is needed"
+  command -v python3 >/dev/null || die "python3 is needed"
+  local hook="$kit/lib/libtms_hook.so" cudart device
+  export TMS_CONTROL_DIR="$outdir/ctl"
+
+  if [ $sim = 1 ]; then
+    device=sim
+    local simdir
+    simdir=$("$kit/bin/tms-sim" lib-dir --lib "$kit/lib") || die "tms-sim lib-dir failed"
+    export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export TMS_SIM_NODE="gpu-check-$$" TMS_SIM_DIR="$outdir/sim" TMS_SIM_MEMORY=2GiB TMS_SIM_DEVICES=1
+    mkdir -p "$TMS_SIM_DIR"
+    cudart=libcudart.so.12
+    echo "simulator (tms-sim)" >"$outdir/device.txt"
+  else
+    device=cuda
+    python3 -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' 2>/dev/null || die "libcuda.so.1 not loadable: no NVIDIA driver here (use run --sim)"
+    cudart=$(find_cudart) || die "no libcudart.so.13 or .12 found (system or PyTorch's nvidia wheels)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$outdir/device.txt" 2>&1 || echo "nvidia-smi unavailable" >"$outdir/device.txt"
+  fi
+  echo "runtime: $cudart" >>"$outdir/device.txt"
+
+  # 1. The C consumers against the driver.
+  local consumer="$outdir/hook_consumer"
+  check build-c-consumers 120 cc -O2 -DTMS_TEST_DLSYM "-DTMS_CUDART_SONAME=\"$cudart\"" -I"$kit/src" \
+    -o "$consumer" "$kit/src/hook_consumer.c" "$kit/src/main_direct.c" -ldl -lpthread
+  if [ -x "$consumer" ]; then
+    check c-cycles-100-with-backup 300 env LD_PRELOAD="$hook" "$consumer" cycle cuda 100
+    check c-thread-without-context-margin 60 env LD_PRELOAD="$hook" "$consumer" margin-thread cuda
+    check c-threads-churn-during-pause 300 env LD_PRELOAD="$hook" "$consumer" threads cuda 200
+    check c-rdma-capable-region-memory 60 env LD_PRELOAD="$hook" "$consumer" rdma cuda
+    check c-pause-ignores-stalled-nonblocking-stream 60 env LD_PRELOAD="$hook" "$consumer" pause-streams cuda
+    mkdir -p "$outdir/disk"
+    check c-disk-backup 120 env LD_PRELOAD="$hook" "$consumer" disk-backup cuda "$outdir/disk"
+    if [ $sim = 1 ]; then
+      # Fault injection and the simulator's introspection exist only there.
+      check c-oom-on-resume-then-retry 60 env LD_PRELOAD="$hook" "$consumer" oom-resume cuda
+      check c-faults-in-every-driver-call 300 env LD_PRELOAD="$hook" "$consumer" faults cuda
+      check c-ascend-cycles 300 env LD_PRELOAD="$hook" "$consumer" cycle acl 20
+      check c-ascend-malloc-policies 120 env LD_PRELOAD="$hook" "$consumer" acl-policies acl
+    else
+      skip c-oom-on-resume-then-retry "needs the simulator's fault injection (run --sim)"
+    fi
+  fi
+
+  # 2. Real PyTorch through the wheel.
+  if [ $sim = 1 ]; then
+    skip torch-consumers "PyTorch on the simulator runs in the test suite (cargo test), not in the kit"
+  elif ! python3 -c 'import torch, pytest, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    skip torch-consumers "python3 has no PyTorch with CUDA, or no pytest"
+  else
+    local wheel
+    wheel=$(ls "$kit"/wheel/tms_memory_saver-*.whl 2>/dev/null | head -n 1)
+    check torch-consumers 420 env -C "$kit/tests/torch-consumers" TMS_TEST_REAL_DEVICE=1 TMS_TEST_HOOK="$hook" \
+      TMS_TEST_WHEEL="$wheel" TMS_TEST_TMP="$outdir/torch" python3 -m pytest -q -p no:cacheprovider -rfEs \
+      --junitxml="$outdir/torch-consumers.xml" .
+  fi
+
+  # 3. The colocated cycle and 4. the benchmark on the device.
+  check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device "$device" --steps 5 --out "$outdir/run"
+  check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device "$device" --quick --out "$outdir/bench"
+
+  summarize "$device"
+  ! grep -q "	fail	" "$results"
+}
+
+summarize() {
+  python3 - "$results" "$outdir" "$1" "$kit" <<'PY'
+import json, os, sys, datetime
+results, outdir, device, kit = sys.argv[1:]
+rows = [line.rstrip("\n").split("\t", 3) for line in open(results) if line.strip()]
+checks = [{"check": r[0], "result": r[1], "seconds": int(r[2]), "detail": r[3]} for r in rows]
+facts = open(os.path.join(outdir, "device.txt")).read().strip()
+version = open(os.path.join(kit, "VERSION")).read().strip() if os.path.exists(os.path.join(kit, "VERSION")) else "unknown"
+bench = None
+for name in ("results.json",):
+    p = os.path.join(outdir, "bench", name)
+    if os.path.exists(p):
+        bench = p
+summary = {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "device": device,
+    "device_facts": facts,
+    "tms_version": version,
+    "passed": sum(c["result"] == "pass" for c in checks),
+    "failed": sum(c["result"] == "fail" for c in checks),
+    "skipped": sum(c["result"] == "skip" for c in checks),
+    "checks": checks,
+    "bench_results": bench,
+}
+json.dump(summary, open(os.path.join(outdir, "summary.json"), "w"), indent=2)
+lines = [
+    f"# gpu-check: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped",
+    "",
+    f"- date: {summary['date']}",
+    f"- tms: {version}",
+    "- device: " + facts.replace("\n", "; "),
+    "",
+    "| check | result | seconds | detail |",
+    "|---|---|---|---|",
+]
+for c in checks:
+    detail = c["detail"].replace("|", "\\|")
+    lines.append(f"| {c['check']} | {c['result']} | {c['seconds']} | {detail} |")
+lines.append("")
+lines.append("Logs: logs/<check>.log; the benchmark's tables: bench/; the run's metrics: run/.")
+open(os.path.join(outdir, "summary.md"), "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+}
+
+case "${1:-}" in
+  prepare) [ $# -eq 2 ] || { usage >&2; exit 2; }; prepare "$2" ;;
+  run) shift; run "$@" ;;
+  -h|--help|"") usage; [ -n "${1:-}" ] || exit 2 ;;
+  *) echo "gpu-check: unknown command $1" >&2; usage >&2; exit 2 ;;
+esac

@@ -107,7 +107,12 @@ static void *tms_test_sym(const char *lib, const char *name) {
 #else
 #define CALL_IN(lib, f) f
 #endif
-#define CUDART(f) CALL_IN("libcudart.so.12", f)
+/* The runtime the dlsym-style consumers load: libcudart.so.12 unless the build says otherwise
+ * (scripts/gpu-check.sh passes the machine's, e.g. libcudart.so.13). */
+#ifndef TMS_CUDART_SONAME
+#define TMS_CUDART_SONAME "libcudart.so.12"
+#endif
+#define CUDART(f) CALL_IN(TMS_CUDART_SONAME, f)
 #define CUDRV(f) CALL_IN("libcuda.so.1", f)
 #define ACL(f) CALL_IN("libascendcl.so", f)
 #endif

@@ -7,6 +7,9 @@ asked, a memory-saver library preloaded. The harness (tests/tests/torch.rs) sets
   TMS_TEST_HOOK          libtms_hook.so
   TMS_TEST_TMP           a scratch folder for this run
   TMS_TEST_WHEEL         the tms-memory-saver wheel built by scripts/build-wheel.sh
+
+On a real GPU (scripts/gpu-check.sh run) TMS_TEST_REAL_DEVICE=1 replaces the simulator: the
+scenarios run on the machine's device, and the simulator's variables are neither needed nor set.
 """
 
 import os
@@ -17,6 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+REAL_DEVICE = os.environ.get("TMS_TEST_REAL_DEVICE") == "1"
 
 
 def _required(name):
@@ -30,8 +35,9 @@ class SimRun:
     """Runs Python snippets on a simulated node of its own."""
 
     def __init__(self, tmp):
-        self.lib_dir = Path(_required("TMS_TEST_SIM_LIB_DIR"))
-        self.sim_python = _required("TMS_TEST_SIM_PYTHON")
+        self.lib_dir = None if REAL_DEVICE else Path(_required("TMS_TEST_SIM_LIB_DIR"))
+        # On a real device: the outer PYTHONPATH, which tests put before their own folders.
+        self.sim_python = os.environ.get("PYTHONPATH", "") if REAL_DEVICE else _required("TMS_TEST_SIM_PYTHON")
         self.hook = Path(_required("TMS_TEST_HOOK"))
         self.tmp = Path(tmp)
         self.node = f"torch-{uuid.uuid4().hex[:12]}"
@@ -39,6 +45,16 @@ class SimRun:
         self.python_path = []
 
     def env(self, devices=1, memory="4GiB", preload=None, extra=None):
+        if REAL_DEVICE:
+            # The machine's own environment (a dry run of the kit on the simulator keeps its
+            # TMS_SIM_* and PYTHONPATH, which a GPU machine does not have).
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_PRELOAD")) or k.startswith("TMS_SIM_")}
+            outer = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+            env.update({"PYTHONPATH": ":".join(self.python_path + outer), "PYTHONUNBUFFERED": "1"})
+            if preload:
+                env["LD_PRELOAD"] = str(preload)
+            env.update(extra or {})
+            return env
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_PRELOAD"))}
         env.update(
             {
@@ -122,9 +138,14 @@ def fresh_venv(tmp_path_factory):
 
     wheel = _required("TMS_TEST_WHEEL")
     venv = tmp_path_factory.mktemp("fresh") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    _pip(python, "install", "--no-deps", "--no-index", wheel)
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
+    if made.returncode == 0:
+        _pip(python, "install", "--no-deps", "--no-index", wheel)
+    else:
+        # No ensurepip (Debian without python3-venv): this interpreter's pip installs into it.
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
+        _pip(sys.executable, "--python", str(python), "install", "--no-deps", "--no-index", wheel)
     site = Path(
         subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -87,6 +87,8 @@ MIB = 1 << 20
 
 @pytest.fixture
 def which(request, sim):
+    if request.param == "upstream" and not (SITE / "torch_memory_saver_hook_mode_preload_cu13.abi3.so").exists():
+        pytest.skip("torch_memory_saver's own package is not installed here")
     if request.param == "wheel":
         sim.python_path.insert(0, str(request.getfixturevalue("wheel_site")))
     return request.param

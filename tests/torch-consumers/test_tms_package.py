@@ -30,8 +30,10 @@ print("b_intact=%s" % bool(torch.equal(b.cpu(), torch.arange(8 * MIB, dtype=torc
 
 
 @pytest.mark.parametrize("mode", ["preload", "torch"])
-def test_regions_get_their_own_pools(sim, mode):
-    extra = {"PYTHONPATH": f"{sim.sim_python}:{PACKAGE}"}
+def test_regions_get_their_own_pools(sim, mode, request):
+    # The checkout's package; in the hardware kit (no checkout) the installed wheel's.
+    package = PACKAGE if PACKAGE.is_dir() else request.getfixturevalue("wheel_site")
+    extra = {"PYTHONPATH": f"{sim.sim_python}:{package}"}
     if mode == "torch":
         extra["TMS_LIBRARY"] = str(sim.hook)
     out = sim.ok(ISOLATION, preload=sim.hook if mode == "preload" else None, extra=extra)

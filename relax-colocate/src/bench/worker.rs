@@ -271,10 +271,6 @@ fn rss_bytes() -> u64 {
         * 1024
 }
 
-unsafe extern "C" {
-    fn mallinfo2() -> MallInfo2;
-}
-
 #[repr(C)]
 struct MallInfo2 {
     arena: usize,
@@ -289,9 +285,18 @@ struct MallInfo2 {
     keepcost: usize,
 }
 
+/// Heap bytes in use. `mallinfo2` appeared in glibc 2.33; it is looked up at run time so that the
+/// binary still loads on the older glibc of the machines the hardware kit runs on (the figure is
+/// then 0, and the memory table says so by its zeros).
 fn heap_in_use() -> usize {
-    // SAFETY: glibc's mallinfo2 has no preconditions.
-    let m = unsafe { mallinfo2() };
+    type MallInfo2Fn = unsafe extern "C" fn() -> MallInfo2;
+    // SAFETY: a lookup by name in the already loaded C library.
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallinfo2".as_ptr()) };
+    if f.is_null() {
+        return 0;
+    }
+    // SAFETY: glibc's mallinfo2, of this signature, with no preconditions.
+    let m = unsafe { std::mem::transmute::<*mut libc::c_void, MallInfo2Fn>(f)() };
     m.uordblks + m.hblkhd
 }
 

@@ -1,0 +1,167 @@
+//! The hardware kit (scripts/gpu-check.sh) must work the first time a GPU machine appears, which
+//! may be for minutes: CI makes a kit exactly as for the GPU machine and runs it twice on the
+//! simulator, once as `run --sim` (the checks that need no PyTorch) and once as the GPU run itself
+//! with the simulator standing in for the driver and the PyTorch test environment for the
+//! machine's Python (the real-device code paths: the runtime search, the wheel installed into a
+//! fresh environment, the torch scenarios with TMS_TEST_REAL_DEVICE=1).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use tms_e2e::*;
+
+/// One kit per test binary, made by `gpu-check.sh prepare`.
+fn kit() -> &'static PathBuf {
+    static KIT: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    &KIT.get_or_init(|| {
+        let ws = workspace();
+        let dir = tempfile::tempdir().unwrap();
+        let kit = dir.path().join("kit");
+        let out = Command::new(ws.root.join("scripts/gpu-check.sh"))
+            .arg("prepare")
+            .arg(&kit)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .expect("run gpu-check.sh prepare");
+        assert!(out.status.success(), "gpu-check.sh prepare failed (see above)");
+        (dir, kit)
+    })
+    .1
+}
+
+fn size_of_tree(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let m = e.metadata().unwrap();
+            if m.is_dir() { size_of_tree(&e.path()) } else { m.len() }
+        })
+        .sum()
+}
+
+/// Runs the kit and returns (exit code, summary.json, summary.md).
+fn run_kit(args: &[&str], out: &Path, env: &[(&str, String)], strip_sim: bool) -> (i32, serde_json::Value, String) {
+    let kit = kit();
+    let mut cmd = Command::new(kit.join("gpu-check.sh"));
+    cmd.arg("run")
+        .args(args)
+        .arg(kit)
+        .arg(out)
+        .env_remove("LD_PRELOAD")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit());
+    if strip_sim {
+        for (k, _) in std::env::vars() {
+            if k.starts_with("TMS_") {
+                cmd.env_remove(&k);
+            }
+        }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let status = cmd.status().expect("run gpu-check.sh run");
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap_or_default();
+    let json = std::fs::read_to_string(out.join("summary.json")).expect("summary.json written");
+    (status.code().unwrap_or(-1), serde_json::from_str(&json).unwrap(), md)
+}
+
+fn results(summary: &serde_json::Value) -> Vec<(String, String)> {
+    summary["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["check"].as_str().unwrap().to_string(), c["result"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+#[test]
+fn the_kit_is_small_and_self_contained() {
+    let kit = kit();
+    let size = size_of_tree(kit);
+    assert!(size < 60 << 20, "the kit is {size} bytes; the device tool carries at most 64 MiB");
+    for f in [
+        "gpu-check.sh",
+        "bin/relax-colocate",
+        "bin/tms-ctl",
+        "lib/libtms_hook.so",
+        "src/hook_consumer.c",
+        "src/vendor.h",
+        "tests/torch-consumers/conftest.py",
+        "tests/torch-consumers/test_wheel.py",
+    ] {
+        assert!(kit.join(f).exists(), "{f} missing from the kit");
+    }
+    let wheels: Vec<_> = std::fs::read_dir(kit.join("wheel")).unwrap().collect();
+    assert_eq!(wheels.len(), 1, "one wheel in the kit");
+    // Built for glibc 2.17: the GPU machine's C library may be older than the build machine's.
+    for f in ["bin/relax-colocate", "bin/tms-ctl", "lib/libtms_hook.so"] {
+        let out = Command::new("objdump").arg("-T").arg(kit.join(f)).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let newest = text
+            .split("GLIBC_")
+            .skip(1)
+            .filter_map(|s| {
+                let v: String = s.chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+                let mut it = v.split('.').map(|n| n.parse::<u32>().unwrap_or(0));
+                Some((it.next()?, it.next().unwrap_or(0)))
+            })
+            .max()
+            .unwrap();
+        assert!(newest <= (2, 17), "{f} needs GLIBC_{}.{}", newest.0, newest.1);
+    }
+}
+
+#[test]
+fn the_kit_passes_on_the_simulator() {
+    let out = tempfile::tempdir().unwrap();
+    let (code, summary, md) = run_kit(&["--sim"], out.path(), &[], true);
+    assert_eq!(code, 0, "{md}");
+    assert_eq!(summary["failed"], 0, "{md}");
+    let got = results(&summary);
+    for name in [
+        "c-cycles-100-with-backup",
+        "c-pause-ignores-stalled-nonblocking-stream",
+        "c-rdma-capable-region-memory",
+        "c-faults-in-every-driver-call",
+        "c-ascend-malloc-policies",
+        "relax-colocate-run",
+        "relax-colocate-bench",
+    ] {
+        assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
+    }
+    assert!(md.contains("| check | result |"), "{md}");
+}
+
+#[test]
+fn the_gpu_run_itself_passes_with_the_simulator_as_the_gpu() {
+    if std::env::var("TMS_TORCH_TESTS").is_ok_and(|v| v == "0") {
+        eprintln!("TMS_TORCH_TESTS=0: skipping the kit's PyTorch dry run");
+        return;
+    }
+    let ws = workspace();
+    let torch_env = Command::new(ws.root.join("scripts/torch-env.sh")).output().expect("scripts/torch-env.sh");
+    assert!(torch_env.status.success(), "scripts/torch-env.sh failed; TMS_TORCH_TESTS=0 skips this test");
+    let python = PathBuf::from(String::from_utf8(torch_env.stdout).unwrap().trim());
+    let scratch = tempfile::tempdir().unwrap();
+    let out = scratch.path().join("out");
+    // What `eval "$(tms-sim env)"` sets: to the kit, this is a machine with a driver and a GPU.
+    let path = format!("{}:{}", python.parent().unwrap().display(), std::env::var("PATH").unwrap_or_default());
+    let env = vec![
+        ("PATH", path),
+        ("LD_LIBRARY_PATH", ws.sim_dir.display().to_string()),
+        ("TMS_SIM_LIB", ws.sim_dir.join("libcudart.so.13").display().to_string()),
+        ("PYTHONPATH", ws.root.join("tms-sim/python").display().to_string()),
+        ("TMS_SIM_NODE", format!("kit-dry-run-{}", std::process::id())),
+        ("TMS_SIM_DIR", scratch.path().display().to_string()),
+        ("TMS_SIM_MEMORY", "16GiB".to_string()),
+        ("OMP_NUM_THREADS", "1".to_string()),
+    ];
+    let (code, summary, md) = run_kit(&[], &out, &env, true);
+    assert_eq!(code, 0, "{md}");
+    assert_eq!(summary["failed"], 0, "{md}");
+    let got = results(&summary);
+    assert!(got.iter().any(|(n, r)| n == "torch-consumers" && r == "pass"), "{md}");
+    assert!(got.iter().any(|(n, r)| n == "c-cycles-100-with-backup" && r == "pass"), "{md}");
+}
