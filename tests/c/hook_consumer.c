@@ -910,6 +910,31 @@ static int acl_policies(void) {
   return 0;
 }
 
+/* TMS_PINNED_POOL_MAX_MB caps the pinned buffers kept after resume for the next pause. */
+static int pool_cap(void) {
+  region("pooled", 1);
+  void *p[3];
+  uint64_t sum[3];
+  for (int i = 0; i < 3; i++) {
+    EXPECT(dev_malloc(&p[i], 4 * MiB), 0);
+    dev_fill(p[i], 4 * MiB, (unsigned)i + 3);
+    sum[i] = dev_checksum(p[i], 4 * MiB);
+  }
+  for (int round = 0; round < 2; round++) {
+    EXPECT(TMS(tms_pause)("pooled"), 0);
+    EXPECT(backup_bytes_of("pooled"), 12 * MiB);
+    EXPECT(TMS(tms_resume)("pooled"), 0);
+    EXPECT(backup_bytes_of("pooled"), 4 * MiB); /* one buffer fits under the 4 MiB cap */
+    for (int i = 0; i < 3; i++) EXPECT(dev_checksum(p[i], 4 * MiB) == sum[i], 1);
+  }
+  struct sim_stats s;
+  sim_stats(&s);
+  EXPECT(s.pinned_host_bytes <= 4 * MiB + 64 * 1024, 1);
+  for (int i = 0; i < 3; i++) EXPECT(dev_free(p[i]), 0);
+  printf("pool-cap ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -932,6 +957,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "rdma")) return rdma();
   if (!strcmp(m, "pause-streams")) return pause_streams();
   if (!strcmp(m, "acl-policies")) return acl_policies();
+  if (!strcmp(m, "pool-cap")) return pool_cap();
   if (!strcmp(m, "disk-backup")) return disk_backup(argc > 3 ? argv[3] : "/tmp");
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;

@@ -68,6 +68,12 @@ fn external_pause_frees_memory_another_process_uses_and_resume_restores_it() {
     let resumed = run_ok(&mut node.ctl(&["resume", &pid]));
     assert!(resumed.contains("resumed 1 allocations, 600.0 MiB"), "{resumed}");
     assert_eq!(trainer.ask("verify"), "rc=0");
+    // Its pinned buffer stays pooled for the next pause, and the host memory it holds is shown.
+    let (code, status) = json(node.ctl(&["status", &pid, "--json"]));
+    assert_eq!(code, 0);
+    assert_eq!(status[0]["status"]["pooled_backup_bytes"], 600 * MIB, "{status}");
+    let human = run_ok(&mut node.ctl(&["status", &pid]));
+    assert!(human.contains("pinned buffers pooled 600.0 MiB"), "{human}");
     trainer.quit();
     rollout.quit();
 }

@@ -106,6 +106,13 @@ fn ascend_malloc_policies_choose_the_physical_memory_of_region_allocations() {
 }
 
 #[test]
+fn pooled_pinned_buffers_stay_under_their_cap() {
+    let node = SimNode::new("256MiB").env("TMS_PINNED_POOL_MAX_MB", "4");
+    let out = hooked(&node, Style::Linked, &["pool-cap", "cuda"]);
+    assert!(out.contains("pool-cap ok"), "{out}");
+}
+
+#[test]
 fn faults_in_every_driver_call_return_errors_and_leak_nothing() {
     for api in ["cuda", "acl"] {
         let node = SimNode::new("256MiB");

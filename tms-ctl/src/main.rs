@@ -319,10 +319,11 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                         println!("  {} device {}: {} free of {}", d.vendor, d.device, human(d.free), human(d.total));
                     }
                     println!(
-                        "  margin {}, retain backup {}, default backup {}",
+                        "  margin {}, retain backup {}, default backup {}, pinned buffers pooled {}",
                         human(st.margin_bytes),
                         st.retain_backup,
-                        st.default_backup
+                        st.default_backup,
+                        human(st.pooled_backup_bytes)
                     );
                     for t in &st.tags {
                         println!(

@@ -22,6 +22,9 @@ pub struct Config {
     pub keep_pinned: bool,
     /// `TMS_MEMORY_MARGIN_BYTES`: free memory to keep when allocating in a region or resuming.
     pub margin: u64,
+    /// Most bytes of pinned buffers kept pooled for the next pause (`TMS_PINNED_POOL_MAX_MB`;
+    /// None: no limit).
+    pub pinned_pool_max: Option<u64>,
     /// Resume refuses unless the margin stays free too (`TMS_RESUME_KEEPS_MARGIN`, default off).
     pub resume_keeps_margin: bool,
     /// `TMS_BACKUP_STREAMS`: concurrent copy streams per device for backup/restore.
@@ -85,6 +88,9 @@ impl Config {
             },
         };
         let margin = number("TMS_MEMORY_MARGIN_BYTES", 0, 0);
+        let pinned_pool_max = var("TMS_PINNED_POOL_MAX_MB")
+            .filter(|v| !v.trim().is_empty())
+            .map(|_| number("TMS_PINNED_POOL_MAX_MB", u64::MAX >> 20, 0) << 20);
         let backup_streams = number("TMS_BACKUP_STREAMS", 4, 1).min(64) as usize;
         let backup_chunk = (number("TMS_BACKUP_CHUNK_MB", 16, 1).min(4096) as usize) << 20;
         let physical_chunk = (number("TMS_PHYSICAL_CHUNK_MB", 16, 0).min(1 << 20) as usize) << 20;
@@ -106,6 +112,7 @@ impl Config {
             keep_pinned,
             margin,
             resume_keeps_margin,
+            pinned_pool_max,
             backup_streams,
             backup_chunk,
             physical_chunk,

@@ -281,6 +281,7 @@ pub fn status() -> Status {
         margin_bytes: s.margin(),
         retain_backup: s.retain_backup(),
         default_backup: region::default_backup(),
+        pooled_backup_bytes: s.pooled_bytes(),
     }
 }
 

@@ -260,6 +260,10 @@ pub struct Status {
     pub margin_bytes: u64,
     pub retain_backup: bool,
     pub default_backup: bool,
+    /// Host bytes of pinned buffers kept for the next pause by active allocations (absent from
+    /// hooks older than this field).
+    #[serde(default)]
+    pub pooled_backup_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

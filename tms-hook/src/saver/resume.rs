@@ -50,16 +50,30 @@ impl Saver {
         // pooled (they are not).
         let retain = self.retain_backup();
         let keep = retain || config().keep_pinned;
+        // Pooled buffers hold host memory while their allocations are active: at most
+        // TMS_PINNED_POOL_MAX_MB of them stay; the rest are freed (and pinned again next pause).
+        let mut pool_room = config().pinned_pool_max.map(|max| max.saturating_sub(self.pooled_bytes()));
         for j in jobs.iter_mut().filter(|j| j.ok) {
             j.a.backup_valid = false;
             j.a.backup_retained = retain && !j.a.disk;
             if let Some(path) = j.a.disk_file.take() {
                 disk::remove(&path);
             }
+            let pooled = !j.a.backup_retained && !j.a.disk && !j.a.pageable_backup;
+            let fits = match (&mut pool_room, j.a.backup) {
+                (Some(room), Some(b)) if pooled => {
+                    let ok = b.len as u64 <= *room;
+                    if ok {
+                        *room -= b.len as u64;
+                    }
+                    ok
+                }
+                _ => true,
+            };
             // A disk-backed allocation's staging buffer goes: its contents live on disk, not here.
             // A pageable backup goes too unless retained: the "mmap" backend is chosen to give
             // host memory back.
-            if (!keep || j.a.disk || (j.a.pageable_backup && !j.a.backup_retained))
+            if (!keep || !fits || j.a.disk || (j.a.pageable_backup && !j.a.backup_retained))
                 && let Some(b) = j.a.backup.take()
                 && let Some(dev) = self.loaded(j.a.vendor)
             {
