@@ -9,6 +9,9 @@
 #                                             writes OUTDIR/summary.md, OUTDIR/summary.json, logs/
 #   DIR/gpu-check.sh run --sim DIR OUTDIR     the same kit on the simulator (what CI runs), for the
 #                                             checks that need no PyTorch
+#   DIR/npu-check.sh run [--sim] DIR OUTDIR   the Ascend checks (run --npu): the C consumers through
+#                                             ACL and the colocated run on an NPU (CANN's set_env.sh
+#                                             sourced); torch_npu scenarios are not in the kit yet
 #
 # What `run` checks: the C consumers against the driver (100 pause/resume cycles with backup,
 # contents, addresses and free memory; a thread without a context allocating with a margin;
@@ -19,7 +22,7 @@
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
 prepare() {
@@ -49,7 +52,7 @@ prepare() {
   cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
   mkdir -p "$dir/tests/torch-consumers"
   cp "$root"/tests/torch-consumers/{conftest.py,test_wheel.py,test_frameworks.py,test_tms_package.py} "$dir/tests/torch-consumers/"
-  cp "$root/scripts/gpu-check.sh" "$dir/gpu-check.sh"
+  cp "$root/scripts/gpu-check.sh" "$root/scripts/npu-check.sh" "$dir/"
   (cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown) >"$dir/VERSION"
   set +e
   local size
@@ -109,8 +112,14 @@ PY
 }
 
 run() {
-  local sim=0
-  if [ "${1:-}" = --sim ]; then sim=1; shift; fi
+  local sim=0 npu=0
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --sim) sim=1; shift ;;
+      --npu) npu=1; shift ;;
+      *) break ;;
+    esac
+  done
   [ $# -eq 2 ] || { usage >&2; exit 2; }
   kit="$(cd "$1" 2>/dev/null && pwd)" || die "no kit at $1 (make one with: scripts/gpu-check.sh prepare DIR)"
   outdir="$2"
@@ -126,6 +135,10 @@ run() {
   local hook="$kit/lib/libtms_hook.so" cudart device
   export TMS_CONTROL_DIR="$outdir/ctl"
 
+  if [ $npu = 1 ]; then
+    run_npu "$sim"
+    return
+  fi
   if [ $sim = 1 ]; then
     device=sim
     local simdir
@@ -187,10 +200,55 @@ run() {
   ! grep -q "	fail	" "$results"
 }
 
+# The Ascend half: the C consumers through ACL, the colocated run on the NPU (or on the
+# simulator's ACL side with --sim).
+run_npu() {
+  local sim="$1" hook="$kit/lib/libtms_hook.so" device
+  if [ "$sim" = 1 ]; then
+    device=sim
+    local simdir
+    simdir=$("$kit/bin/tms-sim" lib-dir --lib "$kit/lib") || die "tms-sim lib-dir failed"
+    export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export TMS_SIM_NODE="npu-check-$$" TMS_SIM_DIR="$outdir/sim" TMS_SIM_MEMORY=2GiB TMS_SIM_DEVICES=1
+    mkdir -p "$TMS_SIM_DIR"
+    echo "simulator (tms-sim), Ascend ACL side" >"$outdir/device.txt"
+  else
+    device=npu
+    python3 -c 'import ctypes; ctypes.CDLL("libascendcl.so")' 2>/dev/null ||
+      die "libascendcl.so not loadable: source CANN's set_env.sh first (or use run --sim)"
+    npu-smi info >"$outdir/device.txt" 2>&1 || echo "npu-smi unavailable" >"$outdir/device.txt"
+  fi
+  local consumer="$outdir/hook_consumer"
+  check build-c-consumers 120 cc -O2 -DTMS_TEST_DLSYM -I"$kit/src" \
+    -o "$consumer" "$kit/src/hook_consumer.c" "$kit/src/main_direct.c" -ldl -lpthread
+  if [ -x "$consumer" ]; then
+    check acl-cycles-100-with-backup 300 env LD_PRELOAD="$hook" "$consumer" cycle acl 100
+    check acl-threads-churn-during-pause 300 env LD_PRELOAD="$hook" "$consumer" threads acl 200
+    mkdir -p "$outdir/disk"
+    check acl-disk-backup 120 env LD_PRELOAD="$hook" "$consumer" disk-backup acl "$outdir/disk"
+    if [ "$sim" = 1 ]; then
+      check acl-malloc-policies 120 env LD_PRELOAD="$hook" "$consumer" acl-policies acl
+      check acl-oom-on-resume-then-retry 60 env LD_PRELOAD="$hook" "$consumer" oom-resume acl
+      check acl-faults-in-every-driver-call 300 env LD_PRELOAD="$hook" "$consumer" faults acl
+    else
+      skip acl-malloc-policies "reads the simulator's record of each handle's memory attribute"
+    fi
+  fi
+  skip torch-npu-consumers "torch_npu scenarios are not in the kit yet (issue 14)"
+  if [ "$sim" = 1 ]; then
+    check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device sim --set sim.api=acl --steps 5 --out "$outdir/run"
+  else
+    check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device npu --steps 5 --out "$outdir/run"
+  fi
+  skip relax-colocate-bench "relax-colocate bench has no NPU device yet"
+  summarize "$device" npu-check
+  ! grep -q "	fail	" "$results"
+}
+
 summarize() {
-  python3 - "$results" "$outdir" "$1" "$kit" <<'PY'
+  python3 - "$results" "$outdir" "$1" "$kit" "${2:-gpu-check}" <<'PY'
 import json, os, sys, datetime
-results, outdir, device, kit = sys.argv[1:]
+results, outdir, device, kit, title = sys.argv[1:]
 rows = [line.rstrip("\n").split("\t", 3) for line in open(results) if line.strip()]
 checks = [{"check": r[0], "result": r[1], "seconds": int(r[2]), "detail": r[3]} for r in rows]
 facts = open(os.path.join(outdir, "device.txt")).read().strip()
@@ -213,7 +271,7 @@ summary = {
 }
 json.dump(summary, open(os.path.join(outdir, "summary.json"), "w"), indent=2)
 lines = [
-    f"# gpu-check: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped",
+    f"# {title}: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped",
     "",
     f"- date: {summary['date']}",
     f"- tms: {version}",

@@ -83,6 +83,7 @@ fn the_kit_is_small_and_self_contained() {
     assert!(size < 60 << 20, "the kit is {size} bytes; the device tool carries at most 64 MiB");
     for f in [
         "gpu-check.sh",
+        "npu-check.sh",
         "bin/relax-colocate",
         "bin/tms-ctl",
         "lib/libtms_hook.so",
@@ -132,6 +133,31 @@ fn the_kit_passes_on_the_simulator() {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
     }
     assert!(md.contains("| check | result |"), "{md}");
+}
+
+#[test]
+fn the_ascend_kit_passes_on_the_simulators_acl_side() {
+    let out = tempfile::tempdir().unwrap();
+    let kit = kit();
+    let status = Command::new(kit.join("npu-check.sh"))
+        .args(["run", "--sim"])
+        .arg(kit)
+        .arg(out.path())
+        .env_remove("LD_PRELOAD")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    let md = std::fs::read_to_string(out.path().join("summary.md")).unwrap_or_default();
+    assert!(status.success(), "{md}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["failed"], 0, "{md}");
+    let got = results(&summary);
+    for name in
+        ["acl-cycles-100-with-backup", "acl-malloc-policies", "acl-faults-in-every-driver-call", "relax-colocate-run"]
+    {
+        assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
+    }
 }
 
 #[test]
