@@ -35,8 +35,9 @@ int tms_sim_set_faults(const char *spec);
  * faults (the CPU compute layer asks before it computes on device memory). */
 int tms_sim_range_accessible(const void *ptr, size_t len);
 
-/* The aclrtMemAttr the Ascend physical memory mapped at `ptr` was created with (aclrtMallocPhysical),
- * or -1 when `ptr` is not in such memory (a plain aclrtMalloc, a CUDA allocation, host memory). */
+/* What the physical memory mapped at `ptr` was created with: the aclrtMemAttr of Ascend memory
+ * (aclrtMallocPhysical), the gpuDirectRDMACapable flag of CUDA memory (cuMemCreate); -1 when
+ * `ptr` is not in such memory (a plain aclrtMalloc or cudaMalloc, host memory). */
 int tms_sim_mem_attr(const void *ptr);
 
 /* A simulated kernel: queues on `stream` (a CUDA stream, or an ACL stream) work that runs for

@@ -86,6 +86,15 @@ check() {
 
 skip() { echo "gpu-check: $1 skipped: $2" >&2; record "$1" skip 0 "$2"; }
 
+# Points this process and its children at the kit's simulator (a private node named NAME-PID).
+use_simulator() {
+  local simdir
+  simdir=$("$kit/bin/tms-sim" lib-dir --lib "$kit/lib") || die "tms-sim lib-dir failed"
+  export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export TMS_SIM_NODE="$1-$$" TMS_SIM_DIR="$outdir/sim" TMS_SIM_MEMORY=2GiB TMS_SIM_DEVICES=1
+  mkdir -p "$TMS_SIM_DIR"
+}
+
 find_cudart() {
   # The runtime the C consumers load: CUDA 13 first, then 12; from the system or PyTorch's wheels.
   local so
@@ -141,11 +150,7 @@ run() {
   fi
   if [ $sim = 1 ]; then
     device=sim
-    local simdir
-    simdir=$("$kit/bin/tms-sim" lib-dir --lib "$kit/lib") || die "tms-sim lib-dir failed"
-    export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export TMS_SIM_NODE="gpu-check-$$" TMS_SIM_DIR="$outdir/sim" TMS_SIM_MEMORY=2GiB TMS_SIM_DEVICES=1
-    mkdir -p "$TMS_SIM_DIR"
+    use_simulator gpu-check
     cudart=libcudart.so.12
     echo "simulator (tms-sim)" >"$outdir/device.txt"
   else
@@ -206,11 +211,7 @@ run_npu() {
   local sim="$1" hook="$kit/lib/libtms_hook.so" device
   if [ "$sim" = 1 ]; then
     device=sim
-    local simdir
-    simdir=$("$kit/bin/tms-sim" lib-dir --lib "$kit/lib") || die "tms-sim lib-dir failed"
-    export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export TMS_SIM_NODE="npu-check-$$" TMS_SIM_DIR="$outdir/sim" TMS_SIM_MEMORY=2GiB TMS_SIM_DEVICES=1
-    mkdir -p "$TMS_SIM_DIR"
+    use_simulator npu-check
     echo "simulator (tms-sim), Ascend ACL side" >"$outdir/device.txt"
   else
     device=npu

@@ -26,7 +26,9 @@ from ._lib import (  # noqa: F401  (re-exported)
     TMS_ERR_OUT_OF_MEMORY,
     TMS_OK,
     TmsError,
+    change_env,
     packaged_hook,
+    preload_with,
     preloaded_hook,
 )
 from ._saver import DEFAULT_TAG, shared
@@ -147,34 +149,14 @@ def _hook_for_children():
     return preloaded_hook() or packaged_hook("preload")
 
 
-def preload_with(path, current):
-    """LD_PRELOAD with ``path`` first and no other hook entry: two copies of the hook in one
-    process would each keep their own allocations."""
-    from ._lib import HOOK_MARKERS  # noqa: PLC0415
-
-    others = [
-        p
-        for p in (current or "").replace(" ", ":").split(":")
-        if p and p != path and not any(m in os.path.basename(p) for m in HOOK_MARKERS)
-    ]
-    return ":".join([path] + others)
-
-
 @contextlib.contextmanager
 def configure_subprocess():
     """Child processes started inside the block preload the hook (exactly one copy)."""
     path = _hook_for_children()
     if path is None:
         raise TmsError(TMS_ERR_NO_DRIVER, "libtms_hook.so not found: set LD_PRELOAD or TMS_LIBRARY")
-    old = os.environ.get("LD_PRELOAD")
-    os.environ["LD_PRELOAD"] = preload_with(path, old)
-    try:
+    with change_env("LD_PRELOAD", preload_with(path, os.environ.get("LD_PRELOAD"))):
         yield
-    finally:
-        if old is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = old
 
 
 def __getattr__(name):

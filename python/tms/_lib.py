@@ -5,6 +5,7 @@ name torch_memory_saver's users look for (slime builds LD_PRELOAD from these nam
 scripts/install.sh links the same names to ``libtms_hook.so``.
 """
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -133,6 +134,31 @@ def packaged_hook(mode="preload"):
             if (d / n).is_file():
                 return str(d / n)
     return None
+
+
+def preload_with(path, current):
+    """LD_PRELOAD with ``path`` first and no other hook entry: two copies of the hook in one
+    process would each keep their own allocations."""
+    others = [
+        p
+        for p in (current or "").replace(" ", ":").split(":")
+        if p and p != path and not any(m in os.path.basename(p) for m in HOOK_MARKERS)
+    ]
+    return ":".join([path] + others)
+
+
+@contextlib.contextmanager
+def change_env(key, value):
+    """``os.environ[key] = value`` for the block, restored (or removed) afterwards."""
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 _libs = {}

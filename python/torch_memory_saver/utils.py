@@ -1,11 +1,11 @@
 """Helpers torch_memory_saver's modules (and its users' tests) import from here."""
 
-import os
-from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
-from tms import TMS_ERR_NO_DRIVER, TmsError, packaged_hook, preloaded_hook
+from tms import TMS_ERR_NO_DRIVER, TmsError, change_env, packaged_hook, preloaded_hook
+
+__all__ = ["change_env", "get_binary_path_from_package", "is_xpu"]
 
 
 @lru_cache(maxsize=1)
@@ -43,16 +43,3 @@ def get_binary_path_from_package(stem: str) -> Path:
         "the tms-memory-saver wheel, or set LD_PRELOAD / TMS_LIBRARY to libtms_hook.so yourself",
     )
 
-
-@contextmanager
-def change_env(key: str, value: str):
-    """``os.environ[key] = value`` for the block, restored (or removed) afterwards."""
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old

@@ -347,18 +347,6 @@ fn attr_granularity(attr: c_int) -> usize {
     if huge_1g(attr) { 1 << 30 } else { GRANULARITY }
 }
 
-/// The memory attribute of each physical handle of this process (handles are per process).
-fn handle_attrs() -> std::sync::MutexGuard<'static, std::collections::HashMap<u64, c_int>> {
-    static ATTRS: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<u64, c_int>>> =
-        std::sync::LazyLock::new(Default::default);
-    ATTRS.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The memory attribute a physical handle was created with (tms_sim_mem_attr).
-pub fn handle_attr(h: u64) -> Option<c_int> {
-    handle_attrs().get(&h).copied()
-}
-
 fn prop_device(prop: *const AclPhysicalMemProp) -> Result<usize, i32> {
     if prop.is_null() {
         return Err(INVALID_PARAM);
@@ -432,24 +420,15 @@ pub unsafe extern "C" fn aclrt_malloc_physical(
         if !size.is_multiple_of(attr_granularity(attr)) {
             return code_of(MemError::Invalid);
         }
-        match sim().create(dev, size) {
-            Ok(h) => {
-                handle_attrs().insert(h, attr);
-                put(handle, h as usize as *mut c_void)
-            }
+        match sim().create(dev, size, attr) {
+            Ok(h) => put(handle, h as usize as *mut c_void),
             Err(e) => code_of(e),
         }
     })
 }
 
 pub unsafe extern "C" fn aclrt_free_physical(handle: *mut c_void) -> i32 {
-    call("aclrtFreePhysical", || {
-        let code = result(sim().release(handle as usize as u64, true));
-        if code == 0 {
-            handle_attrs().remove(&(handle as usize as u64));
-        }
-        code
-    })
+    call("aclrtFreePhysical", || result(sim().release(handle as usize as u64, true)))
 }
 
 pub unsafe extern "C" fn aclrt_map_mem(

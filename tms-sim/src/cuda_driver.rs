@@ -5,9 +5,7 @@ use crate::fault;
 use crate::memory::MemError;
 use crate::sim::{CUDA_CTX, CUDA_CTX_TOKENS, CopyKind, DRIVER_INIT, PointerKind, ctx_device, ctx_handle, guard, sim};
 use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::sync::{LazyLock, Mutex};
 
 pub const SUCCESS: i32 = 0;
 pub const INVALID_VALUE: i32 = 1;
@@ -497,12 +495,6 @@ pub unsafe extern "C" fn cu_mem_address_free(ptr: c_ulonglong, size: usize) -> i
     call("cuMemAddressFree", || result(sim().free_reservation(ptr as usize, Some(size))))
 }
 
-/// Physical handles of this process created GPUDirect-RDMA capable (handles are per process).
-fn rdma_handles() -> std::sync::MutexGuard<'static, HashSet<u64>> {
-    static HANDLES: LazyLock<Mutex<HashSet<u64>>> = LazyLock::new(|| Mutex::new(HashSet::new()));
-    HANDLES.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 pub unsafe extern "C" fn cu_mem_create(
     handle: *mut c_ulonglong,
     size: usize,
@@ -522,26 +514,15 @@ pub unsafe extern "C" fn cu_mem_create(
         if rdma > 1 {
             return INVALID_VALUE;
         }
-        match sim().create(dev, size) {
-            Ok(h) => {
-                if rdma == 1 {
-                    rdma_handles().insert(h);
-                }
-                put(handle, h)
-            }
+        match sim().create(dev, size, c_int::from(rdma)) {
+            Ok(h) => put(handle, h),
             Err(e) => code_of(e),
         }
     })
 }
 
 pub unsafe extern "C" fn cu_mem_release(handle: c_ulonglong) -> i32 {
-    call("cuMemRelease", || {
-        let code = result(sim().release(handle, false));
-        if code == SUCCESS {
-            rdma_handles().remove(&handle);
-        }
-        code
-    })
+    call("cuMemRelease", || result(sim().release(handle, false)))
 }
 
 /// CU_POINTER_ATTRIBUTE_MEMORY_TYPE, _DEVICE_ORDINAL, _IS_GPU_DIRECT_RDMA_CAPABLE: the ones
@@ -562,8 +543,8 @@ pub unsafe extern "C" fn cu_pointer_get_attribute(data: *mut c_void, attribute: 
             (PointerKind::Device(d), POINTER_DEVICE_ORDINAL) => put(data.cast::<c_int>(), d as c_int),
             (PointerKind::Device(_), POINTER_IS_GPU_DIRECT_RDMA_CAPABLE) => {
                 // cudaMalloc memory is capable; virtual-memory allocations only when created so.
-                let capable = match sim().handle_at(p) {
-                    Some(h) => rdma_handles().contains(&h),
+                let capable = match sim().prop_at(p) {
+                    Some(rdma) => rdma == 1,
                     None if sim().in_plain(p) => true,
                     None => return INVALID_VALUE,
                 };

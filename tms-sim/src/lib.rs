@@ -337,10 +337,10 @@ pub mod introspect {
         })
     }
 
-    /// The aclrtMemAttr of the physical memory mapped at `ptr` (see tms_sim.h), or -1.
+    /// The creation property of the physical memory mapped at `ptr` (see tms_sim.h), or -1.
     #[unsafe(no_mangle)]
     pub unsafe extern "C" fn tms_sim_mem_attr(ptr: *const libc::c_void) -> i32 {
-        guard(-1, || sim().handle_at(ptr as usize).and_then(crate::acl::handle_attr).unwrap_or(-1))
+        guard(-1, || sim().prop_at(ptr as usize).unwrap_or(-1))
     }
 
     /// A simulated kernel (see include/tms_sim.h): `usec` of work on `stream`, then a fill of the

@@ -167,6 +167,9 @@ pub struct Physical {
     mapped: u32,
     /// The owner released the handle; the memory goes when the last mapping does.
     released: bool,
+    /// What the creating call asked for beyond the size: CUDA's `gpuDirectRDMACapable` flag,
+    /// Ascend's `aclrtMemAttr`.
+    pub prop: i32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -266,14 +269,14 @@ impl Memory {
 
     /// Creates physical memory; the caller has already charged the device, and runs the page
     /// work (if any) once it has let go of the lock.
-    pub fn create(&mut self, device: usize, len: usize) -> MemResult<(u64, Option<PageWork>)> {
+    pub fn create(&mut self, device: usize, len: usize, prop: i32) -> MemResult<(u64, Option<PageWork>)> {
         if len == 0 || !len.is_multiple_of(GRANULARITY) {
             return Err(MemError::Invalid);
         }
         let offset = self.pool.alloc(len as u64)?;
         let h = self.next_handle;
         self.next_handle += 1;
-        self.handles.insert(h, Physical { device, offset, len, mapped: 0, released: false });
+        self.handles.insert(h, Physical { device, offset, len, mapped: 0, released: false, prop });
         let work = self.commit.then_some(PageWork::Commit { fd: self.pool.fd, offset, len: len as u64 });
         Ok((h, work))
     }
@@ -573,13 +576,15 @@ impl Memory {
         self.plain.range(..=addr).next_back().is_some_and(|(&start, p)| addr < start + p.len)
     }
 
-    /// The physical handle mapped at `addr`, if `addr` lies in a mapping of a reservation.
-    pub fn handle_at(&self, addr: usize) -> Option<u64> {
+    /// The creation property (`Physical::prop`) of the physical memory mapped at `addr`, if
+    /// `addr` lies in a mapping of a reservation.
+    pub fn prop_at(&self, addr: usize) -> Option<i32> {
         let (&rstart, r) = self.reservations.range(..=addr).next_back()?;
         if addr >= rstart + r.len {
             return None;
         }
-        r.mappings.range(..=addr).next_back().filter(|(s, m)| addr < **s + m.len).map(|(_, m)| m.handle)
+        let (_, m) = r.mappings.range(..=addr).next_back().filter(|(s, m)| addr < **s + m.len)?;
+        self.handles.get(&m.handle).map(|p| p.prop)
     }
 
     /// Whether `[addr, addr+len)` is device memory the device may read (and write, if asked).

@@ -217,14 +217,15 @@ impl Sim {
         Ok(())
     }
 
-    pub fn create(&self, dev: usize, len: usize) -> MemResult<u64> {
+    /// Physical memory of `len` bytes on `dev`; `prop` is kept with it (`Physical::prop`).
+    pub fn create(&self, dev: usize, len: usize, prop: i32) -> MemResult<u64> {
         if len == 0 || !len.is_multiple_of(crate::config::GRANULARITY) {
             return Err(MemError::Invalid);
         }
         if !self.node.charge(dev, len as u64) {
             return Err(MemError::OutOfMemory);
         }
-        let (h, work) = self.write().create(dev, len).inspect_err(|_| self.node.uncharge(dev, len as u64))?;
+        let (h, work) = self.write().create(dev, len, prop).inspect_err(|_| self.node.uncharge(dev, len as u64))?;
         if let Some(w) = work {
             w.run();
         }
@@ -488,9 +489,10 @@ impl Sim {
         self.read().in_plain(addr)
     }
 
-    /// The physical handle mapped at `addr` (virtual-memory allocations only).
-    pub fn handle_at(&self, addr: usize) -> Option<u64> {
-        self.read().handle_at(addr)
+    /// The creation property of the physical memory mapped at `addr` (virtual-memory
+    /// allocations only).
+    pub fn prop_at(&self, addr: usize) -> Option<i32> {
+        self.read().prop_at(addr)
     }
 
     /// What an address is, as `cudaPointerGetAttributes` reports it.
