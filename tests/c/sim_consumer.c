@@ -453,6 +453,77 @@ static int streams(void) {
   return 0;
 }
 
+/* Run with TMS_SIM_COPY_GBPS=1. An async copy's bytes land over its modelled time (64 MiB at
+ * 1 GB/s: about 67 ms), not when the call returns: a reader that skips the synchronize sees the old
+ * bytes, in both directions. */
+static int copies_land_late(void) {
+  size_t size = 64 * MiB;
+  void *dev;
+  unsigned char *pinned, *probe;
+  EXPECT(CUDART(cudaMalloc)(&dev, size), 0);
+  EXPECT(CUDART(cudaMallocHost)((void **)&pinned, size), 0);
+  EXPECT(CUDART(cudaMallocHost)((void **)&probe, 4096), 0);
+  memset(pinned, 0, size);
+  EXPECT(CUDART(cudaMemcpy)(dev, pinned, size, 1), 0);
+  cudaStream_t s;
+  EXPECT(CUDART(cudaStreamCreateWithFlags)(&s, 1 /* non-blocking: stream 0 does not wait for it */), 0);
+  fill(pinned, size, 5);
+  EXPECT(CUDART(cudaMemcpyAsync)(dev, pinned, size, 1, s), 0);
+  EXPECT(CUDART(cudaMemcpy)(probe, (char *)dev + size - 4096, 4096, 2), 0);
+  int landed_early = 0;
+  for (size_t i = 0; i < 4096; i++) landed_early |= probe[i];
+  EXPECT(landed_early, 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(s), 0);
+  EXPECT(CUDART(cudaMemcpy)(probe, (char *)dev + size - 4096, 4096, 2), 0);
+  for (size_t i = 0; i < 4096; i++) EXPECT(probe[i], (unsigned char)((size - 4096 + i) * 31u + 5));
+
+  memset(pinned, 0, size);
+  EXPECT(CUDART(cudaMemcpyAsync)(pinned, dev, size, 2, s), 0);
+  int tail_early = 0;
+  for (size_t i = size - 4096; i < size; i++) tail_early |= pinned[i];
+  EXPECT(tail_early, 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(s), 0);
+  EXPECT(check(pinned, size, 5), 1);
+  EXPECT(CUDART(cudaStreamDestroy)(s), 0);
+  EXPECT(CUDART(cudaFreeHost)(probe), 0);
+  EXPECT(CUDART(cudaFreeHost)(pinned), 0);
+  EXPECT(CUDART(cudaFree)(dev), 0);
+  printf("copies land late ok\n");
+  return 0;
+}
+
+/* Run with TMS_SIM_COPY_GBPS=1. Unmapping memory that a queued copy is still writing is allowed,
+ * and the copy faults: its stream reports 700 and the context is dead (sticky), as on a GPU. This
+ * is why pause must synchronize before it unmaps. */
+static int unmap_in_flight(void) {
+  EXPECT(CUDRV(cuInit)(0), 0);
+  CUcontext ctx;
+  EXPECT(CUDRV(cuDevicePrimaryCtxRetain)(&ctx, 0), 0);
+  EXPECT(CUDRV(cuCtxSetCurrent)(ctx), 0);
+  size_t size = 64 * MiB;
+  CUmemAllocationProp prop = cuda_prop(0);
+  CUdeviceptr va;
+  CUmemGenericAllocationHandle h;
+  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
+  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
+  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
+  CUmemAccessDesc acc = {{1, 0}, 3};
+  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+  unsigned char *pinned;
+  EXPECT(CUDART(cudaMallocHost)((void **)&pinned, size), 0);
+  fill(pinned, size, 9);
+  cudaStream_t s;
+  EXPECT(CUDART(cudaStreamCreateWithFlags)(&s, 1), 0);
+  EXPECT(CUDART(cudaMemcpyAsync)((void *)va, pinned, size, 1, s), 0);
+  usleep(20000); /* a third of the way through */
+  EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(s), 700);
+  void *p = NULL;
+  EXPECT(CUDART(cudaMalloc)(&p, 1 * MiB), 700);
+  printf("unmap in flight ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s MODE [ARGS]\n", argv[0]);
@@ -469,6 +540,8 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "handles") && argc == 3) return many_handles(atol(argv[2]));
   if (!strcmp(m, "creates") && argc == 3) return creates(atol(argv[2]));
   if (!strcmp(m, "streams")) return streams();
+  if (!strcmp(m, "copies-land-late")) return copies_land_late();
+  if (!strcmp(m, "unmap-in-flight")) return unmap_in_flight();
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;
 }

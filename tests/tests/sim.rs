@@ -206,3 +206,27 @@ fn a_device_fault_is_sticky() {
         assert!(out.contains("sticky ok"), "{style:?}: {out}");
     }
 }
+
+#[test]
+fn async_copies_land_over_their_modelled_time() {
+    // On a forgiving simulator the bytes were all there when the call returned, so a missing
+    // synchronize in pause or resume would pass.
+    let node = SimNode::new("1GiB").env("TMS_SIM_COPY_GBPS", "1");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.push("copies-land-late".into());
+    let out = run_ok(&mut node.command(&argv));
+    assert!(out.contains("copies land late ok"), "{out}");
+}
+
+#[test]
+fn unmapping_under_a_running_copy_faults_the_copy() {
+    // The forgiving simulator made cuMemUnmap wait for the copy, hiding a pause that unmaps
+    // before it synchronizes.
+    for style in STYLES {
+        let node = SimNode::new("1GiB").env("TMS_SIM_COPY_GBPS", "1");
+        let mut argv = c_program("sim_consumer", style);
+        argv.push("unmap-in-flight".into());
+        let out = run_ok(&mut node.command(&argv));
+        assert!(out.contains("unmap in flight ok"), "{style:?}: {out}");
+    }
+}

@@ -10,6 +10,9 @@ pub const GRANULARITY: usize = 2 << 20;
 
 pub const DEFAULT_DEVICES: u32 = 1;
 pub const DEFAULT_MEMORY: u64 = 16 << 30;
+/// An H100's pinned host<->device copy rate (cuda.md: copy engines reach about 50-57 GB/s), so
+/// copies take time by default and a missing synchronize shows.
+pub const DEFAULT_COPY_GBPS: f64 = 50.0;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -20,7 +23,8 @@ pub struct Config {
     pub devices: u32,
     /// Capacity of each device in bytes.
     pub memory: u64,
-    /// Host<->device copy bandwidth limit per direction per device, bytes per second (0 = none).
+    /// Host<->device copy bandwidth per direction per device, bytes per second (0 = copies take
+    /// no modelled time).
     pub copy_bytes_per_sec: f64,
     /// Cost of allocating pinned host memory, bytes per second (0 = free).
     pub pin_bytes_per_sec: f64,
@@ -61,8 +65,8 @@ impl Config {
             dir: state_dir(),
             devices,
             memory,
-            copy_bytes_per_sec: gbps("TMS_SIM_COPY_GBPS"),
-            pin_bytes_per_sec: gbps("TMS_SIM_PIN_GBPS"),
+            copy_bytes_per_sec: gbps("TMS_SIM_COPY_GBPS", DEFAULT_COPY_GBPS),
+            pin_bytes_per_sec: gbps("TMS_SIM_PIN_GBPS", 0.0),
             fail: env_str("TMS_SIM_FAIL").unwrap_or_default(),
             commit: env_str("TMS_SIM_COMMIT").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true")),
         }
@@ -96,14 +100,14 @@ fn env_str(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
-fn gbps(name: &str) -> f64 {
+fn gbps(name: &str, default: f64) -> f64 {
     match env_str(name) {
-        None => 0.0,
+        None => default * 1e9,
         Some(v) => match v.trim().parse::<f64>() {
             Ok(g) if g >= 0.0 && g.is_finite() => g * 1e9,
             _ => {
-                warn(&format!("{name}={v:?} is not a number of GB/s; no limit applied"));
-                0.0
+                warn(&format!("{name}={v:?} is not a number of GB/s; using {default}"));
+                default * 1e9
             }
         },
     }

@@ -328,19 +328,21 @@ impl Sim {
             return Ok(());
         }
         let bus = self.plan_copy(&self.read(), dst, src, n, kind)?;
-        let run = || {
-            // The range is re-checked while holding off anything that takes memory away, so a
-            // copy can never touch memory that was unmapped after it was queued.
+        // Each piece re-checks its ranges while holding off anything that takes memory away: a
+        // copy never touches memory unmapped after it was queued, and memory unmapped while it
+        // is under way faults the rest of it (700), as on a device.
+        let piece = |offset: usize, len: usize| {
             let _copying = self.copying.read().unwrap_or_else(|e| e.into_inner());
-            self.plan_copy(&self.read(), dst, src, n, kind)?;
+            let (d, s) = (dst + offset, src + offset);
+            self.plan_copy(&self.read(), d, s, len, kind)?;
             // SAFETY: both ranges were validated: device ranges are mapped with access, host
             // ranges are the caller's responsibility as with the real runtime.
-            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+            unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len) };
             Ok(())
         };
         match bus {
-            Some((dev, dir)) => timing::on_bus(self.node.state(), self.cfg.copy_bytes_per_sec, dev, dir, n, run),
-            None => run(),
+            Some((dev, dir)) => timing::on_bus(self.node.state(), self.cfg.copy_bytes_per_sec, dev, dir, n, piece),
+            None => piece(0, n),
         }
     }
 
@@ -436,6 +438,9 @@ impl Sim {
 
     /// Frees page-locked memory the simulator allocated (not a registered range).
     pub fn host_free(&self, p: usize) -> MemResult<()> {
+        // Freeing page-locked memory waits for the device's queued work, as the real runtime
+        // does: a copy still reading the buffer completes first.
+        self.streams.drain_all();
         let mut ranges = self.host_ranges();
         let len = match ranges.get(&p) {
             Some(r) if !r.registered => r.len,

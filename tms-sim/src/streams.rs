@@ -232,6 +232,19 @@ impl Streams {
         first
     }
 
+    /// Waits for every stream's queued work without taking the errors it left: the stream's
+    /// own next synchronize still reports them.
+    pub fn drain_all(&self) {
+        let all: Vec<Arc<Stream>> = self.live().values().cloned().collect();
+        for s in &all {
+            let (lock, cv) = &*s.progress;
+            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+            while p.done < p.submitted {
+                p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+    }
+
     /// Destroys a stream after its queued work finishes (as the real APIs do).
     pub fn destroy(&self, handle: usize) -> bool {
         let stream = self.live().remove(&handle);

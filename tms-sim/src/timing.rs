@@ -15,22 +15,47 @@ pub fn now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Runs `copy` as a transfer of `bytes` on the emulated bus: the transfer is booked after every
-/// transfer already booked in that direction, and the call returns when its slot ends.
-pub fn on_bus<R>(state: &NodeState, rate: f64, dev: usize, dir: usize, bytes: usize, copy: impl FnOnce() -> R) -> R {
+/// Bytes moved per step of a modelled transfer: each step lands when the modelled clock has
+/// passed its end, so a reader that skips the synchronize sees the transfer still under way.
+pub const PIECE: usize = 1 << 20;
+
+/// Waits shorter than this are skipped: a host sleep costs more than that, and a small copy
+/// landing a few microseconds early is not what a missing synchronize looks like.
+const MIN_WAIT_NS: u64 = 50_000;
+
+/// Runs a transfer of `bytes` on the emulated bus in pieces: the transfer is booked after every
+/// transfer already booked in that direction, and `copy(offset, len)` moves each piece when the
+/// modelled time of everything up to its end has passed, as a device's copy engine delivers
+/// bytes over the transfer's time rather than at its start. Stops at the first error.
+pub fn on_bus<E>(
+    state: &NodeState,
+    rate: f64,
+    dev: usize,
+    dir: usize,
+    bytes: usize,
+    mut copy: impl FnMut(usize, usize) -> Result<(), E>,
+) -> Result<(), E> {
     if rate <= 0.0 || bytes == 0 {
-        return copy();
+        return copy(0, bytes);
     }
     let duration = (bytes as f64 / rate * 1e9) as u64;
     let slot = &state.bus_busy_until[dev][dir];
-    let mut end = 0;
+    let mut start = 0;
     let _ = slot.fetch_update(Ordering::AcqRel, Ordering::Acquire, |busy| {
-        end = busy.max(now_ns()) + duration;
-        Some(end)
+        start = busy.max(now_ns());
+        Some(start + duration)
     });
-    let result = copy();
-    sleep_until(end);
-    result
+    let mut offset = 0;
+    while offset < bytes {
+        let len = PIECE.min(bytes - offset);
+        let lands = start + ((offset + len) as f64 / rate * 1e9) as u64;
+        if lands > now_ns() + MIN_WAIT_NS {
+            sleep_until(lands);
+        }
+        copy(offset, len)?;
+        offset += len;
+    }
+    Ok(())
 }
 
 pub fn sleep_until(deadline_ns: u64) {

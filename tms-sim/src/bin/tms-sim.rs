@@ -33,7 +33,7 @@ const RUNTIME_NAMES: &[&str] = &[
         TMS_SIM_DIR        folder for node state files (default: /dev/shm, else the temp dir)\n  \
         TMS_SIM_DEVICES    devices per node, 1-16 (default 1)\n  \
         TMS_SIM_MEMORY     capacity of each device, e.g. 16GiB (default 16GiB)\n  \
-        TMS_SIM_COPY_GBPS  host<->device copy limit per direction per device, GB/s (default: none)\n  \
+        TMS_SIM_COPY_GBPS  host<->device copy rate per direction per device, GB/s (default 50; 0: no modelled time)\n  \
         TMS_SIM_PIN_GBPS   cost of allocating pinned host memory, GB/s (default: none)\n  \
         TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2\n\n\
         A node's devices and capacity are fixed by the first process that attaches while no live \
