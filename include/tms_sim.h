@@ -35,6 +35,13 @@ int tms_sim_set_faults(const char *spec);
  * faults (the CPU compute layer asks before it computes on device memory). */
 int tms_sim_range_accessible(const void *ptr, size_t len);
 
+/* Device memory is not host memory: a device address cannot be dereferenced by the process (it
+ * faults, as on a GPU). This returns where the bytes of device range [ptr, ptr + len) can be read
+ * and written by the host, or NULL when the range is not device memory mapped with read and write
+ * access. For the simulator's own CPU compute layer and for tests; the view is valid until the
+ * range is unmapped or freed, and contiguous device memory has a contiguous view. */
+void *tms_sim_host_view(const void *ptr, size_t len);
+
 /* What the physical memory mapped at `ptr` was created with: the aclrtMemAttr of Ascend memory
  * (aclrtMallocPhysical), the gpuDirectRDMACapable flag of CUDA memory (cuMemCreate); -1 when
  * `ptr` is not in such memory (a plain aclrtMalloc or cudaMalloc, host memory). */

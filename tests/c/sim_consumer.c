@@ -279,7 +279,12 @@ static int acl_errors(void) {
   EXPECT(ACL(aclrtFree)(p), 0);
   EXPECT(ACL(aclrtFree)(p), 107000);                 /* double free */
   size_t f, t;
+  EXPECT(ACL(aclrtGetMemInfo)(0, &f, &t), 0); /* DDR: a 910B has none */
+  EXPECT(f, 0);
+  EXPECT(t, 0);
+  EXPECT(ACL(aclrtGetMemInfo)(10, &f, &t), 100000);
   EXPECT(ACL(aclrtGetMemInfo)(1, &f, &t), 0);
+  EXPECT(t > 0, 1);
   EXPECT(ACL(aclrtMalloc)(&p, t + 1, 0), 207001);    /* out of memory */
   aclrtPhysicalMemProp prop = acl_prop(0);
   aclrtDrvMemHandle h;
@@ -296,6 +301,9 @@ static int acl_errors(void) {
   EXPECT(ACL(aclrtMemcpy)(&f, 4, va, 8, 2), 100000);                        /* count > destMax */
   EXPECT(ACL(aclrtMemset)(va, 2 * MiB, 0xab, 2 * MiB), 0);
   EXPECT(ACL(aclrtUnmapMem)(va), 0);
+  EXPECT(ACL(aclrtMemcpy)(&f, 8, va, 8, 2), 107000); /* unmapped: this call fails... */
+  EXPECT(ACL(aclrtMalloc)(&p, 1 * MiB, 0), 0);       /* ...and later ones do not (per task) */
+  EXPECT(ACL(aclrtFree)(p), 0);
   EXPECT(ACL(aclrtFreePhysical)(h), 0);
   EXPECT(ACL(aclrtFreePhysical)(h), 107000);                                /* double free */
   EXPECT(ACL(aclrtReleaseMemAddress)(va), 0);
@@ -355,7 +363,7 @@ static int release_returns_memory(void) {
   EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
   CUmemAccessDesc acc = {{1, 0}, 3};
   EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
-  memset((void *)va, 0x5a, size); /* touch every page */
+  EXPECT(CUDART(cudaMemset)((void *)va, 0x5a, size), 0); /* touch every page */
   EXPECT(sim_stats(&s1), 0);
   long shmem1 = shmem_kib();
   EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
@@ -396,13 +404,17 @@ static int many_handles(long n) {
     EXPECT(CUDRV(cuMemCreate)(&hs[i], 2 * MiB, &prop, 0), 0);
     EXPECT(CUDRV(cuMemMap)(at, 2 * MiB, 0, hs[i], 0), 0);
     EXPECT(CUDRV(cuMemSetAccess)(at, 2 * MiB, &acc, 1), 0);
-    *(volatile long *)at = i;
+    EXPECT(CUDART(cudaMemcpy)((void *)at, &i, sizeof i, 1), 0);
   }
   struct tms_sim_stats s;
   EXPECT(sim_stats(&s), 0);
   EXPECT(s.live_handles, n);
   int fds1 = count_fds();
-  for (long i = 0; i < n; i++) EXPECT(*(volatile long *)(va + (CUdeviceptr)i * 2 * MiB), i);
+  for (long i = 0; i < n; i++) {
+    long got = -1;
+    EXPECT(CUDART(cudaMemcpy)(&got, (void *)(va + (CUdeviceptr)i * 2 * MiB), sizeof got, 2), 0);
+    EXPECT(got, i);
+  }
   for (long i = 0; i < n; i++) {
     EXPECT(CUDRV(cuMemUnmap)(va + (CUdeviceptr)i * 2 * MiB, 2 * MiB), 0);
     EXPECT(CUDRV(cuMemRelease)(hs[i]), 0);
@@ -524,6 +536,112 @@ static int unmap_in_flight(void) {
   return 0;
 }
 
+/* Device memory is not host memory: dereferencing a device address from the CPU faults (the
+ * process dies with SIGSEGV) although the memory is allocated, mapped and accessible to copies. */
+static int touch_device(const char *what) {
+  void *p = NULL;
+  if (!strcmp(what, "plain")) {
+    EXPECT(CUDART(cudaMalloc)(&p, 2 * MiB), 0);
+  } else if (!strcmp(what, "acl")) {
+    EXPECT(ACL(aclInit)(NULL), 0);
+    EXPECT(ACL(aclrtSetDevice)(0), 0);
+    EXPECT(ACL(aclrtMalloc)(&p, 2 * MiB, 0), 0);
+  } else {
+    EXPECT(CUDRV(cuInit)(0), 0);
+    CUcontext ctx;
+    EXPECT(CUDRV(cuDevicePrimaryCtxRetain)(&ctx, 0), 0);
+    EXPECT(CUDRV(cuCtxSetCurrent)(ctx), 0);
+    CUmemAllocationProp prop = cuda_prop(0);
+    CUdeviceptr va;
+    CUmemGenericAllocationHandle h;
+    EXPECT(CUDRV(cuMemAddressReserve)(&va, 2 * MiB, 0, 0, 0), 0);
+    EXPECT(CUDRV(cuMemCreate)(&h, 2 * MiB, &prop, 0), 0);
+    EXPECT(CUDRV(cuMemMap)(va, 2 * MiB, 0, h, 0), 0);
+    CUmemAccessDesc acc = {{1, 0}, 3};
+    EXPECT(CUDRV(cuMemSetAccess)(va, 2 * MiB, &acc, 1), 0);
+    p = (void *)va;
+  }
+  unsigned char byte = 0x77;
+  if (!strcmp(what, "acl"))
+    EXPECT(ACL(aclrtMemcpy)(p, 1, &byte, 1, 1), 0);
+  else
+    EXPECT(CUDART(cudaMemcpy)(p, &byte, 1, 1), 0);
+  printf("copies reach it\n");
+  fflush(stdout);
+  volatile unsigned char *stray = p;
+  printf("the CPU read %d\n", *stray); /* must not be reached */
+  return 0;
+}
+
+static uint64_t used_by_me(void) {
+  struct tms_sim_stats s;
+  if (sim_stats(&s)) return (uint64_t)-1;
+  return s.process_used[0];
+}
+
+/* Device memory as a GPU's driver accounts it: the context takes memory when the first call that
+ * needs it creates it (device queries create none); small cudaMalloc allocations share 2 MiB
+ * granules (512-byte aligned), large ones take whole granules; aclrtMalloc adds CANN's padding. */
+static int accounting(long context_mib) {
+  int n = 0;
+  EXPECT(CUDART(cudaGetDeviceCount)(&n), 0);
+  EXPECT(used_by_me(), 0); /* no context yet */
+  EXPECT(CUDART(cudaSetDevice)(0), 0);
+  uint64_t ctx = (uint64_t)context_mib * MiB;
+  EXPECT(used_by_me(), ctx);
+  size_t f = 0, t = 0;
+  EXPECT(CUDART(cudaMemGetInfo)(&f, &t), 0);
+  EXPECT(t - f, ctx);
+
+  enum { SMALL = 4096 };
+  static void *p[SMALL + 1];
+  EXPECT(CUDART(cudaMalloc)(&p[0], 4), 0);
+  EXPECT(used_by_me() - ctx, 2 * MiB); /* a granule for the first small allocation */
+  for (int i = 1; i < SMALL; i++) EXPECT(CUDART(cudaMalloc)(&p[i], 500), 0);
+  EXPECT(used_by_me() - ctx, 2 * MiB); /* 4096 x 512 bytes fill it exactly */
+  EXPECT(CUDART(cudaMalloc)(&p[SMALL], 1), 0);
+  EXPECT(used_by_me() - ctx, 4 * MiB);
+  void *big = NULL;
+  EXPECT(CUDART(cudaMalloc)(&big, 3 * MiB), 0);
+  EXPECT(used_by_me() - ctx, 8 * MiB); /* 3 MiB takes two whole granules */
+  EXPECT(CUDART(cudaFree)(big), 0);
+  for (int i = 0; i <= SMALL; i++) EXPECT(CUDART(cudaFree)(p[i]), 0);
+  EXPECT(used_by_me(), ctx);
+
+  EXPECT(ACL(aclInit)(NULL), 0);
+  EXPECT(ACL(aclrtSetDevice)(0), 0);
+  uint64_t both = used_by_me();
+  EXPECT(both > ctx, 1); /* the Ascend context takes its own */
+  void *a = NULL;
+  EXPECT(ACL(aclrtMalloc)(&a, 2 * MiB - 32, 0), 0); /* + 32 bytes of padding: 2 MiB */
+  EXPECT(used_by_me() - both, 2 * MiB);
+  EXPECT(ACL(aclrtFree)(a), 0);
+  EXPECT(ACL(aclrtMalloc)(&a, 2 * MiB - 31, 0), 0); /* 32-byte rounding, then padding: 2 MiB + 32 */
+  EXPECT(used_by_me() - both, 4 * MiB);
+  EXPECT(ACL(aclrtFree)(a), 0);
+  EXPECT(ACL(aclrtMallocAlign32)(&a, 2 * MiB - 31, 0), 0); /* rounding only */
+  EXPECT(used_by_me() - both, 2 * MiB);
+  EXPECT(ACL(aclrtFree)(a), 0);
+  printf("accounting ok\n");
+  return 0;
+}
+
+/* Run with a context larger than the device: creating it fails as out of memory, on every path
+ * that creates one, and nothing is charged. */
+static int context_does_not_fit(void) {
+  EXPECT(CUDART(cudaSetDevice)(0), 2);
+  void *p = NULL;
+  EXPECT(CUDART(cudaMalloc)(&p, 1 * MiB), 2);
+  EXPECT(CUDRV(cuInit)(0), 0);
+  CUcontext ctx;
+  EXPECT(CUDRV(cuDevicePrimaryCtxRetain)(&ctx, 0), 2);
+  EXPECT(ACL(aclInit)(NULL), 0);
+  EXPECT(ACL(aclrtSetDevice)(0), 207001);
+  EXPECT(used_by_me(), 0);
+  printf("context does not fit ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s MODE [ARGS]\n", argv[0]);
@@ -541,6 +659,9 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "creates") && argc == 3) return creates(atol(argv[2]));
   if (!strcmp(m, "streams")) return streams();
   if (!strcmp(m, "copies-land-late")) return copies_land_late();
+  if (!strcmp(m, "accounting") && argc == 3) return accounting(atol(argv[2]));
+  if (!strcmp(m, "context-does-not-fit")) return context_does_not_fit();
+  if (!strcmp(m, "touch-device") && argc == 3) return touch_device(argv[2]);
   if (!strcmp(m, "unmap-in-flight")) return unmap_in_flight();
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;

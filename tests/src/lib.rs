@@ -199,7 +199,26 @@ pub fn c_program(base: &str, style: Style) -> Vec<PathBuf> {
     }
 }
 
+/// Device memory a CUDA context takes on the simulator by default (tms-sim's
+/// `CUDA_CONTEXT_BYTES`; Ascend contexts take less).
+pub const CONTEXT_BYTES: u64 = 300 << 20;
+
+/// Bytes in `16GiB`, `256MiB` (the sizes tests write).
+pub fn size_bytes(text: &str) -> u64 {
+    let (num, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = num.parse().expect("a size");
+    n * match unit {
+        "" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => panic!("unknown unit {other}"),
+    }
+}
+
 /// A private simulated node: its own state folder, so concurrent tests never share devices.
+/// `memory` is what a process has left once its CUDA context exists: the devices' capacity is
+/// that plus `CONTEXT_BYTES`, so tests keep their arithmetic while contexts cost what they cost.
 pub struct SimNode {
     pub dir: tempfile::TempDir,
     pub memory: String,
@@ -210,6 +229,11 @@ pub struct SimNode {
 impl SimNode {
     pub fn new(memory: &str) -> SimNode {
         SimNode { dir: tempfile::tempdir().unwrap(), memory: memory.to_string(), devices: 1, extra_env: Vec::new() }
+    }
+
+    /// Each device's capacity: `memory` plus one CUDA context.
+    pub fn capacity(&self) -> u64 {
+        size_bytes(&self.memory) + CONTEXT_BYTES
     }
 
     pub fn env(mut self, key: &str, value: &str) -> SimNode {
@@ -237,7 +261,7 @@ impl SimNode {
         cmd.env("LD_LIBRARY_PATH", &ws.sim_dir)
             .env("TMS_SIM_DIR", self.dir.path())
             .env("TMS_SIM_NODE", "test")
-            .env("TMS_SIM_MEMORY", &self.memory)
+            .env("TMS_SIM_MEMORY", self.capacity().to_string())
             .env("TMS_SIM_DEVICES", self.devices.to_string())
             .env("TMS_CONTROL_DIR", self.control_dir())
             .env_remove("LD_PRELOAD")

@@ -69,7 +69,9 @@ fn processes_on_one_node_share_capacity() {
     // A second process sees the first one's usage, through either vendor API, and cannot fit.
     let (b, line_b) = hold(&node, "acl", 700);
     assert_eq!(field(&line_b, "rc"), 207001, "{line_b}");
-    assert_eq!(field(&line_b, "free_before"), 324 * MIB, "{line_b}");
+    // 1 GiB + one CUDA context of capacity, less the first process's context and 700 MiB, less
+    // this process's own Ascend context (200 MiB).
+    assert_eq!(field(&line_b, "free_before"), 124 * MIB, "{line_b}");
     release(b);
     let (c, line_c) = hold(&node, "cuda", 700);
     assert_eq!(field(&line_c, "rc"), 2, "{line_c}");
@@ -165,8 +167,9 @@ fn cli_prints_env_and_node_status() {
             .args(["status", "--node", "test", "--json"])
             .env("TMS_SIM_DIR", node.dir.path()),
     );
-    assert!(status.contains("\"capacity\": 1073741824"), "{status}");
-    assert!(status.contains(&format!("{}", 100 * MIB)), "{status}");
+    assert!(status.contains(&format!("\"capacity\": {}", node.capacity())), "{status}");
+    // The process's usage includes its context.
+    assert!(status.contains(&format!("{}", 100 * MIB + tms_e2e::CONTEXT_BYTES)), "{status}");
     release(a);
 }
 
@@ -229,4 +232,42 @@ fn unmapping_under_a_running_copy_faults_the_copy() {
         let out = run_ok(&mut node.command(&argv));
         assert!(out.contains("unmap in flight ok"), "{style:?}: {out}");
     }
+}
+
+#[test]
+fn the_cpu_cannot_touch_device_memory() {
+    // A forgiving simulator let the process read device memory through its address, hiding
+    // code that dereferences a device pointer (a segfault, or garbage, on a GPU).
+    for what in ["plain", "vmm", "acl"] {
+        let node = SimNode::new("1GiB");
+        let mut argv = c_program("sim_consumer", Style::Linked);
+        argv.extend(["touch-device".into(), what.into()]);
+        let out = node.command(&argv).output().expect("run sim_consumer");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("copies reach it"), "{what}: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!stdout.contains("the CPU read"), "{what}: the CPU read device memory: {stdout}");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{what}: {:?}", out.status);
+    }
+}
+
+#[test]
+fn contexts_and_granules_cost_device_memory_as_on_a_gpu() {
+    // The forgiving simulator charged nothing for a context and 4 KiB per small allocation.
+    let node = SimNode::new("1GiB");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.extend(["accounting".into(), (CONTEXT_BYTES >> 20).to_string().into()]);
+    let out = run_ok(&mut node.command(&argv));
+    assert!(out.contains("accounting ok"), "{out}");
+    // The context's cost is configurable.
+    let node = SimNode::new("1GiB").env("TMS_SIM_CONTEXT_MEMORY", "64MiB");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.extend(["accounting".into(), "64".into()]);
+    run_ok(&mut node.command(&argv));
+    // A context that does not fit is an out-of-memory error wherever it would be created.
+    let node = SimNode::new("1GiB").env("TMS_SIM_CONTEXT_MEMORY", "4GiB");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.push("context-does-not-fit".into());
+    let out = run_ok(&mut node.command(&argv));
+    assert!(out.contains("context does not fit ok"), "{out}");
 }

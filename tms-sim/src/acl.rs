@@ -102,10 +102,11 @@ pub unsafe extern "C" fn acl_finalize() -> i32 {
 
 pub unsafe extern "C" fn aclrt_set_device(dev: i32) -> i32 {
     call("aclrtSetDevice", || match sim().valid_device(dev as i64) {
-        Some(d) => {
+        Some(d) if crate::sim::open_acl_context(d) => {
             ACL_DEVICE.with(|c| c.set(d + 1));
             SUCCESS
         }
+        Some(_) => RT_MEMORY_ALLOCATION,
         None => RT_INVALID_DEVICEID,
     })
 }
@@ -138,11 +139,12 @@ pub unsafe extern "C" fn aclrt_get_device_count(count: *mut u32) -> i32 {
 
 pub unsafe extern "C" fn aclrt_create_context(ctx: *mut *mut c_void, dev: i32) -> i32 {
     call("aclrtCreateContext", || match sim().valid_device(dev as i64) {
-        Some(d) => {
+        Some(d) if crate::sim::open_acl_context(d) => {
             // Creating a context makes it current, as the real runtime does.
             ACL_DEVICE.with(|c| c.set(d + 1));
             put(ctx, ctx_handle(&ACL_CTX_TOKENS, d))
         }
+        Some(_) => RT_MEMORY_ALLOCATION,
         None => RT_INVALID_DEVICEID,
     })
 }
@@ -215,7 +217,7 @@ fn valid_policy(policy: c_int) -> bool {
     (0..=7).contains(&(policy & !FLAGS))
 }
 
-fn malloc(name: &str, ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 {
+fn malloc(name: &str, ptr: *mut *mut c_void, size: usize, policy: c_int, padding: usize) -> i32 {
     call(name, || {
         let dev = match current() {
             Ok(d) => d,
@@ -224,6 +226,11 @@ fn malloc(name: &str, ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 
         if ptr.is_null() || size == 0 || !valid_policy(policy) {
             return INVALID_PARAM;
         }
+        // CANN rounds the size up to 32 bytes, and aclrtMalloc adds 32 more (aclrtMallocAlign32
+        // does not).
+        let Some(size) = size.checked_next_multiple_of(32).and_then(|n| n.checked_add(padding)) else {
+            return RT_MEMORY_ALLOCATION;
+        };
         match sim().plain_alloc(dev, size) {
             Ok(p) => put(ptr, p as *mut c_void),
             Err(e) => code_of(e),
@@ -232,11 +239,11 @@ fn malloc(name: &str, ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 
 }
 
 pub unsafe extern "C" fn aclrt_malloc(ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 {
-    malloc("aclrtMalloc", ptr, size, policy)
+    malloc("aclrtMalloc", ptr, size, policy, 32)
 }
 
 pub unsafe extern "C" fn aclrt_malloc_align32(ptr: *mut *mut c_void, size: usize, policy: c_int) -> i32 {
-    malloc("aclrtMallocAlign32", ptr, size, policy)
+    malloc("aclrtMallocAlign32", ptr, size, policy, 0)
 }
 
 pub unsafe extern "C" fn aclrt_free(ptr: *mut c_void) -> i32 {
@@ -326,7 +333,14 @@ pub unsafe extern "C" fn aclrt_get_mem_info(attr: c_int, free: *mut usize, total
         if !(0..=9).contains(&attr) || free.is_null() || total.is_null() {
             return INVALID_PARAM;
         }
-        // Every memory attribute reports the one emulated HBM pool.
+        // The emulated device is a 910B: its memory is HBM. DDR attributes (DDR_MEM 0, DDR_MEM_HUGE
+        // 2, DDR_MEM_NORMAL 3, DDR_MEM_P2P_* 6 and 7) report 0 free of 0, as CANN documents for an
+        // attribute that does not match the hardware (aclrtGetMemInfo reference); the HBM ones
+        // report the device's pool.
+        if matches!(attr, 0 | 2 | 3 | 6 | 7) {
+            put(free, 0);
+            return put(total, 0);
+        }
         let (f, t) = sim().mem_info(dev);
         put(free, f as usize);
         put(total, t as usize)

@@ -13,6 +13,19 @@ pub const DEFAULT_MEMORY: u64 = 16 << 30;
 /// An H100's pinned host<->device copy rate (cuda.md: copy engines reach about 50-57 GB/s), so
 /// copies take time by default and a missing synchronize shows.
 pub const DEFAULT_COPY_GBPS: f64 = 50.0;
+/// Device memory a process's CUDA context takes on its device: 300 MiB, as PyTorch maintainers
+/// report for a context with lazy module loading, the default since CUDA 12.2 (300-400 MB,
+/// pytorch/pytorch#107667; 274 MiB measured in pytorch/pytorch#86509).
+pub const CUDA_CONTEXT_BYTES: u64 = 300 << 20;
+/// What an Ascend process's device context takes: about 200 MB seen on a 910B2 after
+/// aclrtSetDevice (hw-native-sys/simpler#2422; no vendor figure).
+pub const ACL_CONTEXT_BYTES: u64 = 200 << 20;
+/// Plain allocations from this size up take whole granules; smaller ones share granules, as the
+/// driver sub-allocates them (since Pascal: 2 MiB pages, allocations over 1 MB page-aligned).
+pub const SMALL_ALLOCATION_LIMIT: usize = 1 << 20;
+/// Alignment of small plain allocations inside shared granules (cudaMalloc aligns to 256 bytes at
+/// least; 512 is what GPUs give).
+pub const SMALL_ALLOCATION_ALIGN: usize = 512;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -30,6 +43,8 @@ pub struct Config {
     pub pin_bytes_per_sec: f64,
     /// Fault-injection rules, see `fault.rs`.
     pub fail: String,
+    /// Device memory a context takes (`TMS_SIM_CONTEXT_MEMORY`); None: the API's default.
+    pub context_bytes: Option<u64>,
     /// Commit host pages when physical memory is created (as a device does), instead of on first
     /// touch. Costs real host memory for every byte created.
     pub commit: bool,
@@ -68,6 +83,13 @@ impl Config {
             copy_bytes_per_sec: gbps("TMS_SIM_COPY_GBPS", DEFAULT_COPY_GBPS),
             pin_bytes_per_sec: gbps("TMS_SIM_PIN_GBPS", 0.0),
             fail: env_str("TMS_SIM_FAIL").unwrap_or_default(),
+            context_bytes: env_str("TMS_SIM_CONTEXT_MEMORY").and_then(|v| match parse_size(&v) {
+                Some(n) => Some(n),
+                None => {
+                    warn(&format!("TMS_SIM_CONTEXT_MEMORY={v:?} is not a size (e.g. 300MiB, 0); using the defaults"));
+                    None
+                }
+            }),
             commit: env_str("TMS_SIM_COMMIT").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true")),
         }
     }

@@ -171,10 +171,8 @@ pub unsafe extern "C" fn cu_device_total_mem(bytes: *mut usize, dev: c_int) -> i
 
 pub unsafe extern "C" fn cu_device_primary_ctx_retain(ctx: *mut *mut c_void, dev: c_int) -> i32 {
     call("cuDevicePrimaryCtxRetain", || match sim().valid_device(dev as i64) {
-        Some(d) => {
-            crate::sim::mark_primary_active(d);
-            put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d))
-        }
+        Some(d) if crate::sim::open_cuda_context(d) => put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d)),
+        Some(_) => OUT_OF_MEMORY,
         None => INVALID_DEVICE,
     })
 }

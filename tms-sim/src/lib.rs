@@ -337,6 +337,13 @@ pub mod introspect {
         })
     }
 
+    /// Where the host reaches the bytes of a device range (see tms_sim.h), or NULL.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn tms_sim_host_view(ptr: *const libc::c_void, len: usize) -> *mut libc::c_void {
+        let view = std::panic::catch_unwind(|| sim().host_view(ptr as usize, len)).ok().flatten();
+        view.map_or(std::ptr::null_mut(), |p| p as *mut libc::c_void)
+    }
+
     /// The creation property of the physical memory mapped at `ptr` (see tms_sim.h), or -1.
     #[unsafe(no_mangle)]
     pub unsafe extern "C" fn tms_sim_mem_attr(ptr: *const libc::c_void) -> i32 {

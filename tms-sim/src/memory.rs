@@ -2,12 +2,17 @@
 //!
 //! - Physical memory is a range of one pooled memfd per process (one file descriptor however many
 //!   handles are alive); releasing it punches a hole, so the host really gets the pages back.
-//! - A reservation is a `PROT_NONE` anonymous mapping; mapping a handle replaces part of it with a
-//!   `MAP_SHARED|MAP_FIXED` view of the memfd range, and unmapping puts `PROT_NONE` back, so the
-//!   address range stays reserved and can be mapped again at the same address.
-//! - Access is granted separately (`set_access` = `mprotect`), as on a GPU: touching mapped memory
-//!   without access faults.
-//! - Plain allocations (`cudaMalloc`, `aclrtMalloc`) are memfd ranges mapped anywhere.
+//! - Device memory is not host memory: every device address range (a reservation, a plain
+//!   allocation, an IPC import) is a `PROT_NONE` mapping the process cannot touch, so a stray host
+//!   dereference faults as it would on a GPU. Its bytes live in a *mirror*: a second range of the
+//!   same length where the memfd is mapped read/write, which only the simulator's copies (and
+//!   `tms_sim_host_view`, for the CPU compute layer) use. Mirror address = device address - start
+//!   + mirror start, so memory that is contiguous on the device is contiguous in the mirror.
+//! - Mapping a handle into a reservation maps its memfd range into the reservation's mirror;
+//!   unmapping puts `PROT_NONE` back there, so the address range stays reserved and can be mapped
+//!   again at the same address.
+//! - Access is granted separately (`set_access`), as on a GPU: a copy into mapped memory without
+//!   access is an illegal address.
 
 use crate::config::GRANULARITY;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -182,14 +187,33 @@ struct Mapping {
 #[derive(Debug, Default)]
 struct Reservation {
     len: usize,
+    /// Where the reservation's mapped bytes are reachable by the simulator.
+    mirror: usize,
     mappings: BTreeMap<usize, Mapping>,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Plain {
     len: usize,
+    /// The size asked for (what the device was charged for, see `Sim::charge_plain`).
+    requested: usize,
     device: usize,
     offset: u64,
+    mirror: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Imported {
+    len: usize,
+    device: usize,
+    mirror: usize,
+}
+
+/// Device memory as a copy sees it: the device it belongs to and where its bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceBytes {
+    pub device: usize,
+    pub mirror: usize,
 }
 
 pub struct Memory {
@@ -200,8 +224,8 @@ pub struct Memory {
     handles: HashMap<u64, Physical>,
     reservations: BTreeMap<usize, Reservation>,
     plain: BTreeMap<usize, Plain>,
-    /// Other processes' plain allocations opened here through CUDA IPC: start -> (len, device).
-    imported: BTreeMap<usize, (usize, usize)>,
+    /// Other processes' plain allocations opened here through CUDA IPC, by device address.
+    imported: BTreeMap<usize, Imported>,
 }
 
 /// What a freed or released range gives back to the device. Its memfd range is out of every
@@ -236,6 +260,38 @@ fn map_view(fd: libc::c_int, offset: u64, len: usize) -> Option<usize> {
         )
     };
     (p != libc::MAP_FAILED).then_some(p as usize)
+}
+
+/// A fresh `PROT_NONE` range of `len` bytes (an address range nothing can touch), at `hint` if
+/// the kernel agrees.
+fn inaccessible_range(len: usize, hint: usize) -> Option<usize> {
+    // SAFETY: a new anonymous mapping; with no MAP_FIXED the hint replaces nothing.
+    let p = unsafe {
+        libc::mmap(
+            hint as *mut libc::c_void,
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as usize)
+}
+
+/// Unmaps a range this module mapped.
+fn unmap_range(addr: usize, len: usize) {
+    // SAFETY: callers pass only ranges they own and no longer reference.
+    unsafe { libc::munmap(addr as *mut libc::c_void, len) };
+}
+
+/// Device addresses of a mirrored range: a `PROT_NONE` range of the same length as the mirror.
+fn device_range_for(mirror: usize, len: usize) -> Option<usize> {
+    let addr = inaccessible_range(len, 0);
+    if addr.is_none() {
+        unmap_range(mirror, len);
+    }
+    addr
 }
 
 pub fn round_up(n: usize, to: usize) -> usize {
@@ -332,21 +388,11 @@ impl Memory {
             return Err(MemError::Invalid);
         }
         let total = len.checked_add(align).ok_or(MemError::Invalid)?;
-        // SAFETY: a fresh PROT_NONE anonymous mapping; the hint is only a hint.
-        let base = unsafe {
-            libc::mmap(
-                hint as *mut libc::c_void,
-                total,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
+        let mirror = inaccessible_range(len, 0).ok_or(MemError::Host)?;
+        let Some(base) = inaccessible_range(total, hint) else {
+            unmap_range(mirror, len);
             return Err(MemError::Host);
-        }
-        let base = base as usize;
+        };
         let start = round_up(base, align);
         // SAFETY: trimming the unaligned head and the tail of our own mapping.
         unsafe {
@@ -358,7 +404,7 @@ impl Memory {
                 libc::munmap((start + len) as *mut libc::c_void, tail);
             }
         }
-        self.reservations.insert(start, Reservation { len, mappings: BTreeMap::new() });
+        self.reservations.insert(start, Reservation { len, mirror, mappings: BTreeMap::new() });
         Ok(start)
     }
 
@@ -369,8 +415,8 @@ impl Memory {
             return Err(MemError::Invalid);
         }
         let r = self.reservations.remove(&addr).expect("present");
-        // SAFETY: the whole reservation is ours and nothing is mapped in it.
-        unsafe { libc::munmap(addr as *mut libc::c_void, r.len) };
+        unmap_range(addr, r.len);
+        unmap_range(r.mirror, r.len);
         Ok(())
     }
 
@@ -396,13 +442,14 @@ impl Memory {
             return Err(MemError::Invalid);
         }
         let p = &self.handles[&h];
-        // SAFETY: the range lies inside our reservation and overlaps no mapping, so MAP_FIXED
-        // replaces only PROT_NONE reserved pages.
+        let mirror = r.mirror + (addr - rstart);
+        // SAFETY: the range lies inside our reservation's mirror and overlaps no mapping, so
+        // MAP_FIXED replaces only PROT_NONE reserved pages.
         let got = unsafe {
             libc::mmap(
-                addr as *mut libc::c_void,
+                mirror as *mut libc::c_void,
                 len,
-                libc::PROT_NONE,
+                libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
                 self.pool.fd,
                 p.offset as libc::off_t,
@@ -439,12 +486,13 @@ impl Memory {
         if covered != want {
             return Err(MemError::Invalid);
         }
+        let mirror_base = r.mirror;
         let mut freed = Vec::new();
         for (a, m) in victims {
-            // SAFETY: turning our own mapping back into reserved PROT_NONE pages.
+            // SAFETY: turning our own mapping in the mirror back into reserved PROT_NONE pages.
             let got = unsafe {
                 libc::mmap(
-                    a as *mut libc::c_void,
+                    (mirror_base + (a - rstart)) as *mut libc::c_void,
                     m.len,
                     libc::PROT_NONE,
                     libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
@@ -481,38 +529,40 @@ impl Memory {
             touched.push(cursor);
             cursor += m.len;
         }
-        // SAFETY: the range is fully mapped by us.
-        if unsafe { libc::mprotect(addr as *mut libc::c_void, len, prot) } != 0 {
-            return Err(MemError::Invalid);
-        }
         for a in touched {
             r.mappings.get_mut(&a).expect("present").prot = prot;
         }
         // Establish the page tables now, as a device's map does; otherwise the first copy into
         // the range would pay the host's page faults.
-        Ok((self.commit && prot != libc::PROT_NONE).then_some(PageWork::Populate { addr, len }))
+        let mirror = r.mirror + (addr - rstart);
+        Ok((self.commit && prot != libc::PROT_NONE).then_some(PageWork::Populate { addr: mirror, len }))
     }
 
     // ---- plain allocations ------------------------------------------------------------------
 
-    pub fn plain_alloc(&mut self, device: usize, len: usize) -> MemResult<usize> {
+    pub fn plain_alloc(&mut self, device: usize, len: usize, requested: usize) -> MemResult<usize> {
         let offset = self.pool.alloc(len as u64)?;
         if self.commit {
             PageWork::Commit { fd: self.pool.fd, offset, len: len as u64 }.run();
         }
-        let Some(p) = map_view(self.pool.fd, offset, len) else {
+        let Some(mirror) = map_view(self.pool.fd, offset, len) else {
             self.pool.free(offset, len as u64);
             return Err(MemError::Host);
         };
-        self.plain.insert(p, Plain { len, device, offset });
-        Ok(p)
+        let Some(addr) = device_range_for(mirror, len) else {
+            self.pool.free(offset, len as u64);
+            return Err(MemError::Host);
+        };
+        self.plain.insert(addr, Plain { len, requested, device, offset, mirror });
+        Ok(addr)
     }
 
-    pub fn plain_free(&mut self, addr: usize) -> MemResult<Freed> {
+    /// Frees a plain allocation; returns its host range and the size it was asked with.
+    pub fn plain_free(&mut self, addr: usize) -> MemResult<(Freed, usize)> {
         let p = self.plain.remove(&addr).ok_or(MemError::Invalid)?;
-        // SAFETY: unmapping our own plain allocation.
-        unsafe { libc::munmap(addr as *mut libc::c_void, p.len) };
-        Ok(Freed { device: p.device, bytes: p.len as u64, offset: p.offset })
+        unmap_range(addr, p.len);
+        unmap_range(p.mirror, p.len);
+        Ok((Freed { device: p.device, bytes: p.len as u64, offset: p.offset }, p.requested))
     }
 
     // ---- CUDA IPC -----------------------------------------------------------------------------
@@ -534,15 +584,16 @@ impl Memory {
     /// Maps `len` bytes at `offset` of another process's device pool (an fd opened from
     /// /proc/PID/fd), as device memory of `device`.
     pub fn ipc_import(&mut self, fd: libc::c_int, offset: u64, len: usize, device: usize) -> MemResult<usize> {
-        let p = map_view(fd, offset, len).ok_or(MemError::Host)?;
-        self.imported.insert(p, (len, device));
-        Ok(p)
+        let mirror = map_view(fd, offset, len).ok_or(MemError::Host)?;
+        let addr = device_range_for(mirror, len).ok_or(MemError::Host)?;
+        self.imported.insert(addr, Imported { len, device, mirror });
+        Ok(addr)
     }
 
     pub fn ipc_close(&mut self, addr: usize) -> MemResult<()> {
-        let (len, _) = self.imported.remove(&addr).ok_or(MemError::Invalid)?;
-        // SAFETY: unmapping an import we mapped.
-        unsafe { libc::munmap(addr as *mut libc::c_void, len) };
+        let i = self.imported.remove(&addr).ok_or(MemError::Invalid)?;
+        unmap_range(addr, i.len);
+        unmap_range(i.mirror, i.len);
         Ok(())
     }
 
@@ -557,10 +608,10 @@ impl Memory {
         {
             return Some(p.device);
         }
-        if let Some((&start, &(ilen, device))) = self.imported.range(..=addr).next_back()
-            && addr < start + ilen
+        if let Some((&start, i)) = self.imported.range(..=addr).next_back()
+            && addr < start + i.len
         {
-            return Some(device);
+            return Some(i.device);
         }
         let (&rstart, r) = self.reservations.range(..=addr).next_back()?;
         if addr >= rstart + r.len {
@@ -587,19 +638,27 @@ impl Memory {
         self.handles.get(&m.handle).map(|p| p.prop)
     }
 
-    /// Whether `[addr, addr+len)` is device memory the device may read (and write, if asked).
-    /// `Ok(None)`: not device memory at all (host memory).
-    pub fn device_range(&self, addr: usize, len: usize, write: bool) -> MemResult<Option<usize>> {
+    /// Whether `[addr, addr+len)` is device memory the device may read (and write, if asked),
+    /// and where its bytes are. `Ok(None)`: not device memory at all (host memory).
+    pub fn device_range(&self, addr: usize, len: usize, write: bool) -> MemResult<Option<DeviceBytes>> {
         let len = len.max(1);
         if let Some((&start, p)) = self.plain.range(..=addr).next_back()
             && addr < start + p.len
         {
-            return if addr + len <= start + p.len { Ok(Some(p.device)) } else { Err(MemError::Invalid) };
+            return if addr + len <= start + p.len {
+                Ok(Some(DeviceBytes { device: p.device, mirror: p.mirror + (addr - start) }))
+            } else {
+                Err(MemError::Invalid)
+            };
         }
-        if let Some((&start, &(ilen, device))) = self.imported.range(..=addr).next_back()
-            && addr < start + ilen
+        if let Some((&start, i)) = self.imported.range(..=addr).next_back()
+            && addr < start + i.len
         {
-            return if addr + len <= start + ilen { Ok(Some(device)) } else { Err(MemError::Invalid) };
+            return if addr + len <= start + i.len {
+                Ok(Some(DeviceBytes { device: i.device, mirror: i.mirror + (addr - start) }))
+            } else {
+                Err(MemError::Invalid)
+            };
         }
         let Some((&rstart, r)) = self.reservations.range(..=addr).next_back() else {
             return Ok(None);
@@ -621,6 +680,6 @@ impl Memory {
             device.get_or_insert(self.handles[&m.handle].device);
             cursor = mstart + m.len;
         }
-        Ok(device)
+        Ok(device.map(|device| DeviceBytes { device, mirror: r.mirror + (addr - rstart) }))
     }
 }

@@ -26,6 +26,8 @@ pub struct Sim {
     /// Page-locked host ranges by start: allocated by the simulator or registered by the caller.
     host: Mutex<BTreeMap<usize, HostRange>>,
     pub pinned_bytes: AtomicU64,
+    /// Bytes of this process's small plain allocations per device (see `charge_plain`).
+    small_bytes: Mutex<[usize; crate::config::MAX_DEVICES]>,
 }
 
 pub struct HostRange {
@@ -33,6 +35,14 @@ pub struct HostRange {
     /// Registered by the caller (cudaHostRegister): not ours to unmap.
     registered: bool,
     flags: u32,
+}
+
+/// A validated copy: where its destination and source bytes are (device memory in its mirror),
+/// and the bus it travels on, as (device, direction).
+struct CopyPlan {
+    dst: usize,
+    src: usize,
+    bus: Option<(usize, usize)>,
 }
 
 /// An address as the runtime classifies it.
@@ -69,10 +79,39 @@ pub static ACL_CTX_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config:
 static PRIMARY_ACTIVE: [AtomicBool; crate::config::MAX_DEVICES] =
     [const { AtomicBool::new(false) }; crate::config::MAX_DEVICES];
 
-pub fn mark_primary_active(dev: usize) {
-    if let Some(flag) = PRIMARY_ACTIVE.get(dev) {
-        flag.store(true, Ordering::Relaxed);
+/// Whether this process has an Ascend context on each device.
+static ACL_ACTIVE: [AtomicBool; crate::config::MAX_DEVICES] =
+    [const { AtomicBool::new(false) }; crate::config::MAX_DEVICES];
+
+/// Creates this process's context on `dev` unless it has one. A context takes device memory
+/// (`TMS_SIM_CONTEXT_MEMORY`, else the API's default), so creating one on a full device fails
+/// (false), as on a GPU; the memory returns when the process exits.
+fn open_context(active: &[AtomicBool], dev: usize, default_bytes: u64) -> bool {
+    let Some(flag) = active.get(dev) else { return false };
+    if flag.load(Ordering::Acquire) {
+        return true;
     }
+    static OPENING: Mutex<()> = Mutex::new(());
+    let _one_at_a_time = OPENING.lock().unwrap_or_else(|e| e.into_inner());
+    if flag.load(Ordering::Acquire) {
+        return true;
+    }
+    let s = sim();
+    if dev >= s.devices() || !s.node.charge(dev, s.cfg.context_bytes.unwrap_or(default_bytes)) {
+        return false;
+    }
+    flag.store(true, Ordering::Release);
+    true
+}
+
+/// Creates the process's primary CUDA context on `dev` if needed; false: the device is full.
+pub fn open_cuda_context(dev: usize) -> bool {
+    open_context(&PRIMARY_ACTIVE, dev, crate::config::CUDA_CONTEXT_BYTES)
+}
+
+/// Creates the process's Ascend context on `dev` if needed; false: the device is full.
+pub fn open_acl_context(dev: usize) -> bool {
+    open_context(&ACL_ACTIVE, dev, crate::config::ACL_CONTEXT_BYTES)
 }
 
 pub fn primary_active(dev: usize) -> bool {
@@ -136,6 +175,7 @@ pub fn sim() -> &'static Sim {
             graphs: crate::graphs::Graphs::default(),
             host: Mutex::new(BTreeMap::new()),
             pinned_bytes: AtomicU64::new(0),
+            small_bytes: Mutex::new([0; crate::config::MAX_DEVICES]),
         }
     })
 }
@@ -187,12 +227,48 @@ impl Sim {
     /// Returns freed memory to the host (outside the lock, so copies go on meanwhile), then to
     /// the pool and the device's free count.
     fn give_back(&self, freed: impl IntoIterator<Item = Freed>) {
-        let fd = self.read().pool_fd();
         for f in freed {
-            Memory::punch_freed(fd, &f);
-            self.write().recycle(&f);
+            self.give_back_host(&f);
             self.node.uncharge(f.device, f.bytes);
         }
+    }
+
+    fn give_back_host(&self, f: &Freed) {
+        let fd = self.read().pool_fd();
+        Memory::punch_freed(fd, f);
+        self.write().recycle(f);
+    }
+
+    /// Charges `dev` for a plain allocation of `size` bytes as a GPU's driver does: large ones
+    /// take whole 2 MiB granules; small ones (512-byte aligned) are packed into shared granules,
+    /// so the device pays a granule when the first small allocation needs it.
+    fn charge_plain(&self, dev: usize, size: usize) -> MemResult<()> {
+        use crate::config::{GRANULARITY, SMALL_ALLOCATION_ALIGN, SMALL_ALLOCATION_LIMIT};
+        if size >= SMALL_ALLOCATION_LIMIT {
+            let cost = size.checked_next_multiple_of(GRANULARITY).ok_or(MemError::OutOfMemory)?;
+            return if self.node.charge(dev, cost as u64) { Ok(()) } else { Err(MemError::OutOfMemory) };
+        }
+        let mut small = self.small_bytes.lock().unwrap_or_else(|e| e.into_inner());
+        let before = round_up(small[dev], GRANULARITY);
+        let after_bytes = small[dev] + round_up(size, SMALL_ALLOCATION_ALIGN);
+        let cost = (round_up(after_bytes, GRANULARITY) - before) as u64;
+        if cost > 0 && !self.node.charge(dev, cost) {
+            return Err(MemError::OutOfMemory);
+        }
+        small[dev] = after_bytes;
+        Ok(())
+    }
+
+    fn uncharge_plain(&self, dev: usize, size: usize) {
+        use crate::config::{GRANULARITY, SMALL_ALLOCATION_ALIGN, SMALL_ALLOCATION_LIMIT};
+        if size >= SMALL_ALLOCATION_LIMIT {
+            self.node.uncharge(dev, round_up(size, GRANULARITY) as u64);
+            return;
+        }
+        let mut small = self.small_bytes.lock().unwrap_or_else(|e| e.into_inner());
+        let before = round_up(small[dev], GRANULARITY);
+        small[dev] = small[dev].saturating_sub(round_up(size, SMALL_ALLOCATION_ALIGN));
+        self.node.uncharge(dev, (before - round_up(small[dev], GRANULARITY)) as u64);
     }
 
     pub fn mem_info(&self, dev: usize) -> (u64, u64) {
@@ -201,19 +277,18 @@ impl Sim {
     }
 
     pub fn plain_alloc(&self, dev: usize, size: usize) -> MemResult<usize> {
-        let len = round_up(size.max(1), PAGE);
-        if !self.node.charge(dev, len as u64) {
-            return Err(MemError::OutOfMemory);
-        }
-        self.write().plain_alloc(dev, len).inspect_err(|_| self.node.uncharge(dev, len as u64))
+        let size = size.max(1);
+        self.charge_plain(dev, size)?;
+        self.write().plain_alloc(dev, round_up(size, PAGE), size).inspect_err(|_| self.uncharge_plain(dev, size))
     }
 
     pub fn plain_free(&self, addr: usize) -> MemResult<()> {
         // Freeing waits for queued work, as the real runtimes do.
         self.streams.synchronize_all(None);
         let _no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
-        let freed = self.write().plain_free(addr)?;
-        self.give_back([freed]);
+        let (freed, requested) = self.write().plain_free(addr)?;
+        self.give_back_host(&freed);
+        self.uncharge_plain(freed.device, requested);
         Ok(())
     }
 
@@ -269,15 +344,8 @@ impl Sim {
         Ok(())
     }
 
-    /// Validates a copy and returns the bus it travels on: (device, direction), if any.
-    fn plan_copy(
-        &self,
-        mem: &Memory,
-        dst: usize,
-        src: usize,
-        n: usize,
-        kind: CopyKind,
-    ) -> MemResult<Option<(usize, usize)>> {
+    /// Validates a copy and returns where its bytes are and the bus it travels on.
+    fn plan_copy(&self, mem: &Memory, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<CopyPlan> {
         if dst == 0 || src == 0 {
             return Err(MemError::Invalid);
         }
@@ -293,10 +361,14 @@ impl Sim {
         if !ok {
             return Err(MemError::Invalid);
         }
-        Ok(match (d, s) {
-            (Some(dev), None) => Some((dev, TO_DEVICE)),
-            (None, Some(dev)) => Some((dev, TO_HOST)),
-            _ => None,
+        Ok(CopyPlan {
+            dst: d.map_or(dst, |b| b.mirror),
+            src: s.map_or(src, |b| b.mirror),
+            bus: match (d, s) {
+                (Some(b), None) => Some((b.device, TO_DEVICE)),
+                (None, Some(b)) => Some((b.device, TO_HOST)),
+                _ => None,
+            },
         })
     }
 
@@ -327,17 +399,16 @@ impl Sim {
         if n == 0 {
             return Ok(());
         }
-        let bus = self.plan_copy(&self.read(), dst, src, n, kind)?;
+        let bus = self.plan_copy(&self.read(), dst, src, n, kind)?.bus;
         // Each piece re-checks its ranges while holding off anything that takes memory away: a
         // copy never touches memory unmapped after it was queued, and memory unmapped while it
         // is under way faults the rest of it (700), as on a device.
         let piece = |offset: usize, len: usize| {
             let _copying = self.copying.read().unwrap_or_else(|e| e.into_inner());
-            let (d, s) = (dst + offset, src + offset);
-            self.plan_copy(&self.read(), d, s, len, kind)?;
-            // SAFETY: both ranges were validated: device ranges are mapped with access, host
-            // ranges are the caller's responsibility as with the real runtime.
-            unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len) };
+            let plan = self.plan_copy(&self.read(), dst + offset, src + offset, len, kind)?;
+            // SAFETY: both ranges were validated: device bytes are in their mirror, mapped and
+            // with access; host ranges are the caller's responsibility as with the real runtime.
+            unsafe { std::ptr::copy(plan.src as *const u8, plan.dst as *mut u8, len) };
             Ok(())
         };
         match bus {
@@ -402,11 +473,11 @@ impl Sim {
             return Ok(());
         }
         let mem = self.read();
-        if mem.device_range(dst, n, true)?.is_none() {
+        let Some(bytes) = mem.device_range(dst, n, true)? else {
             return Err(MemError::Invalid);
-        }
-        // SAFETY: validated as device memory mapped with write access.
-        unsafe { std::ptr::write_bytes(dst as *mut u8, value, n) };
+        };
+        // SAFETY: validated as device memory mapped with write access; its bytes are in the mirror.
+        unsafe { std::ptr::write_bytes(bytes.mirror as *mut u8, value, n) };
         Ok(())
     }
 
@@ -492,6 +563,13 @@ impl Sim {
 
     pub fn in_plain(&self, addr: usize) -> bool {
         self.read().in_plain(addr)
+    }
+
+    /// Where the bytes of device range `[addr, addr+len)` can be read and written by the host,
+    /// if it is device memory mapped with read and write access (see `tms_sim_host_view`).
+    pub fn host_view(&self, addr: usize, len: usize) -> Option<usize> {
+        // Write access implies read access on both front ends (read/write is the only other grant).
+        self.read().device_range(addr, len, true).ok().flatten().map(|b| b.mirror)
     }
 
     /// The creation property of the physical memory mapped at `addr` (virtual-memory

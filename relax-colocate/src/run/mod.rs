@@ -1163,8 +1163,10 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
     if device == DeviceChoice::Sim {
         let libdir = sim_lib_dir().map_err(setup_err)?;
         let peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
+        // Each device holds two processes, and each process's context takes device memory.
+        let contexts = 2 * sim_context_bytes(api);
         let capacity = if cfg.sim.memory == "auto" {
-            round_up(peak + (fp.trainer.min(fp.rollout) / 2).min(64 * MIB), GRANULARITY)
+            round_up(peak + contexts + (fp.trainer.min(fp.rollout) / 2).min(64 * MIB), GRANULARITY)
         } else {
             config::parse_size(&cfg.sim.memory).map_err(setup_err)?
         };
@@ -1183,12 +1185,13 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
             env.push(("TMS_SIM_COPY_GBPS".into(), cfg.sim.copy_gbps.to_string()));
         }
         device_label = format!(
-            "tms-sim ({} API), {} x {} (trainer needs {}, rollout {})",
+            "tms-sim ({} API), {} x {} (trainer needs {}, rollout {}, their contexts {})",
             if api == "acl" { "ACL" } else { "CUDA" },
             cfg.run.devices,
             report::human(capacity),
             report::human(fp.trainer),
-            report::human(fp.rollout)
+            report::human(fp.rollout),
+            report::human(contexts)
         );
     }
     std::fs::write(run_dir.join("config.toml"), cfg.to_toml()).map_err(|e| setup_err(e.to_string()))?;
@@ -1264,4 +1267,11 @@ impl Drop for Runner {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.shm);
     }
+}
+
+/// Device memory a process's context takes on tms-sim: its `TMS_SIM_CONTEXT_MEMORY`, else the
+/// simulator's defaults (300 MiB on the CUDA API, 200 MiB on ACL; docs/simulator.md).
+fn sim_context_bytes(api: &str) -> u64 {
+    let default = if api == "acl" { 200 * MIB } else { 300 * MIB };
+    std::env::var("TMS_SIM_CONTEXT_MEMORY").ok().and_then(|v| config::parse_size(&v).ok()).unwrap_or(default)
 }

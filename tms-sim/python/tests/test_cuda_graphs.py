@@ -277,7 +277,7 @@ def test_replay_on_paused_memory_reports_at_the_next_op():
         y = x * 2
     g.replay()
     same(y, torch.full((8,), 2.0))
-    saved = _layer._check_range
+    saved = _layer._view
     calls = []
 
     def refuse(ptr, n):
@@ -285,11 +285,11 @@ def test_replay_on_paused_memory_reports_at_the_next_op():
         raise _layer.LayerError("CUDA error 700 (an illegal memory access was encountered): test")
 
     x.fill_(5.0)
-    _layer._check_range = refuse
+    _layer._view = refuse
     try:
         g.replay()
     finally:
-        _layer._check_range = saved
+        _layer._view = saved
     assert calls and _graphs.pending is not None
     same(y, torch.full((8,), 2.0))  # the node was skipped (.cpu() is a copy, not a computed op)
     g.replay()  # the next replay runs its nodes again; the error stays pending

@@ -499,9 +499,7 @@ class _Node:
 
         storages = {}
         for ptr, n in self.sizes.items():
-            if _layer._CHECK and n:
-                _layer._check_range(ptr, n)
-            storages[ptr] = _construct_storage(ptr, _CPU, n)
+            storages[ptr] = _construct_storage(_layer._view(ptr, n), _CPU, n)
 
         def alias(snap):
             ptr, _, off, size, stride, dtype, conj, neg = snap

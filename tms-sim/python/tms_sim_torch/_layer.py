@@ -1,8 +1,9 @@
 """The CPU compute layer: CPU implementations of PyTorch's CUDA kernels for the simulated device.
 
-The simulator's device memory is host memory mapped into the process at the device address, so a
-CUDA tensor's bytes can be viewed as a CPU tensor without copying: same address, dtype, sizes,
-strides and storage offset (an *alias*). Every aten operator with a CUDA kernel (and a CPU
+The simulator's device memory is not host memory: the process cannot dereference a device address,
+as on a GPU. The simulator keeps the bytes in a host *view* (`tms_sim_host_view`, contiguous where
+the device memory is), so a CUDA tensor's bytes can still be viewed as a CPU tensor without
+copying: the view's address, same dtype, sizes, strides and storage offset (an *alias*). Every aten operator with a CUDA kernel (and a CPU
 implementation to run instead) gets a CUDA-key kernel registered through `torch.library`:
 
     1. synchronize the current stream of the operands' device (async copies queued on it land
@@ -94,23 +95,18 @@ def _runtime():
 
 _rt = None
 _stream_sync = None
-_range_accessible = None
-# Before computing on device memory, ask the simulator whether the whole range is mapped with
-# access (one query per storage and op): memory the memory saver has paused then raises
-# cudaErrorIllegalAddress, instead of the process faulting on the access. A query, not a touch:
-# touching unmapped memory with a copy would be a sticky device fault that ends the context.
-_CHECK = os.environ.get("TMS_SIM_TORCH_CHECK", "1") != "0"
+_host_view = None
 
 
 def _init_runtime(rt):
-    global _rt, _stream_sync, _range_accessible
+    global _rt, _stream_sync, _host_view
     _rt = rt
     _stream_sync = rt.cudaStreamSynchronize
     _stream_sync.argtypes = [ctypes.c_void_p]
     _stream_sync.restype = ctypes.c_int
-    _range_accessible = rt.tms_sim_range_accessible
-    _range_accessible.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    _range_accessible.restype = ctypes.c_int
+    _host_view = rt.tms_sim_host_view
+    _host_view.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _host_view.restype = ctypes.c_void_p
     _graphs.init(rt)
     _graphs.install_torch_hooks()
 
@@ -126,13 +122,20 @@ def _sync(dev_index):
             raise RuntimeError(f"CUDA error {rc}: reported by the current stream before a CPU-computed op")
 
 
-def _check_range(ptr, nbytes):
-    if _range_accessible(ptr, nbytes) != 1:
+def _view(ptr, nbytes):
+    """Where the host reaches device range `[ptr, ptr + nbytes)`. Memory the memory saver has
+    paused (or that was freed) raises cudaErrorIllegalAddress: one query per storage and op, and a
+    query, not a touch (a copy from unmapped memory would be a sticky fault ending the context)."""
+    if not nbytes:
+        return ptr
+    view = _host_view(ptr, nbytes)
+    if not view:
         raise LayerError(
             f"CUDA error 700 (an illegal memory access was encountered): device memory at {ptr:#x} "
             f"({nbytes} bytes) is not mapped with access (paused by the memory saver, or freed); "
             "tms_sim_torch cannot compute on it"
         )
+    return view
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,10 +145,11 @@ def _check_range(ptr, nbytes):
 class _Call:
     """State of one op call: alias storages by device pointer, aliases by id."""
 
-    __slots__ = ("storages", "aliases", "device", "synced")
+    __slots__ = ("storages", "by_view", "aliases", "device", "synced")
 
     def __init__(self):
-        self.storages = {}  # data_ptr -> (cpu storage, cuda untyped storage, device)
+        self.storages = {}  # device data_ptr -> (cpu storage, cuda untyped storage, device)
+        self.by_view = {}  # host view address -> the same entries
         self.aliases = {}  # id(alias) -> (alias, original)
         self.device = None  # where new results go: the first CUDA operand's device
         self.synced = ()  # device indices whose current stream was synchronized
@@ -163,9 +167,10 @@ class _Call:
                 _sync(dev.index)
                 self.synced = self.synced + (dev.index,)
             n = st.nbytes()
-            if _CHECK and n:
-                _check_range(ptr, n)
-            ent = self.storages[ptr] = (_construct_storage(ptr, _CPU, n), st, dev)
+            view = _view(ptr, n)
+            ent = self.storages[ptr] = (_construct_storage(view, _CPU, n), st, dev)
+            if n:
+                self.by_view[view] = ent
         a = _empty_cpu(0, dtype=t.dtype).set_(ent[0], t.storage_offset(), t.size(), t.stride())
         if t.is_conj():
             _set_conj(a, True)
@@ -184,9 +189,9 @@ class _Call:
                 return r
             if r.layout is not _STRIDED:
                 return r.to(self._device())  # sparse results: torch's own conversion
-            if self.storages:
+            if self.by_view:
                 st = r.untyped_storage()
-                src = self.storages.get(st.data_ptr())
+                src = self.by_view.get(st.data_ptr())
                 if src is not None and st.nbytes() and st.nbytes() <= src[0].nbytes():
                     # A view of an operand: the same view of the device storage.
                     v = _empty_strided((0,), (1,), dtype=r.dtype, device=src[2])
@@ -218,10 +223,7 @@ class _Call:
         out = _empty_strided(r.size(), r.stride(), dtype=r.dtype, device=dev)
         n = out.untyped_storage().nbytes()
         if n and r.numel():
-            p = out.data_ptr()
-            if _CHECK:
-                _check_range(p, n)
-            _memmove(p, r.data_ptr(), n)
+            _memmove(_view(out.data_ptr(), n), r.data_ptr(), n)
         return out
 
 
@@ -477,7 +479,8 @@ def _propagate(call, a):
     if ent is None:
         return
     t = ent[1]
-    same_memory = a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    own = call.storages.get(t.untyped_storage().data_ptr())
+    same_memory = own is not None and a.untyped_storage().data_ptr() == own[0].data_ptr()
     if same_memory and a.size() == t.size() and a.stride() == t.stride() and a.storage_offset() == t.storage_offset():
         return
     if same_memory:

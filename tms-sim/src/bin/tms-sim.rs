@@ -35,6 +35,7 @@ const RUNTIME_NAMES: &[&str] = &[
         TMS_SIM_MEMORY     capacity of each device, e.g. 16GiB (default 16GiB)\n  \
         TMS_SIM_COPY_GBPS  host<->device copy rate per direction per device, GB/s (default 50; 0: no modelled time)\n  \
         TMS_SIM_PIN_GBPS   cost of allocating pinned host memory, GB/s (default: none)\n  \
+        TMS_SIM_CONTEXT_MEMORY  device memory a process's context takes (default 300MiB CUDA, 200MiB ACL)\n  \
         TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2\n\n\
         A node's devices and capacity are fixed by the first process that attaches while no live \
         process uses it.\n\nExit codes: 0 success, 1 failure, 2 usage error."

@@ -3,7 +3,7 @@
 
 use super::{
     INVALID_DEVICE, INVALID_VALUE, PEER_ACCESS_ALREADY_ENABLED, PEER_ACCESS_NOT_ENABLED, RUNTIME_VERSION, SUCCESS,
-    call, enter, put, rt,
+    call, put, rt,
 };
 use crate::sim::{CUDA_CTX, DRIVER_INIT, RT_DEVICE, sim};
 use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
@@ -221,7 +221,10 @@ pub unsafe extern "C" fn cuda_set_device(dev: c_int) -> i32 {
         let Some(d) = sim().valid_device(dev as i64) else { return INVALID_DEVICE };
         DRIVER_INIT.store(true, std::sync::atomic::Ordering::Release);
         RT_DEVICE.with(|c| c.set(d));
-        crate::sim::mark_primary_active(d);
+        // cudaSetDevice creates the device's primary context (CUDA 12 and later).
+        if !crate::sim::open_cuda_context(d) {
+            return super::MEMORY_ALLOCATION;
+        }
         CUDA_CTX.with(|c| c.set(d + 1));
         SUCCESS
     })
@@ -269,7 +272,7 @@ pub unsafe extern "C" fn cuda_device_get_pci_bus_id(out: *mut c_char, len: c_int
 
 pub unsafe extern "C" fn cuda_device_get_stream_priority_range(least: *mut c_int, greatest: *mut c_int) -> i32 {
     call("cudaDeviceGetStreamPriorityRange", || {
-        enter();
+        enter!();
         // Either output may be NULL.
         if !least.is_null() {
             put(least, super::streams::LEAST_PRIORITY);
@@ -296,7 +299,7 @@ pub unsafe extern "C" fn cuda_device_can_access_peer(can: *mut c_int, dev: c_int
 
 pub unsafe extern "C" fn cuda_device_enable_peer_access(peer: c_int, flags: c_uint) -> i32 {
     call("cudaDeviceEnablePeerAccess", || {
-        let dev = enter();
+        let dev = enter!();
         let Some(peer) = sim().valid_device(peer as i64) else { return INVALID_DEVICE };
         if flags != 0 || peer == dev {
             return INVALID_VALUE;
@@ -312,7 +315,7 @@ pub unsafe extern "C" fn cuda_device_enable_peer_access(peer: c_int, flags: c_ui
 
 pub unsafe extern "C" fn cuda_device_disable_peer_access(peer: c_int) -> i32 {
     call("cudaDeviceDisablePeerAccess", || {
-        let dev = enter();
+        let dev = enter!();
         let Some(peer) = sim().valid_device(peer as i64) else { return INVALID_DEVICE };
         let mut enabled = PEER_ENABLED.lock().unwrap_or_else(|e| e.into_inner());
         match enabled.iter().position(|p| *p == (dev, peer)) {
@@ -327,14 +330,14 @@ pub unsafe extern "C" fn cuda_device_disable_peer_access(peer: c_int) -> i32 {
 
 pub unsafe extern "C" fn cuda_device_synchronize() -> i32 {
     call("cudaDeviceSynchronize", || {
-        let dev = enter();
+        let dev = enter!();
         sim().synchronize(Some(dev))
     })
 }
 
 pub unsafe extern "C" fn cuda_device_reset() -> i32 {
     call("cudaDeviceReset", || {
-        let dev = enter();
+        let dev = enter!();
         sim().synchronize(Some(dev))
     })
 }

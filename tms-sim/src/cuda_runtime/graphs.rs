@@ -1,6 +1,6 @@
 //! CUDA graphs: stream capture, instantiation, launch and user objects (see `crate::graphs`).
 
-use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call, enter, put};
+use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call, put};
 use crate::graphs::{Exec, Graph, UserObject};
 use crate::sim::sim;
 use libc::{c_int, c_uint, c_ulonglong, c_void};
@@ -42,7 +42,7 @@ const CAPTURE_MODES: c_int = 2;
 
 pub unsafe extern "C" fn cuda_stream_begin_capture(stream: *mut c_void, mode: c_int) -> i32 {
     call("cudaStreamBeginCapture", || {
-        enter();
+        enter!();
         if !(0..=CAPTURE_MODES).contains(&mode) {
             return INVALID_VALUE;
         }
@@ -55,7 +55,7 @@ pub unsafe extern "C" fn cuda_stream_begin_capture(stream: *mut c_void, mode: c_
 
 pub unsafe extern "C" fn cuda_stream_end_capture(stream: *mut c_void, graph: *mut *mut c_void) -> i32 {
     call("cudaStreamEndCapture", || {
-        enter();
+        enter!();
         if graph.is_null() {
             return INVALID_VALUE;
         }
@@ -77,7 +77,7 @@ pub unsafe extern "C" fn cuda_graph_instantiate(
     _flags: c_ulonglong,
 ) -> i32 {
     call("cudaGraphInstantiate", || {
-        enter();
+        enter!();
         instantiate(exec, graph)
     })
 }
@@ -88,14 +88,14 @@ pub unsafe extern "C" fn cuda_graph_instantiate_with_flags(
     _flags: c_ulonglong,
 ) -> i32 {
     call("cudaGraphInstantiateWithFlags", || {
-        enter();
+        enter!();
         instantiate(exec, graph)
     })
 }
 
 pub unsafe extern "C" fn cuda_graph_launch(exec: *mut c_void, stream: *mut c_void) -> i32 {
     call("cudaGraphLaunch", || {
-        enter();
+        enter!();
         let Some(e) = EXECS.get(exec as usize) else { return INVALID_RESOURCE_HANDLE };
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;

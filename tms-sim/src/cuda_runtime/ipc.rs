@@ -8,7 +8,7 @@
 //! handle cannot be opened in the process that made it, and a handle of a process that exited is
 //! refused. Opened events are host-side only: they read as complete.
 
-use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, MEMORY_ALLOCATION, SUCCESS, call, code_of, enter, put};
+use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, MEMORY_ALLOCATION, SUCCESS, call, code_of, put};
 use crate::sim::sim;
 use libc::{c_uint, c_void};
 
@@ -69,7 +69,7 @@ impl MemHandle {
 
 pub unsafe extern "C" fn cuda_ipc_get_mem_handle(handle: *mut IpcHandle, ptr: *mut c_void) -> i32 {
     call("cudaIpcGetMemHandle", || {
-        enter();
+        enter!();
         let mem = sim().mem.read().unwrap_or_else(|e| e.into_inner());
         let (_, len, device, offset) = match mem.ipc_export(ptr as usize) {
             Ok(found) => found,
@@ -91,7 +91,7 @@ pub unsafe extern "C" fn cuda_ipc_get_mem_handle(handle: *mut IpcHandle, ptr: *m
 /// The handle is passed by value (64 bytes, in memory on the stack under the C ABI).
 pub unsafe extern "C" fn cuda_ipc_open_mem_handle(ptr: *mut *mut c_void, handle: IpcHandle, flags: c_uint) -> i32 {
     call("cudaIpcOpenMemHandle", || {
-        enter();
+        enter!();
         if ptr.is_null() || flags & !LAZY_ENABLE_PEER_ACCESS != 0 {
             return INVALID_VALUE;
         }
@@ -127,7 +127,7 @@ pub unsafe extern "C" fn cuda_ipc_open_mem_handle(ptr: *mut *mut c_void, handle:
 
 pub unsafe extern "C" fn cuda_ipc_close_mem_handle(ptr: *mut c_void) -> i32 {
     call("cudaIpcCloseMemHandle", || {
-        enter();
+        enter!();
         // Work queued on streams may still read the memory.
         sim().synchronize(None);
         match sim().mem.write().unwrap_or_else(|e| e.into_inner()).ipc_close(ptr as usize) {
@@ -139,7 +139,7 @@ pub unsafe extern "C" fn cuda_ipc_close_mem_handle(ptr: *mut c_void) -> i32 {
 
 pub unsafe extern "C" fn cuda_ipc_get_event_handle(handle: *mut IpcHandle, event: *mut c_void) -> i32 {
     call("cudaIpcGetEventHandle", || {
-        enter();
+        enter!();
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
         if ev.flags & (INTERPROCESS | DISABLE_TIMING) != INTERPROCESS | DISABLE_TIMING {
             return INVALID_RESOURCE_HANDLE;
@@ -154,7 +154,7 @@ pub unsafe extern "C" fn cuda_ipc_get_event_handle(handle: *mut IpcHandle, event
 
 pub unsafe extern "C" fn cuda_ipc_open_event_handle(event: *mut *mut c_void, handle: IpcHandle) -> i32 {
     call("cudaIpcOpenEventHandle", || {
-        enter();
+        enter!();
         if &handle.bytes[..8] != EVENT_MAGIC {
             return INVALID_RESOURCE_HANDLE;
         }

@@ -5,7 +5,7 @@
 //! what PyTorch checks after each launch, so a kernel that did not run raises instead of leaving
 //! the output unwritten.
 
-use super::{INVALID_DEVICE_FUNCTION, NO_KERNEL_IMAGE, SUCCESS, call, enter, put, rt};
+use super::{INVALID_DEVICE_FUNCTION, NO_KERNEL_IMAGE, SUCCESS, call, put, rt};
 use libc::{c_char, c_int, c_uint, c_void};
 
 /// `dim3`, passed by value.
@@ -86,7 +86,7 @@ pub unsafe extern "C" fn get_kernel(kernel: *mut *const c_void, entry: *const c_
 
 fn refuse_launch(name: &str) -> i32 {
     call(name, || {
-        enter();
+        enter!();
         NO_KERNEL_IMAGE
     })
 }

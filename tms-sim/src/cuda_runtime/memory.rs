@@ -3,7 +3,7 @@
 
 use super::{
     HOST_MEMORY_ALREADY_REGISTERED, HOST_MEMORY_NOT_REGISTERED, INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call,
-    code_of, enter, put, result,
+    code_of, put, result,
 };
 use crate::sim::{CopyKind, PointerKind, sim};
 use libc::{c_int, c_uint, c_void};
@@ -13,7 +13,7 @@ pub unsafe extern "C" fn cuda_malloc(ptr: *mut *mut c_void, size: usize) -> i32 
         if ptr.is_null() {
             return INVALID_VALUE;
         }
-        let dev = enter();
+        let dev = enter!();
         if size == 0 {
             // SAFETY: checked non-null; the caller passes a writable pointer.
             unsafe { *ptr = std::ptr::null_mut() };
@@ -32,7 +32,7 @@ pub unsafe extern "C" fn cuda_malloc(ptr: *mut *mut c_void, size: usize) -> i32 
 
 pub unsafe extern "C" fn cuda_free(ptr: *mut c_void) -> i32 {
     call("cudaFree", || {
-        enter();
+        enter!();
         if ptr.is_null() {
             // cudaFree(NULL) is how programs initialize the context.
             return SUCCESS;
@@ -61,7 +61,7 @@ pub unsafe extern "C" fn cuda_host_alloc(ptr: *mut *mut c_void, size: usize, fla
         if ptr.is_null() {
             return INVALID_VALUE;
         }
-        enter();
+        enter!();
         match sim().host_alloc(size, flags) {
             Ok(p) => {
                 // SAFETY: checked non-null.
@@ -75,7 +75,7 @@ pub unsafe extern "C" fn cuda_host_alloc(ptr: *mut *mut c_void, size: usize, fla
 
 pub unsafe extern "C" fn cuda_free_host(ptr: *mut c_void) -> i32 {
     call("cudaFreeHost", || {
-        enter();
+        enter!();
         if ptr.is_null() {
             return SUCCESS;
         }
@@ -85,7 +85,7 @@ pub unsafe extern "C" fn cuda_free_host(ptr: *mut c_void) -> i32 {
 
 pub unsafe extern "C" fn cuda_memcpy(dst: *mut c_void, src: *const c_void, count: usize, kind: c_int) -> i32 {
     call("cudaMemcpy", || {
-        enter();
+        enter!();
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
         sim().copy(dst as usize, src as usize, count, kind, 0, code_of).err().unwrap_or(SUCCESS)
     })
@@ -99,7 +99,7 @@ pub unsafe extern "C" fn cuda_memcpy_async(
     stream: *mut c_void,
 ) -> i32 {
     call("cudaMemcpyAsync", || {
-        enter();
+        enter!();
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
         sim().copy(dst as usize, src as usize, count, kind, stream as usize, code_of).err().unwrap_or(SUCCESS)
     })
@@ -107,14 +107,14 @@ pub unsafe extern "C" fn cuda_memcpy_async(
 
 pub unsafe extern "C" fn cuda_memset(dst: *mut c_void, value: c_int, count: usize) -> i32 {
     call("cudaMemset", || {
-        enter();
+        enter!();
         result(sim().memset(dst as usize, value as u8, count))
     })
 }
 
 pub unsafe extern "C" fn cuda_memset_async(dst: *mut c_void, value: c_int, count: usize, stream: *mut c_void) -> i32 {
     call("cudaMemsetAsync", || {
-        enter();
+        enter!();
         let (dst, value, stream) = (dst as usize, value as u8, stream as usize);
         if crate::streams::is_null(stream) {
             return result(sim().memset(dst, value, count));
@@ -132,7 +132,7 @@ pub unsafe extern "C" fn cuda_mem_get_info(free: *mut usize, total: *mut usize) 
         if free.is_null() || total.is_null() {
             return INVALID_VALUE;
         }
-        let dev = enter();
+        let dev = enter!();
         let (f, t) = sim().mem_info(dev);
         // SAFETY: checked non-null.
         unsafe {
@@ -145,7 +145,7 @@ pub unsafe extern "C" fn cuda_mem_get_info(free: *mut usize, total: *mut usize) 
 
 pub unsafe extern "C" fn cuda_host_register(ptr: *mut c_void, size: usize, flags: c_uint) -> i32 {
     call("cudaHostRegister", || {
-        enter();
+        enter!();
         match sim().host_register(ptr as usize, size, flags) {
             Ok(true) => SUCCESS,
             Ok(false) => HOST_MEMORY_ALREADY_REGISTERED,
@@ -156,14 +156,14 @@ pub unsafe extern "C" fn cuda_host_register(ptr: *mut c_void, size: usize, flags
 
 pub unsafe extern "C" fn cuda_host_unregister(ptr: *mut c_void) -> i32 {
     call("cudaHostUnregister", || {
-        enter();
+        enter!();
         if sim().host_unregister(ptr as usize) { SUCCESS } else { HOST_MEMORY_NOT_REGISTERED }
     })
 }
 
 pub unsafe extern "C" fn cuda_host_get_flags(flags: *mut c_uint, ptr: *mut c_void) -> i32 {
     call("cudaHostGetFlags", || {
-        enter();
+        enter!();
         match sim().host_lookup(ptr as usize) {
             Some((_, f)) => put(flags, f),
             None => INVALID_VALUE,
@@ -178,7 +178,7 @@ pub unsafe extern "C" fn cuda_host_get_device_pointer(
     flags: c_uint,
 ) -> i32 {
     call("cudaHostGetDevicePointer", || {
-        enter();
+        enter!();
         if flags != 0 || sim().host_lookup(host as usize).is_none() {
             return INVALID_VALUE;
         }
@@ -199,7 +199,7 @@ const _: () = assert!(std::mem::size_of::<PointerAttributes>() == 24);
 
 pub unsafe extern "C" fn cuda_pointer_get_attributes(attrs: *mut PointerAttributes, ptr: *const c_void) -> i32 {
     call("cudaPointerGetAttributes", || {
-        let current = enter() as c_int;
+        let current = enter!() as c_int;
         let p = ptr as *mut c_void;
         let value = match sim().classify(ptr as usize) {
             PointerKind::Device(d) => {
@@ -256,7 +256,7 @@ fn copy_2d(
     stream: usize,
 ) -> i32 {
     call(name, || {
-        enter();
+        enter!();
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
         if width > dpitch || width > spitch {
             return INVALID_VALUE;

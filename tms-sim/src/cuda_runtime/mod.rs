@@ -3,6 +3,17 @@
 //! exported name once; this module holds what every family shares: error codes, the thread's
 //! last error, the implicit context, and the "not supported" answer.
 
+/// The implicit context of a runtime call (see `enter`): the thread's device, or the call returns
+/// cudaErrorMemoryAllocation when the context cannot be created because the device is full.
+macro_rules! enter {
+    () => {
+        match $crate::cuda_runtime::enter() {
+            Ok(dev) => dev,
+            Err(code) => return code,
+        }
+    };
+}
+
 pub mod devices;
 pub mod graphs;
 pub mod ipc;
@@ -53,17 +64,20 @@ fn rt(code: i32) -> i32 {
 }
 
 /// Common prologue: the runtime initializes the driver and makes its device's primary context
-/// current on first use by a thread. Returns the thread's device.
-fn enter() -> usize {
+/// current on first use by a thread, creating it if the process has none (which takes device
+/// memory, and fails with cudaErrorMemoryAllocation on a full device). Returns the thread's device.
+fn enter() -> Result<usize, i32> {
     DRIVER_INIT.store(true, std::sync::atomic::Ordering::Release);
-    CUDA_CTX.with(|c| {
-        if c.get() == 0 {
-            let dev = RT_DEVICE.with(|d| d.get());
-            crate::sim::mark_primary_active(dev);
-            c.set(dev + 1);
-        }
-        c.get() - 1
-    })
+    let current = CUDA_CTX.with(|c| c.get());
+    if current != 0 {
+        return Ok(current - 1);
+    }
+    let dev = RT_DEVICE.with(|d| d.get());
+    if !crate::sim::open_cuda_context(dev) {
+        return Err(MEMORY_ALLOCATION);
+    }
+    CUDA_CTX.with(|c| c.set(dev + 1));
+    Ok(dev)
 }
 
 /// Runs a runtime call: panics become cudaErrorUnknown, failures are recorded for

@@ -1,7 +1,7 @@
 //! Streams, events, host callbacks and stream-capture queries. Work submitted to a capturing
 //! stream is recorded into its graph (crate::graphs) instead of run.
 
-use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, NOT_READY, SUCCESS, call, enter, put};
+use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, NOT_READY, SUCCESS, call, put};
 use crate::graphs::{CAPTURE_UNSUPPORTED, Node};
 use crate::sim::sim;
 use libc::{c_float, c_int, c_uint, c_ulonglong, c_void};
@@ -16,7 +16,7 @@ fn create(stream: *mut *mut c_void, flags: c_uint, priority: c_int) -> i32 {
     if stream.is_null() || flags & !STREAM_FLAGS != 0 {
         return INVALID_VALUE;
     }
-    let dev = enter();
+    let dev = enter!();
     // Out-of-range priorities are clamped, as the runtime documents.
     let priority = priority.clamp(GREATEST_PRIORITY, LEAST_PRIORITY);
     match sim().streams.create_with(dev, flags, priority) {
@@ -51,21 +51,21 @@ fn properties(stream: *mut c_void) -> Result<(u32, i32), i32> {
 
 pub unsafe extern "C" fn cuda_stream_get_priority(stream: *mut c_void, priority: *mut c_int) -> i32 {
     call("cudaStreamGetPriority", || {
-        enter();
+        enter!();
         properties(stream).map_or_else(|e| e, |(_, p)| put(priority, p))
     })
 }
 
 pub unsafe extern "C" fn cuda_stream_get_flags(stream: *mut c_void, flags: *mut c_uint) -> i32 {
     call("cudaStreamGetFlags", || {
-        enter();
+        enter!();
         properties(stream).map_or_else(|e| e, |(f, _)| put(flags, f))
     })
 }
 
 pub unsafe extern "C" fn cuda_stream_synchronize(stream: *mut c_void) -> i32 {
     call("cudaStreamSynchronize", || {
-        enter();
+        enter!();
         if sim().graphs.capture_of(stream as usize).is_some() {
             return CAPTURE_UNSUPPORTED;
         }
@@ -75,7 +75,7 @@ pub unsafe extern "C" fn cuda_stream_synchronize(stream: *mut c_void) -> i32 {
 
 pub unsafe extern "C" fn cuda_stream_query(stream: *mut c_void) -> i32 {
     call("cudaStreamQuery", || {
-        enter();
+        enter!();
         if sim().graphs.capture_of(stream as usize).is_some() {
             return CAPTURE_UNSUPPORTED;
         }
@@ -89,14 +89,14 @@ pub unsafe extern "C" fn cuda_stream_query(stream: *mut c_void) -> i32 {
 
 pub unsafe extern "C" fn cuda_stream_destroy(stream: *mut c_void) -> i32 {
     call("cudaStreamDestroy", || {
-        enter();
+        enter!();
         if sim().streams.destroy(stream as usize) { SUCCESS } else { INVALID_RESOURCE_HANDLE }
     })
 }
 
 pub unsafe extern "C" fn cuda_stream_wait_event(stream: *mut c_void, event: *mut c_void, _flags: c_uint) -> i32 {
     call("cudaStreamWaitEvent", || {
-        enter();
+        enter!();
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
         // Waiting on an event recorded during a capture joins that capture.
         if ev.capture() != 0 {
@@ -124,7 +124,7 @@ pub unsafe extern "C" fn cuda_launch_host_func(
     data: *mut c_void,
 ) -> i32 {
     call("cudaLaunchHostFunc", || {
-        enter();
+        enter!();
         let Some(f) = func else { return INVALID_VALUE };
         if sim().graphs.record(stream as usize, || Node::Host { f: f as usize, data: data as usize }) {
             return SUCCESS;
@@ -151,7 +151,7 @@ pub unsafe extern "C" fn cuda_stream_add_callback(
     flags: c_uint,
 ) -> i32 {
     call("cudaStreamAddCallback", || {
-        enter();
+        enter!();
         let Some(cb) = callback else { return INVALID_VALUE };
         if flags != 0 {
             return INVALID_VALUE;
@@ -177,7 +177,7 @@ pub unsafe extern "C" fn cuda_stream_is_capturing(stream: *mut c_void, status: *
     call("cudaStreamIsCapturing", || {
         // Like most runtime calls it makes the device's primary context current (torch calls it
         // right before cudaMalloc, from any thread, including autograd's workers).
-        enter();
+        enter!();
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
@@ -197,7 +197,7 @@ pub unsafe extern "C" fn cuda_stream_get_capture_info(
     count: *mut usize,
 ) -> i32 {
     call("cudaStreamGetCaptureInfo", || {
-        enter();
+        enter!();
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
@@ -248,7 +248,7 @@ pub unsafe extern "C" fn cuda_event_create_with_flags(event: *mut *mut c_void, f
         if event.is_null() || flags & !EVENT_FLAGS != 0 {
             return INVALID_VALUE;
         }
-        enter();
+        enter!();
         put(event, sim().streams.event_create(flags) as *mut c_void)
     })
 }
@@ -260,7 +260,7 @@ pub unsafe extern "C" fn cuda_event_create(event: *mut *mut c_void) -> i32 {
 
 pub unsafe extern "C" fn cuda_event_record(event: *mut c_void, stream: *mut c_void) -> i32 {
     call("cudaEventRecord", || {
-        enter();
+        enter!();
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
         if let Some(capture) = sim().graphs.capture_of(stream as usize) {
             ev.set_capture(capture);
