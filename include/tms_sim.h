@@ -32,14 +32,16 @@ int tms_sim_set_faults(const char *spec);
 
 /* Whether [ptr, ptr + len) is device memory mapped with read and write access: 1 yes, 0 no
  * (paused, freed or partly unmapped), -1 not device memory. A query, not an access: it never
- * faults (the CPU compute layer asks before it computes on device memory). */
+ * faults. */
 int tms_sim_range_accessible(const void *ptr, size_t len);
 
 /* Device memory is not host memory: a device address cannot be dereferenced by the process (it
  * faults, as on a GPU). This returns where the bytes of device range [ptr, ptr + len) can be read
  * and written by the host, or NULL when the range is not device memory mapped with read and write
- * access. For the simulator's own CPU compute layer and for tests; the view is valid until the
- * range is unmapped or freed, and contiguous device memory has a contiguous view. */
+ * access (paused, freed, partly unmapped, or not device memory). For the simulator's own CPU
+ * compute layer and for tests; contiguous device memory has a contiguous view. The view is valid
+ * until the range is unmapped or freed; after that its address may hold another allocation's bytes,
+ * so a stale view corrupts instead of faulting: ask again for every use. */
 void *tms_sim_host_view(const void *ptr, size_t len);
 
 /* What the physical memory mapped at `ptr` was created with: the aclrtMemAttr of Ascend memory

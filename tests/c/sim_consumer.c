@@ -155,6 +155,12 @@ static int cuda_errors(void) {
   EXPECT(CUDRV(cuMemMap)(va, 4 * MiB, 0, h, 0), 1);              /* larger than the handle */
   EXPECT(CUDRV(cuMemMap)(va, 2 * MiB, 0, h, 0), 0);
   EXPECT(CUDRV(cuMemMap)(va, 2 * MiB, 0, h, 0), 1);              /* overlapping map */
+  CUmemAccessDesc acc = {{1, 0}, 3};
+  EXPECT(CUDRV(cuMemSetAccess)(va, 1 * MiB, &acc, 1), 1);        /* part of a granule */
+  EXPECT(CUDRV(cuMemSetAccess)(va, 4 * MiB, &acc, 1), 1);        /* beyond the mapping */
+  EXPECT(CUDRV(cuMemSetAccess)(va, 2 * MiB, &acc, 1), 0);
+  EXPECT(CUDART(cudaMemcpy)(&t, (void *)(va + 8), SIZE_MAX - 4, 2), 1); /* length wraps */
+  EXPECT(CUDART(cudaMemset)((void *)va, 0, SIZE_MAX), 1);
   EXPECT(CUDRV(cuMemAddressFree)(va, 4 * MiB), 1);               /* still mapped */
   EXPECT(CUDRV(cuMemUnmap)(va, 1 * MiB), 1);                     /* partial unmap */
   EXPECT(CUDRV(cuMemUnmap)(va, 2 * MiB), 0);

@@ -388,9 +388,10 @@ impl Memory {
             return Err(MemError::Invalid);
         }
         let total = len.checked_add(align).ok_or(MemError::Invalid)?;
-        let mirror = inaccessible_range(len, 0).ok_or(MemError::Host)?;
-        let Some(base) = inaccessible_range(total, hint) else {
-            unmap_range(mirror, len);
+        // The reservation first, so that the mirror never takes the caller's hinted address.
+        let base = inaccessible_range(total, hint).ok_or(MemError::Host)?;
+        let Some(mirror) = inaccessible_range(len, 0) else {
+            unmap_range(base, total);
             return Err(MemError::Host);
         };
         let start = round_up(base, align);
@@ -516,7 +517,9 @@ impl Memory {
     /// Sets protection on mapped memory; the range must be fully mapped. Returns page work to run
     /// outside the lock.
     pub fn set_access(&mut self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<Option<PageWork>> {
-        if len == 0 {
+        // Access is granted per granule: an unaligned range is a bad argument, as cuMemSetAccess
+        // and aclrtMemSetAccess document for ranges that are not whole mappings.
+        if len == 0 || !addr.is_multiple_of(GRANULARITY) || !len.is_multiple_of(GRANULARITY) {
             return Err(MemError::Invalid);
         }
         let rstart = self.reservation_containing(addr, len).ok_or(MemError::Invalid)?;
@@ -642,10 +645,12 @@ impl Memory {
     /// and where its bytes are. `Ok(None)`: not device memory at all (host memory).
     pub fn device_range(&self, addr: usize, len: usize, write: bool) -> MemResult<Option<DeviceBytes>> {
         let len = len.max(1);
+        // A length that wraps the address space is a bad argument, whatever the address.
+        let end = addr.checked_add(len).ok_or(MemError::Invalid)?;
         if let Some((&start, p)) = self.plain.range(..=addr).next_back()
             && addr < start + p.len
         {
-            return if addr + len <= start + p.len {
+            return if end <= start + p.len {
                 Ok(Some(DeviceBytes { device: p.device, mirror: p.mirror + (addr - start) }))
             } else {
                 Err(MemError::Invalid)
@@ -654,7 +659,7 @@ impl Memory {
         if let Some((&start, i)) = self.imported.range(..=addr).next_back()
             && addr < start + i.len
         {
-            return if addr + len <= start + i.len {
+            return if end <= start + i.len {
                 Ok(Some(DeviceBytes { device: i.device, mirror: i.mirror + (addr - start) }))
             } else {
                 Err(MemError::Invalid)
@@ -666,13 +671,13 @@ impl Memory {
         if addr >= rstart + r.len {
             return Ok(None);
         }
-        if addr + len > rstart + r.len {
+        if end > rstart + r.len {
             return Err(MemError::Invalid);
         }
         let need = if write { libc::PROT_WRITE } else { libc::PROT_READ };
         let mut cursor = addr;
         let mut device = None;
-        while cursor < addr + len {
+        while cursor < end {
             let (&mstart, m) = r.mappings.range(..=cursor).next_back().ok_or(MemError::IllegalAddress)?;
             if cursor >= mstart + m.len || m.prot & need == 0 {
                 return Err(MemError::IllegalAddress);

@@ -313,6 +313,13 @@ impl Sim {
         Ok(())
     }
 
+    /// Closes an IPC import; like every call that takes memory away, it waits for the copy piece
+    /// under way.
+    pub fn ipc_close(&self, addr: usize) -> MemResult<()> {
+        let _no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
+        self.write().ipc_close(addr)
+    }
+
     pub fn reserve(&self, len: usize, align: usize, hint: usize) -> MemResult<usize> {
         self.write().reserve(len, align, hint)
     }

@@ -1273,5 +1273,9 @@ impl Drop for Runner {
 /// simulator's defaults (300 MiB on the CUDA API, 200 MiB on ACL; docs/simulator.md).
 fn sim_context_bytes(api: &str) -> u64 {
     let default = if api == "acl" { 200 * MIB } else { 300 * MIB };
-    std::env::var("TMS_SIM_CONTEXT_MEMORY").ok().and_then(|v| config::parse_size(&v).ok()).unwrap_or(default)
+    match std::env::var("TMS_SIM_CONTEXT_MEMORY") {
+        Ok(v) if v.trim() == "0" => 0,
+        Ok(v) => config::parse_size(&v).unwrap_or(default),
+        Err(_) => default,
+    }
 }

@@ -220,11 +220,12 @@ pub unsafe extern "C" fn cuda_set_device(dev: c_int) -> i32 {
     call("cudaSetDevice", || {
         let Some(d) = sim().valid_device(dev as i64) else { return INVALID_DEVICE };
         DRIVER_INIT.store(true, std::sync::atomic::Ordering::Release);
-        RT_DEVICE.with(|c| c.set(d));
-        // cudaSetDevice creates the device's primary context (CUDA 12 and later).
+        // cudaSetDevice creates the device's primary context (CUDA 12 and later); when that
+        // fails the thread keeps its device.
         if !crate::sim::open_cuda_context(d) {
             return super::MEMORY_ALLOCATION;
         }
+        RT_DEVICE.with(|c| c.set(d));
         CUDA_CTX.with(|c| c.set(d + 1));
         SUCCESS
     })

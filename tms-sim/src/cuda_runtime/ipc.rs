@@ -130,7 +130,7 @@ pub unsafe extern "C" fn cuda_ipc_close_mem_handle(ptr: *mut c_void) -> i32 {
         enter!();
         // Work queued on streams may still read the memory.
         sim().synchronize(None);
-        match sim().mem.write().unwrap_or_else(|e| e.into_inner()).ipc_close(ptr as usize) {
+        match sim().ipc_close(ptr as usize) {
             Ok(()) => SUCCESS,
             Err(e) => code_of(e),
         }
