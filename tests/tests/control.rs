@@ -1,6 +1,7 @@
 //! The control plane end to end: tms-ctl and raw clients against hooked processes on tms-sim.
 
 use std::io::{Read, Write};
+use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::Command;
@@ -43,6 +44,18 @@ fn external_pause_frees_memory_another_process_uses_and_resume_restores_it() {
     assert_eq!(row["status"]["tags"][0]["bytes_active"], 600 * MIB);
     let human = run_ok(&mut node.ctl(&["list"]));
     assert!(human.contains("trainer-rank0") && human.contains("600.0 MiB"), "{human}");
+    // A reader that is already gone (`tms-ctl list | head -1`): tms-ctl ends on SIGPIPE like
+    // other tools; it used to panic on the broken pipe (exit 101).
+    let mut fds = [0; 2];
+    // SAFETY: a fresh pipe whose read end is closed at once; the write end goes to the child.
+    let gone_reader = unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        libc::close(fds[0]);
+        std::os::fd::OwnedFd::from_raw_fd(fds[1])
+    };
+    let out = node.ctl(&["list"]).stdout(std::process::Stdio::from(gone_reader)).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked") && out.status.code() != Some(101), "{:?}: {err}", out.status);
 
     let mut rollout = Served::start(&node, "acl");
     assert_eq!(rollout.ask("alloc 600"), "rc=207001");
@@ -85,6 +98,12 @@ fn unknown_targets_and_bad_usage_exit_2() {
         let out = node.ctl(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
         assert!(!out.stderr.is_empty());
+    }
+    for timeout in ["1e20", "0", "nan"] {
+        let out = node.ctl(&["--timeout", timeout, "list"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--timeout {timeout}: {err}");
+        assert!(!err.contains("panicked"), "--timeout {timeout}: {err}");
     }
     let help = run_ok(&mut node.ctl(&["--help"]));
     assert!(help.contains("Exit codes") && help.contains("TARGET"), "{help}");

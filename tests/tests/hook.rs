@@ -289,3 +289,12 @@ fn pause_waits_for_a_kernel_still_running_on_another_stream() {
     let out = hooked(&node, Style::Linked, &["kernel-pause", "cuda"]);
     assert!(out.contains("kernel-pause ok"), "{out}");
 }
+
+#[test]
+fn a_margin_of_the_whole_address_space_refuses_instead_of_wrapping() {
+    // needed = size + margin wrapped around to a small number and every allocation passed.
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start_with(&node, "cuda", &[("TMS_MEMORY_MARGIN_BYTES", "18446744073709551615")]);
+    assert_eq!(app.ask("alloc 64"), "rc=2");
+    app.quit();
+}

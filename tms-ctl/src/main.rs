@@ -105,6 +105,10 @@ fn usage(message: impl Into<String>) -> Failure {
 }
 
 fn main() -> ExitCode {
+    // A reader that stops early (`tms-ctl list | head -1`) ends tms-ctl quietly, as it ends other
+    // command-line tools, instead of a panic on the broken pipe.
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     match run(&cli) {
         Ok(code) => ExitCode::from(code),
@@ -122,8 +126,9 @@ struct Ctx {
 }
 
 fn run(cli: &Cli) -> Result<u8, Failure> {
-    if !(cli.timeout > 0.0 && cli.timeout.is_finite()) {
-        return Err(usage("--timeout must be a positive number of seconds"));
+    const MAX_TIMEOUT_S: f64 = 86_400.0;
+    if !(cli.timeout > 0.0 && cli.timeout <= MAX_TIMEOUT_S) {
+        return Err(usage("--timeout must be a number of seconds above 0 and at most 86400 (a day)"));
     }
     let ctx = Ctx {
         dir: cli.dir.clone().unwrap_or_else(tms_proto::socket_dir),

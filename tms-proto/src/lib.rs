@@ -121,13 +121,44 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ProtoEr
     }
 }
 
-/// Parses one request line (without or with its newline). Strict: every field is checked.
+/// A JSON object whose keys are all different. serde_json keeps the last of repeated keys
+/// silently, so `{"op":"ping","op":"pause"}` would be read as a pause.
+struct UniqueKeys(Map<String, Value>);
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Keys;
+        impl<'de> serde::de::Visitor<'de> for Keys {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<UniqueKeys, A::Error> {
+                let mut out = Map::new();
+                while let Some((k, v)) = m.next_entry::<String, Value>()? {
+                    if out.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format!("field {k:?} appears twice")));
+                    }
+                    out.insert(k, v);
+                }
+                Ok(UniqueKeys(out))
+            }
+        }
+        d.deserialize_map(Keys)
+    }
+}
+
+/// Parses one request line (without or with its newline). Strict: every field is checked, and
+/// a field may appear once.
 pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
     if line.len() > MAX_REQUEST_BYTES {
         return Err(ProtoError::new(ErrorCode::TooLarge, format!("request exceeds {MAX_REQUEST_BYTES} bytes")));
     }
     let value: Value = serde_json::from_slice(line).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let Value::Object(obj) = value else { return Err(bad("a request is a JSON object")) };
+    if !value.is_object() {
+        return Err(bad("a request is a JSON object"));
+    }
+    let UniqueKeys(obj) = serde_json::from_slice(line).map_err(|e| bad(format!("{e}")))?;
     match obj.get("v") {
         None => {}
         Some(Value::Number(n)) if n.as_u64() == Some(PROTOCOL_VERSION) => {}
@@ -448,6 +479,14 @@ pub fn resume(path: &Path, tag: Option<&str>, timeout: Duration) -> Result<OpRep
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_field_is_refused() {
+        let e = parse_request(br#"{"op":"ping","op":"pause"}"#).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.contains("\"op\" appears twice"), "{}", e.message);
+        assert!(parse_request(br#"{"op":"pause","tag":"kv"}"#).is_ok());
+    }
 
     #[test]
     fn requests_round_trip() {

@@ -61,7 +61,8 @@ impl Saver {
         let margin = self.margin();
         if margin > 0 {
             let (free, _) = dev.mem_info().map_err(Error::Driver)?;
-            let needed = rounded as u64 + margin;
+            // A margin near u64::MAX refuses everything; it must never wrap into a small number.
+            let needed = (rounded as u64).saturating_add(margin);
             if free < needed {
                 return Err(Error::OutOfMemory { code: dev.oom_code(), needed, free });
             }

@@ -35,8 +35,9 @@ impl Saver {
             };
             let needed: u64 = idx.iter().map(|&i| &jobs[i].a).map(|a| missing_bytes(a) as u64).sum();
             match dev.mem_info() {
-                Ok((free, _)) if needed > 0 && free < needed + margin => {
-                    Self::note(&mut report, Error::OutOfMemory { code: dev.oom_code(), needed: needed + margin, free });
+                Ok((free, _)) if needed > 0 && free < needed.saturating_add(margin) => {
+                    let needed = needed.saturating_add(margin);
+                    Self::note(&mut report, Error::OutOfMemory { code: dev.oom_code(), needed, free });
                 }
                 Err(e) => Self::note(&mut report, Error::Driver(e)),
                 Ok(_) => self.resume_group(dev.as_ref(), device, &mut jobs, &idx, &mut report),
