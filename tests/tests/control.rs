@@ -326,3 +326,22 @@ fn control_requests_create_no_context_on_a_device_the_process_does_not_use() {
     assert_eq!(app.ask("ctx 0"), "rc=0 active=0", "tracked process");
     app.quit();
 }
+
+#[test]
+fn names_with_control_characters_cannot_forge_rows() {
+    // TMS_NAME is whatever the launcher set; printed raw, a newline made a second, forged row.
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start_with(&node, "cuda", &[("TMS_NAME", "evil\n99999    forged\u{1b}[2J")]);
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    socket_of(&node, app.pid());
+    for args in [&["list"][..], &["status"][..]] {
+        let out = run_ok(&mut node.ctl(args));
+        assert!(!out.lines().any(|l| l.starts_with("99999")), "{args:?}: {out}");
+        assert!(!out.contains('\u{1b}'), "{args:?}: {out}");
+        assert!(out.contains("evil\\n99999"), "{args:?}: {out}");
+    }
+    // --json carries the name as it is, escaped by JSON.
+    let (_, list) = json(node.ctl(&["list", "--json"]));
+    assert_eq!(list[0]["status"]["name"], "evil\n99999    forged\u{1b}[2J");
+    app.quit();
+}

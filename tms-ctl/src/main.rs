@@ -253,6 +253,12 @@ fn collect(ctx: &Ctx, procs: &[SocketEntry]) -> Vec<ProcessRow> {
         .collect()
 }
 
+/// A name or tag as text a terminal shows as written: control characters (a newline that would
+/// forge a table row, escape sequences) are printed escaped, `\n` or `\u{1b}`.
+fn printable(text: &str) -> String {
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
 fn table(rows: &[ProcessRow]) -> String {
     let mut out = String::new();
     out.push_str(&format!(
@@ -264,7 +270,7 @@ fn table(rows: &[ProcessRow]) -> String {
             out.push_str(&format!("{:<8} (unreachable: {})\n", r.pid, r.error.as_deref().unwrap_or("?")));
             continue;
         };
-        let name = st.name.clone().unwrap_or_else(|| "-".into());
+        let name = st.name.as_deref().map_or_else(|| "-".into(), printable);
         let dev = st
             .devices
             .first()
@@ -281,7 +287,7 @@ fn table(rows: &[ProcessRow]) -> String {
                 pid,
                 name,
                 dev,
-                t.tag,
+                printable(&t.tag),
                 t.allocations_active,
                 human(t.bytes_active),
                 t.allocations_paused,
@@ -316,7 +322,7 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                     println!(
                         "pid {} ({}), hook {}, socket {}",
                         r.pid,
-                        st.name.as_deref().unwrap_or("unnamed"),
+                        st.name.as_deref().map_or_else(|| "unnamed".into(), printable),
                         st.hook_version,
                         r.socket
                     );
@@ -333,7 +339,7 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                     for t in &st.tags {
                         println!(
                             "  tag {:<14} active {} ({}), paused {} ({}), backup {}",
-                            t.tag,
+                            printable(&t.tag),
                             t.allocations_active,
                             human(t.bytes_active),
                             t.allocations_paused,
