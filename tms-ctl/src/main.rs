@@ -23,7 +23,7 @@ Exit codes:
 #[derive(Parser)]
 #[command(name = "tms-ctl", version, about = "Pause, resume and inspect processes that run with libtms_hook.so", after_help = AFTER_HELP)]
 struct Cli {
-    /// Seconds to wait for each process's reply.
+    /// Seconds to wait for each process's reply (above 0, at most 86400).
     #[arg(long, global = true, default_value_t = 30.0)]
     timeout: f64,
     /// Socket folder (default: $TMS_CONTROL_DIR, $XDG_RUNTIME_DIR/tms, or /tmp/tms-$UID).
