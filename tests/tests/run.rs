@@ -261,3 +261,17 @@ fn an_external_worker_that_cannot_start_shows_its_log() {
     assert_eq!(json(&dir.path().join("summary.json"))["status"], "failed");
     assert!(survivors(dir.path()).is_empty());
 }
+
+#[test]
+fn a_simulated_run_larger_than_the_host_is_refused_with_a_scale_that_fits() {
+    // It used to start, run for a while, then the host's OOM killer ended a worker (or another
+    // process) with nothing pointing at memory.scale.
+    let dir = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    let out = run_cmd(dir.path(), &["--steps", "1", "--set", "memory.kv_cache_gib=100000"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("host memory") && err.contains("--set memory.scale="), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "refused only after {:?}", started.elapsed());
+    assert!(survivors(dir.path()).is_empty());
+}

@@ -1161,6 +1161,12 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
         _ => String::new(),
     };
     if device == DeviceChoice::Sim {
+        let per_device_at = |scale: f64| {
+            let p = profile::build(&cfg.memory.profile, cfg.memory.tp, scale, cfg.memory.kv_cache_gib).ok()?;
+            let f = footprint(cfg, &shape, &p, bucket_bytes);
+            Some(f.trainer + f.rollout)
+        };
+        check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at).map_err(setup_err)?;
         let libdir = sim_lib_dir().map_err(setup_err)?;
         let peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
         // Each device holds two processes, and each process's context takes device memory.
@@ -1278,4 +1284,45 @@ fn sim_context_bytes(api: &str) -> u64 {
         Ok(v) => config::parse_size(&v).unwrap_or(default),
         Err(_) => default,
     }
+}
+
+/// The simulator keeps device memory in host memory: a run whose trainer and rollout bytes do not
+/// fit in what the host has available would end with the kernel's OOM killer (possibly another
+/// process), a minute in. Refuse it up front and say how to scale it down.
+fn check_host_memory_for_sim(
+    cfg: &Config,
+    per_device: u64,
+    per_device_at_scale: impl Fn(f64) -> Option<u64>,
+) -> Result<(), String> {
+    let Some(available) = host_memory_available() else { return Ok(()) };
+    let devices = cfg.run.devices as u64;
+    let needed = per_device.saturating_mul(devices);
+    // Leave room for the processes themselves, backups in flight and the rest of the machine.
+    let usable = available / 10 * 8;
+    if needed <= usable {
+        return Ok(());
+    }
+    // Parts of a profile do not scale, so look for a scale that fits rather than divide.
+    let mut fits = (cfg.memory.scale * usable as f64 / needed as f64 * 100.0).floor() / 100.0;
+    while fits > 0.01 && per_device_at_scale(fits).is_none_or(|b| b.saturating_mul(devices) > usable) {
+        fits = ((fits * 0.9) * 100.0).floor() / 100.0;
+    }
+    Err(format!(
+        "on the simulator the device memory is host memory: this run needs about {} ({} device(s) x \
+         trainer + rollout) and the host has {} available. Scale the profile down, e.g. --set \
+         memory.scale={:.2} (now {}), or lower memory.kv_cache_gib / --devices",
+        report::human(needed),
+        cfg.run.devices,
+        report::human(available),
+        fits.max(0.01),
+        cfg.memory.scale
+    ))
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
