@@ -275,3 +275,15 @@ fn a_simulated_run_larger_than_the_host_is_refused_with_a_scale_that_fits() {
     assert!(started.elapsed() < std::time::Duration::from_secs(30), "refused only after {:?}", started.elapsed());
     assert!(survivors(dir.path()).is_empty());
 }
+
+#[test]
+fn a_simulated_device_too_small_for_the_contexts_is_refused() {
+    // sim.memory=1MiB printed "1 x 1.0 MiB" while the simulator silently used 16 GiB.
+    for size in ["1MiB", "500MiB"] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = run_cmd(dir.path(), &["--steps", "1", "--sim-memory", size]).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{size}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("sim.memory={size} leaves no room")) && err.contains("contexts"), "{err}");
+    }
+}

@@ -1174,7 +1174,19 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
         let capacity = if cfg.sim.memory == "auto" {
             round_up(peak + contexts + (fp.trainer.min(fp.rollout) / 2).min(64 * MIB), GRANULARITY)
         } else {
-            config::parse_size(&cfg.sim.memory).map_err(setup_err)?
+            let explicit = config::parse_size(&cfg.sim.memory).map_err(setup_err)?;
+            // The simulator would replace a capacity under its granularity by its 16 GiB default,
+            // and a device without room for both contexts fails every worker's first call.
+            if explicit < contexts + GRANULARITY {
+                return Err(setup_err(format!(
+                    "sim.memory={} leaves no room on the device: the trainer's and the rollout's \
+                     contexts take {} of it; give at least {} (or sim.memory=auto)",
+                    cfg.sim.memory,
+                    report::human(contexts),
+                    report::human(contexts + GRANULARITY)
+                )));
+            }
+            explicit
         };
         let ld = match std::env::var("LD_LIBRARY_PATH") {
             Ok(old) if !old.is_empty() => format!("{libdir}:{old}"),
