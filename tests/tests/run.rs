@@ -287,3 +287,13 @@ fn a_simulated_device_too_small_for_the_contexts_is_refused() {
         assert!(err.contains(&format!("sim.memory={size} leaves no room")) && err.contains("contexts"), "{err}");
     }
 }
+
+#[test]
+fn a_weight_bucket_of_a_few_bytes_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out =
+        run_cmd(dir.path(), &["--steps", "1", "--set", "memory.update_weight_buffer_size=\"1\""]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("update_weight_buffer_size") && err.contains("at least 1MiB"), "{err}");
+}

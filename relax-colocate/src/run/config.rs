@@ -213,8 +213,15 @@ impl Config {
         need(self.memory.kv_cache_gib >= 0.0, "memory.kv_cache_gib must be >= 0");
         need(self.sim.api == "cuda" || self.sim.api == "acl", "sim.api must be cuda or acl");
         need(self.sim.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0");
-        if let Err(e) = parse_size(&self.memory.update_weight_buffer_size) {
-            errors.push(format!("memory.update_weight_buffer_size: {e}"));
+        match parse_size(&self.memory.update_weight_buffer_size) {
+            // A bucket of a few bytes turns update_weights into millions of round trips: setup
+            // made no visible progress with "1".
+            Ok(n) if n < 1 << 20 => errors.push(format!(
+                "memory.update_weight_buffer_size={:?} is too small: at least 1MiB (slime's default is 512MiB)",
+                self.memory.update_weight_buffer_size
+            )),
+            Ok(_) => {}
+            Err(e) => errors.push(format!("memory.update_weight_buffer_size: {e}")),
         }
         if self.sim.memory != "auto"
             && let Err(e) = parse_size(&self.sim.memory)
