@@ -345,3 +345,32 @@ fn names_with_control_characters_cannot_forge_rows() {
     assert_eq!(list[0]["status"]["name"], "evil\n99999    forged\u{1b}[2J");
     app.quit();
 }
+
+#[test]
+fn the_socket_of_a_zombie_is_stale_not_a_failure() {
+    // A killed process not yet reaped by its parent kept `list` and `pause --all` at exit 1,
+    // although every live process answered.
+    let node = SimNode::new("1GiB");
+    let mut live = Served::start_with(&node, "cuda", &[("TMS_NAME", "live")]);
+    assert_eq!(live.ask("alloc 8"), "rc=0");
+    socket_of(&node, live.pid());
+    let mut doomed = Served::start_with(&node, "cuda", &[("TMS_NAME", "doomed")]);
+    assert_eq!(doomed.ask("alloc 8"), "rc=0");
+    let zombie = doomed.pid();
+    socket_of(&node, zombie);
+    // SAFETY: signalling our own child; it stays a zombie until this test reaps it.
+    unsafe { libc::kill(zombie as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !tms_proto::process_exited(zombie) {
+        assert!(Instant::now() < deadline, "the child did not die");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = node.ctl(&["list"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("live") && !text.contains("doomed"), "{text}");
+    let out = node.ctl(&["pause", "--all"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(node.ctl(&["resume", "--all"]).status().unwrap().success());
+    live.quit();
+}

@@ -356,6 +356,14 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     after_comm.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Whether `pid` has exited but not been reaped yet (a zombie, state Z, or dying, X): it serves
+/// nothing, and its socket is as stale as a dead process's.
+pub fn process_exited(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
+    let state = stat.rfind(')').and_then(|i| stat.get(i + 2..i + 3));
+    matches!(state, Some("Z" | "X" | "x"))
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SocketEntry {
     pub path: PathBuf,
@@ -373,7 +381,7 @@ pub fn list_sockets(dir: &Path) -> Vec<SocketEntry> {
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let (pid, start_time) = parse_socket_name(&name)?;
-            let alive = process_start_time(pid) == Some(start_time);
+            let alive = process_start_time(pid) == Some(start_time) && !process_exited(pid);
             Some(SocketEntry { path: e.path(), pid, start_time, alive })
         })
         .collect();
