@@ -194,21 +194,26 @@ fn memory_held_by_the_rollout_makes_wake_up_fail_with_oom() {
 
 #[test]
 fn ctrl_c_stops_every_worker_and_keeps_partial_metrics() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = run_cmd(dir.path(), &["--steps", "10000"]).spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_to_string(dir.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < 2 {
-        assert!(Instant::now() < deadline, "no step completed");
-        std::thread::sleep(Duration::from_millis(50));
+    // SIGTERM (a scheduler's stop) was reported as "Ctrl-C".
+    for (signal, said) in [(libc::SIGINT, "interrupted (Ctrl-C, SIGINT)"), (libc::SIGTERM, "interrupted (SIGTERM)")] {
+        let dir = tempfile::tempdir().unwrap();
+        let child = run_cmd(dir.path(), &["--steps", "10000"]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while std::fs::read_to_string(dir.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < 2 {
+            assert!(Instant::now() < deadline, "no step completed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(130));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(said), "{said}: {err}");
+        let s = json(&dir.path().join("summary.json"));
+        assert_eq!(s["status"], "interrupted");
+        assert!(s["steps_completed"].as_u64().unwrap() >= 2);
+        assert!(survivors(dir.path()).is_empty(), "workers left behind");
     }
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130));
-    let s = json(&dir.path().join("summary.json"));
-    assert_eq!(s["status"], "interrupted");
-    assert!(s["steps_completed"].as_u64().unwrap() >= 2);
-    assert!(survivors(dir.path()).is_empty(), "workers left behind");
 }
 
 #[test]

@@ -25,15 +25,26 @@ use std::io::Write as _;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 use task::{Addition, Rng, VOCAB};
 use tms_proto::OpReport;
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The signal that asked the run to stop (SIGINT or SIGTERM), 0 while none has.
+static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
 
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
+extern "C" fn on_signal(signal: libc::c_int) {
+    INTERRUPTED_BY.store(signal, Ordering::SeqCst);
+}
+
+/// Whether a signal asked the run to stop, as the words the failure reports.
+fn interruption() -> Option<String> {
+    match INTERRUPTED_BY.load(Ordering::SeqCst) {
+        0 => None,
+        libc::SIGINT => Some("interrupted (Ctrl-C, SIGINT)".into()),
+        libc::SIGTERM => Some("interrupted (SIGTERM)".into()),
+        other => Some(format!("interrupted (signal {other})")),
+    }
 }
 
 const MIB: u64 = 1 << 20;
@@ -249,8 +260,8 @@ impl Runner {
             let w = &mut self.workers[i];
             let child = &mut w.child;
             let reply = w.conn.as_mut().expect("connected").recv(Some(deadline), || {
-                if INTERRUPTED.load(Ordering::SeqCst) {
-                    return Err("interrupted (Ctrl-C)".into());
+                if let Some(why) = interruption() {
+                    return Err(why);
                 }
                 match child.try_wait() {
                     Ok(Some(status)) => Err(describe_exit(status)),
@@ -269,7 +280,7 @@ impl Runner {
                         ),
                     ));
                 }
-                Err(wire::ReadError::Abandoned(why)) if INTERRUPTED.load(Ordering::SeqCst) => {
+                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
                     return Err(self.fail(FailKind::Interrupted, None, why));
                 }
                 Err(wire::ReadError::Abandoned(why)) => return Err(self.fail(FailKind::Crash, Some(&name), why)),
@@ -996,8 +1007,8 @@ fn spawn_worker(
                 cause: format!("{} before connecting", describe_exit(status)),
             });
         }
-        if INTERRUPTED.load(Ordering::SeqCst) {
-            return Err(fail(&mut child, "interrupted (Ctrl-C)".into()));
+        if let Some(why) = interruption() {
+            return Err(fail(&mut child, why));
         }
         if Instant::now() > deadline {
             return Err(fail(&mut child, format!("did not connect to {} in time", sock.display())));
