@@ -140,3 +140,34 @@ fn cpu_compute_layer_matches_the_cpu_exactly() {
 fn cuda_graphs_capture_and_replay_through_the_layer() {
     pytest_on_simulator("tms-sim/python/tests/test_cuda_graphs.py");
 }
+
+/// torch_memory_saver's own tests, unchanged, from its pinned sdist on the package index (the
+/// files that run without the repository's test/examples/), against its package, its Python over
+/// our hook, and our wheel. scripts/upstream-suite.sh checks each variant imports its own package.
+#[test]
+fn torch_memory_saver_own_tests_pass_with_its_package_our_hook_and_our_wheel() {
+    let Some(_) = torch_python() else { return };
+    let ws = workspace();
+    let out = Command::new(ws.root.join("scripts/upstream-suite.sh"))
+        .args(["--sdist", "all"])
+        .env("TMS_UPSTREAM_WHEEL", wheel())
+        .env_remove("LD_PRELOAD")
+        .output()
+        .expect("run scripts/upstream-suite.sh");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("{text}");
+    assert!(out.status.success(), "torch_memory_saver's own tests failed:\n{text}");
+    for variant in ["upstream", "ours", "wheel"] {
+        let section = text
+            .split(&format!("== torch_memory_saver's suite with {variant} libraries"))
+            .nth(1)
+            .unwrap_or_else(|| panic!("the {variant} variant did not run:\n{text}"));
+        let summary = section.lines().find(|l| l.contains(" passed")).unwrap_or("");
+        let passed: u32 = summary.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or(0);
+        // test_configure_subprocess.py has 3 tests and test_utils.py 7 in 0.0.10.
+        assert!(
+            passed >= 10 && !summary.contains("failed") && !summary.contains("error"),
+            "{variant}: {summary}\n{text}"
+        );
+    }
+}
