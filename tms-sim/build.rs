@@ -4,9 +4,56 @@
 // in assembly (cuda_runtime/surface.rs); cudart.map declares the nodes. The soname is
 // `libcudart.so.13` so that a preloaded simulator satisfies PyTorch's `NEEDED libcudart.so.13`,
 // which its RPATH would otherwise resolve to NVIDIA's own runtime.
+//
+// A CUDA 12 build of PyTorch needs `libcudart.so.12` by its RPATH in the same way, and one object
+// has one soname. So a second, tiny object is built here: soname `libcudart.so.12`, the
+// `libcudart.so.12` version node (the loader checks the object that satisfies the NEEDED entry
+// defines it), no functions, and `NEEDED libcudart.so.13` (the simulator) found through
+// `RUNPATH $ORIGIN/..`. References still bind to the simulator's versioned definitions, which
+// come first in the global scope. `tms-sim lib-dir` writes it to `tms-sim-lib/cuda12/libtms_sim_cuda12.so`.
+use std::path::Path;
+use std::process::Command;
+
 fn main() {
     let dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
     println!("cargo:rerun-if-changed=cudart.map");
+    println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={dir}/cudart.map");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcudart.so.13");
+    let out = std::env::var("OUT_DIR").expect("cargo sets OUT_DIR");
+    build_cuda12_name(Path::new(&out));
+}
+
+fn build_cuda12_name(out: &Path) {
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let write = |name: &str, text: &str| {
+        std::fs::write(out.join(name), text).unwrap_or_else(|e| panic!("write {name} in OUT_DIR: {e}"));
+    };
+    write("empty.c", "");
+    write("cuda12.c", "const char tms_sim_cuda12_name[] = \"libcudart.so.12: tms-sim's CUDA 12 name\";\n");
+    write("cuda12.map", "libcudart.so.12 { global: tms_sim_cuda12_name; local: *; };\n");
+    let run = |args: &[&str]| {
+        let status = Command::new(&cc)
+            .current_dir(out)
+            .args(args)
+            .status()
+            .unwrap_or_else(|e| panic!("run {cc} (a C compiler is needed to build tms-sim): {e}"));
+        assert!(status.success(), "{cc} {} failed", args.join(" "));
+    };
+    // What the CUDA 12 name links against: an empty object named like the simulator.
+    run(&["-shared", "-nostdlib", "-o", "libcudart.so.13", "empty.c", "-Wl,-soname,libcudart.so.13"]);
+    run(&[
+        "-shared",
+        "-fPIC",
+        "-nostdlib",
+        "-o",
+        "libcudart.so.12",
+        "cuda12.c",
+        "-Wl,-soname,libcudart.so.12",
+        "-Wl,--version-script=cuda12.map",
+        "-Wl,-rpath,$ORIGIN/..",
+        "-Wl,--enable-new-dtags",
+        "-Wl,--no-as-needed",
+        "./libcudart.so.13",
+    ]);
 }

@@ -360,31 +360,36 @@ static int release_returns_memory(void) {
   EXPECT(CUDRV(cuInit)(0), 0);
   CUmemAllocationProp prop = cuda_prop(0);
   size_t size = 256 * MiB;
-  CUdeviceptr va;
-  CUmemGenericAllocationHandle h;
-  EXPECT(sim_stats(&s0), 0);
-  long shmem0 = shmem_kib();
-  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
-  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
-  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
-  CUmemAccessDesc acc = {{1, 0}, 3};
-  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
-  EXPECT(CUDART(cudaMemset)((void *)va, 0x5a, size), 0); /* touch every page */
-  EXPECT(sim_stats(&s1), 0);
-  long shmem1 = shmem_kib();
-  EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
-  EXPECT(CUDRV(cuMemRelease)(h), 0);
-  EXPECT(sim_stats(&s2), 0);
-  long shmem2 = shmem_kib();
-  printf("resident: %llu -> %llu -> %llu; Shmem kB: %ld -> %ld -> %ld\n",
-         (unsigned long long)s0.host_resident_bytes, (unsigned long long)s1.host_resident_bytes,
-         (unsigned long long)s2.host_resident_bytes, shmem0, shmem1, shmem2);
-  EXPECT(s1.host_resident_bytes - s0.host_resident_bytes >= size, 1);
-  EXPECT(s2.host_resident_bytes, s0.host_resident_bytes);
-  /* Shmem is machine-wide and noisy; require most of the 256 MiB to come and go. */
-  EXPECT(shmem1 - shmem0 > 200 * 1024, 1);
-  EXPECT(shmem1 - shmem2 > 200 * 1024, 1);
-  return 0;
+  /* Shmem is machine-wide: other processes' shared memory moves it too (tests run in parallel).
+     The simulator's own count is checked exactly every time; Shmem must show most of the
+     256 MiB coming and going in one of three tries. */
+  for (int attempt = 0; attempt < 3; attempt++) {
+    CUdeviceptr va;
+    CUmemGenericAllocationHandle h;
+    EXPECT(sim_stats(&s0), 0);
+    long shmem0 = shmem_kib();
+    EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
+    EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
+    EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
+    CUmemAccessDesc acc = {{1, 0}, 3};
+    EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+    EXPECT(CUDART(cudaMemset)((void *)va, 0x5a, size), 0); /* touch every page */
+    EXPECT(sim_stats(&s1), 0);
+    long shmem1 = shmem_kib();
+    EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
+    EXPECT(CUDRV(cuMemRelease)(h), 0);
+    EXPECT(CUDRV(cuMemAddressFree)(va, size), 0);
+    EXPECT(sim_stats(&s2), 0);
+    long shmem2 = shmem_kib();
+    printf("resident: %llu -> %llu -> %llu; Shmem kB: %ld -> %ld -> %ld\n",
+           (unsigned long long)s0.host_resident_bytes, (unsigned long long)s1.host_resident_bytes,
+           (unsigned long long)s2.host_resident_bytes, shmem0, shmem1, shmem2);
+    EXPECT(s1.host_resident_bytes - s0.host_resident_bytes >= size, 1);
+    EXPECT(s2.host_resident_bytes, s0.host_resident_bytes);
+    if (shmem1 - shmem0 > 200 * 1024 && shmem1 - shmem2 > 200 * 1024) return 0;
+  }
+  fprintf(stderr, "Shmem never showed the 256 MiB coming and going\n");
+  return 1;
 }
 
 static int count_fds(void) {

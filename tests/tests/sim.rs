@@ -156,6 +156,16 @@ fn cli_prints_env_and_node_status() {
     assert!(out.contains("export LD_LIBRARY_PATH="), "{out}");
     assert!(out.contains("export TMS_SIM_NODE=n1"));
     assert!(out.contains("export TMS_SIM_MEMORY=8GiB"));
+    // The same environment for programs: every shell line has its JSON counterpart.
+    let json = run_ok(Command::new(ws.bin("tms-sim")).args(["env", "--json", "--node", "n1", "--memory", "8GiB"]));
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    assert_eq!(doc["set"]["TMS_SIM_NODE"], "n1", "{doc}");
+    assert_eq!(doc["set"]["TMS_SIM_MEMORY"], "8GiB", "{doc}");
+    let lib_dir = doc["prepend"]["LD_LIBRARY_PATH"].as_str().unwrap();
+    assert!(out.contains(&format!("export LD_LIBRARY_PATH={lib_dir}$")), "{out}\n{doc}");
+    let sim_lib = doc["set"]["TMS_SIM_LIB"].as_str().unwrap();
+    assert!(std::path::Path::new(sim_lib).exists(), "{doc}");
+    assert!(doc["prepend"]["PYTHONPATH"].as_str().unwrap().ends_with("tms-sim/python"), "{doc}");
     let bad = Command::new(ws.bin("tms-sim")).args(["env", "--memory", "lots"]).output().unwrap();
     assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a size"));
@@ -184,16 +194,36 @@ fn docs_list_the_runtime_surface_as_exported() {
         docs.contains(&table),
         "docs/simulator.md's runtime table is out of date: regenerate it with `tms-sim surface --markdown`"
     );
-    // Every listed name is exported under both runtime majors' version nodes.
+    // Every listed name is exported under the version nodes of the majors its row names: both
+    // (12 hidden, 13 the default), CUDA 12's own names as 12's default, and a name whose
+    // arguments changed in CUDA 13 once under each node.
     let dynsym = Command::new("objdump").arg("-T").arg(ws.sim_lib()).output().expect("objdump");
     let dynsym = String::from_utf8_lossy(&dynsym.stdout);
-    for line in table.lines().skip(2) {
-        let name = line.split('`').nth(1).expect("a name in backticks");
-        for node in ["(libcudart.so.12)", " libcudart.so.13 "] {
-            assert!(
-                dynsym.lines().any(|l| l.contains(node) && l.trim_end().ends_with(&format!(" {name}"))),
-                "{name} is not exported under {node}"
-            );
+    let exported = |name: &str, node: &str| {
+        dynsym.lines().any(|l| l.contains(node) && l.trim_end().ends_with(&format!(" {name}")))
+    };
+    let rows: Vec<(&str, &str)> = table
+        .lines()
+        .skip(2)
+        .map(|line| {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            (cells[1].trim_matches('`'), cells[2])
+        })
+        .collect();
+    for &(name, majors) in &rows {
+        let split = rows.iter().filter(|(n, _)| *n == name).count() == 2;
+        let nodes: &[&str] = match majors {
+            "12, 13" => &["(libcudart.so.12)", " libcudart.so.13 "],
+            "12" if split => &["(libcudart.so.12)"],
+            "12" => &[" libcudart.so.12 "],
+            "13" => &[" libcudart.so.13 "],
+            other => panic!("{name}: unknown majors {other:?}"),
+        };
+        for node in nodes {
+            assert!(exported(name, node), "{name} is not exported under {node}");
+        }
+        if majors == "12" && !split {
+            assert!(!exported(name, " libcudart.so.13 "), "{name} is CUDA 12's only, yet exported under 13");
         }
     }
 }

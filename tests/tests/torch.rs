@@ -10,26 +10,35 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tms_e2e::*;
 
-/// The test environment's Python, or None when the user opted out.
+/// The test environment's Python (PyTorch's CUDA 13.2 build), or None when the user opted out.
 fn torch_python() -> Option<&'static PathBuf> {
     static PY: OnceLock<Option<PathBuf>> = OnceLock::new();
-    PY.get_or_init(|| {
-        if std::env::var("TMS_TORCH_TESTS").is_ok_and(|v| v == "0") {
-            eprintln!("TMS_TORCH_TESTS=0: skipping the real-PyTorch tests");
-            return None;
-        }
-        let ws = workspace();
-        let out = Command::new(ws.root.join("scripts/torch-env.sh"))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .expect("run scripts/torch-env.sh");
-        assert!(
-            out.status.success(),
-            "scripts/torch-env.sh could not prepare PyTorch (see above); TMS_TORCH_TESTS=0 skips these tests"
-        );
-        Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
-    })
-    .as_ref()
+    PY.get_or_init(|| prepared_python(13)).as_ref()
+}
+
+/// The CUDA 12 test environment's Python (PyTorch 2.9.1, built for CUDA 12.8), or None when the
+/// user opted out.
+fn torch12_python() -> Option<&'static PathBuf> {
+    static PY: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PY.get_or_init(|| prepared_python(12)).as_ref()
+}
+
+fn prepared_python(cuda_major: u32) -> Option<PathBuf> {
+    if std::env::var("TMS_TORCH_TESTS").is_ok_and(|v| v == "0") {
+        eprintln!("TMS_TORCH_TESTS=0: skipping the real-PyTorch tests");
+        return None;
+    }
+    let ws = workspace();
+    let out = Command::new(ws.root.join("scripts/torch-env.sh"))
+        .args(["--cuda", &cuda_major.to_string()])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run scripts/torch-env.sh");
+    assert!(
+        out.status.success(),
+        "scripts/torch-env.sh --cuda {cuda_major} could not prepare PyTorch (see above); TMS_TORCH_TESTS=0 skips these tests"
+    );
+    Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
 }
 
 /// The tms-memory-saver wheel, built once per test binary by scripts/build-wheel.sh (glibc 2.17
@@ -58,6 +67,10 @@ fn pytest(file: &str) {
 
 fn pytest_with(file: &str, with_wheel: bool) {
     let Some(python) = torch_python() else { return };
+    pytest_under(python, file, with_wheel);
+}
+
+fn pytest_under(python: &PathBuf, file: &str, with_wheel: bool) {
     let ws = workspace();
     let scratch = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(python);
@@ -109,6 +122,16 @@ fn run_pytest(mut cmd: Command, file: &str) -> String {
 #[test]
 fn pytorch_runs_on_the_simulator() {
     pytest("test_sim_torch.py");
+}
+
+/// The simulator's scenarios and the hook under torch_memory_saver's package (its `_cu12`
+/// libraries) with PyTorch's CUDA 12.8 build, whose libraries import the runtime as
+/// `@libcudart.so.12` and expect CUDA 12's `cudaDeviceProp` layout and 6-argument capture query.
+#[test]
+fn pytorch_built_for_cuda_12_runs_on_the_simulator_with_the_hook() {
+    let Some(python) = torch12_python() else { return };
+    pytest_under(python, "test_sim_torch.py", false);
+    pytest_under(python, "test_hook_under_torch.py", false);
 }
 
 #[test]

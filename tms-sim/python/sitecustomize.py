@@ -1,8 +1,9 @@
 """tms-sim's Python start-up hook (on PYTHONPATH through `tms-sim env`).
 
 Costs nothing until a program imports torch (no import beyond what Python has already loaded).
-Then, before torch loads, it loads the simulator ($TMS_SIM_LIB, soname libcudart.so.13) so that
-torch's `NEEDED libcudart.so.13` binds to it instead of the runtime its RPATH names (a simulator
+Then, before torch loads, it loads the simulator ($TMS_SIM_LIB, soname libcudart.so.13) and its
+CUDA 12 name (cuda12/libtms_sim_cuda12.so beside it, soname libcudart.so.12) so that torch's `NEEDED libcudart.so.13` (or
+`.12`, for a CUDA 12 build) binds to it instead of the runtime its RPATH names (a simulator
 already loaded with LD_PRELOAD is fine too); right after torch has loaded, it installs the CPU
 compute layer (`tms_sim_torch.install()`) unless TMS_SIM_TORCH_LAYER=0. The layer itself checks
 that the simulator is the CUDA runtime in use, so on a real GPU nothing changes.
@@ -24,6 +25,15 @@ def _load_simulator():
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
         sys.stderr.write(f"tms-sim: cannot load TMS_SIM_LIB={lib}: {exc}\n")
+        return
+    # A CUDA 12 build of torch needs libcudart.so.12 the same way: tms-sim-lib/cuda12/ holds an
+    # object with that soname and no functions of its own (its references bind to the simulator).
+    cuda12 = os.path.join(os.path.dirname(lib), "cuda12", "libtms_sim_cuda12.so")
+    if os.path.exists(cuda12):
+        try:
+            ctypes.CDLL(cuda12, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            sys.stderr.write(f"tms-sim: cannot load {cuda12} (CUDA 12 builds of torch would load NVIDIA's runtime): {exc}\n")
 
 
 def _install_layer():

@@ -61,6 +61,11 @@ enum Command {
         /// Folder holding libtms_sim.so (default: next to this binary, or ../lib).
         #[arg(long)]
         lib: Option<PathBuf>,
+        /// Print a JSON object instead, for programs that launch processes on the simulator:
+        /// {"set": {NAME: VALUE}, "prepend": {NAME: FOLDER}} (prepend FOLDER to a `:`-separated
+        /// list, or set it if the variable is empty).
+        #[arg(long)]
+        json: bool,
     },
     /// Print the folder of runtime-named links to libtms_sim.so (created if needed).
     LibDir {
@@ -72,7 +77,8 @@ enum Command {
         /// Print the Markdown table docs/simulator.md carries.
         #[arg(long, conflicts_with = "json")]
         markdown: bool,
-        /// Machine-readable output: [{"name": ..., "support": "implemented"|"not supported"}].
+        /// Machine-readable output: [{"name": ..., "cuda_majors": "12, 13"|"12"|"13",
+        /// "support": "implemented"|"not supported"}].
         #[arg(long)]
         json: bool,
     },
@@ -100,30 +106,44 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
-        Command::Env { node, devices, memory, lib } => {
+        Command::Env { node, devices, memory, lib, json } => {
             let dir = link_dir(lib.as_deref())?;
-            println!(
-                "export LD_LIBRARY_PATH={}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}",
-                shell_quote(&dir.display().to_string())
-            );
+            let mut prepend = vec![("LD_LIBRARY_PATH", dir.display().to_string())];
             // PyTorch reaches its runtime through an RPATH that beats LD_LIBRARY_PATH; the Python
             // start-up hook loads this file (soname libcudart.so.13) before torch so it stands in.
-            println!("export TMS_SIM_LIB={}", shell_quote(&dir.join("libcudart.so.13").display().to_string()));
+            let mut set = vec![("TMS_SIM_LIB", dir.join("libcudart.so.13").display().to_string())];
             if let Some(py) = python_dir() {
-                println!("export PYTHONPATH={}${{PYTHONPATH:+:$PYTHONPATH}}", shell_quote(&py.display().to_string()));
+                prepend.push(("PYTHONPATH", py.display().to_string()));
             }
             if let Some(n) = node {
-                println!("export TMS_SIM_NODE={}", shell_quote(&n));
+                set.push(("TMS_SIM_NODE", n));
             }
             if let Some(d) = devices {
                 if !(1..=config::MAX_DEVICES as u32).contains(&d) {
                     return Err(format!("--devices must be 1 to {}", config::MAX_DEVICES));
                 }
-                println!("export TMS_SIM_DEVICES={d}");
+                set.push(("TMS_SIM_DEVICES", d.to_string()));
             }
             if let Some(m) = memory {
                 config::parse_size(&m).ok_or_else(|| format!("--memory {m:?} is not a size like 16GiB"))?;
-                println!("export TMS_SIM_MEMORY={}", shell_quote(&m));
+                set.push(("TMS_SIM_MEMORY", m));
+            }
+            if json {
+                let object = |pairs: &[(&str, String)]| {
+                    pairs.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str()))).collect()
+                };
+                let doc = serde_json::json!({
+                    "set": serde_json::Value::Object(object(&set)),
+                    "prepend": serde_json::Value::Object(object(&prepend)),
+                });
+                println!("{doc}");
+                return Ok(());
+            }
+            for (name, folder) in &prepend {
+                println!("export {name}={}${{{name}:+:${name}}}", shell_quote(folder));
+            }
+            for (name, value) in &set {
+                println!("export {name}={}", shell_quote(value));
             }
             Ok(())
         }
@@ -172,21 +192,21 @@ fn surface_text(markdown: bool, json: bool) -> String {
         Support::Implemented => "implemented",
         Support::NotSupported => "not supported",
     };
-    let mut rows: Vec<(&str, &str)> = SURFACE.iter().map(|(n, s)| (*n, label(*s))).collect();
+    let mut rows: Vec<(&str, &str, &str)> = SURFACE.iter().map(|(n, s, m)| (*n, m.label(), label(*s))).collect();
     rows.sort();
     if json {
         let list: Vec<serde_json::Value> =
-            rows.iter().map(|(n, s)| serde_json::json!({"name": n, "support": s})).collect();
+            rows.iter().map(|(n, m, s)| serde_json::json!({"name": n, "cuda_majors": m, "support": s})).collect();
         return serde_json::to_string_pretty(&list).unwrap_or_default() + "\n";
     }
     if markdown {
-        let mut out = String::from("| runtime entry point | answer |\n|---|---|\n");
-        for (n, s) in rows {
-            out.push_str(&format!("| `{n}` | {s} |\n"));
+        let mut out = String::from("| runtime entry point | CUDA majors | answer |\n|---|---|---|\n");
+        for (n, m, s) in rows {
+            out.push_str(&format!("| `{n}` | {m} | {s} |\n"));
         }
         return out;
     }
-    rows.iter().map(|(n, s)| format!("{n:<58} {s}\n")).collect()
+    rows.iter().map(|(n, m, s)| format!("{n:<58} {m:<7} {s}\n")).collect()
 }
 
 fn human(bytes: u64) -> String {
@@ -254,5 +274,29 @@ fn link_dir(explicit: Option<&Path>) -> Result<PathBuf, String> {
         std::os::unix::fs::symlink(&lib, &tmp).map_err(|e| format!("cannot link {}: {e}", tmp.display()))?;
         std::fs::rename(&tmp, &link).map_err(|e| format!("cannot place {}: {e}", link.display()))?;
     }
+    place_cuda12_name(&dir)?;
     Ok(dir)
+}
+
+/// The object with soname `libcudart.so.12` (built by build.rs; see there) that a CUDA 12 build
+/// of PyTorch needs loaded before it, in `tms-sim-lib/cuda12/`: apart from the links, so that
+/// programs linked against `tms-sim-lib/libcudart.so.12` still see every function. Its file name
+/// must not contain "libcudart.so": `import torch` looks for that in /proc/self/maps and, when it
+/// is there, preloads NVIDIA's runtime libraries by path beside the simulator.
+const CUDA12_NAME: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libcudart.so.12"));
+
+const CUDA12_FILE: &str = "libtms_sim_cuda12.so";
+
+fn place_cuda12_name(dir: &Path) -> Result<(), String> {
+    let sub = dir.join("cuda12");
+    let path = sub.join(CUDA12_FILE);
+    // Its first name, which made torch load NVIDIA's libraries beside the simulator (see above).
+    let _ = std::fs::remove_file(sub.join("libcudart.so.12"));
+    if std::fs::read(&path).is_ok_and(|b| b == CUDA12_NAME) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(&sub).map_err(|e| format!("cannot create {}: {e}", sub.display()))?;
+    let tmp = sub.join(format!(".{CUDA12_FILE}.{}", std::process::id()));
+    std::fs::write(&tmp, CUDA12_NAME).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).map_err(|e| format!("cannot place {}: {e}", path.display()))
 }

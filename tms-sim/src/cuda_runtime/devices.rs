@@ -206,6 +206,189 @@ fn properties(dev: usize) -> DeviceProp {
     p
 }
 
+/// `struct cudaDeviceProp` of CUDA 12 (driver_types.h of CUDA 12.8, 1032 bytes), which
+/// `cudaGetDeviceProperties_v2@libcudart.so.12` fills: the CUDA 12 headers turn every
+/// `cudaGetDeviceProperties` call into that name. CUDA 13 dropped the fields marked below, so
+/// the two layouts part at `clockRate`; writing the CUDA 13 struct for a CUDA 12 caller put
+/// `multiProcessorCount` where it reads `deviceOverlap`.
+#[repr(C)]
+pub struct DeviceProp12 {
+    pub name: [c_char; 256],
+    pub uuid: [u8; 16],
+    pub luid: [c_char; 8],
+    pub luid_device_node_mask: c_uint,
+    pub total_global_mem: usize,
+    pub shared_mem_per_block: usize,
+    pub regs_per_block: c_int,
+    pub warp_size: c_int,
+    pub mem_pitch: usize,
+    pub max_threads_per_block: c_int,
+    pub max_threads_dim: [c_int; 3],
+    pub max_grid_size: [c_int; 3],
+    pub clock_rate: c_int, // not in CUDA 13
+    pub total_const_mem: usize,
+    pub major: c_int,
+    pub minor: c_int,
+    pub texture_alignment: usize,
+    pub texture_pitch_alignment: usize,
+    pub device_overlap: c_int, // not in CUDA 13
+    pub multi_processor_count: c_int,
+    pub kernel_exec_timeout_enabled: c_int, // not in CUDA 13
+    pub integrated: c_int,
+    pub can_map_host_memory: c_int,
+    pub compute_mode: c_int, // not in CUDA 13
+    pub max_texture_1d: c_int,
+    pub max_texture_1d_mipmap: c_int,
+    pub max_texture_1d_linear: c_int, // not in CUDA 13
+    pub max_texture: [c_int; 23],
+    pub max_surface: [c_int; 14],
+    pub surface_alignment: usize,
+    pub concurrent_kernels: c_int,
+    pub ecc_enabled: c_int,
+    pub pci_bus_id: c_int,
+    pub pci_device_id: c_int,
+    pub pci_domain_id: c_int,
+    pub tcc_driver: c_int,
+    pub async_engine_count: c_int,
+    pub unified_addressing: c_int,
+    pub memory_clock_rate: c_int, // not in CUDA 13
+    pub memory_bus_width: c_int,
+    pub l2_cache_size: c_int,
+    pub persisting_l2_cache_max_size: c_int,
+    pub max_threads_per_multi_processor: c_int,
+    pub stream_priorities_supported: c_int,
+    pub global_l1_cache_supported: c_int,
+    pub local_l1_cache_supported: c_int,
+    pub shared_mem_per_multiprocessor: usize,
+    pub regs_per_multiprocessor: c_int,
+    pub managed_memory: c_int,
+    pub is_multi_gpu_board: c_int,
+    pub multi_gpu_board_group_id: c_int,
+    pub host_native_atomic_supported: c_int,
+    pub single_to_double_precision_perf_ratio: c_int, // not in CUDA 13
+    pub pageable_memory_access: c_int,
+    pub concurrent_managed_access: c_int,
+    pub compute_preemption_supported: c_int,
+    pub can_use_host_pointer_for_registered_mem: c_int,
+    pub cooperative_launch: c_int,
+    pub cooperative_multi_device_launch: c_int, // not in CUDA 13
+    pub shared_mem_per_block_optin: usize,
+    pub pageable_memory_access_uses_host_page_tables: c_int,
+    pub direct_managed_mem_access_from_host: c_int,
+    pub max_blocks_per_multi_processor: c_int,
+    pub access_policy_max_window_size: c_int,
+    pub reserved_shared_mem_per_block: usize,
+    pub host_register_supported: c_int,
+    pub sparse_cuda_array_supported: c_int,
+    pub host_register_read_only_supported: c_int,
+    pub timeline_semaphore_interop_supported: c_int,
+    pub memory_pools_supported: c_int,
+    pub gpu_direct_rdma_supported: c_int,
+    pub gpu_direct_rdma_flush_writes_options: c_uint,
+    pub gpu_direct_rdma_writes_ordering: c_int,
+    pub memory_pool_supported_handle_types: c_uint,
+    pub deferred_mapping_cuda_array_supported: c_int,
+    pub ipc_event_supported: c_int,
+    pub cluster_launch: c_int,
+    pub unified_function_pointers: c_int,
+    pub reserved: [c_int; 63],
+}
+
+// Offsets measured with gcc from the CUDA 12.8 header (nvidia-cuda-runtime-cu12 12.8).
+const _: () = assert!(std::mem::size_of::<DeviceProp12>() == 1032);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, total_global_mem) == 288);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, clock_rate) == 348);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, major) == 360);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, multi_processor_count) == 388);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, max_texture_1d) == 408);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, surface_alignment) == 568);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, pci_bus_id) == 584);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, memory_clock_rate) == 608);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, l2_cache_size) == 616);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, shared_mem_per_multiprocessor) == 640);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, single_to_double_precision_perf_ratio) == 668);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, cooperative_multi_device_launch) == 692);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, shared_mem_per_block_optin) == 696);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, reserved_shared_mem_per_block) == 720);
+const _: () = assert!(std::mem::offset_of!(DeviceProp12, unified_function_pointers) == 776);
+
+/// The same device in the CUDA 12 layout: every field both layouts have, plus those CUDA 13 dropped.
+fn properties12(dev: usize) -> DeviceProp12 {
+    let p = properties(dev);
+    let a = |n| attribute(n).unwrap_or(0);
+    // SAFETY: DeviceProp12 is plain integers and arrays of them: all-zero is a valid value.
+    let mut q: DeviceProp12 = unsafe { std::mem::zeroed() };
+    q.name = p.name;
+    q.uuid = p.uuid;
+    q.luid = p.luid;
+    q.luid_device_node_mask = p.luid_device_node_mask;
+    q.total_global_mem = p.total_global_mem;
+    q.shared_mem_per_block = p.shared_mem_per_block;
+    q.regs_per_block = p.regs_per_block;
+    q.warp_size = p.warp_size;
+    q.mem_pitch = p.mem_pitch;
+    q.max_threads_per_block = p.max_threads_per_block;
+    q.max_threads_dim = p.max_threads_dim;
+    q.max_grid_size = p.max_grid_size;
+    q.clock_rate = a(13);
+    q.total_const_mem = p.total_const_mem;
+    q.major = p.major;
+    q.minor = p.minor;
+    q.texture_alignment = p.texture_alignment;
+    q.texture_pitch_alignment = p.texture_pitch_alignment;
+    q.device_overlap = 1;
+    q.multi_processor_count = p.multi_processor_count;
+    q.kernel_exec_timeout_enabled = a(17);
+    q.integrated = p.integrated;
+    q.can_map_host_memory = p.can_map_host_memory;
+    q.compute_mode = a(20);
+    q.surface_alignment = p.surface_alignment;
+    q.concurrent_kernels = p.concurrent_kernels;
+    q.ecc_enabled = p.ecc_enabled;
+    q.pci_bus_id = p.pci_bus_id;
+    q.pci_device_id = p.pci_device_id;
+    q.pci_domain_id = p.pci_domain_id;
+    q.tcc_driver = p.tcc_driver;
+    q.async_engine_count = p.async_engine_count;
+    q.unified_addressing = p.unified_addressing;
+    q.memory_clock_rate = a(36);
+    q.memory_bus_width = p.memory_bus_width;
+    q.l2_cache_size = p.l2_cache_size;
+    q.persisting_l2_cache_max_size = p.persisting_l2_cache_max_size;
+    q.max_threads_per_multi_processor = p.max_threads_per_multi_processor;
+    q.stream_priorities_supported = p.stream_priorities_supported;
+    q.global_l1_cache_supported = p.global_l1_cache_supported;
+    q.local_l1_cache_supported = p.local_l1_cache_supported;
+    q.shared_mem_per_multiprocessor = p.shared_mem_per_multiprocessor;
+    q.regs_per_multiprocessor = p.regs_per_multiprocessor;
+    q.managed_memory = p.managed_memory;
+    q.compute_preemption_supported = p.compute_preemption_supported;
+    q.cooperative_launch = p.cooperative_launch;
+    q.shared_mem_per_block_optin = p.shared_mem_per_block_optin;
+    q.max_blocks_per_multi_processor = p.max_blocks_per_multi_processor;
+    q.access_policy_max_window_size = p.access_policy_max_window_size;
+    q.reserved_shared_mem_per_block = p.reserved_shared_mem_per_block;
+    q.host_register_supported = p.host_register_supported;
+    q.memory_pools_supported = p.memory_pools_supported;
+    q.gpu_direct_rdma_supported = p.gpu_direct_rdma_supported;
+    q.cluster_launch = p.cluster_launch;
+    q
+}
+
+/// `cudaGetDeviceProperties@libcudart.so.12` is the CUDA 11 entry point, kept for binaries built
+/// against CUDA 11 headers; its struct is not modelled, so it answers "not supported" rather than
+/// write a layout the caller did not allocate.
+pub unsafe extern "C" fn cuda_get_device_properties_legacy(_prop: *mut c_void, _dev: c_int) -> i32 {
+    super::not_supported("cudaGetDeviceProperties@libcudart.so.12 (the CUDA 11 layout)")
+}
+
+pub unsafe extern "C" fn cuda_get_device_properties_v2(prop: *mut DeviceProp12, dev: c_int) -> i32 {
+    call("cudaGetDeviceProperties_v2", || match sim().valid_device(dev as i64) {
+        Some(d) => put(prop, properties12(d)),
+        None => INVALID_DEVICE,
+    })
+}
+
 /// The thread's device. Unlike most runtime calls it needs no context, and makes none current
 /// (CUDA Runtime API, "Initialization": the primary context is created by the first call that
 /// needs one); code that goes on to driver calls on this thread must make one current itself.

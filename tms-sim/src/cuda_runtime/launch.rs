@@ -27,6 +27,12 @@ pub unsafe extern "C" fn register_fat_binary(_fat_cubin: *mut c_void) -> *mut *m
 
 pub unsafe extern "C" fn register_fat_binary_end(_handle: *mut *mut c_void) {}
 
+/// `char __cudaInitModule(void **fatCubinHandle)`: CUDA 12 binaries call it while registering
+/// their modules; there is nothing to load on the simulator, so the module is ready (true).
+pub unsafe extern "C" fn init_module(_handle: *mut *mut c_void) -> c_char {
+    1
+}
+
 pub unsafe extern "C" fn unregister_fat_binary(_handle: *mut *mut c_void) {}
 
 pub unsafe extern "C" fn register_function(

@@ -226,6 +226,32 @@ pub unsafe extern "C" fn cuda_stream_get_capture_info(
     })
 }
 
+/// CUDA 12's `cudaStreamGetCaptureInfo_v2` (what its headers compile `cudaStreamGetCaptureInfo`
+/// to): the CUDA 13 form without `edgeData_out`, so `numDependencies_out` is the sixth argument.
+pub unsafe extern "C" fn cuda_stream_get_capture_info_v2(
+    stream: *mut c_void,
+    status: *mut c_int,
+    id: *mut c_ulonglong,
+    graph: *mut *mut c_void,
+    deps: *mut *const c_void,
+    count: *mut usize,
+) -> i32 {
+    // SAFETY: forwarding the caller's pointers; a null edge output is never written.
+    unsafe { cuda_stream_get_capture_info(stream, status, id, graph, deps, std::ptr::null_mut(), count) }
+}
+
+/// The CUDA 11 form libcudart.so.12 keeps under the plain name: `(stream, status, id)`. Reading
+/// more arguments than that would write through whatever the caller left in those registers.
+pub unsafe extern "C" fn cuda_stream_get_capture_info_legacy(
+    stream: *mut c_void,
+    status: *mut c_int,
+    id: *mut c_ulonglong,
+) -> i32 {
+    let none = std::ptr::null_mut();
+    // SAFETY: forwarding the caller's pointers; null outputs are never written.
+    unsafe { cuda_stream_get_capture_info(stream, status, id, none, none.cast(), none.cast(), none.cast()) }
+}
+
 pub unsafe extern "C" fn cuda_thread_exchange_stream_capture_mode(mode: *mut c_int) -> i32 {
     thread_local! {
         static MODE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };

@@ -1,8 +1,10 @@
 //! The CUDA runtime surface: every `cuda*` / `__cuda*` name the simulator exports, declared once.
 //!
-//! Each name is exported twice, as `NAME@libcudart.so.12` and `NAME@@libcudart.so.13`, so that
+//! Most names are exported twice, as `NAME@libcudart.so.12` and `NAME@@libcudart.so.13`, so that
 //! binaries linked against either runtime major bind to it (their references are versioned, and
-//! the loader refuses a library that lacks the node). Names in `not_supported` answer
+//! the loader refuses a library that lacks the node). Where the majors differ, each gets its own:
+//! CUDA 12's `_v2`/`_v3` names exist only under its node, and a plain name whose arguments
+//! changed in CUDA 13 has one function per node. Names in `not_supported` answer
 //! `cudaErrorNotSupported` (801), set the thread's last error and say so once in the log: a
 //! program that needs them fails loudly instead of computing with data that was never written.
 //!
@@ -20,43 +22,65 @@ pub enum Support {
     NotSupported,
 }
 
-/// Defines the two versioned trampolines of one runtime name. A trampoline is a tail jump, so
-/// the callee sees the caller's arguments and return address untouched.
-macro_rules! versioned_export {
-    ($name:ident => $imp:path) => {
+/// The runtime majors under which a name is exported with one meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Majors {
+    /// `NAME@libcudart.so.12` and `NAME@@libcudart.so.13`, the same function.
+    Both,
+    /// `NAME@@libcudart.so.12` only: CUDA 12's own names (`_v2`, `_v3`), which CUDA 13 dropped.
+    Cuda12,
+    /// The CUDA 12 meaning of a name whose arguments changed in CUDA 13.
+    Cuda12Legacy,
+    /// The CUDA 13 meaning of such a name.
+    Cuda13,
+}
+
+impl Majors {
+    /// The version nodes the name is exported under, as `objdump -T` prints them.
+    pub fn nodes(self) -> &'static [&'static str] {
+        match self {
+            Majors::Both => &["(libcudart.so.12)", " libcudart.so.13 "],
+            Majors::Cuda12 => &[" libcudart.so.12 "],
+            Majors::Cuda12Legacy => &["(libcudart.so.12)"],
+            Majors::Cuda13 => &[" libcudart.so.13 "],
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Majors::Both => "12, 13",
+            Majors::Cuda12 | Majors::Cuda12Legacy => "12",
+            Majors::Cuda13 => "13",
+        }
+    }
+}
+
+/// Defines one trampoline, `$sym`, exported as `$name` at version `$ver` ("@node" or "@@node",
+/// the default). A trampoline is a tail jump, so the callee sees the caller's arguments and
+/// return address untouched.
+macro_rules! export_at {
+    ($sym:literal, $name:ident, $imp:path, $ver:literal) => {
         #[cfg(target_arch = "x86_64")]
         std::arch::global_asm!(
             ".pushsection .text",
-            concat!(".globl tms_cudart12_", stringify!($name)),
-            concat!(".type tms_cudart12_", stringify!($name), ", @function"),
+            concat!(".globl ", $sym, stringify!($name)),
+            concat!(".type ", $sym, stringify!($name), ", @function"),
             ".p2align 4",
-            concat!("tms_cudart12_", stringify!($name), ":"),
+            concat!($sym, stringify!($name), ":"),
             "jmp {f}",
-            concat!(".symver tms_cudart12_", stringify!($name), ", ", stringify!($name), "@libcudart.so.12"),
-            concat!(".globl tms_cudart13_", stringify!($name)),
-            concat!(".type tms_cudart13_", stringify!($name), ", @function"),
-            ".p2align 4",
-            concat!("tms_cudart13_", stringify!($name), ":"),
-            "jmp {f}",
-            concat!(".symver tms_cudart13_", stringify!($name), ", ", stringify!($name), "@@libcudart.so.13"),
+            concat!(".symver ", $sym, stringify!($name), ", ", stringify!($name), $ver),
             ".popsection",
             f = sym $imp,
         );
         #[cfg(target_arch = "aarch64")]
         std::arch::global_asm!(
             ".pushsection .text",
-            concat!(".globl tms_cudart12_", stringify!($name)),
-            concat!(".type tms_cudart12_", stringify!($name), ", %function"),
+            concat!(".globl ", $sym, stringify!($name)),
+            concat!(".type ", $sym, stringify!($name), ", %function"),
             ".p2align 4",
-            concat!("tms_cudart12_", stringify!($name), ":"),
+            concat!($sym, stringify!($name), ":"),
             "b {f}",
-            concat!(".symver tms_cudart12_", stringify!($name), ", ", stringify!($name), "@libcudart.so.12"),
-            concat!(".globl tms_cudart13_", stringify!($name)),
-            concat!(".type tms_cudart13_", stringify!($name), ", %function"),
-            ".p2align 4",
-            concat!("tms_cudart13_", stringify!($name), ":"),
-            "b {f}",
-            concat!(".symver tms_cudart13_", stringify!($name), ", ", stringify!($name), "@@libcudart.so.13"),
+            concat!(".symver ", $sym, stringify!($name), ", ", stringify!($name), $ver),
             ".popsection",
             f = sym $imp,
         );
@@ -66,9 +90,19 @@ macro_rules! versioned_export {
 macro_rules! runtime_surface {
     (
         implemented { $($name:ident => $imp:path,)* }
+        cuda12_only { $($name12:ident => $imp12:path,)* }
+        changed_in_13 { $($changed:ident => ($legacy:path, $legacy_support:ident, $current:path),)* }
         not_supported { $($missing:ident,)* }
     ) => {
-        $( versioned_export!($name => $imp); )*
+        $(
+            export_at!("tms_cudart12_", $name, $imp, "@libcudart.so.12");
+            export_at!("tms_cudart13_", $name, $imp, "@@libcudart.so.13");
+        )*
+        $( export_at!("tms_cudart12_", $name12, $imp12, "@@libcudart.so.12"); )*
+        $(
+            export_at!("tms_cudart12_", $changed, $legacy, "@libcudart.so.12");
+            export_at!("tms_cudart13_", $changed, $current, "@@libcudart.so.13");
+        )*
 
         /// One entry point per name that answers "not supported".
         #[allow(non_snake_case)]
@@ -79,12 +113,18 @@ macro_rules! runtime_surface {
                 }
             )*
         }
-        $( versioned_export!($missing => not_supported_entries::$missing); )*
+        $(
+            export_at!("tms_cudart12_", $missing, not_supported_entries::$missing, "@libcudart.so.12");
+            export_at!("tms_cudart13_", $missing, not_supported_entries::$missing, "@@libcudart.so.13");
+        )*
 
-        /// Every exported runtime name and how it is answered.
-        pub const SURFACE: &[(&str, Support)] = &[
-            $((stringify!($name), Support::Implemented),)*
-            $((stringify!($missing), Support::NotSupported),)*
+        /// Every exported runtime name, how it is answered and under which runtime majors.
+        pub const SURFACE: &[(&str, Support, Majors)] = &[
+            $((stringify!($name), Support::Implemented, Majors::Both),)*
+            $((stringify!($name12), Support::Implemented, Majors::Cuda12),)*
+            $((stringify!($changed), Support::$legacy_support, Majors::Cuda12Legacy),)*
+            $((stringify!($changed), Support::Implemented, Majors::Cuda13),)*
+            $((stringify!($missing), Support::NotSupported, Majors::Both),)*
         ];
     };
 }
@@ -117,8 +157,6 @@ runtime_surface! {
         cudaGetDevice => devices::cuda_get_device,
         cudaSetDevice => devices::cuda_set_device,
         cudaGetDeviceCount => devices::cuda_get_device_count,
-        cudaGetDeviceProperties => devices::cuda_get_device_properties,
-        cudaGetDeviceProperties_v2 => devices::cuda_get_device_properties,
         cudaDeviceGetAttribute => devices::cuda_device_get_attribute,
         cudaDeviceGetPCIBusId => devices::cuda_device_get_pci_bus_id,
         cudaDeviceGetStreamPriorityRange => devices::cuda_device_get_stream_priority_range,
@@ -151,7 +189,6 @@ runtime_surface! {
         cudaStreamAddCallback => streams::cuda_stream_add_callback,
         cudaLaunchHostFunc => streams::cuda_launch_host_func,
         cudaStreamIsCapturing => streams::cuda_stream_is_capturing,
-        cudaStreamGetCaptureInfo => streams::cuda_stream_get_capture_info,
         cudaThreadExchangeStreamCaptureMode => streams::cuda_thread_exchange_stream_capture_mode,
         cudaEventCreate => streams::cuda_event_create,
         cudaEventCreateWithFlags => streams::cuda_event_create_with_flags,
@@ -182,6 +219,7 @@ runtime_surface! {
         // module registration (every CUDA binary does this at load) and launches
         __cudaRegisterFatBinary => launch::register_fat_binary,
         __cudaRegisterFatBinaryEnd => launch::register_fat_binary_end,
+        __cudaInitModule => launch::init_module,
         __cudaUnregisterFatBinary => launch::unregister_fat_binary,
         __cudaRegisterFunction => launch::register_function,
         __cudaRegisterVar => launch::register_var,
@@ -197,7 +235,24 @@ runtime_surface! {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor => launch::cuda_occupancy_max_active_blocks,
         cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags => launch::cuda_occupancy_max_active_blocks_with_flags,
     }
+    cuda12_only {
+        // The CUDA 12 headers rename these calls (`#define cudaGetDeviceProperties
+        // cudaGetDeviceProperties_v2`, `cudaStreamGetCaptureInfo` to `_v2`); CUDA 13 has no `_v2`/`_v3`.
+        cudaGetDeviceProperties_v2 => devices::cuda_get_device_properties_v2,
+        cudaStreamGetCaptureInfo_v2 => streams::cuda_stream_get_capture_info_v2,
+        cudaStreamGetCaptureInfo_v3 => streams::cuda_stream_get_capture_info,
+    }
+    changed_in_13 {
+        // libcudart.so.12 keeps the CUDA 11 forms under the plain names for old binaries:
+        // cudaStreamGetCaptureInfo(stream, status, id); the CUDA 11 cudaDeviceProp is not
+        // modelled, so that legacy call answers 801. CUDA 13 reuses the plain names for the new forms.
+        cudaGetDeviceProperties => (devices::cuda_get_device_properties_legacy, NotSupported, devices::cuda_get_device_properties),
+        cudaStreamGetCaptureInfo => (streams::cuda_stream_get_capture_info_legacy, Implemented, streams::cuda_stream_get_capture_info),
+    }
     not_supported {
+        cudaGraphAddEmptyNode,
+        cudaGraphDebugDotPrint,
+        cudaGraphNodeGetType,
         cudaGetSymbolAddress,
         cudaMemcpyToSymbol,
         cudaKernelSetAttributeForDevice,
