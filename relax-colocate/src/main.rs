@@ -7,6 +7,7 @@
 mod bench;
 mod run;
 mod runtime;
+mod simulator;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;

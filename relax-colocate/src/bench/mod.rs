@@ -101,18 +101,6 @@ impl Env {
     }
 }
 
-pub(crate) fn sim_lib_dir() -> Result<String, String> {
-    let tool = exe_dir().join("tms-sim");
-    let out = Command::new(&tool)
-        .arg("lib-dir")
-        .output()
-        .map_err(|e| format!("cannot run {} ({e}); build it with `cargo build -p tms-sim`", tool.display()))?;
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
 fn gbs(bytes_per_s: f64) -> String {
     format!("{:.2}", bytes_per_s / 1e9)
 }
@@ -142,7 +130,7 @@ pub fn run(opts: &Options) -> Result<(), String> {
     }
     let hook = find_hook(opts.hook.as_deref())?;
     let sim = if device == DeviceKind::Sim {
-        Some((sim_lib_dir()?, tempfile::tempdir().map_err(|e| e.to_string())?))
+        Some((crate::simulator::sim_environment()?.lib_dir, tempfile::tempdir().map_err(|e| e.to_string())?))
     } else {
         None
     };

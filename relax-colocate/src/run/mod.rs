@@ -15,8 +15,9 @@ pub mod task;
 pub mod wire;
 pub mod worker;
 
-use crate::bench::{find_hook, sim_lib_dir};
+use crate::bench::find_hook;
 use crate::runtime::can_load;
+use crate::simulator::sim_environment;
 use config::{AlgoName, Config, DeviceChoice};
 use profile::Profile;
 use serde_json::{Value, json};
@@ -1178,7 +1179,7 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
             Some(f.trainer + f.rollout)
         };
         check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at).map_err(setup_err)?;
-        let libdir = sim_lib_dir().map_err(setup_err)?;
+        let sim_env = sim_environment().map_err(setup_err)?;
         let peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
         // Each device holds two processes, and each process's context takes device memory.
         let contexts = 2 * sim_context_bytes(api);
@@ -1199,12 +1200,10 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
             }
             explicit
         };
-        let ld = match std::env::var("LD_LIBRARY_PATH") {
-            Ok(old) if !old.is_empty() => format!("{libdir}:{old}"),
-            _ => libdir,
-        };
+        // Python workers (scripts/torch_worker.py) get the start-up hook that puts PyTorch on
+        // the simulator with the rest of the environment.
+        env.extend(sim_env.vars);
         env.extend([
-            ("LD_LIBRARY_PATH".into(), ld),
             ("TMS_SIM_DIR".into(), tmp.path().join("sim").display().to_string()),
             ("TMS_SIM_NODE".into(), "relax".into()),
             ("TMS_SIM_MEMORY".into(), capacity.to_string()),

@@ -1,0 +1,48 @@
+//! The environment that puts a launched process on tms-sim, as `tms-sim env` defines it: the
+//! runtime-named links on the library path, and for Python programs the start-up hook that loads
+//! the simulator before PyTorch (whose RPATH would otherwise find NVIDIA's runtime) and runs its
+//! kernels on the CPU. Asking the tool keeps one definition of it.
+
+use crate::bench::exe_dir;
+use serde_json::Value;
+use std::process::Command;
+
+pub(crate) struct SimEnvironment {
+    /// The folder of runtime-named links to libtms_sim.so.
+    pub lib_dir: String,
+    /// Variables to set in the launched process, folder lists already joined with this
+    /// process's values.
+    pub vars: Vec<(String, String)>,
+}
+
+pub(crate) fn sim_environment() -> Result<SimEnvironment, String> {
+    let tool = exe_dir().join("tms-sim");
+    let out = Command::new(&tool)
+        .args(["env", "--json"])
+        .output()
+        .map_err(|e| format!("cannot run {} ({e}); build it with `cargo build -p tms-sim`", tool.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} env --json failed: {}", tool.display(), String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    let doc: Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("{} env --json printed something else than JSON ({e})", tool.display()))?;
+    let object = |key: &str| doc[key].as_object().cloned().unwrap_or_default();
+    let mut vars = Vec::new();
+    let mut lib_dir = None;
+    for (name, folder) in object("prepend") {
+        let folder = folder.as_str().unwrap_or_default().to_string();
+        if name == "LD_LIBRARY_PATH" {
+            lib_dir = Some(folder.clone());
+        }
+        let joined = match std::env::var(&name) {
+            Ok(old) if !old.is_empty() => format!("{folder}:{old}"),
+            _ => folder,
+        };
+        vars.push((name, joined));
+    }
+    for (name, value) in object("set") {
+        vars.push((name, value.as_str().unwrap_or_default().to_string()));
+    }
+    let lib_dir = lib_dir.ok_or_else(|| format!("{} env --json named no library folder", tool.display()))?;
+    Ok(SimEnvironment { lib_dir, vars })
+}

@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""A PyTorch worker for `relax-colocate run` (docs/worker-protocol.md), both roles.
+
+    relax-colocate run --trainer-cmd 'python3 scripts/torch_worker.py' \
+                       --rollout-cmd 'python3 scripts/torch_worker.py'
+
+Everything lives in real CUDA tensors made by PyTorch's caching allocator under the preloaded
+libtms_hook.so, the way a framework's do: a small decoder-only transformer built in code (token and
+position embeddings, pre-norm attention blocks, a tied output head), tagged with the `tms`
+package's regions (one MemPool per tag):
+
+- trainer: "weights" (the actor), "ref" (the frozen initial policy), "grads" (made up front, so
+  backward accumulates into them), "optimizer" (AdamW's moments, made up front), all with CPU
+  backup; activations are outside any region and the cache is emptied after each method, as
+  frameworks do before they sleep;
+- rollout: "weights", "kv_cache" (keys and values of every layer for `max_batch` sequences
+  over the whole context; sampling decodes incrementally through it) and "cuda_graph" (the
+  captured sampling head that every decode step replays), no backup.
+
+The runner puts the trainer to sleep before `update_weights` (docs/worker-protocol.md), so the
+trainer packs from a host snapshot of its weights (pinned memory, outside any region) taken after
+`init` and after every `train`.
+
+Training is GRPO's clipped surrogate (dual clip optional) with the k1/k2/k3 KL to the reference
+in the loss, the three aggregations, minibatches, epochs, gradient clipping and AdamW. The weights
+cross to the rollout through the runner's shared file, one bucket at a time, staged in a device
+buffer outside any region. PPO (a value head) is not implemented: `values` is refused.
+
+On tms-sim the kernels run on the CPU (tms-sim/python's compute layer); on a GPU this is an
+ordinary PyTorch program. Needs torch and the `tms` package (the wheel, or python/ of this
+repository, which is found next to this script).
+"""
+
+import hashlib
+import mmap
+import os
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)
+import relax_worker as rw  # noqa: E402
+
+try:
+    import tms  # noqa: F401
+except ImportError:  # a source checkout: python/ beside scripts/
+    sys.path.insert(1, os.path.join(os.path.dirname(here), "python"))
+import tms  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HEADS = 4
+LAYERS = 2
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
+
+state = {}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.ln2 = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden)
+        self.down = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x, cache=None, pos=0):
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (z.view(b, t, HEADS, h // HEADS).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:  # cache: [2, max_batch, heads, context, head_dim]
+            cache[0, :b, :, pos:pos + t] = k
+            cache[1, :b, :, pos:pos + t] = v
+            k, v = cache[0, :b, :, :pos + t], cache[1, :b, :, :pos + t]
+        # A prefill (pos 0) is causal; a decode step attends to everything cached.
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=pos == 0)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Policy(torch.nn.Module):
+    def __init__(self, vocab, context, hidden):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, hidden)
+        self.pos = torch.nn.Embedding(context, hidden)
+        self.blocks = torch.nn.ModuleList(Block(hidden) for _ in range(LAYERS))
+        self.ln = torch.nn.LayerNorm(hidden)
+        # Embedding's default N(0, 1) through the tied head gives logits of about sqrt(hidden):
+        # a policy that is deterministic from the start, so every GRPO group is one repeated
+        # answer with zero advantage. GPT-style small initial weights keep it exploring.
+        for table in (self.tok, self.pos):
+            torch.nn.init.normal_(table.weight, std=0.02)
+
+    def forward(self, tokens, kv=None, pos=0):
+        x = self.tok(tokens) + self.pos(torch.arange(pos, pos + tokens.shape[1], device=tokens.device))
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if kv is None else kv[i], pos)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def weight_tensors(model):
+    """The weights stream's order: the state dict's, which both sides build the same way."""
+    return [t.detach() for t in model.state_dict().values()]
+
+
+def stream_bytes(model):
+    return sum(t.numel() * t.element_size() for t in weight_tensors(model))
+
+
+def byte_view(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def init(p):
+    role = os.environ["RELAX_ROLE"]
+    if p.get("api", "cuda") != "cuda":
+        raise rw.WorkerError("unsupported", "the torch worker runs on CUDA (torch_npu is not wired in)")
+    loss = p.get("loss") or {}
+    if role == "trainer" and loss.get("value_coef", 0) > 0:
+        raise rw.WorkerError("unsupported", "the torch worker does GRPO only (PPO needs a value head)")
+    if role == "trainer" and not p.get("backup", True):
+        raise rw.WorkerError("unsupported", "the torch trainer relies on the hook's CPU backup (memory.backup = true)")
+    device = torch.device("cuda", p["device"])
+    torch.cuda.set_device(device)
+    shape = p["shape"]
+    vocab, context, hidden = shape["vocab"], shape["context"], shape["hidden"]
+    hidden = max(HEADS, hidden - hidden % HEADS)
+    backup = role == "trainer"
+    torch.manual_seed(p.get("seed", 0))
+    state.update(role=role, device=device, loss=loss, context=context, transfer=None, pads=[])
+    with tms.region("weights", enable_cpu_backup=backup):
+        model = Policy(vocab, context, hidden).to(device)
+    state["model"] = model
+    if role == "trainer":
+        with tms.region("ref", enable_cpu_backup=True):
+            ref = Policy(vocab, context, hidden).to(device)
+        ref.load_state_dict(model.state_dict())
+        ref.requires_grad_(False)
+        state["ref"] = ref
+        with tms.region("grads", enable_cpu_backup=True):
+            for w in model.parameters():
+                w.grad = torch.zeros_like(w)
+        adam = p.get("adam") or {}
+        opt = torch.optim.AdamW(model.parameters(), lr=adam.get("lr", 1e-3),
+                                betas=(adam.get("beta1", 0.9), adam.get("beta2", 0.999)),
+                                eps=adam.get("eps", 1e-8), weight_decay=0.0, foreach=False)
+        with tms.region("optimizer", enable_cpu_backup=True):
+            for w in model.parameters():
+                opt.state[w] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
+                                "exp_avg_sq": torch.zeros_like(w)}
+        state.update(opt=opt, max_grad_norm=adam.get("max_grad_norm", 1.0))
+    else:
+        batch = max(1, p.get("max_batch", 1))
+        with tms.region("kv_cache"):
+            state["kv"] = torch.zeros((LAYERS, 2, batch, HEADS, context, hidden // HEADS), device=device)
+        capture_sampling_head(batch, vocab)
+    for tag, sizes in p.get("memory", []):
+        for size in sizes:
+            with tms.region(tag, enable_cpu_backup=backup):
+                t = torch.empty(size, dtype=torch.uint8, device=device)
+            head = min(size, 4096)
+            t[:head].copy_(torch.frombuffer(bytearray(os.urandom(head)), dtype=torch.uint8))
+            state["pads"].append(t)
+    if role == "trainer":
+        snapshot()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {"params": sum(w.numel() for w in model.parameters()), "hook_mode": tms.hook_mode(),
+            "torch": torch.__version__}
+
+
+def capture_sampling_head(batch, vocab):
+    """The rollout's sampling head (temperature and log-softmax over the vocabulary) as a CUDA
+    graph whose private pool is in the "cuda_graph" tag, as engines capture their decode step:
+    every decode step replays it, so each wake_up proves a paused and resumed graph still runs.
+    The tag has no backup, so the graph's inputs are rewritten before every replay."""
+    with tms.region("cuda_graph"):
+        head_in = torch.zeros((batch, vocab), device=state["device"])
+        inv_temp = torch.ones((), device=state["device"])
+    # Warm up off the capture, on a side stream, as torch.cuda.graphs recommends.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.log_softmax(head_in * inv_temp, dim=-1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with tms.cuda_graph(graph, tag="cuda_graph"):
+        head_out = torch.log_softmax(head_in * inv_temp, dim=-1)
+    state.update(head_graph=graph, head_in=head_in, head_out=head_out, inv_temp=inv_temp)
+
+
+def sampling_logp(logits):
+    """Log-probabilities of the next token for each row of `logits`, through the captured head."""
+    rows = logits.shape[0]
+    state["head_in"][:rows].copy_(logits.float())
+    state["head_graph"].replay()
+    return state["head_out"][:rows]
+
+
+def snapshot():
+    """The weights stream in host memory, for packing while the trainer's tags are paused."""
+    snap = state.get("snapshot")
+    if snap is None:
+        snap = state["snapshot"] = torch.empty(stream_bytes(state["model"]), dtype=torch.uint8, pin_memory=True)
+    at = 0
+    for t in weight_tensors(state["model"]):
+        b = byte_view(t)
+        snap[at:at + b.numel()].copy_(b)
+        at += b.numel()
+
+
+def checksum(p):
+    h = hashlib.sha256()
+    for t in weight_tensors(state["model"]):
+        h.update(byte_view(t).cpu().numpy().tobytes())
+    return {"weights": h.hexdigest()[:16], "bytes": stream_bytes(state["model"])}
+
+
+@torch.no_grad()
+def generate(p):
+    model, kv, dev = state["model"], state["kv"], state["device"]
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(p.get("seed", 0) & (2**63 - 1))
+    temperature = p.get("temperature", 1.0)
+    if not temperature > 0:
+        raise rw.WorkerError("bad_request", f"temperature={temperature}: the torch worker samples, it needs a temperature above 0")
+    eos, n = p.get("eos"), p["n"]
+    if n > kv.shape[2]:
+        raise rw.WorkerError("bad_request", f"n={n} samples exceed the KV cache's {kv.shape[2]} sequences")
+    state["inv_temp"].fill_(1.0 / temperature)
+    samples = []
+    for i, prompt in enumerate(p["prompts"]):
+        steps = min(p["max_new_tokens"], state["context"] - len(prompt))
+        tokens = torch.tensor([prompt] * n, device=dev)
+        logits = model(tokens, kv, 0)[:, -1]
+        out, lps = [], []
+        for t in range(steps):
+            logp = sampling_logp(logits)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen)
+            out.append(tok)
+            lps.append(logp.gather(1, tok))
+            if t + 1 < steps:
+                logits = model(tok, kv, len(prompt) + t)[:, -1]
+        toks = torch.cat(out, 1).tolist() if out else [[] for _ in range(n)]
+        lps = torch.cat(lps, 1).tolist() if lps else [[] for _ in range(n)]
+        for s in range(n):
+            end = toks[s].index(eos) + 1 if eos in toks[s] else len(toks[s])
+            samples.append({"prompt_index": i, "response": toks[s][:end], "logprobs": lps[s][:end]})
+    torch.cuda.empty_cache()
+    return {"samples": samples}
+
+
+def batch_of(samples):
+    """Right-padded prompt+response tokens and, per response token, the (row, position) whose
+    logits predict it."""
+    dev = state["device"]
+    seqs = [list(s["prompt"]) + list(s["response"]) for s in samples]
+    width = max(len(x) for x in seqs)
+    tokens = torch.tensor([x + [0] * (width - len(x)) for x in seqs], device=dev)
+    rows, cols, targets = [], [], []
+    for r, s in enumerate(samples):
+        start = len(s["prompt"])
+        for t, tok in enumerate(s["response"]):
+            rows.append(r)
+            cols.append(start + t - 1)
+            targets.append(tok)
+    index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+    return tokens, index, torch.tensor(targets, device=dev)
+
+
+def token_logprobs(model, samples):
+    tokens, index, targets = batch_of(samples)
+    temperature = state["loss"].get("temperature", 1.0)
+    logp = torch.log_softmax(model(tokens)[index].float() / temperature, dim=-1)
+    return logp.gather(1, targets[:, None])[:, 0], logp
+
+
+def split(flat, samples):
+    out, at = [], 0
+    for s in samples:
+        out.append(flat[at:at + len(s["response"])])
+        at += len(s["response"])
+    return out
+
+
+@torch.no_grad()
+def log_probs(p):
+    model = state["ref"] if p.get("model") == "ref" else state["model"]
+    samples = [s for s in p["samples"] if s["response"]]
+    lp, full = token_logprobs(model, samples) if samples else (torch.zeros(0), torch.zeros(0, 1))
+    ent = -(full.exp() * full).sum(-1)
+    lp, ent = lp.tolist(), ent.tolist()
+    lps, ents = split(lp, samples), split(ent, samples)
+    it = iter(zip(lps, ents))
+    out = [next(it) if s["response"] else ([], []) for s in p["samples"]]
+    torch.cuda.empty_cache()
+    return {"logprobs": [a for a, _ in out], "entropy": [b for _, b in out]}
+
+
+def kl_term(logp, ref, kind):
+    x = logp - ref
+    if kind == "k1":
+        return x
+    if kind == "k2":
+        return 0.5 * x * x
+    return (torch.exp(-x) - 1 + x).clamp(max=K3_CLAMP)
+
+
+def aggregate(per_token, lengths, how):
+    if how == "token-mean":
+        return per_token.sum() / max(1, per_token.numel())
+    seqs = per_token.split(lengths)
+    if how == "seq-mean-token-sum":
+        return torch.stack([s.sum() for s in seqs]).mean()
+    return torch.stack([s.mean() for s in seqs]).mean()
+
+
+def minibatch_loss(samples):
+    loss_cfg = state["loss"]
+    clip = loss_cfg["clip"]
+    dev = state["device"]
+    logp, full = token_logprobs(state["model"], samples)
+    flat = lambda key: torch.tensor([v for s in samples for v in s[key]], device=dev, dtype=torch.float32)  # noqa: E731
+    adv, old, ref = flat("advantages"), flat("old_logprobs"), flat("ref_logprobs")
+    ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip["eps_low"], 1 + clip["eps_high"])
+    pg = torch.maximum(unclipped, clipped)
+    dual = clip.get("dual")
+    dual_hit = torch.zeros_like(pg, dtype=torch.bool)
+    if dual:
+        dual_hit = (adv < 0) & (pg > -dual * adv)
+        pg = torch.where(dual_hit, -dual * adv, pg)
+    kl = kl_term(logp, ref, loss_cfg.get("kl_kind", "k3"))
+    entropy = -(full.exp() * full).sum(-1)
+    lengths = [len(s["response"]) for s in samples]
+    how = loss_cfg.get("aggregation", "token-mean")
+    loss = aggregate(pg + loss_cfg.get("kl_coef", 0.0) * kl - loss_cfg.get("entropy_coef", 0.0) * entropy,
+                     lengths, how)
+    stats = {"pg_loss": aggregate(pg, lengths, how), "kl": kl.mean(), "entropy": entropy.mean(),
+             "clip_frac": (clipped > unclipped).float().mean(), "dual_clip_frac": dual_hit.float().mean()}
+    return loss, stats
+
+
+def train(p):
+    model, opt = state["model"], state["opt"]
+    samples = [s for s in p["samples"] if s["response"]]
+    if not samples:
+        return {"loss": 0.0, "tokens": 0}
+    chunks = max(1, min(p.get("minibatches", 1), len(samples)))
+    size = -(-len(samples) // chunks)
+    totals, count = {}, 0
+    for _ in range(max(1, p.get("epochs", 1))):
+        for at in range(0, len(samples), size):
+            opt.zero_grad(set_to_none=False)  # the grads stay in their tagged pool
+            loss, stats = minibatch_loss(samples[at:at + size])
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), state["max_grad_norm"], foreach=False)
+            opt.step()
+            stats.update(loss=loss.detach(), grad_norm=norm)
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+            count += 1
+    snapshot()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    metrics = {k: v / count for k, v in totals.items()}
+    metrics["tokens"] = sum(len(s["response"]) for s in samples)
+    return metrics
+
+
+def values(p):
+    raise rw.WorkerError("unsupported", "the torch worker does GRPO only (no value head)")
+
+
+def update_begin(p):
+    total = stream_bytes(state["model"])
+    bucket = p["bucket_bytes"]
+    f = open(p["shm"], "r+b")
+    # Outside any region: the staging buffer must stay while the tags around it are paused.
+    staging = torch.empty(min(bucket, total), dtype=torch.uint8, device=state["device"])
+    state["transfer"] = (f, mmap.mmap(f.fileno(), 0), bucket, staging)
+    return {"buckets": -(-total // bucket), "bytes": total}
+
+
+def bucket_pieces(i):
+    """(weight's bytes, slice of them, offset in the bucket) for every weight bucket i covers, on
+    the rollout; the trainer's one piece is its snapshot."""
+    bucket = state["transfer"][2]
+    lo, hi = i * bucket, (i + 1) * bucket
+    if state["role"] == "trainer":
+        total = state["snapshot"].numel()
+        yield state["snapshot"], slice(lo, min(hi, total)), 0
+        return
+    at = 0
+    for t in weight_tensors(state["model"]):
+        n = t.numel() * t.element_size()
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b:
+            yield byte_view(t), slice(a - at, b - at), a - lo
+        at += n
+
+
+def pack(p):
+    f, m, bucket, staging = state["transfer"]
+    n = 0
+    for src, part, off in bucket_pieces(p["bucket"]):
+        length = part.stop - part.start
+        staging[off:off + length].copy_(src[part])
+        n = off + length
+    m[0:n] = staging[:n].cpu().numpy().tobytes()
+    return {"bytes": n}
+
+
+@torch.no_grad()
+def unpack(p):
+    f, m, bucket, staging = state["transfer"]
+    pieces = list(bucket_pieces(p["bucket"]))
+    n = pieces[-1][2] + (pieces[-1][1].stop - pieces[-1][1].start) if pieces else 0
+    staging[:n].copy_(torch.frombuffer(bytearray(m[0:n]), dtype=torch.uint8))
+    for dst, part, off in pieces:
+        dst[part].copy_(staging[off:off + part.stop - part.start])
+    return {"bytes": n}
+
+
+def update_end(p):
+    f, m, _, staging = state["transfer"]
+    m.close()
+    f.close()
+    state["transfer"] = None
+    del staging
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {}
+
+
+if __name__ == "__main__":
+    rw.serve({
+        "init": init, "checksum": checksum, "generate": generate, "log_probs": log_probs, "train": train,
+        "values": values, "update_begin": update_begin, "pack": pack, "unpack": unpack,
+        "update_end": update_end,
+    }, implementation="torch_worker.py (torch %s)" % torch.__version__)
