@@ -18,11 +18,14 @@
 # threads churning during pause; RDMA-capable region memory; a pause that must not wait for a
 # stalled non-blocking stream; disk backup), real PyTorch through the installed wheel in preload
 # and torch modes (tests/torch-consumers: torch_memory_saver programs, SGLang's and slime's call
-# sequences, MemPool isolation), `relax-colocate run` and `relax-colocate bench` on the device.
+# sequences, MemPool isolation, our hook under torch_memory_saver's own package side by side with
+# its library), `relax-colocate run` with the built-in workers and with PyTorch workers
+# (scripts/torch_worker.py: a small transformer trained with AdamW, weights, KV cache and a
+# captured CUDA graph in tags) and `relax-colocate bench` on the device.
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
 prepare() {
@@ -33,8 +36,8 @@ prepare() {
   set -e
   mkdir -p "$dir"
   dir="$(cd "$dir" && pwd)"
-  rm -rf "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests"
-  mkdir -p "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests"
+  rm -rf "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests" "$dir/scripts" "$dir/python"
+  mkdir -p "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests" "$dir/scripts" "$dir/python"
   # Everything is linked against glibc 2.17 with the wheel's tools (cargo-zigbuild): the GPU
   # machine's glibc may be older than this one's.
   echo "gpu-check: building the wheel" >&2
@@ -51,7 +54,12 @@ prepare() {
   strip --strip-debug "$dir"/bin/* "$dir"/lib/*
   cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
   mkdir -p "$dir/tests/torch-consumers"
-  cp "$root"/tests/torch-consumers/{conftest.py,test_wheel.py,test_frameworks.py,test_tms_package.py} "$dir/tests/torch-consumers/"
+  cp "$root"/tests/torch-consumers/{conftest.py,torch_build.py,test_wheel.py,test_frameworks.py,test_tms_package.py,test_hook_under_torch.py} "$dir/tests/torch-consumers/"
+  # The PyTorch workers of relax-colocate run, and the tms package they import (found in python/
+  # beside scripts/, as in a checkout).
+  cp "$root/scripts/torch_worker.py" "$root/scripts/relax_worker.py" "$dir/scripts/"
+  cp -r "$root/python/tms" "$dir/python/"
+  find "$dir/python" -name __pycache__ -prune -exec rm -rf {} +
   cp "$root/scripts/gpu-check.sh" "$root/scripts/npu-check.sh" "$dir/"
   (cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown) >"$dir/VERSION"
   set +e
@@ -197,8 +205,17 @@ run() {
       --junitxml="$outdir/torch-consumers.xml" .
   fi
 
-  # 3. The colocated cycle and 4. the benchmark on the device.
+  # 3. The colocated cycle (built-in workers, then PyTorch workers) and 4. the benchmark.
   check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device "$device" --steps 5 --out "$outdir/run"
+  if [ $sim = 1 ]; then
+    skip relax-colocate-run-torch "PyTorch workers on the simulator run in the test suite (cargo test), not in the kit"
+  elif ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    skip relax-colocate-run-torch "python3 has no PyTorch with CUDA"
+  else
+    local worker="python3 $kit/scripts/torch_worker.py"
+    check relax-colocate-run-torch 420 "$kit/bin/relax-colocate" run --device "$device" --steps 10 \
+      --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" --out "$outdir/run-torch"
+  fi
   check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device "$device" --quick --out "$outdir/bench"
 
   summarize "$device"

@@ -91,6 +91,11 @@ fn the_kit_is_small_and_self_contained() {
         "src/vendor.h",
         "tests/torch-consumers/conftest.py",
         "tests/torch-consumers/test_wheel.py",
+        "tests/torch-consumers/torch_build.py",
+        "tests/torch-consumers/test_hook_under_torch.py",
+        "scripts/torch_worker.py",
+        "scripts/relax_worker.py",
+        "python/tms/__init__.py",
     ] {
         assert!(kit.join(f).exists(), "{f} missing from the kit");
     }
@@ -188,6 +193,7 @@ fn the_gpu_run_itself_passes_with_the_simulator_as_the_gpu() {
     assert_eq!(code, 0, "{md}");
     assert_eq!(summary["failed"], 0, "{md}");
     let got = results(&summary);
-    assert!(got.iter().any(|(n, r)| n == "torch-consumers" && r == "pass"), "{md}");
-    assert!(got.iter().any(|(n, r)| n == "c-cycles-100-with-backup" && r == "pass"), "{md}");
+    for name in ["torch-consumers", "c-cycles-100-with-backup", "relax-colocate-run", "relax-colocate-run-torch"] {
+        assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
+    }
 }

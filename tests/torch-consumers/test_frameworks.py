@@ -77,8 +77,11 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch_build
 
 SITE = Path(sysconfig.get_paths()["purelib"])
+# torch_memory_saver's preload library for this torch's CUDA major (the file slime preloads).
+UPSTREAM_PRELOAD = torch_build.upstream_preload_name()
 # ours: our hook under upstream's file name, with upstream's Python package; wheel: our wheel's
 # Python package and hook (what `pip install tms-memory-saver` gives); upstream: theirs, whole.
 WHICH = ["ours", "wheel", "upstream"]
@@ -87,7 +90,7 @@ MIB = 1 << 20
 
 @pytest.fixture
 def which(request, sim):
-    if request.param == "upstream" and not (SITE / "torch_memory_saver_hook_mode_preload_cu13.abi3.so").exists():
+    if request.param == "upstream" and not (SITE / UPSTREAM_PRELOAD).exists():
         pytest.skip("torch_memory_saver's own package is not installed here")
     if request.param == "wheel":
         sim.python_path.insert(0, str(request.getfixturevalue("wheel_site")))
@@ -99,8 +102,8 @@ def _preload(sim, which):
         return sim.compat_dir() / "torch_memory_saver_hook_mode_preload.abi3.so"
     if which == "wheel":
         # The name slime puts in LD_PRELOAD, in the wheel's site folder.
-        return Path(sim.python_path[0]) / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
-    return SITE / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+        return Path(sim.python_path[0]) / UPSTREAM_PRELOAD
+    return SITE / UPSTREAM_PRELOAD
 
 
 def _trainer_env(extra=None):
@@ -843,14 +846,14 @@ def _wheel_layout(sim, which):
     """A site folder that carries torch_memory_saver's package and, next to it, the preload
     library the package looks for: the wheel's own file, or our hook installed under its name."""
     if which == "upstream":
-        return SITE, SITE / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+        return SITE, SITE / UPSTREAM_PRELOAD
     if which == "wheel":
         site = Path(sim.python_path[0])
-        return site, site / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+        return site, site / UPSTREAM_PRELOAD
     site = sim.tmp / "site"
     site.mkdir(exist_ok=True)
     (site / "torch_memory_saver").symlink_to(SITE / "torch_memory_saver", target_is_directory=True)
-    (site / "torch_memory_saver_hook_mode_preload_cu13.abi3.so").symlink_to(sim.hook)
+    (site / UPSTREAM_PRELOAD).symlink_to(sim.hook)
     return site, sim.hook
 
 
@@ -864,7 +867,7 @@ def test_sglang_scheduler_started_under_configure_subprocess(sim, which):
         as_file=True,
     )
     assert out["parent_preload"] == "", out
-    assert out["child_preload"].endswith("torch_memory_saver_hook_mode_preload_cu13.abi3.so"), out
+    assert out["child_preload"].endswith(UPSTREAM_PRELOAD), out
     assert out["child_libs"] == str(lib.resolve()), out
     assert int(out["child_freed"]) >= 16 * MIB, out
     assert out["child_same"] == "True", out

@@ -1,18 +1,25 @@
 """libtms_hook.so under real PyTorch and torch_memory_saver 0.0.10's own Python package (preload
 mode, our hook under its file name), side by side with torch_memory_saver's own library."""
 
+import importlib.util
 import sysconfig
 from pathlib import Path
 
 import pytest
+import torch_build
 
 SITE = Path(sysconfig.get_paths()["purelib"])
+
+# These scenarios run torch_memory_saver's own Python package (over its library and over ours): on
+# a GPU machine where it is not installed (the hardware kit), there is nothing to compare.
+if importlib.util.find_spec("torch_memory_saver") is None:
+    pytest.skip("torch_memory_saver's own package is not installed here", allow_module_level=True)
 
 
 def _preload(sim, which):
     if which == "ours":
         return sim.compat_dir() / "torch_memory_saver_hook_mode_preload.abi3.so"
-    return SITE / "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+    return SITE / torch_build.upstream_preload_name()
 
 
 CYCLE = """

@@ -7,6 +7,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch_build
 
 SITE = Path(sysconfig.get_paths()["purelib"])
 TORCH_LIBS = [
@@ -25,15 +26,8 @@ def _dynsym(path):
     return out.splitlines()
 
 
-def _cuda_major():
-    import re
-
-    version = (SITE / "torch" / "version.py").read_text()
-    return re.search(r"^cuda[^=]*=\s*'(\d+)\.", version, re.M).group(1)
-
-
 def test_every_runtime_name_torch_imports_is_exported(sim):
-    major = _cuda_major()
+    major = torch_build.cuda_major()
     node = f"libcudart.so.{major}"
     imported = set()
     for lib in TORCH_LIBS:
@@ -227,19 +221,12 @@ def test_cuda_ipc_hands_a_tensor_to_another_process(sim):
     assert out["written_back"] == "True", out
 
 
-def _torch_version():
-    import re
-
-    version = (SITE / "torch" / "version.py").read_text()
-    return tuple(int(n) for n in re.search(r"^__version__[^=]*=\s*'(\d+)\.(\d+)", version, re.M).groups())
-
-
 def test_cuda_graph_capture_records_copies_and_replay_runs_them(sim):
     # Without the CPU layer, only what the runtime itself does can be captured: copies and
     # memsets. Capture records them; each replay re-runs them on the captured memory. Builds
     # before 2.10 (the CUDA 12 line) launch a fill kernel for `zeros` and for the generator's
     # seed in capture_begin, so there the layer runs those and the rest is the same.
-    kernels_in_capture = _torch_version() < (2, 10)
+    kernels_in_capture = torch_build.version() < (2, 10)
     out = sim.ok(
         """
         import torch

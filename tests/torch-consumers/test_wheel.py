@@ -6,8 +6,11 @@ that SGLang, slime or verl rely on; the comment says which.
 
 import subprocess
 
+import torch_build
+
 MIB = 1 << 20
-PRELOAD_CU13 = "torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+# The name slime preloads for this torch's CUDA major; the wheel ships every one.
+PRELOAD_CU13 = torch_build.upstream_preload_name()
 
 
 def _run(sim, fresh_venv, code, preload=True, **kw):
