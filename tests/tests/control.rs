@@ -374,3 +374,73 @@ fn the_socket_of_a_zombie_is_stale_not_a_failure() {
     assert!(node.ctl(&["resume", "--all"]).status().unwrap().success());
     live.quit();
 }
+
+fn timed(mut cmd: Command) -> (Duration, i32, String, String) {
+    let start = Instant::now();
+    let out = cmd.output().unwrap();
+    (
+        start.elapsed(),
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn stopped_processes_delay_no_one_and_are_reported_as_not_responding() {
+    // Processes used to be asked one after the other: each stopped one added the whole timeout to
+    // list, pause --all and even `pause OTHERNAME`, and all it said was "Resource temporarily
+    // unavailable".
+    let node = SimNode::new("1GiB");
+    let mut live = Served::start_with(&node, "cuda", &[("TMS_NAME", "live")]);
+    assert_eq!(live.ask("alloc 8"), "rc=0");
+    socket_of(&node, live.pid());
+    let mut frozen = Vec::new();
+    for name in ["frozen-a", "frozen-b"] {
+        let mut f = Served::start_with(&node, "cuda", &[("TMS_NAME", name)]);
+        assert_eq!(f.ask("alloc 8"), "rc=0");
+        socket_of(&node, f.pid());
+        frozen.push(f);
+    }
+    for f in &frozen {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(f.pid() as i32, libc::SIGSTOP) };
+    }
+    let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "list"]));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(took < Duration::from_millis(5000), "list took {took:?}");
+    assert!(out.contains("live"), "{out}");
+    assert_eq!(out.matches("not responding within 3s").count(), 2, "{out}");
+    assert!(out.contains("stopped") && out.contains("kill -CONT"), "{out}");
+
+    let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "pause", "--all"]));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(took < Duration::from_millis(5000), "pause --all took {took:?}");
+    let line = out.lines().find(|l| l.starts_with(&format!("pid {}:", live.pid()))).unwrap_or_default();
+    assert!(line.contains("paused 1 allocations"), "{out}");
+
+    // Picking a process by name waits for no one else: names are read from the socket folder.
+    let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "resume", "live"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(took < Duration::from_millis(2500), "resume live took {took:?}");
+    assert!(out.contains("resumed 1 allocations"), "{out}");
+
+    for f in &mut frozen {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(f.pid() as i32, libc::SIGCONT) };
+        assert_eq!(f.ask("info").split(' ').next(), Some("rc=0"));
+    }
+    // What the stopped processes were sent while tms-ctl waited is not done once they go on:
+    // tms-ctl has reported them as not responding.
+    std::thread::sleep(Duration::from_millis(500));
+    let (code, list) = json(node.ctl(&["list", "--json"]));
+    assert_eq!(code, 0, "{list}");
+    assert_eq!(list.as_array().unwrap().len(), 3, "{list}");
+    for row in list.as_array().unwrap() {
+        assert_eq!(row["status"]["tags"][0]["bytes_active"], 8 * MIB, "{list}");
+    }
+    for f in frozen {
+        f.quit();
+    }
+    live.quit();
+}

@@ -14,8 +14,8 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 use tms_proto::{ErrorCode, MAX_REQUEST_BYTES, OpReport, ProtoError, Reply, Request, Status, TagInfo};
 
@@ -23,8 +23,12 @@ use tms_proto::{ErrorCode, MAX_REQUEST_BYTES, OpReport, ProtoError, Reply, Reque
 static STARTED_FOR: AtomicU32 = AtomicU32::new(0);
 static ACTIVE_CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
 const MAX_CONNECTIONS: usize = 32;
-/// Socket to remove at exit, with the pid that owns it (a forked child must not remove it).
-static SOCKET: Mutex<Option<(u32, CString)>> = Mutex::new(None);
+/// Socket and name file to remove at exit, with the pid that owns them (a forked child must not
+/// remove them).
+static SOCKET: Mutex<Option<(u32, CString, CString)>> = Mutex::new(None);
+/// `TMS_NAME` as it was when the socket opened: the name file says the same, so picking
+/// processes by name from their files and asking them agree.
+static NAME: OnceLock<(u32, Option<String>)> = OnceLock::new();
 static WARNED: AtomicBool = AtomicBool::new(false);
 
 fn setting() -> Option<bool> {
@@ -97,11 +101,14 @@ pub fn secure_dir(dir: &Path) -> std::io::Result<()> {
 extern "C" fn remove_socket_at_exit() {
     // try_lock: a thread killed mid-update must not make exit hang.
     if let Ok(guard) = SOCKET.try_lock()
-        && let Some((pid, path)) = guard.as_ref()
+        && let Some((pid, path, name)) = guard.as_ref()
         && *pid == std::process::id()
     {
-        // SAFETY: a NUL-terminated path.
-        unsafe { libc::unlink(path.as_ptr()) };
+        // SAFETY: NUL-terminated paths.
+        unsafe {
+            libc::unlink(path.as_ptr());
+            libc::unlink(name.as_ptr());
+        }
     }
 }
 
@@ -120,8 +127,15 @@ fn serve() -> std::io::Result<()> {
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    let name_path = tms_proto::name_file(&path);
+    let name = own_name();
+    // Best effort: without the file, clients ask the process its name instead.
+    if let Err(e) = write_name_file(&name_path, name.as_deref().unwrap_or("")) {
+        tracing::debug!("tms: cannot write {}: {e}", name_path.display());
+    }
     let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
-    *SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = Some((pid, c_path));
+    let c_name = CString::new(name_path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    *SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = Some((pid, c_path, c_name));
     static AT_EXIT: std::sync::Once = std::sync::Once::new();
     AT_EXIT.call_once(|| {
         // SAFETY: registers a function that only unlinks a path.
@@ -151,6 +165,25 @@ fn serve() -> std::io::Result<()> {
     Ok(())
 }
 
+fn write_name_file(path: &Path, name: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(name.as_bytes())
+}
+
+/// The name this process goes by: `TMS_NAME` when the socket opened (later changes to the
+/// variable are not seen, as they are not by the name file).
+fn own_name() -> Option<String> {
+    let pid = std::process::id();
+    let read = || std::env::var("TMS_NAME").ok().filter(|n| !n.is_empty());
+    match NAME.get() {
+        Some((p, n)) if *p == pid => n.clone(),
+        Some(_) => read(), // a forked child of a process that served
+        None => NAME.get_or_init(|| (pid, read())).1.clone(),
+    }
+}
+
 /// The peer's uid (SO_PEERCRED).
 fn peer_uid(stream: &UnixStream) -> Option<u32> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
@@ -168,6 +201,15 @@ fn peer_uid(stream: &UnixStream) -> Option<u32> {
     (rc == 0).then_some(cred.uid)
 }
 
+/// Whether the peer has closed its end entirely (a half-close after the request still waits
+/// for the reply and is not "gone").
+fn peer_gone(stream: &UnixStream) -> bool {
+    let mut fds = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: polls one live fd without waiting.
+    let n = unsafe { libc::poll(&mut fds, 1, 0) };
+    n == 1 && fds.revents & libc::POLLHUP != 0
+}
+
 /// Only the same user, or root, may drive a process's memory.
 pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
     peer_uid == own_uid || peer_uid == 0
@@ -182,6 +224,13 @@ fn handle(stream: UnixStream) {
     let reply = match peer_uid(&stream) {
         Some(uid) if peer_allowed(uid, own) => match read_request(&stream) {
             Ok(line) => match tms_proto::parse_request(&line) {
+                // A client that gave up (its timeout passed while this process was stopped or
+                // busy) was told the process did not answer: doing the pause now, unseen, would
+                // contradict that.
+                Ok(req) if peer_gone(&stream) => {
+                    tracing::info!("tms: control request {req:?} dropped: its client is gone");
+                    return;
+                }
                 Ok(req) => dispatch(req),
                 Err(e) => Reply::err(e),
             },
@@ -253,7 +302,7 @@ pub fn status() -> Status {
     let s = saver();
     Status {
         pid: std::process::id(),
-        name: std::env::var("TMS_NAME").ok().filter(|n| !n.is_empty()),
+        name: own_name(),
         hook_version: env!("CARGO_PKG_VERSION").to_string(),
         protocol: tms_proto::PROTOCOL_VERSION,
         devices: s
