@@ -375,6 +375,13 @@ fn the_socket_of_a_zombie_is_stale_not_a_failure() {
     live.quit();
 }
 
+/// CPU time (user + system, clock ticks) a process has used so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
 fn timed(mut cmd: Command) -> (Duration, i32, String, String) {
     let start = Instant::now();
     let out = cmd.output().unwrap();
@@ -443,4 +450,96 @@ fn stopped_processes_delay_no_one_and_are_reported_as_not_responding() {
         f.quit();
     }
     live.quit();
+}
+
+#[test]
+fn clients_over_the_limit_are_told_busy_and_a_trickling_client_loses_its_slot() {
+    let node = SimNode::new("1GiB").env("TMS_CONTROL_TIMEOUT_MS", "1500");
+    let mut app = Served::start_with(&node, "cuda", &[("TMS_NAME", "app")]);
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    // 32 silent connections take every slot: the next client gets `busy` (it used to get
+    // ECONNRESET, and tms-ctl then said no process matched), and tms-ctl says so.
+    let silent: Vec<UnixStream> = (0..32).map(|_| UnixStream::connect(&sock).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut s = UnixStream::connect(&sock).unwrap();
+    // The answer may come before the request is written: busy is said without reading.
+    let _ = s.write_all(b"{\"op\":\"ping\"}\n");
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.contains("\"busy\""), "{reply}");
+    let (_, code, out, err) = timed(node.ctl(&["--timeout", "0.5", "ping", "app"]));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("busy"), "{out}{err}");
+    drop(silent);
+
+    // The deadline is for the whole request, not for each read: one byte every 300 ms used to
+    // hold a slot for as long as the client liked.
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let start = Instant::now();
+    let mut reply = Vec::new();
+    for byte in b"{\"op\":\"ping\"      ".iter().cycle() {
+        let _ = s.write_all(&[*byte]);
+        let mut buf = [0u8; 512];
+        match s.read(&mut buf) {
+            Ok(n) if n > 0 => reply.extend_from_slice(&buf[..n]),
+            _ => {}
+        }
+        if reply.ends_with(b"\n") || start.elapsed() > Duration::from_secs(6) {
+            break;
+        }
+    }
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.contains("\"timeout\""), "after {:?}: {reply}", start.elapsed());
+    assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+
+    // A repeated field is a bad request, not the last one winning.
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.write_all(b"{\"op\":\"ping\",\"op\":\"pause\"}\n").unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.contains("bad_request") && reply.contains("appears twice"), "{reply}");
+    let st = tms_proto::status(&sock, Duration::from_secs(5)).unwrap();
+    assert_eq!(st.tags[0].allocations_active, 1);
+    app.quit();
+}
+
+#[test]
+fn out_of_file_descriptors_the_server_backs_off_instead_of_spinning() {
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    let pid = app.pid();
+    // The limit bounds descriptor numbers: below the lowest free one, no new descriptor fits.
+    let used: Vec<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let open = (0..).find(|n| !used.contains(n)).unwrap();
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let tight = libc::rlimit { rlim_cur: open, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: reads and sets the limit of our own child.
+    unsafe {
+        assert_eq!(libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old), 0);
+        let tight = libc::rlimit { rlim_max: old.rlim_max, ..tight };
+        assert_eq!(libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &tight, std::ptr::null_mut()), 0);
+    }
+    // A pending connection it cannot accept (EMFILE): accept fails again at once, for ever.
+    let mut waiting = UnixStream::connect(&sock).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(1));
+    let spent = cpu_ticks(pid) - before;
+    assert!(spent < 20, "{spent} ticks of CPU in 1 s without a file descriptor to spare");
+    // SAFETY: as above.
+    unsafe { assert_eq!(libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &old, std::ptr::null_mut()), 0) };
+    // Once descriptors are back the waiting client is served.
+    waiting.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    waiting.write_all(b"{\"op\":\"ping\"}\n").unwrap();
+    let mut reply = String::new();
+    waiting.read_to_string(&mut reply).unwrap();
+    assert!(reply.contains("pong"), "{reply}");
+    app.quit();
 }

@@ -9,14 +9,14 @@
 use crate::saver::{Error, Report};
 use crate::{region, saver};
 use std::ffi::CString;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tms_proto::{ErrorCode, MAX_REQUEST_BYTES, OpReport, ProtoError, Reply, Request, Status, TagInfo};
 
 /// Pid of the process whose server is running (a forked child has another pid and starts anew).
@@ -142,16 +142,33 @@ fn serve() -> std::io::Result<()> {
         unsafe { libc::atexit(remove_socket_at_exit) };
     });
     tracing::info!("tms: control socket {}", path.display());
+    let mut backoff = Duration::ZERO;
     for conn in listener.incoming() {
         if std::process::id() != pid {
             break; // forked child: this listener belongs to the parent
         }
-        let Ok(stream) = conn else { continue };
+        let stream = match conn {
+            Ok(s) => {
+                backoff = Duration::ZERO;
+                s
+            }
+            Err(e) => {
+                // Out of file descriptors (or kernel memory): the pending connection stays
+                // queued and accept fails again at once, so retrying without a pause would spin
+                // a core for as long as the shortage lasts.
+                if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+                    if backoff.is_zero() {
+                        tracing::warn!("tms: control socket cannot accept connections: {e}; retrying");
+                    }
+                    backoff = (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                    std::thread::sleep(backoff);
+                }
+                continue;
+            }
+        };
         if ACTIVE_CONNECTIONS.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
             ACTIVE_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
-            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-            let _ = (&stream)
-                .write_all(Reply::err(ProtoError::new(ErrorCode::Busy, "too many connections")).to_line().as_bytes());
+            refuse_busy(&stream);
             continue;
         }
         let spawned = std::thread::Builder::new().name("tms-control-conn".into()).spawn(move || {
@@ -182,6 +199,24 @@ fn own_name() -> Option<String> {
         Some(_) => read(), // a forked child of a process that served
         None => NAME.get_or_init(|| (pid, read())).1.clone(),
     }
+}
+
+/// Answers `busy` to a connection over the limit, from the accepting thread, so without
+/// waiting: what the client already sent is read and dropped first, because closing a Unix
+/// socket with unread data resets the client's end and it would see ECONNRESET, not the reply.
+fn refuse_busy(stream: &UnixStream) {
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+    let mut s = stream;
+    let _ = s.write_all(Reply::err(ProtoError::new(ErrorCode::Busy, "too many connections")).to_line().as_bytes());
+    let mut sink = [0u8; 4096];
+    for _ in 0..(MAX_REQUEST_BYTES / sink.len() + 1) {
+        // SAFETY: reads into a live buffer, never blocking.
+        let n = unsafe { libc::recv(stream.as_raw_fd(), sink.as_mut_ptr().cast(), sink.len(), libc::MSG_DONTWAIT) };
+        if n <= 0 {
+            break;
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// The peer's uid (SO_PEERCRED).
@@ -217,12 +252,12 @@ pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
 
 fn handle(stream: UnixStream) {
     let t = timeout();
-    let _ = stream.set_read_timeout(Some(t));
+    let deadline = Instant::now() + t;
     let _ = stream.set_write_timeout(Some(t));
     // SAFETY: getuid cannot fail.
     let own = unsafe { libc::getuid() };
     let reply = match peer_uid(&stream) {
-        Some(uid) if peer_allowed(uid, own) => match read_request(&stream) {
+        Some(uid) if peer_allowed(uid, own) => match read_request(&stream, deadline) {
             Ok(line) => match tms_proto::parse_request(&line) {
                 // A client that gave up (its timeout passed while this process was stopped or
                 // busy) was told the process did not answer: doing the pause now, unseen, would
@@ -247,15 +282,38 @@ fn handle(stream: UnixStream) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
-fn read_request(stream: &UnixStream) -> Result<Vec<u8>, ProtoError> {
+/// Reads the request line, all of it before `deadline`: a per-read timeout would let a client
+/// that trickles a byte now and then hold its connection slot for ever.
+fn read_request(stream: &UnixStream, deadline: Instant) -> Result<Vec<u8>, ProtoError> {
     let mut line = Vec::new();
-    let mut reader = BufReader::new(stream.take(MAX_REQUEST_BYTES as u64 + 1));
-    match reader.read_until(b'\n', &mut line) {
-        Ok(_) => {}
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+    let mut buf = [0u8; 4096];
+    let mut s = stream;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             return Err(ProtoError::new(ErrorCode::Timeout, "no complete request line in time"));
         }
-        Err(e) => return Err(ProtoError::new(ErrorCode::BadRequest, format!("read failed: {e}"))),
+        let _ = stream.set_read_timeout(Some(left));
+        // Never read past the limit (plus the newline that may end it).
+        let room = (MAX_REQUEST_BYTES + 1 - line.len()).min(buf.len());
+        match s.read(&mut buf[..room]) {
+            Ok(0) => break,
+            Ok(n) => {
+                if let Some(end) = buf[..n].iter().position(|&b| b == b'\n') {
+                    line.extend_from_slice(&buf[..=end]);
+                    break;
+                }
+                line.extend_from_slice(&buf[..n]);
+                if line.len() > MAX_REQUEST_BYTES {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(ProtoError::new(ErrorCode::Timeout, "no complete request line in time"));
+            }
+            Err(e) => return Err(ProtoError::new(ErrorCode::BadRequest, format!("read failed: {e}"))),
+        }
     }
     if line.last() != Some(&b'\n') {
         return Err(if line.len() > MAX_REQUEST_BYTES {
