@@ -543,3 +543,17 @@ fn out_of_file_descriptors_the_server_backs_off_instead_of_spinning() {
     assert!(reply.contains("pong"), "{reply}");
     app.quit();
 }
+
+#[test]
+fn a_margin_of_u64_max_set_from_outside_refuses_instead_of_wrapping() {
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    socket_of(&node, app.pid());
+    let pid = app.pid().to_string();
+    run_ok(&mut node.ctl(&["set", "--margin", "18446744073709551615", &pid]));
+    assert_eq!(app.ask("alloc 64"), "rc=2");
+    run_ok(&mut node.ctl(&["set", "--margin", "0", &pid]));
+    assert_eq!(app.ask("alloc 64"), "rc=0");
+    app.quit();
+}
