@@ -205,6 +205,9 @@ fn stale_sockets_of_dead_processes_are_reaped() {
     let node = SimNode::new("1GiB");
     let dir = node.control_dir();
     std::fs::create_dir_all(&dir).unwrap();
+    // As the hook makes it: private.
+    std::fs::set_permissions(&dir, <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o700))
+        .unwrap();
     let stale = dir.join(tms_proto::socket_name(4_000_000, 1));
     let _l = std::os::unix::net::UnixListener::bind(&stale).unwrap();
     let out = node.ctl(&["list"]).output().unwrap();
@@ -556,4 +559,37 @@ fn a_margin_of_u64_max_set_from_outside_refuses_instead_of_wrapping() {
     run_ok(&mut node.ctl(&["set", "--margin", "0", &pid]));
     assert_eq!(app.ask("alloc 64"), "rc=0");
     app.quit();
+}
+
+#[test]
+fn a_socket_folder_open_to_others_is_reported_loudly_with_the_fix() {
+    // Another user may create /tmp/tms-$UID first: every process then silently served no socket
+    // and `tms-ctl list` said "no hooked processes" with exit 0.
+    use std::os::unix::fs::PermissionsExt;
+    let node = SimNode::new("1GiB");
+    std::fs::create_dir_all(node.control_dir()).unwrap();
+    std::fs::set_permissions(node.control_dir(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["serve".into(), "cuda".into()]);
+    let mut child = node
+        .hooked(&argv)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "alloc 8").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    writeln!(stdin, "quit").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("control socket unavailable") && log.contains("chmod 700"), "{log}");
+
+    let out = node.ctl(&["list"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(node.control_dir().to_str().unwrap()) && err.contains("chmod 700"), "{err}");
+    let out = node.ctl(&["pause", "--all"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
 }

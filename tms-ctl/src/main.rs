@@ -23,7 +23,8 @@ Exit codes:
   0  success: every process asked answered, and every operation succeeded
   1  some process failed: an error reply (e.g. out of memory on resume), or no answer within
      --timeout (stopped, busy, exited meanwhile); every other process was still served
-  2  usage error, or no process matches a TARGET";
+  2  usage error, no process matches a TARGET, or the socket folder is unsafe (another user's,
+     or open to others: tms-ctl says how to fix it)";
 
 #[derive(Parser)]
 #[command(name = "tms-ctl", version, about = "Pause, resume and inspect processes that run with libtms_hook.so", after_help = AFTER_HELP)]
@@ -165,8 +166,20 @@ fn run(cli: &Cli) -> Result<u8, Failure> {
     }
 }
 
-/// Live sockets; stale ones (their process is gone) are removed.
+/// Live sockets; stale ones (their process is gone) are removed. A folder another user could
+/// have made or can write to is refused, saying so: a squatted folder would otherwise look
+/// like a machine without hooked processes.
 fn alive(ctx: &Ctx) -> Result<Vec<SocketEntry>, Failure> {
+    match tms_proto::check_socket_dir(&ctx.dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(usage(format!(
+                "refusing the socket folder: {e}. Hooked processes do not serve a socket there either \
+                 (their log says so)"
+            )));
+        }
+    }
     let (live, stale): (Vec<_>, Vec<_>) = tms_proto::list_sockets(&ctx.dir).into_iter().partition(|s| s.alive);
     for s in stale {
         let _ = std::fs::remove_file(tms_proto::name_file(&s.path));
@@ -232,7 +245,11 @@ fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>,
     if all && !targets.is_empty() {
         return Err(usage("give TARGETs or --all, not both"));
     }
-    let live = alive(ctx)?;
+    // A socket path is reached directly: the folder scan (and its ownership check, which a
+    // root-owned folder fails for another user who may still be allowed the socket) is not
+    // needed.
+    let live =
+        if !all && !targets.is_empty() && targets.iter().all(|t| t.contains('/')) { Vec::new() } else { alive(ctx)? };
     if all {
         if live.is_empty() {
             return Err(usage(format!("no hooked process has a socket in {}", ctx.dir.display())));

@@ -10,7 +10,7 @@ use crate::saver::{Error, Report};
 use crate::{region, saver};
 use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -79,23 +79,7 @@ pub fn secure_dir(dir: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    let md = std::fs::symlink_metadata(dir)?;
-    // SAFETY: getuid cannot fail.
-    let uid = unsafe { libc::getuid() };
-    if !md.file_type().is_dir() {
-        return Err(std::io::Error::other(format!("{} is not a real directory", dir.display())));
-    }
-    if md.uid() != uid {
-        return Err(std::io::Error::other(format!("{} is owned by uid {}, not {uid}", dir.display(), md.uid())));
-    }
-    if md.mode() & 0o077 != 0 {
-        return Err(std::io::Error::other(format!(
-            "{} has mode {:o}; it must not be accessible to group or others (chmod 700)",
-            dir.display(),
-            md.mode() & 0o777
-        )));
-    }
-    Ok(())
+    tms_proto::check_socket_dir(dir)
 }
 
 extern "C" fn remove_socket_at_exit() {
@@ -432,6 +416,7 @@ fn operation_reply(tag: Option<String>, report: &Report) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     #[test]
     fn only_the_same_user_or_root_is_served() {

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::FromRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -327,16 +328,58 @@ impl Reply {
 
 // ---- discovery --------------------------------------------------------------------------------
 
-/// The control socket folder: `$TMS_CONTROL_DIR`, else `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-$UID`.
+/// The control socket folder: `$TMS_CONTROL_DIR`, else `$XDG_RUNTIME_DIR/tms` when
+/// `$XDG_RUNTIME_DIR` is a private folder of ours, else `/tmp/tms-$UID`.
 pub fn socket_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("TMS_CONTROL_DIR").filter(|d| !d.is_empty()) {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    socket_dir_from(std::env::var_os("TMS_CONTROL_DIR"), std::env::var_os("XDG_RUNTIME_DIR"), uid)
+}
+
+/// `socket_dir` with its inputs given. An `XDG_RUNTIME_DIR` that is not ours or is open to
+/// others (a stale value after `su`, a shared folder) is passed over: a socket put there could be
+/// replaced or squatted by someone else.
+pub fn socket_dir_from(control_dir: Option<std::ffi::OsString>, xdg: Option<std::ffi::OsString>, uid: u32) -> PathBuf {
+    if let Some(d) = control_dir.filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
     }
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("tms");
+    if let Some(d) = xdg.filter(|d| !d.is_empty()).map(PathBuf::from)
+        && let Ok(md) = std::fs::metadata(&d)
+        && md.is_dir()
+        && md.uid() == uid
+        && md.mode() & 0o077 == 0
+    {
+        return d.join("tms");
     }
+    PathBuf::from(format!("/tmp/tms-{uid}"))
+}
+
+/// Whether `dir` is safe to hold control sockets: a real directory (not a symlink) owned by
+/// this user with no group or other access. Anything else may be another user's, who could
+/// replace our sockets or read what we serve; the error says what is wrong and how to fix it.
+pub fn check_socket_dir(dir: &Path) -> std::io::Result<()> {
+    let md = std::fs::symlink_metadata(dir)?;
     // SAFETY: getuid cannot fail.
-    PathBuf::from(format!("/tmp/tms-{}", unsafe { libc::getuid() }))
+    let uid = unsafe { libc::getuid() };
+    let fix = "remove it (as its owner or root) or point TMS_CONTROL_DIR at a private folder";
+    if !md.file_type().is_dir() {
+        return Err(std::io::Error::other(format!("{} is not a real directory; {fix}", dir.display())));
+    }
+    if md.uid() != uid {
+        return Err(std::io::Error::other(format!(
+            "{} is owned by uid {}, not by this user (uid {uid}): another user created it; {fix}",
+            dir.display(),
+            md.uid()
+        )));
+    }
+    if md.mode() & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "{} has mode {:o}; it must not be accessible to group or others (chmod 700 {0})",
+            dir.display(),
+            md.mode() & 0o777
+        )));
+    }
+    Ok(())
 }
 
 /// The socket file name of a process: pid and start time (pid reuse cannot alias it).
@@ -675,6 +718,30 @@ mod tests {
         let huge = format!(r#"{{"op":"pause","tag":"{}"}}"#, "x".repeat(MAX_REQUEST_BYTES));
         assert_eq!(code(&huge), ErrorCode::TooLarge);
         assert_eq!(parse_request(br#"{"op":"pause","tag":""}"#).unwrap(), Request::Pause { tag: None });
+    }
+
+    #[test]
+    fn xdg_runtime_dir_is_used_only_when_private_and_ours() {
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let base = std::env::temp_dir().join(format!("tms-proto-xdg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let xdg = Some(base.clone().into_os_string());
+        let fallback = PathBuf::from(format!("/tmp/tms-{uid}"));
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(socket_dir_from(None, xdg.clone(), uid), base.join("tms"));
+        assert_eq!(socket_dir_from(Some("/x".into()), xdg.clone(), uid), PathBuf::from("/x"));
+        assert_eq!(
+            socket_dir_from(None, xdg.clone(), uid + 1),
+            fallback.clone().with_file_name(format!("tms-{}", uid + 1))
+        );
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(socket_dir_from(None, xdg, uid), fallback);
+        assert_eq!(socket_dir_from(None, Some("/nonexistent/run".into()), uid), fallback);
+        assert_eq!(socket_dir_from(None, None, uid), fallback);
+        std::fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]
