@@ -16,7 +16,8 @@ impl Saver {
     pub fn pause(&self, tag: Option<&str>) -> Report {
         let _op = lock(&self.operations);
         let start = Instant::now();
-        let tag = tag.map(region::intern);
+        let name = tag;
+        let tag = tag.map(region::lookup);
         let (mut jobs, mut report) = self.begin(tag, State::Active);
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };
@@ -36,7 +37,7 @@ impl Saver {
         self.spill_to_disk(&mut jobs);
         self.finish(jobs, &mut report, State::Paused, State::Active);
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
-        tracing::info!("tms: pause {:?}: {:?}", tag.map(region::tag_name), report);
+        tracing::info!("tms: pause {name:?}: {report:?}");
         report
     }
 

@@ -20,7 +20,8 @@ impl Saver {
     pub fn resume(&self, tag: Option<&str>) -> Report {
         let _op = lock(&self.operations);
         let start = Instant::now();
-        let tag = tag.map(region::intern);
+        let name = tag;
+        let tag = tag.map(region::lookup);
         let (jobs, mut report) = self.begin(tag, State::Paused);
         let (mut jobs, unreadable) = self.load_from_disk(jobs, &mut report);
         let margin = if config().resume_keeps_margin { self.margin() } else { 0 };
@@ -90,11 +91,11 @@ impl Saver {
             Some(e) => tracing::warn!(
                 "tms: resume {:?} left {} allocation(s), {} bytes, paused: {e}; their contents are \
                  kept, free device memory and resume again",
-                tag.map(region::tag_name),
+                name,
                 report.allocations_failed,
                 report.bytes_failed
             ),
-            None => tracing::info!("tms: resume {:?}: {:?}", tag.map(region::tag_name), report),
+            None => tracing::info!("tms: resume {name:?}: {report:?}"),
         }
         report
     }
