@@ -52,6 +52,9 @@ struct Job {
     addr: u64,
     a: Allocation,
     ok: bool,
+    /// Not `ok`, yet left paused (a pause that failed part-way and could not be undone parks
+    /// the allocation with its contents safe): counted failed, with the error, but paused.
+    parked: bool,
 }
 
 impl Default for Saver {
@@ -174,7 +177,7 @@ impl Saver {
                 continue;
             }
             if a.state == want {
-                jobs.push(Job { addr, a: a.clone(), ok: false });
+                jobs.push(Job { addr, a: a.clone(), ok: false, parked: false });
                 a.state = State::Busy;
             } else {
                 report.allocations_skipped += 1;
@@ -192,7 +195,7 @@ impl Saver {
                 report.allocations_done += 1;
                 report.bytes_done += job.a.rounded as u64;
             } else {
-                job.a.state = undone_state;
+                job.a.state = if job.parked { done_state } else { undone_state };
                 report.allocations_failed += 1;
                 report.bytes_failed += job.a.rounded as u64;
             }

@@ -129,8 +129,10 @@ impl Saver {
                     }
                 }
                 // Still mapped as a whole: active. Otherwise every piece keeps its handle, so
-                // it counts as paused and resume maps the same memory back.
-                return !j.a.all_mapped() && Self::park(dev, j, report);
+                // it stays paused and resume maps the same memory back; either way the pause
+                // of this allocation failed and is counted so, next to its error.
+                j.parked = !j.a.all_mapped() && Self::park(dev, j, report);
+                return false;
             }
         }
         for p in 0..j.a.pieces.len() {
@@ -211,6 +213,10 @@ impl Saver {
                             .copy_to_device_async(c.device_addr, c.host, c.len, stream)
                             .and_then(|()| dev.stream_synchronize(stream))
                     {
+                        // The copy may still be running: it must end before the piece is
+                        // unmapped below, and its error must not stay on the stream for the next
+                        // resume to fail on.
+                        backup::drain_after_error(dev, stream);
                         problem = Some(e);
                         break;
                     }
@@ -233,7 +239,7 @@ impl Saver {
             }
         }
         j.a.backup_valid = true;
-        j.ok = true;
+        j.parked = true;
     }
 
     /// Moves paused disk-backed contents from their staging buffers to files. A write that fails
