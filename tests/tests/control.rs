@@ -210,8 +210,11 @@ fn stale_sockets_of_dead_processes_are_reaped() {
         .unwrap();
     let stale = dir.join(tms_proto::socket_name(4_000_000, 1));
     let _l = std::os::unix::net::UnixListener::bind(&stale).unwrap();
+    let orphan = tms_proto::name_file(&dir.join(tms_proto::socket_name(4_000_001, 1)));
+    std::fs::write(&orphan, "gone").unwrap();
     let out = node.ctl(&["list"]).output().unwrap();
     assert!(!stale.exists(), "stale socket still there");
+    assert!(!orphan.exists(), "the name file of a process without socket or life is still there");
     assert!(String::from_utf8_lossy(&out.stderr).contains("removed stale socket"));
     let watch = run_ok(&mut node.ctl(&["watch", "--count", "2", "--interval", "0.05"]));
     assert_eq!(watch.matches("tms-ctl watch: 0 process(es)").count(), 2, "{watch}");
@@ -423,6 +426,13 @@ fn stopped_processes_delay_no_one_and_are_reported_as_not_responding() {
     assert_eq!(out.matches("not responding within 3s").count(), 2, "{out}");
     assert!(out.contains("stopped") && out.contains("kill -CONT"), "{out}");
 
+    for args in [&["status"][..], &["watch", "--count", "1"][..]] {
+        let mut cmd = node.ctl(&["--timeout", "3"]);
+        cmd.args(args);
+        let (took, _, out, err) = timed(cmd);
+        assert!(took < Duration::from_millis(5000), "{args:?} took {took:?}");
+        assert_eq!(out.matches("not responding within 3s").count(), 2, "{args:?}: {out}{err}");
+    }
     let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "pause", "--all"]));
     assert_eq!(code, 1, "{out}{err}");
     assert!(took < Duration::from_millis(5000), "pause --all took {took:?}");

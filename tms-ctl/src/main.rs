@@ -180,6 +180,19 @@ fn alive(ctx: &Ctx) -> Result<Vec<SocketEntry>, Failure> {
             )));
         }
     }
+    // Name files whose socket went without them (a launcher removing its workers' sockets):
+    // once their process is gone nothing else would remove them.
+    for e in std::fs::read_dir(&ctx.dir).into_iter().flatten().flatten() {
+        let sock = e.path().with_extension("sock");
+        let Some(name) = sock.file_name().and_then(|n| n.to_str()) else { continue };
+        if e.path().extension().is_some_and(|x| x == "name")
+            && !sock.exists()
+            && let Some((pid, start)) = tms_proto::parse_socket_name(name)
+            && tms_proto::process_start_time(pid) != Some(start)
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
     let (live, stale): (Vec<_>, Vec<_>) = tms_proto::list_sockets(&ctx.dir).into_iter().partition(|s| s.alive);
     for s in stale {
         let _ = std::fs::remove_file(tms_proto::name_file(&s.path));
