@@ -12,7 +12,8 @@ use tms_proto::{ClientError, ErrorCode, OpReport, Request, Settings, SocketEntry
 const AFTER_HELP: &str = "\
 TARGET is a pid, a TMS_NAME (every process with that name), or a socket path.
 
-Sockets live in $TMS_CONTROL_DIR, else $XDG_RUNTIME_DIR/tms, else /tmp/tms-$UID (override: --dir).
+Sockets live in $TMS_CONTROL_DIR, else $XDG_RUNTIME_DIR/tms (when $XDG_RUNTIME_DIR is ours and
+0700), else /tmp/tms-$UID (override: --dir).
 A hooked process serves one from its first region allocation on (TMS_CONTROL=1: from its first
 hooked call; TMS_CONTROL=0: never). Only the same user or root is served.
 
@@ -29,7 +30,8 @@ Exit codes:
 #[derive(Parser)]
 #[command(name = "tms-ctl", version, about = "Pause, resume and inspect processes that run with libtms_hook.so", after_help = AFTER_HELP)]
 struct Cli {
-    /// Seconds to wait for each process's reply (above 0, at most 86400).
+    /// Seconds each process has to answer, connect to reply (above 0, at most 86400); processes
+    /// are asked at the same time.
     #[arg(long, global = true, default_value_t = 30.0)]
     timeout: f64,
     /// Socket folder (default: $TMS_CONTROL_DIR, $XDG_RUNTIME_DIR/tms, or /tmp/tms-$UID).
