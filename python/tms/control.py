@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import socket
+import stat
 import sys
 
 PROTOCOL_VERSION = 1
@@ -39,8 +40,14 @@ def socket_dir():
     if d:
         return d
     x = os.environ.get("XDG_RUNTIME_DIR")
+    # As the hook decides (tms_proto::socket_dir): only a private folder of ours.
     if x:
-        return os.path.join(x, "tms")
+        try:
+            st = os.stat(x)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077 == 0:
+                return os.path.join(x, "tms")
+        except OSError:
+            pass
     return f"/tmp/tms-{os.getuid()}"
 
 

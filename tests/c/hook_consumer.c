@@ -427,6 +427,47 @@ static int faults(size_t size, int nth) {
   return 0;
 }
 
+/* Synchronizes fail while a pause backs up three allocations of two pieces each (`spec`, e.g.
+ * every stream synchronize from the second on, or one of them and the restore that would undo
+ * it): the report agrees with itself (done + failed = 3, an error only next to failures, what
+ * is paused at least what is done), and once the faults are gone the next resume brings every
+ * paused allocation back at once, not failing on an error the pause left on a stream. */
+static int sync_fault(const char *spec) {
+  region("s", 1);
+  void *p[3];
+  uint64_t sum[3];
+  for (int i = 0; i < 3; i++) {
+    EXPECT(dev_malloc(&p[i], 4 * MiB), 0);
+    dev_fill(p[i], 4 * MiB, 11u + (unsigned)i);
+    sum[i] = dev_checksum(p[i], 4 * MiB);
+  }
+  sim_faults(spec);
+  tms_report r;
+  int code = TMS(tms_pause_report)("s", &r);
+  sim_faults("");
+  tms_tag_status st;
+  size_t n;
+  EXPECT(TMS(tms_status)(&st, 1, &n), 0);
+  printf("pause rc=%d done=%llu failed=%llu driver=%d paused=%llu\n", code, (unsigned long long)r.allocations_done,
+         (unsigned long long)r.allocations_failed, r.driver_error, (unsigned long long)st.allocations_paused);
+  if (code == 0) { fprintf(stderr, "pause with %s reported success\n", spec); return 1; }
+  EXPECT(r.allocations_done + r.allocations_failed, 3);
+  EXPECT(r.allocations_failed > 0, 1);
+  EXPECT(st.allocations_paused >= r.allocations_done, 1);
+  code = TMS(tms_resume_report)("s", &r);
+  printf("resume rc=%d done=%llu failed=%llu driver=%d\n", code, (unsigned long long)r.allocations_done,
+         (unsigned long long)r.allocations_failed, r.driver_error);
+  EXPECT(code, 0);
+  EXPECT(r.allocations_done, st.allocations_paused);
+  for (int i = 0; i < 3; i++) {
+    EXPECT(dev_checksum(p[i], 4 * MiB) == sum[i], 1);
+    EXPECT(dev_free(p[i]), 0);
+  }
+  TMS(tms_release_cpu_backups)(NULL);
+  printf("sync-fault ok\n");
+  return 0;
+}
+
 /* ---- concurrency ------------------------------------------------------------------------------ */
 static volatile int stop;
 
@@ -946,6 +987,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "oom-resume")) return oom_resume();
   if (!strcmp(m, "faults")) return faults((argc > 3 ? atol(argv[3]) : 4) * MiB, argc > 4 ? atoi(argv[4]) : 1);
   if (!strcmp(m, "rollback-fails")) return rollback_fails();
+  if (!strcmp(m, "sync-fault")) return sync_fault(argc > 3 ? argv[3] : "");
   if (!strcmp(m, "threads")) return threads(argc > 3 ? atol(argv[3]) : 1000);
   if (!strcmp(m, "serve")) return serve();
   if (!strcmp(m, "fork")) return fork_child();

@@ -205,10 +205,16 @@ fn stale_sockets_of_dead_processes_are_reaped() {
     let node = SimNode::new("1GiB");
     let dir = node.control_dir();
     std::fs::create_dir_all(&dir).unwrap();
+    // As the hook makes it: private.
+    std::fs::set_permissions(&dir, <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o700))
+        .unwrap();
     let stale = dir.join(tms_proto::socket_name(4_000_000, 1));
     let _l = std::os::unix::net::UnixListener::bind(&stale).unwrap();
+    let orphan = tms_proto::name_file(&dir.join(tms_proto::socket_name(4_000_001, 1)));
+    std::fs::write(&orphan, "gone").unwrap();
     let out = node.ctl(&["list"]).output().unwrap();
     assert!(!stale.exists(), "stale socket still there");
+    assert!(!orphan.exists(), "the name file of a process without socket or life is still there");
     assert!(String::from_utf8_lossy(&out.stderr).contains("removed stale socket"));
     let watch = run_ok(&mut node.ctl(&["watch", "--count", "2", "--interval", "0.05"]));
     assert_eq!(watch.matches("tms-ctl watch: 0 process(es)").count(), 2, "{watch}");
@@ -373,4 +379,227 @@ fn the_socket_of_a_zombie_is_stale_not_a_failure() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(node.ctl(&["resume", "--all"]).status().unwrap().success());
     live.quit();
+}
+
+/// CPU time (user + system, clock ticks) a process has used so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+fn timed(mut cmd: Command) -> (Duration, i32, String, String) {
+    let start = Instant::now();
+    let out = cmd.output().unwrap();
+    (
+        start.elapsed(),
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn stopped_processes_delay_no_one_and_are_reported_as_not_responding() {
+    // Processes used to be asked one after the other: each stopped one added the whole timeout to
+    // list, pause --all and even `pause OTHERNAME`, and all it said was "Resource temporarily
+    // unavailable".
+    let node = SimNode::new("1GiB");
+    let mut live = Served::start_with(&node, "cuda", &[("TMS_NAME", "live")]);
+    assert_eq!(live.ask("alloc 8"), "rc=0");
+    socket_of(&node, live.pid());
+    let mut frozen = Vec::new();
+    for name in ["frozen-a", "frozen-b"] {
+        let mut f = Served::start_with(&node, "cuda", &[("TMS_NAME", name)]);
+        assert_eq!(f.ask("alloc 8"), "rc=0");
+        socket_of(&node, f.pid());
+        frozen.push(f);
+    }
+    for f in &frozen {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(f.pid() as i32, libc::SIGSTOP) };
+    }
+    let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "list"]));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(took < Duration::from_millis(5000), "list took {took:?}");
+    assert!(out.contains("live"), "{out}");
+    assert_eq!(out.matches("not responding within 3s").count(), 2, "{out}");
+    assert!(out.contains("stopped") && out.contains("kill -CONT"), "{out}");
+
+    for args in [&["status"][..], &["watch", "--count", "1"][..]] {
+        let mut cmd = node.ctl(&["--timeout", "3"]);
+        cmd.args(args);
+        let (took, _, out, err) = timed(cmd);
+        assert!(took < Duration::from_millis(5000), "{args:?} took {took:?}");
+        assert_eq!(out.matches("not responding within 3s").count(), 2, "{args:?}: {out}{err}");
+    }
+    let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "pause", "--all"]));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(took < Duration::from_millis(5000), "pause --all took {took:?}");
+    let line = out.lines().find(|l| l.starts_with(&format!("pid {}:", live.pid()))).unwrap_or_default();
+    assert!(line.contains("paused 1 allocations"), "{out}");
+
+    // Picking a process by name waits for no one else: names are read from the socket folder.
+    let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "resume", "live"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(took < Duration::from_millis(2500), "resume live took {took:?}");
+    assert!(out.contains("resumed 1 allocations"), "{out}");
+
+    for f in &mut frozen {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(f.pid() as i32, libc::SIGCONT) };
+        assert_eq!(f.ask("info").split(' ').next(), Some("rc=0"));
+    }
+    // What the stopped processes were sent while tms-ctl waited is not done once they go on:
+    // tms-ctl has reported them as not responding.
+    std::thread::sleep(Duration::from_millis(500));
+    let (code, list) = json(node.ctl(&["list", "--json"]));
+    assert_eq!(code, 0, "{list}");
+    assert_eq!(list.as_array().unwrap().len(), 3, "{list}");
+    for row in list.as_array().unwrap() {
+        assert_eq!(row["status"]["tags"][0]["bytes_active"], 8 * MIB, "{list}");
+    }
+    for f in frozen {
+        f.quit();
+    }
+    live.quit();
+}
+
+#[test]
+fn clients_over_the_limit_are_told_busy_and_a_trickling_client_loses_its_slot() {
+    let node = SimNode::new("1GiB").env("TMS_CONTROL_TIMEOUT_MS", "1500");
+    let mut app = Served::start_with(&node, "cuda", &[("TMS_NAME", "app")]);
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    // 32 silent connections take every slot: the next client gets `busy` (it used to get
+    // ECONNRESET, and tms-ctl then said no process matched), and tms-ctl says so.
+    let silent: Vec<UnixStream> = (0..32).map(|_| UnixStream::connect(&sock).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut s = UnixStream::connect(&sock).unwrap();
+    // The answer may come before the request is written: busy is said without reading.
+    let _ = s.write_all(b"{\"op\":\"ping\"}\n");
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.contains("\"busy\""), "{reply}");
+    let (_, code, out, err) = timed(node.ctl(&["--timeout", "0.5", "ping", "app"]));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("busy"), "{out}{err}");
+    drop(silent);
+
+    // The deadline is for the whole request, not for each read: one byte every 300 ms used to
+    // hold a slot for as long as the client liked.
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let start = Instant::now();
+    let mut reply = Vec::new();
+    for byte in b"{\"op\":\"ping\"      ".iter().cycle() {
+        let _ = s.write_all(&[*byte]);
+        let mut buf = [0u8; 512];
+        match s.read(&mut buf) {
+            Ok(n) if n > 0 => reply.extend_from_slice(&buf[..n]),
+            _ => {}
+        }
+        if reply.ends_with(b"\n") || start.elapsed() > Duration::from_secs(6) {
+            break;
+        }
+    }
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.contains("\"timeout\""), "after {:?}: {reply}", start.elapsed());
+    assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+
+    // A repeated field is a bad request, not the last one winning.
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.write_all(b"{\"op\":\"ping\",\"op\":\"pause\"}\n").unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.contains("bad_request") && reply.contains("appears twice"), "{reply}");
+    let st = tms_proto::status(&sock, Duration::from_secs(5)).unwrap();
+    assert_eq!(st.tags[0].allocations_active, 1);
+    app.quit();
+}
+
+#[test]
+fn out_of_file_descriptors_the_server_backs_off_instead_of_spinning() {
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    let sock = socket_of(&node, app.pid());
+    let pid = app.pid();
+    // The limit bounds descriptor numbers: below the lowest free one, no new descriptor fits.
+    let used: Vec<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let open = (0..).find(|n| !used.contains(n)).unwrap();
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let tight = libc::rlimit { rlim_cur: open, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: reads and sets the limit of our own child.
+    unsafe {
+        assert_eq!(libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old), 0);
+        let tight = libc::rlimit { rlim_max: old.rlim_max, ..tight };
+        assert_eq!(libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &tight, std::ptr::null_mut()), 0);
+    }
+    // A pending connection it cannot accept (EMFILE): accept fails again at once, for ever.
+    let mut waiting = UnixStream::connect(&sock).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(1));
+    let spent = cpu_ticks(pid) - before;
+    assert!(spent < 20, "{spent} ticks of CPU in 1 s without a file descriptor to spare");
+    // SAFETY: as above.
+    unsafe { assert_eq!(libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &old, std::ptr::null_mut()), 0) };
+    // Once descriptors are back the waiting client is served.
+    waiting.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    waiting.write_all(b"{\"op\":\"ping\"}\n").unwrap();
+    let mut reply = String::new();
+    waiting.read_to_string(&mut reply).unwrap();
+    assert!(reply.contains("pong"), "{reply}");
+    app.quit();
+}
+
+#[test]
+fn a_margin_of_u64_max_set_from_outside_refuses_instead_of_wrapping() {
+    let node = SimNode::new("1GiB");
+    let mut app = Served::start(&node, "cuda");
+    assert_eq!(app.ask("alloc 8"), "rc=0");
+    socket_of(&node, app.pid());
+    let pid = app.pid().to_string();
+    run_ok(&mut node.ctl(&["set", "--margin", "18446744073709551615", &pid]));
+    assert_eq!(app.ask("alloc 64"), "rc=2");
+    run_ok(&mut node.ctl(&["set", "--margin", "0", &pid]));
+    assert_eq!(app.ask("alloc 64"), "rc=0");
+    app.quit();
+}
+
+#[test]
+fn a_socket_folder_open_to_others_is_reported_loudly_with_the_fix() {
+    // Another user may create /tmp/tms-$UID first: every process then silently served no socket
+    // and `tms-ctl list` said "no hooked processes" with exit 0.
+    use std::os::unix::fs::PermissionsExt;
+    let node = SimNode::new("1GiB");
+    std::fs::create_dir_all(node.control_dir()).unwrap();
+    std::fs::set_permissions(node.control_dir(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["serve".into(), "cuda".into()]);
+    let mut child = node
+        .hooked(&argv)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "alloc 8").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    writeln!(stdin, "quit").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("control socket unavailable") && log.contains("chmod 700"), "{log}");
+
+    let out = node.ctl(&["list"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(node.control_dir().to_str().unwrap()) && err.contains("chmod 700"), "{err}");
+    let out = node.ctl(&["pause", "--all"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
 }

@@ -298,3 +298,20 @@ fn a_margin_of_the_whole_address_space_refuses_instead_of_wrapping() {
     assert_eq!(app.ask("alloc 64"), "rc=2");
     app.quit();
 }
+
+#[test]
+fn a_pause_that_fails_on_a_stream_synchronize_reports_consistently_and_leaves_no_stale_error() {
+    // The restore that undoes a failed backup was not drained when its own synchronize failed:
+    // the copy's fault stayed on the stream and the next resume failed on it (700) and resumed
+    // nothing. And allocations parked paused after such a failure were counted done next to
+    // the error (done=3 failed=0, rc=3).
+    for (api, spec) in [
+        ("cuda", "cuStreamSynchronize:2+:700"),
+        ("cuda", "cuStreamSynchronize:2:700,cuMemcpyHtoDAsync_v2:1:700"),
+        ("acl", "aclrtSynchronizeStream:2+:107000"),
+    ] {
+        let node = SimNode::new("256MiB").env("TMS_PHYSICAL_CHUNK_MB", "2").env("TMS_BACKUP_CHUNK_MB", "2");
+        let out = hooked(&node, Style::Linked, &["sync-fault", api, spec]);
+        assert!(out.contains("sync-fault ok"), "{spec}: {out}");
+    }
+}

@@ -3,27 +3,35 @@
 use clap::{CommandFactory, Parser, Subcommand};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
-use tms_proto::{ClientError, OpReport, Request, Settings, SocketEntry, Status};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tms_proto::{ClientError, ErrorCode, OpReport, Request, Settings, SocketEntry, Status};
 
 const AFTER_HELP: &str = "\
 TARGET is a pid, a TMS_NAME (every process with that name), or a socket path.
 
-Sockets live in $TMS_CONTROL_DIR, else $XDG_RUNTIME_DIR/tms, else /tmp/tms-$UID (override: --dir).
+Sockets live in $TMS_CONTROL_DIR, else $XDG_RUNTIME_DIR/tms (when $XDG_RUNTIME_DIR is ours and
+0700), else /tmp/tms-$UID (override: --dir).
 A hooked process serves one from its first region allocation on (TMS_CONTROL=1: from its first
 hooked call; TMS_CONTROL=0: never). Only the same user or root is served.
 
+Processes are asked at the same time, each within --timeout: one that is stopped (SIGSTOP, a
+debugger) or too busy is reported as not responding and delays the others by nothing.
+
 Exit codes:
-  0  success
-  1  an operation failed (error reply, out of memory on resume, unreachable process)
-  2  usage error, or no process matches a TARGET";
+  0  success: every process asked answered, and every operation succeeded
+  1  some process failed: an error reply (e.g. out of memory on resume), or no answer within
+     --timeout (stopped, busy, exited meanwhile); every other process was still served
+  2  usage error, no process matches a TARGET, or the socket folder is unsafe (another user's,
+     or open to others: tms-ctl says how to fix it)";
 
 #[derive(Parser)]
 #[command(name = "tms-ctl", version, about = "Pause, resume and inspect processes that run with libtms_hook.so", after_help = AFTER_HELP)]
 struct Cli {
-    /// Seconds to wait for each process's reply (above 0, at most 86400).
+    /// Seconds each process has to answer, connect to reply (above 0, at most 86400); processes
+    /// are asked at the same time.
     #[arg(long, global = true, default_value_t = 30.0)]
     timeout: f64,
     /// Socket folder (default: $TMS_CONTROL_DIR, $XDG_RUNTIME_DIR/tms, or /tmp/tms-$UID).
@@ -138,7 +146,7 @@ fn run(cli: &Cli) -> Result<u8, Failure> {
     match &cli.command {
         Command::List => list(&ctx),
         Command::Status { targets } => {
-            let procs = if targets.is_empty() { alive(&ctx) } else { resolve(&ctx, targets, false)? };
+            let procs = if targets.is_empty() { alive(&ctx)? } else { resolve(&ctx, targets, false)? };
             show_status(&ctx, &procs)
         }
         Command::Pause { tag, all, targets } => operate(&ctx, &resolve(&ctx, targets, *all)?, tag.as_deref(), true),
@@ -160,22 +168,103 @@ fn run(cli: &Cli) -> Result<u8, Failure> {
     }
 }
 
-/// Live sockets; stale ones (their process is gone) are removed.
-fn alive(ctx: &Ctx) -> Vec<SocketEntry> {
+/// Live sockets; stale ones (their process is gone) are removed. A folder another user could
+/// have made or can write to is refused, saying so: a squatted folder would otherwise look
+/// like a machine without hooked processes.
+fn alive(ctx: &Ctx) -> Result<Vec<SocketEntry>, Failure> {
+    match tms_proto::check_socket_dir(&ctx.dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(usage(format!(
+                "refusing the socket folder: {e}. Hooked processes do not serve a socket there either \
+                 (their log says so)"
+            )));
+        }
+    }
+    // Name files whose socket went without them (a launcher removing its workers' sockets):
+    // once their process is gone nothing else would remove them.
+    for e in std::fs::read_dir(&ctx.dir).into_iter().flatten().flatten() {
+        let sock = e.path().with_extension("sock");
+        let Some(name) = sock.file_name().and_then(|n| n.to_str()) else { continue };
+        if e.path().extension().is_some_and(|x| x == "name")
+            && !sock.exists()
+            && let Some((pid, start)) = tms_proto::parse_socket_name(name)
+            && tms_proto::process_start_time(pid) != Some(start)
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
     let (live, stale): (Vec<_>, Vec<_>) = tms_proto::list_sockets(&ctx.dir).into_iter().partition(|s| s.alive);
     for s in stale {
+        let _ = std::fs::remove_file(tms_proto::name_file(&s.path));
         if std::fs::remove_file(&s.path).is_ok() && !ctx.json {
             eprintln!("tms-ctl: removed stale socket of exited pid {} ({})", s.pid, s.path.display());
         }
     }
-    live
+    Ok(live)
+}
+
+/// Why a process gave no answer, in the words an operator acts on.
+fn describe(pid: u32, e: &ClientError) -> String {
+    match e {
+        ClientError::Io(io) if io.kind() == std::io::ErrorKind::TimedOut => {
+            let why = match tms_proto::process_state(pid) {
+                Some('T' | 't') => format!(" (the process is stopped: `kill -CONT {pid}` resumes it)"),
+                None | Some('Z' | 'X' | 'x') => " (the process exited)".to_string(),
+                Some(_) => " (frozen or hung?)".to_string(),
+            };
+            format!("{io}{why}")
+        }
+        ClientError::Remote(p) if p.code == ErrorCode::Busy => {
+            format!("{p}: the process is serving too many control connections; try again")
+        }
+        other => other.to_string(),
+    }
+}
+
+type Ask<T> = Arc<dyn Fn(&Path) -> Result<T, ClientError> + Send + Sync>;
+
+/// Asks every process at once and waits at most the timeout (plus a little) for all of them:
+/// one that never answers costs its own row, not everyone's time. Results in `procs` order.
+fn ask_all<T: Send + 'static>(ctx: &Ctx, procs: &[SocketEntry], ask: Ask<T>) -> Vec<Result<T, String>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut out: Vec<Option<Result<T, String>>> = procs.iter().map(|_| None).collect();
+    for (i, p) in procs.iter().enumerate() {
+        let (tx, mine, path, pid) = (tx.clone(), ask.clone(), p.path.clone(), p.pid);
+        let work = move || {
+            let r = mine(&path).map_err(|e| describe(pid, &e));
+            let _ = tx.send((i, r));
+        };
+        if std::thread::Builder::new().name("tms-ctl-ask".into()).spawn(work).is_err() {
+            out[i] = Some(ask(&p.path).map_err(|e| describe(p.pid, &e)));
+        }
+    }
+    drop(tx);
+    // The client's own deadline ends each call; the grace only covers scheduling.
+    let deadline = Instant::now() + ctx.timeout + Duration::from_millis(500);
+    while out.iter().any(Option::is_none) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((i, r)) => out[i] = Some(r),
+            Err(_) => break,
+        }
+    }
+    out.into_iter()
+        .zip(procs)
+        .map(|(r, p)| r.unwrap_or_else(|| Err(describe(p.pid, &ClientError::Io(tms_proto::timed_out(ctx.timeout))))))
+        .collect()
 }
 
 fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>, Failure> {
     if all && !targets.is_empty() {
         return Err(usage("give TARGETs or --all, not both"));
     }
-    let live = alive(ctx);
+    // A socket path is reached directly: the folder scan (and its ownership check, which a
+    // root-owned folder fails for another user who may still be allowed the socket) is not
+    // needed.
+    let live =
+        if !all && !targets.is_empty() && targets.iter().all(|t| t.contains('/')) { Vec::new() } else { alive(ctx)? };
     if all {
         if live.is_empty() {
             return Err(usage(format!("no hooked process has a socket in {}", ctx.dir.display())));
@@ -184,6 +273,21 @@ fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>,
     }
     if targets.is_empty() {
         return Err(usage("no TARGET given (a pid, a TMS_NAME, a socket path, or --all)"));
+    }
+    // Names come from the files beside the sockets; only processes without one (older hooks)
+    // are asked, all at once, so a stopped process delays a name lookup by one timeout at most
+    // and never one that does not need it.
+    let mut names: Vec<Option<Result<Option<String>, String>>> =
+        live.iter().map(|s| tms_proto::read_name(&s.path).map(Ok)).collect();
+    if targets.iter().any(|t| !t.contains('/') && t.parse::<u32>().is_err()) {
+        let unknown: Vec<SocketEntry> =
+            live.iter().zip(&names).filter(|(_, n)| n.is_none()).map(|(s, _)| s.clone()).collect();
+        let timeout = ctx.timeout;
+        let asked = ask_all(ctx, &unknown, Arc::new(move |p: &Path| tms_proto::status(p, timeout).map(|s| s.name)));
+        let mut asked = asked.into_iter();
+        for n in names.iter_mut().filter(|n| n.is_none()) {
+            *n = asked.next();
+        }
     }
     let mut out: Vec<SocketEntry> = Vec::new();
     for t in targets {
@@ -196,13 +300,31 @@ fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>,
             live.iter().filter(|s| s.pid == pid).cloned().collect()
         } else {
             live.iter()
-                .filter(|s| {
-                    tms_proto::status(&s.path, ctx.timeout).ok().and_then(|st| st.name).as_deref() == Some(t.as_str())
-                })
-                .cloned()
+                .zip(&names)
+                .filter(|(_, n)| matches!(n, Some(Ok(Some(name))) if name == t))
+                .map(|(s, _)| s.clone())
                 .collect()
         };
         if found.is_empty() {
+            let unnamed: Vec<String> = live
+                .iter()
+                .zip(&names)
+                .filter_map(|(s, n)| match n {
+                    Some(Err(e)) => Some(format!("pid {}: {e}", s.pid)),
+                    _ => None,
+                })
+                .collect();
+            if !t.contains('/') && t.parse::<u32>().is_err() && !unnamed.is_empty() {
+                // It may be one of those: that is a failure to reach, not a wrong name.
+                return Err(Failure {
+                    code: 1,
+                    message: format!(
+                        "no responding process is named {t:?}; the name of {} is unknown: {}",
+                        if unnamed.len() == 1 { "one process" } else { "some processes" },
+                        unnamed.join("; ")
+                    ),
+                });
+            }
             return Err(usage(format!(
                 "no hooked process matches {t:?} in {}; `tms-ctl list` shows the running ones",
                 ctx.dir.display()
@@ -239,16 +361,16 @@ struct ProcessRow {
 }
 
 fn collect(ctx: &Ctx, procs: &[SocketEntry]) -> Vec<ProcessRow> {
+    let timeout = ctx.timeout;
+    let answers = ask_all(ctx, procs, Arc::new(move |p: &Path| tms_proto::status(p, timeout)));
     procs
         .iter()
-        .map(|p| {
-            let r = tms_proto::status(&p.path, ctx.timeout);
-            ProcessRow {
-                pid: p.pid,
-                socket: p.path.display().to_string(),
-                error: r.as_ref().err().map(|e| e.to_string()),
-                status: r.ok(),
-            }
+        .zip(answers)
+        .map(|(p, r)| ProcessRow {
+            pid: p.pid,
+            socket: p.path.display().to_string(),
+            error: r.as_ref().err().cloned(),
+            status: r.ok(),
         })
         .collect()
 }
@@ -267,7 +389,7 @@ fn table(rows: &[ProcessRow]) -> String {
     ));
     for r in rows {
         let Some(st) = &r.status else {
-            out.push_str(&format!("{:<8} (unreachable: {})\n", r.pid, r.error.as_deref().unwrap_or("?")));
+            out.push_str(&format!("{:<8} (no answer: {})\n", r.pid, r.error.as_deref().unwrap_or("?")));
             continue;
         };
         let name = st.name.as_deref().map_or_else(|| "-".into(), printable);
@@ -300,7 +422,7 @@ fn table(rows: &[ProcessRow]) -> String {
 }
 
 fn list(ctx: &Ctx) -> Result<u8, Failure> {
-    let rows = collect(ctx, &alive(ctx));
+    let rows = collect(ctx, &alive(ctx)?);
     if ctx.json {
         println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
     } else if rows.is_empty() {
@@ -348,7 +470,7 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                         );
                     }
                 }
-                None => println!("pid {}: unreachable: {}", r.pid, r.error.as_deref().unwrap_or("?")),
+                None => println!("pid {}: no answer: {}", r.pid, r.error.as_deref().unwrap_or("?")),
             }
         }
     }
@@ -368,14 +490,13 @@ struct OpRow {
 
 fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> Result<u8, Failure> {
     let verb = if pause { "paused" } else { "resumed" };
+    let tag = tag.map(String::from);
+    let request = if pause { Request::Pause { tag } } else { Request::Resume { tag } };
+    let timeout = ctx.timeout;
+    let answers = ask_all(ctx, procs, Arc::new(move |p: &Path| tms_proto::call_full(p, &request, timeout)));
     let mut rows = Vec::new();
-    for p in procs {
-        let request = if pause {
-            Request::Pause { tag: tag.map(String::from) }
-        } else {
-            Request::Resume { tag: tag.map(String::from) }
-        };
-        let row = match tms_proto::call_full(&p.path, &request, ctx.timeout) {
+    for (p, answer) in procs.iter().zip(answers) {
+        let row = match answer {
             Ok((report, error)) => {
                 let report: Option<OpReport> = report.and_then(|v| serde_json::from_value(v).ok());
                 OpRow {
@@ -386,13 +507,9 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
                     error: error.map(|e| e.to_string()),
                 }
             }
-            Err(e) => OpRow {
-                pid: p.pid,
-                socket: p.path.display().to_string(),
-                ok: false,
-                report: None,
-                error: Some(e.to_string()),
-            },
+            Err(e) => {
+                OpRow { pid: p.pid, socket: p.path.display().to_string(), ok: false, report: None, error: Some(e) }
+            }
         };
         if !ctx.json {
             let mut line = format!("pid {}: ", row.pid);
@@ -412,7 +529,6 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
                 line.push_str(&format!("{}error: {e}", if row.report.is_some() { "; " } else { "" }));
             }
             println!("{line}");
-            let _ = std::io::stdout().flush();
         }
         rows.push(row);
     }
@@ -423,13 +539,14 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
 }
 
 fn simple(ctx: &Ctx, procs: &[SocketEntry], request: &Request) -> Result<u8, Failure> {
-    let mut failed = false;
+    let timeout = ctx.timeout;
+    let request = request.clone();
+    let answers = ask_all(ctx, procs, Arc::new(move |p: &Path| tms_proto::call(p, &request, timeout)));
+    let failed = answers.iter().any(Result::is_err);
     let mut rows = Vec::new();
-    for p in procs {
-        let r = tms_proto::call(&p.path, request, ctx.timeout);
-        failed |= r.is_err();
+    for (p, r) in procs.iter().zip(&answers) {
         if !ctx.json {
-            match &r {
+            match r {
                 Ok(_) => println!("pid {}: ok", p.pid),
                 Err(e) => println!("pid {}: error: {e}", p.pid),
             }
@@ -439,7 +556,7 @@ fn simple(ctx: &Ctx, procs: &[SocketEntry], request: &Request) -> Result<u8, Fai
             "socket": p.path.display().to_string(),
             "ok": r.is_ok(),
             "result": r.as_ref().ok(),
-            "error": r.as_ref().err().map(|e: &ClientError| e.to_string()),
+            "error": r.as_ref().err(),
         }));
     }
     if ctx.json {
@@ -455,7 +572,7 @@ fn watch(ctx: &Ctx, interval: f64, count: Option<u64>) -> Result<u8, Failure> {
     let tty = std::io::stdout().is_terminal();
     let mut n = 0u64;
     loop {
-        let rows = collect(ctx, &alive(ctx));
+        let rows = collect(ctx, &alive(ctx)?);
         if ctx.json {
             println!("{}", serde_json::to_string(&rows).expect("serializes"));
         } else {

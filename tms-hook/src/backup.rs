@@ -132,13 +132,17 @@ impl<'a> Window<'a> {
         Some((units, result))
     }
 
-    /// A failed synchronize does not mean the copies stopped: drain the device before the caller
-    /// unmaps anything, so that no copy still in flight lands on (or reads from) memory that is
-    /// gone, and no stale error is left on the stream for the next batch.
     fn drain_after_error(&self, stream: Stream) {
-        let _ = self.device.synchronize();
-        let _ = self.device.stream_synchronize(stream);
+        drain_after_error(self.device, stream);
     }
+}
+
+/// A failed synchronize does not mean the copies stopped: drain the device before the caller
+/// unmaps anything, so that no copy still in flight lands on (or reads from) memory that is gone,
+/// and no stale error is left on the stream for the next operation that uses it.
+pub fn drain_after_error(device: &dyn Device, stream: Stream) {
+    let _ = device.synchronize();
+    let _ = device.stream_synchronize(stream);
 }
 
 impl Drop for Window<'_> {

@@ -9,22 +9,26 @@
 use crate::saver::{Error, Report};
 use crate::{region, saver};
 use std::ffi::CString;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 use tms_proto::{ErrorCode, MAX_REQUEST_BYTES, OpReport, ProtoError, Reply, Request, Status, TagInfo};
 
 /// Pid of the process whose server is running (a forked child has another pid and starts anew).
 static STARTED_FOR: AtomicU32 = AtomicU32::new(0);
 static ACTIVE_CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
 const MAX_CONNECTIONS: usize = 32;
-/// Socket to remove at exit, with the pid that owns it (a forked child must not remove it).
-static SOCKET: Mutex<Option<(u32, CString)>> = Mutex::new(None);
+/// Socket and name file to remove at exit, with the pid that owns them (a forked child must not
+/// remove them).
+static SOCKET: Mutex<Option<(u32, CString, CString)>> = Mutex::new(None);
+/// `TMS_NAME` as it was when the socket opened: the name file says the same, so picking
+/// processes by name from their files and asking them agree.
+static NAME: OnceLock<(u32, Option<String>)> = OnceLock::new();
 static WARNED: AtomicBool = AtomicBool::new(false);
 
 fn setting() -> Option<bool> {
@@ -75,33 +79,20 @@ pub fn secure_dir(dir: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    let md = std::fs::symlink_metadata(dir)?;
-    // SAFETY: getuid cannot fail.
-    let uid = unsafe { libc::getuid() };
-    if !md.file_type().is_dir() {
-        return Err(std::io::Error::other(format!("{} is not a real directory", dir.display())));
-    }
-    if md.uid() != uid {
-        return Err(std::io::Error::other(format!("{} is owned by uid {}, not {uid}", dir.display(), md.uid())));
-    }
-    if md.mode() & 0o077 != 0 {
-        return Err(std::io::Error::other(format!(
-            "{} has mode {:o}; it must not be accessible to group or others (chmod 700)",
-            dir.display(),
-            md.mode() & 0o777
-        )));
-    }
-    Ok(())
+    tms_proto::check_socket_dir(dir)
 }
 
 extern "C" fn remove_socket_at_exit() {
     // try_lock: a thread killed mid-update must not make exit hang.
     if let Ok(guard) = SOCKET.try_lock()
-        && let Some((pid, path)) = guard.as_ref()
+        && let Some((pid, path, name)) = guard.as_ref()
         && *pid == std::process::id()
     {
-        // SAFETY: a NUL-terminated path.
-        unsafe { libc::unlink(path.as_ptr()) };
+        // SAFETY: NUL-terminated paths.
+        unsafe {
+            libc::unlink(path.as_ptr());
+            libc::unlink(name.as_ptr());
+        }
     }
 }
 
@@ -120,24 +111,48 @@ fn serve() -> std::io::Result<()> {
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    let name_path = tms_proto::name_file(&path);
+    let name = own_name();
+    // Best effort: without the file, clients ask the process its name instead.
+    if let Err(e) = write_name_file(&name_path, name.as_deref().unwrap_or("")) {
+        tracing::debug!("tms: cannot write {}: {e}", name_path.display());
+    }
     let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
-    *SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = Some((pid, c_path));
+    let c_name = CString::new(name_path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    *SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = Some((pid, c_path, c_name));
     static AT_EXIT: std::sync::Once = std::sync::Once::new();
     AT_EXIT.call_once(|| {
         // SAFETY: registers a function that only unlinks a path.
         unsafe { libc::atexit(remove_socket_at_exit) };
     });
     tracing::info!("tms: control socket {}", path.display());
+    let mut backoff = Duration::ZERO;
     for conn in listener.incoming() {
         if std::process::id() != pid {
             break; // forked child: this listener belongs to the parent
         }
-        let Ok(stream) = conn else { continue };
+        let stream = match conn {
+            Ok(s) => {
+                backoff = Duration::ZERO;
+                s
+            }
+            Err(e) => {
+                // Out of file descriptors (or kernel memory): the pending connection stays
+                // queued and accept fails again at once, so retrying without a pause would spin
+                // a core for as long as the shortage lasts.
+                if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+                    if backoff.is_zero() {
+                        tracing::warn!("tms: control socket cannot accept connections: {e}; retrying");
+                    }
+                    backoff = (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                    std::thread::sleep(backoff);
+                }
+                continue;
+            }
+        };
         if ACTIVE_CONNECTIONS.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
             ACTIVE_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
-            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-            let _ = (&stream)
-                .write_all(Reply::err(ProtoError::new(ErrorCode::Busy, "too many connections")).to_line().as_bytes());
+            refuse_busy(&stream);
             continue;
         }
         let spawned = std::thread::Builder::new().name("tms-control-conn".into()).spawn(move || {
@@ -149,6 +164,43 @@ fn serve() -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+fn write_name_file(path: &Path, name: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(name.as_bytes())
+}
+
+/// The name this process goes by: `TMS_NAME` when the socket opened (later changes to the
+/// variable are not seen, as they are not by the name file).
+fn own_name() -> Option<String> {
+    let pid = std::process::id();
+    let read = || std::env::var("TMS_NAME").ok().filter(|n| !n.is_empty());
+    match NAME.get() {
+        Some((p, n)) if *p == pid => n.clone(),
+        Some(_) => read(), // a forked child of a process that served
+        None => NAME.get_or_init(|| (pid, read())).1.clone(),
+    }
+}
+
+/// Answers `busy` to a connection over the limit, from the accepting thread, so without
+/// waiting: what the client already sent is read and dropped first, because closing a Unix
+/// socket with unread data resets the client's end and it would see ECONNRESET, not the reply.
+fn refuse_busy(stream: &UnixStream) {
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+    let mut s = stream;
+    let _ = s.write_all(Reply::err(ProtoError::new(ErrorCode::Busy, "too many connections")).to_line().as_bytes());
+    let mut sink = [0u8; 4096];
+    for _ in 0..(MAX_REQUEST_BYTES / sink.len() + 1) {
+        // SAFETY: reads into a live buffer, never blocking.
+        let n = unsafe { libc::recv(stream.as_raw_fd(), sink.as_mut_ptr().cast(), sink.len(), libc::MSG_DONTWAIT) };
+        if n <= 0 {
+            break;
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// The peer's uid (SO_PEERCRED).
@@ -168,6 +220,15 @@ fn peer_uid(stream: &UnixStream) -> Option<u32> {
     (rc == 0).then_some(cred.uid)
 }
 
+/// Whether the peer has closed its end entirely (a half-close after the request still waits
+/// for the reply and is not "gone").
+fn peer_gone(stream: &UnixStream) -> bool {
+    let mut fds = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: polls one live fd without waiting.
+    let n = unsafe { libc::poll(&mut fds, 1, 0) };
+    n == 1 && fds.revents & libc::POLLHUP != 0
+}
+
 /// Only the same user, or root, may drive a process's memory.
 pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
     peer_uid == own_uid || peer_uid == 0
@@ -175,13 +236,20 @@ pub fn peer_allowed(peer_uid: u32, own_uid: u32) -> bool {
 
 fn handle(stream: UnixStream) {
     let t = timeout();
-    let _ = stream.set_read_timeout(Some(t));
+    let deadline = Instant::now() + t;
     let _ = stream.set_write_timeout(Some(t));
     // SAFETY: getuid cannot fail.
     let own = unsafe { libc::getuid() };
     let reply = match peer_uid(&stream) {
-        Some(uid) if peer_allowed(uid, own) => match read_request(&stream) {
+        Some(uid) if peer_allowed(uid, own) => match read_request(&stream, deadline) {
             Ok(line) => match tms_proto::parse_request(&line) {
+                // A client that gave up (its timeout passed while this process was stopped or
+                // busy) was told the process did not answer: doing the pause now, unseen, would
+                // contradict that.
+                Ok(req) if peer_gone(&stream) => {
+                    tracing::info!("tms: control request {req:?} dropped: its client is gone");
+                    return;
+                }
                 Ok(req) => dispatch(req),
                 Err(e) => Reply::err(e),
             },
@@ -198,15 +266,38 @@ fn handle(stream: UnixStream) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
-fn read_request(stream: &UnixStream) -> Result<Vec<u8>, ProtoError> {
+/// Reads the request line, all of it before `deadline`: a per-read timeout would let a client
+/// that trickles a byte now and then hold its connection slot for ever.
+fn read_request(stream: &UnixStream, deadline: Instant) -> Result<Vec<u8>, ProtoError> {
     let mut line = Vec::new();
-    let mut reader = BufReader::new(stream.take(MAX_REQUEST_BYTES as u64 + 1));
-    match reader.read_until(b'\n', &mut line) {
-        Ok(_) => {}
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+    let mut buf = [0u8; 4096];
+    let mut s = stream;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             return Err(ProtoError::new(ErrorCode::Timeout, "no complete request line in time"));
         }
-        Err(e) => return Err(ProtoError::new(ErrorCode::BadRequest, format!("read failed: {e}"))),
+        let _ = stream.set_read_timeout(Some(left));
+        // Never read past the limit (plus the newline that may end it).
+        let room = (MAX_REQUEST_BYTES + 1 - line.len()).min(buf.len());
+        match s.read(&mut buf[..room]) {
+            Ok(0) => break,
+            Ok(n) => {
+                if let Some(end) = buf[..n].iter().position(|&b| b == b'\n') {
+                    line.extend_from_slice(&buf[..=end]);
+                    break;
+                }
+                line.extend_from_slice(&buf[..n]);
+                if line.len() > MAX_REQUEST_BYTES {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(ProtoError::new(ErrorCode::Timeout, "no complete request line in time"));
+            }
+            Err(e) => return Err(ProtoError::new(ErrorCode::BadRequest, format!("read failed: {e}"))),
+        }
     }
     if line.last() != Some(&b'\n') {
         return Err(if line.len() > MAX_REQUEST_BYTES {
@@ -253,7 +344,7 @@ pub fn status() -> Status {
     let s = saver();
     Status {
         pid: std::process::id(),
-        name: std::env::var("TMS_NAME").ok().filter(|n| !n.is_empty()),
+        name: own_name(),
         hook_version: env!("CARGO_PKG_VERSION").to_string(),
         protocol: tms_proto::PROTOCOL_VERSION,
         devices: s
@@ -325,6 +416,7 @@ fn operation_reply(tag: Option<String>, report: &Report) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     #[test]
     fn only_the_same_user_or_root_is_served() {

@@ -90,10 +90,15 @@ pub fn set_pageable_backup(on: bool) {
 }
 
 /// Tags are interned for the life of the process, so `tms_get_current_tag` can hand out pointers
-/// that stay valid; a program uses a handful of tags.
+/// that stay valid. Only the program's own tags (regions, `tms_set_current_tag`) are interned, a
+/// handful; a tag named by pause or resume is only looked up, so clients naming ever new tags
+/// (from outside, over the control socket) cannot grow the table.
 static TAGS: Mutex<Vec<CString>> = Mutex::new(Vec::new());
 
 pub type TagId = u32;
+
+/// A TagId no allocation carries: pause or resume of a tag nothing was allocated under.
+pub const NO_SUCH_TAG: TagId = TagId::MAX;
 
 pub fn intern(tag: &str) -> TagId {
     let mut tags = TAGS.lock().unwrap_or_else(|e| e.into_inner());
@@ -102,6 +107,18 @@ pub fn intern(tag: &str) -> TagId {
     }
     tags.push(CString::new(tag.replace('\0', "")).expect("NULs removed"));
     (tags.len() - 1) as TagId
+}
+
+/// The id of `tag` if the program ever used it, else `NO_SUCH_TAG`; never adds to the table.
+pub fn lookup(tag: &str) -> TagId {
+    let tags = TAGS.lock().unwrap_or_else(|e| e.into_inner());
+    let tag = tag.replace('\0', "");
+    tags.iter().position(|t| t.to_bytes() == tag.as_bytes()).map_or(NO_SUCH_TAG, |i| i as TagId)
+}
+
+/// How many tags are interned.
+pub fn tag_count() -> usize {
+    TAGS.lock().unwrap_or_else(|e| e.into_inner()).len()
 }
 
 pub fn tag_name(id: TagId) -> String {

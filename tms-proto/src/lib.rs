@@ -7,10 +7,13 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::FromRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub const PROTOCOL_VERSION: u64 = 1;
 /// Longest request line accepted, newline included.
@@ -325,16 +328,58 @@ impl Reply {
 
 // ---- discovery --------------------------------------------------------------------------------
 
-/// The control socket folder: `$TMS_CONTROL_DIR`, else `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-$UID`.
+/// The control socket folder: `$TMS_CONTROL_DIR`, else `$XDG_RUNTIME_DIR/tms` when
+/// `$XDG_RUNTIME_DIR` is a private folder of ours, else `/tmp/tms-$UID`.
 pub fn socket_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("TMS_CONTROL_DIR").filter(|d| !d.is_empty()) {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    socket_dir_from(std::env::var_os("TMS_CONTROL_DIR"), std::env::var_os("XDG_RUNTIME_DIR"), uid)
+}
+
+/// `socket_dir` with its inputs given. An `XDG_RUNTIME_DIR` that is not ours or is open to
+/// others (a stale value after `su`, a shared folder) is passed over: a socket put there could be
+/// replaced or squatted by someone else.
+pub fn socket_dir_from(control_dir: Option<std::ffi::OsString>, xdg: Option<std::ffi::OsString>, uid: u32) -> PathBuf {
+    if let Some(d) = control_dir.filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
     }
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("tms");
+    if let Some(d) = xdg.filter(|d| !d.is_empty()).map(PathBuf::from)
+        && let Ok(md) = std::fs::metadata(&d)
+        && md.is_dir()
+        && md.uid() == uid
+        && md.mode() & 0o077 == 0
+    {
+        return d.join("tms");
     }
+    PathBuf::from(format!("/tmp/tms-{uid}"))
+}
+
+/// Whether `dir` is safe to hold control sockets: a real directory (not a symlink) owned by
+/// this user with no group or other access. Anything else may be another user's, who could
+/// replace our sockets or read what we serve; the error says what is wrong and how to fix it.
+pub fn check_socket_dir(dir: &Path) -> std::io::Result<()> {
+    let md = std::fs::symlink_metadata(dir)?;
     // SAFETY: getuid cannot fail.
-    PathBuf::from(format!("/tmp/tms-{}", unsafe { libc::getuid() }))
+    let uid = unsafe { libc::getuid() };
+    let fix = "remove it (as its owner or root) or point TMS_CONTROL_DIR at a private folder";
+    if !md.file_type().is_dir() {
+        return Err(std::io::Error::other(format!("{} is not a real directory; {fix}", dir.display())));
+    }
+    if md.uid() != uid {
+        return Err(std::io::Error::other(format!(
+            "{} is owned by uid {}, not by this user (uid {uid}): another user created it; {fix}",
+            dir.display(),
+            md.uid()
+        )));
+    }
+    if md.mode() & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "{} has mode {:o}; it must not be accessible to group or others (chmod 700 {0})",
+            dir.display(),
+            md.mode() & 0o777
+        )));
+    }
+    Ok(())
 }
 
 /// The socket file name of a process: pid and start time (pid reuse cannot alias it).
@@ -354,6 +399,26 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let after_comm = &stat[stat.rfind(')')? + 2..];
     after_comm.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The state letter of /proc/PID/stat (R, S, D, T stopped, t traced, Z zombie, ...).
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.get(stat.rfind(')')? + 2..)?.chars().next()
+}
+
+/// The name file beside a socket: the process's `TMS_NAME` as it was when it opened the socket,
+/// so that a client can pick processes by name without asking each one (a stopped process
+/// would make it wait).
+pub fn name_file(socket: &Path) -> PathBuf {
+    socket.with_extension("name")
+}
+
+/// The name a process wrote beside its socket. None: unnamed, or a hook that writes no name
+/// file (then only asking the process tells).
+pub fn read_name(socket: &Path) -> Option<Option<String>> {
+    let text = std::fs::read(name_file(socket)).ok()?;
+    Some(Some(String::from_utf8_lossy(&text).into_owned()).filter(|n| !n.is_empty()))
 }
 
 /// Whether `pid` has exited but not been reaped yet (a zombie, state Z, or dying, X): it serves
@@ -418,26 +483,154 @@ impl From<std::io::Error> for ClientError {
     }
 }
 
+/// The error of a request that got no answer in time: `TimedOut`, saying how long was waited.
+pub fn timed_out(timeout: Duration) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("not responding within {}", seconds(timeout)))
+}
+
+/// `2s`, `0.5s`: a duration as a user wrote it.
+pub fn seconds(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 { format!("{s:.0}s") } else { format!("{s}s") }
+}
+
+/// A Unix stream connected to `path`, the connect itself bounded: a process that is stopped
+/// with a full backlog would make a plain blocking connect wait forever.
+fn connect(path: &Path, wait: Duration, timeout: Duration) -> std::io::Result<UnixStream> {
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: an all-zero sockaddr_un is valid.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "socket path too long for a Unix socket"));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: plain socket creation; the fd is owned by the stream below at once.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh socket fd that nothing else owns.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    // A Unix connect that waits for room in the backlog waits at most the send timeout.
+    stream.set_write_timeout(Some(wait))?;
+    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+    loop {
+        // SAFETY: addr is a valid sockaddr_un of length len.
+        let rc = unsafe { libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), len) };
+        if rc == 0 {
+            return Ok(stream);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => return Err(timed_out(timeout)),
+            _ => return Err(e),
+        }
+    }
+}
+
+/// Writes all of `bytes` without SIGPIPE: a server that already closed (busy, forbidden) must
+/// not kill a client that lets SIGPIPE end it (tms-ctl does, for `| head`).
+fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::io::AsRawFd;
+    while !bytes.is_empty() {
+        // SAFETY: sends from a live buffer on our own socket.
+        let n = unsafe { libc::send(stream.as_raw_fd(), bytes.as_ptr().cast(), bytes.len(), libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        bytes = &bytes[n as usize..];
+    }
+    Ok(())
+}
+
+/// Reads one reply line before `deadline`: a peer trickling bytes cannot stretch the wait.
+fn read_reply(stream: &mut UnixStream, deadline: Instant, timeout: Duration) -> std::io::Result<Vec<u8>> {
+    let mut line = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timed_out(timeout));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf) {
+            Ok(0) => return Ok(line),
+            Ok(n) => {
+                if let Some(end) = buf[..n].iter().position(|&b| b == b'\n') {
+                    line.extend_from_slice(&buf[..=end]);
+                    return Ok(line);
+                }
+                line.extend_from_slice(&buf[..n]);
+                if line.len() > MAX_REPLY_BYTES {
+                    return Err(std::io::Error::other(format!("reply exceeds {MAX_REPLY_BYTES} bytes")));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(timed_out(timeout));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Sends one request and returns the reply's result and error as they came: a failed pause or
 /// resume carries both (the report of what was done, and the first failure).
+///
+/// `timeout` bounds the whole exchange, connect to last byte; a process that does not answer
+/// in time gives an `Io` error of kind `TimedOut` ("not responding within 2s"). A `busy` reply
+/// (the process serves too many connections) is retried until then: busy is answered before
+/// the request is read, so nothing was done.
 pub fn call_full(
     path: &Path,
     request: &Request,
     timeout: Duration,
 ) -> Result<(Option<Value>, Option<ProtoError>), ClientError> {
-    let mut stream = UnixStream::connect(path)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let got = call_once(path, request, deadline, timeout)?;
+        let busy = matches!(&got.1, Some(e) if e.code == ErrorCode::Busy) && got.0.is_none();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if !busy || left <= pause {
+            return Ok(got);
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
+}
+
+fn call_once(
+    path: &Path,
+    request: &Request,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(Option<Value>, Option<ProtoError>), ClientError> {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let mut stream = connect(path, left, timeout)?;
     // A server that refuses a peer (forbidden, busy) answers without reading and closes: the
     // write may then fail while the reply is already waiting to be read.
-    let written = stream.write_all(request.to_line().as_bytes());
-    let mut line = Vec::new();
-    let read = BufReader::new(stream).take(MAX_REPLY_BYTES as u64).read_until(b'\n', &mut line);
-    if line.is_empty() {
-        written?;
-        read?;
-        return Err(ClientError::BadReply("connection closed without a reply".into()));
-    }
+    let written = send_all(&stream, request.to_line().as_bytes());
+    let line = read_reply(&mut stream, deadline, timeout);
+    let line = match line {
+        Ok(l) if !l.is_empty() => l,
+        Ok(_) => {
+            written?;
+            return Err(ClientError::BadReply("connection closed without a reply".into()));
+        }
+        Err(e) => {
+            written?;
+            return Err(e.into());
+        }
+    };
     let reply: Reply = serde_json::from_slice(&line).map_err(|e| ClientError::BadReply(e.to_string()))?;
     if reply.ok != reply.error.is_none() || (reply.result.is_none() && reply.error.is_none()) {
         return Err(ClientError::BadReply("inconsistent ok/result/error".into()));
@@ -525,6 +718,30 @@ mod tests {
         let huge = format!(r#"{{"op":"pause","tag":"{}"}}"#, "x".repeat(MAX_REQUEST_BYTES));
         assert_eq!(code(&huge), ErrorCode::TooLarge);
         assert_eq!(parse_request(br#"{"op":"pause","tag":""}"#).unwrap(), Request::Pause { tag: None });
+    }
+
+    #[test]
+    fn xdg_runtime_dir_is_used_only_when_private_and_ours() {
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let base = std::env::temp_dir().join(format!("tms-proto-xdg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let xdg = Some(base.clone().into_os_string());
+        let fallback = PathBuf::from(format!("/tmp/tms-{uid}"));
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(socket_dir_from(None, xdg.clone(), uid), base.join("tms"));
+        assert_eq!(socket_dir_from(Some("/x".into()), xdg.clone(), uid), PathBuf::from("/x"));
+        assert_eq!(
+            socket_dir_from(None, xdg.clone(), uid + 1),
+            fallback.clone().with_file_name(format!("tms-{}", uid + 1))
+        );
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(socket_dir_from(None, xdg, uid), fallback);
+        assert_eq!(socket_dir_from(None, Some("/nonexistent/run".into()), uid), fallback);
+        assert_eq!(socket_dir_from(None, None, uid), fallback);
+        std::fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]

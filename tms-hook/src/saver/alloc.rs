@@ -118,30 +118,35 @@ impl Saver {
         if self.tracked() == 0 {
             return None;
         }
-        let mut a = self.claim(addr)?;
-        let Some(dev) = self.loaded(a.vendor) else {
+        let mut claimed = self.claim(addr)?;
+        let Some(dev) = self.loaded(claimed[0].a.vendor) else {
             // Cannot happen: a tracked allocation was made through a loaded driver.
+            let a = claimed.disarm().pop().expect("one entry").a;
             self.settle(addr, Some(a));
             return Some(Err(Error::NoDriver(Vendor::Cuda)));
         };
-        a.doomed = true;
-        let released = (|| {
-            if a.pieces.iter().any(|p| p.mapped) {
-                let previous = dev.bind_thread(a.device).map_err(Error::Driver)?;
-                let synced = dev.synchronize();
-                dev.restore_thread(previous);
-                synced.map_err(Error::Driver)?;
-            }
-            for i in 0..a.pieces.len() {
-                unmap_piece(dev.as_ref(), addr, &mut a, i).map_err(Error::Driver)?;
-                // Part of it is gone: the application can no longer use it as a whole.
-                a.state = State::Paused;
-            }
-            for i in 0..a.pieces.len() {
-                release_piece(dev.as_ref(), &mut a, i).map_err(Error::Driver)?;
-            }
-            Ok(())
-        })();
+        let released = {
+            let a = &mut claimed[0].a;
+            a.doomed = true;
+            (|| {
+                if a.pieces.iter().any(|p| p.mapped) {
+                    let previous = dev.bind_thread(a.device).map_err(Error::Driver)?;
+                    let synced = dev.synchronize();
+                    dev.restore_thread(previous);
+                    synced.map_err(Error::Driver)?;
+                }
+                for i in 0..a.pieces.len() {
+                    unmap_piece(dev.as_ref(), addr, &mut *a, i).map_err(Error::Driver)?;
+                    // Part of it is gone: the application can no longer use it as a whole.
+                    a.state = State::Paused;
+                }
+                for i in 0..a.pieces.len() {
+                    release_piece(dev.as_ref(), &mut *a, i).map_err(Error::Driver)?;
+                }
+                Ok(())
+            })()
+        };
+        let mut a = claimed.disarm().pop().expect("one entry").a;
         if let Err(e) = released {
             return Some(Err(self.free_failed(addr, a, e)));
         }

@@ -16,7 +16,8 @@ impl Saver {
     pub fn pause(&self, tag: Option<&str>) -> Report {
         let _op = lock(&self.operations);
         let start = Instant::now();
-        let tag = tag.map(region::intern);
+        let name = tag;
+        let tag = tag.map(region::lookup);
         let (mut jobs, mut report) = self.begin(tag, State::Active);
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };
@@ -36,7 +37,7 @@ impl Saver {
         self.spill_to_disk(&mut jobs);
         self.finish(jobs, &mut report, State::Paused, State::Active);
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
-        tracing::info!("tms: pause {:?}: {:?}", tag.map(region::tag_name), report);
+        tracing::info!("tms: pause {name:?}: {report:?}");
         report
     }
 
@@ -128,8 +129,10 @@ impl Saver {
                     }
                 }
                 // Still mapped as a whole: active. Otherwise every piece keeps its handle, so
-                // it counts as paused and resume maps the same memory back.
-                return !j.a.all_mapped() && Self::park(dev, j, report);
+                // it stays paused and resume maps the same memory back; either way the pause
+                // of this allocation failed and is counted so, next to its error.
+                j.parked = !j.a.all_mapped() && Self::park(dev, j, report);
+                return false;
             }
         }
         for p in 0..j.a.pieces.len() {
@@ -210,6 +213,10 @@ impl Saver {
                             .copy_to_device_async(c.device_addr, c.host, c.len, stream)
                             .and_then(|()| dev.stream_synchronize(stream))
                     {
+                        // The copy may still be running: it must end before the piece is
+                        // unmapped below, and its error must not stay on the stream for the next
+                        // resume to fail on.
+                        backup::drain_after_error(dev, stream);
                         problem = Some(e);
                         break;
                     }
@@ -232,7 +239,7 @@ impl Saver {
             }
         }
         j.a.backup_valid = true;
-        j.ok = true;
+        j.parked = true;
     }
 
     /// Moves paused disk-backed contents from their staging buffers to files. A write that fails

@@ -3,7 +3,7 @@
 use super::pieces::{
     ensure_backup_buffer, free_host_buf, map_piece, missing_bytes, piece_copy, release_piece, unmap_piece,
 };
-use super::{Error, Job, Report, Saver, lock};
+use super::{Claimed, Error, Job, Report, Saver, lock};
 use crate::backup::{self, Direction};
 use crate::config::config;
 use crate::device::{DevResult, Device};
@@ -20,7 +20,8 @@ impl Saver {
     pub fn resume(&self, tag: Option<&str>) -> Report {
         let _op = lock(&self.operations);
         let start = Instant::now();
-        let tag = tag.map(region::intern);
+        let name = tag;
+        let tag = tag.map(region::lookup);
         let (jobs, mut report) = self.begin(tag, State::Paused);
         let (mut jobs, unreadable) = self.load_from_disk(jobs, &mut report);
         let margin = if config().resume_keeps_margin { self.margin() } else { 0 };
@@ -90,41 +91,46 @@ impl Saver {
             Some(e) => tracing::warn!(
                 "tms: resume {:?} left {} allocation(s), {} bytes, paused: {e}; their contents are \
                  kept, free device memory and resume again",
-                tag.map(region::tag_name),
+                name,
                 report.allocations_failed,
                 report.bytes_failed
             ),
-            None => tracing::info!("tms: resume {:?}: {:?}", tag.map(region::tag_name), report),
+            None => tracing::info!("tms: resume {name:?}: {report:?}"),
         }
         report
     }
 
     /// Reads disk-backed contents back into staging buffers before a resume. Returns the jobs to
     /// resume and those whose file could not be read (they stay paused with their file).
-    pub(super) fn load_from_disk(&self, jobs: Vec<Job>, report: &mut Report) -> (Vec<Job>, Vec<Job>) {
-        let (mut ready, mut unreadable) = (Vec::with_capacity(jobs.len()), Vec::new());
-        for mut j in jobs {
-            let Some(path) = j.a.disk_file.clone() else {
-                ready.push(j);
-                continue;
-            };
+    pub(super) fn load_from_disk<'s>(
+        &'s self,
+        mut jobs: Claimed<'s>,
+        report: &mut Report,
+    ) -> (Claimed<'s>, Claimed<'s>) {
+        // Decided in place, the entries staying in their guard until they are split.
+        let mut unreadable = vec![false; jobs.len()];
+        for (j, bad) in jobs.iter_mut().zip(unreadable.iter_mut()) {
+            let Some(path) = j.a.disk_file.clone() else { continue };
             let Some(dev) = self.loaded(j.a.vendor) else {
-                unreadable.push(j);
+                *bad = true;
                 continue;
             };
             let loaded = ensure_backup_buffer(dev.as_ref(), &mut j.a).map_err(Error::Driver).and_then(|()| {
                 let b = j.a.backup.expect("ensured above");
                 disk::read(&path, b.ptr, j.a.size).map_err(|e| Error::Disk(format!("{}: {e}", path.display())))
             });
-            match loaded {
-                Ok(()) => ready.push(j),
-                Err(e) => {
-                    Self::note(report, e);
-                    unreadable.push(j);
-                }
+            if let Err(e) = loaded {
+                Self::note(report, e);
+                *bad = true;
             }
         }
-        (ready, unreadable)
+        let all = std::mem::take(&mut jobs.jobs);
+        let mut ready = Claimed { saver: self, jobs: Vec::with_capacity(all.len()) };
+        let mut left = Claimed { saver: self, jobs: Vec::new() };
+        for (j, bad) in all.into_iter().zip(unreadable) {
+            if bad { left.push(j) } else { ready.push(j) }
+        }
+        (ready, left)
     }
 
     pub(super) fn resume_group(
