@@ -435,6 +435,8 @@ mod tests {
         let open = base.join("open");
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        secure_dir(&open).expect("a folder others can only read is safe");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o775)).unwrap();
         assert!(secure_dir(&open).unwrap_err().to_string().contains("chmod 700"));
         let link = base.join("link");
         std::os::unix::fs::symlink(&dir, &link).unwrap();

@@ -116,11 +116,6 @@ pub fn lookup(tag: &str) -> TagId {
     tags.iter().position(|t| t.to_bytes() == tag.as_bytes()).map_or(NO_SUCH_TAG, |i| i as TagId)
 }
 
-/// How many tags are interned.
-pub fn tag_count() -> usize {
-    TAGS.lock().unwrap_or_else(|e| e.into_inner()).len()
-}
-
 pub fn tag_name(id: TagId) -> String {
     tag_ptr(id).map(|p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()).unwrap_or_default()
 }

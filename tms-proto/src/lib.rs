@@ -355,8 +355,10 @@ pub fn socket_dir_from(control_dir: Option<std::ffi::OsString>, xdg: Option<std:
 }
 
 /// Whether `dir` is safe to hold control sockets: a real directory (not a symlink) owned by
-/// this user with no group or other access. Anything else may be another user's, who could
-/// replace our sockets or read what we serve; the error says what is wrong and how to fix it.
+/// this user that no group or other user can write to. Anything else may be another user's, who
+/// could replace or squat our sockets; the error says what is wrong and how to fix it. Reading
+/// the folder is harmless (a 0755 folder a user made for TMS_CONTROL_DIR is fine): the server
+/// serves only its own user's peers.
 pub fn check_socket_dir(dir: &Path) -> std::io::Result<()> {
     let md = std::fs::symlink_metadata(dir)?;
     // SAFETY: getuid cannot fail.
@@ -372,9 +374,9 @@ pub fn check_socket_dir(dir: &Path) -> std::io::Result<()> {
             md.uid()
         )));
     }
-    if md.mode() & 0o077 != 0 {
+    if md.mode() & 0o022 != 0 {
         return Err(std::io::Error::other(format!(
-            "{} has mode {:o}; it must not be accessible to group or others (chmod 700 {0})",
+            "{} has mode {:o}: group or others can write to it, so they could replace our sockets (chmod 700 {0})",
             dir.display(),
             md.mode() & 0o777
         )));

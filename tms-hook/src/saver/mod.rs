@@ -344,14 +344,14 @@ mod tests {
     #[test]
     fn pausing_tags_nobody_allocated_under_does_not_grow_the_tag_table() {
         // 100,000 unique tags sent over the control socket cost 24 MB that was never given back.
+        // The table is process-wide and other tests intern their own tags meanwhile, so the
+        // check is that none of these names was added, not the table's size.
         let saver = Saver::new();
-        crate::region::intern("kept");
-        let before = crate::region::tag_count();
         for i in 0..2000 {
             let tag = format!("never-used-{i}");
             assert_eq!(saver.pause(Some(&tag)).allocations_done, 0);
             assert_eq!(saver.resume(Some(&tag)).allocations_done, 0);
+            assert_eq!(crate::region::lookup(&tag), crate::region::NO_SUCH_TAG, "{tag} was interned");
         }
-        assert_eq!(crate::region::tag_count(), before);
     }
 }
