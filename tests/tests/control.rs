@@ -218,6 +218,9 @@ fn stale_sockets_of_dead_processes_are_reaped() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("removed stale socket"));
     let watch = run_ok(&mut node.ctl(&["watch", "--count", "2", "--interval", "0.05"]));
     assert_eq!(watch.matches("tms-ctl watch: 0 process(es)").count(), 2, "{watch}");
+    // With nothing to show, status says so (it used to print nothing at all).
+    let status = run_ok(&mut node.ctl(&["status"]));
+    assert!(status.starts_with("no hooked processes"), "{status:?}");
 }
 
 #[test]
@@ -568,6 +571,15 @@ fn a_margin_of_u64_max_set_from_outside_refuses_instead_of_wrapping() {
     assert_eq!(app.ask("alloc 64"), "rc=2");
     run_ok(&mut node.ctl(&["set", "--margin", "0", &pid]));
     assert_eq!(app.ask("alloc 64"), "rc=0");
+    // Sizes are taken as they print: 1GiB is 2^30 bytes (the device has 1 GiB, so nothing fits).
+    run_ok(&mut node.ctl(&["set", "--margin", "1GiB", &pid]));
+    let status = run_ok(&mut node.ctl(&["status", &pid]));
+    assert!(status.contains("1.0 GiB"), "{status}");
+    assert_eq!(app.ask("alloc 8"), "rc=2");
+    let bad = node.ctl(&["set", "--margin", "1XB", &pid]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("GiB = 2^30"));
+    run_ok(&mut node.ctl(&["set", "--margin", "0", &pid]));
     app.quit();
 }
 

@@ -25,7 +25,7 @@ Exit codes:
   1  some process failed: an error reply (e.g. out of memory on resume), or no answer within
      --timeout (stopped, busy, exited meanwhile); every other process was still served
   2  usage error, no process matches a TARGET, or the socket folder is unsafe (another user's,
-     or open to others: tms-ctl says how to fix it)";
+     or writable by others: tms-ctl says how to fix it)";
 
 #[derive(Parser)]
 #[command(name = "tms-ctl", version, about = "Pause, resume and inspect processes that run with libtms_hook.so", after_help = AFTER_HELP)]
@@ -50,7 +50,10 @@ enum Command {
     /// processes that are gone.
     List,
     /// Show one process (or all) in detail.
-    Status { targets: Vec<String> },
+    Status {
+        /// Processes to show: pids, TMS_NAMEs or socket paths (default: every hooked process).
+        targets: Vec<String>,
+    },
     /// Release the device memory of a tag (or every tag) in the given processes.
     Pause {
         /// Only this tag (default: every tag).
@@ -59,20 +62,25 @@ enum Command {
         /// Every hooked process.
         #[arg(long)]
         all: bool,
+        /// Processes: pids, TMS_NAMEs (every process with that name) or socket paths.
         targets: Vec<String>,
     },
     /// Bring paused memory back at the same addresses, contents restored where backed up.
     Resume {
+        /// Only this tag (default: every tag).
         #[arg(long)]
         tag: Option<String>,
+        /// Every hooked process.
         #[arg(long)]
         all: bool,
+        /// Processes: pids, TMS_NAMEs (every process with that name) or socket paths.
         targets: Vec<String>,
     },
     /// Change a process's settings.
     Set {
-        /// Free device memory to keep on region allocation and resume, in bytes.
-        #[arg(long)]
+        /// Free device memory to keep on region allocation and resume: bytes or a size such as
+        /// 512MiB, 1GiB, 1GB (GB = 10^9 bytes).
+        #[arg(long, value_parser = parse_margin)]
         margin: Option<u64>,
         /// Keep pinned backup buffers after resume.
         #[arg(long)]
@@ -80,18 +88,23 @@ enum Command {
         /// Backup flag of threads that never set one.
         #[arg(long)]
         default_backup: Option<bool>,
+        /// Every hooked process.
         #[arg(long)]
         all: bool,
+        /// Processes: pids, TMS_NAMEs (every process with that name) or socket paths.
         targets: Vec<String>,
     },
     /// Check that processes answer.
     Ping {
+        /// Every hooked process.
         #[arg(long)]
         all: bool,
+        /// Processes: pids, TMS_NAMEs (every process with that name) or socket paths.
         targets: Vec<String>,
     },
     /// A live per-process, per-tag view, refreshed every --interval seconds (Ctrl-C to stop).
     Watch {
+        /// Seconds between refreshes (fractions allowed, e.g. 0.5).
         #[arg(long, default_value_t = 1.0)]
         interval: f64,
         /// Stop after this many refreshes (default: never).
@@ -340,14 +353,7 @@ fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>,
 }
 
 fn human(bytes: u64) -> String {
-    const UNITS: &[&str] = &["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[i]) }
+    tms_proto::size::format_size(bytes)
 }
 
 #[derive(Serialize)]
@@ -435,6 +441,10 @@ fn list(ctx: &Ctx) -> Result<u8, Failure> {
 
 fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
     let rows = collect(ctx, procs);
+    if rows.is_empty() && !ctx.json {
+        println!("no hooked processes (sockets in {})", ctx.dir.display());
+        return Ok(0);
+    }
     if ctx.json {
         println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
     } else {
@@ -589,4 +599,8 @@ fn watch(ctx: &Ctx, interval: f64, count: Option<u64>) -> Result<u8, Failure> {
         }
         std::thread::sleep(Duration::from_secs_f64(interval));
     }
+}
+
+fn parse_margin(text: &str) -> Result<u64, String> {
+    tms_proto::size::parse_size(text)
 }

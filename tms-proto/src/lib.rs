@@ -5,6 +5,8 @@
 //! `{"v":1,"op":"pause","tag":"kv_cache"}\n` → `{"v":1,"ok":true,"result":{...}}\n`.
 //! This crate exports no C symbols, so tools can link it without interposing anything.
 
+pub mod size;
+
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::io::Read;

@@ -135,22 +135,10 @@ fn gbps(name: &str, default: f64) -> f64 {
     }
 }
 
-/// Parses `16GiB`, `512MiB`, `1.5GB`, `4096`, `2M` (binary units for K/M/G/T with or without `i`).
+/// Parses a size by tms's one rule (`tms_proto::size`): `16GiB`, `512MiB`, `16G` (GiB), `4096`;
+/// `12GB` is 12 * 10^9 bytes, as the unit says.
 pub fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().ok()?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return None,
-    };
-    let bytes = value * mult;
-    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+    tms_proto::size::parse_size(text).ok()
 }
 
 /// One line on stderr; the simulator has no logger of its own so that it pulls nothing into the
@@ -173,13 +161,12 @@ mod tests {
     use super::parse_size;
 
     #[test]
-    fn sizes_parse_with_binary_units() {
+    fn sizes_parse_by_their_units() {
         assert_eq!(parse_size("4096"), Some(4096));
         assert_eq!(parse_size("2MiB"), Some(2 << 20));
         assert_eq!(parse_size("16GiB"), Some(16 << 30));
         assert_eq!(parse_size("1.5g"), Some(3 << 29));
-        assert_eq!(parse_size("12 GB"), Some(12 << 30));
+        assert_eq!(parse_size("12 GB"), Some(12_000_000_000));
         assert_eq!(parse_size("lots"), None);
-        assert_eq!(parse_size("3PB"), None);
     }
 }
