@@ -8,25 +8,31 @@
 #   PREFIX/lib/tms-sim/python            its Python start-up hook (runs PyTorch on the simulator)
 #   PREFIX/include/tms.h, tms_sim.h
 #   PREFIX/bin/tms-ctl, tms-sim, relax-colocate
-#   PREFIX/lib/python/{tms,torch_memory_saver}
+#   PREFIX/lib/python/{tms,torch_memory_saver}, relax_worker.py
 #                                        the Python packages (PYTHONPATH=PREFIX/lib/python; the
-#                                        wheel, scripts/build-wheel.sh, installs them with pip)
-# Usage: scripts/install.sh [--profile release|debug] [--no-build] PREFIX
+#                                        wheel, scripts/build-wheel.sh, installs them with pip) and
+#                                        the worker-protocol client of relax-colocate run
+#   PREFIX/share/tms/workers/            example_worker.py, torch_worker.py (--trainer-cmd ...)
+#   PREFIX/lib/debug/*.debug             the binaries' debug info, split off (they keep a
+#                                        .gnu_debuglink to it, so gdb and perf find it)
+# Usage: scripts/install.sh [--profile release|debug] [--no-build] [--keep-debug] PREFIX
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 profile=release
 build=1
+split_debug=1
 prefix=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --profile) profile="${2:?--profile needs release or debug}"; shift 2 ;;
     --no-build) build=0; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --keep-debug) split_debug=0; shift ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -z "$prefix" ] || { echo "install.sh: one PREFIX only" >&2; exit 2; }; prefix="$1"; shift ;;
   esac
 done
-[ -n "$prefix" ] || { echo "usage: scripts/install.sh [--profile release|debug] [--no-build] PREFIX" >&2; exit 2; }
+[ -n "$prefix" ] || { echo "usage: scripts/install.sh [--profile release|debug] [--no-build] [--keep-debug] PREFIX" >&2; exit 2; }
 case "$profile" in release|debug) ;; *) echo "install.sh: --profile must be release or debug" >&2; exit 2 ;; esac
 
 if [ "$build" = 1 ]; then
@@ -42,6 +48,21 @@ mkdir -p "$prefix/lib" "$prefix/include" "$prefix/bin" "$prefix/lib/python"
 install -m 0755 "$out/libtms_hook.so" "$out/libtms_sim.so" "$prefix/lib/"
 install -m 0755 "$out/tms-ctl" "$out/tms-sim" "$out/relax-colocate" "$prefix/bin/"
 install -m 0644 "$root/include/tms.h" "$root/include/tms_sim.h" "$prefix/include/"
+# Debug info is nine tenths of each file (the hook: about 15 MB with it, 1.5 MB without); it goes
+# beside, not away, so a crash in someone's training job can still be read. Exported symbols stay.
+if [ "$split_debug" = 1 ]; then
+  if command -v objcopy >/dev/null; then
+    mkdir -p "$prefix/lib/debug"
+    for f in lib/libtms_hook.so lib/libtms_sim.so bin/tms-ctl bin/tms-sim bin/relax-colocate; do
+      debug="$prefix/lib/debug/$(basename "$f").debug"
+      objcopy --only-keep-debug "$prefix/$f" "$debug"
+      chmod 0644 "$debug"
+      objcopy --strip-debug --add-gnu-debuglink="$debug" "$prefix/$f"
+    done
+  else
+    echo "install.sh: objcopy (binutils) not found: binaries installed with their debug info" >&2
+  fi
+fi
 for mode in preload preload_cu12 preload_cu13 torch_cu12 torch_cu13; do
   ln -sfn libtms_hook.so "$prefix/lib/torch_memory_saver_hook_mode_${mode}.abi3.so"
 done
@@ -50,6 +71,9 @@ for pkg in tms torch_memory_saver; do
   cp -R "$root/python/$pkg" "$prefix/lib/python/$pkg"
   find "$prefix/lib/python/$pkg" -name '__pycache__' -prune -exec rm -rf {} +
 done
+install -m 0644 "$root/scripts/relax_worker.py" "$prefix/lib/python/"
+mkdir -p "$prefix/share/tms/workers"
+install -m 0755 "$root/scripts/example_worker.py" "$root/scripts/torch_worker.py" "$prefix/share/tms/workers/"
 # The simulator's Python start-up hook and CPU compute layer (tms-sim env puts it on PYTHONPATH).
 rm -rf "$prefix/lib/tms-sim/python"
 mkdir -p "$prefix/lib/tms-sim"
@@ -63,4 +87,5 @@ tms installed in $prefix
   native name:                       LD_PRELOAD=$prefix/lib/libtms_hook.so
   Python packages (tms, torch_memory_saver): PYTHONPATH=$prefix/lib/python  (or the wheel: scripts/build-wheel.sh)
   control:                           $prefix/bin/tms-ctl list
+  PyTorch workers for relax-colocate run: --trainer-cmd "python3 $prefix/share/tms/workers/torch_worker.py"
 MSG

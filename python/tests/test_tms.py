@@ -167,6 +167,8 @@ class PreloadMode(unittest.TestCase):
         try:
             self.assertEqual(child.stdout.readline().strip(), "ready")
             listed = subprocess.run([sys.executable, "-m", "tms.control", "list", "--json"], capture_output=True, text=True, check=True)
+            # The module ran as a program without runpy's "found in sys.modules" warning.
+            self.assertNotIn("RuntimeWarning", listed.stderr)
             rows = [r for r in json.loads(listed.stdout) if r["pid"] == child.pid]
             self.assertEqual(rows[0]["status"]["name"], "py-remote")
             reports = control.pause("py-remote")

@@ -16,7 +16,6 @@ torch is imported only when a function needs it.
 import contextlib
 import os
 
-from . import control  # noqa: F401  (tms.control is part of the public API)
 from ._lib import (  # noqa: F401  (re-exported)
     TMS_ERR_DRIVER,
     TMS_ERR_INTERNAL,
@@ -32,6 +31,7 @@ from ._lib import (  # noqa: F401  (re-exported)
     preloaded_hook,
 )
 from ._saver import DEFAULT_TAG, shared
+
 
 __all__ = [
     "TmsError",
@@ -160,6 +160,12 @@ def configure_subprocess():
 
 
 def __getattr__(name):
+    if name == "control":
+        # Public API, loaded on first use rather than with the package: imported eagerly,
+        # `python -m tms.control` found it already loaded and warned on every run.
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module(".control", __name__)
     if name == "memory_margin_bytes":
         return shared().memory_margin_bytes
     if name == "torch_memory_saver":

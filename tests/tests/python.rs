@@ -29,9 +29,22 @@ fn install_lays_out_the_compatibility_names() {
         "bin/tms-sim",
         "lib/python/tms/__init__.py",
         "lib/python/torch_memory_saver/__init__.py",
+        "lib/python/relax_worker.py",
+        "share/tms/workers/torch_worker.py",
+        "share/tms/workers/example_worker.py",
+        "lib/debug/libtms_hook.so.debug",
     ] {
         assert!(prefix.path().join(f).exists(), "{f} not installed");
     }
+    // Installed binaries carry no debug info (it was most of their size); a link points at it.
+    for f in ["lib/libtms_hook.so", "bin/tms-ctl", "bin/relax-colocate"] {
+        let sections = run_ok(Command::new("objdump").arg("-h").arg(prefix.path().join(f)));
+        assert!(!sections.contains(".debug_info"), "{f} still has debug info");
+        assert!(sections.contains(".gnu_debuglink"), "{f} has no link to its debug file");
+    }
+    let debug = std::fs::metadata(prefix.path().join("lib/debug/libtms_hook.so.debug")).unwrap().len();
+    let hook = std::fs::metadata(prefix.path().join("lib/libtms_hook.so")).unwrap().len();
+    assert!(debug > hook, "the debug file ({debug} B) should hold most of the hook's former size ({hook} B now)");
 }
 
 #[test]
