@@ -13,6 +13,7 @@
 #                                        wheel, scripts/build-wheel.sh, installs them with pip) and
 #                                        the worker-protocol client of relax-colocate run
 #   PREFIX/share/tms/workers/            example_worker.py, torch_worker.py (--trainer-cmd ...)
+#   PREFIX/share/man/man1/               tms-ctl.1, tms-sim.1 (from the programs' own --help)
 #   PREFIX/lib/debug/*.debug             the binaries' debug info, split off (they keep a
 #                                        .gnu_debuglink to it, so gdb and perf find it)
 # Usage: scripts/install.sh [--profile release|debug] [--no-build] [--keep-debug] PREFIX
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --profile) profile="${2:?--profile needs release or debug}"; shift 2 ;;
     --no-build) build=0; shift ;;
     --keep-debug) split_debug=0; shift ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -z "$prefix" ] || { echo "install.sh: one PREFIX only" >&2; exit 2; }; prefix="$1"; shift ;;
   esac
@@ -70,6 +71,10 @@ for pkg in tms torch_memory_saver; do
   rm -rf "$prefix/lib/python/$pkg"
   cp -R "$root/python/$pkg" "$prefix/lib/python/$pkg"
   find "$prefix/lib/python/$pkg" -name '__pycache__' -prune -exec rm -rf {} +
+done
+mkdir -p "$prefix/share/man/man1"
+for b in tms-ctl tms-sim; do
+  "$prefix/bin/$b" man >"$prefix/share/man/man1/$b.1"
 done
 install -m 0644 "$root/scripts/relax_worker.py" "$prefix/lib/python/"
 mkdir -p "$prefix/share/tms/workers"

@@ -33,6 +33,8 @@ fn install_lays_out_the_compatibility_names() {
         "share/tms/workers/torch_worker.py",
         "share/tms/workers/example_worker.py",
         "lib/debug/libtms_hook.so.debug",
+        "share/man/man1/tms-ctl.1",
+        "share/man/man1/tms-sim.1",
     ] {
         assert!(prefix.path().join(f).exists(), "{f} not installed");
     }
@@ -42,6 +44,8 @@ fn install_lays_out_the_compatibility_names() {
         assert!(!sections.contains(".debug_info"), "{f} still has debug info");
         assert!(sections.contains(".gnu_debuglink"), "{f} has no link to its debug file");
     }
+    let page = std::fs::read_to_string(prefix.path().join("share/man/man1/tms-ctl.1")).unwrap();
+    assert!(page.starts_with(".ie") && page.contains(".TH tms-ctl 1") && page.contains("pause"), "{page}");
     let debug = std::fs::metadata(prefix.path().join("lib/debug/libtms_hook.so.debug")).unwrap().len();
     let hook = std::fs::metadata(prefix.path().join("lib/libtms_hook.so")).unwrap().len();
     assert!(debug > hook, "the debug file ({debug} B) should hold most of the hook's former size ({hook} B now)");

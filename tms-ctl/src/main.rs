@@ -113,6 +113,8 @@ enum Command {
     },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
+    /// Print the manual page (roff; scripts/install.sh puts it in PREFIX/share/man/man1).
+    Man,
 }
 
 /// A failure with the exit code it maps to.
@@ -176,6 +178,12 @@ fn run(cli: &Cli) -> Result<u8, Failure> {
         Command::Watch { interval, count } => watch(&ctx, *interval, *count),
         Command::Completions { shell } => {
             clap_complete::generate(*shell, &mut Cli::command(), "tms-ctl", &mut std::io::stdout());
+            Ok(0)
+        }
+        Command::Man => {
+            clap_mangen::Man::new(Cli::command())
+                .render(&mut std::io::stdout())
+                .map_err(|e| Failure { code: 1, message: format!("cannot write the manual page: {e}") })?;
             Ok(0)
         }
     }

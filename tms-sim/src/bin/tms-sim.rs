@@ -91,6 +91,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the manual page (roff; scripts/install.sh puts it in PREFIX/share/man/man1).
+    Man,
 }
 
 fn main() -> ExitCode {
@@ -146,6 +148,12 @@ fn run(cli: Cli) -> Result<(), String> {
                 println!("export {name}={}", shell_quote(value));
             }
             Ok(())
+        }
+        Command::Man => {
+            use clap::CommandFactory;
+            clap_mangen::Man::new(Cli::command())
+                .render(&mut std::io::stdout())
+                .map_err(|e| format!("cannot write the manual page: {e}"))
         }
         Command::Surface { markdown, json } => {
             print!("{}", surface_text(markdown, json));
