@@ -1,8 +1,8 @@
 //! `relax-colocate run` end to end on the simulator: GRPO and PPO learn, every phase is timed and
 //! checked, the run directory holds what it promises; the same node that runs with pause/resume
-//! fails with OOM without it; a crash, a hang, an OOM on wake-up and Ctrl-C each stop the run with
-//! the phase, the worker and the cause named, leave partial results and no process behind; an
-//! external Python worker runs the same cycle.
+//! fails with OOM without it; a crash, a hang, a frozen (SIGSTOPped) worker, an OOM on wake-up and
+//! Ctrl-C each stop the run with the phase, the worker and the cause named, leave partial results
+//! and no process behind; an external Python worker runs the same cycle.
 
 use serde_json::Value;
 use std::path::Path;
@@ -301,4 +301,140 @@ fn a_weight_bucket_of_a_few_bytes_is_refused() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("update_weight_buffer_size") && err.contains("at least 1MiB"), "{err}");
+}
+
+/// The worker process of `role` in the run in `dir` (the one the hook is loaded in).
+fn worker_pid(dir: &Path, role: &str) -> u32 {
+    let run_dir = format!("RELAX_RUN_DIR={}", dir.display());
+    let role = format!("RELAX_ROLE={role}");
+    survivors(dir)
+        .into_iter()
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .map(|env| {
+                    let vars: Vec<&[u8]> = env.split(|b| *b == 0).collect();
+                    vars.contains(&run_dir.as_bytes()) && vars.contains(&role.as_bytes())
+                })
+                .unwrap_or(false)
+        })
+        .unwrap_or_else(|| panic!("no {role} worker for {}", dir.display()))
+}
+
+/// A run with `args` whose rollout is SIGSTOPped once `steps` steps completed; the runner, the
+/// frozen pid and when it froze. The worker gets SIGKILL when the guard drops, whatever happened.
+struct Frozen {
+    runner: std::process::Child,
+    pid: u32,
+    at: Instant,
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        // SAFETY: signalling processes this test started.
+        unsafe {
+            libc::kill(self.pid as i32, libc::SIGKILL);
+            libc::kill(self.runner.id() as i32, libc::SIGKILL);
+        }
+        let _ = self.runner.wait();
+    }
+}
+
+/// Freezes the rollout after `steps` steps, while the trainer works: the runner's next word to the
+/// rollout then goes through its control socket (memory status, pause, resume), not the worker
+/// protocol.
+fn freeze_rollout(dir: &Path, args: &[&str], steps: usize) -> Frozen {
+    let mut runner = run_cmd(dir, args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let training = || {
+        use std::io::{Read, Seek, SeekFrom};
+        let done = std::fs::read_to_string(dir.join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0);
+        let Ok(mut memory) = std::fs::File::open(dir.join("memory.jsonl")) else { return false };
+        // The last line is enough, and the file grows every phase.
+        let len = memory.seek(SeekFrom::End(0)).unwrap();
+        memory.seek(SeekFrom::Start(len.saturating_sub(16 << 10))).unwrap();
+        let mut tail = String::new();
+        let _ = memory.read_to_string(&mut tail);
+        let phase = tail.lines().last().and_then(|l| serde_json::from_str::<Value>(l).ok()).map(|v| v["phase"].clone());
+        let phase = phase.as_ref().and_then(Value::as_str).unwrap_or("");
+        done >= steps
+            && ["rollout_offload", "wake_up", "ref_log_probs", "log_probs", "advantages", "actor_train", "sleep"]
+                .contains(&phase)
+    };
+    while !training() {
+        if runner.try_wait().unwrap().is_some() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(runner.stderr.as_mut().unwrap(), &mut err).unwrap();
+            panic!("the run ended before the freeze: {err}");
+        }
+        assert!(Instant::now() < deadline, "the run did not reach step {}'s training", steps + 1);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let pid = worker_pid(dir, "rollout");
+    // SAFETY: signalling a worker of our own run.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    Frozen { runner, pid, at: Instant::now() }
+}
+
+/// Waits at most `limit` for the runner to exit; its status, stderr and how long after the
+/// freeze it exited.
+fn finish(f: &mut Frozen, limit: Duration) -> (Option<i32>, String, Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = f.runner.try_wait().unwrap() {
+            let took = f.at.elapsed();
+            let mut err = String::new();
+            std::io::Read::read_to_string(f.runner.stderr.as_mut().unwrap(), &mut err).unwrap();
+            return (status.code(), err, took);
+        }
+        assert!(Instant::now() < deadline, "the runner still runs {limit:?} after the worker froze");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_frozen_worker_fails_the_run_within_the_phase_timeout_naming_it() {
+    // A SIGSTOPped worker stalled the run about 150 s with run.phase_timeout_s=5 (control calls
+    // waited a fixed 120 s) and the message was "os error 11".
+    let dir = tempfile::tempdir().unwrap();
+    let mut f = freeze_rollout(dir.path(), &["--steps", "10000", "--phase-timeout", "2"], 1);
+    let (code, err, took) = finish(&mut f, Duration::from_secs(60));
+    eprintln!("frozen worker: the run ended {took:?} after the freeze (phase timeout 2 s)");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(took < Duration::from_secs(2 + 5), "the run ended only {took:?} after the freeze");
+    let pid = f.pid;
+    assert!(
+        err.contains("worker rollout-0: timed out: the rollout (pid ")
+            && err.contains(&format!("pid {pid})"))
+            && err.contains("within 2s (run.phase_timeout_s)")
+            && err.contains("stopped")
+            && err.contains("[timeout]")
+            && err.contains(", phase "),
+        "{err}"
+    );
+    assert!(!err.contains("os error"), "{err}");
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["failure"]["kind"], "timeout");
+    assert!(s["steps_completed"].as_u64().unwrap() >= 1);
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
+}
+
+#[test]
+fn sigterm_ends_a_run_waiting_on_a_frozen_worker_at_once() {
+    // Ctrl-C and SIGTERM were ignored while the runner waited on a frozen worker's control socket.
+    let dir = tempfile::tempdir().unwrap();
+    let mut f = freeze_rollout(dir.path(), &["--steps", "10000", "--phase-timeout", "600"], 2);
+    // Let the runner reach the frozen worker and block on it.
+    std::thread::sleep(Duration::from_secs(1));
+    f.at = Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(f.runner.id() as i32, libc::SIGTERM) };
+    let (code, err, took) = finish(&mut f, Duration::from_secs(30));
+    eprintln!("SIGTERM while waiting on a frozen worker: the runner exited {took:?} after it");
+    assert_eq!(code, Some(130), "{err}");
+    assert!(err.contains("interrupted (SIGTERM)"), "{err}");
+    assert!(took < Duration::from_secs(3), "the run ended only {took:?} after SIGTERM");
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["status"], "interrupted");
+    assert!(s["steps_completed"].as_u64().unwrap() >= 2);
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
 }

@@ -51,7 +51,30 @@ fn interruption() -> Option<String> {
 const MIB: u64 = 1 << 20;
 /// The simulator's (and CUDA's usual) VMM granularity: region allocations round up to it.
 const GRANULARITY: u64 = 2 * MIB;
-const CONTROL_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often a wait on a worker looks at the interruption flag: Ctrl-C and SIGTERM take effect
+/// within this even while a worker never answers.
+const POLL: Duration = Duration::from_millis(20);
+
+/// `run.phase_timeout_s` as a duration; a huge value means "practically never", not a panic.
+fn phase_timeout(cfg: &Config) -> Duration {
+    Duration::try_from_secs_f64(cfg.run.phase_timeout_s).unwrap_or(Duration::from_secs(365 * 86_400))
+}
+
+/// The scheduling state of `pid` from /proc/PID/stat, in words, for messages about a worker that
+/// does not answer.
+fn process_state(pid: u32) -> Option<&'static str> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat.get(stat.rfind(')')? + 2..)?.chars().next()?;
+    Some(match state {
+        'R' => "running",
+        'S' => "sleeping",
+        'D' => "in uninterruptible sleep (D: waiting on the kernel or a device)",
+        'T' => "stopped (T: SIGSTOP or SIGTSTP; SIGCONT resumes it)",
+        't' => "stopped by a debugger (t)",
+        'Z' | 'X' | 'x' => "exited (zombie)",
+        _ => "in an unknown state",
+    })
+}
 
 pub struct Options {
     pub config: Option<PathBuf>,
@@ -237,10 +260,87 @@ impl Runner {
         self.workers.iter().enumerate().filter(|(_, w)| w.role == role).map(|(i, _)| i).collect()
     }
 
+    /// Worker `i` did not answer `what` within the phase timeout: say who it is, and what its
+    /// process is doing (a stopped process looks exactly like a hung one from the socket).
+    fn timed_out(&self, i: usize, what: &str) -> RunError {
+        let w = &self.workers[i];
+        let state = match process_state(w.pid) {
+            Some(s) if s.starts_with("stopped") => format!("; its process is {s}"),
+            Some(s) => format!("; its process is {s}: the worker may be hung"),
+            None => String::new(),
+        };
+        self.fail(
+            FailKind::Timeout,
+            Some(&w.name),
+            format!(
+                "timed out: the {} (pid {}) did not answer {what} within {}s (run.phase_timeout_s){state}",
+                w.role.as_str(),
+                w.pid,
+                self.cfg.run.phase_timeout_s
+            ),
+        )
+    }
+
+    /// Runs `call` against the control socket of each worker in `targets`, in parallel, and
+    /// waits for every answer until the phase timeout or an interruption. The calls run on
+    /// threads of their own so the wait can end when a worker never answers: a SIGSTOPped process
+    /// still accepts connections (the kernel queues them) and answers nothing. A thread left
+    /// waiting ends at its own socket timeout, the same phase timeout.
+    fn control_calls<T: Send + 'static>(
+        &self,
+        targets: &[usize],
+        what: &str,
+        call: impl Fn(&Path, Duration) -> Result<T, tms_proto::ClientError> + Clone + Send + 'static,
+    ) -> R<Vec<T>> {
+        let timeout = phase_timeout(&self.cfg);
+        let deadline = Instant::now() + timeout;
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (k, &i) in targets.iter().enumerate() {
+            let path = self.workers[i].control.clone().expect("control socket found");
+            let tx = tx.clone();
+            let call = call.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send((k, call(&path, timeout)));
+            });
+        }
+        drop(tx);
+        let mut out: Vec<Option<T>> = targets.iter().map(|_| None).collect();
+        let mut left = targets.len();
+        while left > 0 {
+            if let Some(why) = interruption() {
+                return Err(self.fail(FailKind::Interrupted, None, why));
+            }
+            let Some(wait) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+                let k = out.iter().position(Option::is_none).expect("one is missing");
+                return Err(self.timed_out(targets[k], what));
+            };
+            let (k, r) = match rx.recv_timeout(wait.min(POLL)) {
+                Ok(got) => got,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => unreachable!("a call thread panicked"),
+            };
+            let i = targets[k];
+            match r {
+                Ok(v) => out[k] = Some(v),
+                // The socket's own read timeout (EAGAIN, "os error 11") is the same timeout.
+                Err(tms_proto::ClientError::Io(e))
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+                {
+                    return Err(self.timed_out(i, what));
+                }
+                Err(e) => {
+                    let name = self.workers[i].name.clone();
+                    return Err(self.fail(FailKind::Worker, Some(&name), format!("{what}: {e}")));
+                }
+            }
+            left -= 1;
+        }
+        Ok(out.into_iter().map(|v| v.expect("every answer arrived")).collect())
+    }
+
     /// Sends `method` to each worker in `targets` with its own params, then collects the replies.
     fn call_each(&mut self, targets: &[usize], method: &str, params: Vec<Value>) -> R<Vec<Value>> {
-        let timeout = Duration::from_secs_f64(self.cfg.run.phase_timeout_s);
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + phase_timeout(&self.cfg);
         let mut ids = Vec::new();
         for (&i, p) in targets.iter().zip(params) {
             let w = &mut self.workers[i];
@@ -271,16 +371,7 @@ impl Runner {
             });
             let reply = match reply {
                 Ok(v) => v,
-                Err(wire::ReadError::TimedOut) => {
-                    return Err(self.fail(
-                        FailKind::Timeout,
-                        Some(&name),
-                        format!(
-                            "no answer to {method} within {}s (run.phase_timeout_s); the worker may be hung",
-                            self.cfg.run.phase_timeout_s
-                        ),
-                    ));
-                }
+                Err(wire::ReadError::TimedOut) => return Err(self.timed_out(i, method)),
                 Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
                     return Err(self.fail(FailKind::Interrupted, None, why));
                 }
@@ -352,10 +443,10 @@ impl Runner {
             workers: BTreeMap::new(),
             paused: BTreeMap::new(),
         };
-        for w in &self.workers {
-            let Some(path) = &w.control else { continue };
-            let st = tms_proto::status(path, CONTROL_TIMEOUT)
-                .map_err(|e| self.fail(FailKind::Worker, Some(&w.name), format!("control status: {e}")))?;
+        let targets: Vec<usize> = (0..self.workers.len()).filter(|&i| self.workers[i].control.is_some()).collect();
+        let statuses = self.control_calls(&targets, "a control status request", tms_proto::status)?;
+        for (&i, st) in targets.iter().zip(statuses) {
+            let w = &self.workers[i];
             let tags = st.tags.iter().map(|t| (t.tag.clone(), t.bytes_active)).collect();
             s.workers.insert(w.name.clone(), tags);
             s.paused.insert(w.name.clone(), st.tags.iter().map(|t| t.bytes_paused).sum());
@@ -406,32 +497,20 @@ impl Runner {
     /// Pause or resume `tag` (None: all) in every worker of `role`, in parallel, through the
     /// control sockets; checks each report, and after a pause that free memory rose.
     fn control(&mut self, role: Role, pause: bool, tag: Option<&str>) -> R<Vec<OpReport>> {
-        let targets: Vec<(String, PathBuf)> = self
-            .indices(role)
-            .into_iter()
-            .map(|i| (self.workers[i].name.clone(), self.workers[i].control.clone().expect("control socket found")))
-            .collect();
-        let results: Vec<(String, Result<OpReport, tms_proto::ClientError>)> = std::thread::scope(|s| {
-            let handles: Vec<_> = targets
-                .iter()
-                .map(|(name, path)| {
-                    s.spawn(move || {
-                        let r = if pause {
-                            tms_proto::pause(path, tag, CONTROL_TIMEOUT)
-                        } else {
-                            tms_proto::resume(path, tag, CONTROL_TIMEOUT)
-                        };
-                        (name.clone(), r)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("control thread")).collect()
-        });
+        let targets = self.indices(role);
         let verb = if pause { "pause" } else { "resume" };
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
+        let owned = tag.map(String::from);
+        let results = self.control_calls(&targets, &format!("{verb} {what}"), move |path, timeout| {
+            if pause {
+                tms_proto::pause(path, owned.as_deref(), timeout)
+            } else {
+                tms_proto::resume(path, owned.as_deref(), timeout)
+            }
+        })?;
         let mut reports = Vec::new();
-        for (name, r) in results {
-            let report = r.map_err(|e| self.fail(FailKind::Worker, Some(&name), format!("{verb} {what}: {e}")))?;
+        for (&i, report) in targets.iter().zip(results) {
+            let name = self.workers[i].name.clone();
             if let Some(err) = &report.error {
                 let kind = if err.code == tms_proto::ErrorCode::OutOfMemory {
                     FailKind::OutOfMemory
@@ -864,8 +943,13 @@ impl Runner {
         for w in &mut self.workers {
             if matches!(w.child.try_wait(), Ok(None)) {
                 // Each worker leads its own process group, so a shell wrapper's children go too.
+                // A stopped process keeps SIGTERM pending until it continues: SIGCONT lets a
+                // frozen worker end now rather than at the SIGKILL 3 s later.
                 // SAFETY: signalling a process group we created.
-                unsafe { libc::kill(-(w.child.id() as i32), libc::SIGTERM) };
+                unsafe {
+                    libc::kill(-(w.child.id() as i32), libc::SIGTERM);
+                    libc::kill(-(w.child.id() as i32), libc::SIGCONT);
+                }
             }
         }
         let deadline = Instant::now() + Duration::from_secs(3);
@@ -987,11 +1071,12 @@ fn spawn_worker(
         .stderr(file);
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {name}: {e}")))?;
-    let deadline = Instant::now() + Duration::from_secs_f64(cfg.run.phase_timeout_s);
+    let deadline = Instant::now() + phase_timeout(cfg);
     let fail = |child: &mut Child, cause: String| {
         let _ = child.kill();
         let _ = child.wait();
-        RunError { kind: FailKind::Setup, step: 0, phase: "start".into(), worker: Some(name.clone()), cause }
+        let kind = if interruption().is_some() { FailKind::Interrupted } else { FailKind::Setup };
+        RunError { kind, step: 0, phase: "start".into(), worker: Some(name.clone()), cause }
     };
     let stream = loop {
         match listener.accept() {
@@ -1018,7 +1103,11 @@ fn spawn_worker(
     };
     let _ = stream.set_nonblocking(false);
     let mut conn = wire::Conn::new(stream).map_err(|e| setup_err(e.to_string()))?;
-    let hello = conn.recv(Some(deadline), || Ok(())).map_err(|e| setup_err(format!("{name}: no hello: {e}")))?;
+    let hello = match conn.recv(Some(deadline), || interruption().map_or(Ok(()), Err)) {
+        Ok(h) => h,
+        Err(wire::ReadError::Abandoned(why)) => return Err(fail(&mut child, why)),
+        Err(e) => return Err(fail(&mut child, format!("no hello: {e}"))),
+    };
     let h = &hello["hello"];
     if h["protocol"].as_u64() != Some(wire::PROTOCOL) || h["role"] != role.as_str() {
         return Err(fail(
