@@ -438,3 +438,73 @@ fn sigterm_ends_a_run_waiting_on_a_frozen_worker_at_once() {
     assert!(s["steps_completed"].as_u64().unwrap() >= 2);
     assert!(survivors(dir.path()).is_empty(), "workers left behind");
 }
+
+/// Names in `dir` that start with `prefix`.
+fn entries(dir: &Path, prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_killed_runs_temp_and_shared_memory_files_are_swept_by_the_next_run_and_a_live_runs_kept() {
+    // A SIGKILLed runner left /tmp/relax-* and /dev/shm/relax-bucket-* (host RAM) behind for good.
+    let shm = Path::new("/dev/shm");
+    let tmp = tempfile::tempdir().unwrap();
+    let first = tempfile::tempdir().unwrap();
+    let mut killed = run_cmd(first.path(), &["--steps", "10000"]).env("TMPDIR", tmp.path()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(first.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < 1 {
+        assert!(Instant::now() < deadline, "no step completed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = killed.id();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    killed.wait().unwrap();
+    let left_dir = entries(tmp.path(), &format!("relax-{pid}-"));
+    let left_bucket = entries(shm, &format!("relax-bucket-{pid}-"));
+    assert_eq!((left_dir.len(), left_bucket.len()), (1, 1), "{left_dir:?} {left_bucket:?}");
+    // Its workers see the connection close and exit.
+    while !survivors(first.path()).is_empty() {
+        assert!(Instant::now() < deadline, "the killed runner's workers stay");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // This test process stands for a live run; the same pid with another start time is a dead
+    // owner whose pid was reused.
+    let me = std::process::id();
+    let start = tms_proto::process_start_time(me).unwrap();
+    let live_dir = tmp.path().join(format!("relax-{me}-{start}-live"));
+    let live_bucket = shm.join(format!("relax-bucket-{me}-{start}-live"));
+    let dead_bucket = shm.join(format!("relax-bucket-{me}-{}-dead", start + 1));
+    std::fs::create_dir(&live_dir).unwrap();
+    std::fs::write(&live_bucket, b"live").unwrap();
+    std::fs::write(&dead_bucket, b"dead").unwrap();
+
+    let second = tempfile::tempdir().unwrap();
+    let child = run_cmd(second.path(), &["--steps", "1"])
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let second_pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let (kept, dead_stayed) = ((live_dir.is_dir(), live_bucket.is_file()), dead_bucket.exists());
+    let _ = std::fs::remove_file(&live_bucket);
+    let _ = std::fs::remove_file(&dead_bucket);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(kept, (true, true), "a live run's files were removed");
+    assert!(!dead_stayed, "a dead owner's bucket stayed");
+    assert!(entries(shm, &format!("relax-bucket-{second_pid}-")).is_empty(), "the second run left its bucket");
+    assert!(!tmp.path().join(&left_dir[0]).exists(), "the killed run's temp dir stayed");
+    assert!(!shm.join(&left_bucket[0]).exists(), "the killed run's bucket stayed");
+    // The second run removed its own on the way out.
+    assert_eq!(entries(tmp.path(), "relax-"), vec![format!("relax-{me}-{start}-live")]);
+}

@@ -12,6 +12,7 @@ pub mod model;
 pub mod profile;
 pub mod report;
 pub mod task;
+pub mod tmpfiles;
 pub mod wire;
 pub mod worker;
 
@@ -1242,7 +1243,14 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
         .map_err(setup_err)?;
     let bucket_bytes = config::parse_size(&cfg.memory.update_weight_buffer_size).map_err(setup_err)?;
     let fp = footprint(cfg, &shape, &profile, bucket_bytes);
-    let tmp = tempfile::Builder::new().prefix("relax-").tempdir().map_err(|e| setup_err(e.to_string()))?;
+    let shm_dir = Path::new("/dev/shm");
+    let mut swept = tmpfiles::sweep(&std::env::temp_dir(), tmpfiles::DIR_PREFIX);
+    swept.extend(tmpfiles::sweep(shm_dir, tmpfiles::BUCKET_PREFIX));
+    let owner = tmpfiles::owner_tag();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("{}{owner}", tmpfiles::DIR_PREFIX))
+        .tempdir()
+        .map_err(|e| setup_err(e.to_string()))?;
     let ctl_dir = tmp.path().join("ctl");
     let sock_dir = tmp.path().join("w");
     for d in [&ctl_dir, &sock_dir] {
@@ -1315,14 +1323,21 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
     let open = |name: &str| std::fs::File::create(run_dir.join(name)).map_err(|e| setup_err(e.to_string()));
     let metrics_file = open("metrics.jsonl")?;
     let memory_file = open("memory.jsonl")?;
-    let shm_dir = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { tmp.path().to_path_buf() };
+    let shm_dir = if shm_dir.is_dir() { shm_dir.to_path_buf() } else { tmp.path().to_path_buf() };
     let shm = tempfile::Builder::new()
-        .prefix("relax-bucket-")
+        .prefix(&format!("{}{owner}", tmpfiles::BUCKET_PREFIX))
         .tempfile_in(&shm_dir)
         .map_err(|e| setup_err(format!("cannot create the update bucket file in {}: {e}", shm_dir.display())))?;
     shm.as_file().set_len(fp.transfer.max(4096)).map_err(|e| setup_err(e.to_string()))?;
     let (_, shm_path) = shm.keep().map_err(|e| setup_err(e.to_string()))?;
     let progress = report::Progress::new(opts.quiet || opts.json);
+    if !swept.is_empty() {
+        progress.note(&format!(
+            "relax-colocate run: removed {} temp/shared-memory file(s) of runs that are gone: {}",
+            swept.len(),
+            swept.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        ));
+    }
     progress.note(&format!(
         "relax-colocate run: {} {} steps on {device_label}; run directory {}",
         match cfg.algo.name {
