@@ -508,3 +508,32 @@ fn a_killed_runs_temp_and_shared_memory_files_are_swept_by_the_next_run_and_a_li
     // The second run removed its own on the way out.
     assert_eq!(entries(tmp.path(), "relax-"), vec![format!("relax-{me}-{start}-live")]);
 }
+
+/// Resident memory of `pid` in KiB (VmRSS).
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_runners_memory_stays_flat_over_steps() {
+    // The runner kept every metric and memory sample: about 62 KB more per step, for good.
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = run_cmd(dir.path(), &["--steps", "41"]).spawn().unwrap();
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut rss = Vec::new();
+    for at in [10, 40] {
+        while std::fs::read_to_string(dir.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < at {
+            assert!(child.try_wait().unwrap().is_none(), "the run ended before step {at}");
+            assert!(Instant::now() < deadline, "step {at} not reached");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        rss.push(rss_kib(pid));
+    }
+    assert!(child.wait().unwrap().success());
+    let growth = rss[1] as i64 - rss[0] as i64;
+    eprintln!("runner RSS at step 10: {} KiB, at step 40: {} KiB ({growth:+} KiB over 30 steps)", rss[0], rss[1]);
+    assert!(growth < 512, "the runner grew {growth} KiB over 30 steps");
+}

@@ -150,19 +150,14 @@ struct Worker {
     next_id: u64,
 }
 
-/// A phase's span on the wall clock, for the timeline plot.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Span {
-    pub step: u64,
-    pub phase: String,
-    pub start_s: f64,
-    pub end_s: f64,
-}
-
-/// Device memory at one phase boundary.
-#[derive(Debug, Clone, serde::Serialize)]
+/// Device memory at one phase boundary (a line of memory.jsonl).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct MemSample {
+    /// When the phase ended (and the sample was taken), seconds since the run started.
     pub t_s: f64,
+    /// When the phase began: with `t_s`, its span on the timeline plot.
+    #[serde(default)]
+    pub start_s: f64,
     pub step: u64,
     pub phase: String,
     /// Per device: bytes in use (total − free).
@@ -188,10 +183,14 @@ pub struct Runner {
     api: &'static str,
     step: u64,
     phase: String,
-    spans: Vec<Span>,
-    memory: Vec<MemSample>,
+    /// This step's memory samples, for its metrics row. Everything older is in memory.jsonl and
+    /// metrics.jsonl only, which the report and the plots read back at the end: the runner's own
+    /// memory stays flat however many steps a run has.
+    step_memory: Vec<MemSample>,
     step_times: BTreeMap<String, f64>,
-    metrics: Vec<BTreeMap<String, Value>>,
+    steps_completed: u64,
+    /// Per device: the most memory in use at any phase boundary.
+    peak_used: Vec<u64>,
     metrics_file: std::fs::File,
     memory_file: std::fs::File,
     shm: PathBuf,
@@ -428,15 +427,15 @@ impl Runner {
         let out = f(self)?;
         let secs = t0.elapsed().as_secs_f64();
         *self.step_times.entry(name.to_string()).or_default() += secs;
-        self.spans.push(Span { step: self.step, phase: name.to_string(), start_s: start, end_s: self.elapsed() });
-        self.sample_memory()?;
+        self.sample_memory(start)?;
         Ok(out)
     }
 
-    fn sample_memory(&mut self) -> R<()> {
+    fn sample_memory(&mut self, start_s: f64) -> R<()> {
         let devices = self.cfg.run.devices as usize;
         let mut s = MemSample {
             t_s: self.elapsed(),
+            start_s,
             step: self.step,
             phase: self.phase.clone(),
             device_used: vec![0; devices],
@@ -458,7 +457,13 @@ impl Runner {
         }
         let _ = writeln!(self.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
         self.leak_check(&s)?;
-        self.memory.push(s);
+        for (peak, used) in self.peak_used.iter_mut().zip(&s.device_used) {
+            *peak = (*peak).max(*used);
+        }
+        if self.step_memory.first().is_some_and(|f| f.step != s.step) {
+            self.step_memory.clear();
+        }
+        self.step_memory.push(s);
         Ok(())
     }
 
@@ -910,12 +915,12 @@ impl Runner {
                 m.insert(format!("train/{k}"), v.clone());
             }
         }
-        let step_mem: Vec<&MemSample> = self.memory.iter().filter(|s| s.step == self.step).collect();
         m.insert(
             "memory".into(),
             json!(
-                step_mem
+                self.step_memory
                     .iter()
+                    .filter(|s| s.step == self.step)
                     .map(|s| (s.phase.clone(), json!({"device_used": s.device_used, "workers": s.workers})))
                     .collect::<BTreeMap<_, _>>()
             ),
@@ -923,7 +928,7 @@ impl Runner {
         let _ = writeln!(self.metrics_file, "{}", serde_json::to_string(&m).expect("serializes"));
         let _ = self.metrics_file.flush();
         self.progress.step(self.step, self.cfg.run.steps, &m);
-        self.metrics.push(m);
+        self.steps_completed += 1;
         Ok(())
     }
 
@@ -1373,10 +1378,10 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
         api,
         step: 0,
         phase: "setup".into(),
-        spans: Vec::new(),
-        memory: Vec::new(),
+        step_memory: Vec::new(),
         step_times: BTreeMap::new(),
-        metrics: Vec::new(),
+        steps_completed: 0,
+        peak_used: vec![0; cfg.run.devices as usize],
         metrics_file,
         memory_file,
         shm: shm_path,
