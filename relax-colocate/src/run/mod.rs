@@ -87,6 +87,8 @@ pub struct Options {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailKind {
+    /// The configuration cannot run here (found once the device and host are known): exit 2.
+    Config,
     Setup,
     Crash,
     Timeout,
@@ -97,8 +99,18 @@ pub enum FailKind {
 }
 
 impl FailKind {
+    /// The process exit status for a run that ended this way.
+    fn exit_code(self) -> u8 {
+        match self {
+            FailKind::Interrupted => 130,
+            FailKind::Config => 2,
+            _ => 1,
+        }
+    }
+
     fn as_str(self) -> &'static str {
         match self {
+            FailKind::Config => "configuration",
             FailKind::Setup => "setup",
             FailKind::Crash => "crash",
             FailKind::Timeout => "timeout",
@@ -1156,7 +1168,7 @@ pub fn run(opts: &Options) -> u8 {
         Ok(r) => r,
         Err(e) => {
             report_failure(&e, None, &run_dir);
-            return if e.kind == FailKind::Interrupted { 130 } else { 1 };
+            return e.kind.exit_code();
         }
     };
     let result = drive(&mut runner);
@@ -1177,7 +1189,7 @@ pub fn run(opts: &Options) -> u8 {
         }
         Err(e) => {
             report_failure(&e, Some(&runner), &run_dir);
-            if e.kind == FailKind::Interrupted { 130 } else { 1 }
+            e.kind.exit_code()
         }
     }
 }
@@ -1196,7 +1208,12 @@ fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) {
     let at =
         if e.step == 0 { format!("setup, phase {}", e.phase) } else { format!("step {}, phase {}", e.step, e.phase) };
     let who = e.worker.as_ref().map(|w| format!("worker {w}: ")).unwrap_or_default();
-    eprintln!("relax-colocate run: failed at {at}: {who}{} [{}]", e.cause, e.kind.as_str());
+    if e.kind == FailKind::Config {
+        // As the errors found while reading the configuration: the key first.
+        eprintln!("relax-colocate run: {}", e.cause);
+    } else {
+        eprintln!("relax-colocate run: failed at {at}: {who}{} [{}]", e.cause, e.kind.as_str());
+    }
     if let Some(w) = &e.worker {
         let log = runner
             .and_then(|r| r.workers.iter().find(|x| &x.name == w))
@@ -1280,7 +1297,8 @@ fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
             let f = footprint(cfg, &shape, &p, bucket_bytes);
             Some(f.trainer + f.rollout)
         };
-        check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at).map_err(setup_err)?;
+        check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at)
+            .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
         let sim_env = sim_environment().map_err(setup_err)?;
         let peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
         // Each device holds two processes, and each process's context takes device memory.
@@ -1438,15 +1456,23 @@ fn check_host_memory_for_sim(
     while fits > 0.01 && per_device_at_scale(fits).is_none_or(|b| b.saturating_mul(devices) > usable) {
         fits = ((fits * 0.9) * 100.0).floor() / 100.0;
     }
+    let m = &cfg.memory;
+    // Name the key that made the run this large: an explicit KV cache size, else the profile.
+    let what = if m.kv_cache_gib > 0.0 {
+        format!("memory.kv_cache_gib = {} sizes a {} GiB KV cache per device", m.kv_cache_gib, m.kv_cache_gib)
+    } else {
+        format!("memory.profile = {:?} with memory.tp = {} at memory.scale = {}", m.profile, m.tp, m.scale)
+    };
+    let kv = if m.kv_cache_gib > 0.0 { "lower memory.kv_cache_gib, or " } else { "" };
+    let fewer = if devices > 1 { ", or use fewer --devices" } else { "" };
     Err(format!(
-        "on the simulator the device memory is host memory: this run needs about {} ({} device(s) x \
-         trainer + rollout) and the host has {} available. Scale the profile down, e.g. --set \
-         memory.scale={:.2} (now {}), or lower memory.kv_cache_gib / --devices",
+        "{what}: on the simulator device memory is host memory, and this run needs about {} ({} device(s) \
+         x trainer + rollout) while the host has {} available. Fix: {kv}scale the profile down with \
+         --set memory.scale={:.2}{fewer}",
         report::human(needed),
         cfg.run.devices,
         report::human(available),
         fits.max(0.01),
-        cfg.memory.scale
     ))
 }
 
