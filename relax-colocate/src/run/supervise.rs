@@ -122,11 +122,29 @@ impl Runner {
             w.next_id += 1;
             let id = w.next_id;
             let msg = json!({"id": id, "method": method, "params": p});
-            let sent = w.conn.as_mut().expect("connected").send(&msg);
-            if let Err(e) = sent {
-                let cause = self.exit_cause(i).unwrap_or_else(|| format!("cannot send {method}: {e}"));
-                let name = self.workers[i].name.clone();
-                return Err(self.fail(FailKind::Crash, Some(&name), cause));
+            let child = &mut w.child;
+            let sent = w.conn.as_mut().expect("connected").send_within(&msg, deadline, || {
+                if let Some(why) = interruption() {
+                    return Err(why);
+                }
+                match child.try_wait() {
+                    Ok(Some(status)) => Err(describe_exit(status)),
+                    _ => Ok(()),
+                }
+            });
+            match sent {
+                Ok(()) => {}
+                Err(wire::ReadError::TimedOut) => {
+                    return Err(self.timed_out(i, &format!("{method} (it did not read the request)")));
+                }
+                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
+                    return Err(self.fail(FailKind::Interrupted, None, why));
+                }
+                Err(e) => {
+                    let cause = self.exit_cause(i).unwrap_or_else(|| format!("cannot send {method}: {e}"));
+                    let name = self.workers[i].name.clone();
+                    return Err(self.fail(FailKind::Crash, Some(&name), cause));
+                }
             }
             ids.push(id);
         }
