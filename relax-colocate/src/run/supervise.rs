@@ -170,7 +170,11 @@ impl Runner {
                 }
                 Err(wire::ReadError::Abandoned(why)) => return Err(self.fail(FailKind::Crash, Some(&name), why)),
                 Err(wire::ReadError::Closed) => {
-                    let cause = self.wait_exit_cause(i).unwrap_or_else(|| "closed its connection".into());
+                    let cause = self.wait_exit_cause(i);
+                    if let (None, Some(why)) = (&cause, interruption()) {
+                        return Err(self.fail(FailKind::Interrupted, None, why));
+                    }
+                    let cause = cause.unwrap_or_else(|| "closed its connection".into());
                     return Err(self.fail(FailKind::Crash, Some(&name), cause));
                 }
                 Err(e) => return Err(self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}"))),
@@ -206,6 +210,9 @@ impl Runner {
         for _ in 0..40 {
             if let Some(c) = self.exit_cause(i) {
                 return Some(c);
+            }
+            if interruption().is_some() {
+                return None;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
