@@ -80,9 +80,9 @@ checksum; device memory at each phase does not grow past its step-2 level. A fai
 the run.
 
 Exit codes: 0 the run completed and every check passed; 1 the run failed (a worker crashed, hung
-past run.phase_timeout_s, ran out of memory, or a check failed: the message names the phase, the
-worker and the cause, and partial results stay in the run directory); 2 bad configuration or
-usage; 130 interrupted (Ctrl-C or SIGTERM).
+or was stopped past run.phase_timeout_s, ran out of memory, or a check failed: the message names
+the phase, the worker and the cause, and partial results stay in the run directory); 2 bad
+configuration or usage (a simulated run larger than the host's memory included); 130 interrupted (Ctrl-C or SIGTERM, which end every wait at once).
 
 Examples:
   relax-colocate run                                   # GRPO on the simulator (no GPU needed)
@@ -157,7 +157,7 @@ struct RunArgs {
     /// External rollout worker command [run.rollout_cmd].
     #[arg(long)]
     rollout_cmd: Option<String>,
-    /// Per-phase timeout in seconds [run.phase_timeout_s].
+    /// Seconds any one wait on a worker (request or control call) may take [run.phase_timeout_s].
     #[arg(long)]
     phase_timeout: Option<f64>,
     /// Simulator capacity per device: auto or a size [sim.memory].

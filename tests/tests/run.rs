@@ -1,8 +1,8 @@
 //! `relax-colocate run` end to end on the simulator: GRPO and PPO learn, every phase is timed and
 //! checked, the run directory holds what it promises; the same node that runs with pause/resume
-//! fails with OOM without it; a crash, a hang, an OOM on wake-up and Ctrl-C each stop the run with
-//! the phase, the worker and the cause named, leave partial results and no process behind; an
-//! external Python worker runs the same cycle.
+//! fails with OOM without it; a crash, a hang, a frozen (SIGSTOPped) worker, an OOM on wake-up and
+//! Ctrl-C each stop the run with the phase, the worker and the cause named, leave partial results
+//! and no process behind; an external Python worker runs the same cycle.
 
 use serde_json::Value;
 use std::path::Path;
@@ -273,11 +273,48 @@ fn a_simulated_run_larger_than_the_host_is_refused_with_a_scale_that_fits() {
     // process) with nothing pointing at memory.scale.
     let dir = tempfile::tempdir().unwrap();
     let started = std::time::Instant::now();
+    // kv_cache_gib=1000 sized a 1000 GiB simulated device; it is a configuration error (exit 2)
+    // that names the key and the host's memory.
     let out = run_cmd(dir.path(), &["--steps", "1", "--set", "memory.kv_cache_gib=100000"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("host memory") && err.contains("--set memory.scale="), "{err}");
+    assert!(
+        err.starts_with("relax-colocate run: memory.kv_cache_gib = 100000 ")
+            && err.contains("host memory")
+            && err.contains("available")
+            && err.contains("--set memory.scale="),
+        "{err}"
+    );
+    assert_eq!(json(&dir.path().join("summary.json"))["failure"]["kind"], "configuration");
     assert!(started.elapsed() < std::time::Duration::from_secs(30), "refused only after {:?}", started.elapsed());
+    assert!(survivors(dir.path()).is_empty());
+}
+
+#[test]
+fn the_readmes_qwen3_4b_tp2_on_a_small_hosts_simulator_suggests_memory_scale() {
+    // It ran silently for a minute, then the host killed a worker; nothing suggested memory.scale.
+    let available_gib = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:").map(|v| v.split_whitespace().next().unwrap().parse::<u64>()))
+        .unwrap()
+        .unwrap()
+        >> 20;
+    let dir = tempfile::tempdir().unwrap();
+    // About 79 GiB of simulated device: a host with room for it runs it, which this test skips.
+    if available_gib * 8 / 10 >= 80 {
+        eprintln!("skipped: the host has {available_gib} GiB available, enough to run it");
+        return;
+    }
+    let out = run_cmd(dir.path(), &["--steps", "1", "--memory-profile", "qwen3-4b", "--tp", "2"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("relax-colocate run: memory.profile = \"qwen3-4b\" with memory.tp = 2")
+            && err.contains("host memory")
+            && err.contains("--set memory.scale=0."),
+        "{err}"
+    );
     assert!(survivors(dir.path()).is_empty());
 }
 
@@ -301,4 +338,240 @@ fn a_weight_bucket_of_a_few_bytes_is_refused() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("update_weight_buffer_size") && err.contains("at least 1MiB"), "{err}");
+}
+
+/// The worker process of `role` in the run in `dir` (the one the hook is loaded in).
+fn worker_pid(dir: &Path, role: &str) -> u32 {
+    let run_dir = format!("RELAX_RUN_DIR={}", dir.display());
+    let role = format!("RELAX_ROLE={role}");
+    survivors(dir)
+        .into_iter()
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .map(|env| {
+                    let vars: Vec<&[u8]> = env.split(|b| *b == 0).collect();
+                    vars.contains(&run_dir.as_bytes()) && vars.contains(&role.as_bytes())
+                })
+                .unwrap_or(false)
+        })
+        .unwrap_or_else(|| panic!("no {role} worker for {}", dir.display()))
+}
+
+/// A run with `args` whose rollout is SIGSTOPped once `steps` steps completed; the runner, the
+/// frozen pid and when it froze. The worker gets SIGKILL when the guard drops, whatever happened.
+struct Frozen {
+    runner: std::process::Child,
+    pid: u32,
+    at: Instant,
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        // SAFETY: signalling processes this test started.
+        unsafe {
+            libc::kill(self.pid as i32, libc::SIGKILL);
+            libc::kill(self.runner.id() as i32, libc::SIGKILL);
+        }
+        let _ = self.runner.wait();
+    }
+}
+
+/// Freezes the rollout after `steps` steps, while the trainer works: the runner's next word to the
+/// rollout then goes through its control socket (memory status, pause, resume), not the worker
+/// protocol.
+fn freeze_rollout(dir: &Path, args: &[&str], steps: usize) -> Frozen {
+    let mut runner = run_cmd(dir, args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let training = || {
+        use std::io::{Read, Seek, SeekFrom};
+        let done = std::fs::read_to_string(dir.join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0);
+        let Ok(mut memory) = std::fs::File::open(dir.join("memory.jsonl")) else { return false };
+        // The last line is enough, and the file grows every phase.
+        let len = memory.seek(SeekFrom::End(0)).unwrap();
+        memory.seek(SeekFrom::Start(len.saturating_sub(16 << 10))).unwrap();
+        let mut tail = String::new();
+        let _ = memory.read_to_string(&mut tail);
+        let phase = tail.lines().last().and_then(|l| serde_json::from_str::<Value>(l).ok()).map(|v| v["phase"].clone());
+        let phase = phase.as_ref().and_then(Value::as_str).unwrap_or("");
+        done >= steps
+            && ["rollout_offload", "wake_up", "ref_log_probs", "log_probs", "advantages", "actor_train", "sleep"]
+                .contains(&phase)
+    };
+    while !training() {
+        if runner.try_wait().unwrap().is_some() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(runner.stderr.as_mut().unwrap(), &mut err).unwrap();
+            panic!("the run ended before the freeze: {err}");
+        }
+        assert!(Instant::now() < deadline, "the run did not reach step {}'s training", steps + 1);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let pid = worker_pid(dir, "rollout");
+    // SAFETY: signalling a worker of our own run.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    Frozen { runner, pid, at: Instant::now() }
+}
+
+/// Waits at most `limit` for the runner to exit; its status, stderr and how long after the
+/// freeze it exited.
+fn finish(f: &mut Frozen, limit: Duration) -> (Option<i32>, String, Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = f.runner.try_wait().unwrap() {
+            let took = f.at.elapsed();
+            let mut err = String::new();
+            std::io::Read::read_to_string(f.runner.stderr.as_mut().unwrap(), &mut err).unwrap();
+            return (status.code(), err, took);
+        }
+        assert!(Instant::now() < deadline, "the runner still runs {limit:?} after the worker froze");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_frozen_worker_fails_the_run_within_the_phase_timeout_naming_it() {
+    // A SIGSTOPped worker stalled the run about 150 s with run.phase_timeout_s=5 (control calls
+    // waited a fixed 120 s) and the message was "os error 11".
+    let dir = tempfile::tempdir().unwrap();
+    // 5 s rather than less: a loaded machine must not time out a healthy phase before the freeze.
+    let mut f = freeze_rollout(dir.path(), &["--steps", "10000", "--phase-timeout", "5"], 1);
+    let (code, err, took) = finish(&mut f, Duration::from_secs(60));
+    eprintln!("frozen worker: the run ended {took:?} after the freeze (phase timeout 5 s)");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(took < Duration::from_secs(5 + 5), "the run ended only {took:?} after the freeze");
+    let pid = f.pid;
+    assert!(
+        err.contains("worker rollout-0: timed out: the rollout (pid ")
+            && err.contains(&format!("pid {pid})"))
+            && err.contains("within 5s (run.phase_timeout_s)")
+            && err.contains("stopped")
+            && err.contains("[timeout]")
+            && err.contains(", phase "),
+        "{err}"
+    );
+    assert!(!err.contains("os error"), "{err}");
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["failure"]["kind"], "timeout");
+    assert!(s["steps_completed"].as_u64().unwrap() >= 1);
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
+}
+
+#[test]
+fn sigterm_ends_a_run_waiting_on_a_frozen_worker_at_once() {
+    // Ctrl-C and SIGTERM were ignored while the runner waited on a frozen worker's control socket.
+    let dir = tempfile::tempdir().unwrap();
+    let mut f = freeze_rollout(dir.path(), &["--steps", "10000", "--phase-timeout", "600"], 2);
+    // Let the runner reach the frozen worker and block on it.
+    std::thread::sleep(Duration::from_secs(1));
+    f.at = Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(f.runner.id() as i32, libc::SIGTERM) };
+    let (code, err, took) = finish(&mut f, Duration::from_secs(30));
+    eprintln!("SIGTERM while waiting on a frozen worker: the runner exited {took:?} after it");
+    assert_eq!(code, Some(130), "{err}");
+    assert!(err.contains("interrupted (SIGTERM)"), "{err}");
+    assert!(took < Duration::from_secs(3), "the run ended only {took:?} after SIGTERM");
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["status"], "interrupted");
+    assert!(s["steps_completed"].as_u64().unwrap() >= 2);
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
+}
+
+/// Names in `dir` that start with `prefix`.
+fn entries(dir: &Path, prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_killed_runs_temp_and_shared_memory_files_are_swept_by_the_next_run_and_a_live_runs_kept() {
+    // A SIGKILLed runner left /tmp/relax-* and /dev/shm/relax-bucket-* (host RAM) behind for good.
+    let shm = Path::new("/dev/shm");
+    let tmp = tempfile::tempdir().unwrap();
+    let first = tempfile::tempdir().unwrap();
+    let mut killed = run_cmd(first.path(), &["--steps", "10000"]).env("TMPDIR", tmp.path()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(first.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < 1 {
+        assert!(Instant::now() < deadline, "no step completed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = killed.id();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    killed.wait().unwrap();
+    let left_dir = entries(tmp.path(), &format!("relax-{pid}-"));
+    let left_bucket = entries(shm, &format!("relax-bucket-{pid}-"));
+    assert_eq!((left_dir.len(), left_bucket.len()), (1, 1), "{left_dir:?} {left_bucket:?}");
+    // Its workers see the connection close and exit.
+    while !survivors(first.path()).is_empty() {
+        assert!(Instant::now() < deadline, "the killed runner's workers stay");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // This test process stands for a live run; the same pid with another start time is a dead
+    // owner whose pid was reused.
+    let me = std::process::id();
+    let start = tms_proto::process_start_time(me).unwrap();
+    let live_dir = tmp.path().join(format!("relax-{me}-{start}-live"));
+    let live_bucket = shm.join(format!("relax-bucket-{me}-{start}-live"));
+    let dead_bucket = shm.join(format!("relax-bucket-{me}-{}-dead", start + 1));
+    std::fs::create_dir(&live_dir).unwrap();
+    std::fs::write(&live_bucket, b"live").unwrap();
+    std::fs::write(&dead_bucket, b"dead").unwrap();
+
+    let second = tempfile::tempdir().unwrap();
+    let child = run_cmd(second.path(), &["--steps", "1"])
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let second_pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let (kept, dead_stayed) = ((live_dir.is_dir(), live_bucket.is_file()), dead_bucket.exists());
+    let _ = std::fs::remove_file(&live_bucket);
+    let _ = std::fs::remove_file(&dead_bucket);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(kept, (true, true), "a live run's files were removed");
+    assert!(!dead_stayed, "a dead owner's bucket stayed");
+    assert!(entries(shm, &format!("relax-bucket-{second_pid}-")).is_empty(), "the second run left its bucket");
+    assert!(!tmp.path().join(&left_dir[0]).exists(), "the killed run's temp dir stayed");
+    assert!(!shm.join(&left_bucket[0]).exists(), "the killed run's bucket stayed");
+    // The second run removed its own on the way out.
+    assert_eq!(entries(tmp.path(), "relax-"), vec![format!("relax-{me}-{start}-live")]);
+}
+
+/// Resident memory of `pid` in KiB (VmRSS).
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_runners_memory_stays_flat_over_steps() {
+    // The runner kept every metric and memory sample: about 62 KB more per step, for good.
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = run_cmd(dir.path(), &["--steps", "41"]).spawn().unwrap();
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut rss = Vec::new();
+    for at in [10, 40] {
+        while std::fs::read_to_string(dir.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < at {
+            assert!(child.try_wait().unwrap().is_none(), "the run ended before step {at}");
+            assert!(Instant::now() < deadline, "step {at} not reached");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        rss.push(rss_kib(pid));
+    }
+    assert!(child.wait().unwrap().success());
+    let growth = rss[1] as i64 - rss[0] as i64;
+    eprintln!("runner RSS at step 10: {} KiB, at step 40: {} KiB ({growth:+} KiB over 30 steps)", rss[0], rss[1]);
+    assert!(growth < 512, "the runner grew {growth} KiB over 30 steps");
 }

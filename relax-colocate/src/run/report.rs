@@ -1,7 +1,7 @@
 //! What a run shows and leaves behind: the progress line, the phase table, summary.json, and the
 //! SVG memory timeline and reward curve.
 
-use super::{RunError, Runner};
+use super::{MemSample, RunError, Runner};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -97,11 +97,39 @@ pub const STEP_PHASES: &[&str] = &[
     "onload_kv",
 ];
 
+/// The lines of a JSON-lines file of the run directory, one at a time (a run of many steps has
+/// more than the runner should hold at once); unreadable lines are skipped.
+fn read_lines<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> impl Iterator<Item = T> {
+    use std::io::BufRead;
+    let file = std::fs::File::open(path).ok();
+    file.into_iter()
+        .flat_map(|f| std::io::BufReader::new(f).lines())
+        .filter_map(|l| serde_json::from_str(&l.ok()?).ok())
+}
+
+/// Per-step numbers of metrics.jsonl: `keys` series in file order (only those numbers, not the
+/// rows, are held).
+fn metric_series(r: &Runner, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
+    let mut out: BTreeMap<String, Vec<f64>> = keys.iter().map(|k| (k.clone(), Vec::new())).collect();
+    for row in read_lines::<Value>(&r.run_dir.join("metrics.jsonl")) {
+        for (k, v) in out.iter_mut() {
+            if let Some(x) = row.get(k).and_then(Value::as_f64) {
+                v.push(x);
+            }
+        }
+    }
+    out
+}
+
 pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
-    let series = |k: &str| -> Vec<f64> { r.metrics.iter().filter_map(|m| m.get(k).and_then(Value::as_f64)).collect() };
+    let phase_names: Vec<&str> = STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect();
+    let mut keys: Vec<String> = phase_names.iter().map(|p| format!("perf/{p}_time")).collect();
+    keys.extend(["rollout/reward_mean".to_string(), "rollout/pass_rate".to_string()]);
+    let all = metric_series(r, &keys);
+    let series = |k: &str| -> Vec<f64> { all.get(k).cloned().unwrap_or_default() };
     let total_step: f64 = series("perf/step_time").iter().sum();
     let mut phases = Vec::new();
-    for p in STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]) {
+    for p in phase_names {
         let v = series(&format!("perf/{p}_time"));
         if v.is_empty() {
             continue;
@@ -122,15 +150,12 @@ pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
         let k = v.len().min(3);
         if k == 0 { f64::NAN } else { v[v.len() - k..].iter().sum::<f64>() / k as f64 }
     };
-    let peak_used: Vec<u64> = (0..r.cfg.run.devices as usize)
-        .map(|d| r.memory.iter().map(|s| s.device_used.get(d).copied().unwrap_or(0)).max().unwrap_or(0))
-        .collect();
     json!({
         "status": match err { None => "ok", Some(e) if e.kind == super::FailKind::Interrupted => "interrupted", Some(_) => "failed" },
         "failure": err.map(|e| json!({"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause})),
         "device": r.device_label,
         "algo": r.cfg.algo.name,
-        "steps_completed": r.metrics.len(),
+        "steps_completed": r.steps_completed,
         "steps_requested": r.cfg.run.steps,
         "phases": phases,
         "reward": {"first3_mean": head(&rewards), "last3_mean": last(&rewards)},
@@ -141,7 +166,7 @@ pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
             "rollout_bytes_per_device": r.profile.rollout.bytes(),
             "weights_bytes_per_device": r.profile.rollout.tag_bytes("weights"),
             "trainer_allocations": r.profile.trainer.count(), "rollout_allocations": r.profile.rollout.count(),
-            "peak_device_used": peak_used,
+            "peak_device_used": r.peak_used,
         },
         "wall_time_s": r.started.elapsed().as_secs_f64(),
         "run_dir": r.run_dir,
@@ -296,10 +321,22 @@ fn legend(out: &mut String, f: &Frame, items: &[(String, &str)]) {
 
 /// Device memory over time per process (resident bytes, summed over tags) and the device's
 /// total in use, phases shaded behind.
+///
+/// Reads memory.jsonl twice (scales first, then the drawing) rather than holding it; past
+/// `MAX_SAMPLES` boundaries it draws every k-th, so a long run's plot stays a plot.
 pub fn memory_timeline(r: &Runner) -> String {
-    let end = r.memory.last().map(|s| s.t_s).unwrap_or(1.0).max(1e-3);
-    let ymax = r.memory.iter().flat_map(|s| s.device_used.iter().copied()).max().unwrap_or(1).max(1) as f64;
-    let total = r.memory.iter().flat_map(|s| s.device_total.iter().copied()).max().unwrap_or(0) as f64;
+    const MAX_SAMPLES: usize = 6000;
+    let path = r.run_dir.join("memory.jsonl");
+    let (mut n, mut end, mut ymax, mut total) = (0usize, 1e-3f64, 1u64, 0u64);
+    for s in read_lines::<MemSample>(&path) {
+        n += 1;
+        end = end.max(s.t_s);
+        ymax = ymax.max(s.device_used.iter().copied().max().unwrap_or(0));
+        total = total.max(s.device_total.iter().copied().max().unwrap_or(0));
+    }
+    let (ymax, total) = (ymax as f64, total as f64);
+    let stride = n.div_ceil(MAX_SAMPLES).max(1);
+    let samples = || read_lines::<MemSample>(&path).enumerate().filter(move |(i, _)| i % stride == 0).map(|(_, s)| s);
     let gib = (1u64 << 30) as f64;
     let unit = if ymax.max(total) >= gib { gib } else { (1u64 << 20) as f64 };
     let unit_name = if unit == gib { "GiB" } else { "MiB" };
@@ -319,13 +356,13 @@ pub fn memory_timeline(r: &Runner) -> String {
     f.open(&mut out, "Device memory over the run (phases shaded)", "seconds", &format!("{unit_name} in use"), &|y| {
         format!("{y:.1}")
     });
-    for s in &r.spans {
+    for s in samples() {
         let _ = write!(
             out,
             r#"<rect x="{:.1}" y="{}" width="{:.2}" height="{}" fill="{}"><title>step {} {}</title></rect>"#,
             f.px(s.start_s),
             f.top,
-            (f.px(s.end_s) - f.px(s.start_s)).max(0.3),
+            (f.px(s.t_s) - f.px(s.start_s)).max(0.3),
             f.h - f.top - f.bottom,
             phase_color(&s.phase),
             s.step,
@@ -336,21 +373,25 @@ pub fn memory_timeline(r: &Runner) -> String {
     let mut items: Vec<(String, &str)> = Vec::new();
     // The device total goes underneath, wide and grey, so the per-process lines stay visible where
     // one process is all the device holds.
-    for d in 0..r.cfg.run.devices as usize {
-        let pts: Vec<(f64, f64)> =
-            r.memory.iter().map(|s| (s.t_s, s.device_used.get(d).copied().unwrap_or(0) as f64 / unit)).collect();
-        polyline(&mut out, &f, &pts, "#bbb", 5.0, true);
+    let devices = r.cfg.run.devices as usize;
+    let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
+    let mut device_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); devices];
+    let mut worker_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); names.len()];
+    for s in samples() {
+        for (d, pts) in device_pts.iter_mut().enumerate() {
+            pts.push((s.t_s, s.device_used.get(d).copied().unwrap_or(0) as f64 / unit));
+        }
+        for (name, pts) in names.iter().zip(&mut worker_pts) {
+            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64 / unit));
+        }
+    }
+    for pts in &device_pts {
+        polyline(&mut out, &f, pts, "#bbb", 5.0, true);
     }
     items.push(("device in use".into(), "#bbb"));
-    let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
-    for (i, name) in names.iter().enumerate() {
-        let pts: Vec<(f64, f64)> = r
-            .memory
-            .iter()
-            .map(|s| (s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64 / unit))
-            .collect();
+    for (i, (name, pts)) in names.iter().zip(&worker_pts).enumerate() {
         let c = COLORS[i % COLORS.len()];
-        polyline(&mut out, &f, &pts, c, 1.6, true);
+        polyline(&mut out, &f, pts, c, 1.6, true);
         items.push((name.clone(), c));
     }
     if total > 0.0 {
@@ -378,10 +419,10 @@ pub fn memory_timeline(r: &Runner) -> String {
 }
 
 pub fn reward_curve(r: &Runner) -> String {
-    let get = |k: &str| -> Vec<(f64, f64)> {
-        r.metrics.iter().filter_map(|m| Some((m.get("step")?.as_f64()?, m.get(k)?.as_f64()?))).collect()
-    };
-    let steps = r.metrics.len().max(2) as f64;
+    let keys = ["step".to_string(), "rollout/reward_mean".to_string(), "rollout/pass_rate".to_string()];
+    let series = metric_series(r, &keys);
+    let get = |k: &str| -> Vec<(f64, f64)> { series["step"].iter().copied().zip(series[k].iter().copied()).collect() };
+    let steps = series["step"].len().max(2) as f64;
     let f = Frame {
         w: 760.0,
         h: 400.0,

@@ -49,7 +49,39 @@ impl Conn {
     pub fn send(&mut self, v: &Value) -> std::io::Result<()> {
         let mut line = serde_json::to_vec(v).expect("JSON values serialize");
         line.push(b'\n');
+        self.writer.set_write_timeout(None)?;
         self.writer.write_all(&line)
+    }
+
+    /// Writes one message by `deadline`, in short slices so `keep_waiting` can stop the wait (it
+    /// returns Err(reason) to abandon). A peer that reads nothing (stopped, or stuck) fills the
+    /// socket buffer, and a larger message would otherwise block the writer for good.
+    pub fn send_within(
+        &mut self,
+        v: &Value,
+        deadline: Instant,
+        mut keep_waiting: impl FnMut() -> Result<(), String>,
+    ) -> Result<(), ReadError> {
+        let mut line = serde_json::to_vec(v).expect("JSON values serialize");
+        line.push(b'\n');
+        self.writer.set_write_timeout(Some(Duration::from_millis(50))).map_err(ReadError::Io)?;
+        let mut done = 0;
+        while done < line.len() {
+            match self.writer.write(&line[done..]) {
+                Ok(0) => return Err(ReadError::Closed),
+                Ok(n) => {
+                    done += n;
+                    continue;
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+            if Instant::now() >= deadline {
+                return Err(ReadError::TimedOut);
+            }
+            keep_waiting().map_err(ReadError::Abandoned)?;
+        }
+        Ok(())
     }
 
     /// Reads one JSON line. Waits in short slices so `keep_waiting` can stop the wait (it returns
@@ -117,5 +149,36 @@ pub fn serve(conn: &mut Conn, mut handle: impl FnMut(&str, &Value) -> Result<Val
         if conn.send(&reply).is_err() || method == "shutdown" {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_send_to_a_peer_that_reads_nothing_ends_at_the_deadline_or_when_abandoned() {
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let mut conn = Conn::new(ours).unwrap();
+        // Larger than any socket buffer: the peer never reads, so the write can never finish.
+        let big = json!({"id": 1, "method": "train", "params": "x".repeat(2 << 20)});
+        let t0 = Instant::now();
+        let r = conn.send_within(&big, t0 + Duration::from_millis(300), || Ok(()));
+        assert!(matches!(r, Err(ReadError::TimedOut)), "{r:?}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        let t0 = Instant::now();
+        let r = conn.send_within(&big, t0 + Duration::from_secs(60), || Err("interrupted (SIGTERM)".into()));
+        assert!(matches!(r, Err(ReadError::Abandoned(ref why)) if why == "interrupted (SIGTERM)"), "{r:?}");
+        assert!(t0.elapsed() < Duration::from_millis(1500), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn a_send_within_reaches_a_reading_peer_whole() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut conn = Conn::new(ours).unwrap();
+        let reader = std::thread::spawn(move || Conn::new(theirs).unwrap().recv(None, || Ok(())).unwrap());
+        let big = json!({"id": 2, "params": "y".repeat(4 << 20)});
+        conn.send_within(&big, Instant::now() + Duration::from_secs(60), || Ok(())).unwrap();
+        assert_eq!(reader.join().unwrap(), big);
     }
 }

@@ -1,0 +1,101 @@
+//! How much device memory each role takes, as the hook will charge it, and on the simulator
+//! whether the host has that much: sizing the simulated device and refusing runs that cannot fit.
+
+use super::config::{self, Config};
+use super::profile::Profile;
+use super::{GRANULARITY, MIB, model, report};
+
+pub(super) fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+/// Bytes each role holds on one device, as the hook will charge them.
+pub(super) struct Footprint {
+    pub(super) trainer: u64,
+    pub(super) rollout: u64,
+    pub(super) rollout_weights: u64,
+    pub(super) transfer: u64,
+}
+
+/// What the hook charges for allocations of these sizes (each rounded up to the granularity).
+fn charged<'a>(sizes: impl IntoIterator<Item = &'a u64>) -> u64 {
+    sizes.into_iter().map(|s| round_up(*s, GRANULARITY)).sum()
+}
+
+pub(super) fn footprint(cfg: &Config, shape: &model::Shape, profile: &Profile, bucket: u64) -> Footprint {
+    let tensors: Vec<u64> = model::layout(shape).iter().map(|(_, n)| *n as u64 * 4).collect();
+    let policy = charged(&tensors);
+    let max_batch = (cfg.rollout.prompts_per_step / cfg.run.devices as usize * cfg.rollout.samples_per_prompt) as u64;
+    let weight_pads: Vec<u64> =
+        profile.rollout.tags.iter().filter(|(t, _)| t == "weights").flat_map(|(_, s)| s).copied().collect();
+    let weights_exact = tensors.iter().sum::<u64>() + weight_pads.iter().sum::<u64>();
+    Footprint {
+        trainer: 5 * policy + charged(profile.trainer.tags.iter().flat_map(|(_, s)| s)),
+        rollout: policy
+            + round_up(max_batch * shape.hidden as u64 * 8, GRANULARITY)
+            + round_up(max_batch * shape.vocab as u64 * 8, GRANULARITY)
+            + charged(profile.rollout.tags.iter().flat_map(|(_, s)| s)),
+        rollout_weights: policy + charged(&weight_pads),
+        transfer: round_up(bucket.min(weights_exact), 4096),
+    }
+}
+
+/// Device memory a process's context takes on tms-sim: its `TMS_SIM_CONTEXT_MEMORY`, else the
+/// simulator's defaults (300 MiB on the CUDA API, 200 MiB on ACL; docs/simulator.md).
+pub(super) fn sim_context_bytes(api: &str) -> u64 {
+    let default = if api == "acl" { 200 * MIB } else { 300 * MIB };
+    match std::env::var("TMS_SIM_CONTEXT_MEMORY") {
+        Ok(v) if v.trim() == "0" => 0,
+        Ok(v) => config::parse_size(&v).unwrap_or(default),
+        Err(_) => default,
+    }
+}
+
+/// The simulator keeps device memory in host memory: a run whose trainer and rollout bytes do not
+/// fit in what the host has available would end with the kernel's OOM killer (possibly another
+/// process), a minute in. Refuse it up front and say how to scale it down.
+pub(super) fn check_host_memory_for_sim(
+    cfg: &Config,
+    per_device: u64,
+    per_device_at_scale: impl Fn(f64) -> Option<u64>,
+) -> Result<(), String> {
+    let Some(available) = host_memory_available() else { return Ok(()) };
+    let devices = cfg.run.devices as u64;
+    let needed = per_device.saturating_mul(devices);
+    // Leave room for the processes themselves, backups in flight and the rest of the machine.
+    let usable = available / 10 * 8;
+    if needed <= usable {
+        return Ok(());
+    }
+    // Parts of a profile do not scale, so look for a scale that fits rather than divide.
+    let mut fits = (cfg.memory.scale * usable as f64 / needed as f64 * 100.0).floor() / 100.0;
+    while fits > 0.01 && per_device_at_scale(fits).is_none_or(|b| b.saturating_mul(devices) > usable) {
+        fits = ((fits * 0.9) * 100.0).floor() / 100.0;
+    }
+    let m = &cfg.memory;
+    // Name the key that made the run this large: an explicit KV cache size, else the profile.
+    let what = if m.kv_cache_gib > 0.0 {
+        format!("memory.kv_cache_gib = {} sizes a {} GiB KV cache per device", m.kv_cache_gib, m.kv_cache_gib)
+    } else {
+        format!("memory.profile = {:?} with memory.tp = {} at memory.scale = {}", m.profile, m.tp, m.scale)
+    };
+    let kv = if m.kv_cache_gib > 0.0 { "lower memory.kv_cache_gib, or " } else { "" };
+    let fewer = if devices > 1 { ", or use fewer --devices" } else { "" };
+    Err(format!(
+        "{what}: on the simulator device memory is host memory, and this run needs about {} ({} device(s) \
+         x trainer + rollout) while the host has {} available. Fix: {kv}scale the profile down with \
+         --set memory.scale={:.2}{fewer}",
+        report::human(needed),
+        cfg.run.devices,
+        report::human(available),
+        fits.max(0.01),
+    ))
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

@@ -1,0 +1,285 @@
+//! Waiting on workers: requests over the worker protocol and calls to their tms control sockets,
+//! each bounded by run.phase_timeout_s and interruptible; what a worker that stopped answering or
+//! exited is named as; and stopping every worker at the end.
+
+use super::config::Config;
+use super::signals::interruption;
+use super::{FailKind, R, Role, RunError, Runner, wire};
+use serde_json::{Value, json};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// How often a wait on a worker looks at the interruption flag: Ctrl-C and SIGTERM take effect
+/// within this even while a worker never answers.
+const POLL: Duration = Duration::from_millis(20);
+
+/// `run.phase_timeout_s` as a duration; a huge value means "practically never", not a panic.
+pub(super) fn phase_timeout(cfg: &Config) -> Duration {
+    Duration::try_from_secs_f64(cfg.run.phase_timeout_s).unwrap_or(Duration::from_secs(365 * 86_400))
+}
+
+/// The scheduling state of `pid` from /proc/PID/stat, in words, for messages about a worker that
+/// does not answer.
+fn process_state(pid: u32) -> Option<&'static str> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat.get(stat.rfind(')')? + 2..)?.chars().next()?;
+    Some(match state {
+        'R' => "running",
+        'S' => "sleeping",
+        'D' => "in uninterruptible sleep (D: waiting on the kernel or a device)",
+        'T' => "stopped (T: SIGSTOP or SIGTSTP; SIGCONT resumes it)",
+        't' => "stopped by a debugger (t)",
+        'Z' | 'X' | 'x' => "exited (zombie)",
+        _ => "in an unknown state",
+    })
+}
+
+impl Runner {
+    /// Worker `i` did not answer `what` within the phase timeout: say who it is, and what its
+    /// process is doing (a stopped process looks exactly like a hung one from the socket).
+    fn timed_out(&self, i: usize, what: &str) -> RunError {
+        let w = &self.workers[i];
+        let state = match process_state(w.pid) {
+            Some(s) if s.starts_with("stopped") => format!("; its process is {s}"),
+            Some(s) => format!("; its process is {s}: the worker may be hung"),
+            None => String::new(),
+        };
+        self.fail(
+            FailKind::Timeout,
+            Some(&w.name),
+            format!(
+                "timed out: the {} (pid {}) did not answer {what} within {}s (run.phase_timeout_s){state}",
+                w.role.as_str(),
+                w.pid,
+                self.cfg.run.phase_timeout_s
+            ),
+        )
+    }
+
+    /// Runs `call` against the control socket of each worker in `targets`, in parallel, and
+    /// waits for every answer until the phase timeout or an interruption. The calls run on
+    /// threads of their own so the wait can end when a worker never answers: a SIGSTOPped process
+    /// still accepts connections (the kernel queues them) and answers nothing. A thread left
+    /// waiting ends at its own socket timeout, the same phase timeout.
+    pub(super) fn control_calls<T: Send + 'static>(
+        &self,
+        targets: &[usize],
+        what: &str,
+        call: impl Fn(&Path, Duration) -> Result<T, tms_proto::ClientError> + Clone + Send + 'static,
+    ) -> R<Vec<T>> {
+        let timeout = phase_timeout(&self.cfg);
+        let deadline = Instant::now() + timeout;
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (k, &i) in targets.iter().enumerate() {
+            let path = self.workers[i].control.clone().expect("control socket found");
+            let tx = tx.clone();
+            let call = call.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send((k, call(&path, timeout)));
+            });
+        }
+        drop(tx);
+        let mut out: Vec<Option<T>> = targets.iter().map(|_| None).collect();
+        let mut left = targets.len();
+        while left > 0 {
+            if let Some(why) = interruption() {
+                return Err(self.fail(FailKind::Interrupted, None, why));
+            }
+            let Some(wait) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+                let k = out.iter().position(Option::is_none).expect("one is missing");
+                return Err(self.timed_out(targets[k], what));
+            };
+            let (k, r) = match rx.recv_timeout(wait.min(POLL)) {
+                Ok(got) => got,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => unreachable!("a call thread panicked"),
+            };
+            let i = targets[k];
+            match r {
+                Ok(v) => out[k] = Some(v),
+                // The socket's own read timeout (EAGAIN, "os error 11") is the same timeout.
+                Err(tms_proto::ClientError::Io(e))
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+                {
+                    return Err(self.timed_out(i, what));
+                }
+                Err(e) => {
+                    let name = self.workers[i].name.clone();
+                    return Err(self.fail(FailKind::Worker, Some(&name), format!("{what}: {e}")));
+                }
+            }
+            left -= 1;
+        }
+        Ok(out.into_iter().map(|v| v.expect("every answer arrived")).collect())
+    }
+
+    /// Sends `method` to each worker in `targets` with its own params, then collects the replies.
+    pub(super) fn call_each(&mut self, targets: &[usize], method: &str, params: Vec<Value>) -> R<Vec<Value>> {
+        let deadline = Instant::now() + phase_timeout(&self.cfg);
+        let mut ids = Vec::new();
+        for (&i, p) in targets.iter().zip(params) {
+            let w = &mut self.workers[i];
+            w.next_id += 1;
+            let id = w.next_id;
+            let msg = json!({"id": id, "method": method, "params": p});
+            let child = &mut w.child;
+            let sent = w.conn.as_mut().expect("connected").send_within(&msg, deadline, || {
+                if let Some(why) = interruption() {
+                    return Err(why);
+                }
+                match child.try_wait() {
+                    Ok(Some(status)) => Err(describe_exit(status)),
+                    _ => Ok(()),
+                }
+            });
+            match sent {
+                Ok(()) => {}
+                Err(wire::ReadError::TimedOut) => {
+                    return Err(self.timed_out(i, &format!("{method} (it did not read the request)")));
+                }
+                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
+                    return Err(self.fail(FailKind::Interrupted, None, why));
+                }
+                Err(e) => {
+                    let cause = self.exit_cause(i).unwrap_or_else(|| format!("cannot send {method}: {e}"));
+                    let name = self.workers[i].name.clone();
+                    return Err(self.fail(FailKind::Crash, Some(&name), cause));
+                }
+            }
+            ids.push(id);
+        }
+        let mut out = Vec::new();
+        for (&i, id) in targets.iter().zip(ids) {
+            let name = self.workers[i].name.clone();
+            let w = &mut self.workers[i];
+            let child = &mut w.child;
+            let reply = w.conn.as_mut().expect("connected").recv(Some(deadline), || {
+                if let Some(why) = interruption() {
+                    return Err(why);
+                }
+                match child.try_wait() {
+                    Ok(Some(status)) => Err(describe_exit(status)),
+                    _ => Ok(()),
+                }
+            });
+            let reply = match reply {
+                Ok(v) => v,
+                Err(wire::ReadError::TimedOut) => return Err(self.timed_out(i, method)),
+                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
+                    return Err(self.fail(FailKind::Interrupted, None, why));
+                }
+                Err(wire::ReadError::Abandoned(why)) => return Err(self.fail(FailKind::Crash, Some(&name), why)),
+                Err(wire::ReadError::Closed) => {
+                    let cause = self.wait_exit_cause(i);
+                    if let (None, Some(why)) = (&cause, interruption()) {
+                        return Err(self.fail(FailKind::Interrupted, None, why));
+                    }
+                    let cause = cause.unwrap_or_else(|| "closed its connection".into());
+                    return Err(self.fail(FailKind::Crash, Some(&name), cause));
+                }
+                Err(e) => return Err(self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}"))),
+            };
+            if reply["id"].as_u64() != Some(id) {
+                return Err(self.fail(
+                    FailKind::Worker,
+                    Some(&name),
+                    format!("answered {} to request {id}", reply["id"]),
+                ));
+            }
+            if let Some(err) = reply.get("error") {
+                let kind = if err["kind"] == "oom" { FailKind::OutOfMemory } else { FailKind::Worker };
+                let msg = err["message"].as_str().unwrap_or("(no message)");
+                return Err(self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", err["kind"])));
+            }
+            out.push(reply.get("result").cloned().unwrap_or(Value::Null));
+        }
+        Ok(out)
+    }
+
+    pub(super) fn call_all(&mut self, role: Role, method: &str, params: Value) -> R<Vec<Value>> {
+        let targets = self.indices(role);
+        let n = targets.len();
+        self.call_each(&targets, method, vec![params; n])
+    }
+
+    fn exit_cause(&mut self, i: usize) -> Option<String> {
+        self.workers[i].child.try_wait().ok().flatten().map(describe_exit)
+    }
+
+    fn wait_exit_cause(&mut self, i: usize) -> Option<String> {
+        for _ in 0..40 {
+            if let Some(c) = self.exit_cause(i) {
+                return Some(c);
+            }
+            if interruption().is_some() {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    pub(super) fn stop_workers(&mut self, graceful: bool) {
+        if graceful {
+            for i in 0..self.workers.len() {
+                let w = &mut self.workers[i];
+                if let Some(c) = w.conn.as_mut() {
+                    w.next_id += 1;
+                    let _ = c.send(&json!({"id": w.next_id, "method": "shutdown", "params": {}}));
+                }
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline && self.workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        for w in &mut self.workers {
+            if matches!(w.child.try_wait(), Ok(None)) {
+                // Each worker leads its own process group, so a shell wrapper's children go too.
+                // A stopped process keeps SIGTERM pending until it continues: SIGCONT lets a
+                // frozen worker end now rather than at the SIGKILL 3 s later.
+                // SAFETY: signalling a process group we created.
+                unsafe {
+                    libc::kill(-(w.child.id() as i32), libc::SIGTERM);
+                    libc::kill(-(w.child.id() as i32), libc::SIGCONT);
+                }
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline && self.workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for w in &mut self.workers {
+            if matches!(w.child.try_wait(), Ok(None)) {
+                // SAFETY: as above.
+                unsafe { libc::kill(-(w.child.id() as i32), libc::SIGKILL) };
+                let _ = w.child.wait();
+            }
+            w.conn = None;
+        }
+        // A killed worker cannot remove its control socket; the folder is ours alone.
+        for s in tms_proto::list_sockets(&self.ctl_dir) {
+            let _ = std::fs::remove_file(s.path);
+        }
+    }
+}
+
+pub(super) fn describe_exit(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (_, Some(s)) => format!("was killed by signal {s} ({})", signal_name(s)),
+        _ => "exited".into(),
+    }
+}
+
+fn signal_name(s: i32) -> &'static str {
+    match s {
+        libc::SIGABRT => "SIGABRT: it aborted",
+        libc::SIGSEGV => "SIGSEGV: it crashed",
+        libc::SIGKILL => "SIGKILL: out of host memory or killed",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGBUS => "SIGBUS",
+        _ => "signal",
+    }
+}

@@ -1,0 +1,101 @@
+//! Files a run keeps outside its run directory: the temp folder (worker sockets, the control
+//! folder, the simulator's state) and the shared-memory file the weights cross in, which is host
+//! RAM until removed.
+//!
+//! Their names carry the owner's pid and start time (`relax-<pid>-<start>-XXXXXX`,
+//! `relax-bucket-<pid>-<start>-XXXXXX`): a run removes its own on every exit it gets to run code
+//! on, and a runner killed with SIGKILL cannot, so each run first sweeps those whose owner is gone.
+//! The start time tells a dead owner from a new process that got its pid; a live run's files are
+//! never touched.
+
+use std::path::{Path, PathBuf};
+
+pub const DIR_PREFIX: &str = "relax-";
+pub const BUCKET_PREFIX: &str = "relax-bucket-";
+
+/// This process's part of the names: `<pid>-<start time>-`.
+pub fn owner_tag() -> String {
+    let pid = std::process::id();
+    let start = tms_proto::process_start_time(pid).unwrap_or(0);
+    format!("{pid}-{start}-")
+}
+
+/// (pid, start time) of the run that made `name` with `prefix`; None for names of another shape
+/// (another program's, or an older runner's, which carried no owner).
+fn owner(name: &str, prefix: &str) -> Option<(u32, u64)> {
+    let mut parts = name.strip_prefix(prefix)?.splitn(3, '-');
+    let pid = parts.next()?.parse().ok()?;
+    let start = parts.next()?.parse().ok()?;
+    parts.next().filter(|rest| !rest.is_empty())?;
+    Some((pid, start))
+}
+
+fn owner_alive(pid: u32, start: u64) -> bool {
+    tms_proto::process_start_time(pid) == Some(start) && !tms_proto::process_exited(pid)
+}
+
+/// Removes the entries of `dir` named with `prefix` whose owner is dead and which belong to this
+/// user; returns what it removed.
+pub fn sweep(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    // Without /proc every owner would look dead, a live run's included.
+    if tms_proto::process_start_time(std::process::id()).is_none() {
+        return Vec::new();
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let mut removed = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some((pid, start)) = owner(&name, prefix) else { continue };
+        if owner_alive(pid, start) {
+            continue;
+        }
+        // Not following links: a link named like ours is not ours to follow.
+        let Ok(meta) = std::fs::symlink_metadata(e.path()) else { continue };
+        if meta.uid() != uid {
+            continue;
+        }
+        let gone = if meta.is_dir() { std::fs::remove_dir_all(e.path()) } else { std::fs::remove_file(e.path()) };
+        if gone.is_ok() {
+            removed.push(e.path());
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_carry_their_owner() {
+        assert_eq!(owner("relax-12-345-abcDEF", DIR_PREFIX), Some((12, 345)));
+        assert_eq!(owner("relax-bucket-12-345-abcDEF", BUCKET_PREFIX), Some((12, 345)));
+        // The bucket in the same folder as the temp dirs is not mistaken for one, nor an old name.
+        assert_eq!(owner("relax-bucket-12-345-abcDEF", DIR_PREFIX), None);
+        assert_eq!(owner("relax-12-345-abc", BUCKET_PREFIX), None);
+        assert_eq!(owner("relax-abcDEF", DIR_PREFIX), None);
+        assert_eq!(owner("relax-12-345-", DIR_PREFIX), None);
+        let tag = owner_tag();
+        let (pid, start) = owner(&format!("relax-{tag}x"), DIR_PREFIX).unwrap();
+        assert_eq!(pid, std::process::id());
+        assert!(owner_alive(pid, start));
+        assert!(!owner_alive(pid, start + 1));
+    }
+
+    #[test]
+    fn sweep_removes_a_dead_owners_entries_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let live = dir.path().join(format!("relax-{}live", owner_tag()));
+        let dead = dir.path().join(format!("relax-{}-1-dead", std::process::id()));
+        let other = dir.path().join("relax-olderformat");
+        for d in [&live, &dead, &other] {
+            std::fs::create_dir(d).unwrap();
+            std::fs::write(d.join("f"), b"x").unwrap();
+        }
+        assert_eq!(sweep(dir.path(), DIR_PREFIX), vec![dead.clone()]);
+        assert!(live.is_dir() && other.is_dir() && !dead.exists());
+    }
+}
