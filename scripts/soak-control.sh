@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The control-plane soak benchmark (scripts/soak-control.py): builds the hook and the simulator,
+# points a hooked Python process at a private simulated node, and sends it N control requests
+# while sampling its memory. Usage: scripts/soak-control.sh [--requests N] (default 100000).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+profile="${TMS_PROFILE:-release}"
+flag=(); [ "$profile" = release ] && flag=(--release)
+(cd "$root" && cargo build --quiet "${flag[@]}" -p tms-hook -p tms-sim) >&2
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+eval "$("$root/target/$profile/tms-sim" env --node "soak-$$" --memory 1GiB)"
+export TMS_SIM_DIR="$scratch" TMS_CONTROL_DIR="$scratch/ctl"
+python3 "$root/scripts/soak-control.py" --hook "$root/target/$profile/libtms_hook.so" "$@"
