@@ -117,6 +117,7 @@ def main():
         if i % step == 0 or i == args.requests - 1:
             samples.append((i + 1, time.monotonic() - start, rss_kib(pid)))
     elapsed = time.monotonic() - start
+    cycles = sum(1 for i in range(args.requests) if i % len(mix) == 3)
     holder.stdin.write("\n")
     holder.stdin.flush()
     verdict = holder.stdout.readline().strip()
@@ -127,7 +128,7 @@ def main():
     first, last = samples[min(1, len(samples) - 1)][2], samples[-1][2]
     print(f"soak: {args.requests} requests in {elapsed:.1f} s ({args.requests / elapsed:.0f}/s); "
           f"VmRSS {first} KiB after the first tenth, {last} KiB at the end ({last - first:+d} KiB); "
-          f"wrong replies {wrong}; weights after {args.requests // len(mix) * 2} pause/resume: {verdict}")
+          f"wrong replies {wrong}; weights after {cycles} pause/resume cycles: {verdict}")
     return 0 if wrong == 0 and verdict == "intact" else 1
 
 
