@@ -9,13 +9,30 @@ fn quick_bench_prints_every_table_and_writes_results() {
     let ws = workspace();
     let out = tempfile::tempdir().unwrap();
     let run = Command::new(ws.bin("relax-colocate"))
-        .args(["bench", "--device", "sim", "--quick", "--out"])
+        .args(["bench", "--device", "sim", "--quick", "--check", "--out"])
         .arg(out.path())
         .env_remove("LD_PRELOAD")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    // --check: exit 1 exactly when the run missed a target, naming each one.
+    let results: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.path().join("results.json"))
+            .unwrap_or_else(|e| panic!("no results.json ({e}):\n{stdout}\n{stderr}")),
+    )
+    .unwrap();
+    let missed: Vec<&str> = results["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["met"] == false)
+        .map(|t| t["target"].as_str().unwrap().trim())
+        .collect();
+    assert_eq!(run.status.code(), Some(if missed.is_empty() { 0 } else { 1 }), "{stdout}\n{stderr}");
+    for target in &missed {
+        assert!(stderr.contains(target), "{target} not named:\n{stderr}");
+    }
     for heading in [
         "Interception outside regions",
         "Region allocation, 2 MiB",
@@ -27,8 +44,6 @@ fn quick_bench_prints_every_table_and_writes_results() {
     ] {
         assert!(stdout.contains(heading), "missing {heading:?}:\n{stdout}");
     }
-    let results: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.path().join("results.json")).unwrap()).unwrap();
     let rows = results["bytes"]["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 6, "3 sizes x backup on/off");
     for r in rows {

@@ -119,7 +119,13 @@ fn f(v: &Value, k: &str) -> f64 {
     v[k].as_f64().unwrap_or(f64::NAN)
 }
 
-pub fn run(opts: &Options) -> Result<(), String> {
+/// The run's verdict on its targets: how many were judged, how many missed.
+pub struct Verdict {
+    pub targets: usize,
+    pub missed: Vec<String>,
+}
+
+pub fn run(opts: &Options) -> Result<Verdict, String> {
     let device = match opts.device {
         DeviceKind::Auto if cuda_present() => DeviceKind::Cuda,
         DeviceKind::Auto => DeviceKind::Sim,
@@ -350,7 +356,10 @@ pub fn run(opts: &Options) -> Result<(), String> {
         "\nresults: {} (plots: time_vs_bytes.svg, time_vs_count.svg, throughput_vs_limit.svg)",
         json_path.display()
     );
-    Ok(())
+    Ok(Verdict {
+        targets: targets.len(),
+        missed: targets.iter().filter(|(_, _, ok)| !ok).map(|(t, m, _)| format!("{} ({m})", t.trim())).collect(),
+    })
 }
 
 /// Adds to each row with backup the time the whole operation could take at best when the copy
