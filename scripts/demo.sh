@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# The main job while the colocate runner is not there yet: build the workspace and run a C program
-# through a pause-like cycle (create, map, write; unmap+release; create+map at the same address,
-# restore) on the simulator, printing device free memory at each step.
+# A tour of tms on the simulator, no GPU needed (a few minutes, most of it the first build):
+#   1. a C program allocating in tagged regions under libtms_hook.so, through 100 pause/resume
+#      cycles with CPU backup: contents, addresses and device free memory checked each cycle
+#      (CUDA, then Ascend);
+#   2. relax-colocate run: 3 GRPO steps with a trainer and a rollout sharing one simulated
+#      device, their phase table and checks.
+# Everything it writes goes to a temporary folder, removed at the end.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 cargo build --quiet
-out="$root/target/demo"; mkdir -p "$out"
-cc -O1 -DTMS_TEST_DLSYM -Itests/c -o "$out/sim_consumer" tests/c/sim_consumer.c tests/c/main_direct.c -ldl -lpthread
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+cc -O1 -DTMS_TEST_DLSYM -Itests/c -Iinclude -o "$scratch/hook_consumer" tests/c/hook_consumer.c tests/c/main_direct.c -ldl -lpthread
 eval "$(target/debug/tms-sim env --node "demo-$$" --memory 4GiB)"
-export TMS_SIM_DIR="${TMS_SIM_DIR:-$(mktemp -d)}"
-echo "CUDA virtual-memory cycle on tms-sim (4 GiB device):"
-"$out/sim_consumer" cuda-vmm
-echo "Ascend virtual-memory cycle on tms-sim:"
-"$out/sim_consumer" acl-vmm
-echo "libtms_hook.so preloaded: 100 pause/resume cycles with CPU backup (CUDA, then Ascend):"
-cc -O1 -DTMS_TEST_DLSYM -Itests/c -Iinclude -o "$out/hook_consumer" tests/c/hook_consumer.c tests/c/main_direct.c -ldl -lpthread
-LD_PRELOAD="$root/target/debug/libtms_hook.so" "$out/hook_consumer" cycle cuda 100
-LD_PRELOAD="$root/target/debug/libtms_hook.so" "$out/hook_consumer" cycle acl 100
+export TMS_SIM_DIR="$scratch/sim" TMS_CONTROL_DIR="$scratch/ctl"
+mkdir -p "$TMS_SIM_DIR"
+echo "== 1. libtms_hook.so preloaded: 100 pause/resume cycles with CPU backup (CUDA, then Ascend)"
+LD_PRELOAD="$root/target/debug/libtms_hook.so" "$scratch/hook_consumer" cycle cuda 100
+LD_PRELOAD="$root/target/debug/libtms_hook.so" "$scratch/hook_consumer" cycle acl 100
+echo "== 2. relax-colocate run: 3 GRPO steps, trainer and rollout on one simulated device"
+target/debug/relax-colocate run --device sim --steps 3 --out "$scratch/run"
+echo "(the tour's folder is removed now; relax-colocate run --out DIR keeps a run's files)"
