@@ -242,24 +242,14 @@ impl Config {
     }
 }
 
-/// "512MiB", "2GiB", "1.5G", "4096" (bytes).
+/// A size by tms's one rule (`tms_proto::size`): "512MiB", "2GiB", "1.5G" (GiB), "4096" bytes;
+/// "2GB" is 2 * 10^9 bytes, as the unit says.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 512MiB, 2GiB)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" | "kb" => 1024.0,
-        "m" | "mib" | "mb" => 1048576.0,
-        "g" | "gib" | "gb" => 1073741824.0,
-        "t" | "tib" | "tb" => 1099511627776.0,
-        u => return Err(format!("{s:?}: unknown unit {u:?} (B, KiB, MiB, GiB, TiB)")),
-    };
-    if n * mult < 1.0 {
+    let bytes = tms_proto::size::parse_size(s)?;
+    if bytes == 0 {
         return Err(format!("{s:?} is too small"));
     }
-    Ok((n * mult) as u64)
+    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -303,5 +293,7 @@ mod tests {
         assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
         assert_eq!(parse_size("4096").unwrap(), 4096);
         assert!(parse_size("12 parsecs").is_err());
+        assert_eq!(parse_size("2GB").unwrap(), 2_000_000_000);
+        assert!(parse_size("0").is_err());
     }
 }
