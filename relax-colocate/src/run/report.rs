@@ -8,14 +8,7 @@ use std::fmt::Write as _;
 use std::io::{IsTerminal, Write as _};
 
 pub fn human(bytes: u64) -> String {
-    let b = bytes as f64;
-    if b >= (1u64 << 30) as f64 {
-        format!("{:.2} GiB", b / (1u64 << 30) as f64)
-    } else if b >= (1u64 << 20) as f64 {
-        format!("{:.1} MiB", b / (1u64 << 20) as f64)
-    } else {
-        format!("{bytes} B")
-    }
+    tms_proto::size::format_size(bytes)
 }
 
 /// A live line on a terminal; one line per step otherwise; nothing when quiet.
