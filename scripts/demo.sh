@@ -10,15 +10,16 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 cargo build --quiet
+out="${CARGO_TARGET_DIR:-$root/target}/debug"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 cc -O1 -DTMS_TEST_DLSYM -Itests/c -Iinclude -o "$scratch/hook_consumer" tests/c/hook_consumer.c tests/c/main_direct.c -ldl -lpthread
-eval "$(target/debug/tms-sim env --node "demo-$$" --memory 4GiB)"
+eval "$("$out/tms-sim" env --node "demo-$$" --memory 4GiB)"
 export TMS_SIM_DIR="$scratch/sim" TMS_CONTROL_DIR="$scratch/ctl"
 mkdir -p "$TMS_SIM_DIR"
 echo "== 1. libtms_hook.so preloaded: 100 pause/resume cycles with CPU backup (CUDA, then Ascend)"
-LD_PRELOAD="$root/target/debug/libtms_hook.so" "$scratch/hook_consumer" cycle cuda 100
-LD_PRELOAD="$root/target/debug/libtms_hook.so" "$scratch/hook_consumer" cycle acl 100
+LD_PRELOAD="$out/libtms_hook.so" "$scratch/hook_consumer" cycle cuda 100
+LD_PRELOAD="$out/libtms_hook.so" "$scratch/hook_consumer" cycle acl 100
 echo "== 2. relax-colocate run: 3 GRPO steps, trainer and rollout on one simulated device"
-target/debug/relax-colocate run --device sim --steps 3 --out "$scratch/run"
+"$out/relax-colocate" run --device sim --steps 3 --out "$scratch/run"
 echo "(the tour's folder is removed now; relax-colocate run --out DIR keeps a run's files)"

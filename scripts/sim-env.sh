@@ -7,4 +7,4 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 profile="${TMS_PROFILE:-debug}"
 flag=(); [ "$profile" = release ] && flag=(--release)
 (cd "$root" && cargo build --quiet "${flag[@]}" -p tms-sim) >&2
-exec "$root/target/$profile/tms-sim" env "$@"
+exec "${CARGO_TARGET_DIR:-$root/target}/$profile/tms-sim" env "$@"

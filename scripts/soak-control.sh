@@ -7,8 +7,9 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 profile="${TMS_PROFILE:-release}"
 flag=(); [ "$profile" = release ] && flag=(--release)
 (cd "$root" && cargo build --quiet "${flag[@]}" -p tms-hook -p tms-sim) >&2
+out="${CARGO_TARGET_DIR:-$root/target}/$profile"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
-eval "$("$root/target/$profile/tms-sim" env --node "soak-$$" --memory 1GiB)"
+eval "$("$out/tms-sim" env --node "soak-$$" --memory 1GiB)"
 export TMS_SIM_DIR="$scratch" TMS_CONTROL_DIR="$scratch/ctl"
-python3 "$root/scripts/soak-control.py" --hook "$root/target/$profile/libtms_hook.so" "$@"
+python3 "$root/scripts/soak-control.py" --hook "$out/libtms_hook.so" "$@"

@@ -241,10 +241,17 @@ fn shell_quote(s: &str) -> String {
 fn python_dir() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
-    [dir.join("../../tms-sim/python"), dir.join("../../../tms-sim/python"), dir.join("../lib/tms-sim/python")]
-        .into_iter()
-        .find(|p| p.join("sitecustomize.py").is_file())
-        .map(|p| p.canonicalize().unwrap_or(p))
+    // Beside an installed or in-tree build first; then the checkout this binary was built from,
+    // for builds whose target folder is elsewhere (CARGO_TARGET_DIR, as CI sets it).
+    [
+        dir.join("../lib/tms-sim/python"),
+        dir.join("../../tms-sim/python"),
+        dir.join("../../../tms-sim/python"),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+    ]
+    .into_iter()
+    .find(|p| p.join("sitecustomize.py").is_file())
+    .map(|p| p.canonicalize().unwrap_or(p))
 }
 
 fn find_library(explicit: Option<&Path>) -> Result<PathBuf, String> {
