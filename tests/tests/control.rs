@@ -432,9 +432,11 @@ fn stopped_processes_delay_no_one_and_are_reported_as_not_responding() {
     for args in [&["status"][..], &["watch", "--count", "1"][..]] {
         let mut cmd = node.ctl(&["--timeout", "3"]);
         cmd.args(args);
-        let (took, _, out, err) = timed(cmd);
+        let (took, code, out, err) = timed(cmd);
         assert!(took < Duration::from_millis(5000), "{args:?} took {took:?}");
         assert_eq!(out.matches("not responding within 3s").count(), 2, "{args:?}: {out}{err}");
+        // watch --count used to exit 0 with processes that never answered.
+        assert_eq!(code, 1, "{args:?}: {out}{err}");
     }
     let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "pause", "--all"]));
     assert_eq!(code, 1, "{out}{err}");

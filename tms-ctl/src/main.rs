@@ -107,7 +107,8 @@ enum Command {
         /// Seconds between refreshes (fractions allowed, e.g. 0.5).
         #[arg(long, default_value_t = 1.0)]
         interval: f64,
-        /// Stop after this many refreshes (default: never).
+        /// Stop after this many refreshes (default: never); then exit 1 if a process did not
+        /// answer one of them.
         #[arg(long)]
         count: Option<u64>,
     },
@@ -589,8 +590,11 @@ fn watch(ctx: &Ctx, interval: f64, count: Option<u64>) -> Result<u8, Failure> {
     }
     let tty = std::io::stdout().is_terminal();
     let mut n = 0u64;
+    // With --count, the exit says whether every process answered every refresh, as list's does.
+    let mut unanswered = false;
     loop {
         let rows = collect(ctx, &alive(ctx)?);
+        unanswered |= rows.iter().any(|r| r.error.is_some());
         if ctx.json {
             println!("{}", serde_json::to_string(&rows).expect("serializes"));
         } else {
@@ -603,7 +607,7 @@ fn watch(ctx: &Ctx, interval: f64, count: Option<u64>) -> Result<u8, Failure> {
         let _ = std::io::stdout().flush();
         n += 1;
         if count.is_some_and(|c| n >= c) {
-            return Ok(0);
+            return Ok(if unanswered { 1 } else { 0 });
         }
         std::thread::sleep(Duration::from_secs_f64(interval));
     }
