@@ -9,9 +9,11 @@ install prefix.
 import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import unittest
 
 import tms
@@ -187,6 +189,53 @@ class PreloadMode(unittest.TestCase):
             child.wait()
             child.stdin.close()
             child.stdout.close()
+
+    def test_stopped_processes_are_asked_at_once_and_cost_one_timeout(self):
+        # The client asked processes one after another, each with a timeout per read: three
+        # stopped processes held a list for three timeouts or more.
+        child_code = textwrap.dedent(
+            """
+            import ctypes, sys, tms
+            rt = ctypes.CDLL("libcudart.so.12")
+            p = ctypes.c_void_p()
+            with tms.region("stopped"):
+                assert rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(2 << 20)) == 0
+            print("ready", flush=True)
+            sys.stdin.readline()
+            """
+        )
+        env = dict(os.environ, TMS_NAME="py-stopped")
+        children = [
+            subprocess.Popen([sys.executable, "-c", child_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(3)
+        ]
+        try:
+            for child in children:
+                self.assertEqual(child.stdout.readline().strip(), "ready")
+            # The socket is served by a thread the first region allocation starts: wait for it.
+            deadline = time.monotonic() + 10
+            while {c.pid for c in children} - {pid for pid, _ in control.sockets()}:
+                self.assertLess(time.monotonic(), deadline, "the children never served their sockets")
+                time.sleep(0.05)
+            for child in children:
+                os.kill(child.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            rows = [r for r in control.list_processes(timeout=1.0) if r["pid"] in {c.pid for c in children}]
+            took = time.monotonic() - start
+            self.assertEqual(len(rows), 3, rows)
+            self.assertTrue(all("error" in r for r in rows), rows)
+            self.assertLess(took, 2.5, f"list_processes took {took:.1f}s with three stopped processes")
+            start = time.monotonic()
+            with self.assertRaises((OSError, control.ControlError)):
+                control.pause("py-stopped", timeout=1.0)  # found by its name file, without asking
+            self.assertLess(time.monotonic() - start, 2.5)
+        finally:
+            for child in children:
+                os.kill(child.pid, signal.SIGCONT)
+                child.kill()
+                child.wait()
+                child.stdin.close()
+                child.stdout.close()
 
 
 class TorchModeWithoutPreload(unittest.TestCase):

@@ -11,11 +11,13 @@ Command line: ``python -m tms.control list|status|pause|resume [--tag T] [--all 
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import socket
 import stat
 import sys
+import time
 
 PROTOCOL_VERSION = 1
 MAX_REPLY = 16 * 1024 * 1024
@@ -87,19 +89,30 @@ def sockets(directory=None, reap=True):
 
 
 def call(path, request, timeout=30.0):
-    """Sends one request (a dict); returns the result, raises ControlError on an error reply."""
+    """Sends one request (a dict); returns the result, raises ControlError on an error reply.
+    ``timeout`` bounds the whole exchange, connect to reply: a stopped process costs at most that."""
     req = dict(request)
     req.setdefault("v", PROTOCOL_VERSION)
     data = (json.dumps(req) + "\n").encode()
+    deadline = time.monotonic() + timeout
+
+    def remaining():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"{path} did not answer within {timeout:g}s")
+        return left
+
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
+        s.settimeout(remaining())
         s.connect(path)
         try:
+            s.settimeout(remaining())
             s.sendall(data)
         except OSError:
             pass  # a refused peer is answered without being read; the reply is still there
         buf = b""
         while not buf.endswith(b"\n") and len(buf) < MAX_REPLY:
+            s.settimeout(remaining())
             chunk = s.recv(65536)
             if not chunk:
                 break
@@ -117,24 +130,52 @@ def status(target, timeout=30.0):
     return call(_one(target, timeout), {"op": "status"}, timeout)
 
 
+def _ask_all(paths, request, timeout):
+    """``call`` on every path at once (each within ``timeout``): one stopped process delays no
+    other. Returns [(path, result or exception)] in the order given."""
+    if not paths:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(paths))) as pool:
+        futures = [pool.submit(call, p, request, timeout) for p in paths]
+        out = []
+        for path, future in zip(paths, futures):
+            try:
+                out.append((path, future.result()))
+            except (OSError, ControlError, ValueError) as e:
+                out.append((path, e))
+        return out
+
+
+def _results(answers):
+    """The results, in order; the first failure is raised once every process has been asked."""
+    for _, answer in answers:
+        if isinstance(answer, Exception):
+            raise answer
+    return [answer for _, answer in answers]
+
+
 def pause(target, tag=None, timeout=30.0):
-    """Pauses ``tag`` (None: all) in every process matching ``target``; returns their reports."""
-    return [call(p, {"op": "pause", "tag": tag}, timeout) for p in resolve(target, timeout)]
+    """Pauses ``tag`` (None: all) in every process matching ``target``, all at once; returns their
+    reports. Raises the first failure after every process was asked."""
+    return _results(_ask_all(resolve(target, timeout), {"op": "pause", "tag": tag}, timeout))
 
 
 def resume(target, tag=None, timeout=30.0):
-    return [call(p, {"op": "resume", "tag": tag}, timeout) for p in resolve(target, timeout)]
+    return _results(_ask_all(resolve(target, timeout), {"op": "resume", "tag": tag}, timeout))
 
 
 def list_processes(timeout=30.0):
-    """[{"pid", "socket", "status" or "error"}] for every hooked process of this user."""
+    """[{"pid", "socket", "status" or "error"}] for every hooked process of this user, asked all
+    at once, each within ``timeout``."""
+    live = sockets()
+    answers = _ask_all([path for _, path in live], {"op": "status"}, timeout)
     out = []
-    for pid, path in sockets():
+    for (pid, path), (_, answer) in zip(live, answers):
         row = {"pid": pid, "socket": path}
-        try:
-            row["status"] = call(path, {"op": "status"}, timeout)
-        except (OSError, ControlError, ValueError) as e:
-            row["error"] = str(e)
+        if isinstance(answer, Exception):
+            row["error"] = str(answer) or type(answer).__name__
+        else:
+            row["status"] = answer
         out.append(row)
     return out
 
@@ -150,16 +191,31 @@ def resolve(target, timeout=30.0):
     elif target.isdigit():
         found = [p for pid, p in live if pid == int(target)]
     else:
-        found = []
+        # Names are read from the name file each process writes beside its socket; only a
+        # process without one (an older hook) is asked, and all of those at once.
+        found, unknown = [], []
         for _, p in live:
-            try:
-                if call(p, {"op": "status"}, timeout).get("name") == target:
-                    found.append(p)
-            except (OSError, ControlError, ValueError):
-                pass
+            name = _name_beside(p)
+            if name is None:
+                unknown.append(p)
+            elif name == target:
+                found.append(p)
+        for p, answer in _ask_all(unknown, {"op": "status"}, timeout):
+            if not isinstance(answer, Exception) and answer.get("name") == target:
+                found.append(p)
+        found.sort(key=[p for _, p in live].index)
     if not found:
         raise TargetNotFound(f"no hooked process matches {target!r} in {socket_dir()}")
     return found
+
+
+def _name_beside(path):
+    """The TMS_NAME written beside a socket ("" when unnamed), or None without a name file."""
+    try:
+        with open(os.path.splitext(path)[0] + ".name", "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
 
 
 def _one(target, timeout):
