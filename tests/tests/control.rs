@@ -490,6 +490,19 @@ fn clients_over_the_limit_are_told_busy_and_a_trickling_client_loses_its_slot() 
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains("busy"), "{out}{err}");
     drop(silent);
+    // The server frees a slot when its thread sees the client gone: wait until one answers.
+    let freed_by = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut s = UnixStream::connect(&sock).unwrap();
+        let _ = s.write_all(b"{\"op\":\"ping\"}\n");
+        let mut reply = String::new();
+        let _ = s.read_to_string(&mut reply);
+        if reply.contains("\"pong\"") {
+            break;
+        }
+        assert!(Instant::now() < freed_by, "slots never freed after the silent clients left: {reply}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     // The deadline is for the whole request, not for each read: one byte every 300 ms used to
     // hold a slot for as long as the client liked.
