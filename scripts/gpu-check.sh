@@ -193,10 +193,15 @@ run() {
     fi
   fi
 
-  # 2. Real PyTorch through the wheel.
+  # 2. Real PyTorch through the wheel. One probe for both PyTorch parts (an import takes seconds).
+  local torch_cuda=0 has_pytest=0
+  if [ $sim = 0 ] && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    torch_cuda=1
+    python3 -c 'import pytest' 2>/dev/null && has_pytest=1
+  fi
   if [ $sim = 1 ]; then
     skip torch-consumers "PyTorch on the simulator runs in the test suite (cargo test), not in the kit"
-  elif ! python3 -c 'import torch, pytest, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  elif [ $torch_cuda = 0 ] || [ $has_pytest = 0 ]; then
     skip torch-consumers "python3 has no PyTorch with CUDA, or no pytest"
   else
     local wheel
@@ -210,7 +215,7 @@ run() {
   check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device "$device" --steps 5 --out "$outdir/run"
   if [ $sim = 1 ]; then
     skip relax-colocate-run-torch "PyTorch workers on the simulator run in the test suite (cargo test), not in the kit"
-  elif ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  elif [ $torch_cuda = 0 ]; then
     skip relax-colocate-run-torch "python3 has no PyTorch with CUDA"
   else
     local worker="python3 $kit/scripts/torch_worker.py"

@@ -80,7 +80,7 @@ enum Command {
     Set {
         /// Free device memory to keep on region allocation and resume: bytes or a size such as
         /// 512MiB, 1GiB, 1GB (GB = 10^9 bytes).
-        #[arg(long, value_parser = parse_margin)]
+        #[arg(long, value_parser = tms_proto::size::parse_size)]
         margin: Option<u64>,
         /// Keep pinned backup buffers after resume.
         #[arg(long)]
@@ -611,8 +611,4 @@ fn watch(ctx: &Ctx, interval: f64, count: Option<u64>) -> Result<u8, Failure> {
         }
         std::thread::sleep(Duration::from_secs_f64(interval));
     }
-}
-
-fn parse_margin(text: &str) -> Result<u64, String> {
-    tms_proto::size::parse_size(text)
 }
