@@ -51,7 +51,7 @@ typedef struct tms_report {
 } tms_report;
 
 typedef struct tms_tag_status {
-  const char *tag;              /* valid for the life of the process */
+  const char *tag;              /* valid until this thread's next tms_status */
   uint64_t allocations_active;
   uint64_t allocations_paused;
   uint64_t bytes_active;
@@ -67,6 +67,7 @@ void tms_set_interesting_region(bool is_interesting_region);
 bool tms_get_interesting_region(void);
 /* The calling thread's tag; NULL or "" selects the default (TMS_INIT_TAG, else "default"). */
 void tms_set_current_tag(const char *tag);
+/* Valid until the calling thread sets another tag. */
 const char *tms_get_current_tag(void);
 /* Whether allocations made by this thread are copied to host memory on pause (default:
  * TMS_INIT_ENABLE_CPU_BACKUP). Without backup, contents are undefined after resume. */

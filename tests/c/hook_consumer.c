@@ -976,6 +976,51 @@ static int pool_cap(void) {
   return 0;
 }
 
+static long rss_kib(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long kib = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (!strncmp(line, "VmRSS:", 6)) kib = atol(line + 6);
+  if (f) fclose(f);
+  return kib;
+}
+
+/* A program naming a new tag every step ("step0", "step1", ...) must not grow the process for
+ * good: a tag goes with its last allocation. The current tag's pointer stays readable while the
+ * thread keeps it, and tms_status's names until the next call. */
+static int tag_churn(long steps) {
+  long first = 0;
+  char name[64];
+  for (long i = 0; i < steps; i++) {
+    snprintf(name, sizeof name, "step%ld", i);
+    region(name, 1);
+    const char *shown = TMS(tms_get_current_tag)();
+    EXPECT(strcmp(shown, name), 0);
+    void *p;
+    EXPECT(dev_malloc(&p, 4096), 0);
+    no_region();
+    EXPECT(TMS(tms_pause)(name), 0);
+    EXPECT(TMS(tms_resume)(name), 0);
+    tms_tag_status st[4];
+    size_t n = 0;
+    EXPECT(TMS(tms_status)(st, 4, &n), 0);
+    EXPECT(n, 1);
+    EXPECT(strcmp(st[0].tag, name), 0);
+    EXPECT(strcmp(shown, name), 0); /* still this thread's tag */
+    EXPECT(dev_free(p), 0);
+    EXPECT(TMS(tms_status)(NULL, 0, &n), 0);
+    EXPECT(n, 0);
+    if (i == steps / 10) first = rss_kib();
+  }
+  TMS(tms_set_current_tag)(NULL);
+  long last = rss_kib();
+  printf("tag-churn: VmRSS %ld KiB after %ld steps, %ld KiB at step %ld\n", last, steps, first, steps / 10);
+  EXPECT(last - first < 256, 1); /* interned for good: +848 KiB over 18,000 tags */
+  printf("tag-churn ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -1000,6 +1045,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "pause-streams")) return pause_streams();
   if (!strcmp(m, "acl-policies")) return acl_policies();
   if (!strcmp(m, "pool-cap")) return pool_cap();
+  if (!strcmp(m, "tag-churn")) return tag_churn(argc > 3 ? atol(argv[3]) : 100000);
   if (!strcmp(m, "disk-backup")) return disk_backup(argc > 3 ? argv[3] : "/tmp");
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;

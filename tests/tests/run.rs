@@ -217,6 +217,37 @@ fn ctrl_c_stops_every_worker_and_keeps_partial_metrics() {
 }
 
 #[test]
+fn a_second_ctrl_c_kills_workers_that_ignore_sigterm_at_once() {
+    // Stopping waited a fixed 3 s for workers that ignore SIGTERM (5 s more after a normal end)
+    // and a second Ctrl-C changed nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let bin = workspace().bin("relax-colocate");
+    // An ignored signal stays ignored across exec: this trainer does not end on SIGTERM.
+    let stubborn = format!("trap '' TERM; exec {} worker trainer", bin.display());
+    let child = run_cmd(dir.path(), &["--steps", "10000", "--trainer-cmd", &stubborn])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(dir.path().join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0) < 1 {
+        assert!(Instant::now() < deadline, "no step completed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let first = Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: as above.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let took = first.elapsed();
+    eprintln!("two Ctrl-C, a trainer ignoring SIGTERM: the run ended {took:?} after the first");
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out));
+    assert!(took < Duration::from_millis(2500), "the run ended only {took:?} after the first Ctrl-C");
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
+}
+
+#[test]
 fn external_python_workers_run_the_same_cycle() {
     let dir = tempfile::tempdir().unwrap();
     let cmd = "python3 scripts/example_worker.py";

@@ -3,9 +3,10 @@
 
 use crate::config::config;
 use std::cell::Cell;
-use std::ffi::{CStr, CString};
-use std::sync::Mutex;
+use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 const UNSET: u8 = 0;
 const OFF: u8 = 1;
@@ -89,46 +90,122 @@ pub fn set_pageable_backup(on: bool) {
     PAGEABLE_BACKUP.with(|c| c.set(flag(on)));
 }
 
-/// Tags are interned for the life of the process, so `tms_get_current_tag` can hand out pointers
-/// that stay valid. Only the program's own tags (regions, `tms_set_current_tag`) are interned, a
-/// handful; a tag named by pause or resume is only looked up, so clients naming ever new tags
-/// (from outside, over the control socket) cannot grow the table.
-static TAGS: Mutex<Vec<CString>> = Mutex::new(Vec::new());
+/// The tag table. A program that names a new tag every step (`f"step{n}"`) must not grow the
+/// process for good, so a tag is counted: one reference per allocation carrying it and one per
+/// thread whose current tag it is; at zero it goes. The default tag (`TMS_INIT_TAG`) stays.
+/// A tag named by pause or resume (maybe from outside, over the control socket) is only looked
+/// up, never added.
+///
+/// Ids are never reused, so an id held past its tag's end names nothing rather than another tag.
+struct TagTable {
+    by_id: BTreeMap<TagId, Tag>,
+    by_name: BTreeMap<Vec<u8>, TagId>,
+    next: TagId,
+}
+
+struct Tag {
+    name: CString,
+    /// `PINNED`: never released.
+    refs: u32,
+}
+
+const PINNED: u32 = u32::MAX;
+
+static TAGS: Mutex<TagTable> = Mutex::new(TagTable { by_id: BTreeMap::new(), by_name: BTreeMap::new(), next: 0 });
 
 pub type TagId = u32;
 
 /// A TagId no allocation carries: pause or resume of a tag nothing was allocated under.
 pub const NO_SUCH_TAG: TagId = TagId::MAX;
 
-pub fn intern(tag: &str) -> TagId {
-    let mut tags = TAGS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(i) = tags.iter().position(|t| t.to_bytes() == tag.as_bytes()) {
-        return i as TagId;
-    }
-    tags.push(CString::new(tag.replace('\0', "")).expect("NULs removed"));
-    (tags.len() - 1) as TagId
+fn tags() -> std::sync::MutexGuard<'static, TagTable> {
+    TAGS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The id of `tag` if the program ever used it, else `NO_SUCH_TAG`; never adds to the table.
+fn clean(tag: &str) -> CString {
+    CString::new(tag.replace('\0', "")).expect("NULs removed")
+}
+
+impl TagTable {
+    /// Finds or adds `tag` and takes `refs` references on it.
+    fn acquire(&mut self, tag: &str, refs: u32) -> TagId {
+        let name = clean(tag);
+        if let Some(&id) = self.by_name.get(name.as_bytes()) {
+            let t = self.by_id.get_mut(&id).expect("both maps hold every tag");
+            t.refs = if refs == PINNED || t.refs == PINNED { PINNED } else { t.refs.saturating_add(refs) };
+            return id;
+        }
+        // 4 billion distinct tags would be needed to run out; then the last id is shared (its
+        // name stays the first one's) rather than wrapping onto live ids.
+        let id = self.next;
+        self.next = self.next.saturating_add(1).min(NO_SUCH_TAG - 1);
+        self.by_name.insert(name.as_bytes().to_vec(), id);
+        self.by_id.insert(id, Tag { name, refs });
+        id
+    }
+
+    fn release(&mut self, id: TagId) {
+        let Some(t) = self.by_id.get_mut(&id) else { return };
+        if t.refs == PINNED {
+            return;
+        }
+        t.refs = t.refs.saturating_sub(1);
+        if t.refs == 0 {
+            let gone = self.by_id.remove(&id).expect("just seen");
+            self.by_name.remove(gone.name.as_bytes());
+        }
+    }
+}
+
+/// The id of `tag`, added for the life of the process (the default tag, fixed names).
+pub fn intern(tag: &str) -> TagId {
+    tags().acquire(tag, PINNED)
+}
+
+/// One more allocation carries `id` (the caller holds another reference meanwhile: its thread's).
+pub fn retain(id: TagId) {
+    if let Some(t) = tags().by_id.get_mut(&id)
+        && t.refs != PINNED
+    {
+        t.refs = t.refs.saturating_add(1);
+    }
+}
+
+/// An allocation carrying `id` is gone.
+pub fn release(id: TagId) {
+    tags().release(id);
+}
+
+/// How many tags the table holds (for tests and `status`).
+pub fn tag_count() -> usize {
+    tags().by_id.len()
+}
+
+/// The id of `tag` if something carries it, else `NO_SUCH_TAG`; never adds to the table.
 pub fn lookup(tag: &str) -> TagId {
-    let tags = TAGS.lock().unwrap_or_else(|e| e.into_inner());
-    let tag = tag.replace('\0', "");
-    tags.iter().position(|t| t.to_bytes() == tag.as_bytes()).map_or(NO_SUCH_TAG, |i| i as TagId)
+    let name = clean(tag);
+    tags().by_name.get(name.as_bytes()).copied().unwrap_or(NO_SUCH_TAG)
 }
 
 pub fn tag_name(id: TagId) -> String {
-    tag_ptr(id).map(|p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()).unwrap_or_default()
+    tags().by_id.get(&id).map(|t| t.name.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-/// A pointer to the interned tag's bytes, valid for the life of the process (the `CString`'s heap
-/// buffer does not move when the vector grows).
-pub fn tag_ptr(id: TagId) -> Option<*const libc::c_char> {
-    TAGS.lock().unwrap_or_else(|e| e.into_inner()).get(id as usize).map(|t| t.as_ptr())
+/// The calling thread's tag as a C string. It stays valid while the thread keeps that tag (the
+/// thread holds a reference), as torch_memory_saver's `c_str()` of its thread-local string does.
+pub fn current_tag_ptr() -> *const libc::c_char {
+    let id = current_tag();
+    tags().by_id.get(&id).map_or(c"default".as_ptr(), |t| t.name.as_ptr())
+}
+
+fn default_tag() -> TagId {
+    static DEFAULT: OnceLock<TagId> = OnceLock::new();
+    *DEFAULT.get_or_init(|| intern(&config().init_tag))
 }
 
 pub fn current_tag() -> TagId {
     match TAG.with(Cell::get) {
-        0 => intern(&config().init_tag),
+        0 => default_tag(),
         n => n - 1,
     }
 }
@@ -136,7 +213,52 @@ pub fn current_tag() -> TagId {
 pub fn set_tag(tag: Option<&str>) {
     let id = match tag {
         None => 0,
-        Some(t) => intern(t) + 1,
+        Some(t) => tags().acquire(t, 1) + 1,
     };
-    TAG.with(|c| c.set(id));
+    let old = TAG.with(|c| c.replace(id));
+    if old != 0 {
+        release(old - 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tag_goes_when_nothing_carries_it() {
+        // Other tests share the table, so this one only looks at its own names.
+        let names: Vec<String> = (0..10_000).map(|i| format!("region-test-step{i}")).collect();
+        for name in &names {
+            set_tag(Some(name));
+            let id = current_tag();
+            assert_eq!(tag_name(id), *name);
+            // SAFETY: the thread holds its current tag, so the pointer is live.
+            let shown = unsafe { std::ffi::CStr::from_ptr(current_tag_ptr()) };
+            assert_eq!(shown.to_str().unwrap(), name);
+            retain(id); // an allocation made under it
+            set_tag(None);
+            assert_eq!(lookup(name), id, "an allocation still carries {name}");
+            release(id); // the allocation freed
+            assert_eq!(lookup(name), NO_SUCH_TAG, "{name} stayed after its last user went");
+            assert_eq!(tag_name(id), "", "a gone id names nothing");
+        }
+    }
+
+    #[test]
+    fn ids_are_not_reused_and_the_default_tag_stays() {
+        set_tag(Some("region-test-a"));
+        let a = current_tag();
+        set_tag(Some("region-test-b"));
+        let b = current_tag();
+        assert_ne!(a, b);
+        assert_eq!(lookup("region-test-a"), NO_SUCH_TAG);
+        set_tag(Some("region-test-a"));
+        assert_ne!(current_tag(), a, "a released id came back for another tag");
+        set_tag(None);
+        let default = current_tag();
+        release(default);
+        release(default);
+        assert_eq!(lookup(&config().init_tag), default);
+    }
 }

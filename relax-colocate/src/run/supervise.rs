@@ -3,7 +3,7 @@
 //! exited is named as; and stopping every worker at the end.
 
 use super::config::Config;
-use super::signals::interruption;
+use super::signals::{interruption, signal_count};
 use super::{FailKind, R, Role, RunError, Runner, wire};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -219,7 +219,27 @@ impl Runner {
         None
     }
 
+    /// Waits up to `within` for every worker to exit. A signal that comes meanwhile (or a second
+    /// one after the signal that ended the run) cuts the wait short: the user wants out now, and
+    /// whatever is left gets SIGKILL.
+    fn wait_for_exits(&mut self, within: Duration, signals_before: u32) {
+        let start = Instant::now();
+        let mut told = false;
+        while start.elapsed() < within && self.workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
+            let signals = signal_count();
+            if signals > signals_before || signals >= 2 {
+                return;
+            }
+            if !told && start.elapsed() > Duration::from_secs(1) {
+                eprintln!("relax-colocate run: waiting for the workers to stop (Ctrl-C again kills them now)");
+                told = true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub(super) fn stop_workers(&mut self, graceful: bool) {
+        let signals_before = signal_count();
         if graceful {
             for i in 0..self.workers.len() {
                 let w = &mut self.workers[i];
@@ -228,10 +248,7 @@ impl Runner {
                     let _ = c.send(&json!({"id": w.next_id, "method": "shutdown", "params": {}}));
                 }
             }
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline && self.workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            self.wait_for_exits(Duration::from_secs(5), signals_before);
         }
         for w in &mut self.workers {
             if matches!(w.child.try_wait(), Ok(None)) {
@@ -245,10 +262,7 @@ impl Runner {
                 }
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline && self.workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_for_exits(Duration::from_secs(3), signals_before);
         for w in &mut self.workers {
             if matches!(w.child.try_wait(), Ok(None)) {
                 // SAFETY: as above.

@@ -105,7 +105,28 @@ pub unsafe extern "C" fn tms_resume_report(tag: *const c_char, out: *mut CReport
     operation(tag, out, false)
 }
 
-/// Writes up to `capacity` per-tag entries to `out`; `*count` receives the number of tags.
+thread_local! {
+    /// The names the calling thread's last `tms_status` pointed to. A tag can end (its last
+    /// allocation freed) right after the call, so the caller gets copies, valid until its next
+    /// call.
+    static STATUS_NAMES: std::cell::RefCell<Vec<std::ffi::CString>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn keep_status_names(names: impl Iterator<Item = String>) -> Vec<*const c_char> {
+    let names: Vec<std::ffi::CString> =
+        names.map(|n| std::ffi::CString::new(n.replace('\0', "")).expect("NULs removed")).collect();
+    STATUS_NAMES
+        .try_with(|kept| {
+            let mut kept = kept.borrow_mut();
+            *kept = names;
+            kept.iter().map(|n| n.as_ptr()).collect()
+        })
+        // The thread is being torn down: empty names rather than dangling ones.
+        .unwrap_or_default()
+}
+
+/// Writes up to `capacity` per-tag entries to `out`; `*count` receives the number of tags. The
+/// `tag` pointers stay valid until this thread's next `tms_status`.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub unsafe extern "C" fn tms_status(out: *mut CTagStatus, capacity: usize, count: *mut usize) -> i32 {
     if count.is_null() || (out.is_null() && capacity > 0) {
@@ -114,9 +135,10 @@ pub unsafe extern "C" fn tms_status(out: *mut CTagStatus, capacity: usize, count
     api(
         || {
             let tags = crate::existing_saver().map(|s| s.status()).unwrap_or_default();
+            let names = keep_status_names(tags.iter().take(capacity).map(|t| region::tag_name(t.tag)));
             for (i, t) in tags.iter().take(capacity).enumerate() {
                 let c = CTagStatus {
-                    tag: region::tag_ptr(t.tag).unwrap_or(c"".as_ptr()),
+                    tag: names.get(i).copied().unwrap_or(c"".as_ptr()),
                     allocations_active: t.allocations_active,
                     allocations_paused: t.allocations_paused,
                     bytes_active: t.bytes_active,

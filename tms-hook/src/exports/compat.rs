@@ -24,10 +24,10 @@ pub unsafe extern "C" fn tms_set_current_tag(tag: *const c_char) {
     api(|| region::set_tag(tag.as_deref()), ())
 }
 
-/// The calling thread's tag; the pointer stays valid for the life of the process.
+/// The calling thread's tag; the pointer stays valid until the thread sets another tag.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_get_current_tag() -> *const c_char {
-    api(|| region::tag_ptr(region::current_tag()).unwrap_or(c"default".as_ptr()), c"default".as_ptr())
+    api(region::current_tag_ptr, c"default".as_ptr())
 }
 
 #[cfg_attr(not(test), unsafe(no_mangle))]

@@ -107,6 +107,7 @@ impl Saver {
                 return Err(Error::Driver(e));
             }
         }
+        region::retain(entry.tag);
         lock(&self.registry).map.insert(addr, entry);
         self.tracked.fetch_add(1, Ordering::AcqRel);
         tracing::debug!("tms: {} bytes at {addr:#x} (tag {})", rounded, region::tag_name(region::current_tag()));
@@ -165,6 +166,7 @@ impl Saver {
         if let Some(path) = a.disk_file.take() {
             disk::remove(&path);
         }
+        region::release(a.tag);
         Some(Ok(()))
     }
 
