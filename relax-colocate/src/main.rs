@@ -5,6 +5,7 @@
 //! limit in one command.
 
 mod bench;
+mod plot;
 mod run;
 mod runtime;
 mod simulator;

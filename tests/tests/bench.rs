@@ -57,5 +57,9 @@ fn quick_bench_prints_every_table_and_writes_results() {
     for svg in ["time_vs_bytes.svg", "time_vs_count.svg", "throughput_vs_limit.svg"] {
         let text = std::fs::read_to_string(out.path().join(svg)).unwrap();
         assert!(text.starts_with("<svg") && text.contains("<polyline"), "{svg}");
+        // Log axes labelled in units (1 MiB, 10 ms), not 1e6.
+        assert!(!text.contains("1e"), "{svg}: {text}");
     }
+    let by_bytes = std::fs::read_to_string(out.path().join("time_vs_bytes.svg")).unwrap();
+    assert!(by_bytes.contains("\n1 MiB\n") && by_bytes.contains(" ms\n"), "{by_bytes}");
 }

@@ -111,8 +111,13 @@ fn grpo_run_learns_times_every_phase_checks_and_writes_its_outputs() {
     assert!(cfg.contains("steps = 14"), "{cfg}");
     for svg in ["memory_timeline.svg", "reward.svg"] {
         let s = std::fs::read_to_string(dir.path().join(svg)).unwrap();
-        assert!(s.starts_with("<svg") && s.ends_with("</svg>") && s.contains("polyline"), "{svg}");
+        assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>") && s.contains("polyline"), "{svg}");
+        // Axes in units a person reads (ticks used to read 78.8 / 157.5 MiB and steps 8.2).
+        assert!(!s.contains("e6") && !s.contains("e-1"), "{svg}: {s}");
     }
+    let timeline = std::fs::read_to_string(dir.path().join("memory_timeline.svg")).unwrap();
+    assert!(timeline.contains("memory (MiB)") && timeline.contains("time (s)"), "{timeline}");
+    assert!(timeline.contains("trainer-0") && timeline.contains("capacity") && timeline.contains("phase: generate"));
     assert!(dir.path().join("logs/trainer-0.log").is_file() && dir.path().join("logs/rollout-0.log").is_file());
     assert!(survivors(dir.path()).is_empty());
 }

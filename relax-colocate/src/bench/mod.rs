@@ -106,13 +106,22 @@ fn gbs(bytes_per_s: f64) -> String {
 }
 
 fn human(bytes: f64) -> String {
-    if bytes >= (1u64 << 30) as f64 {
-        format!("{:.0} GiB", bytes / (1u64 << 30) as f64)
-    } else if bytes >= MIB as f64 {
-        format!("{:.0} MiB", bytes / MIB as f64)
-    } else {
-        format!("{bytes:.0} B")
+    tms_proto::size::format_size(bytes.max(0.0) as u64)
+}
+
+/// A Markdown table (paste-able into docs/perf.md), the first column left-aligned and the
+/// figures right-aligned.
+fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
+    use comfy_table::{CellAlignment, Table, presets};
+    let mut t = Table::new();
+    t.load_preset(presets::ASCII_MARKDOWN).set_header(header.iter().copied());
+    for row in rows {
+        t.add_row(row);
     }
+    for (i, column) in t.column_iter_mut().enumerate() {
+        column.set_cell_alignment(if i == 0 { CellAlignment::Left } else { CellAlignment::Right });
+    }
+    t.to_string()
 }
 
 fn f(v: &Value, k: &str) -> f64 {
@@ -164,23 +173,31 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     let direct = env.worker(false, "passthrough", &[iters.to_string()])?;
     let hooked = env.worker(true, "passthrough", &[iters.to_string()])?;
     println!("\nInterception outside regions (ns per call)");
-    println!("{:<34} {:>10} {:>10} {:>10} {:>7}", "call", "direct", "hooked", "added", "ratio");
-    for (label, key) in [("cudaFree(NULL)", "free_null_ns"), ("cudaMalloc(4 KiB) + cudaFree", "malloc_free_pair_ns")] {
-        let (d, h) = (f(&direct, key), f(&hooked, key));
-        println!("{label:<34} {d:>10.1} {h:>10.1} {:>10.1} {:>7.2}", h - d, h / d);
-    }
+    let calls = [("cudaFree(NULL)", "free_null_ns"), ("cudaMalloc(4 KiB) + cudaFree", "malloc_free_pair_ns")]
+        .iter()
+        .map(|(label, key)| {
+            let (d, h) = (f(&direct, key), f(&hooked, key));
+            vec![
+                label.to_string(),
+                format!("{d:.1}"),
+                format!("{h:.1}"),
+                format!("{:.1}", h - d),
+                format!("{:.2}", h / d),
+            ]
+        })
+        .collect();
+    println!("{}", table(&["call", "direct", "hooked", "added", "ratio"], calls));
 
     step(2, "region malloc/free vs the bare virtual-memory sequence");
     let region = env.worker(true, "region", &[(if q { 300 } else { 3000 }).to_string(), (2 * MIB).to_string()])?;
     println!("\nRegion allocation, 2 MiB (ns per malloc+free)");
-    println!("{:<34} {:>12} {:>12} {:>7}", "", "bare VMM", "hook", "ratio");
-    println!(
-        "{:<34} {:>12.0} {:>12.0} {:>7.2}",
-        "reserve+create+map+access / undo",
-        f(&region, "bare_ns"),
-        f(&region, "hooked_ns"),
-        f(&region, "hooked_ns") / f(&region, "bare_ns")
-    );
+    let row = vec![
+        "reserve+create+map+access / undo".to_string(),
+        format!("{:.0}", f(&region, "bare_ns")),
+        format!("{:.0}", f(&region, "hooked_ns")),
+        format!("{:.2}", f(&region, "hooked_ns") / f(&region, "bare_ns")),
+    ];
+    println!("{}", table(&["sequence", "bare VMM", "hook", "ratio"], vec![row]));
 
     step(3, "pause/resume against bytes, with and without backup, and the raw pinned copy");
     let sizes: Vec<usize> =
@@ -196,23 +213,8 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     println!("in the same process; %: share of it. bound: the slower of that copy and the same operation without");
     println!("backup (releasing or creating the memory), i.e. the best a pipeline overlapping them can do.");
     println!("1st pause: the first one, which also allocates the pinned buffers that later pauses reuse.");
-    println!(
-        "{:>9} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8}",
-        "bytes",
-        "backup",
-        "1st pause",
-        "pause ms",
-        "resume ms",
-        "pause",
-        "resume",
-        "raw D2H",
-        "raw H2D",
-        "pause%",
-        "resume%",
-        "p/bound",
-        "r/bound"
-    );
     let pct = |a: f64, b: f64| format!("{:.0}", 100.0 * a / b);
+    let mut lines = Vec::new();
     for r in &rows {
         let backup = r["backup"].as_bool().unwrap_or(false);
         let shares = if backup {
@@ -225,45 +227,60 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         } else {
             ["-".into(), "-".into(), "-".into(), "-".into()]
         };
-        println!(
-            "{:>9} {:>6} {:>9.3} {:>9.3} {:>9.3} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8}",
+        let mut line = vec![
             human(f(r, "bytes")),
-            if backup { "yes" } else { "no" },
-            f(r, "first_pause_ns") / 1e6,
-            f(r, "pause_ns") / 1e6,
-            f(r, "resume_ns") / 1e6,
+            (if backup { "yes" } else { "no" }).to_string(),
+            format!("{:.3}", f(r, "first_pause_ns") / 1e6),
+            format!("{:.3}", f(r, "pause_ns") / 1e6),
+            format!("{:.3}", f(r, "resume_ns") / 1e6),
             gbs(f(r, "pause_bytes_per_s")),
             gbs(f(r, "resume_bytes_per_s")),
             gbs(f(r, "raw_d2h_bytes_per_s")),
             gbs(f(r, "raw_h2d_bytes_per_s")),
-            shares[0],
-            shares[1],
-            shares[2],
-            shares[3]
-        );
+        ];
+        line.extend(shares);
+        lines.push(line);
     }
+    let header = [
+        "bytes",
+        "backup",
+        "1st pause ms",
+        "pause ms",
+        "resume ms",
+        "pause GB/s",
+        "resume GB/s",
+        "raw D2H GB/s",
+        "raw H2D GB/s",
+        "pause %",
+        "resume %",
+        "p/bound %",
+        "r/bound %",
+    ];
+    println!("{}", table(&header, lines));
 
     step(4, "pause/resume against allocation count");
     let counts: Vec<usize> = if q { vec![1, 10, 100, 1000] } else { vec![1, 10, 100, 1000, 10_000] };
     let counts_arg = counts.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
     let count = env.worker(true, "count", &[counts_arg, "3".into()])?;
     println!("\nPause/resume without backup against allocation count (mixed 2/4/6 MiB)");
-    println!(
-        "{:>8} {:>10} {:>11} {:>11} {:>14} {:>14}",
-        "allocs", "bytes", "pause ms", "resume ms", "pause us/alloc", "resume us/alloc"
-    );
     let crow = count["rows"].as_array().cloned().unwrap_or_default();
-    for r in &crow {
-        println!(
-            "{:>8} {:>10} {:>11.3} {:>11.3} {:>14.1} {:>14.1}",
-            r["allocations"],
-            human(f(r, "bytes")),
-            f(r, "pause_ns") / 1e6,
-            f(r, "resume_ns") / 1e6,
-            f(r, "pause_ns_per_allocation") / 1e3,
-            f(r, "resume_ns_per_allocation") / 1e3
-        );
-    }
+    let lines = crow
+        .iter()
+        .map(|r| {
+            vec![
+                format!("{:.0}", f(r, "allocations")),
+                human(f(r, "bytes")),
+                format!("{:.3}", f(r, "pause_ns") / 1e6),
+                format!("{:.3}", f(r, "resume_ns") / 1e6),
+                format!("{:.1}", f(r, "pause_ns_per_allocation") / 1e3),
+                format!("{:.1}", f(r, "resume_ns_per_allocation") / 1e3),
+            ]
+        })
+        .collect();
+    println!(
+        "{}",
+        table(&["allocations", "bytes", "pause ms", "resume ms", "pause µs/alloc", "resume µs/alloc"], lines)
+    );
 
     step(5, "host memory: bookkeeping per allocation, growth across cycles");
     let mem = env.worker(
@@ -287,20 +304,22 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     step(6, "the colocate switch (sleep + update_weights + wake_up) from a memory-profile run");
     let switch = colocate_switch(device, opts)?;
     println!("\nColocate switch per step (median over the run's steps; relax-colocate run --memory-profile)");
-    println!(
-        "{:<12} {:>12} {:>12} {:>10} {:>10} {:>14} {:>10} {:>12}",
-        "profile", "trainer", "weights", "sleep s", "update s", "wake_up s", "switch s", "s per GiB"
-    );
-    println!(
-        "{:<12} {:>12} {:>12} {:>10.4} {:>10.4} {:>14.4} {:>10.4} {:>12.4}",
-        switch["profile"].as_str().unwrap_or(""),
+    let row = vec![
+        switch["profile"].as_str().unwrap_or("").to_string(),
         human(f(&switch, "trainer_bytes")),
         human(f(&switch, "weights_bytes")),
-        f(&switch, "sleep_s"),
-        f(&switch, "update_weights_s"),
-        f(&switch, "wake_up_s"),
-        f(&switch, "switch_s"),
-        f(&switch, "switch_s_per_gib")
+        format!("{:.4}", f(&switch, "sleep_s")),
+        format!("{:.4}", f(&switch, "update_weights_s")),
+        format!("{:.4}", f(&switch, "wake_up_s")),
+        format!("{:.4}", f(&switch, "switch_s")),
+        format!("{:.4}", f(&switch, "switch_s_per_gib")),
+    ];
+    println!(
+        "{}",
+        table(
+            &["profile", "trainer", "weights", "sleep s", "update s", "wake_up s", "switch s", "s per GiB"],
+            vec![row]
+        )
     );
 
     // Targets, judged on figures from this run.
@@ -324,8 +343,8 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     let targets = vec![
         at_least_90("pause with backup >= 90% of raw D2H copy (whole op)", pause_share),
         at_least_90("resume with backup >= 90% of raw H2D copy (whole op)", resume_share),
-        at_least_90("  pause with backup >= 90% of its bound (copy | release)", pause_overlap),
-        at_least_90("  resume with backup >= 90% of its bound (copy | create)", resume_overlap),
+        at_least_90("  pause with backup >= 90% of its bound (copy overlapping release)", pause_overlap),
+        at_least_90("  resume with backup >= 90% of its bound (copy overlapping create)", resume_overlap),
         (
             "pause w/o backup <= 2x driver unmap+release per allocation",
             format!("{per_alloc_ratio:.2}x"),
@@ -337,10 +356,11 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         ("per-allocation pause cost at max count <= 2x at 100 (linear)", format!("{scaling:.2}x"), scaling <= 2.0),
     ];
     println!("\nTargets (this run)");
-    println!("{:<62} {:>10} {:>6}", "target", "measured", "met");
-    for (t, m, ok) in &targets {
-        println!("{t:<62} {m:>10} {:>6}", if *ok { "yes" } else { "NO" });
-    }
+    let lines = targets
+        .iter()
+        .map(|(t, m, ok)| vec![t.to_string(), m.clone(), (if *ok { "yes" } else { "NO" }).to_string()])
+        .collect();
+    println!("{}", table(&["target", "measured", "met"], lines));
 
     let result = json!({
         "device": device_name, "quick": q,

@@ -2,9 +2,9 @@
 //! SVG memory timeline and reward curve.
 
 use super::{MemSample, RunError, Runner};
+use crate::plot::{self, Axis, Chart, Quantity, RGBColor, Series, Shape, Span, color};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::io::{IsTerminal, Write as _};
 
 pub fn human(bytes: u64) -> String {
@@ -202,240 +202,147 @@ pub fn print_table(r: &Runner, summary: &Value) {
     );
 }
 
-const COLORS: &[&str] = &["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"];
-
-fn phase_color(p: &str) -> &'static str {
+/// The phase strip's colours: one per kind of phase, strong enough to read in a thin band.
+fn phase_color(p: &str) -> RGBColor {
     match p {
-        "generate" => "#cfe2f3",
-        "rollout_offload" | "sleep" => "#f4cccc",
-        "wake_up" | "onload_weights" | "onload_kv" => "#d9ead3",
-        "update_weights" => "#fff2cc",
-        "ref_log_probs" | "log_probs" | "values" | "advantages" | "actor_train" => "#ead1dc",
-        _ => "#eeeeee",
+        "generate" => RGBColor(111, 168, 220),
+        "rollout_offload" | "sleep" => RGBColor(224, 102, 102),
+        "wake_up" | "onload_weights" | "onload_kv" => RGBColor(106, 168, 79),
+        "update_weights" => RGBColor(241, 194, 50),
+        "ref_log_probs" | "log_probs" | "values" | "advantages" | "actor_train" => RGBColor(166, 77, 121),
+        _ => RGBColor(204, 204, 204),
     }
 }
 
-struct Frame {
-    w: f64,
-    h: f64,
-    left: f64,
-    right: f64,
-    top: f64,
-    bottom: f64,
-    x0: f64,
-    x1: f64,
-    y0: f64,
-    y1: f64,
-}
-
-impl Frame {
-    fn px(&self, x: f64) -> f64 {
-        self.left + (x - self.x0) / (self.x1 - self.x0).max(1e-12) * (self.w - self.left - self.right)
-    }
-    fn py(&self, y: f64) -> f64 {
-        self.h - self.bottom - (y - self.y0) / (self.y1 - self.y0).max(1e-12) * (self.h - self.top - self.bottom)
-    }
-
-    fn open(&self, out: &mut String, title: &str, x_label: &str, y_label: &str, y_fmt: &dyn Fn(f64) -> String) {
-        let _ = write!(
-            out,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/><text x="{}" y="22" font-size="15" text-anchor="middle">{title}</text>"#,
-            self.w,
-            self.h,
-            self.w / 2.0
-        );
-        for i in 0..=4 {
-            let y = self.y0 + (self.y1 - self.y0) * i as f64 / 4.0;
-            let py = self.py(y);
-            let _ = write!(
-                out,
-                r##"<line x1="{}" y1="{py}" x2="{}" y2="{py}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
-                self.left,
-                self.w - self.right,
-                self.left - 6.0,
-                py + 4.0,
-                y_fmt(y)
-            );
-            let x = self.x0 + (self.x1 - self.x0) * i as f64 / 4.0;
-            let _ = write!(
-                out,
-                r#"<text x="{}" y="{}" text-anchor="middle">{:.1}</text>"#,
-                self.px(x),
-                self.h - self.bottom + 16.0,
-                x
-            );
-        }
-        let _ = write!(
-            out,
-            r#"<text x="{}" y="{}" text-anchor="middle">{x_label}</text><text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">{y_label}</text>"#,
-            (self.left + self.w - self.right) / 2.0,
-            self.h - 14.0,
-            self.h / 2.0,
-            self.h / 2.0
-        );
-    }
-
-    fn axes(&self, out: &mut String) {
-        let _ = write!(
-            out,
-            r##"<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="#444"/>"##,
-            self.left,
-            self.top,
-            self.w - self.left - self.right,
-            self.h - self.top - self.bottom
-        );
-    }
-}
-
-fn polyline(out: &mut String, f: &Frame, pts: &[(f64, f64)], color: &str, width: f64, step: bool) {
-    let mut d = String::new();
-    for (i, (x, y)) in pts.iter().enumerate() {
-        if step && i > 0 {
-            let _ = write!(d, "{:.1},{:.1} ", f.px(*x), f.py(pts[i - 1].1));
-        }
-        let _ = write!(d, "{:.1},{:.1} ", f.px(*x), f.py(*y));
-    }
-    let _ = write!(out, r#"<polyline points="{d}" fill="none" stroke="{color}" stroke-width="{width}"/>"#);
-}
-
-fn legend(out: &mut String, f: &Frame, items: &[(String, &str)]) {
-    for (i, (name, color)) in items.iter().enumerate() {
-        let y = f.top + 14.0 + i as f64 * 18.0;
-        let x = f.w - f.right + 12.0;
-        let _ = write!(
-            out,
-            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{color}"/><text x="{}" y="{}">{name}</text>"#,
-            y - 10.0,
-            x + 18.0,
-            y
-        );
-    }
-}
-
-/// Device memory over time per process (resident bytes, summed over tags) and the device's
-/// total in use, phases shaded behind.
+/// Device memory over time: each process's resident bytes stacked (summed over its tags and
+/// devices), the devices' total in use and their capacity, and the phases in a strip below.
 ///
 /// Reads memory.jsonl twice (scales first, then the drawing) rather than holding it; past
-/// `MAX_SAMPLES` boundaries it draws every k-th, so a long run's plot stays a plot.
+/// `MAX_SAMPLES` it draws every k-th sample, so a long run's plot stays a plot.
 pub fn memory_timeline(r: &Runner) -> String {
-    const MAX_SAMPLES: usize = 6000;
+    const MAX_SAMPLES: usize = 4000;
     let path = r.run_dir.join("memory.jsonl");
-    let (mut n, mut end, mut ymax, mut total) = (0usize, 1e-3f64, 1u64, 0u64);
-    for s in read_lines::<MemSample>(&path) {
-        n += 1;
-        end = end.max(s.t_s);
-        ymax = ymax.max(s.device_used.iter().copied().max().unwrap_or(0));
-        total = total.max(s.device_total.iter().copied().max().unwrap_or(0));
-    }
-    let (ymax, total) = (ymax as f64, total as f64);
+    let n = read_lines::<MemSample>(&path).count();
     let stride = n.div_ceil(MAX_SAMPLES).max(1);
-    let samples = || read_lines::<MemSample>(&path).enumerate().filter(move |(i, _)| i % stride == 0).map(|(_, s)| s);
-    let gib = (1u64 << 30) as f64;
-    let unit = if ymax.max(total) >= gib { gib } else { (1u64 << 20) as f64 };
-    let unit_name = if unit == gib { "GiB" } else { "MiB" };
-    let f = Frame {
-        w: 960.0,
-        h: 460.0,
-        left: 70.0,
-        right: 220.0,
-        top: 36.0,
-        bottom: 48.0,
-        x0: 0.0,
-        x1: end,
-        y0: 0.0,
-        y1: ymax.max(total) * 1.05 / unit,
-    };
-    let mut out = String::new();
-    f.open(&mut out, "Device memory over the run (phases shaded)", "seconds", &format!("{unit_name} in use"), &|y| {
-        format!("{y:.1}")
-    });
-    for s in samples() {
-        let _ = write!(
-            out,
-            r#"<rect x="{:.1}" y="{}" width="{:.2}" height="{}" fill="{}"><title>step {} {}</title></rect>"#,
-            f.px(s.start_s),
-            f.top,
-            (f.px(s.t_s) - f.px(s.start_s)).max(0.3),
-            f.h - f.top - f.bottom,
-            phase_color(&s.phase),
-            s.step,
-            s.phase
-        );
-    }
-    f.axes(&mut out);
-    let mut items: Vec<(String, &str)> = Vec::new();
-    // The device total goes underneath, wide and grey, so the per-process lines stay visible where
-    // one process is all the device holds.
-    let devices = r.cfg.run.devices as usize;
     let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
-    let mut device_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); devices];
-    let mut worker_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); names.len()];
-    for s in samples() {
-        for (d, pts) in device_pts.iter_mut().enumerate() {
-            pts.push((s.t_s, s.device_used.get(d).copied().unwrap_or(0) as f64 / unit));
+    let mut used = Vec::new();
+    let mut capacity = Vec::new();
+    let mut per_worker: Vec<Vec<(f64, f64)>> = vec![Vec::new(); names.len()];
+    let mut spans = Vec::new();
+    for (i, s) in read_lines::<MemSample>(&path).enumerate() {
+        // Every phase keeps its span (it is one rectangle); only the lines are thinned.
+        spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
+        if i % stride != 0 {
+            continue;
         }
-        for (name, pts) in names.iter().zip(&mut worker_pts) {
-            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64 / unit));
+        used.push((s.t_s, s.device_used.iter().sum::<u64>() as f64));
+        capacity.push((s.t_s, s.device_total.iter().sum::<u64>() as f64));
+        for (name, pts) in names.iter().zip(&mut per_worker) {
+            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
         }
     }
-    for pts in &device_pts {
-        polyline(&mut out, &f, pts, "#bbb", 5.0, true);
+    if spans.len() > MAX_SAMPLES {
+        spans = merge_spans(spans, MAX_SAMPLES);
     }
-    items.push(("device in use".into(), "#bbb"));
-    for (i, (name, pts)) in names.iter().zip(&worker_pts).enumerate() {
-        let c = COLORS[i % COLORS.len()];
-        polyline(&mut out, &f, pts, c, 1.6, true);
-        items.push((name.clone(), c));
+    let devices = r.cfg.run.devices;
+    let stacked = names
+        .iter()
+        .zip(per_worker)
+        .enumerate()
+        .map(|(i, (name, points))| Series {
+            name: name.clone(),
+            points,
+            shape: Shape::Steps,
+            color: color(i),
+            width: 1,
+        })
+        .collect();
+    let mut series = vec![Series {
+        name: if devices > 1 {
+            format!("in use, {devices} devices (+ contexts)")
+        } else {
+            "device in use (+ contexts)".into()
+        },
+        points: used,
+        shape: Shape::Steps,
+        color: RGBColor(60, 60, 60),
+        width: 2,
+    }];
+    if capacity.iter().any(|p| p.1 > 0.0) {
+        series.push(Series {
+            name: "capacity".into(),
+            points: capacity,
+            shape: Shape::Dashed,
+            color: RGBColor(120, 120, 120),
+            width: 1,
+        });
     }
-    if total > 0.0 {
-        let y = f.py(total / unit);
-        let _ = write!(
-            out,
-            r##"<line x1="{}" y1="{y}" x2="{}" y2="{y}" stroke="#555" stroke-dasharray="6 4"/>"##,
-            f.left,
-            f.w - f.right
-        );
-        items.push(("device capacity".into(), "#555"));
-    }
-    for (p, c) in [
+    let span_legend = [
         ("generate", "generate"),
         ("offload / sleep", "sleep"),
         ("wake / onload", "wake_up"),
         ("update_weights", "update_weights"),
         ("train phases", "actor_train"),
-    ] {
-        items.push((p.to_string(), phase_color(c)));
-    }
-    legend(&mut out, &f, &items);
-    out.push_str("</svg>");
-    out
+    ]
+    .iter()
+    .map(|(label, phase)| (format!("phase: {label}"), phase_color(phase)))
+    .collect();
+    plot::svg(&Chart {
+        title: "Device memory over the run".into(),
+        width: 1000,
+        height: 480,
+        x: Some(Axis::linear("time", Quantity::Seconds)),
+        y: Some(Axis::linear("memory", Quantity::Bytes)),
+        stacked,
+        series,
+        spans,
+        span_legend,
+        y_range: None,
+    })
+}
+
+/// At most `max` spans: neighbours merged, each merged span taking the colour of its longest part.
+fn merge_spans(spans: Vec<Span>, max: usize) -> Vec<Span> {
+    let per = spans.len().div_ceil(max);
+    spans
+        .chunks(per)
+        .map(|c| {
+            let longest =
+                c.iter().max_by(|a, b| (a.x1 - a.x0).total_cmp(&(b.x1 - b.x0))).expect("chunks are not empty");
+            Span { x0: c[0].x0, x1: c[c.len() - 1].x1, color: longest.color }
+        })
+        .collect()
 }
 
 pub fn reward_curve(r: &Runner) -> String {
     let keys = ["step".to_string(), "rollout/reward_mean".to_string(), "rollout/pass_rate".to_string()];
     let series = metric_series(r, &keys);
     let get = |k: &str| -> Vec<(f64, f64)> { series["step"].iter().copied().zip(series[k].iter().copied()).collect() };
-    let steps = series["step"].len().max(2) as f64;
-    let f = Frame {
-        w: 760.0,
-        h: 400.0,
-        left: 60.0,
-        right: 170.0,
-        top: 36.0,
-        bottom: 48.0,
-        x0: 1.0,
-        x1: steps,
-        y0: 0.0,
-        y1: 1.0,
-    };
-    let mut out = String::new();
-    f.open(&mut out, "Reward and pass rate per step", "step", "", &|y| format!("{y:.2}"));
-    f.axes(&mut out);
-    polyline(&mut out, &f, &get("rollout/reward_mean"), COLORS[0], 1.6, false);
-    polyline(&mut out, &f, &get("rollout/pass_rate"), COLORS[2], 1.6, false);
-    legend(&mut out, &f, &[("reward mean".into(), COLORS[0]), ("pass rate (exact)".into(), COLORS[2])]);
-    out.push_str("</svg>");
-    out
+    plot::svg(&Chart {
+        title: "Reward and pass rate per step".into(),
+        width: 800,
+        height: 400,
+        x: Some(Axis::linear("step", Quantity::Count)),
+        y: Some(Axis::linear("", Quantity::Plain)),
+        series: vec![
+            Series {
+                name: "reward mean".into(),
+                points: get("rollout/reward_mean"),
+                shape: Shape::Line,
+                color: color(0),
+                width: 2,
+            },
+            Series {
+                name: "pass rate (exact)".into(),
+                points: get("rollout/pass_rate"),
+                shape: Shape::Line,
+                color: color(2),
+                width: 2,
+            },
+        ],
+        y_range: Some((0.0, 1.0)),
+        ..Chart::default()
+    })
 }
 
 pub fn write_plots(r: &Runner) -> std::io::Result<()> {
