@@ -17,6 +17,7 @@ pub struct Config {
     pub model: ModelSection,
     pub memory: MemorySection,
     pub sim: SimSection,
+    pub metrics: MetricsSection,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -112,6 +113,16 @@ pub struct SimSection {
     pub api: String,
     pub memory: String,
     pub copy_gbps: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSection {
+    pub style: super::metrics::Style,
+    /// Comma-separated, so that `--set metrics.loggers=tensorboard,wandb` works as a file value does.
+    pub loggers: String,
+    pub python: String,
+    pub wandb_project: String,
 }
 
 /// Sets `section.key` in a TOML table from `value`, read as a TOML value when it parses as one
@@ -227,6 +238,9 @@ impl Config {
             && let Err(e) = parse_size(&self.sim.memory)
         {
             errors.push(format!("sim.memory: {e}"));
+        }
+        if let Err(e) = super::loggers::parse_list(&self.metrics.loggers) {
+            errors.push(e);
         }
         if let Err(e) = super::profile::preset(&self.memory.profile) {
             errors.push(e);

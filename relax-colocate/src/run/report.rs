@@ -29,20 +29,21 @@ impl Progress {
         }
     }
 
-    pub fn step(&self, step: u64, steps: u64, m: &BTreeMap<String, Value>) {
+    /// `m` is under slime's names whatever the style (it is the row before renaming).
+    pub fn step(&self, step: u64, steps: u64, m: &super::metrics::Row) {
         if self.quiet {
             return;
         }
-        let g = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+        let g = |k: &str| m.get(k).unwrap_or(0.0);
         let width = 24usize;
         let filled = (step as usize * width) / steps.max(1) as usize;
         let line = format!(
             "[{}{}] step {step}/{steps}  reward {:.3}  pass {:.2}  kl {:.4}  step {:.2}s  sleep {:.3}s  update {:.3}s  wake {:.3}s",
             "#".repeat(filled),
             ".".repeat(width - filled),
-            g("rollout/reward_mean"),
-            g("rollout/pass_rate"),
-            g("train/kl_ref"),
+            g("rollout/raw_reward"),
+            g("passrate/pass@1"),
+            g("rollout/kl"),
             g("perf/step_time"),
             g("perf/sleep_time"),
             g("perf/update_weights_time"),
@@ -100,13 +101,14 @@ fn read_lines<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> impl It
         .filter_map(|l| serde_json::from_str(&l.ok()?).ok())
 }
 
-/// Per-step numbers of metrics.jsonl: `keys` series in file order (only those numbers, not the
-/// rows, are held).
+/// Per-step numbers of metrics.jsonl: `keys` (slime's names; read under the run's style) series
+/// in file order (only those numbers, not the rows, are held).
 fn metric_series(r: &Runner, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
+    let style = r.cfg.metrics.style;
     let mut out: BTreeMap<String, Vec<f64>> = keys.iter().map(|k| (k.clone(), Vec::new())).collect();
     for row in read_lines::<Value>(&r.run_dir.join("metrics.jsonl")) {
         for (k, v) in out.iter_mut() {
-            if let Some(x) = row.get(k).and_then(Value::as_f64) {
+            if let Some(x) = row.get(super::metrics::name(style, k)).and_then(Value::as_f64) {
                 v.push(x);
             }
         }
@@ -116,14 +118,14 @@ fn metric_series(r: &Runner, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
 
 pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
     let phase_names: Vec<&str> = STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect();
-    let mut keys: Vec<String> = phase_names.iter().map(|p| format!("perf/{p}_time")).collect();
-    keys.extend(["rollout/reward_mean".to_string(), "rollout/pass_rate".to_string()]);
+    let mut keys: Vec<String> = phase_names.iter().map(|p| super::metrics::phase_time(p)).collect();
+    keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
     let all = metric_series(r, &keys);
     let series = |k: &str| -> Vec<f64> { all.get(k).cloned().unwrap_or_default() };
     let total_step: f64 = series("perf/step_time").iter().sum();
     let mut phases = Vec::new();
     for p in phase_names {
-        let v = series(&format!("perf/{p}_time"));
+        let v = series(&super::metrics::phase_time(p));
         if v.is_empty() {
             continue;
         }
@@ -133,8 +135,8 @@ pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
             "mean_s": sum / v.len() as f64, "share_of_step": if total_step > 0.0 { sum / total_step } else { 0.0 },
         }));
     }
-    let rewards = series("rollout/reward_mean");
-    let pass = series("rollout/pass_rate");
+    let rewards = series("rollout/raw_reward");
+    let pass = series("passrate/pass@1");
     let head = |v: &[f64]| -> f64 {
         let k = v.len().min(3);
         if k == 0 { f64::NAN } else { v[..k].iter().sum::<f64>() / k as f64 }
@@ -412,7 +414,7 @@ pub fn memory_timeline(r: &Runner) -> String {
 }
 
 pub fn reward_curve(r: &Runner) -> String {
-    let keys = ["step".to_string(), "rollout/reward_mean".to_string(), "rollout/pass_rate".to_string()];
+    let keys = ["step".to_string(), "rollout/raw_reward".to_string(), "passrate/pass@1".to_string()];
     let series = metric_series(r, &keys);
     let get = |k: &str| -> Vec<(f64, f64)> { series["step"].iter().copied().zip(series[k].iter().copied()).collect() };
     let steps = series["step"].len().max(2) as f64;
@@ -431,9 +433,9 @@ pub fn reward_curve(r: &Runner) -> String {
     let mut out = String::new();
     f.open(&mut out, "Reward and pass rate per step", "step", "", &|y| format!("{y:.2}"));
     f.axes(&mut out);
-    polyline(&mut out, &f, &get("rollout/reward_mean"), COLORS[0], 1.6, false);
-    polyline(&mut out, &f, &get("rollout/pass_rate"), COLORS[2], 1.6, false);
-    legend(&mut out, &f, &[("reward mean".into(), COLORS[0]), ("pass rate (exact)".into(), COLORS[2])]);
+    polyline(&mut out, &f, &get("rollout/raw_reward"), COLORS[0], 1.6, false);
+    polyline(&mut out, &f, &get("passrate/pass@1"), COLORS[2], 1.6, false);
+    legend(&mut out, &f, &[("reward mean".into(), COLORS[0]), ("pass@1 (exact)".into(), COLORS[2])]);
     out.push_str("</svg>");
     out
 }
