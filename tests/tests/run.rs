@@ -288,6 +288,24 @@ fn configuration_errors_exit_2_with_the_fix() {
     let out = run_cmd(dir.path(), &["--config", f.to_str().unwrap()]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("extra"), "{}", String::from_utf8_lossy(&out.stderr));
+    // The metrics keys: an unknown logger or style, and wandb asked for where its package is not
+    // installed (a Python that cannot import it stands in), each name the fix before anything starts.
+    let no_wandb = dir.path().join("python-without-wandb");
+    std::fs::write(&no_wandb, "#!/bin/sh\nexit 1\n").unwrap();
+    let exec = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755);
+    std::fs::set_permissions(&no_wandb, exec).unwrap();
+    let python = format!("metrics.python={}", no_wandb.display());
+    for (args, said) in [
+        (vec!["--set", "metrics.loggers=tb"], "tensorboard"),
+        (vec!["--set", "metrics.style=mlflow"], "metrics.style"),
+        (vec!["--logger", "wandb", "--set", &python], "-m pip install wandb"),
+    ] {
+        let out = run_cmd(dir.path(), &args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("metrics.jsonl").exists(), "a configuration error started the run");
 }
 
 #[test]

@@ -499,7 +499,7 @@ impl Runner {
             metrics::add_memory(&mut row, s);
         }
         let rendered = row.render(self.cfg.metrics.style);
-        let _ = writeln!(self.metrics_file, "{}", Value::Object(rendered.clone()));
+        let _ = writeln!(self.metrics_file, "{}", metrics::json_line(&rendered));
         let _ = self.metrics_file.flush();
         self.loggers.log(&rendered);
         self.progress.step(self.step, self.cfg.run.steps, &row);

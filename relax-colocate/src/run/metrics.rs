@@ -129,6 +129,17 @@ impl Row {
     }
 }
 
+/// A rendered row as one metrics.jsonl line, `step` first (serde_json's maps sort their keys,
+/// which would put it among the `memory/` keys, where a reader of the file looks last).
+pub fn json_line(row: &Map<String, Value>) -> String {
+    let step = row.get("step").cloned().unwrap_or(Value::from(0));
+    let rest: Map<String, Value> =
+        row.iter().filter(|(k, _)| *k != "step").map(|(k, v)| (k.clone(), v.clone())).collect();
+    let body = Value::Object(rest).to_string();
+    let sep = if body.len() > 2 { "," } else { "" };
+    format!("{{\"step\":{step}{sep}{}", &body[1..])
+}
+
 /// Mean of an iterator; 0 for none.
 pub fn mean(it: impl Iterator<Item = f64>) -> f64 {
     let (s, n) = it.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
@@ -233,5 +244,9 @@ mod tests {
         assert_eq!(m["critic/score/mean"], 0.5);
         assert_eq!(m["memory/trainer-0/weights/sleep_bytes"].as_u64(), Some(1 << 40));
         assert!(!m.contains_key("actor/grad_norm"));
+        let line = json_line(&m);
+        assert!(line.starts_with("{\"step\":3,\""), "{line}");
+        assert_eq!(serde_json::from_str::<Value>(&line).unwrap(), Value::Object(m));
+        assert_eq!(json_line(&Row::new(1).render(Style::Slime)), "{\"step\":1}");
     }
 }

@@ -198,8 +198,9 @@ pub fn print_table(r: &Runner, summary: &Value) {
             summary["checks"]["passed"]
         );
     }
+    let tensorboard = if r.cfg.metrics.loggers.contains("tensorboard") { ", tensorboard/" } else { "" };
     println!(
-        "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, reward.svg, logs/)",
+        "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, reward.svg, logs/{tensorboard})",
         r.run_dir.display()
     );
 }
