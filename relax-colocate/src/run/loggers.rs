@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::io::{BufWriter, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Sender;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -130,7 +132,10 @@ impl Loggers {
             && let Err(e) = w.log(row)
         {
             self.warnings.push(format!("wandb logging stopped: {e} (see logs/wandb.log)"));
-            self.wandb = None;
+            if let Some(w) = self.wandb.take() {
+                // Reaps the exited helper.
+                let _ = w.finish();
+            }
         }
     }
 
@@ -271,10 +276,13 @@ impl EventWriter {
 
 const WANDB_HELPER: &str = include_str!("wandb_logger.py");
 
-/// The Python helper that owns the wandb run; rows go to its stdin as JSON lines.
+/// The Python helper that owns the wandb run; rows go to its stdin as JSON lines, written by a
+/// thread so that a helper that stops reading (wandb.init waiting on the network) never holds
+/// up a step.
 struct Wandb {
     child: Child,
-    stdin: Option<ChildStdin>,
+    tx: Option<Sender<String>>,
+    writer: Option<JoinHandle<()>>,
 }
 
 impl Wandb {
@@ -284,46 +292,64 @@ impl Wandb {
         let log = std::fs::File::create(logs.join("wandb.log")).map_err(|e| format!("logs/wandb.log: {e}"))?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
         let name = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let mut child = Command::new(python)
-            .args(["-u", "-c", WANDB_HELPER])
+        let mut cmd = Command::new(python);
+        cmd.args(["-u", "-c", WANDB_HELPER])
             .arg(run_dir)
             .arg(project)
             .arg(name)
             .stdin(Stdio::piped())
             .stdout(log)
-            .stderr(log2)
-            .spawn()
-            .map_err(|e| format!("cannot start the wandb helper with {python:?}: {e}"))?;
-        let stdin = child.stdin.take();
-        Ok(Wandb { child, stdin })
+            .stderr(log2);
+        // Its own process group: Ctrl-C on the terminal reaches the runner only, which then
+        // closes the helper's input so that wandb finishes the run cleanly.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut child = cmd.spawn().map_err(|e| format!("cannot start the wandb helper with {python:?}: {e}"))?;
+        let mut stdin = child.stdin.take().ok_or("the wandb helper has no input pipe")?;
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let writer = std::thread::spawn(move || {
+            for line in rx {
+                if writeln!(stdin, "{line}").and_then(|_| stdin.flush()).is_err() {
+                    // The helper is gone; its exit status and log say why at finish.
+                    return;
+                }
+            }
+        });
+        Ok(Wandb { child, tx: Some(tx), writer: Some(writer) })
     }
 
     fn log(&mut self, row: &Map<String, Value>) -> Result<(), String> {
-        let Some(stdin) = &mut self.stdin else { return Err("the helper's input is closed".into()) };
-        let line = serde_json::to_string(row).map_err(|e| e.to_string())?;
-        writeln!(stdin, "{line}").and_then(|_| stdin.flush()).map_err(|e| format!("the helper exited ({e})"))
+        if let Ok(Some(status)) = self.child.try_wait() {
+            return Err(format!("the helper exited with {status}"));
+        }
+        let tx = self.tx.as_ref().ok_or("the helper's input is closed")?;
+        tx.send(Value::Object(row.clone()).to_string()).map_err(|_| "the helper's input is closed".to_string())
     }
 
     /// Closes the helper's input (it then calls wandb.finish) and waits for it, a bounded time:
     /// an online run that cannot reach the server must not hold the runner.
     fn finish(mut self) -> Result<(), String> {
-        drop(self.stdin.take());
+        drop(self.tx.take());
         let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
+        let result = loop {
             match self.child.try_wait() {
-                Ok(Some(s)) if s.success() => return Ok(()),
-                Ok(Some(s)) => return Err(format!("the helper exited with {s}")),
+                Ok(Some(s)) if s.success() => break Ok(()),
+                Ok(Some(s)) => break Err(format!("the helper exited with {s}")),
                 Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
                 Ok(None) => {
                     let _ = self.child.kill();
                     let _ = self.child.wait();
-                    return Err("wandb.finish took over 120 s; the helper was stopped (WANDB_MODE=offline \
-                                keeps the run local)"
+                    break Err("wandb.finish took over 120 s; the helper was stopped (WANDB_MODE=offline keeps \
+                               the run local)"
                         .into());
                 }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => break Err(e.to_string()),
             }
+        };
+        // The helper has exited, so a write the thread is blocked in has failed and it returns.
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
         }
+        result
     }
 }
 
