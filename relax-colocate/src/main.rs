@@ -176,7 +176,7 @@ struct RunArgs {
     metrics_style: Option<run::metrics::Style>,
     /// Also log every step to tensorboard (event files in the run directory) and/or wandb
     /// (repeatable or comma-separated; default none) [metrics.loggers].
-    #[arg(long = "logger", value_enum, value_delimiter = ',')]
+    #[arg(long = "logger", value_name = "LOGGER", value_enum, value_delimiter = ',')]
     loggers: Vec<run::loggers::LoggerKind>,
     /// libtms_hook.so to preload (default: next to this binary, or ../lib).
     #[arg(long)]
