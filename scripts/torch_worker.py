@@ -340,7 +340,8 @@ def minibatch_loss(samples):
     loss = aggregate(pg + loss_cfg.get("kl_coef", 0.0) * kl - loss_cfg.get("entropy_coef", 0.0) * entropy,
                      lengths, how)
     stats = {"pg_loss": aggregate(pg, lengths, how), "kl": kl.mean(), "entropy": entropy.mean(),
-             "clip_frac": (clipped > unclipped).float().mean(), "dual_clip_frac": dual_hit.float().mean()}
+             "clip_frac": (clipped > unclipped).float().mean(), "dual_clip_frac": dual_hit.float().mean(),
+             "ppo_kl": (old - logp).mean()}
     return loss, stats
 
 

@@ -75,9 +75,13 @@ listed with its meaning by --print-config; the run directory records the effecti
 
 Output: a progress line per step on stderr; at the end the phase table (median, p90, share of the
 step) on stdout, or the summary as JSON with --json. The run directory (run.out, default
-runs/run-<UTC time>) holds config.toml, metrics.jsonl (one line per step: perf/*_time, reward,
-pass rate, KL, clip fraction, device memory per process and tag at every phase boundary),
-memory.jsonl, summary.json, memory_timeline.svg, reward.svg and logs/<worker>.log.
+runs/run-<UTC time>) holds config.toml, metrics.jsonl (one flat line of numbers per step, under
+slime's names or verl's with --metrics-style verl: perf/*_time, rollout/raw_reward,
+passrate/pass@k, train/pg_clipfrac, train/ppo_kl, ..., and device memory per process and tag at
+every phase boundary as memory/<process>/<tag>/<phase>_bytes; docs/metrics.md has the table),
+memory.jsonl, summary.json, memory_timeline.svg, reward.svg and logs/<worker>.log; with
+--logger tensorboard also tensorboard/events.out.tfevents.*, with --logger wandb a wandb run
+(WANDB_MODE=offline keeps it in wandb/; needs `pip install wandb`).
 
 Checks every step (run.checks): device free memory rose by at least the bytes each pause reported;
 trainer weights after wake_up and rollout weights after update_weights match the trainer's
@@ -168,6 +172,13 @@ struct RunArgs {
     /// Simulator capacity per device: auto or a size [sim.memory].
     #[arg(long)]
     sim_memory: Option<String>,
+    /// Metric names: slime (default) or verl [metrics.style].
+    #[arg(long, value_enum)]
+    metrics_style: Option<run::metrics::Style>,
+    /// Also log every step to tensorboard (event files in the run directory) and/or wandb
+    /// (repeatable or comma-separated; default none) [metrics.loggers].
+    #[arg(long = "logger", value_name = "LOGGER", value_enum, value_delimiter = ',')]
+    loggers: Vec<run::loggers::LoggerKind>,
     /// libtms_hook.so to preload (default: next to this binary, or ../lib).
     #[arg(long)]
     hook: Option<PathBuf>,
@@ -229,6 +240,26 @@ impl RunArgs {
         add("run.rollout_cmd", self.rollout_cmd.as_deref().map(q));
         add("run.phase_timeout_s", self.phase_timeout.map(|x| format!("{x:?}")));
         add("sim.memory", self.sim_memory.as_deref().map(q));
+        add(
+            "metrics.style",
+            self.metrics_style.map(|m| {
+                q(match m {
+                    run::metrics::Style::Slime => "slime",
+                    run::metrics::Style::Verl => "verl",
+                })
+            }),
+        );
+        if !self.loggers.is_empty() {
+            let names: Vec<&str> = self
+                .loggers
+                .iter()
+                .map(|l| match l {
+                    run::loggers::LoggerKind::Tensorboard => "tensorboard",
+                    run::loggers::LoggerKind::Wandb => "wandb",
+                })
+                .collect();
+            add("metrics.loggers", Some(q(&names.join(","))));
+        }
         v.extend(self.sets.iter().cloned());
         v
     }

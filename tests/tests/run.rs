@@ -29,12 +29,33 @@ fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
 }
 
+/// The rows of metrics.jsonl, each checked to be a flat object of numbers (what TensorBoard and
+/// wandb take as scalars), with an integer `step`.
 fn metrics(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
+    let rows: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+        .collect();
+    for row in &rows {
+        let obj = row.as_object().unwrap_or_else(|| panic!("a metrics row is not an object: {row}"));
+        assert!(obj["step"].is_u64(), "step: {row}");
+        for (k, v) in obj {
+            assert!(v.is_number(), "metrics row key {k} is not a number: {v}");
+        }
+    }
+    rows
+}
+
+/// Resident bytes of `worker` after `phase`: its memory/<worker>/<tag>/<phase>_bytes summed over tags.
+fn resident(row: &Value, phase: &str, worker: &str) -> u64 {
+    let (prefix, suffix) = (format!("memory/{worker}/"), format!("/{phase}_bytes"));
+    row.as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with(&prefix) && k.ends_with(&suffix) && !k.contains("/paused/"))
+        .map(|(_, v)| v.as_u64().unwrap())
+        .sum()
 }
 
 /// Worker processes of the run in `dir` still alive (they carry RELAX_RUN_DIR in their environment).
@@ -77,10 +98,18 @@ fn grpo_run_learns_times_every_phase_checks_and_writes_its_outputs() {
             "perf/log_probs_time",
             "perf/actor_train_time",
             "perf/step_time",
-            "rollout/reward_mean",
-            "rollout/pass_rate",
-            "train/kl",
-            "train/clip_frac",
+            "perf/rollout_time",
+            "rollout/raw_reward",
+            "rollout/response_len/mean",
+            "rollout/kl",
+            "passrate/pass@1",
+            "passrate/pass@8",
+            "train/kl_loss",
+            "train/pg_clipfrac",
+            "train/ppo_kl",
+            "train/entropy_loss",
+            "train/pg_loss",
+            "train/grad_norm",
         ] {
             assert!(step[k].is_number(), "step lacks {k}: {step}");
         }
@@ -89,20 +118,17 @@ fn grpo_run_learns_times_every_phase_checks_and_writes_its_outputs() {
         assert!((sum - step["perf/step_time"].as_f64().unwrap()).abs() < 1e-9);
         // Memory per process per tag at phase boundaries: the rollout is empty after its offload
         // and holds weights + KV after onload; the trainer is resident only while awake.
-        let mem = &step["memory"];
-        let resident = |phase: &str, worker: &str| -> u64 {
-            mem[phase]["workers"][worker].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum()
-        };
-        assert_eq!(resident("rollout_offload", "rollout-0"), 0, "{mem}");
-        assert!(resident("actor_train", "trainer-0") > 0);
-        assert_eq!(resident("sleep", "trainer-0"), 0);
-        assert!(mem["onload_kv"]["workers"]["rollout-0"]["kv_cache"].as_u64().unwrap() > 0);
+        assert_eq!(resident(step, "rollout_offload", "rollout-0"), 0, "{step}");
+        assert!(resident(step, "actor_train", "trainer-0") > 0);
+        assert_eq!(resident(step, "sleep", "trainer-0"), 0);
+        assert!(step["memory/rollout-0/kv_cache/onload_kv_bytes"].as_u64().unwrap() > 0);
+        assert!(step["memory/trainer-0/paused/sleep_bytes"].as_u64().unwrap() > 0);
         // The device really had room freed: in use after the trainer sleeps is below in use while it trains.
-        let used = |phase: &str| mem[phase]["device_used"][0].as_u64().unwrap();
+        let used = |phase: &str| step[format!("memory/device0/used/{phase}_bytes")].as_u64().unwrap();
         assert!(used("sleep") < used("actor_train"));
     }
-    let first: f64 = m[..3].iter().map(|s| s["rollout/reward_mean"].as_f64().unwrap()).sum::<f64>() / 3.0;
-    let last: f64 = m[11..].iter().map(|s| s["rollout/reward_mean"].as_f64().unwrap()).sum::<f64>() / 3.0;
+    let first: f64 = m[..3].iter().map(|s| s["rollout/raw_reward"].as_f64().unwrap()).sum::<f64>() / 3.0;
+    let last: f64 = m[11..].iter().map(|s| s["rollout/raw_reward"].as_f64().unwrap()).sum::<f64>() / 3.0;
     assert!(last > first + 0.15, "reward did not rise: {first:.3} -> {last:.3}");
     let summary = json(&dir.path().join("summary.json"));
     assert_eq!(summary["status"], "ok");
@@ -262,7 +288,7 @@ fn external_python_workers_run_the_same_cycle() {
     assert!(s["checks"]["passed"].as_u64().unwrap() > 10, "{s}");
     // The hook tracked the Python workers' allocations under their tags.
     let m = metrics(dir.path());
-    assert!(m[0]["memory"]["actor_train"]["workers"]["trainer-0"]["ref"].as_u64().unwrap() > 0);
+    assert!(m[0]["memory/trainer-0/ref/actor_train_bytes"].as_u64().unwrap() > 0);
 }
 
 #[test]
@@ -271,8 +297,16 @@ fn acl_api_and_two_devices_on_the_simulator() {
     let out = run_cmd(dir.path(), &["--steps", "2", "--devices", "2", "--set", "sim.api=acl"]).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let m = metrics(dir.path());
-    let workers = m[0]["memory"]["onload_kv"]["workers"].as_object().unwrap();
+    let mut workers: Vec<&str> = m[0]
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.ends_with("/onload_kv_bytes") && !k.starts_with("memory/device"))
+        .filter_map(|k| k.split('/').nth(1))
+        .collect();
+    workers.dedup();
     assert_eq!(workers.len(), 4, "{workers:?}");
+    assert!(m[0]["memory/device1/used/onload_kv_bytes"].as_u64().unwrap() > 0);
 }
 
 #[test]
@@ -290,6 +324,24 @@ fn configuration_errors_exit_2_with_the_fix() {
     let out = run_cmd(dir.path(), &["--config", f.to_str().unwrap()]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("extra"), "{}", String::from_utf8_lossy(&out.stderr));
+    // The metrics keys: an unknown logger or style, and wandb asked for where its package is not
+    // installed (a Python that cannot import it stands in), each name the fix before anything starts.
+    let no_wandb = dir.path().join("python-without-wandb");
+    std::fs::write(&no_wandb, "#!/bin/sh\nexit 1\n").unwrap();
+    let exec = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755);
+    std::fs::set_permissions(&no_wandb, exec).unwrap();
+    let python = format!("metrics.python={}", no_wandb.display());
+    for (args, said) in [
+        (vec!["--set", "metrics.loggers=tb"], "tensorboard"),
+        (vec!["--set", "metrics.style=mlflow"], "metrics.style"),
+        (vec!["--logger", "wandb", "--set", &python], "-m pip install wandb"),
+    ] {
+        let out = run_cmd(dir.path(), &args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("metrics.jsonl").exists(), "a configuration error started the run");
 }
 
 #[test]
@@ -610,4 +662,92 @@ fn the_runners_memory_stays_flat_over_steps() {
     let growth = rss[1] as i64 - rss[0] as i64;
     eprintln!("runner RSS at step 10: {} KiB, at step 40: {} KiB ({growth:+} KiB over 30 steps)", rss[0], rss[1]);
     assert!(growth < 512, "the runner grew {growth} KiB over 30 steps");
+}
+
+/// Whether `python3` can import `module` (the optional loggers' packages).
+fn python_has(module: &str) -> bool {
+    Command::new("python3").args(["-c", &format!("import {module}")]).output().is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn verl_style_names_and_tensorboard_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--steps", "3", "--metrics-style", "verl", "--logger", "tensorboard", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let m = metrics(dir.path());
+    assert_eq!(m.len(), 3);
+    for k in [
+        "critic/score/mean",
+        "critic/rewards/mean",
+        "critic/advantages/mean",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "timing_s/update_weights",
+        "timing_s/step",
+        "timing_s/sleep",
+        "passrate/pass@1",
+    ] {
+        assert!(m[2][k].is_number(), "verl style lacks {k}: {}", m[2]);
+    }
+    for k in ["rollout/raw_reward", "train/pg_clipfrac", "perf/rollout_time", "perf/step_time"] {
+        assert!(m[2].get(k).is_none(), "verl style still writes slime's {k}");
+    }
+    // The summary reads the run under its own names.
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(summary["reward"]["last3_mean"].as_f64().unwrap() > 0.0, "{summary}");
+    let phases = summary["phases"].as_array().unwrap();
+    assert!(phases.iter().any(|p| p["phase"] == "generate" && p["median_s"].as_f64().unwrap() > 0.0), "{summary}");
+    let events: Vec<_> = std::fs::read_dir(dir.path().join("tensorboard"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents."))
+        .collect();
+    assert_eq!(events.len(), 1);
+    // TensorBoard's own reader, where it is installed (the Rust unit test checks the framing
+    // and the CRCs either way).
+    if !python_has("tensorboard") {
+        println!("skipped reading the event file with TensorBoard: python3 cannot import tensorboard");
+        return;
+    }
+    let script = "import sys\n\
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+        acc = EventAccumulator(sys.argv[1]); acc.Reload()\n\
+        s = acc.Scalars('critic/score/mean')\n\
+        print(len(s), s[-1].step, len(acc.Tags()['scalars']))\n";
+    let read = Command::new("python3").args(["-c", script]).arg(dir.path().join("tensorboard")).output().unwrap();
+    assert!(read.status.success(), "{}", text(&read));
+    let said = String::from_utf8_lossy(&read.stdout);
+    let fields: Vec<u64> = said.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    assert_eq!(fields[..2], [3, 3], "{said}");
+    assert!(fields[2] > 50, "scalars: {said}");
+}
+
+#[test]
+fn wandb_logger_runs_offline_or_names_the_install() {
+    let dir = tempfile::tempdir().unwrap();
+    let out =
+        run_cmd(dir.path(), &["--steps", "2", "--logger", "wandb"]).env("WANDB_MODE", "offline").output().unwrap();
+    if !python_has("wandb") {
+        println!("wandb is not installed for python3: checking the error that names the install");
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("pip install wandb"), "{err}");
+        return;
+    }
+    assert!(out.status.success(), "{}", text(&out));
+    let runs: Vec<_> = std::fs::read_dir(dir.path().join("wandb"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("offline-run-"))
+        .collect();
+    assert_eq!(runs.len(), 1, "no offline wandb run in {}", dir.path().display());
 }

@@ -17,6 +17,7 @@ pub struct Config {
     pub model: ModelSection,
     pub memory: MemorySection,
     pub sim: SimSection,
+    pub metrics: MetricsSection,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -114,6 +115,16 @@ pub struct SimSection {
     pub copy_gbps: f64,
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSection {
+    pub style: super::metrics::Style,
+    /// Comma-separated, so that `--set metrics.loggers=tensorboard,wandb` works as a file value does.
+    pub loggers: String,
+    pub python: String,
+    pub wandb_project: String,
+}
+
 /// Sets `section.key` in a TOML table from `value`, read as a TOML value when it parses as one
 /// (numbers, booleans, quoted strings) and as a bare string otherwise.
 fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<(), String> {
@@ -165,6 +176,23 @@ fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Result<(), St
     Ok(())
 }
 
+/// Puts the key in front of a deserialization error, which names only the value ("unknown variant
+/// `k9`"): the key whose value the message quotes, when exactly one has it.
+fn with_key(root: &toml::Table, msg: &str) -> String {
+    let quoted = msg.split('`').nth(1).or_else(|| msg.split('"').nth(1));
+    let keys: Vec<String> = root
+        .iter()
+        .filter_map(|(section, t)| Some((section, t.as_table()?)))
+        .flat_map(|(section, t)| t.iter().map(move |(k, v)| (format!("{section}.{k}"), v)))
+        .filter(|(_, v)| quoted.is_some_and(|q| v.as_str() == Some(q) || v.to_string() == q))
+        .map(|(k, _)| k)
+        .collect();
+    match keys.as_slice() {
+        [key] => format!("{key}: {msg}; see relax-colocate run --print-config"),
+        _ => msg.to_string(),
+    }
+}
+
 /// The default configuration, overlaid with `file` (if any), then with each `--set`.
 pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, String> {
     let mut root: toml::Table = DEFAULT_TOML.parse().map_err(|e| format!("built-in defaults: {e}"))?;
@@ -176,7 +204,8 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     for s in sets {
         apply_override(&mut root, s)?;
     }
-    let cfg: Config = toml::Value::Table(root).try_into().map_err(|e: toml::de::Error| e.message().to_string())?;
+    let cfg: Config =
+        toml::Value::Table(root.clone()).try_into().map_err(|e: toml::de::Error| with_key(&root, e.message()))?;
     cfg.validate()?;
     Ok(cfg)
 }
@@ -228,6 +257,9 @@ impl Config {
         {
             errors.push(format!("sim.memory: {e}"));
         }
+        if let Err(e) = super::loggers::parse_list(&self.metrics.loggers) {
+            errors.push(e);
+        }
         if let Err(e) = super::profile::preset(&self.memory.profile) {
             errors.push(e);
         }
@@ -270,7 +302,8 @@ mod tests {
         assert_eq!(c.algo.lr, 1.0);
         assert_eq!(c.memory.profile, "qwen3-4b");
         assert!(load(None, &["algo.lrr=1".into()]).unwrap_err().contains("no key"));
-        assert!(load(None, &["algo.kl_type=k9".into()]).is_err());
+        assert!(load(None, &["algo.kl_type=k9".into()]).unwrap_err().starts_with("algo.kl_type: unknown variant"));
+        assert!(load(None, &["metrics.style=mlflow".into()]).unwrap_err().starts_with("metrics.style: "));
         assert!(load(None, &["run.steps=0".into()]).unwrap_err().contains("steps"));
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("c.toml");

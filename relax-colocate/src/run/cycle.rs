@@ -2,10 +2,10 @@
 //! trainer's phases, sleep and the weights hand-over, with the checks and the step's metrics row.
 
 use super::config::AlgoName;
+use super::metrics::{self, mean};
 use super::task::{self, Rng};
 use super::{FailKind, R, Role, Runner, algo, model, report};
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::time::Instant;
 use tms_proto::OpReport;
@@ -345,13 +345,16 @@ impl Runner {
             Vec::new()
         };
         let rewards: Vec<f64> = scored.iter().map(|s| s.0).collect();
-        let (advantages, returns, kl_ref) = self.phase("advantages", |r| {
+        let (advantages, returns, kl_ref, penalized) = self.phase("advantages", |r| {
             let kl_tok: Vec<Vec<f64>> = old_lp
                 .iter()
                 .zip(&ref_lp)
                 .map(|(o, f)| o.iter().zip(f).map(|(a, b)| algo::kl(*a, *b, cfg.algo.kl_type).0).collect())
                 .collect();
             let kl_mean = mean(kl_tok.iter().flatten().copied());
+            // The sequence reward after the KL penalty (verl's critic/rewards): the score for GRPO,
+            // whose KL is in the loss.
+            let mut penalized = rewards.clone();
             let (adv, ret) = match cfg.algo.name {
                 AlgoName::Grpo => {
                     let a = algo::grpo_advantages(&rewards, n, cfg.algo.dr_grpo);
@@ -365,6 +368,7 @@ impl Runner {
                     let mut rets = Vec::new();
                     for i in 0..samples.len() {
                         let tr = algo::ppo_token_rewards(rewards[i], &kl_tok[i], cfg.algo.kl_coef);
+                        penalized[i] = tr.iter().sum();
                         let (a, rt) = algo::gae(&tr, &values[i], cfg.algo.gamma, cfg.algo.lambda);
                         advs.push(a);
                         rets.push(rt);
@@ -375,7 +379,7 @@ impl Runner {
                     (advs, rets)
                 }
             };
-            Ok((adv, ret, kl_mean))
+            Ok((adv, ret, kl_mean, penalized))
         })?;
         let train_samples: Vec<model::TrainSample> = (0..samples.len())
             .map(|i| model::TrainSample {
@@ -397,54 +401,107 @@ impl Runner {
         })?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;
 
-        // Metrics of the step.
-        let t = |k: &str| self.step_times.get(k).copied().unwrap_or(0.0);
-        let train_time = t("ref_log_probs") + t("log_probs") + t("values") + t("advantages") + t("actor_train");
-        let step_time: f64 = self.step_times.values().sum();
-        let mut m: BTreeMap<String, Value> = BTreeMap::new();
-        m.insert("step".into(), json!(self.step));
-        for (k, v) in &self.step_times {
-            m.insert(format!("perf/{k}_time"), json!(v));
-        }
-        m.insert("perf/train_time".into(), json!(train_time));
-        m.insert("perf/train_wait_time".into(), json!(step_time - train_time));
-        m.insert("perf/step_time".into(), json!(step_time));
-        m.insert("perf/wall_step_time".into(), json!(wall.elapsed().as_secs_f64()));
-        m.insert("rollout/reward_mean".into(), json!(mean(rewards.iter().copied())));
-        m.insert("rollout/pass_rate".into(), json!(mean(scored.iter().map(|s| f64::from(u8::from(s.1))))));
-        m.insert("rollout/response_length".into(), json!(mean(samples.iter().map(|s| s.1.len() as f64))));
-        let lp_diff = samples
-            .iter()
-            .zip(&old_lp)
-            .flat_map(|((_, _, r), o)| r.iter().zip(o).map(|(a, b)| (a - b).abs()))
-            .fold(0.0, f64::max);
-        m.insert("rollout/logprob_abs_diff_max".into(), json!(lp_diff));
-        m.insert("train/kl_ref".into(), json!(kl_ref));
-        m.insert("train/entropy_old".into(), json!(mean(entropy.iter().flatten().copied())));
-        if let Some(obj) = train[0].as_object() {
-            for (k, v) in obj {
-                m.insert(format!("train/{k}"), v.clone());
-            }
-        }
-        m.insert(
-            "memory".into(),
-            json!(
-                self.step_memory
-                    .iter()
-                    .filter(|s| s.step == self.step)
-                    .map(|s| (s.phase.clone(), json!({"device_used": s.device_used, "workers": s.workers})))
-                    .collect::<BTreeMap<_, _>>()
-            ),
-        );
-        let _ = writeln!(self.metrics_file, "{}", serde_json::to_string(&m).expect("serializes"));
-        let _ = self.metrics_file.flush();
-        self.progress.step(self.step, self.cfg.run.steps, &m);
+        self.write_metrics(&StepData {
+            wall_s: wall.elapsed().as_secs_f64(),
+            samples: &samples,
+            scored: &scored,
+            old_lp: &old_lp,
+            ref_lp: &ref_lp,
+            entropy: &entropy,
+            advantages: &advantages,
+            returns: &returns,
+            values: &values,
+            penalized: &penalized,
+            kl_ref,
+            train: &train[0],
+        });
         self.steps_completed += 1;
         Ok(())
     }
 }
 
-fn mean(it: impl Iterator<Item = f64>) -> f64 {
-    let (s, n) = it.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-    if n == 0 { 0.0 } else { s / n as f64 }
+/// What one step produced, for its metrics row.
+struct StepData<'a> {
+    wall_s: f64,
+    /// (prompt, response, rollout log-probs) per sample.
+    samples: &'a [(Vec<u32>, Vec<u32>, Vec<f64>)],
+    /// (reward, exact) per sample.
+    scored: &'a [(f64, bool)],
+    old_lp: &'a [Vec<f64>],
+    ref_lp: &'a [Vec<f64>],
+    entropy: &'a [Vec<f64>],
+    advantages: &'a [Vec<f64>],
+    returns: &'a [Vec<f64>],
+    values: &'a [Vec<f64>],
+    penalized: &'a [f64],
+    kl_ref: f64,
+    train: &'a Value,
+}
+
+impl Runner {
+    /// The step's row under slime's names (metrics.rs renames it for verl), written to
+    /// metrics.jsonl, the loggers and the progress line.
+    fn write_metrics(&mut self, d: &StepData) {
+        let mut row = metrics::Row::new(self.step);
+        let t = |k: &str| self.step_times.get(k).copied().unwrap_or(0.0);
+        let train_time = t("ref_log_probs") + t("log_probs") + t("values") + t("advantages") + t("actor_train");
+        let step_time: f64 = self.step_times.values().sum();
+        for (k, v) in &self.step_times {
+            row.set(&metrics::phase_time(k), *v);
+        }
+        // slime: step = train_wait + train, and the share of it spent waiting.
+        row.set("perf/train_time", train_time);
+        row.set("perf/train_wait_time", step_time - train_time);
+        row.set("perf/step_time", step_time);
+        if step_time > 0.0 {
+            row.set("perf/wait_time_ratio", (step_time - train_time) / step_time);
+        }
+        row.set("perf/wall_step_time", d.wall_s);
+
+        let flat = |v: &[Vec<f64>]| mean(v.iter().flatten().copied());
+        row.set("rollout/raw_reward", mean(d.scored.iter().map(|s| s.0)));
+        row.set("rollout/kl_penalized_reward", mean(d.penalized.iter().copied()));
+        let passed: Vec<bool> = d.scored.iter().map(|s| s.1).collect();
+        for (k, v) in metrics::pass_at_k(&passed, self.cfg.rollout.samples_per_prompt) {
+            row.set(&format!("passrate/pass@{k}"), v);
+        }
+        let lengths: Vec<f64> = d.samples.iter().map(|s| s.1.len() as f64).collect();
+        for (stat, v) in metrics::statistics(&lengths) {
+            row.set(&format!("rollout/response_len/{stat}"), v);
+        }
+        let max_new = self.task.max_new_tokens();
+        let truncated =
+            d.samples.iter().map(|s| f64::from(u8::from(s.1.len() >= max_new && s.1.last() != Some(&task::EOS))));
+        row.set("rollout/truncated_ratio", mean(truncated));
+        row.set("rollout/log_probs", flat(d.old_lp));
+        row.set("rollout/ref_log_probs", flat(d.ref_lp));
+        row.set("rollout/rollout_log_probs", mean(d.samples.iter().flat_map(|s| s.2.iter().copied())));
+        row.set("rollout/entropy", flat(d.entropy));
+        row.set("rollout/kl", d.kl_ref);
+        row.set("rollout/advantages", flat(d.advantages));
+        if !d.returns.is_empty() {
+            row.set("rollout/returns", flat(d.returns));
+            row.set("rollout/values", flat(d.values));
+        }
+        let diffs =
+            || d.samples.iter().zip(d.old_lp).flat_map(|((_, _, r), o)| r.iter().zip(o).map(|(a, b)| (a - b).abs()));
+        row.set("train/train_rollout_logprob_abs_diff", mean(diffs()));
+        row.set("rollout/logprob_abs_diff_max", diffs().fold(0.0, f64::max));
+        row.set("train/lr-pg_0", self.cfg.algo.lr);
+        if let Some(obj) = d.train.as_object() {
+            for (k, v) in obj {
+                if let Some(x) = v.as_f64() {
+                    row.set(&metrics::train_metric(k), x);
+                }
+            }
+        }
+        for s in self.step_memory.iter().filter(|s| s.step == self.step) {
+            metrics::add_memory(&mut row, s);
+        }
+        let rendered = row.render(self.cfg.metrics.style);
+        let _ = writeln!(self.metrics_file, "{}", metrics::json_line(&rendered));
+        let _ = self.metrics_file.flush();
+        self.loggers.log(&rendered);
+        self.progress.step(self.step, self.cfg.run.steps, &row);
+    }
 }

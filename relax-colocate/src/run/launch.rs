@@ -251,6 +251,9 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
     let open = |name: &str| std::fs::File::create(run_dir.join(name)).map_err(|e| setup_err(e.to_string()));
     let metrics_file = open("metrics.jsonl")?;
     let memory_file = open("memory.jsonl")?;
+    let kinds = super::loggers::parse_list(&cfg.metrics.loggers).map_err(setup_err)?;
+    let loggers = super::loggers::Loggers::open(&kinds, &run_dir, &cfg.metrics.python, &cfg.metrics.wandb_project)
+        .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     let shm_dir = if shm_dir.is_dir() { shm_dir.to_path_buf() } else { tmp.path().to_path_buf() };
     let shm = tempfile::Builder::new()
         .prefix(&format!("{}{owner}", tmpfiles::BUCKET_PREFIX))
@@ -275,6 +278,9 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         cfg.run.steps,
         run_dir.display()
     ));
+    for line in loggers.describe() {
+        progress.note(&format!("relax-colocate run: {line}"));
+    }
     let mut workers = Vec::new();
     let mut runner_err = None;
     'spawn: for rank in 0..cfg.run.devices {
@@ -307,6 +313,7 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         peak_used: vec![0; cfg.run.devices as usize],
         metrics_file,
         memory_file,
+        loggers,
         shm: shm_path,
         bucket_bytes,
         weights_checksum: None,

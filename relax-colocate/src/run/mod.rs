@@ -13,6 +13,8 @@
 pub mod algo;
 pub mod config;
 pub mod device;
+pub mod loggers;
+pub mod metrics;
 pub mod model;
 pub mod profile;
 pub mod report;
@@ -169,6 +171,8 @@ pub struct Runner {
     /// Per device: the most memory in use at any phase boundary.
     peak_used: Vec<u64>,
     metrics_file: std::fs::File,
+    /// TensorBoard and wandb, when asked for (metrics.loggers).
+    loggers: loggers::Loggers,
     memory_file: std::fs::File,
     shm: PathBuf,
     bucket_bytes: u64,
@@ -218,6 +222,12 @@ pub fn run(opts: &Options) -> u8 {
             return 2;
         }
     };
+    // A missing wandb package is found before anything starts, as the other configuration errors.
+    let kinds = loggers::parse_list(&cfg.metrics.loggers).unwrap_or_default();
+    if let Err(e) = loggers::preflight(&kinds, &cfg.metrics.python) {
+        eprintln!("relax-colocate run: {e}");
+        return 2;
+    }
     signals::install();
     let run_dir = match make_run_dir(&cfg) {
         Ok(d) => d,
@@ -237,6 +247,10 @@ pub fn run(opts: &Options) -> u8 {
     let graceful = result.is_ok();
     runner.stop_workers(graceful);
     runner.progress.finish();
+    runner.loggers.finish();
+    for w in &runner.loggers.warnings {
+        eprintln!("relax-colocate run: {w}");
+    }
     let summary = report::summary(&runner, result.as_ref().err());
     let _ = std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
     let _ = report::write_plots(&runner);

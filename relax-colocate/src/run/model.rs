@@ -205,6 +205,9 @@ pub struct LossMetrics {
     pub loss: f64,
     pub pg_loss: f64,
     pub kl: f64,
+    /// Mean of old − current log-prob over tokens (slime's and verl's ppo_kl).
+    #[serde(default)]
+    pub ppo_kl: f64,
     pub entropy: f64,
     pub value_loss: f64,
     pub clip_frac: f64,
@@ -238,6 +241,7 @@ pub fn loss(policy: &Policy, samples: &[TrainSample], cfg: &LossConfig, mut grad
             m.pg_loss += w * pg.loss;
             m.value_loss += w * vl;
             m.kl += kl;
+            m.ppo_kl += sample.old_logprobs[t] - logp;
             m.entropy += h;
             m.clip_frac += f64::from(u8::from(pg.clipped));
             m.dual_clip_frac += f64::from(u8::from(pg.dual_clipped));
@@ -258,6 +262,7 @@ pub fn loss(policy: &Policy, samples: &[TrainSample], cfg: &LossConfig, mut grad
     }
     let n = m.tokens.max(1) as f64;
     m.kl /= n;
+    m.ppo_kl /= n;
     m.entropy /= n;
     m.clip_frac /= n;
     m.dual_clip_frac /= n;

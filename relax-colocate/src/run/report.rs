@@ -29,20 +29,21 @@ impl Progress {
         }
     }
 
-    pub fn step(&self, step: u64, steps: u64, m: &BTreeMap<String, Value>) {
+    /// `m` is under slime's names whatever the style (it is the row before renaming).
+    pub fn step(&self, step: u64, steps: u64, m: &super::metrics::Row) {
         if self.quiet {
             return;
         }
-        let g = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+        let g = |k: &str| m.get(k).unwrap_or(0.0);
         let width = 24usize;
         let filled = (step as usize * width) / steps.max(1) as usize;
         let line = format!(
             "[{}{}] step {step}/{steps}  reward {:.3}  pass {:.2}  kl {:.4}  step {:.2}s  sleep {:.3}s  update {:.3}s  wake {:.3}s",
             "#".repeat(filled),
             ".".repeat(width - filled),
-            g("rollout/reward_mean"),
-            g("rollout/pass_rate"),
-            g("train/kl_ref"),
+            g("rollout/raw_reward"),
+            g("passrate/pass@1"),
+            g("rollout/kl"),
             g("perf/step_time"),
             g("perf/sleep_time"),
             g("perf/update_weights_time"),
@@ -100,13 +101,14 @@ fn read_lines<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> impl It
         .filter_map(|l| serde_json::from_str(&l.ok()?).ok())
 }
 
-/// Per-step numbers of metrics.jsonl: `keys` series in file order (only those numbers, not the
-/// rows, are held).
+/// Per-step numbers of metrics.jsonl: `keys` (slime's names; read under the run's style) series
+/// in file order (only those numbers, not the rows, are held).
 fn metric_series(r: &Runner, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
+    let style = r.cfg.metrics.style;
     let mut out: BTreeMap<String, Vec<f64>> = keys.iter().map(|k| (k.clone(), Vec::new())).collect();
     for row in read_lines::<Value>(&r.run_dir.join("metrics.jsonl")) {
         for (k, v) in out.iter_mut() {
-            if let Some(x) = row.get(k).and_then(Value::as_f64) {
+            if let Some(x) = row.get(super::metrics::name(style, k)).and_then(Value::as_f64) {
                 v.push(x);
             }
         }
@@ -116,14 +118,14 @@ fn metric_series(r: &Runner, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
 
 pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
     let phase_names: Vec<&str> = STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect();
-    let mut keys: Vec<String> = phase_names.iter().map(|p| format!("perf/{p}_time")).collect();
-    keys.extend(["rollout/reward_mean".to_string(), "rollout/pass_rate".to_string()]);
+    let mut keys: Vec<String> = phase_names.iter().map(|p| super::metrics::phase_time(p)).collect();
+    keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
     let all = metric_series(r, &keys);
     let series = |k: &str| -> Vec<f64> { all.get(k).cloned().unwrap_or_default() };
     let total_step: f64 = series("perf/step_time").iter().sum();
     let mut phases = Vec::new();
     for p in phase_names {
-        let v = series(&format!("perf/{p}_time"));
+        let v = series(&super::metrics::phase_time(p));
         if v.is_empty() {
             continue;
         }
@@ -133,8 +135,8 @@ pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
             "mean_s": sum / v.len() as f64, "share_of_step": if total_step > 0.0 { sum / total_step } else { 0.0 },
         }));
     }
-    let rewards = series("rollout/reward_mean");
-    let pass = series("rollout/pass_rate");
+    let rewards = series("rollout/raw_reward");
+    let pass = series("passrate/pass@1");
     let head = |v: &[f64]| -> f64 {
         let k = v.len().min(3);
         if k == 0 { f64::NAN } else { v[..k].iter().sum::<f64>() / k as f64 }
@@ -196,8 +198,9 @@ pub fn print_table(r: &Runner, summary: &Value) {
             summary["checks"]["passed"]
         );
     }
+    let tensorboard = if r.cfg.metrics.loggers.contains("tensorboard") { ", tensorboard/" } else { "" };
     println!(
-        "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, reward.svg, logs/)",
+        "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, reward.svg, logs/{tensorboard})",
         r.run_dir.display()
     );
 }
@@ -315,11 +318,11 @@ fn merge_spans(spans: Vec<Span>, max: usize) -> Vec<Span> {
 }
 
 pub fn reward_curve(r: &Runner) -> String {
-    let keys = ["step".to_string(), "rollout/reward_mean".to_string(), "rollout/pass_rate".to_string()];
+    let keys = ["step".to_string(), "rollout/raw_reward".to_string(), "passrate/pass@1".to_string()];
     let series = metric_series(r, &keys);
     let get = |k: &str| -> Vec<(f64, f64)> { series["step"].iter().copied().zip(series[k].iter().copied()).collect() };
     plot::svg(&Chart {
-        title: "Reward and pass rate per step".into(),
+        title: "Reward and pass@1 per step".into(),
         width: 800,
         height: 400,
         x: Some(Axis::linear("step", Quantity::Count)),
@@ -327,14 +330,14 @@ pub fn reward_curve(r: &Runner) -> String {
         series: vec![
             Series {
                 name: "reward mean".into(),
-                points: get("rollout/reward_mean"),
+                points: get("rollout/raw_reward"),
                 shape: Shape::Line,
                 color: color(0),
                 width: 2,
             },
             Series {
-                name: "pass rate (exact)".into(),
-                points: get("rollout/pass_rate"),
+                name: "pass@1 (exact)".into(),
+                points: get("passrate/pass@1"),
                 shape: Shape::Line,
                 color: color(2),
                 width: 2,

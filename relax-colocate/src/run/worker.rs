@@ -402,7 +402,7 @@ impl Trainer {
         self.take_snapshot()?;
         let k = updates as f64;
         Ok(json!({
-            "loss": metrics.loss / k, "pg_loss": metrics.pg_loss / k, "kl": metrics.kl / k,
+            "loss": metrics.loss / k, "pg_loss": metrics.pg_loss / k, "kl": metrics.kl / k, "ppo_kl": metrics.ppo_kl / k,
             "entropy": metrics.entropy / k, "value_loss": metrics.value_loss / k,
             "clip_frac": metrics.clip_frac / k, "dual_clip_frac": metrics.dual_clip_frac / k,
             "value_clip_frac": metrics.value_clip_frac / k, "grad_norm": grad_norm / k,
@@ -415,6 +415,7 @@ fn accumulate(into: &mut model::LossMetrics, m: &model::LossMetrics) {
     into.loss += m.loss;
     into.pg_loss += m.pg_loss;
     into.kl += m.kl;
+    into.ppo_kl += m.ppo_kl;
     into.entropy += m.entropy;
     into.value_loss += m.value_loss;
     into.clip_frac += m.clip_frac;
