@@ -30,6 +30,7 @@ fn install_lays_out_the_compatibility_names() {
         "lib/python/tms/__init__.py",
         "lib/python/torch_memory_saver/__init__.py",
         "lib/python/relax_worker.py",
+        "lib/python/tms/worker.py",
         "share/tms/workers/torch_worker.py",
         "share/tms/workers/example_worker.py",
         "lib/debug/libtms_hook.so.debug",

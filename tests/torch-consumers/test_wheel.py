@@ -33,6 +33,13 @@ def test_pip_install_gives_the_whole_replacement(fresh_venv):
     assert lib.stdout.strip().startswith(str(site / "torch_memory_saver_hook_mode_preload")), lib.stdout
     ctl = subprocess.run([str(python.parent / "tms-ctl"), "--help"], capture_output=True, text=True)
     assert ctl.returncode == 0 and "pause" in ctl.stdout, ctl.stdout + ctl.stderr
+    # The worker-protocol client ships in the wheel: an external relax-colocate worker needs
+    # nothing from a checkout.
+    worker = subprocess.run(
+        [str(python), "-c", "from tms import worker; print(worker.__file__, worker.PROTOCOL)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert worker.stdout.startswith(str(site)) and worker.stdout.split()[-1] == "1", worker.stdout
 
 
 UPSTREAM_PROGRAM = """
