@@ -33,6 +33,18 @@ pub struct RunSection {
     pub offload: bool,
     pub trainer_cmd: String,
     pub rollout_cmd: String,
+    pub launcher: Launcher,
+    pub nodes: u32,
+    pub ray_address: String,
+    pub ray_python: String,
+}
+
+/// Who places the workers: child processes of the runner, or Ray (docs/ray.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Launcher {
+    Local,
+    Ray,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -191,6 +203,15 @@ impl Config {
         };
         need(self.run.steps >= 1, "run.steps must be at least 1");
         need((1..=64).contains(&self.run.devices), "run.devices must be 1..64");
+        need((1..=64).contains(&self.run.nodes), "run.nodes must be 1..64");
+        need(
+            self.run.nodes == 1 || self.run.launcher == Launcher::Ray,
+            "run.nodes > 1 needs run.launcher = \"ray\" (--launcher ray)",
+        );
+        need(
+            self.run.launcher == Launcher::Local || !self.run.ray_address.trim().is_empty(),
+            "run.ray_address must be local, auto or a Ray address (host:port)",
+        );
         need(self.run.phase_timeout_s > 0.0, "run.phase_timeout_s must be > 0");
         need((1..=6).contains(&self.task.digits), "task.digits must be 1..6");
         need(self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be at least 1");
@@ -231,10 +252,15 @@ impl Config {
         if let Err(e) = super::profile::preset(&self.memory.profile) {
             errors.push(e);
         }
-        if !self.rollout.prompts_per_step.is_multiple_of(self.run.devices as usize) {
-            errors.push("rollout.prompts_per_step must be a multiple of run.devices".into());
+        if !self.rollout.prompts_per_step.is_multiple_of(self.total_devices()) {
+            errors.push("rollout.prompts_per_step must be a multiple of run.devices x run.nodes".into());
         }
         if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    /// Devices in the whole run: `run.devices` on each of `run.nodes` nodes.
+    pub fn total_devices(&self) -> usize {
+        self.run.devices as usize * self.run.nodes as usize
     }
 
     pub fn to_toml(&self) -> String {

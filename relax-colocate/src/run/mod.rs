@@ -23,6 +23,7 @@ pub mod worker;
 
 mod cycle;
 mod launch;
+mod ray;
 mod sampling;
 mod signals;
 mod sizing;
@@ -113,17 +114,48 @@ impl Role {
     }
 }
 
+/// A worker's process as the runner sees it.
+enum Proc {
+    /// A child of the runner, leading its own process group.
+    Local(Child),
+    /// Started on `node` by the Ray bridge (ray.rs); the bridge writes `exit_file`, naming how the
+    /// process ended, before it closes the worker's connection.
+    Remote { node: String, exit_file: PathBuf },
+}
+
+impl Proc {
+    /// How the process ended, once it has.
+    fn exited(&mut self) -> Option<String> {
+        match self {
+            Proc::Local(c) => c.try_wait().ok().flatten().map(supervise::describe_exit),
+            Proc::Remote { exit_file, .. } => std::fs::read_to_string(exit_file).ok(),
+        }
+    }
+
+    fn node(&self) -> Option<&str> {
+        match self {
+            Proc::Local(_) => None,
+            Proc::Remote { node, .. } => Some(node),
+        }
+    }
+}
+
 struct Worker {
     name: String,
     role: Role,
+    /// Global rank: the device's index in the run (node-major), and the worker's metrics column.
     rank: u32,
-    child: Child,
+    /// The device index on the worker's own node.
+    device: u32,
+    proc: Proc,
     conn: Option<wire::Conn>,
     /// The process that said hello (the one the hook is loaded in; an external command may be a
     /// shell around it).
     pid: u32,
     log: PathBuf,
     control: Option<PathBuf>,
+    /// Launcher ray: the bridge's socket that carries control requests to the worker's own one.
+    control_relay: Option<PathBuf>,
     next_id: u64,
 }
 
@@ -153,6 +185,8 @@ pub struct Runner {
     profile: Profile,
     started: Instant,
     workers: Vec<Worker>,
+    /// Launcher ray: the process that placed the workers and carries their messages.
+    bridge: Option<ray::Bridge>,
     /// Holds the sockets, the control folder and the simulator state; removed on drop.
     _tmp: tempfile::TempDir,
     ctl_dir: PathBuf,

@@ -366,7 +366,7 @@ pub fn memory_timeline(r: &Runner) -> String {
     let mut items: Vec<(String, &str)> = Vec::new();
     // The device total goes underneath, wide and grey, so the per-process lines stay visible where
     // one process is all the device holds.
-    let devices = r.cfg.run.devices as usize;
+    let devices = r.cfg.total_devices();
     let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
     let mut device_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); devices];
     let mut worker_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); names.len()];
