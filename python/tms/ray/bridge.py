@@ -178,6 +178,15 @@ class Agent:
             return b"".join(chunks)
         except (socket.timeout, TimeoutError):
             return b""
+        except OSError as e:
+            # A worker that died under the request resets it: say that, not the socket error.
+            p = self.procs[name]
+            try:
+                p.wait(timeout=2.0)
+                msg = f"{name} {describe_exit(p.returncode)} {self._where(name)}"
+            except subprocess.TimeoutExpired:
+                msg = f"its control socket failed ({e}) {self._where(name)}"
+            return json.dumps({"v": 1, "ok": False, "error": {"code": "internal", "message": msg}}).encode() + b"\n"
         finally:
             s.close()
 
@@ -391,7 +400,9 @@ class Bridge:
             if reply:
                 c.sendall(reply)
         except Exception as e:  # noqa: BLE001 - any failure is a failed request, never the bridge's end
-            msg = f"the Ray relay failed for {w['name']} on {w['node']}: {e}"
+            # Ray's errors carry the remote traceback; its last line says what went wrong.
+            last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            msg = f"the Ray relay failed for {w['name']} on {w['node']}: {last}"
             try:
                 c.sendall(json.dumps({"v": 1, "ok": False, "error": {"code": "internal", "message": msg}}).encode()
                           + b"\n")

@@ -107,6 +107,9 @@ impl Runner {
                 }
                 Err(e) => {
                     let name = self.workers[i].name.clone();
+                    if let Some(cause) = self.remote_exit(i) {
+                        return Err(self.fail(FailKind::Crash, Some(&name), cause));
+                    }
                     return Err(self.fail(FailKind::Worker, Some(&name), format!("{what}: {e}")));
                 }
             }
@@ -196,6 +199,22 @@ impl Runner {
         let targets = self.indices(role);
         let n = targets.len();
         self.call_each(&targets, method, vec![params; n])
+    }
+
+    /// A remote worker whose control request failed may have died under it: its exit, as its node
+    /// reports it (within a few seconds: it comes through the node's agent and the bridge).
+    fn remote_exit(&self, i: usize) -> Option<String> {
+        let Proc::Remote { exit_file, .. } = &self.workers[i].proc else { return None };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Ok(cause) = std::fs::read_to_string(exit_file) {
+                return Some(cause);
+            }
+            if Instant::now() > deadline || interruption().is_some() {
+                return None;
+            }
+            std::thread::sleep(POLL);
+        }
     }
 
     fn exit_cause(&mut self, i: usize) -> Option<String> {
