@@ -167,3 +167,80 @@ fn a_worker_killed_on_one_node_fails_the_run_naming_node_and_worker_and_stops_ev
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
+
+/// The driver of the `tms.ray` test: a local cluster whose node k's Ray workers look for hooked
+/// processes in argv[k+1] (a node's control folder, as each real node has its own), then status,
+/// pause and resume through `tms.ray` from the driver.
+const API_DRIVER: &str = r#"
+import json, os, sys
+import ray
+from ray.cluster_utils import Cluster
+import tms.ray
+
+os.environ["TMS_CONTROL_DIR"] = sys.argv[1]
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+os.environ["TMS_CONTROL_DIR"] = sys.argv[2]
+node1 = cluster.add_node(num_cpus=1)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+try:
+    out = {
+        "status_all": tms.ray.status(timeout=10),
+        "pause": tms.ray.pause(nodes=[node1.node_id], timeout=10),
+        "status_node1": tms.ray.status(nodes=[node1.node_id], timeout=10),
+        "resume": tms.ray.resume(nodes=[node1.node_id], target="trainer-b", timeout=10),
+        "node1": node1.node_id,
+    }
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+print(json.dumps(out))
+"#;
+
+#[test]
+fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_driver() {
+    let Some(py) = ray_python() else { return };
+    let (n0, n1) = (SimNode::new("64MiB"), SimNode::new("64MiB"));
+    let mut a = Served::start_with(&n0, "cuda", &[("TMS_NAME", "trainer-a")]);
+    let mut b = Served::start_with(&n1, "cuda", &[("TMS_NAME", "trainer-b")]);
+    for p in [&mut a, &mut b] {
+        assert_eq!(p.ask("alloc 8"), "rc=0");
+        assert_eq!(p.ask("fill"), "rc=0");
+    }
+    let out = Command::new(py)
+        .args(["-c", API_DRIVER])
+        .arg(n0.control_dir())
+        .arg(n1.control_dir())
+        .env("PYTHONPATH", workspace().root.join("python"))
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let r: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let names = |rows: &Value| -> Vec<String> {
+        let mut v: Vec<String> =
+            rows.as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap_or("").to_string()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&r["status_all"]), ["trainer-a", "trainer-b"], "{r}");
+    // Node 1 only: its process paused its 8 MiB, the other node's untouched.
+    assert_eq!(names(&r["pause"]), ["trainer-b"], "{r}");
+    let paused = &r["pause"][0];
+    assert_eq!(paused["node_id"], r["node1"], "{r}");
+    assert_eq!(paused["pid"], b.pid(), "{r}");
+    assert_eq!(paused["result"]["bytes_done"], 8 * MIB, "{r}");
+    let tags = r["status_node1"][0]["result"]["tags"].as_array().unwrap();
+    assert!(tags.iter().any(|t| t["bytes_paused"] == 8 * MIB), "{r}");
+    assert_eq!(r["resume"][0]["result"]["bytes_done"], 8 * MIB, "{r}");
+    // Resumed with its contents; the other node's process never paused.
+    assert_eq!(b.ask("verify"), "rc=0");
+    assert_eq!(a.ask("verify"), "rc=0");
+    let st = serde_json::to_string(&r["status_all"]).unwrap();
+    assert!(!st.contains("\"error\""), "{r}");
+    a.quit();
+    b.quit();
+}
