@@ -305,6 +305,17 @@ mod tests {
     }
 
     #[test]
+    fn nodes_need_the_ray_launcher_and_devices_count_across_nodes() {
+        let err = load(None, &["run.nodes=2".into()]).unwrap_err();
+        assert!(err.contains("--launcher ray"), "{err}");
+        let c = load(None, &["run.nodes=2".into(), "run.devices=2".into(), "run.launcher=ray".into()]).unwrap();
+        assert_eq!(c.total_devices(), 4);
+        // 32 prompts over 4 devices, not over 3 x 2.
+        let err = load(None, &["run.nodes=3".into(), "run.devices=2".into(), "run.launcher=ray".into()]).unwrap_err();
+        assert!(err.contains("multiple of run.devices x run.nodes"), "{err}");
+    }
+
+    #[test]
     fn effective_config_round_trips() {
         let c = load(None, &["rollout.temperature=0.7".into()]).unwrap();
         let dir = tempfile::tempdir().unwrap();
