@@ -1,7 +1,8 @@
 //! `relax-colocate run --launcher ray` on a throwaway local Ray cluster (`--ray-address local`):
 //! 2 nodes x 2 devices run the same cycle and checks as the local launcher, each node its own
 //! simulated device node; a worker killed on one node mid-run fails the run naming node and
-//! worker, and nothing is left behind (workers, the bridge, the cluster's processes).
+//! worker, and nothing is left behind (workers, the bridge, the cluster's processes), not even
+//! when the runner itself is killed; `tms.ray` pauses and resumes the processes of one node.
 //!
 //! Ray comes from scripts/ray-env.sh (pinned, cached in ~/.cache/tms/ray-venv; installed here when
 //! missing). `TMS_RAY_TESTS=0` skips these tests, and says so, when that environment is absent.
@@ -243,4 +244,23 @@ fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_dr
     assert!(!st.contains("\"error\""), "{r}");
     a.quit();
     b.quit();
+}
+
+#[test]
+fn a_runner_killed_with_sigkill_takes_the_bridge_every_nodes_workers_and_the_cluster_with_it() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"]).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metrics_lines(dir.path()) < 1 {
+        assert!(Instant::now() < deadline, "no step completed in 300s");
+        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!processes_with(MARK, &dir.path().display().to_string()).is_empty());
+    // The bridge reads its standard input until EOF: the runner's death is its signal to stop.
+    runner.kill().unwrap();
+    runner.wait().unwrap();
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
 }
