@@ -264,3 +264,22 @@ fn a_runner_killed_with_sigkill_takes_the_bridge_every_nodes_workers_and_the_clu
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
+
+#[test]
+fn a_worker_that_hangs_on_a_node_times_out_named_with_its_node() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "3", "--phase-timeout", "10"])
+        .env("RELAX_WORKER_FAULT", "generate:2:hang")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("the run's report:\n{err}");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(err.contains("failed at step 2, phase generate"), "{}", text(&out));
+    assert!(err.contains("did not answer generate within 10s"), "{}", text(&out));
+    assert!(err.contains("it runs on node0 (launcher ray)"), "{}", text(&out));
+    assert_eq!(metrics_lines(dir.path()), 1, "step 1's metrics kept");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}

@@ -20,6 +20,7 @@ package.
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,8 +49,10 @@ def describe_exit(code):
 class Agent:
     """One per node: starts that node's workers and relays their lines and control requests."""
 
-    def __init__(self, node, workers):
+    def __init__(self, node, workers, bucket):
         self.node = node
+        self.bucket = bucket
+        self.made = []
         self.workers = {w["name"]: w for w in workers}
         self.procs = {}
         self.conns = {}
@@ -59,9 +62,22 @@ class Agent:
         self.lock = threading.Lock()
 
     def start(self):
+        # The weights cross from trainer to rollout through a host file at one path; each device's
+        # pair is on one node, so a node without the runner's file gets its own at that path.
+        path = self.bucket["path"]
+        if not os.path.exists(path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, self.bucket["bytes"])
+            finally:
+                os.close(fd)
+            self.made.append(path)
         for name, w in self.workers.items():
-            for d in (os.path.dirname(w["node_socket"]), w["ctl_dir"], os.path.dirname(w["log"])):
-                os.makedirs(d, mode=0o700, exist_ok=True)
+            for d in (os.path.dirname(w["node_socket"]), w["ctl_dir"]):
+                if not os.path.isdir(d):
+                    os.makedirs(d, mode=0o700)
+                    self.made.append(d)
+            os.makedirs(os.path.dirname(w["log"]), exist_ok=True)
             try:
                 os.unlink(w["node_socket"])
             except FileNotFoundError:
@@ -218,6 +234,16 @@ class Agent:
                     os.unlink(os.path.join(w["ctl_dir"], f))
                 except OSError:
                     pass
+        # What this agent made on its node (on a local cluster, inside the runner's own folder).
+        for path in reversed(self.made):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        self.made = []
         return {n: describe_exit(p.returncode) for n, p in self.procs.items()}
 
 
@@ -289,7 +315,7 @@ class Bridge:
             ws = [w for w in spec["workers"] if w["node"] == node]
             self.agents[node] = actor.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-                name=f"tms-agent-{spec['run_id']}-{node}").remote(node, ws)
+                name=f"tms-agent-{spec['run_id']}-{node}").remote(node, ws, spec["bucket"])
         started = ray.get([a.start.remote() for a in self.agents.values()], timeout=spec["start_timeout_s"])
         for s in started:
             log(f"{s['node']} on host {s['host']}: workers {s['pids']}")

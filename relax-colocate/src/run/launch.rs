@@ -272,11 +272,12 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
     let metrics_file = open("metrics.jsonl")?;
     let memory_file = open("memory.jsonl")?;
     let shm_dir = if shm_dir.is_dir() { shm_dir.to_path_buf() } else { tmp.path().to_path_buf() };
+    let shm_bytes = fp.transfer.max(4096);
     let shm = tempfile::Builder::new()
         .prefix(&format!("{}{owner}", tmpfiles::BUCKET_PREFIX))
         .tempfile_in(&shm_dir)
         .map_err(|e| setup_err(format!("cannot create the update bucket file in {}: {e}", shm_dir.display())))?;
-    shm.as_file().set_len(fp.transfer.max(4096)).map_err(|e| setup_err(e.to_string()))?;
+    shm.as_file().set_len(shm_bytes).map_err(|e| setup_err(e.to_string()))?;
     let (_, shm_path) = shm.keep().map_err(|e| setup_err(e.to_string()))?;
     let progress = report::Progress::new(opts.quiet || opts.json);
     if !swept.is_empty() {
@@ -299,7 +300,7 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
     let mut bridge = None;
     let mut runner_err = None;
     if cfg.run.launcher == Launcher::Ray {
-        match ray::start_workers(cfg, device, &env, tmp.path(), &run_dir) {
+        match ray::start_workers(cfg, device, &env, tmp.path(), &run_dir, (&shm_path, shm_bytes)) {
             Ok((w, b)) => {
                 workers = w;
                 bridge = Some(b);

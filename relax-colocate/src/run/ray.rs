@@ -105,6 +105,7 @@ pub(super) fn start_workers(
     env: &[(String, String)],
     tmp: &Path,
     run_dir: &Path,
+    bucket: (&Path, u64),
 ) -> R<(Vec<Worker>, Bridge)> {
     let python = ray_python(cfg).map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     let run_dir = std::fs::canonicalize(run_dir).map_err(|e| setup_err(format!("{}: {e}", run_dir.display())))?;
@@ -166,6 +167,7 @@ pub(super) fn start_workers(
         "start_timeout_s": RAY_START.as_secs_f64(),
         "phase_timeout_s": cfg.run.phase_timeout_s,
         "exit_dir": exit_dir,
+        "bucket": {"path": bucket.0, "bytes": bucket.1},
         "workers": specs,
     });
     let spec_path = tmp.join("ray-spec.json");
