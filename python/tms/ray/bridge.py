@@ -59,7 +59,6 @@ class Agent:
         self.queues = {}
         self.pids = {}
         self.listeners = {}
-        self.lock = threading.Lock()
 
     def start(self):
         # The weights cross from trainer to rollout through a host file at one path; each device's
@@ -87,8 +86,8 @@ class Agent:
             lst.listen(1)
             self.listeners[name] = lst
             env = dict(os.environ)
-            # Ray narrows device visibility for its own actors; the agent reserves no device, so
-            # what it would hand down is not the workers' view of the node.
+            # Ray may set device visibility for its actors (empty for one that asks for no GPU, as
+            # the agent does); that is not the workers' view of the node.
             for k in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
                 if env.get(k) == "":
                     env.pop(k)
@@ -227,7 +226,10 @@ class Agent:
                     os.killpg(p.pid, signal.SIGKILL)
                 except OSError:
                     pass
-                p.wait(timeout=5)
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass  # in the kernel (D state): reported as still running
         for w in self.workers.values():
             for f in os.listdir(w["ctl_dir"]) if os.path.isdir(w["ctl_dir"]) else []:
                 try:
