@@ -173,7 +173,7 @@ fn a_worker_killed_on_one_node_fails_the_run_naming_node_and_worker_and_stops_ev
 /// processes in argv[k+1] (a node's control folder, as each real node has its own), then status,
 /// pause and resume through `tms.ray` from the driver.
 const API_DRIVER: &str = r#"
-import json, os, sys
+import json, os, shutil, sys
 import ray
 from ray.cluster_utils import Cluster
 import tms.ray
@@ -193,8 +193,10 @@ try:
         "node1": node1.node_id,
     }
 finally:
+    session = cluster.head_node.get_session_dir_path()
     ray.shutdown()
     cluster.shutdown()
+    shutil.rmtree(session, ignore_errors=True)
 print(json.dumps(out))
 "#;
 

@@ -439,7 +439,7 @@ class Bridge:
         finally:
             c.close()
 
-    def shutdown(self):
+    def shutdown(self, failed):
         import ray
 
         self.stopping.set()
@@ -454,10 +454,18 @@ class Bridge:
         except Exception as e:  # noqa: BLE001
             log(f"ray.shutdown failed: {e}")
         if getattr(self, "cluster", None) is not None:
+            session = None
             try:
+                session = self.cluster.head_node.get_session_dir_path()
                 self.cluster.shutdown()
             except Exception as e:  # noqa: BLE001
                 log(f"shutting the local cluster down failed: {e}")
+            # Ray keeps every session's logs in its temp folder; a throwaway cluster's are kept
+            # only when something failed, to be read.
+            if session and not failed:
+                shutil.rmtree(session, ignore_errors=True)
+            elif session:
+                log(f"Ray's logs of this cluster: {session}")
         log("done")
 
 
@@ -497,7 +505,7 @@ def main():
         log(f"failed: {type(e).__name__}: {e}")
         code = 1
     finally:
-        bridge.shutdown()
+        bridge.shutdown(failed=code != 0)
     return code
 
 
