@@ -1,8 +1,9 @@
 //! `relax-colocate run --launcher ray` on a throwaway local Ray cluster (`--ray-address local`):
 //! 2 nodes x 2 devices run the same cycle and checks as the local launcher, each node its own
-//! simulated device node; a worker killed on one node mid-run fails the run naming node and
-//! worker, and nothing is left behind (workers, the bridge, the cluster's processes), not even
-//! when the runner itself is killed; `tms.ray` pauses and resumes the processes of one node.
+//! simulated device node; a worker killed, hung or losing its node's agent mid-run fails the run
+//! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
+//! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
+//! processes of one node.
 //!
 //! Ray comes from scripts/ray-env.sh (pinned, cached in ~/.cache/tms/ray-venv; installed here when
 //! missing). `TMS_RAY_TESTS=0` skips these tests, and says so, when that environment is absent.
@@ -282,6 +283,44 @@ fn a_worker_that_hangs_on_a_node_times_out_named_with_its_node() {
     assert!(err.contains("did not answer generate within 10s"), "{}", text(&out));
     assert!(err.contains("it runs on node0 (launcher ray)"), "{}", text(&out));
     assert_eq!(metrics_lines(dir.path()), 1, "step 1's metrics kept");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+#[test]
+fn a_nodes_agent_that_dies_fails_the_run_naming_the_node_and_leaves_nothing_behind() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metrics_lines(dir.path()) < 1 {
+        assert!(Instant::now() < deadline, "no step completed in 300s");
+        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Node 1's agent: the Ray worker process whose actor started node 1's workers (their parent).
+    let mark = dir.path().display().to_string();
+    let trainer = processes_with("TMS_NAME", "trainer-1")
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .find(|pid| processes_with(MARK, &mark).iter().any(|(p, _)| p == pid))
+        .expect("node1's trainer");
+    let stat = std::fs::read_to_string(format!("/proc/{trainer}/stat")).unwrap();
+    let ppid: i32 = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().nth(1).unwrap().parse().unwrap();
+    let agent_cmd = std::fs::read_to_string(format!("/proc/{ppid}/cmdline")).unwrap_or_default();
+    assert!(agent_cmd.contains("Agent"), "the trainer's parent is not the agent: {agent_cmd:?}");
+    // SAFETY: signalling the Ray worker process that this test's run started.
+    unsafe { libc::kill(ppid, libc::SIGKILL) };
+    let out = runner.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("the run's report:\n{err}");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(err.contains("node1"), "{}", text(&out));
+    assert!(metrics_lines(dir.path()) >= 1, "partial metrics kept");
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
