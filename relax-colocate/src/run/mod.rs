@@ -6,7 +6,8 @@
 //! memory and speak the worker protocol (wire.rs, docs/worker-protocol.md).
 //!
 //! Here: the run's types, its entry point and how it ends. launch.rs starts it (sizing.rs sizes
-//! the device, tmpfiles.rs names the files outside the run directory), cycle.rs drives the steps,
+//! the device, tmpfiles.rs names the files outside the run directory; ray.rs places the workers
+//! with Ray instead of starting them as children, docs/ray.md), cycle.rs drives the steps,
 //! sampling.rs times phases and samples memory, supervise.rs bounds every wait on a worker and
 //! stops them, signals.rs records Ctrl-C and SIGTERM, report.rs writes what the run shows.
 
