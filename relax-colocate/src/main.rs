@@ -121,9 +121,18 @@ struct RunArgs {
     /// auto, sim, cuda or npu [run.device].
     #[arg(long, value_enum)]
     device: Option<run::config::DeviceChoice>,
-    /// Devices; one trainer and one rollout worker on each [run.devices].
+    /// Devices (per node); one trainer and one rollout worker on each [run.devices].
     #[arg(long)]
     devices: Option<u32>,
+    /// local or ray: who starts the workers [run.launcher].
+    #[arg(long, value_enum)]
+    launcher: Option<run::config::Launcher>,
+    /// Nodes, with --devices devices each (--launcher ray) [run.nodes].
+    #[arg(long)]
+    nodes: Option<u32>,
+    /// local (a throwaway cluster on this machine), auto, or HOST:PORT [run.ray_address].
+    #[arg(long)]
+    ray_address: Option<String>,
     /// Memory shape preset: none, tiny, qwen3-0.6b, qwen3-4b, qwen3-8b [memory.profile].
     #[arg(long)]
     memory_profile: Option<String>,
@@ -224,6 +233,17 @@ impl RunArgs {
             }),
         );
         add("run.devices", self.devices.map(|x| x.to_string()));
+        add(
+            "run.launcher",
+            self.launcher.map(|l| {
+                q(match l {
+                    run::config::Launcher::Local => "local",
+                    run::config::Launcher::Ray => "ray",
+                })
+            }),
+        );
+        add("run.nodes", self.nodes.map(|x| x.to_string()));
+        add("run.ray_address", self.ray_address.as_deref().map(q));
         add("memory.profile", self.memory_profile.as_deref().map(q));
         add("memory.tp", self.tp.map(|x| x.to_string()));
         add("run.offload", self.offload.map(|x| x.to_string()));

@@ -34,6 +34,18 @@ pub struct RunSection {
     pub offload: bool,
     pub trainer_cmd: String,
     pub rollout_cmd: String,
+    pub launcher: Launcher,
+    pub nodes: u32,
+    pub ray_address: String,
+    pub ray_python: String,
+}
+
+/// Who places the workers: child processes of the runner, or Ray (docs/ray.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Launcher {
+    Local,
+    Ray,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -220,6 +232,15 @@ impl Config {
         };
         need(self.run.steps >= 1, "run.steps must be at least 1");
         need((1..=64).contains(&self.run.devices), "run.devices must be 1..64");
+        need((1..=64).contains(&self.run.nodes), "run.nodes must be 1..64");
+        need(
+            self.run.nodes == 1 || self.run.launcher == Launcher::Ray,
+            "run.nodes > 1 needs run.launcher = \"ray\" (--launcher ray)",
+        );
+        need(
+            self.run.launcher == Launcher::Local || !self.run.ray_address.trim().is_empty(),
+            "run.ray_address must be local, auto or a Ray address (host:port)",
+        );
         need(self.run.phase_timeout_s > 0.0, "run.phase_timeout_s must be > 0");
         need((1..=6).contains(&self.task.digits), "task.digits must be 1..6");
         need(self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be at least 1");
@@ -263,10 +284,15 @@ impl Config {
         if let Err(e) = super::profile::preset(&self.memory.profile) {
             errors.push(e);
         }
-        if !self.rollout.prompts_per_step.is_multiple_of(self.run.devices as usize) {
-            errors.push("rollout.prompts_per_step must be a multiple of run.devices".into());
+        if !self.rollout.prompts_per_step.is_multiple_of(self.total_devices()) {
+            errors.push("rollout.prompts_per_step must be a multiple of run.devices x run.nodes".into());
         }
         if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    /// Devices in the whole run: `run.devices` on each of `run.nodes` nodes.
+    pub fn total_devices(&self) -> usize {
+        self.run.devices as usize * self.run.nodes as usize
     }
 
     pub fn to_toml(&self) -> String {
@@ -309,6 +335,17 @@ mod tests {
         let f = dir.path().join("c.toml");
         std::fs::write(&f, "[algo]\nname = \"ppo\"\nbogus = 1\n").unwrap();
         assert!(load(Some(&f), &[]).unwrap_err().contains("algo.bogus"));
+    }
+
+    #[test]
+    fn nodes_need_the_ray_launcher_and_devices_count_across_nodes() {
+        let err = load(None, &["run.nodes=2".into()]).unwrap_err();
+        assert!(err.contains("--launcher ray"), "{err}");
+        let c = load(None, &["run.nodes=2".into(), "run.devices=2".into(), "run.launcher=ray".into()]).unwrap();
+        assert_eq!(c.total_devices(), 4);
+        // 32 prompts over 4 devices, not over 3 x 2.
+        let err = load(None, &["run.nodes=3".into(), "run.devices=2".into(), "run.launcher=ray".into()]).unwrap_err();
+        assert!(err.contains("multiple of run.devices x run.nodes"), "{err}");
     }
 
     #[test]

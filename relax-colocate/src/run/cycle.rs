@@ -142,7 +142,7 @@ impl Runner {
     /// colocated startup.
     pub(super) fn setup(&mut self) -> R<()> {
         let offload = self.cfg.run.offload;
-        let per_device = self.cfg.rollout.prompts_per_step / self.cfg.run.devices as usize;
+        let per_device = self.cfg.rollout.prompts_per_step / self.cfg.total_devices();
         let max_batch = per_device * self.cfg.rollout.samples_per_prompt;
         let rollout_mem = self.profile.rollout.tags.clone();
         let trainer_mem = self.profile.trainer.tags.clone();
@@ -151,7 +151,7 @@ impl Runner {
                 .iter()
                 .map(|&i| {
                     json!({
-                        "api": r.api, "device": r.workers[i].rank, "shape": r.shape, "seed": r.cfg.run.seed,
+                        "api": r.api, "device": r.workers[i].device, "shape": r.shape, "seed": r.cfg.run.seed,
                         "memory": mem, "backup": r.cfg.memory.backup, "max_batch": max_batch,
                         "loss": r.loss_config(), "adam": r.adam(), "step": 0,
                     })
@@ -206,6 +206,10 @@ impl Runner {
 
     fn find_control_sockets(&mut self, role: Role) -> R<()> {
         for i in self.indices(role) {
+            if let Some(relay) = self.workers[i].control_relay.clone() {
+                self.workers[i].control = Some(relay);
+                continue;
+            }
             let pid = self.workers[i].pid;
             let found = tms_proto::list_sockets(&self.ctl_dir).into_iter().find(|s| s.pid == pid);
             match found {

@@ -1,14 +1,14 @@
 //! Starting a run: the run directory, the environment workers get (hook, control folder,
 //! simulator), the temp and shared-memory files, and each worker up to its hello.
 
-use super::config::{self, AlgoName, Config, DeviceChoice};
+use super::config::{self, AlgoName, Config, DeviceChoice, Launcher};
 use super::signals::interruption;
 use super::sizing::{check_host_memory_for_sim, footprint, round_up, sim_context_bytes};
 use super::supervise::{describe_exit, phase_timeout};
 use super::task::{Addition, VOCAB};
 use super::{
-    FailKind, GRANULARITY, MIB, Options, R, Role, RunError, Runner, Worker, model, profile, report, setup_err,
-    tmpfiles, wire,
+    FailKind, GRANULARITY, MIB, Options, Proc, R, Role, RunError, Runner, Worker, model, profile, ray, report,
+    setup_err, tmpfiles, wire,
 };
 use crate::bench::find_hook;
 use crate::runtime::can_load;
@@ -139,7 +139,19 @@ fn spawn_worker(
         ));
     }
     let pid = h["pid"].as_u64().unwrap_or(child.id() as u64) as u32;
-    Ok(Worker { name, role, rank, child, conn: Some(conn), pid, log, control: None, next_id: 0 })
+    Ok(Worker {
+        name,
+        role,
+        rank,
+        device: rank,
+        proc: Proc::Local(child),
+        conn: Some(conn),
+        pid,
+        log,
+        control: None,
+        control_relay: None,
+        next_id: 0,
+    })
 }
 
 pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
@@ -247,6 +259,14 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
             report::human(contexts)
         );
     }
+    if cfg.run.launcher == Launcher::Ray {
+        device_label = format!(
+            "{device_label}; placed by Ray ({}): {} node(s) x {} device(s)",
+            cfg.run.ray_address.trim(),
+            cfg.run.nodes,
+            cfg.run.devices
+        );
+    }
     std::fs::write(run_dir.join("config.toml"), cfg.to_toml()).map_err(|e| setup_err(e.to_string()))?;
     let open = |name: &str| std::fs::File::create(run_dir.join(name)).map_err(|e| setup_err(e.to_string()));
     let metrics_file = open("metrics.jsonl")?;
@@ -255,11 +275,12 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
     let loggers = super::loggers::Loggers::open(&kinds, &run_dir, &cfg.metrics.python, &cfg.metrics.wandb_project)
         .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     let shm_dir = if shm_dir.is_dir() { shm_dir.to_path_buf() } else { tmp.path().to_path_buf() };
+    let shm_bytes = fp.transfer.max(4096);
     let shm = tempfile::Builder::new()
         .prefix(&format!("{}{owner}", tmpfiles::BUCKET_PREFIX))
         .tempfile_in(&shm_dir)
         .map_err(|e| setup_err(format!("cannot create the update bucket file in {}: {e}", shm_dir.display())))?;
-    shm.as_file().set_len(fp.transfer.max(4096)).map_err(|e| setup_err(e.to_string()))?;
+    shm.as_file().set_len(shm_bytes).map_err(|e| setup_err(e.to_string()))?;
     let (_, shm_path) = shm.keep().map_err(|e| setup_err(e.to_string()))?;
     let progress = report::Progress::new(opts.quiet || opts.json);
     if !swept.is_empty() {
@@ -282,14 +303,25 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         progress.note(&format!("relax-colocate run: {line}"));
     }
     let mut workers = Vec::new();
+    let mut bridge = None;
     let mut runner_err = None;
-    'spawn: for rank in 0..cfg.run.devices {
-        for role in [Role::Rollout, Role::Trainer] {
-            match spawn_worker(cfg, role, rank, &env, &sock_dir, &run_dir) {
-                Ok(w) => workers.push(w),
-                Err(e) => {
-                    runner_err = Some(e);
-                    break 'spawn;
+    if cfg.run.launcher == Launcher::Ray {
+        match ray::start_workers(cfg, device, &env, tmp.path(), &run_dir, (&shm_path, shm_bytes)) {
+            Ok((w, b)) => {
+                workers = w;
+                bridge = Some(b);
+            }
+            Err(e) => runner_err = Some(e),
+        }
+    } else {
+        'spawn: for rank in 0..cfg.run.devices {
+            for role in [Role::Rollout, Role::Trainer] {
+                match spawn_worker(cfg, role, rank, &env, &sock_dir, &run_dir) {
+                    Ok(w) => workers.push(w),
+                    Err(e) => {
+                        runner_err = Some(e);
+                        break 'spawn;
+                    }
                 }
             }
         }
@@ -301,6 +333,7 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         profile,
         started: Instant::now(),
         workers,
+        bridge,
         _tmp: tmp,
         ctl_dir,
         run_dir,
@@ -310,7 +343,7 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         step_memory: Vec::new(),
         step_times: BTreeMap::new(),
         steps_completed: 0,
-        peak_used: vec![0; cfg.run.devices as usize],
+        peak_used: vec![0; cfg.total_devices()],
         metrics_file,
         memory_file,
         loggers,

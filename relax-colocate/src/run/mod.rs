@@ -6,7 +6,8 @@
 //! memory and speak the worker protocol (wire.rs, docs/worker-protocol.md).
 //!
 //! Here: the run's types, its entry point and how it ends. launch.rs starts it (sizing.rs sizes
-//! the device, tmpfiles.rs names the files outside the run directory), cycle.rs drives the steps,
+//! the device, tmpfiles.rs names the files outside the run directory; ray.rs places the workers
+//! with Ray instead of starting them as children, docs/ray.md), cycle.rs drives the steps,
 //! sampling.rs times phases and samples memory, supervise.rs bounds every wait on a worker and
 //! stops them, signals.rs records Ctrl-C and SIGTERM, report.rs writes what the run shows.
 
@@ -25,6 +26,7 @@ pub mod worker;
 
 mod cycle;
 mod launch;
+mod ray;
 mod sampling;
 mod signals;
 mod sizing;
@@ -115,17 +117,48 @@ impl Role {
     }
 }
 
+/// A worker's process as the runner sees it.
+enum Proc {
+    /// A child of the runner, leading its own process group.
+    Local(Child),
+    /// Started on `node` by the Ray bridge (ray.rs); the bridge writes `exit_file`, naming how the
+    /// process ended, before it closes the worker's connection.
+    Remote { node: String, exit_file: PathBuf },
+}
+
+impl Proc {
+    /// How the process ended, once it has.
+    fn exited(&mut self) -> Option<String> {
+        match self {
+            Proc::Local(c) => c.try_wait().ok().flatten().map(supervise::describe_exit),
+            Proc::Remote { exit_file, .. } => std::fs::read_to_string(exit_file).ok(),
+        }
+    }
+
+    fn node(&self) -> Option<&str> {
+        match self {
+            Proc::Local(_) => None,
+            Proc::Remote { node, .. } => Some(node),
+        }
+    }
+}
+
 struct Worker {
     name: String,
     role: Role,
+    /// Global rank: the device's index in the run (node-major), and the worker's metrics column.
     rank: u32,
-    child: Child,
+    /// The device index on the worker's own node.
+    device: u32,
+    proc: Proc,
     conn: Option<wire::Conn>,
     /// The process that said hello (the one the hook is loaded in; an external command may be a
     /// shell around it).
     pid: u32,
     log: PathBuf,
     control: Option<PathBuf>,
+    /// Launcher ray: the bridge's socket that carries control requests to the worker's own one.
+    control_relay: Option<PathBuf>,
     next_id: u64,
 }
 
@@ -155,6 +188,8 @@ pub struct Runner {
     profile: Profile,
     started: Instant,
     workers: Vec<Worker>,
+    /// Launcher ray: the process that placed the workers and carries their messages.
+    bridge: Option<ray::Bridge>,
     /// Holds the sockets, the control folder and the simulator state; removed on drop.
     _tmp: tempfile::TempDir,
     ctl_dir: PathBuf,

@@ -247,7 +247,7 @@ pub fn memory_timeline(r: &Runner) -> String {
     if spans.len() > MAX_SAMPLES {
         spans = merge_spans(spans, MAX_SAMPLES);
     }
-    let devices = r.cfg.run.devices;
+    let devices = r.cfg.total_devices();
     let stacked = names
         .iter()
         .zip(per_worker)

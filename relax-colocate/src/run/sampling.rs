@@ -20,7 +20,7 @@ impl Runner {
     }
 
     fn sample_memory(&mut self, start_s: f64) -> R<()> {
-        let devices = self.cfg.run.devices as usize;
+        let devices = self.cfg.total_devices();
         let mut s = MemSample {
             t_s: self.elapsed(),
             start_s,

@@ -25,7 +25,7 @@ fn charged<'a>(sizes: impl IntoIterator<Item = &'a u64>) -> u64 {
 pub(super) fn footprint(cfg: &Config, shape: &model::Shape, profile: &Profile, bucket: u64) -> Footprint {
     let tensors: Vec<u64> = model::layout(shape).iter().map(|(_, n)| *n as u64 * 4).collect();
     let policy = charged(&tensors);
-    let max_batch = (cfg.rollout.prompts_per_step / cfg.run.devices as usize * cfg.rollout.samples_per_prompt) as u64;
+    let max_batch = (cfg.rollout.prompts_per_step / cfg.total_devices() * cfg.rollout.samples_per_prompt) as u64;
     let weight_pads: Vec<u64> =
         profile.rollout.tags.iter().filter(|(t, _)| t == "weights").flat_map(|(_, s)| s).copied().collect();
     let weights_exact = tensors.iter().sum::<u64>() + weight_pads.iter().sum::<u64>();
@@ -60,7 +60,7 @@ pub(super) fn check_host_memory_for_sim(
     per_device_at_scale: impl Fn(f64) -> Option<u64>,
 ) -> Result<(), String> {
     let Some(available) = host_memory_available() else { return Ok(()) };
-    let devices = cfg.run.devices as u64;
+    let devices = cfg.total_devices() as u64;
     let needed = per_device.saturating_mul(devices);
     // Leave room for the processes themselves, backups in flight and the rest of the machine.
     let usable = available / 10 * 8;
@@ -86,7 +86,7 @@ pub(super) fn check_host_memory_for_sim(
          x trainer + rollout) while the host has {} available. Fix: {kv}scale the profile down with \
          --set memory.scale={:.2}{fewer}",
         report::human(needed),
-        cfg.run.devices,
+        devices,
         report::human(available),
         fits.max(0.01),
     ))

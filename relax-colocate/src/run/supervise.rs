@@ -4,7 +4,7 @@
 
 use super::config::Config;
 use super::signals::{interruption, signal_count};
-use super::{FailKind, R, Role, RunError, Runner, wire};
+use super::{FailKind, Proc, R, Role, RunError, Runner, wire};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -39,10 +39,12 @@ impl Runner {
     /// process is doing (a stopped process looks exactly like a hung one from the socket).
     fn timed_out(&self, i: usize, what: &str) -> RunError {
         let w = &self.workers[i];
-        let state = match process_state(w.pid) {
-            Some(s) if s.starts_with("stopped") => format!("; its process is {s}"),
-            Some(s) => format!("; its process is {s}: the worker may be hung"),
-            None => String::new(),
+        // A process on another node cannot be looked at here; its node is what names it.
+        let state = match (w.proc.node(), process_state(w.pid)) {
+            (Some(node), _) => format!("; it runs on {node} (launcher ray)"),
+            (None, Some(s)) if s.starts_with("stopped") => format!("; its process is {s}"),
+            (None, Some(s)) => format!("; its process is {s}: the worker may be hung"),
+            (None, None) => String::new(),
         };
         self.fail(
             FailKind::Timeout,
@@ -105,6 +107,9 @@ impl Runner {
                 }
                 Err(e) => {
                     let name = self.workers[i].name.clone();
+                    if let Some(cause) = self.remote_exit(i) {
+                        return Err(self.fail(FailKind::Crash, Some(&name), cause));
+                    }
                     return Err(self.fail(FailKind::Worker, Some(&name), format!("{what}: {e}")));
                 }
             }
@@ -122,15 +127,12 @@ impl Runner {
             w.next_id += 1;
             let id = w.next_id;
             let msg = json!({"id": id, "method": method, "params": p});
-            let child = &mut w.child;
+            let proc = &mut w.proc;
             let sent = w.conn.as_mut().expect("connected").send_within(&msg, deadline, || {
                 if let Some(why) = interruption() {
                     return Err(why);
                 }
-                match child.try_wait() {
-                    Ok(Some(status)) => Err(describe_exit(status)),
-                    _ => Ok(()),
-                }
+                proc.exited().map_or(Ok(()), Err)
             });
             match sent {
                 Ok(()) => {}
@@ -152,15 +154,12 @@ impl Runner {
         for (&i, id) in targets.iter().zip(ids) {
             let name = self.workers[i].name.clone();
             let w = &mut self.workers[i];
-            let child = &mut w.child;
+            let proc = &mut w.proc;
             let reply = w.conn.as_mut().expect("connected").recv(Some(deadline), || {
                 if let Some(why) = interruption() {
                     return Err(why);
                 }
-                match child.try_wait() {
-                    Ok(Some(status)) => Err(describe_exit(status)),
-                    _ => Ok(()),
-                }
+                proc.exited().map_or(Ok(()), Err)
             });
             let reply = match reply {
                 Ok(v) => v,
@@ -202,12 +201,34 @@ impl Runner {
         self.call_each(&targets, method, vec![params; n])
     }
 
+    /// A remote worker whose control request failed may have died under it: its exit, as its node
+    /// reports it (within a few seconds: it comes through the node's agent and the bridge).
+    fn remote_exit(&self, i: usize) -> Option<String> {
+        let Proc::Remote { exit_file, .. } = &self.workers[i].proc else { return None };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Ok(cause) = std::fs::read_to_string(exit_file) {
+                return Some(cause);
+            }
+            if Instant::now() > deadline || interruption().is_some() {
+                return None;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
     fn exit_cause(&mut self, i: usize) -> Option<String> {
-        self.workers[i].child.try_wait().ok().flatten().map(describe_exit)
+        if let Some(cause) = self.workers[i].proc.exited() {
+            return Some(cause);
+        }
+        // The bridge's end closes every remote worker's connection at once: name it, not them.
+        self.bridge.as_mut().and_then(|b| b.exited())
     }
 
     fn wait_exit_cause(&mut self, i: usize) -> Option<String> {
-        for _ in 0..40 {
+        // A remote worker's end reaches the runner through its node's agent and the bridge.
+        let tries = if self.workers[i].proc.node().is_some() { 100 } else { 40 };
+        for _ in 0..tries {
             if let Some(c) = self.exit_cause(i) {
                 return Some(c);
             }
@@ -222,10 +243,10 @@ impl Runner {
     /// Waits up to `within` for every worker to exit. A signal that comes meanwhile (or a second
     /// one after the signal that ended the run) cuts the wait short: the user wants out now, and
     /// whatever is left gets SIGKILL.
-    fn wait_for_exits(&mut self, within: Duration, signals_before: u32) {
+    fn wait_for_exits(&mut self, within: Duration, signals_before: u32, running: fn(&mut super::Worker) -> bool) {
         let start = Instant::now();
         let mut told = false;
-        while start.elapsed() < within && self.workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
+        while start.elapsed() < within && self.workers.iter_mut().any(running) {
             let signals = signal_count();
             if signals > signals_before || signals >= 2 {
                 return;
@@ -248,28 +269,40 @@ impl Runner {
                     let _ = c.send(&json!({"id": w.next_id, "method": "shutdown", "params": {}}));
                 }
             }
-            self.wait_for_exits(Duration::from_secs(5), signals_before);
+            self.wait_for_exits(Duration::from_secs(5), signals_before, |w| w.proc.exited().is_none());
         }
         for w in &mut self.workers {
-            if matches!(w.child.try_wait(), Ok(None)) {
+            if let Proc::Local(child) = &mut w.proc
+                && matches!(child.try_wait(), Ok(None))
+            {
                 // Each worker leads its own process group, so a shell wrapper's children go too.
                 // A stopped process keeps SIGTERM pending until it continues: SIGCONT lets a
                 // frozen worker end now rather than at the SIGKILL 3 s later.
                 // SAFETY: signalling a process group we created.
                 unsafe {
-                    libc::kill(-(w.child.id() as i32), libc::SIGTERM);
-                    libc::kill(-(w.child.id() as i32), libc::SIGCONT);
+                    libc::kill(-(child.id() as i32), libc::SIGTERM);
+                    libc::kill(-(child.id() as i32), libc::SIGCONT);
                 }
             }
         }
-        self.wait_for_exits(Duration::from_secs(3), signals_before);
+        // Remote workers are the bridge's to stop (below).
+        self.wait_for_exits(Duration::from_secs(3), signals_before, |w| match &mut w.proc {
+            Proc::Local(c) => matches!(c.try_wait(), Ok(None)),
+            Proc::Remote { .. } => false,
+        });
         for w in &mut self.workers {
-            if matches!(w.child.try_wait(), Ok(None)) {
+            if let Proc::Local(child) = &mut w.proc
+                && matches!(child.try_wait(), Ok(None))
+            {
                 // SAFETY: as above.
-                unsafe { libc::kill(-(w.child.id() as i32), libc::SIGKILL) };
-                let _ = w.child.wait();
+                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+                let _ = child.wait();
             }
             w.conn = None;
+        }
+        // The bridge stops every worker on every node (and a local cluster) before it exits.
+        if let Some(b) = self.bridge.as_mut() {
+            b.stop();
         }
         // A killed worker cannot remove its control socket; the folder is ours alone.
         for s in tms_proto::list_sockets(&self.ctl_dir) {

@@ -1,0 +1,326 @@
+//! `relax-colocate run --launcher ray` on a throwaway local Ray cluster (`--ray-address local`):
+//! 2 nodes x 2 devices run the same cycle and checks as the local launcher, each node its own
+//! simulated device node; a worker killed, hung or losing its node's agent mid-run fails the run
+//! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
+//! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
+//! processes of one node.
+//!
+//! Ray comes from scripts/ray-env.sh (pinned, cached in ~/.cache/tms/ray-venv; installed here when
+//! missing). `TMS_RAY_TESTS=0` skips these tests, and says so, when that environment is absent.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+use tms_e2e::*;
+
+/// The marker every process of a test run inherits (the runner, the bridge, Ray's processes and
+/// the workers), so the test can find whatever outlives the run.
+const MARK: &str = "TMS_RAY_TEST_RUN";
+
+/// The Ray environment's Python, or None when it is absent and the user allowed skipping.
+fn ray_python() -> Option<&'static PathBuf> {
+    static PY: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PY.get_or_init(|| {
+        let script = workspace().root.join("scripts/ray-env.sh");
+        let ready = Command::new(&script).arg("--check").status().is_ok_and(|s| s.success());
+        if !ready && std::env::var("TMS_RAY_TESTS").is_ok_and(|v| v == "0") {
+            eprintln!("TMS_RAY_TESTS=0 and no Ray environment (scripts/ray-env.sh): skipping the Ray launcher tests");
+            return None;
+        }
+        let out =
+            Command::new(&script).stderr(std::process::Stdio::inherit()).output().expect("run scripts/ray-env.sh");
+        assert!(
+            out.status.success(),
+            "scripts/ray-env.sh could not prepare Ray (see above); TMS_RAY_TESTS=0 skips these tests"
+        );
+        Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
+    })
+    .as_ref()
+}
+
+fn ray_run(python: &Path, out: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(workspace().bin("relax-colocate"));
+    c.current_dir(&workspace().root)
+        .args(["run", "--device", "sim", "--quiet", "--launcher", "ray", "--ray-address", "local", "--out"])
+        .arg(out)
+        .args(["--set", &format!("run.ray_python={}", python.display())])
+        .args(args)
+        .env(MARK, out)
+        .env_remove("LD_PRELOAD")
+        .env_remove("RELAX_WORKER_FAULT");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// Live processes whose environment holds `key=value` (zombies are gone for every purpose here).
+fn processes_with(key: &str, value: &str) -> Vec<(u32, String)> {
+    let needle = format!("{key}={value}");
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if pid == std::process::id() {
+            continue;
+        }
+        if let Ok(env) = std::fs::read(e.path().join("environ"))
+            && env.split(|b| *b == 0).any(|v| v == needle.as_bytes())
+        {
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            if !stat.contains(") Z ") {
+                let cmd = std::fs::read_to_string(e.path().join("cmdline")).unwrap_or_default().replace('\0', " ");
+                found.push((pid, cmd));
+            }
+        }
+    }
+    found
+}
+
+/// Waits (bounded) for every process of the run in `dir` to be gone; returns those left.
+fn left_behind(dir: &Path) -> Vec<(u32, String)> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = processes_with(MARK, &dir.display().to_string());
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn metrics_lines(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0)
+}
+
+#[test]
+fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_checks() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    let out = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "2", "--steps", "2"]).output().unwrap();
+    eprintln!("2 nodes x 2 devices, 2 steps: {:.1}s", t0.elapsed().as_secs_f64());
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(metrics_lines(dir.path()), 2);
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok", "{summary}");
+    assert!(summary["checks"]["passed"].as_u64().unwrap() > 0, "{summary}");
+    // Four devices, each with its own memory: the nodes' simulated devices are not shared.
+    let mem = std::fs::read_to_string(dir.path().join("memory.jsonl")).unwrap();
+    let last: Value = serde_json::from_str(mem.lines().last().unwrap()).unwrap();
+    let used: Vec<u64> = last["device_used"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(used.len(), 4, "{last}");
+    assert!(used.iter().all(|&u| u > 0), "every device holds its pair's memory: {last}");
+    for rank in 0..4 {
+        for role in ["trainer", "rollout"] {
+            assert!(last["workers"].get(format!("{role}-{rank}")).is_some(), "no {role}-{rank} in {last}");
+        }
+    }
+    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
+    for node in ["node0", "node1"] {
+        assert!(bridge.contains(&format!("{node} on host")), "{node} not started:\n{bridge}");
+    }
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+#[test]
+fn a_worker_killed_on_one_node_fails_the_run_naming_node_and_worker_and_stops_every_node() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once a step has completed, every worker is past its start: kill node1's trainer.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metrics_lines(dir.path()) < 1 {
+        assert!(Instant::now() < deadline, "no step completed in 300s");
+        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let victims: Vec<u32> = processes_with("TMS_NAME", "trainer-1")
+        .into_iter()
+        .filter(|(pid, _)| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let mark = format!("{MARK}={}", dir.path().display());
+            env.split(|b| *b == 0).any(|v| v == mark.as_bytes())
+        })
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(victims.len(), 1, "node1's trainer: {victims:?}");
+    // SAFETY: signalling a worker process this test's run started.
+    unsafe { libc::kill(victims[0] as i32, libc::SIGKILL) };
+    let out = runner.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("the run's report:\n{err}");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(err.contains("worker trainer-1"), "{}", text(&out));
+    assert!(err.contains("on node1"), "{}", text(&out));
+    assert!(err.contains("signal 9"), "{}", text(&out));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["failure"]["worker"], "trainer-1", "{summary}");
+    assert!(metrics_lines(dir.path()) >= 1, "partial metrics kept");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+/// The driver of the `tms.ray` test: a local cluster whose node k's Ray workers look for hooked
+/// processes in argv[k+1] (a node's control folder, as each real node has its own), then status,
+/// pause and resume through `tms.ray` from the driver.
+const API_DRIVER: &str = r#"
+import json, os, shutil, sys
+import ray
+from ray.cluster_utils import Cluster
+import tms.ray
+
+os.environ["TMS_CONTROL_DIR"] = sys.argv[1]
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+os.environ["TMS_CONTROL_DIR"] = sys.argv[2]
+node1 = cluster.add_node(num_cpus=1)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+try:
+    out = {
+        "status_all": tms.ray.status(timeout=10),
+        "pause": tms.ray.pause(nodes=[node1.node_id], timeout=10),
+        "status_node1": tms.ray.status(nodes=[node1.node_id], timeout=10),
+        "resume": tms.ray.resume(nodes=[node1.node_id], target="trainer-b", timeout=10),
+        "node1": node1.node_id,
+    }
+finally:
+    session = cluster.head_node.get_session_dir_path()
+    ray.shutdown()
+    cluster.shutdown()
+    shutil.rmtree(session, ignore_errors=True)
+print(json.dumps(out))
+"#;
+
+#[test]
+fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_driver() {
+    let Some(py) = ray_python() else { return };
+    let (n0, n1) = (SimNode::new("64MiB"), SimNode::new("64MiB"));
+    let mut a = Served::start_with(&n0, "cuda", &[("TMS_NAME", "trainer-a")]);
+    let mut b = Served::start_with(&n1, "cuda", &[("TMS_NAME", "trainer-b")]);
+    for p in [&mut a, &mut b] {
+        assert_eq!(p.ask("alloc 8"), "rc=0");
+        assert_eq!(p.ask("fill"), "rc=0");
+    }
+    let out = Command::new(py)
+        .args(["-c", API_DRIVER])
+        .arg(n0.control_dir())
+        .arg(n1.control_dir())
+        .env("PYTHONPATH", workspace().root.join("python"))
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let r: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let names = |rows: &Value| -> Vec<String> {
+        let mut v: Vec<String> =
+            rows.as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap_or("").to_string()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&r["status_all"]), ["trainer-a", "trainer-b"], "{r}");
+    // Node 1 only: its process paused its 8 MiB, the other node's untouched.
+    assert_eq!(names(&r["pause"]), ["trainer-b"], "{r}");
+    let paused = &r["pause"][0];
+    assert_eq!(paused["node_id"], r["node1"], "{r}");
+    assert_eq!(paused["pid"], b.pid(), "{r}");
+    assert_eq!(paused["result"]["bytes_done"], 8 * MIB, "{r}");
+    let tags = r["status_node1"][0]["result"]["tags"].as_array().unwrap();
+    assert!(tags.iter().any(|t| t["bytes_paused"] == 8 * MIB), "{r}");
+    assert_eq!(r["resume"][0]["result"]["bytes_done"], 8 * MIB, "{r}");
+    // Resumed with its contents; the other node's process never paused.
+    assert_eq!(b.ask("verify"), "rc=0");
+    assert_eq!(a.ask("verify"), "rc=0");
+    let st = serde_json::to_string(&r["status_all"]).unwrap();
+    assert!(!st.contains("\"error\""), "{r}");
+    a.quit();
+    b.quit();
+}
+
+#[test]
+fn a_runner_killed_with_sigkill_takes_the_bridge_every_nodes_workers_and_the_cluster_with_it() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"]).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metrics_lines(dir.path()) < 1 {
+        assert!(Instant::now() < deadline, "no step completed in 300s");
+        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!processes_with(MARK, &dir.path().display().to_string()).is_empty());
+    // The bridge reads its standard input until EOF: the runner's death is its signal to stop.
+    runner.kill().unwrap();
+    runner.wait().unwrap();
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+#[test]
+fn a_worker_that_hangs_on_a_node_times_out_named_with_its_node() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "3", "--phase-timeout", "10"])
+        .env("RELAX_WORKER_FAULT", "generate:2:hang")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("the run's report:\n{err}");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(err.contains("failed at step 2, phase generate"), "{}", text(&out));
+    assert!(err.contains("did not answer generate within 10s"), "{}", text(&out));
+    assert!(err.contains("it runs on node0 (launcher ray)"), "{}", text(&out));
+    assert_eq!(metrics_lines(dir.path()), 1, "step 1's metrics kept");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+#[test]
+fn a_nodes_agent_that_dies_fails_the_run_naming_the_node_and_leaves_nothing_behind() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metrics_lines(dir.path()) < 1 {
+        assert!(Instant::now() < deadline, "no step completed in 300s");
+        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Node 1's agent: the Ray worker process whose actor started node 1's workers (their parent).
+    let mark = dir.path().display().to_string();
+    let trainer = processes_with("TMS_NAME", "trainer-1")
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .find(|pid| processes_with(MARK, &mark).iter().any(|(p, _)| p == pid))
+        .expect("node1's trainer");
+    let stat = std::fs::read_to_string(format!("/proc/{trainer}/stat")).unwrap();
+    let ppid: i32 = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().nth(1).unwrap().parse().unwrap();
+    let agent_cmd = std::fs::read_to_string(format!("/proc/{ppid}/cmdline")).unwrap_or_default();
+    assert!(agent_cmd.contains("Agent"), "the trainer's parent is not the agent: {agent_cmd:?}");
+    // SAFETY: signalling the Ray worker process that this test's run started.
+    unsafe { libc::kill(ppid, libc::SIGKILL) };
+    let out = runner.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("the run's report:\n{err}");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(err.contains("node1"), "{}", text(&out));
+    assert!(metrics_lines(dir.path()) >= 1, "partial metrics kept");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
