@@ -16,33 +16,5 @@ case "${1:-}" in
 esac
 req="$root/scripts/ray-requirements.txt"
 venv="${TMS_RAY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tms/ray-venv}"
-stamp="$venv/.tms-requirements"
-py="$venv/bin/python"
-
-ready() { [ -x "$py" ] && [ -f "$stamp" ] && cmp -s "$req" "$stamp"; }
-
-if [ "$check" = 1 ]; then
-  ready && exit 0 || exit 1
-fi
-
-mkdir -p "$(dirname "$venv")"
-# One installer at a time (test binaries run in parallel); the others wait and reuse its work.
-exec 9>"$venv.lock"
-flock 9
-if ! ready; then
-  command -v python3 >/dev/null || { echo "ray-env: python3 is required" >&2; exit 1; }
-  if [ ! -x "$py" ]; then
-    echo "ray-env: creating $venv" >&2
-    python3 -m venv "$venv" >&2 || {
-      echo "ray-env: python3 -m venv failed; install the venv module (Debian: apt-get install python3-venv)" >&2
-      exit 1
-    }
-  fi
-  echo "ray-env: installing $(grep -cv '^#' "$req") pinned package(s) into $venv" >&2
-  "$py" -m pip install --disable-pip-version-check --progress-bar off -q -r "$req" >&2 || {
-    echo "ray-env: pip install failed (is the package index reachable?)" >&2
-    exit 1
-  }
-  cp "$req" "$stamp"
-fi
-echo "$py"
+. "$root/scripts/pinned-venv.sh"
+pinned_venv ray-env "$req" "$venv" "$check" " (about 250 MB the first time)" ""

@@ -30,33 +30,6 @@ case "$cuda" in
   12) req="$root/tests/torch-consumers/requirements-cu12.txt"; venv="${TMS_TORCH12_VENV:-$cache/torch-venv-cu12}" ;;
   *) echo "torch-env: --cuda takes 12 or 13, not '$cuda'" >&2; exit 2 ;;
 esac
-stamp="$venv/.tms-requirements"
-py="$venv/bin/python"
-
-ready() { [ -x "$py" ] && [ -f "$stamp" ] && cmp -s "$req" "$stamp"; }
-
-if [ "$check" = 1 ]; then
-  ready && exit 0 || exit 1
-fi
-
-mkdir -p "$(dirname "$venv")"
-# One installer at a time (test binaries run in parallel); the others wait and reuse its work.
-exec 9>"$venv.lock"
-flock 9
-if ! ready; then
-  command -v python3 >/dev/null || { echo "torch-env: python3 is required" >&2; exit 1; }
-  if [ ! -x "$py" ]; then
-    echo "torch-env: creating $venv" >&2
-    python3 -m venv "$venv" >&2 || {
-      echo "torch-env: python3 -m venv failed; install the venv module (Debian: apt-get install python3-venv)" >&2
-      exit 1
-    }
-  fi
-  echo "torch-env: installing $(grep -cv '^#' "$req") pinned packages into $venv (about 3 GB the first time)" >&2
-  "$py" -m pip install --disable-pip-version-check --progress-bar off -q -r "$req" >&2 || {
-    echo "torch-env: pip install failed (is the package index reachable?). Set TMS_TORCH_TESTS=0 to skip the real-consumer tests." >&2
-    exit 1
-  }
-  cp "$req" "$stamp"
-fi
-echo "$py"
+. "$root/scripts/pinned-venv.sh"
+pinned_venv torch-env "$req" "$venv" "$check" " (about 3 GB the first time)" \
+  " Set TMS_TORCH_TESTS=0 to skip the real-consumer tests."

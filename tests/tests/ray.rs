@@ -95,6 +95,22 @@ fn metrics_lines(dir: &Path) -> usize {
     std::fs::read_to_string(dir.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0)
 }
 
+/// A 2-node, 1000-step run, returned once its first step is done (every worker past its start).
+fn long_run_past_its_first_step(py: &Path, dir: &Path, capture: bool) -> std::process::Child {
+    let mut cmd = ray_run(py, dir, &["--nodes", "2", "--devices", "1", "--steps", "1000"]);
+    if capture {
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    }
+    let mut runner = cmd.spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metrics_lines(dir) < 1 {
+        assert!(Instant::now() < deadline, "no step completed in 300s");
+        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    runner
+}
+
 #[test]
 fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_checks() {
     let Some(py) = ray_python() else { return };
@@ -131,18 +147,8 @@ fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_ch
 fn a_worker_killed_on_one_node_fails_the_run_naming_node_and_worker_and_stops_every_node() {
     let Some(py) = ray_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
     // Once a step has completed, every worker is past its start: kill node1's trainer.
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while metrics_lines(dir.path()) < 1 {
-        assert!(Instant::now() < deadline, "no step completed in 300s");
-        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let runner = long_run_past_its_first_step(py, dir.path(), true);
     let victims: Vec<u32> = processes_with("TMS_NAME", "trainer-1")
         .into_iter()
         .filter(|(pid, _)| {
@@ -253,13 +259,7 @@ fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_dr
 fn a_runner_killed_with_sigkill_takes_the_bridge_every_nodes_workers_and_the_cluster_with_it() {
     let Some(py) = ray_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"]).spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while metrics_lines(dir.path()) < 1 {
-        assert!(Instant::now() < deadline, "no step completed in 300s");
-        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let mut runner = long_run_past_its_first_step(py, dir.path(), false);
     assert!(!processes_with(MARK, &dir.path().display().to_string()).is_empty());
     // The bridge reads its standard input until EOF: the runner's death is its signal to stop.
     runner.kill().unwrap();
@@ -291,17 +291,7 @@ fn a_worker_that_hangs_on_a_node_times_out_named_with_its_node() {
 fn a_nodes_agent_that_dies_fails_the_run_naming_the_node_and_leaves_nothing_behind() {
     let Some(py) = ray_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let mut runner = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "1000"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while metrics_lines(dir.path()) < 1 {
-        assert!(Instant::now() < deadline, "no step completed in 300s");
-        assert!(runner.try_wait().unwrap().is_none(), "the run ended early");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let runner = long_run_past_its_first_step(py, dir.path(), true);
     // Node 1's agent: the Ray worker process whose actor started node 1's workers (their parent).
     let mark = dir.path().display().to_string();
     let trainer = processes_with("TMS_NAME", "trainer-1")
