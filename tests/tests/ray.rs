@@ -139,6 +139,26 @@ fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_ch
     for node in ["node0", "node1"] {
         assert!(bridge.contains(&format!("{node} on host")), "{node} not started:\n{bridge}");
     }
+    // Every worker opens the device Ray gave its bundle: on the simulator, the node's device
+    // numbered by Ray's id (each node of the local cluster numbers its 2 GPUs 0 and 1).
+    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
+    let placed: Value = serde_json::from_str(placed).unwrap();
+    for node in 0..2u64 {
+        let mut ids = Vec::new();
+        for rank in [2 * node, 2 * node + 1] {
+            let (t, r) = (&placed[format!("trainer-{rank}")], &placed[format!("rollout-{rank}")]);
+            assert_eq!(t["node"], format!("node{node}"), "{placed}");
+            assert_eq!(
+                (&t["accelerator_id"], &t["device"]),
+                (&r["accelerator_id"], &r["device"]),
+                "one device per pair"
+            );
+            assert_eq!(t["device"].to_string(), t["accelerator_id"].as_str().unwrap(), "{placed}");
+            ids.push(t["device"].as_u64().unwrap());
+        }
+        ids.sort();
+        assert_eq!(ids, [0, 1], "node{node}'s two devices: {placed}");
+    }
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }

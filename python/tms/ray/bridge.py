@@ -275,6 +275,32 @@ def connect(spec):
     return cluster
 
 
+def device_view(resource, accelerator_id, simulated, environ):
+    """The device a worker opens, and the variables it needs, from the id Ray gave its device's
+    bundle. Ray makes only that device visible (CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES)
+    to what runs in the bundle, unless the cluster asks it not to (RAY_EXPERIMENTAL_NOSET_...,
+    as Ascend users often set); the workers are started by the node's agent, so they are told
+    here as Ray would tell an actor: device 0 of one visible device, or the id itself when
+    visibility is left alone. The simulator numbers each node's devices from 0 and has no
+    visibility variables: its device is the id."""
+    accelerator_id = int(accelerator_id)
+    if simulated:
+        return accelerator_id, {}
+    var = "CUDA_VISIBLE_DEVICES" if resource == "GPU" else "ASCEND_RT_VISIBLE_DEVICES"
+    if environ.get("RAY_EXPERIMENTAL_NOSET_" + var, "") not in ("", "0"):
+        return accelerator_id, {}
+    return 0, {var: str(accelerator_id)}
+
+
+class Slot:
+    """Holds one device bundle for the run and says which device Ray gave it."""
+
+    def ids(self):
+        import ray
+
+        return ray.get_runtime_context().get_accelerator_ids()
+
+
 def place(spec):
     """A placement group of one bundle per device; returns the node id for each run node."""
     import ray
@@ -293,7 +319,30 @@ def place(spec):
     if shape != [devices] * nodes:
         raise RuntimeError(f"Ray placed the {nodes * devices} device bundles as {shape} per node, not "
                            f"{devices} on each of {nodes} nodes: give every node exactly {devices} {spec['resource']}")
-    return pg, list(by_node)
+    return pg, by_node
+
+
+def accelerator_ids(spec, pg, by_node):
+    """The id Ray assigned to every bundle, in node order: {node_id: [id of its 1st device, ...]}.
+    The slot actors that ask stay up for the run, holding the devices."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resource = spec["resource"]
+    need = {"num_gpus": 1} if resource == "GPU" else {"resources": {resource: 1}}
+    slot = ray.remote(num_cpus=0, **need)(Slot)
+    slots = {b: slot.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=b)).remote() for bs in by_node.values() for b in bs}
+    got = dict(zip(slots, ray.get([s.ids.remote() for s in slots.values()], timeout=spec["start_timeout_s"])))
+    ids = {}
+    for node_id, bundles in by_node.items():
+        ids[node_id] = []
+        for b in sorted(bundles):
+            mine = got[b].get(resource) or []
+            if len(mine) != 1:
+                raise RuntimeError(f"Ray gave bundle {b} the {resource} ids {mine}, not one")
+            ids[node_id].append(mine[0])
+    return slots, ids
 
 
 class Bridge:
@@ -310,7 +359,22 @@ class Bridge:
         t0 = time.monotonic()
         self.cluster = connect(spec)
         log(f"connected to Ray in {time.monotonic() - t0:.1f}s")
-        self.pg, node_ids = place(spec)
+        self.pg, by_node = place(spec)
+        node_ids = list(by_node)
+        self.slots, ids = accelerator_ids(spec, self.pg, by_node)
+        placement = {}
+        for w in spec["workers"]:
+            k = int(w["node"][len("node"):])
+            accelerator_id = ids[node_ids[k]][w["device"]]
+            device, env = device_view(spec["resource"], accelerator_id, spec["simulated"], os.environ)
+            w["env"].update(env)
+            w["env"]["RELAX_DEVICE"] = str(device)
+            placement[w["name"]] = {"node": w["node"], "device": device, "accelerator_id": str(accelerator_id),
+                                    "visible": env}
+        with open(spec["placement_file"] + ".tmp", "w") as f:
+            json.dump(placement, f)
+        os.replace(spec["placement_file"] + ".tmp", spec["placement_file"])
+        log(f"devices from Ray: {json.dumps(placement)}")
         actor = ray.remote(num_cpus=0, max_concurrency=1000)(Agent)
         for k, node_id in enumerate(node_ids):
             node = f"node{k}"
@@ -488,9 +552,13 @@ def main():
     def watch_stdin():
         # The runner holds our stdin open for as long as it wants the workers: EOF (its close, or
         # its death) is the end.
+        # os.read, not sys.stdin: a daemon thread blocked inside the buffered reader holds its lock,
+        # and the interpreter aborts (SIGABRT) when it finalizes on the way out of a failed run.
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(0, 4096):
                 pass
+        except OSError:
+            pass
         finally:
             done.set()
 

@@ -150,7 +150,7 @@ pub(super) fn start_workers(
                 }
                 let log = run_dir.join("logs").join(format!("{name}.log"));
                 specs.push(json!({
-                    "name": name, "node": format!("node{node}"), "argv": argv, "env": wenv,
+                    "name": name, "node": format!("node{node}"), "device": local, "argv": argv, "env": wenv,
                     "log": log, "node_socket": node_sock, "ctl_dir": ctl_dir,
                     "runner_socket": sock, "control_socket": sock_dir.join(format!("{name}.ctl")),
                 }));
@@ -163,6 +163,8 @@ pub(super) fn start_workers(
         "nodes": cfg.run.nodes,
         "devices": cfg.run.devices,
         "resource": if device == DeviceChoice::Npu { "NPU" } else { "GPU" },
+        "simulated": device == DeviceChoice::Sim,
+        "placement_file": tmp.join("placement.json"),
         "run_id": tmp.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
         "start_timeout_s": RAY_START.as_secs_f64(),
         "phase_timeout_s": cfg.run.phase_timeout_s,
@@ -188,7 +190,7 @@ pub(super) fn start_workers(
     let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {}: {e}", python.display())))?;
     let stdin = child.stdin.take();
     let mut bridge = Bridge { child, stdin, log };
-    match accept_all(cfg, &mut bridge, listeners, &exit_dir, &sock_dir) {
+    match accept_all(cfg, &mut bridge, listeners, &exit_dir, &sock_dir, &tmp.join("placement.json")) {
         Ok(workers) => Ok((workers, bridge)),
         Err(e) => {
             bridge.stop();
@@ -205,6 +207,7 @@ fn accept_all(
     listeners: Vec<Pending>,
     exit_dir: &Path,
     sock_dir: &Path,
+    placement_file: &Path,
 ) -> R<Vec<Worker>> {
     let limit = RAY_START + phase_timeout(cfg);
     let deadline = Instant::now() + limit;
@@ -265,6 +268,13 @@ fn accept_all(
             ));
         }
         let pid = h["pid"].as_u64().unwrap_or(0) as u32;
+        // The device Ray gave this worker's bundle, as the worker sees it (the bridge writes the
+        // placement before it lets any worker say hello).
+        let placement: Value =
+            std::fs::read(placement_file).ok().and_then(|b| serde_json::from_slice(&b).ok()).ok_or_else(|| {
+                start_err(FailKind::Setup, None, format!("the bridge wrote no {}", placement_file.display()))
+            })?;
+        let device = placement[&name]["device"].as_u64().map_or(device, |d| d as u32);
         workers.push(Worker {
             control_relay: Some(sock_dir.join(format!("{name}.ctl"))),
             name,
