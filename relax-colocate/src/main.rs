@@ -35,7 +35,8 @@ enum Command {
     #[command(after_long_help = RUN_HELP)]
     Run(Box<RunArgs>),
     /// Measure interception, region allocation, pause/resume (bytes and counts, with and without
-    /// backup) against the raw pinned copy, and host memory; print tables, write JSON and SVG.
+    /// backup) against the raw pinned copy, and host memory, through CUDA or ACL (Ascend); print
+    /// tables, write JSON and SVG.
     Bench {
         /// Where to run: the real CUDA driver, an Ascend NPU through ACL (CANN), the simulator,
         /// or auto (CUDA if present, else an NPU if CANN is, else the simulator).

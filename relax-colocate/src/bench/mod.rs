@@ -555,3 +555,27 @@ pub fn worker_main(args: &[String]) -> Result<Value, String> {
         other => Err(format!("bench-worker: unknown scenario {other:?}")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_simulator_takes_either_api_and_real_devices_only_their_own() {
+        assert_eq!(resolve(DeviceKind::Sim, None), Ok((DeviceKind::Sim, ApiKind::Cuda)));
+        assert_eq!(resolve(DeviceKind::Sim, Some(ApiKind::Acl)), Ok((DeviceKind::Sim, ApiKind::Acl)));
+        let wrong = resolve(DeviceKind::Cuda, Some(ApiKind::Acl)).unwrap_err();
+        assert!(wrong.contains("--device npu"), "{wrong}");
+        let wrong = resolve(DeviceKind::Npu, Some(ApiKind::Cuda)).unwrap_err();
+        assert!(wrong.contains("--device cuda"), "{wrong}");
+    }
+
+    #[test]
+    fn workers_are_told_their_api_first() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let e = worker_main(&args(&["passthrough", "10"])).unwrap_err();
+        assert!(e.contains("cuda or acl"), "{e}");
+        let e = worker_main(&args(&["acl", "nothing"])).unwrap_err();
+        assert!(e.contains("unknown scenario"), "{e}");
+    }
+}
