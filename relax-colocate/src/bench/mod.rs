@@ -237,8 +237,28 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
 
     step(1, "interception overhead (direct vs through the hook)");
     let iters = if q { 200_000 } else { 2_000_000 };
-    let direct = env.worker(false, "passthrough", &[iters.to_string()])?;
-    let hooked = env.worker(true, "passthrough", &[iters.to_string()])?;
+    let (direct, hooked) = match api {
+        ApiKind::Cuda => (
+            env.worker(false, "passthrough", &[iters.to_string()])?,
+            env.worker(true, "passthrough", &[iters.to_string()])?,
+        ),
+        // ACL's figure is the difference of two allocator pairs of microseconds each, taken in
+        // two processes: alternating three rounds and keeping each side's fastest keeps a slow
+        // moment of the machine from landing on one side only.
+        ApiKind::Acl => {
+            let mut best: [Option<Value>; 2] = [None, None];
+            for _ in 0..3 {
+                for (side, hooked) in [(0, false), (1, true)] {
+                    let v = env.worker(hooked, "passthrough", &[iters.to_string()])?;
+                    if best[side].as_ref().is_none_or(|b| f(&v, "malloc_free_pair_ns") < f(b, "malloc_free_pair_ns")) {
+                        best[side] = Some(v);
+                    }
+                }
+            }
+            let [direct, hooked] = best;
+            (direct.unwrap_or_default(), hooked.unwrap_or_default())
+        }
+    };
     println!("\nInterception outside regions (ns per call)");
     let calls: &[(&str, &str)] = match api {
         ApiKind::Cuda => &[("cudaFree(NULL)", "free_null_ns"), ("cudaMalloc(4 KiB) + cudaFree", "malloc_free_pair_ns")],
