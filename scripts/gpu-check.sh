@@ -10,8 +10,8 @@
 #   DIR/gpu-check.sh run --sim DIR OUTDIR     the same kit on the simulator (what CI runs), for the
 #                                             checks that need no PyTorch
 #   DIR/npu-check.sh run [--sim] DIR OUTDIR   the Ascend checks (run --npu): the C consumers through
-#                                             ACL and the colocated run on an NPU (CANN's set_env.sh
-#                                             sourced); torch_npu scenarios are not in the kit yet
+#                                             ACL, the colocated run and the bench on an NPU (CANN's
+#                                             set_env.sh sourced); torch_npu scenarios are not in it yet
 #
 # What `run` checks: the C consumers against the driver (100 pause/resume cycles with backup,
 # contents, addresses and free memory; a thread without a context allocating with a margin;
@@ -228,8 +228,8 @@ run() {
   ! grep -q "	fail	" "$results"
 }
 
-# The Ascend half: the C consumers through ACL, the colocated run on the NPU (or on the
-# simulator's ACL side with --sim).
+# The Ascend half: the C consumers through ACL, the colocated run and the bench on the NPU (or
+# on the simulator's ACL side with --sim).
 run_npu() {
   local sim="$1" hook="$kit/lib/libtms_hook.so" device
   if [ "$sim" = 1 ]; then
@@ -264,7 +264,11 @@ run_npu() {
   else
     check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device npu --steps 5 --out "$outdir/run"
   fi
-  skip relax-colocate-bench "relax-colocate bench has no NPU device yet"
+  if [ "$sim" = 1 ]; then
+    check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device sim --api acl --quick --out "$outdir/bench"
+  else
+    check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device npu --quick --out "$outdir/bench"
+  fi
   summarize "$device" npu-check
   ! grep -q "	fail	" "$results"
 }

@@ -2,7 +2,7 @@
 # The Ascend kit: the same kit as gpu-check.sh, run through ACL on a machine with CANN (8 or 9)
 # and an Ascend NPU (source CANN's set_env.sh first):
 #   scripts/npu-check.sh prepare DIR          (the same as gpu-check.sh prepare)
-#   DIR/npu-check.sh run DIR OUTDIR           the C consumers through ACL, the colocated run on the NPU
+#   DIR/npu-check.sh run DIR OUTDIR           the C consumers through ACL, the colocated run and the bench on the NPU
 #   DIR/npu-check.sh run --sim DIR OUTDIR     a dry run on the simulator's ACL side (what CI runs)
 # Writes OUTDIR/summary.md and summary.json; send them back (docs/hardware.md says how).
 here="$(cd "$(dirname "$0")" && pwd)"

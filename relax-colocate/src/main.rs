@@ -35,11 +35,17 @@ enum Command {
     #[command(after_long_help = RUN_HELP)]
     Run(Box<RunArgs>),
     /// Measure interception, region allocation, pause/resume (bytes and counts, with and without
-    /// backup) against the raw pinned copy, and host memory; print tables, write JSON and SVG.
+    /// backup) against the raw pinned copy, and host memory, through CUDA or ACL (Ascend); print
+    /// tables, write JSON and SVG.
     Bench {
-        /// Where to run: the real CUDA driver, the simulator, or auto (CUDA if present).
+        /// Where to run: the real CUDA driver, an Ascend NPU through ACL (CANN), the simulator,
+        /// or auto (CUDA if present, else an NPU if CANN is, else the simulator).
         #[arg(long, value_enum, default_value = "auto")]
         device: bench::DeviceKind,
+        /// The vendor API the scenarios call: the device's own by default (cuda, acl for npu).
+        /// `--device sim --api acl` runs the NPU path on the simulator.
+        #[arg(long, value_enum)]
+        api: Option<bench::ApiKind>,
         /// Small sizes and iteration counts (about 30 s on the simulator; what CI runs).
         #[arg(long)]
         quick: bool,
@@ -309,12 +315,12 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::Bench { device, quick, out, hook, sim_memory, sim_copy_gbps, check } => {
+        Command::Bench { device, api, quick, out, hook, sim_memory, sim_copy_gbps, check } => {
             if !(sim_copy_gbps >= 0.0 && sim_copy_gbps.is_finite()) {
                 eprintln!("relax-colocate: --sim-copy-gbps must be a number >= 0");
                 return ExitCode::from(2);
             }
-            let opts = bench::Options { device, quick, out, hook, sim_memory, sim_copy_gbps };
+            let opts = bench::Options { device, api, quick, out, hook, sim_memory, sim_copy_gbps };
             match bench::run(&opts) {
                 Ok(verdict) if verdict.missed.is_empty() => ExitCode::SUCCESS,
                 Ok(verdict) => {

@@ -44,6 +44,60 @@ api!(Acl {
     get_mem_info: c"aclrtGetMemInfo" => fn(c_int, *mut usize, *mut usize) -> c_int;
 });
 
+// What the bench needs of ACL beyond `Acl`: pinned host memory, streams, memset and the
+// virtual-memory calls a region allocation makes (signatures from acl_rt.h as restated in
+// shared/reference/ascend.md; the hook does not export these, so they reach CANN directly).
+api!(AclBench {
+    malloc_host: c"aclrtMallocHost" => fn(*mut *mut c_void, usize) -> c_int;
+    free_host: c"aclrtFreeHost" => fn(*mut c_void) -> c_int;
+    memset: c"aclrtMemset" => fn(*mut c_void, usize, i32, usize) -> c_int;
+    create_stream: c"aclrtCreateStream" => fn(*mut *mut c_void) -> c_int;
+    synchronize_stream: c"aclrtSynchronizeStream" => fn(*mut c_void) -> c_int;
+    destroy_stream: c"aclrtDestroyStream" => fn(*mut c_void) -> c_int;
+    memcpy_async: c"aclrtMemcpyAsync" => fn(*mut c_void, usize, *const c_void, usize, c_int, *mut c_void) -> c_int;
+    granularity: c"aclrtMemGetAllocationGranularity" => fn(*mut AclPhysicalMemProp, c_int, *mut usize) -> c_int;
+    reserve: c"aclrtReserveMemAddress" => fn(*mut *mut c_void, usize, usize, *mut c_void, u64) -> c_int;
+    release_address: c"aclrtReleaseMemAddress" => fn(*mut c_void) -> c_int;
+    malloc_physical: c"aclrtMallocPhysical" => fn(*mut *mut c_void, usize, *const AclPhysicalMemProp, u64) -> c_int;
+    free_physical: c"aclrtFreePhysical" => fn(*mut c_void) -> c_int;
+    map: c"aclrtMapMem" => fn(*mut c_void, usize, usize, *mut c_void, u64) -> c_int;
+    unmap: c"aclrtUnmapMem" => fn(*mut c_void) -> c_int;
+});
+
+/// aclrtMemLocation (8 bytes): id first, then type (the reverse of CUDA's order).
+#[repr(C)]
+pub struct AclMemLocation {
+    pub id: u32,
+    pub kind: c_int,
+}
+
+/// aclrtPhysicalMemProp (32 bytes): handle type, allocation type, memory attribute, location at
+/// offset 12, reserved u64 at offset 24.
+#[repr(C)]
+pub struct AclPhysicalMemProp {
+    pub handle_type: c_int,
+    pub allocation_type: c_int,
+    pub mem_attr: c_int,
+    pub location: AclMemLocation,
+    pub reserve: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<AclPhysicalMemProp>() == 32);
+const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, location) == 12);
+const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, reserve) == 24);
+
+/// Pinned HBM with 2 MiB pages on device 0 (ACL_HBM_MEM_HUGE): what the hook asks for when an
+/// allocation over 1 MiB is made with torch_npu's ACL_MEM_MALLOC_HUGE_FIRST policy.
+pub fn acl_huge_prop() -> AclPhysicalMemProp {
+    AclPhysicalMemProp {
+        handle_type: 0,                              // ACL_MEM_HANDLE_TYPE_NONE
+        allocation_type: 0,                          // ACL_MEM_ALLOCATION_TYPE_PINNED
+        mem_attr: 4,                                 // ACL_HBM_MEM_HUGE
+        location: AclMemLocation { id: 0, kind: 1 }, // ACL_MEM_LOCATION_TYPE_DEVICE
+        reserve: 0,
+    }
+}
+
 api!(Driver {
     init: c"cuInit" => fn(u32) -> c_int;
     reserve: c"cuMemAddressReserve" => fn(*mut u64, usize, usize, u64, u64) -> c_int;

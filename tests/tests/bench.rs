@@ -1,15 +1,31 @@
 //! `relax-colocate bench --quick` on the simulator: every table printed, targets judged on figures
-//! of the same run, results and plots written.
+//! of the same run, results and plots written; through the CUDA API and through ACL (the path
+//! `--device npu` takes on an Ascend NPU).
 
 use std::process::Command;
 use tms_e2e::*;
 
 #[test]
 fn quick_bench_prints_every_table_and_writes_results() {
+    quick_bench(&[], "cuda", &["cudaFree(NULL)", "cudaMalloc(4 KiB) + cudaFree", "reserve+create+map+access"]);
+}
+
+#[test]
+fn quick_bench_through_acl_prints_every_table_and_writes_results() {
+    quick_bench(
+        &["--api", "acl"],
+        "acl",
+        &["ACL API", "aclrtMalloc(4 KiB) + aclrtFree", "reserve+malloc_physical+map"],
+    );
+}
+
+fn quick_bench(api: &[&str], vendor: &str, labels: &[&str]) {
     let ws = workspace();
     let out = tempfile::tempdir().unwrap();
     let run = Command::new(ws.bin("relax-colocate"))
-        .args(["bench", "--device", "sim", "--quick", "--check", "--out"])
+        .args(["bench", "--device", "sim", "--quick", "--check"])
+        .args(api)
+        .arg("--out")
         .arg(out.path())
         .env_remove("LD_PRELOAD")
         .output()
@@ -44,12 +60,32 @@ fn quick_bench_prints_every_table_and_writes_results() {
     ] {
         assert!(stdout.contains(heading), "missing {heading:?}:\n{stdout}");
     }
+    for label in labels {
+        assert!(stdout.contains(label), "missing {label:?}:\n{stdout}");
+    }
+    assert_eq!(results["vendor"], vendor, "{results}");
+    for side in ["direct", "hooked"] {
+        let pair = &results["passthrough"][side]["malloc_free_pair_ns"];
+        assert!(pair.as_f64().unwrap_or(0.0) > 0.0, "{side}: {}", results["passthrough"]);
+    }
+    assert_eq!(results["passthrough"]["hooked"]["hooked"], true);
+    for key in ["bare_ns", "hooked_ns", "unmap_release_ns"] {
+        assert!(results["region"][key].as_f64().unwrap_or(0.0) > 0.0, "{key}: {}", results["region"]);
+    }
     let rows = results["bytes"]["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 6, "3 sizes x backup on/off");
     for r in rows {
-        assert!(r["pause_ns"].as_f64().unwrap() > 0.0 && r["raw_d2h_bytes_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        for key in ["pause_ns", "resume_ns", "first_pause_ns", "raw_d2h_bytes_per_s", "raw_h2d_bytes_per_s"] {
+            assert!(r[key].as_f64().unwrap_or(0.0) > 0.0, "{key}: {r}");
+        }
     }
-    assert_eq!(results["count"]["rows"].as_array().unwrap().len(), 4);
+    let counts = results["count"]["rows"].as_array().unwrap();
+    assert_eq!(counts.len(), 4);
+    for r in counts {
+        assert!(r["pause_ns"].as_f64().unwrap_or(0.0) > 0.0 && r["resume_ns"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
+    }
+    assert!(results["memory"]["heap_bytes_per_allocation"].as_f64().unwrap_or(0.0) > 0.0, "{}", results["memory"]);
+    assert!(results["colocate_switch"]["switch_s"].as_f64().unwrap_or(0.0) > 0.0, "{}", results["colocate_switch"]);
     assert!(results["targets"].as_array().unwrap().len() >= 7);
     // Host memory does not grow across pause/resume cycles (a retained-buffer or registry leak
     // would show here).
@@ -62,4 +98,19 @@ fn quick_bench_prints_every_table_and_writes_results() {
     }
     let by_bytes = std::fs::read_to_string(out.path().join("time_vs_bytes.svg")).unwrap();
     assert!(by_bytes.contains("\n1 MiB\n") && by_bytes.contains(" ms\n"), "{by_bytes}");
+}
+
+#[test]
+fn npu_bench_without_cann_names_the_fix() {
+    let run = Command::new(workspace().bin("relax-colocate"))
+        .args(["bench", "--device", "npu", "--quick", "--out"])
+        .arg(tempfile::tempdir().unwrap().path())
+        .env_remove("LD_PRELOAD")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("libascendcl.so") && stderr.contains("set_env.sh"), "{stderr}");
+    assert!(stderr.contains("--device sim --api acl"), "{stderr}");
 }

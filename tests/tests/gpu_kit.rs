@@ -158,9 +158,13 @@ fn the_ascend_kit_passes_on_the_simulators_acl_side() {
         serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["failed"], 0, "{md}");
     let got = results(&summary);
-    for name in
-        ["acl-cycles-100-with-backup", "acl-malloc-policies", "acl-faults-in-every-driver-call", "relax-colocate-run"]
-    {
+    for name in [
+        "acl-cycles-100-with-backup",
+        "acl-malloc-policies",
+        "acl-faults-in-every-driver-call",
+        "relax-colocate-run",
+        "relax-colocate-bench",
+    ] {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
     }
 }

@@ -3,6 +3,9 @@
 //! Each scenario runs in a child process (`relax-colocate bench-worker`), with libtms_hook.so
 //! preloaded or not as the comparison needs, on the simulator (a private node) or the real
 //! driver. Results: tables on stdout, `results.json` and SVG plots in the output folder.
+//!
+//! Scenarios go through the CUDA API (`--device cuda`) or the Ascend ACL API (`--device npu`);
+//! the simulator serves both, `--api` picking one (CUDA by default), so CI proves the NPU path.
 
 pub mod plot;
 pub mod worker;
@@ -15,14 +18,47 @@ const MIB: usize = 1 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceKind {
-    /// The real CUDA driver if libcuda.so.1 loads, else the simulator.
+    /// The real CUDA driver if libcuda.so.1 loads, else CANN if libascendcl.so loads, else the
+    /// simulator.
     Auto,
+    /// tms-sim, through the API `--api` names (CUDA by default).
     Sim,
+    /// The real CUDA driver (libcudart + libcuda).
     Cuda,
+    /// An Ascend NPU through CANN's ACL (libascendcl.so, found by CANN's set_env.sh).
+    Npu,
+}
+
+/// The vendor API the scenarios call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ApiKind {
+    /// cudaMalloc/cudaFree and the cuMem* virtual-memory calls.
+    Cuda,
+    /// aclrtMalloc/aclrtFree and the aclrt* virtual-memory calls (Ascend CANN).
+    Acl,
+}
+
+impl ApiKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiKind::Cuda => "cuda",
+            ApiKind::Acl => "acl",
+        }
+    }
+
+    fn parse(s: &str) -> Option<ApiKind> {
+        match s {
+            "cuda" => Some(ApiKind::Cuda),
+            "acl" => Some(ApiKind::Acl),
+            _ => None,
+        }
+    }
 }
 
 pub struct Options {
     pub device: DeviceKind,
+    /// None: the device's own (CUDA on the simulator).
+    pub api: Option<ApiKind>,
     pub quick: bool,
     pub out: PathBuf,
     pub hook: Option<PathBuf>,
@@ -49,7 +85,39 @@ fn cuda_present() -> bool {
     crate::runtime::can_load(c"libcuda.so.1")
 }
 
+fn acl_present() -> bool {
+    crate::runtime::can_load(c"libascendcl.so")
+}
+
+/// The device and API a run uses, or why that pair cannot run here (naming the fix).
+fn resolve(device: DeviceKind, api: Option<ApiKind>) -> Result<(DeviceKind, ApiKind), String> {
+    let device = match device {
+        DeviceKind::Auto if cuda_present() => DeviceKind::Cuda,
+        DeviceKind::Auto if acl_present() => DeviceKind::Npu,
+        DeviceKind::Auto => DeviceKind::Sim,
+        d => d,
+    };
+    match (device, api) {
+        (DeviceKind::Cuda, Some(ApiKind::Acl)) => {
+            Err("--device cuda --api acl: a CUDA device takes the CUDA API; use --device npu for ACL".into())
+        }
+        (DeviceKind::Npu, Some(ApiKind::Cuda)) => {
+            Err("--device npu --api cuda: an Ascend NPU takes the ACL API; use --device cuda for CUDA".into())
+        }
+        (DeviceKind::Cuda, _) if !cuda_present() => {
+            Err("--device cuda: libcuda.so.1 cannot be loaded on this machine; use --device sim".into())
+        }
+        (DeviceKind::Npu, _) if !acl_present() => Err("--device npu: libascendcl.so cannot be loaded on this \
+             machine; source CANN's set_env.sh (e.g. . /usr/local/Ascend/ascend-toolkit/set_env.sh) or use \
+             --device sim --api acl"
+            .into()),
+        (DeviceKind::Npu, _) => Ok((device, ApiKind::Acl)),
+        (d, api) => Ok((d, api.unwrap_or(ApiKind::Cuda))),
+    }
+}
+
 struct Env {
+    api: ApiKind,
     sim: Option<(String, tempfile::TempDir)>,
     hook: PathBuf,
     opts_memory: String,
@@ -71,7 +139,7 @@ impl Env {
         extra: &[(&str, &str)],
     ) -> Result<Value, String> {
         let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
-        cmd.arg("bench-worker").arg(scenario).args(args).env_remove("LD_PRELOAD");
+        cmd.arg("bench-worker").arg(self.api.as_str()).arg(scenario).args(args).env_remove("LD_PRELOAD");
         if hooked {
             cmd.env("LD_PRELOAD", &self.hook).env("TMS_CONTROL", "0");
         }
@@ -135,14 +203,7 @@ pub struct Verdict {
 }
 
 pub fn run(opts: &Options) -> Result<Verdict, String> {
-    let device = match opts.device {
-        DeviceKind::Auto if cuda_present() => DeviceKind::Cuda,
-        DeviceKind::Auto => DeviceKind::Sim,
-        d => d,
-    };
-    if device == DeviceKind::Cuda && !cuda_present() {
-        return Err("--device cuda: libcuda.so.1 cannot be loaded on this machine; use --device sim".into());
-    }
+    let (device, api) = resolve(opts.device, opts.api)?;
     let hook = find_hook(opts.hook.as_deref())?;
     let sim = if device == DeviceKind::Sim {
         Some((crate::simulator::sim_environment()?.lib_dir, tempfile::tempdir().map_err(|e| e.to_string())?))
@@ -150,6 +211,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         None
     };
     let env = Env {
+        api,
         sim,
         hook,
         opts_memory: opts.sim_memory.clone(),
@@ -158,11 +220,16 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     };
     std::fs::create_dir_all(&opts.out).map_err(|e| format!("cannot create {}: {e}", opts.out.display()))?;
     let q = opts.quick;
+    let through = match api {
+        ApiKind::Cuda => "CUDA API",
+        ApiKind::Acl => "ACL API",
+    };
     let device_name = match device {
         DeviceKind::Sim if opts.sim_copy_gbps > 0.0 => {
-            format!("tms-sim (copy bus {} GB/s per direction)", opts.sim_copy_gbps)
+            format!("tms-sim (copy bus {} GB/s per direction), {through}", opts.sim_copy_gbps)
         }
-        DeviceKind::Sim => "tms-sim (no copy throttle: host memcpy)".to_string(),
+        DeviceKind::Sim => format!("tms-sim (no copy throttle: host memcpy), {through}"),
+        DeviceKind::Npu => "Ascend NPU 0 (ACL)".to_string(),
         _ => "CUDA device 0".to_string(),
     };
     println!("relax-colocate bench on {device_name}{}", if q { ", --quick" } else { "" });
@@ -170,10 +237,35 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
 
     step(1, "interception overhead (direct vs through the hook)");
     let iters = if q { 200_000 } else { 2_000_000 };
-    let direct = env.worker(false, "passthrough", &[iters.to_string()])?;
-    let hooked = env.worker(true, "passthrough", &[iters.to_string()])?;
+    let (direct, hooked) = match api {
+        ApiKind::Cuda => (
+            env.worker(false, "passthrough", &[iters.to_string()])?,
+            env.worker(true, "passthrough", &[iters.to_string()])?,
+        ),
+        // ACL's figure is the difference of two allocator pairs of microseconds each, taken in
+        // two processes: alternating three rounds and keeping each side's fastest keeps a slow
+        // moment of the machine from landing on one side only.
+        ApiKind::Acl => {
+            let mut best: [Option<Value>; 2] = [None, None];
+            for _ in 0..3 {
+                for (side, hooked) in [(0, false), (1, true)] {
+                    let v = env.worker(hooked, "passthrough", &[iters.to_string()])?;
+                    if best[side].as_ref().is_none_or(|b| f(&v, "malloc_free_pair_ns") < f(b, "malloc_free_pair_ns")) {
+                        best[side] = Some(v);
+                    }
+                }
+            }
+            let [direct, hooked] = best;
+            (direct.unwrap_or_default(), hooked.unwrap_or_default())
+        }
+    };
     println!("\nInterception outside regions (ns per call)");
-    let calls = [("cudaFree(NULL)", "free_null_ns"), ("cudaMalloc(4 KiB) + cudaFree", "malloc_free_pair_ns")]
+    let calls: &[(&str, &str)] = match api {
+        ApiKind::Cuda => &[("cudaFree(NULL)", "free_null_ns"), ("cudaMalloc(4 KiB) + cudaFree", "malloc_free_pair_ns")],
+        // ACL has no no-op call to time (worker::passthrough says why).
+        ApiKind::Acl => &[("aclrtMalloc(4 KiB) + aclrtFree", "malloc_free_pair_ns")],
+    };
+    let calls = calls
         .iter()
         .map(|(label, key)| {
             let (d, h) = (f(&direct, key), f(&hooked, key));
@@ -192,7 +284,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     let region = env.worker(true, "region", &[(if q { 300 } else { 3000 }).to_string(), (2 * MIB).to_string()])?;
     println!("\nRegion allocation, 2 MiB (ns per malloc+free)");
     let row = vec![
-        "reserve+create+map+access / undo".to_string(),
+        region["sequence"].as_str().unwrap_or("").to_string(),
         format!("{:.0}", f(&region, "bare_ns")),
         format!("{:.0}", f(&region, "hooked_ns")),
         format!("{:.2}", f(&region, "hooked_ns") / f(&region, "bare_ns")),
@@ -302,7 +394,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     );
 
     step(6, "the colocate switch (sleep + update_weights + wake_up) from a memory-profile run");
-    let switch = colocate_switch(device, opts)?;
+    let switch = colocate_switch(device, api, opts)?;
     println!("\nColocate switch per step (median over the run's steps; relax-colocate run --memory-profile)");
     let row = vec![
         switch["profile"].as_str().unwrap_or("").to_string(),
@@ -331,7 +423,11 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         largest_backup.map(|r| f(r, "resume_bytes_per_s") / f(r, "raw_h2d_bytes_per_s")).unwrap_or(f64::NAN);
     let per_alloc = crow.last().map(|r| f(r, "pause_ns_per_allocation")).unwrap_or(f64::NAN);
     let per_alloc_ratio = per_alloc / f(&region, "unmap_release_ns");
-    let added = f(&hooked, "free_null_ns") - f(&direct, "free_null_ns");
+    // Per intercepted call: CUDA's no-op cudaFree(NULL); ACL's pair is two intercepted calls.
+    let added = match api {
+        ApiKind::Cuda => f(&hooked, "free_null_ns") - f(&direct, "free_null_ns"),
+        ApiKind::Acl => (f(&hooked, "malloc_free_pair_ns") - f(&direct, "malloc_free_pair_ns")) / 2.0,
+    };
     let heap = f(&mem, "hook_heap_bytes_per_allocation");
     let growth = mem["rss_growth"].as_i64().unwrap_or(i64::MAX);
     let mid =
@@ -363,7 +459,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     println!("{}", table(&["target", "measured", "met"], lines));
 
     let result = json!({
-        "device": device_name, "quick": q,
+        "device": device_name, "vendor": api.as_str(), "quick": q,
         "passthrough": { "direct": direct, "hooked": hooked },
         "region": region, "bytes": bytes, "count": count, "memory": mem, "colocate_switch": switch,
         "targets": targets.iter().map(|(t, m, ok)| json!({"target": t, "measured": m, "met": ok})).collect::<Vec<_>>(),
@@ -404,7 +500,7 @@ fn add_bounds(rows: &mut [Value]) {
 /// Runs `relax-colocate run` with a memory profile and reads the switch phases from its summary.
 /// "Per GiB" is per GiB of trainer state (weights, grads, optimizer), which sleep and wake_up
 /// move; update_weights moves the weights alone.
-fn colocate_switch(device: DeviceKind, opts: &Options) -> Result<Value, String> {
+fn colocate_switch(device: DeviceKind, api: ApiKind, opts: &Options) -> Result<Value, String> {
     let (profile, scale, steps) = match (device, opts.quick) {
         (_, true) => ("tiny", "1.0", "3"),
         (DeviceKind::Sim, false) => ("qwen3-0.6b", "0.1", "5"),
@@ -413,7 +509,15 @@ fn colocate_switch(device: DeviceKind, opts: &Options) -> Result<Value, String> 
     let out = opts.out.join("colocate");
     let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
     cmd.args(["run", "--quiet", "--json", "--steps", steps, "--memory-profile", profile])
-        .args(["--device", if device == DeviceKind::Sim { "sim" } else { "cuda" }])
+        .args([
+            "--device",
+            match device {
+                DeviceKind::Sim => "sim",
+                DeviceKind::Npu => "npu",
+                _ => "cuda",
+            },
+        ])
+        .args(["--set", &format!("sim.api={}", api.as_str())])
         .args(["--set", &format!("memory.scale={scale}")])
         .args(["--set", &format!("sim.copy_gbps={}", opts.sim_copy_gbps)])
         .arg("--out")
@@ -447,6 +551,11 @@ fn colocate_switch(device: DeviceKind, opts: &Options) -> Result<Value, String> 
 
 /// Entry point of the child process.
 pub fn worker_main(args: &[String]) -> Result<Value, String> {
+    let api = args
+        .first()
+        .and_then(|s| ApiKind::parse(s))
+        .ok_or("bench-worker: the first argument must be the API (cuda or acl)")?;
+    let args = &args[1..];
     let num = |i: usize| -> Result<usize, String> {
         args.get(i).and_then(|s| s.parse().ok()).ok_or_else(|| format!("bench-worker: argument {i} must be a number"))
     };
@@ -458,11 +567,35 @@ pub fn worker_main(args: &[String]) -> Result<Value, String> {
             .collect()
     };
     match args.first().map(String::as_str) {
-        Some("passthrough") => worker::passthrough(num(1)?),
-        Some("region") => worker::region(num(1)?, num(2)?),
-        Some("bytes") => worker::bytes_scan(&list(1)?, num(2)?),
-        Some("count") => worker::count_scan(&list(1)?, num(2)?),
-        Some("memory") => worker::memory(num(1)?, num(2)?),
+        Some("passthrough") => worker::passthrough(api, num(1)?),
+        Some("region") => worker::region(api, num(1)?, num(2)?),
+        Some("bytes") => worker::bytes_scan(api, &list(1)?, num(2)?),
+        Some("count") => worker::count_scan(api, &list(1)?, num(2)?),
+        Some("memory") => worker::memory(api, num(1)?, num(2)?),
         other => Err(format!("bench-worker: unknown scenario {other:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_simulator_takes_either_api_and_real_devices_only_their_own() {
+        assert_eq!(resolve(DeviceKind::Sim, None), Ok((DeviceKind::Sim, ApiKind::Cuda)));
+        assert_eq!(resolve(DeviceKind::Sim, Some(ApiKind::Acl)), Ok((DeviceKind::Sim, ApiKind::Acl)));
+        let wrong = resolve(DeviceKind::Cuda, Some(ApiKind::Acl)).unwrap_err();
+        assert!(wrong.contains("--device npu"), "{wrong}");
+        let wrong = resolve(DeviceKind::Npu, Some(ApiKind::Cuda)).unwrap_err();
+        assert!(wrong.contains("--device cuda"), "{wrong}");
+    }
+
+    #[test]
+    fn workers_are_told_their_api_first() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let e = worker_main(&args(&["passthrough", "10"])).unwrap_err();
+        assert!(e.contains("cuda or acl"), "{e}");
+        let e = worker_main(&args(&["acl", "nothing"])).unwrap_err();
+        assert!(e.contains("unknown scenario"), "{e}");
     }
 }
