@@ -104,6 +104,19 @@ fn plan(line: &str) -> Option<Plan> {
         "target/release/relax-colocate bench --device cuda" => {
             run(as_written, 1, &["libcuda.so.1 cannot be loaded", "--device sim"])
         }
+        "scripts/ray-env.sh" => run(as_written, 0, &["ray-venv/bin/python"]),
+        "target/release/relax-colocate run --launcher ray --ray-address local --nodes 2 --devices 2" => {
+            Some(Elsewhere(
+                "ray::two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_checks (2 steps)",
+            ))
+        }
+        // No NPU here: the error says what to do.
+        "target/release/relax-colocate bench --device npu" => {
+            run(as_written, 1, &["libascendcl.so cannot be loaded", "--device sim --api acl"])
+        }
+        "target/release/relax-colocate bench --device sim --api acl --quick" => {
+            Some(Elsewhere("bench::quick_bench_through_acl_prints_every_table_and_writes_results"))
+        }
         "scripts/gpu-check.sh prepare kit/" | "kit/gpu-check.sh run kit/ out/" => {
             Some(Elsewhere("gpu_kit::the_kit_is_small_and_self_contained, gpu_kit::the_kit_passes_on_the_simulator"))
         }
