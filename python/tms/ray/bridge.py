@@ -29,6 +29,7 @@ import threading
 import time
 
 MAX_LINE = 256 << 20
+CLUSTER_MARK = "TMS_RAY_LOCAL_CLUSTER"
 CONTROL_MAX = 64 << 10
 
 
@@ -249,6 +250,40 @@ class Agent:
         return {n: describe_exit(p.returncode) for n, p in self.procs.items()}
 
 
+def end_leftovers(run_id, grace_s=3.0):
+    """Ends the processes of this run's local cluster still alive after Ray's shutdown."""
+    me = os.getpid()
+    needle = f"{CLUSTER_MARK}={run_id}".encode() + b"\0"
+
+    def ours():
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read() + b"\0":
+                        found.append(int(entry))
+            except OSError:
+                pass
+        return found
+
+    left = ours()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = ours()
+        if not left:
+            break
+    return left
+
+
 def connect(spec):
     """Connects to Ray; returns the local cluster to shut down at the end, or None."""
     import ray
@@ -267,6 +302,10 @@ def connect(spec):
             args["resources"] = {spec["resource"]: spec["devices"]}
         return args
 
+    # Every process of the throwaway cluster inherits this, so the ones Ray's shutdown misses (a
+    # node's dashboard and runtime-env agents, slow to notice their raylet's end on a loaded
+    # machine) can be found and ended: the cluster is ours alone.
+    os.environ[CLUSTER_MARK] = spec["run_id"]
     cluster = Cluster(initialize_head=True, head_node_args=node_args(0))
     for k in range(1, spec["nodes"]):
         cluster.add_node(**node_args(k))
@@ -524,6 +563,9 @@ class Bridge:
                 self.cluster.shutdown()
             except Exception as e:  # noqa: BLE001
                 log(f"shutting the local cluster down failed: {e}")
+            left = end_leftovers(self.spec["run_id"])
+            if left:
+                log(f"processes of the local cluster that would not end: {left}")
             # Ray keeps every session's logs in its temp folder; a throwaway cluster's are kept
             # only when something failed, to be read.
             if session and not failed:
