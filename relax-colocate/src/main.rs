@@ -85,7 +85,7 @@ runs/run-<UTC time>) holds config.toml, metrics.jsonl (one flat line of numbers 
 slime's names or verl's with --metrics-style verl: perf/*_time, rollout/raw_reward,
 passrate/pass@k, train/pg_clipfrac, train/ppo_kl, ..., and device memory per process and tag at
 every phase boundary as memory/<process>/<tag>/<phase>_bytes; docs/metrics.md has the table),
-memory.jsonl, summary.json, memory_timeline.svg, reward.svg and logs/<worker>.log; with
+memory.jsonl, summary.json, memory_timeline.svg, memory_per_step.svg, reward.svg and logs/<worker>.log; with
 --logger tensorboard also tensorboard/events.out.tfevents.*, with --logger wandb a wandb run
 (WANDB_MODE=offline keeps it in wandb/; needs `pip install wandb`).
 

@@ -135,7 +135,7 @@ fn grpo_run_learns_times_every_phase_checks_and_writes_its_outputs() {
     assert!(summary["checks"]["passed"].as_u64().unwrap() > 14 * 4, "{summary}");
     let cfg = std::fs::read_to_string(dir.path().join("config.toml")).unwrap();
     assert!(cfg.contains("steps = 14"), "{cfg}");
-    for svg in ["memory_timeline.svg", "reward.svg"] {
+    for svg in ["memory_timeline.svg", "memory_per_step.svg", "reward.svg"] {
         let s = std::fs::read_to_string(dir.path().join(svg)).unwrap();
         assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>") && s.contains("polyline"), "{svg}");
         // Axes in units a person reads (ticks used to read 78.8 / 157.5 MiB and steps 8.2).

@@ -200,7 +200,7 @@ pub fn print_table(r: &Runner, summary: &Value) {
     }
     let tensorboard = if r.cfg.metrics.loggers.contains("tensorboard") { ", tensorboard/" } else { "" };
     println!(
-        "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, reward.svg, logs/{tensorboard})",
+        "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, memory_per_step.svg, reward.svg, logs/{tensorboard})",
         r.run_dir.display()
     );
 }
@@ -217,22 +217,32 @@ fn phase_color(p: &str) -> RGBColor {
     }
 }
 
+/// Steps the timeline draws in detail: every phase of 30 steps reads at 1000 px; more turn into
+/// a solid block (the cycle repeats), which memory_per_step.svg shows over the whole run instead.
+const TIMELINE_STEPS: u64 = 30;
+
 /// Device memory over time: each process's resident bytes stacked (summed over its tags and
-/// devices), the devices' total in use and their capacity, and the phases in a strip below.
+/// devices), the devices' total in use and their capacity, and the phases in a strip below; for
+/// a run longer than `TIMELINE_STEPS`, its last `TIMELINE_STEPS` steps.
 ///
-/// Reads memory.jsonl twice (scales first, then the drawing) rather than holding it; past
-/// `MAX_SAMPLES` it draws every k-th sample, so a long run's plot stays a plot.
+/// Reads memory.jsonl twice (the steps first, then the drawing) rather than holding it.
 pub fn memory_timeline(r: &Runner) -> String {
     const MAX_SAMPLES: usize = 4000;
     let path = r.run_dir.join("memory.jsonl");
-    let n = read_lines::<MemSample>(&path).count();
+    let (mut n, mut last_step) = (0usize, 0u64);
+    for s in read_lines::<MemSample>(&path) {
+        n += 1;
+        last_step = last_step.max(s.step);
+    }
+    let first_step = if last_step > TIMELINE_STEPS { last_step + 1 - TIMELINE_STEPS } else { 0 };
     let stride = n.div_ceil(MAX_SAMPLES).max(1);
     let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
     let mut used = Vec::new();
     let mut capacity = Vec::new();
     let mut per_worker: Vec<Vec<(f64, f64)>> = vec![Vec::new(); names.len()];
     let mut spans = Vec::new();
-    for (i, s) in read_lines::<MemSample>(&path).enumerate() {
+    let shown = read_lines::<MemSample>(&path).filter(|s| s.step >= first_step);
+    for (i, s) in shown.enumerate() {
         // Every phase keeps its span (it is one rectangle); only the lines are thinned.
         spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
         if i % stride != 0 {
@@ -290,8 +300,13 @@ pub fn memory_timeline(r: &Runner) -> String {
     .iter()
     .map(|(label, phase)| (format!("phase: {label}"), phase_color(phase)))
     .collect();
+    let title = if first_step > 0 {
+        format!("Device memory, steps {first_step} to {last_step} of {last_step} (the whole run: memory_per_step.svg)")
+    } else {
+        "Device memory over the run".into()
+    };
     plot::svg(&Chart {
-        title: "Device memory over the run".into(),
+        title,
         width: 1000,
         height: 480,
         x: Some(Axis::linear("time", Quantity::Seconds)),
@@ -301,6 +316,51 @@ pub fn memory_timeline(r: &Runner) -> String {
         spans,
         span_legend,
         y_range: None,
+    })
+}
+
+/// Every step of the run at a glance: per step, the devices' highest and lowest use (sampled at
+/// phase boundaries) and each process's highest resident bytes, with the capacity. Flat lines
+/// over 1,000 steps say nothing leaks; a step that needed more than the others stands out.
+pub fn memory_per_step(r: &Runner) -> String {
+    let path = r.run_dir.join("memory.jsonl");
+    let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
+    // step -> (highest use, lowest use, capacity, each process's highest)
+    let mut steps: BTreeMap<u64, (f64, f64, f64, Vec<f64>)> = BTreeMap::new();
+    for s in read_lines::<MemSample>(&path).filter(|s| s.step > 0) {
+        let used = s.device_used.iter().sum::<u64>() as f64;
+        let e = steps.entry(s.step).or_insert((0.0, f64::MAX, 0.0, vec![0.0; names.len()]));
+        e.0 = e.0.max(used);
+        e.1 = e.1.min(used);
+        e.2 = e.2.max(s.device_total.iter().sum::<u64>() as f64);
+        for (k, name) in names.iter().enumerate() {
+            let resident = s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64;
+            e.3[k] = e.3[k].max(resident);
+        }
+    }
+    let line =
+        |name: String, points: Vec<(f64, f64)>, shape, color, width| Series { name, points, shape, color, width };
+    let at = |f: &dyn Fn(&(f64, f64, f64, Vec<f64>)) -> f64| -> Vec<(f64, f64)> {
+        steps.iter().map(|(k, v)| (*k as f64, f(v))).collect()
+    };
+    let mut series = vec![
+        line("device in use, highest".into(), at(&|v| v.0), Shape::Line, RGBColor(60, 60, 60), 2),
+        line("device in use, lowest".into(), at(&|v| v.1), Shape::Line, RGBColor(150, 150, 150), 2),
+    ];
+    for (k, name) in names.iter().enumerate() {
+        series.push(line(format!("{name}, highest"), at(&|v| v.3[k]), Shape::Line, color(k), 1));
+    }
+    if steps.values().any(|v| v.2 > 0.0) {
+        series.push(line("capacity".into(), at(&|v| v.2), Shape::Dashed, RGBColor(120, 120, 120), 1));
+    }
+    plot::svg(&Chart {
+        title: "Device memory per step (highest and lowest at phase boundaries)".into(),
+        width: 1000,
+        height: 440,
+        x: Some(Axis::linear("step", Quantity::Count)),
+        y: Some(Axis::linear("memory", Quantity::Bytes)),
+        series,
+        ..Chart::default()
     })
 }
 
@@ -350,5 +410,6 @@ pub fn reward_curve(r: &Runner) -> String {
 
 pub fn write_plots(r: &Runner) -> std::io::Result<()> {
     std::fs::write(r.run_dir.join("memory_timeline.svg"), memory_timeline(r))?;
+    std::fs::write(r.run_dir.join("memory_per_step.svg"), memory_per_step(r))?;
     std::fs::write(r.run_dir.join("reward.svg"), reward_curve(r))
 }
