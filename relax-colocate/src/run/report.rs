@@ -325,33 +325,41 @@ pub fn memory_timeline(r: &Runner) -> String {
 pub fn memory_per_step(r: &Runner) -> String {
     let path = r.run_dir.join("memory.jsonl");
     let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
-    // step -> (highest use, lowest use, capacity, each process's highest)
-    let mut steps: BTreeMap<u64, (f64, f64, f64, Vec<f64>)> = BTreeMap::new();
+    struct Step {
+        highest: f64,
+        lowest: f64,
+        capacity: f64,
+        process_highest: Vec<f64>,
+    }
+    let mut steps: BTreeMap<u64, Step> = BTreeMap::new();
     for s in read_lines::<MemSample>(&path).filter(|s| s.step > 0) {
         let used = s.device_used.iter().sum::<u64>() as f64;
-        let e = steps.entry(s.step).or_insert((0.0, f64::MAX, 0.0, vec![0.0; names.len()]));
-        e.0 = e.0.max(used);
-        e.1 = e.1.min(used);
-        e.2 = e.2.max(s.device_total.iter().sum::<u64>() as f64);
+        let e = steps.entry(s.step).or_insert(Step {
+            highest: 0.0,
+            lowest: f64::MAX,
+            capacity: 0.0,
+            process_highest: vec![0.0; names.len()],
+        });
+        e.highest = e.highest.max(used);
+        e.lowest = e.lowest.min(used);
+        e.capacity = e.capacity.max(s.device_total.iter().sum::<u64>() as f64);
         for (k, name) in names.iter().enumerate() {
             let resident = s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64;
-            e.3[k] = e.3[k].max(resident);
+            e.process_highest[k] = e.process_highest[k].max(resident);
         }
     }
     let line =
         |name: String, points: Vec<(f64, f64)>, shape, color, width| Series { name, points, shape, color, width };
-    let at = |f: &dyn Fn(&(f64, f64, f64, Vec<f64>)) -> f64| -> Vec<(f64, f64)> {
-        steps.iter().map(|(k, v)| (*k as f64, f(v))).collect()
-    };
+    let at = |f: &dyn Fn(&Step) -> f64| -> Vec<(f64, f64)> { steps.iter().map(|(k, v)| (*k as f64, f(v))).collect() };
     let mut series = vec![
-        line("device in use, highest".into(), at(&|v| v.0), Shape::Line, RGBColor(60, 60, 60), 2),
-        line("device in use, lowest".into(), at(&|v| v.1), Shape::Line, RGBColor(150, 150, 150), 2),
+        line("device in use, highest".into(), at(&|v| v.highest), Shape::Line, RGBColor(60, 60, 60), 2),
+        line("device in use, lowest".into(), at(&|v| v.lowest), Shape::Line, RGBColor(150, 150, 150), 2),
     ];
     for (k, name) in names.iter().enumerate() {
-        series.push(line(format!("{name}, highest"), at(&|v| v.3[k]), Shape::Line, color(k), 1));
+        series.push(line(format!("{name}, highest"), at(&|v| v.process_highest[k]), Shape::Line, color(k), 1));
     }
-    if steps.values().any(|v| v.2 > 0.0) {
-        series.push(line("capacity".into(), at(&|v| v.2), Shape::Dashed, RGBColor(120, 120, 120), 1));
+    if steps.values().any(|v| v.capacity > 0.0) {
+        series.push(line("capacity".into(), at(&|v| v.capacity), Shape::Dashed, RGBColor(120, 120, 120), 1));
     }
     plot::svg(&Chart {
         title: "Device memory per step (highest and lowest at phase boundaries)".into(),
