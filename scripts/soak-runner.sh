@@ -3,13 +3,17 @@
 # runner's resident memory every EVERY steps. A runner that keeps per-step state grows linearly;
 # one that streams it to its run directory stays flat.
 #
-#   scripts/soak-runner.sh [STEPS=10000] [EVERY=500]     (RELAX_COLOCATE=path picks the binary)
+#   scripts/soak-runner.sh [STEPS=10000] [EVERY=500] [RUN ARGS...]   (RELAX_COLOCATE=path picks the binary)
+#
+# RUN ARGS go to `relax-colocate run` (e.g. `--set rollout.prompts_per_step=4`: a smaller batch
+# changes the workers' compute, not what the runner keeps per step).
 set -euo pipefail
 steps=${1:-10000}
 every=${2:-500}
+shift $(( $# < 2 ? $# : 2 ))
 bin=${RELAX_COLOCATE:-target/release/relax-colocate}
 out=$(mktemp -d)
-"$bin" run --device sim --quiet --steps "$steps" --out "$out" >/dev/null &
+"$bin" run --device sim --quiet --steps "$steps" --out "$out" "$@" >/dev/null &
 pid=$!
 trap 'kill "$pid" 2>/dev/null || true; rm -rf "$out"' EXIT
 next=$every
