@@ -44,6 +44,14 @@ int tms_sim_range_accessible(const void *ptr, size_t len);
  * so a stale view corrupts instead of faulting: ask again for every use. */
 void *tms_sim_host_view(const void *ptr, size_t len);
 
+/* The end of a use of tms_sim_host_view's bytes for device range [ptr, ptr + len): the pages leave
+ * the process's resident set (VmRSS), as device memory is not in a process's RSS on a GPU; the
+ * bytes are kept and the next view faults them back in. The simulator does the same after each of
+ * its own copies and memsets. TMS_SIM_DEVICE_IN_RSS=1 turns both off (device bytes then stay
+ * resident, and repeated access is faster). Returns 0, or 1 when the range is not device memory
+ * mapped with access (nothing done). */
+int tms_sim_host_view_end(const void *ptr, size_t len);
+
 /* What the physical memory mapped at `ptr` was created with: the aclrtMemAttr of Ascend memory
  * (aclrtMallocPhysical), the gpuDirectRDMACapable flag of CUDA memory (cuMemCreate); -1 when
  * `ptr` is not in such memory (a plain aclrtMalloc or cudaMalloc, host memory). */

@@ -653,6 +653,77 @@ static int context_does_not_fit(void) {
   return 0;
 }
 
+static long vmrss_kib(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long v = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "VmRSS: %ld kB", &v) == 1) break;
+  if (f) fclose(f);
+  return v;
+}
+
+/* Device memory is not in a process's resident set on a GPU; tools and tests (torch_memory_saver's
+ * own) read VmRSS to see a CPU backup come and go. Plain and virtual-memory allocations, written
+ * by memset and by copies, must leave VmRSS where it was (`in_rss` 0), while the host side of a
+ * copy counts as it should; with TMS_SIM_DEVICE_IN_RSS=1 (`in_rss` 1) the device bytes do count.
+ * Contents are checked after each round trip: dropping the pages must keep the bytes. */
+static int device_rss(int in_rss) {
+  const size_t size = 256 * MiB;
+  const long size_kib = (long)(size / 1024), slack_kib = 32 * 1024;
+  struct tms_sim_stats s0, s1;
+  EXPECT(CUDRV(cuInit)(0), 0);
+  void *plain = NULL;
+  EXPECT(CUDART(cudaMalloc)(&plain, 4096), 0); /* the context and the runtime's first pages */
+  EXPECT(sim_stats(&s0), 0);
+  long rss0 = vmrss_kib();
+  EXPECT(CUDART(cudaFree)(plain), 0);
+  EXPECT(CUDART(cudaMalloc)(&plain, size), 0);
+  EXPECT(CUDART(cudaMemset)(plain, 0x5a, size), 0);
+  EXPECT(sim_stats(&s1), 0);
+  long rss1 = vmrss_kib();
+  unsigned char *host = malloc(size);
+  if (!host) return 1;
+  EXPECT(CUDART(cudaMemcpy)(host, plain, size, 2), 0);
+  long rss2 = vmrss_kib();
+  for (size_t i = 0; i < size; i += 4093) EXPECT(host[i], 0x5a);
+
+  CUmemAllocationProp prop = cuda_prop(0);
+  CUdeviceptr va;
+  CUmemGenericAllocationHandle h;
+  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
+  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
+  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
+  CUmemAccessDesc acc = {{1, 0}, 3};
+  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+  for (size_t i = 0; i < size; i++) host[i] = (unsigned char)(i * 7 + (i >> 20));
+  EXPECT(CUDART(cudaMemcpy)((void *)va, host, size, 1), 0);
+  EXPECT(CUDART(cudaMemcpy)(plain, (void *)va, size, 3), 0);
+  long rss3 = vmrss_kib();
+  memset(host, 0, size);
+  EXPECT(CUDART(cudaMemcpy)(host, plain, size, 2), 0);
+  for (size_t i = 0; i < size; i += 4093) EXPECT(host[i], (unsigned char)(i * 7 + (i >> 20)));
+  printf("VmRSS kB: %ld -> %ld (256 MiB set on the device) -> %ld (copied to the host) -> %ld "
+         "(256 MiB more through virtual memory); simulator resident: +%llu MiB\n",
+         rss0, rss1, rss2, rss3, (unsigned long long)((s1.host_resident_bytes - s0.host_resident_bytes) / MiB));
+  EXPECT(s1.host_resident_bytes - s0.host_resident_bytes >= size, 1); /* the bytes are there */
+  EXPECT(rss2 - rss1 >= size_kib - slack_kib, 1);                      /* the host side counts */
+  if (in_rss) {
+    EXPECT(rss1 - rss0 >= size_kib - slack_kib, 1);
+    EXPECT(rss3 - rss2 >= size_kib - slack_kib, 1);
+  } else {
+    EXPECT(rss1 - rss0 < slack_kib, 1);
+    EXPECT(rss3 - rss2 < slack_kib, 1);
+  }
+  EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
+  EXPECT(CUDRV(cuMemRelease)(h), 0);
+  EXPECT(CUDRV(cuMemAddressFree)(va, size), 0);
+  EXPECT(CUDART(cudaFree)(plain), 0);
+  free(host);
+  printf("device rss ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: %s MODE [ARGS]\n", argv[0]);
@@ -674,6 +745,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "context-does-not-fit")) return context_does_not_fit();
   if (!strcmp(m, "touch-device") && argc == 3) return touch_device(argv[2]);
   if (!strcmp(m, "unmap-in-flight")) return unmap_in_flight();
+  if (!strcmp(m, "device-rss") && argc == 3) return device_rss(atoi(argv[2]));
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;
 }

@@ -104,6 +104,21 @@ fn release_returns_host_memory() {
     run_ok(&mut node.command(&argv));
 }
 
+/// Device memory is not in the process's resident set, as on a GPU (VmRSS is what
+/// torch_memory_saver's own tests read to see a CPU backup come and go); the knob puts it back.
+#[test]
+fn device_memory_stays_out_of_the_process_resident_set() {
+    let node = SimNode::new("2GiB");
+    let mut argv = c_program("sim_consumer", Style::Linked);
+    argv.extend(["device-rss".into(), "0".into()]);
+    let out = run_ok(&mut node.command(&argv));
+    assert!(out.contains("device rss ok"), "{out}");
+    argv.pop();
+    argv.push("1".into());
+    let out = run_ok(&mut node.command(&argv).env("TMS_SIM_DEVICE_IN_RSS", "1"));
+    assert!(out.contains("device rss ok"), "{out}");
+}
+
 #[test]
 fn ten_thousand_live_handles_use_one_descriptor() {
     let node = SimNode::new("32GiB");

@@ -79,6 +79,44 @@ def test_retained_backup_is_handed_out_after_resume(sim, which):
     assert out["backup_after_resume"] == "True"
 
 
+RSS = """
+import torch, torch_memory_saver
+saver = torch_memory_saver.torch_memory_saver
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+n = 256 << 20
+torch.cuda.synchronize()
+r0 = rss()
+with saver.region(tag="weights", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+    w = torch.full((n,), 7, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+r1 = rss()
+saver.pause("weights")
+torch.cuda.synchronize()
+r2 = rss()
+saver.resume("weights")
+torch.cuda.synchronize()
+r3 = rss()
+print("alloc=%d" % (r1 - r0))
+print("pause=%d" % (r2 - r1))
+print("resume=%d" % (r3 - r2))
+print("kept=%s" % bool((w == 7).all().item()))
+"""
+
+
+@pytest.mark.parametrize("which", ["ours", "upstream"])
+def test_a_cpu_backup_shows_in_rss_and_device_memory_does_not(sim, which):
+    # torch_memory_saver's own suite (cpu_backup.run_rss) reads VmRSS to see an mmap backup come
+    # and go: the device's bytes must not count there, as on a GPU (tms-sim drops its view's pages).
+    out = sim.ok(RSS, preload=_preload(sim, which), memory="2GiB")
+    n, slack = 256 << 20, 64 << 20
+    assert int(out["alloc"]) < slack, out
+    assert int(out["pause"]) >= n - slack, out
+    assert int(out["resume"]) <= -(n - slack), out
+    assert out["kept"] == "True", out
+
+
 def test_region_memory_has_no_cuda_ipc_handle_as_on_a_gpu(sim):
     # Region memory is made with cuMemCreate, which CUDA IPC cannot export: transfer buffers that
     # another process opens must be allocated outside regions (README). The simulator refuses it

@@ -48,6 +48,11 @@ pub struct Config {
     /// Commit host pages when physical memory is created (as a device does), instead of on first
     /// touch. Costs real host memory for every byte created.
     pub commit: bool,
+    /// Keep the simulator's view of device memory mapped after each access, so that device bytes
+    /// count in the process's VmRSS (`TMS_SIM_DEVICE_IN_RSS=1`; the default with `commit`). Else,
+    /// as on a GPU, they do not: after each copy, memset or CPU-layer op the view's page-table
+    /// entries are dropped (the bytes stay in the device pool).
+    pub device_in_rss: bool,
 }
 
 impl Config {
@@ -75,6 +80,7 @@ impl Config {
             },
             None => DEFAULT_MEMORY,
         };
+        let commit = env_str("TMS_SIM_COMMIT").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
         Config {
             node,
             dir: state_dir(),
@@ -90,7 +96,11 @@ impl Config {
                     None
                 }
             }),
-            commit: env_str("TMS_SIM_COMMIT").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true")),
+            commit,
+            // Committed memory keeps its page tables (no host page faults inside timed copies),
+            // so it stays resident unless asked otherwise.
+            device_in_rss: env_str("TMS_SIM_DEVICE_IN_RSS")
+                .map_or(commit, |v| v == "1" || v.eq_ignore_ascii_case("true")),
         }
     }
 

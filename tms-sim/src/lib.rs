@@ -344,6 +344,13 @@ pub mod introspect {
         view.map_or(std::ptr::null_mut(), |p| p as *mut libc::c_void)
     }
 
+    /// The end of a host view's use (see tms_sim.h): 0, or 1 when the range is not device memory
+    /// mapped with access.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn tms_sim_host_view_end(ptr: *const libc::c_void, len: usize) -> i32 {
+        guard(1, || if sim().host_view_end(ptr as usize, len) { 0 } else { 1 })
+    }
+
     /// The creation property of the physical memory mapped at `ptr` (see tms_sim.h), or -1.
     #[unsafe(no_mangle)]
     pub unsafe extern "C" fn tms_sim_mem_attr(ptr: *const libc::c_void) -> i32 {

@@ -135,6 +135,23 @@ fn punch(fd: libc::c_int, off: u64, len: u64) {
     }
 }
 
+/// Drops the process's page-table entries for the mirror bytes `[view, view + len)`, so that
+/// device memory stops counting in the process's resident set (VmRSS), as it would on a GPU: the
+/// bytes stay in the device pool's memfd (machine-wide Shmem), and the next access faults the
+/// pages back in. `view` must lie in a mirror: every mirror page is either a shared mapping of a
+/// device pool, where MADV_DONTNEED only unmaps, or reserved `PROT_NONE`, where it does nothing.
+/// Never pass private memory: there it would zero the bytes.
+pub fn forget_mirror_pages(view: usize, len: usize) {
+    if len == 0 {
+        return;
+    }
+    // Mirrors start and end on page boundaries, so widening to whole pages stays inside one.
+    let start = view & !(PAGE - 1);
+    let end = round_up(view + len, PAGE);
+    // SAFETY: advice on a mirror range (see above); it changes no byte of device memory.
+    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+}
+
 /// Host page work that the simulator does outside its memory lock, so that copies on other
 /// streams go on meanwhile (a device does not stall its copy engines to create or free memory).
 #[derive(Debug, Clone, Copy)]

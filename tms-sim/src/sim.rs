@@ -42,6 +42,8 @@ pub struct HostRange {
 struct CopyPlan {
     dst: usize,
     src: usize,
+    dst_on_device: bool,
+    src_on_device: bool,
     bus: Option<(usize, usize)>,
 }
 
@@ -371,6 +373,8 @@ impl Sim {
         Ok(CopyPlan {
             dst: d.map_or(dst, |b| b.mirror),
             src: s.map_or(src, |b| b.mirror),
+            dst_on_device: d.is_some(),
+            src_on_device: s.is_some(),
             bus: match (d, s) {
                 (Some(b), None) => Some((b.device, TO_DEVICE)),
                 (None, Some(b)) => Some((b.device, TO_HOST)),
@@ -416,6 +420,12 @@ impl Sim {
             // SAFETY: both ranges were validated: device bytes are in their mirror, mapped and
             // with access; host ranges are the caller's responsibility as with the real runtime.
             unsafe { std::ptr::copy(plan.src as *const u8, plan.dst as *mut u8, len) };
+            if plan.dst_on_device {
+                self.leave_view(plan.dst, len);
+            }
+            if plan.src_on_device {
+                self.leave_view(plan.src, len);
+            }
             Ok(())
         };
         match bus {
@@ -485,7 +495,16 @@ impl Sim {
         };
         // SAFETY: validated as device memory mapped with write access; its bytes are in the mirror.
         unsafe { std::ptr::write_bytes(bytes.mirror as *mut u8, value, n) };
+        self.leave_view(bytes.mirror, n);
         Ok(())
+    }
+
+    /// After the simulator (or the CPU layer) has touched device bytes through their mirror: the
+    /// pages leave the process's resident set unless `TMS_SIM_DEVICE_IN_RSS` keeps them.
+    fn leave_view(&self, view: usize, len: usize) {
+        if !self.cfg.device_in_rss {
+            crate::memory::forget_mirror_pages(view, len);
+        }
     }
 
     pub fn host_alloc(&self, size: usize, flags: u32) -> MemResult<usize> {
@@ -577,6 +596,20 @@ impl Sim {
     pub fn host_view(&self, addr: usize, len: usize) -> Option<usize> {
         // Write access implies read access on both front ends (read/write is the only other grant).
         self.read().device_range(addr, len, true).ok().flatten().map(|b| b.mirror)
+    }
+
+    /// The end of a host view's use (`tms_sim_host_view_end`): the bytes of device range
+    /// `[addr, addr+len)` leave the process's resident set. False if the range is not device
+    /// memory mapped with access (nothing to do).
+    pub fn host_view_end(&self, addr: usize, len: usize) -> bool {
+        let mem = self.read();
+        match mem.device_range(addr, len, false) {
+            Ok(Some(b)) => {
+                self.leave_view(b.mirror, len);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The creation property of the physical memory mapped at `addr` (virtual-memory

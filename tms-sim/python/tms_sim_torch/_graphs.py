@@ -497,6 +497,15 @@ class _Node:
     def __call__(self):
         from . import _layer
 
+        try:
+            self._replay()
+        finally:
+            for ptr, n in self.sizes.items():
+                _layer._end_view(ptr, n)
+
+    def _replay(self):
+        from . import _layer
+
         storages = {}
         for ptr, n in self.sizes.items():
             storages[ptr] = _construct_storage(_layer._view(ptr, n), _CPU, n)

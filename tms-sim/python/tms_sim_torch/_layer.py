@@ -96,10 +96,11 @@ def _runtime():
 _rt = None
 _stream_sync = None
 _host_view = None
+_host_view_end = None
 
 
 def _init_runtime(rt):
-    global _rt, _stream_sync, _host_view
+    global _rt, _stream_sync, _host_view, _host_view_end
     _rt = rt
     _stream_sync = rt.cudaStreamSynchronize
     _stream_sync.argtypes = [ctypes.c_void_p]
@@ -107,6 +108,9 @@ def _init_runtime(rt):
     _host_view = rt.tms_sim_host_view
     _host_view.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     _host_view.restype = ctypes.c_void_p
+    _host_view_end = rt.tms_sim_host_view_end
+    _host_view_end.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _host_view_end.restype = ctypes.c_int
     _graphs.init(rt)
     _graphs.install_torch_hooks()
 
@@ -138,6 +142,13 @@ def _view(ptr, nbytes):
     return view
 
 
+def _end_view(ptr, nbytes):
+    """The op is done with device range `[ptr, ptr + nbytes)`: its pages leave the process's
+    resident set, as device memory is not in a process's RSS on a GPU (see tms_sim.h)."""
+    if nbytes:
+        _host_view_end(ptr, nbytes)
+
+
 # --------------------------------------------------------------------------------------------
 # Aliases.
 
@@ -153,6 +164,11 @@ class _Call:
         self.aliases = {}  # id(alias) -> (alias, original)
         self.device = None  # where new results go: the first CUDA operand's device
         self.synced = ()  # device indices whose current stream was synchronized
+
+    def end(self):
+        """Ends the use of every view this call took (after the op and the results' mapping)."""
+        for ptr, ent in self.storages.items():
+            _end_view(ptr, ent[0].nbytes())
 
     def alias(self, t):
         """The CPU tensor viewing CUDA tensor `t`'s memory (same sizes, strides, offset, dtype)."""
@@ -224,6 +240,7 @@ class _Call:
         n = out.untyped_storage().nbytes()
         if n and r.numel():
             _memmove(_view(out.data_ptr(), n), r.data_ptr(), n)
+            _end_view(out.data_ptr(), n)
         return out
 
 
@@ -424,24 +441,30 @@ def _make_kernel(op, spec, impl=None):
             except Exception as e:
                 _add_note(e, op)
                 raise
+        first = call
         try:
             try:
-                result = _run(fn, cargs, ckwargs, gen_slot)
-            except RuntimeError as e:
-                if not has_written or "not resizable" not in str(e):
-                    raise
-                # A written tensor had to grow beyond its storage: compute into resizable CPU
-                # tensors and give the CUDA tensors new memory (as `resize_` does on a device).
-                call = _Call()
-                ckwargs = dict(kwargs)
-                cargs, gen_slot = convert(call, args, ckwargs, resizable=True)
-                result = _run(fn, cargs, ckwargs, gen_slot)
-        except Exception as e:
-            _add_note(e, op)
-            raise
-        for i, name, kind, kwonly, _, _ in written:
-            _propagate(call, cargs[i] if (not kwonly and i < len(cargs)) else ckwargs.get(name))
-        return call.back(result)
+                try:
+                    result = _run(fn, cargs, ckwargs, gen_slot)
+                except RuntimeError as e:
+                    if not has_written or "not resizable" not in str(e):
+                        raise
+                    # A written tensor had to grow beyond its storage: compute into resizable CPU
+                    # tensors and give the CUDA tensors new memory (as `resize_` does on a device).
+                    call = _Call()
+                    ckwargs = dict(kwargs)
+                    cargs, gen_slot = convert(call, args, ckwargs, resizable=True)
+                    result = _run(fn, cargs, ckwargs, gen_slot)
+            except Exception as e:
+                _add_note(e, op)
+                raise
+            for i, name, kind, kwonly, _, _ in written:
+                _propagate(call, cargs[i] if (not kwonly and i < len(cargs)) else ckwargs.get(name))
+            return call.back(result)
+        finally:
+            first.end()
+            if call is not first:
+                call.end()
 
     kernel.__name__ = f"tms_sim_cpu_{op.__name__}"
     return kernel
@@ -543,6 +566,8 @@ def _copy_kernel(dst, src, non_blocking=False):
         except Exception as e:
             _add_note(e, "aten.copy_.default")
             raise
+        finally:
+            call.end()
         return dst
     return _copy_op.redispatch(_CPU_KEYSET, dst, src, non_blocking)
 
