@@ -3,7 +3,7 @@
 
 import unittest
 
-from tms.ray import _actor_ids, _owners
+from tms.ray import _actor_ids, _locate, _owners
 
 # A node's process tree: 100 is the raylet, 200 and 300 two actors' Ray workers; 201 is 200's
 # SGLang-like engine child, 202 that child's own child; 301 a child of 300; 400 no actor's.
@@ -66,6 +66,41 @@ class ActorArguments(unittest.TestCase):
             _actor_ids(["engine-0"])
         with self.assertRaisesRegex(ValueError, "not a Ray actor ID"):
             _actor_ids([A[:-2]])
+
+
+
+class Cause:
+    """What tms.ray reads of Ray's death cause: ``actor_died_error_context.error_message``."""
+
+    class actor_died_error_context:  # noqa: N801 - the protobuf field's name
+        error_message = "The actor is dead because it was killed by `ray.kill`."
+
+
+def entry(state, pid=0, node="n1", cause=None):
+    """An entry of Ray's GCS actor table as ``ray._private.state.actors`` gives it."""
+    return {"ActorClassName": "Engine", "State": state, "Pid": pid, "DeathCause": cause,
+            "Address": {"NodeID": node, "IPAddress": "10.0.0.1" if node else ""}}
+
+
+class WhereAnActorIs(unittest.TestCase):
+    def test_alive_actors_dead_ones_and_unknown_ones(self):
+        table = {A: entry("ALIVE", 42), B: entry("DEAD", 43, cause=Cause())}
+        got = _locate([A, B, "ee" * 16], 1.0, lambda a: table.get(a, {}))
+        self.assertEqual(got[A], {"node_id": "n1", "node_ip": "10.0.0.1", "pid": 42})
+        self.assertEqual(got[B]["node_id"], "n1")
+        self.assertEqual(got[B]["error"], f"actor {B} (Engine) is dead: The actor is dead because it was killed by "
+                                          "`ray.kill`.")
+        self.assertIn("unknown to Ray", got["ee" * 16]["error"])
+
+    def test_an_actor_being_created_is_waited_for(self):
+        states = iter([entry("DEPENDENCIES_UNREADY", node=""), entry("PENDING_CREATION", node="")])
+        got = _locate([A], 5.0, lambda a: next(states, entry("ALIVE", 7)))
+        self.assertEqual(got[A]["pid"], 7)
+
+    def test_one_never_alive_is_named_once_the_timeout_has_passed(self):
+        got = _locate([A], 0.3, lambda a: entry("PENDING_CREATION", node=""))
+        self.assertEqual(got[A]["error"], f"actor {A} (Engine) is not alive after 0.3s (PENDING_CREATION)")
+        self.assertIsNone(got[A]["node_id"])
 
 
 if __name__ == "__main__":

@@ -217,10 +217,15 @@ def _death(info):
     return msg
 
 
-def _locate(actor_ids, timeout):
-    """{actor ID: {"node_id", "node_ip", "pid"} or {"error", ...}} from Ray's GCS actor table; an
+def _locate(actor_ids, timeout, lookup=None):
+    """{actor ID: {"node_id", "node_ip", "pid"} or {"node_id", "node_ip", "error"}} from Ray's GCS
+    actor table (``lookup(actor ID)``: that table's entry, {} when unknown; Ray's by default); an
     actor still being created (or restarting) is waited for, up to ``timeout``."""
-    from ray._private import state
+    if lookup is None:
+        from ray._private import state
+
+        def lookup(a):
+            return state.actors(actor_id=a)
 
     out = {}
     pending = list(actor_ids)
@@ -228,7 +233,7 @@ def _locate(actor_ids, timeout):
     while True:
         waiting = []
         for a in pending:
-            info = state.actors(actor_id=a)
+            info = lookup(a)
             if not info:
                 out[a] = {"node_id": None, "node_ip": None, "error": f"actor {a}: unknown to Ray (no such actor)"}
                 continue
