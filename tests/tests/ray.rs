@@ -3,7 +3,7 @@
 //! simulated device node; a worker killed, hung or losing its node's agent mid-run fails the run
 //! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
 //! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
-//! processes of one node.
+//! processes of one node, and those of chosen Ray actors (their hooked child processes).
 //!
 //! Ray comes from scripts/ray-env.sh (pinned, cached in ~/.cache/tms/ray-venv; installed here when
 //! missing). `TMS_RAY_TESTS=0` skips these tests, and says so, when that environment is absent.
@@ -273,6 +273,251 @@ fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_dr
     assert!(!st.contains("\"error\""), "{r}");
     a.quit();
     b.quit();
+}
+
+/// The driver of the `tms.ray` by-actor test: a 2-node local cluster (node k's control folder is
+/// argv[k+1], as in API_DRIVER) with three engine actors, each starting one hooked process as its
+/// child (the command of argv[3] per node, as SGLang's engine runs its model in a child of the
+/// actor): A and B on node 1, C on node 0. It pauses A and C by actor, reads every status, and
+/// asks for an actor that is dead, one that never existed and bad arguments.
+const ACTOR_DRIVER: &str = r#"
+import json, os, shutil, subprocess, sys, tempfile, time
+import ray
+from ray._private import state
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+import tms.ray
+
+spec = json.loads(sys.argv[3])
+os.environ["TMS_CONTROL_DIR"] = sys.argv[1]
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+os.environ["TMS_CONTROL_DIR"] = sys.argv[2]
+node1 = cluster.add_node(num_cpus=1)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+node0 = next(n["node_id"] for n in tms.ray.nodes() if n["node_id"] != node1.node_id)
+
+
+@ray.remote(num_cpus=0)
+class Engine:
+    def __init__(self, cmd, name):
+        env = dict(os.environ)
+        for k, v in cmd["env"].items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        env["TMS_NAME"] = name
+        # Ray hides every GPU from an actor that asked for none; the engine's device is its
+        # simulated node's.
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        self.err = tempfile.TemporaryFile()
+        self.p = subprocess.Popen(
+            cmd["argv"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True
+        )
+
+    def ask(self, line):
+        try:
+            self.p.stdin.write(line + "\n")
+            self.p.stdin.flush()
+            answer = self.p.stdout.readline()
+        except OSError:
+            answer = ""
+        if not answer:
+            self.err.seek(0)
+            raise RuntimeError(f"{line}: the engine's process ended ({self.p.wait()}): {self.err.read().decode()}")
+        return answer.strip()
+
+    def pids(self):
+        return os.getpid(), self.p.pid
+
+    def quit(self):
+        self.p.stdin.write("quit\n")
+        self.p.stdin.close()
+        return self.p.wait(timeout=30)
+
+
+@ray.remote(num_cpus=0)
+class Idle:
+    def pid(self):
+        return os.getpid()
+
+
+def on(node, cls=Engine):
+    return cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+
+
+def error_of(**kw):
+    try:
+        tms.ray.status(timeout=10, **kw)
+        return None
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+try:
+    engines = {
+        "a": on(node1.node_id).remote(spec["node1"], "engine-a"),
+        "b": on(node1.node_id).remote(spec["node1"], "engine-b"),
+        "c": on(node0).remote(spec["node0"], "engine-c"),
+    }
+    a, b, c = engines["a"], engines["b"], engines["c"]
+    for e in engines.values():
+        assert ray.get(e.ask.remote("alloc 8")) == "rc=0"
+        assert ray.get(e.ask.remote("fill")) == "rc=0"
+    dead = on(node1.node_id, Idle).remote()
+    ray.get(dead.pid.remote())
+    ray.kill(dead)
+    deadline = time.monotonic() + 60
+    while state.actors(actor_id=dead._actor_id.hex()).get("State") != "DEAD":
+        assert time.monotonic() < deadline, "the killed actor is not dead in 60s"
+        time.sleep(0.1)
+    out = {
+        "node0": node0,
+        "node1": node1.node_id,
+        "ids": {k: e._actor_id.hex() for k, e in engines.items()},
+        "pids": {k: ray.get(e.pids.remote()) for k, e in engines.items()},
+        "dead_id": dead._actor_id.hex(),
+        "pause": tms.ray.pause(actors=[a, c], timeout=10),
+        "status": tms.ray.status(actors=[a, b, c], timeout=10),
+        "status_node1": tms.ray.status(nodes=[node1.node_id], timeout=10),
+        "own_only": tms.ray.status(actors=[a], include_children=False, timeout=10),
+        "named": tms.ray.status(actors=[a, b], target="engine-b", timeout=10),
+        "dead": tms.ray.pause(actors=[dead, "ff" * 16], timeout=10),
+        "resume": tms.ray.resume(actors=[a, c], timeout=10),
+        "verify": {k: ray.get(e.ask.remote("verify")) for k, e in engines.items()},
+        "bad": {
+            "int": error_of(actors=[5]),
+            "name": error_of(actors=["engine-a"]),
+            "both": error_of(actors=[a], nodes=[node0]),
+        },
+        "quit": {k: ray.get(e.quit.remote()) for k, e in engines.items()},
+    }
+finally:
+    session = cluster.head_node.get_session_dir_path()
+    ray.shutdown()
+    cluster.shutdown()
+    shutil.rmtree(session, ignore_errors=True)
+print(json.dumps(out))
+"#;
+
+/// A command as JSON for the actor driver: argv and the variables set (null: removed).
+fn command_json(cmd: &Command) -> Value {
+    let mut argv = vec![cmd.get_program().to_string_lossy().into_owned()];
+    argv.extend(cmd.get_args().map(|a| a.to_string_lossy().into_owned()));
+    let env: serde_json::Map<String, Value> = cmd
+        .get_envs()
+        .map(|(k, v)| (k.to_string_lossy().into_owned(), v.map_or(Value::Null, |v| v.to_string_lossy().into())))
+        .collect();
+    serde_json::json!({ "argv": argv, "env": env })
+}
+
+#[test]
+fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_actor() {
+    let Some(py) = ray_python() else { return };
+    // Node 1's device holds three processes (two engines and the loner), each with a context
+    // (CONTEXT_BYTES) and 8 MiB.
+    let (n0, n1) = (SimNode::new("1GiB"), SimNode::new("1GiB"));
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["serve".into(), "cuda".into()]);
+    let spec =
+        serde_json::json!({ "node0": command_json(&n0.hooked(&argv)), "node1": command_json(&n1.hooked(&argv)) });
+    // A hooked process on node 1 that no actor started: choosing by actor leaves it alone.
+    let mut loner = Served::start_with(&n1, "cuda", &[("TMS_NAME", "loner")]);
+    assert_eq!(loner.ask("alloc 8"), "rc=0");
+    assert_eq!(loner.ask("fill"), "rc=0");
+    let out = Command::new(py)
+        .args(["-c", ACTOR_DRIVER])
+        .arg(n0.control_dir())
+        .arg(n1.control_dir())
+        .arg(spec.to_string())
+        .env("PYTHONPATH", workspace().root.join("python"))
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let r: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let child = |k: &str| r["pids"][k][1].clone();
+    let actor_pid = |k: &str| r["pids"][k][0].clone();
+    let rows = |key: &str| r[key].as_array().unwrap().clone();
+    let row_of = |key: &str, name: &str| -> Value {
+        let found: Vec<Value> = rows(key).into_iter().filter(|x| x["name"] == name).collect();
+        assert_eq!(found.len(), 1, "one row of {name} in {key}: {r}");
+        found[0].clone()
+    };
+    // Each engine's model process is a child of its actor's Ray worker, not the worker itself.
+    for k in ["a", "b", "c"] {
+        assert_ne!(child(k), actor_pid(k), "{r}");
+    }
+    // Paused: exactly A's and C's children (on two nodes), each its 8 MiB, device memory freed.
+    let paused = rows("pause");
+    assert_eq!(paused.len(), 2, "{r}");
+    for (k, node, row) in [("a", "node1", &paused[0]), ("c", "node0", &paused[1])] {
+        assert_eq!(row["actor_id"], r["ids"][k], "{r}");
+        assert_eq!(row["pid"], child(k), "{r}");
+        assert_eq!(row["name"], format!("engine-{k}"), "{r}");
+        assert_eq!(row["node_id"], r[node], "{r}");
+        assert!(row.get("error").is_none(), "{r}");
+        let rep = &row["result"];
+        assert_eq!(rep["bytes_done"], 8 * MIB, "{r}");
+        let freed = rep["device_free_after"].as_u64().unwrap() - rep["device_free_before"].as_u64().unwrap();
+        assert!(freed >= 8 * MIB, "device memory freed by pausing engine-{k}: {freed} B: {r}");
+    }
+    // Status by actor: A and C paused, B (beside A on node 1) untouched; so is the loner.
+    let paused_bytes = |row: &Value| -> u64 {
+        row["result"]["tags"].as_array().unwrap().iter().map(|t| t["bytes_paused"].as_u64().unwrap()).sum()
+    };
+    let active_bytes = |row: &Value| -> u64 {
+        row["result"]["tags"].as_array().unwrap().iter().map(|t| t["bytes_active"].as_u64().unwrap()).sum()
+    };
+    for (k, want) in [("a", 8 * MIB), ("b", 0), ("c", 8 * MIB)] {
+        let row = row_of("status", &format!("engine-{k}"));
+        assert_eq!(row["actor_id"], r["ids"][k], "{r}");
+        assert_eq!(paused_bytes(&row), want, "engine-{k}: {r}");
+        assert_eq!(active_bytes(&row), 8 * MIB - want, "engine-{k}: {r}");
+    }
+    assert_eq!(rows("status").len(), 3, "{r}");
+    let lone = row_of("status_node1", "loner");
+    assert_eq!((paused_bytes(&lone), active_bytes(&lone)), (0, 8 * MIB), "{r}");
+    assert!(lone.get("actor_id").is_none(), "{r}");
+    // Without children, A's own (unhooked) worker process is all of it: an error row naming A.
+    let own = rows("own_only");
+    assert_eq!(own.len(), 1, "{r}");
+    assert_eq!(own[0]["actor_id"], r["ids"]["a"], "{r}");
+    assert!(own[0]["pid"].is_null(), "{r}");
+    let msg = own[0]["error"].as_str().unwrap_or_default();
+    assert!(msg.contains(r["ids"]["a"].as_str().unwrap()) && msg.contains("no hooked process"), "{r}");
+    // `target` narrows an actor's processes: B's alone; A has none named so, and says so.
+    let named = rows("named");
+    assert_eq!(named.len(), 2, "{r}");
+    assert!(named[0]["error"].as_str().unwrap_or_default().contains("engine-b"), "{r}");
+    assert_eq!(named[1]["pid"], child("b"), "{r}");
+    // A dead actor and an unknown one: an error row each, naming it.
+    let dead = rows("dead");
+    assert_eq!(dead.len(), 2, "{r}");
+    let (d, u) = (dead[0]["error"].as_str().unwrap_or_default(), dead[1]["error"].as_str().unwrap_or_default());
+    assert!(d.contains(r["dead_id"].as_str().unwrap()) && d.contains("is dead"), "{r}");
+    assert!(d.contains("ray.kill"), "the death's cause: {r}");
+    assert_eq!(dead[0]["actor_id"], r["dead_id"], "{r}");
+    assert!(u.contains(&"ff".repeat(16)) && u.contains("unknown"), "{r}");
+    // Resumed by actor with their contents; B never paused.
+    let resumed = rows("resume");
+    assert_eq!(resumed.len(), 2, "{r}");
+    assert!(resumed.iter().all(|x| x["result"]["bytes_done"] == 8 * MIB), "{r}");
+    for k in ["a", "b", "c"] {
+        assert_eq!(r["verify"][k], "rc=0", "{r}");
+        assert_eq!(r["quit"][k], 0, "{r}");
+    }
+    // Bad arguments are refused before any Ray call, naming what was wrong.
+    let bad = &r["bad"];
+    assert!(bad["int"].as_str().unwrap_or_default().starts_with("TypeError: actors:"), "{r}");
+    assert!(bad["name"].as_str().unwrap_or_default().starts_with("ValueError: actors: 'engine-a'"), "{r}");
+    assert!(bad["both"].as_str().unwrap_or_default().starts_with("ValueError: give nodes or actors"), "{r}");
+    assert_eq!(loner.ask("verify"), "rc=0");
+    loner.quit();
 }
 
 #[test]
