@@ -11,7 +11,8 @@
 #                                             checks that need no PyTorch
 #   DIR/npu-check.sh run [--sim] DIR OUTDIR   the Ascend checks (run --npu): the C consumers through
 #                                             ACL, the colocated run and the bench on an NPU (CANN's
-#                                             set_env.sh sourced); torch_npu scenarios are not in it yet
+#                                             set_env.sh sourced), torch_npu programs through the
+#                                             wheel in preload and torch modes
 #
 # What `run` checks: the C consumers against the driver (100 pause/resume cycles with backup,
 # contents, addresses and free memory; a thread without a context allocating with a margin;
@@ -55,7 +56,7 @@ prepare() {
   strip --strip-debug "$dir"/bin/* "$dir"/lib/*
   cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
   mkdir -p "$dir/tests/torch-consumers"
-  cp "$root"/tests/torch-consumers/{conftest.py,torch_build.py,test_wheel.py,test_frameworks.py,test_tms_package.py,test_hook_under_torch.py,test_device_only.py} "$dir/tests/torch-consumers/"
+  cp "$root"/tests/torch-consumers/{conftest.py,torch_build.py,test_wheel.py,test_frameworks.py,test_tms_package.py,test_hook_under_torch.py,test_device_only.py,test_npu_programs.py} "$dir/tests/torch-consumers/"
   # The PyTorch workers of relax-colocate run, and the tms package they import (found in python/
   # beside scripts/, as in a checkout).
   cp "$root/scripts/torch_worker.py" "$root/scripts/relax_worker.py" "$dir/scripts/"
@@ -258,7 +259,20 @@ run_npu() {
       skip acl-malloc-policies "reads the simulator's record of each handle's memory attribute"
     fi
   fi
-  skip torch-npu-consumers "torch_npu scenarios are not in the kit yet (issue 14)"
+  if [ "$sim" = 1 ]; then
+    skip torch-npu-consumers "the same programs run in the test suite (cargo test) on the simulator's CUDA side"
+  elif ! python3 -c 'import torch, torch_npu, pytest; assert torch.npu.is_available()' 2>/dev/null; then
+    skip torch-npu-consumers "python3 has no torch_npu that sees an NPU, or no pytest"
+  else
+    # torch_npu programs through the kit's wheel, preload and torch modes (tests/torch-consumers/
+    # test_npu_programs.py): tags, pause freeing torch.npu.mem_get_info, same addresses and
+    # contents after resume, 20 cycles under a matmul, freed memory usable by others.
+    local wheel
+    wheel="$(ls "$kit"/wheel/tms_memory_saver-*.whl 2>/dev/null | head -n 1)"
+    check torch-npu-consumers 420 env -C "$kit/tests/torch-consumers" TMS_TEST_REAL_DEVICE=1 TMS_TEST_DEVICE=npu \
+      TMS_TEST_HOOK="$hook" TMS_TEST_WHEEL="$wheel" TMS_TEST_TMP="$outdir/torch-npu" python3 -m pytest -q \
+      -p no:cacheprovider -rfEs --junitxml="$outdir/torch-npu-consumers.xml" test_npu_programs.py
+  fi
   if [ "$sim" = 1 ]; then
     check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device sim --set sim.api=acl --steps 5 --out "$outdir/run"
   else

@@ -115,7 +115,7 @@ fn device_memory_stays_out_of_the_process_resident_set() {
     assert!(out.contains("device rss ok"), "{out}");
     argv.pop();
     argv.push("1".into());
-    let out = run_ok(&mut node.command(&argv).env("TMS_SIM_DEVICE_IN_RSS", "1"));
+    let out = run_ok(node.command(&argv).env("TMS_SIM_DEVICE_IN_RSS", "1"));
     assert!(out.contains("device rss ok"), "{out}");
 }
 

@@ -154,6 +154,13 @@ fn the_wheel_installs_with_pip_and_replaces_torch_memory_saver() {
     pytest_with("test_wheel.py", true);
 }
 
+/// The torch_npu programs of the Ascend kit (npu-check.sh runs them on an NPU with device "npu"),
+/// here on the simulated CUDA device: the same code, so it is known to work before an NPU runs it.
+#[test]
+fn the_npu_kits_programs_run_through_the_wheel() {
+    pytest_with("test_npu_programs.py", true);
+}
+
 #[test]
 fn cpu_compute_layer_matches_the_cpu_exactly() {
     pytest_on_simulator("tms-sim/python/tests/test_cpu_layer.py");
