@@ -63,6 +63,18 @@ prepare() {
   cp -r "$root/python/tms" "$dir/python/"
   find "$dir/python" -name __pycache__ -prune -exec rm -rf {} +
   cp "$root/scripts/gpu-check.sh" "$root/scripts/npu-check.sh" "$dir/"
+  # torch_memory_saver's own preload libraries (from the test environment, when it exists: it is
+  # not installed for this), so the bench runs them side by side with ours on the GPU.
+  rm -rf "$dir/upstream"
+  local tpy
+  if tpy="$("$root/scripts/torch-env.sh" --check >/dev/null 2>&1 && "$root/scripts/torch-env.sh" 2>/dev/null)"; then
+    local tsite
+    tsite="$("$tpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    if ls "$tsite"/torch_memory_saver_hook_mode_preload_cu1[23].abi3.so >/dev/null 2>&1; then
+      mkdir -p "$dir/upstream"
+      cp "$tsite"/torch_memory_saver_hook_mode_preload_cu1[23].abi3.so "$dir/upstream/"
+    fi
+  fi
   (cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown) >"$dir/VERSION"
   set +e
   local size
@@ -223,7 +235,14 @@ run() {
     check relax-colocate-run-torch 420 "$kit/bin/relax-colocate" run --device "$device" --steps 10 \
       --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" --out "$outdir/run-torch"
   fi
-  check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device "$device" --quick --out "$outdir/bench"
+  # Side by side with torch_memory_saver's library when the kit carries it, for this machine's
+  # CUDA major (the simulator serves either).
+  local upstream=auto major=13
+  [ $sim = 0 ] && major="${cudart##*.}"
+  [ -f "$kit/upstream/torch_memory_saver_hook_mode_preload_cu$major.abi3.so" ] &&
+    upstream="$kit/upstream/torch_memory_saver_hook_mode_preload_cu$major.abi3.so"
+  check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device "$device" --quick --upstream-lib "$upstream" \
+    --out "$outdir/bench"
 
   summarize "$device"
   ! grep -q "	fail	" "$results"

@@ -66,6 +66,12 @@ enum Command {
         /// is 0: the figures are the product).
         #[arg(long)]
         check: bool,
+        /// torch_memory_saver's own preload library to run side by side with ours, through the
+        /// same C calls in the same run (CUDA only): a path, `auto` (the torch_memory_saver
+        /// package of `python3` on PATH, if it is torch_memory_saver's own), or `none`. Two more
+        /// targets are judged when it runs: pause and resume with backup no slower than it.
+        #[arg(long, default_value = "auto", value_name = "PATH|auto|none")]
+        upstream_lib: bench::upstream::UpstreamLib,
     },
     /// Internal: a built-in worker process of `run` (trainer or rollout).
     #[command(hide = true)]
@@ -315,12 +321,27 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::Bench { device, api, quick, out, hook, sim_memory, sim_copy_gbps, check } => {
+        Command::Bench { device, api, quick, out, hook, sim_memory, sim_copy_gbps, check, upstream_lib } => {
             if !(sim_copy_gbps >= 0.0 && sim_copy_gbps.is_finite()) {
                 eprintln!("relax-colocate: --sim-copy-gbps must be a number >= 0");
                 return ExitCode::from(2);
             }
-            let opts = bench::Options { device, api, quick, out, hook, sim_memory, sim_copy_gbps };
+            if let bench::upstream::UpstreamLib::Path(_) = &upstream_lib {
+                let ascend = api == Some(bench::ApiKind::Acl) || device == bench::DeviceKind::Npu;
+                let refused = match bench::upstream::resolve(&upstream_lib) {
+                    Err(e) => Some(e),
+                    Ok(_) if ascend => Some("torch_memory_saver has no Ascend backend".to_string()),
+                    Ok(_) => None,
+                };
+                if let Some(why) = refused {
+                    eprintln!(
+                        "relax-colocate: --upstream-lib: {why}; pass torch_memory_saver's own preload library \
+                         (CUDA only), or none"
+                    );
+                    return ExitCode::from(2);
+                }
+            }
+            let opts = bench::Options { device, api, quick, out, hook, sim_memory, sim_copy_gbps, upstream_lib };
             match bench::run(&opts) {
                 Ok(verdict) if verdict.missed.is_empty() => ExitCode::SUCCESS,
                 Ok(verdict) => {

@@ -174,6 +174,16 @@ api!(Tms {
     resume: c"tms_resume_report" => fn(*const c_char, *mut Report) -> c_int;
 });
 
+// The part of the C ABI that torch_memory_saver's own library and libtms_hook.so share (the
+// bench's side-by-side scenario calls only these, so both libraries run the same code).
+api!(CommonTms {
+    set_region: c"tms_set_interesting_region" => fn(bool) -> ();
+    set_tag: c"tms_set_current_tag" => fn(*const c_char) -> ();
+    set_backup: c"tms_set_enable_cpu_backup" => fn(bool) -> ();
+    pause: c"tms_pause" => fn(*const c_char) -> c_int;
+    resume: c"tms_resume" => fn(*const c_char) -> c_int;
+});
+
 /// Loads the CUDA runtime into the global scope (the driver comes with it on real systems and
 /// on the simulator alike).
 pub fn load_cuda() -> Result<(), String> {

@@ -138,6 +138,13 @@ fn the_kit_passes_on_the_simulator() {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
     }
     assert!(md.contains("| check | result |"), "{md}");
+    // The kit carries torch_memory_saver's own libraries when the test environment has them
+    // (prepare takes them from there): the bench then runs them side by side with ours.
+    if kit().join("upstream").is_dir() {
+        let bench = std::fs::read_to_string(out.path().join("logs/relax-colocate-bench.log")).unwrap_or_default();
+        assert!(bench.contains("Side by side with torch_memory_saver's library (/"), "{bench}");
+        assert!(bench.contains("yes / yes"), "contents kept by both libraries:\n{bench}");
+    }
 }
 
 #[test]

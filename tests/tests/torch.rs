@@ -247,3 +247,61 @@ fn the_colocated_cycle_runs_with_pytorch_workers() {
         assert_eq!(asleep[tag].as_u64(), Some(0), "{tag} still on the device asleep: {asleep}");
     }
 }
+
+/// `relax-colocate bench --upstream-lib`: torch_memory_saver 0.0.10's own preload library (from
+/// the test environment's site-packages) runs the bench's side-by-side scenario beside
+/// libtms_hook.so in the same run, through the same C calls; both keep the contents, both are
+/// timed, and the two comparison targets are judged. Our hook under upstream's file name is
+/// refused as a comparison, not silently compared with itself.
+#[test]
+fn the_bench_runs_torch_memory_saver_s_library_side_by_side() {
+    let Some(python) = torch_python() else { return };
+    let ws = workspace();
+    let site = Command::new(python)
+        .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        .output()
+        .expect("run the test environment's python");
+    let site = PathBuf::from(String::from_utf8_lossy(&site.stdout).trim());
+    let upstream = site.join("torch_memory_saver_hook_mode_preload_cu13.abi3.so");
+    assert!(upstream.is_file(), "{} missing", upstream.display());
+    let out = tempfile::tempdir().unwrap();
+    let run = Command::new(ws.bin("relax-colocate"))
+        .args(["bench", "--device", "sim", "--quick", "--upstream-lib"])
+        .arg(&upstream)
+        .arg("--out")
+        .arg(out.path())
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("Side by side with torch_memory_saver's library"), "{stdout}");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("results.json")).unwrap()).unwrap();
+    let side = &results["side_by_side"];
+    for who in ["tms", "torch_memory_saver"] {
+        let rows = side[who]["rows"].as_array().unwrap_or_else(|| panic!("{who}: {side}"));
+        assert_eq!(rows.len(), 4, "2 sizes x backup on/off: {side}");
+        for r in rows {
+            assert!(r["pause_ns"].as_f64().unwrap_or(0.0) > 0.0 && r["resume_ns"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
+            if r["backup"] == true {
+                assert_eq!(r["contents_intact"], true, "{who}: {r}");
+            }
+        }
+    }
+    let targets = results["targets"].as_array().unwrap();
+    assert!(targets.iter().any(|t| t["target"].as_str().unwrap().contains("no slower than torch_memory_saver")));
+
+    // Our own hook under the comparison's name is no comparison: refused before measuring.
+    let run = Command::new(ws.bin("relax-colocate"))
+        .args(["bench", "--device", "sim", "--quick", "--upstream-lib"])
+        .arg(ws.hook())
+        .arg("--out")
+        .arg(out.path())
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is not torch_memory_saver's library"), "{stderr}");
+}

@@ -8,6 +8,7 @@
 //! the simulator serves both, `--api` picking one (CUDA by default), so CI proves the NPU path.
 
 pub mod plot;
+pub mod upstream;
 pub mod worker;
 
 use serde_json::{Value, json};
@@ -64,6 +65,8 @@ pub struct Options {
     pub hook: Option<PathBuf>,
     pub sim_memory: String,
     pub sim_copy_gbps: f64,
+    /// torch_memory_saver's library to compare with, side by side (CUDA only).
+    pub upstream_lib: upstream::UpstreamLib,
 }
 
 pub(crate) fn exe_dir() -> PathBuf {
@@ -205,6 +208,15 @@ pub struct Verdict {
 pub fn run(opts: &Options) -> Result<Verdict, String> {
     let (device, api) = resolve(opts.device, opts.api)?;
     let hook = find_hook(opts.hook.as_deref())?;
+    // A library named by the user must be usable before minutes of measuring; `auto` may find none.
+    let upstream_lib = match (&opts.upstream_lib, api) {
+        (upstream::UpstreamLib::Path(_), ApiKind::Acl) => {
+            return Err("--upstream-lib: torch_memory_saver has no Ascend backend (leave it out with --api acl)".into());
+        }
+        (choice @ upstream::UpstreamLib::Path(_), ApiKind::Cuda) => Ok(upstream::resolve(choice)
+            .map_err(|e| format!("--upstream-lib: {e}; pass torch_memory_saver's own preload library, or none"))?),
+        (choice, _) => upstream::resolve(choice),
+    };
     let sim = if device == DeviceKind::Sim {
         Some((crate::simulator::sim_environment()?.lib_dir, tempfile::tempdir().map_err(|e| e.to_string())?))
     } else {
@@ -233,7 +245,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         _ => "CUDA device 0".to_string(),
     };
     println!("relax-colocate bench on {device_name}{}", if q { ", --quick" } else { "" });
-    let step = |n: usize, what: &str| eprintln!("[{n}/6] {what}...");
+    let step = |n: usize, what: &str| eprintln!("[{n}/7] {what}...");
 
     step(1, "interception overhead (direct vs through the hook)");
     let iters = if q { 200_000 } else { 2_000_000 };
@@ -389,7 +401,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         f(&mem, "hook_heap_bytes_per_allocation")
     );
     println!(
-        "RSS across {} pause/resume cycles with backup: {} -> {} bytes ({:+})",
+        "resident anonymous memory (smaps_rollup) across {} pause/resume cycles with backup: {} -> {} bytes ({:+})",
         mem["cycles"], mem["rss_before"], mem["rss_after"], mem["rss_growth"]
     );
 
@@ -414,6 +426,15 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         )
     );
 
+    step(7, "torch_memory_saver's library side by side (same calls, same run)");
+    let (side_by_side, upstream_ratios) = match api {
+        ApiKind::Cuda => upstream::compare(&env, upstream_lib, q),
+        ApiKind::Acl => {
+            println!("\nSide by side with torch_memory_saver's library: skipped (it has no Ascend backend)");
+            (json!({ "skipped": "torch_memory_saver has no Ascend backend" }), None)
+        }
+    };
+
     // Targets, judged on figures from this run.
     let largest_backup =
         rows.iter().filter(|r| r["backup"] == true).max_by(|a, b| f(a, "bytes").total_cmp(&f(b, "bytes")));
@@ -436,7 +457,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     let pause_overlap = largest_backup.map(|r| f(r, "pause_bound_ns") / f(r, "pause_ns")).unwrap_or(f64::NAN);
     let resume_overlap = largest_backup.map(|r| f(r, "resume_bound_ns") / f(r, "resume_ns")).unwrap_or(f64::NAN);
     let at_least_90 = |name: &'static str, share: f64| (name, format!("{:.0}%", 100.0 * share), share >= 0.9);
-    let targets = vec![
+    let mut targets = vec![
         at_least_90("pause with backup >= 90% of raw D2H copy (whole op)", pause_share),
         at_least_90("resume with backup >= 90% of raw H2D copy (whole op)", resume_share),
         at_least_90("  pause with backup >= 90% of its bound (copy overlapping release)", pause_overlap),
@@ -448,9 +469,15 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         ),
         ("passthrough adds <= 50 ns per call", format!("{added:.1} ns"), added <= 50.0),
         ("hook bookkeeping <= 512 B per allocation", format!("{heap:.0} B"), heap <= 512.0),
-        ("no RSS growth across pause/resume cycles", format!("{growth:+} B"), growth <= 64 * 1024),
+        ("no resident-memory growth across pause/resume cycles", format!("{growth:+} B"), growth <= 64 * 1024),
         ("per-allocation pause cost at max count <= 2x at 100 (linear)", format!("{scaling:.2}x"), scaling <= 2.0),
     ];
+    if let Some((pause_x, resume_x)) = upstream_ratios {
+        // Judged only where torch_memory_saver's library ran beside ours.
+        let no_slower = |name: &'static str, x: f64| (name, format!("{x:.2}x"), x >= 1.0);
+        targets.push(no_slower("pause with backup no slower than torch_memory_saver (its time / ours)", pause_x));
+        targets.push(no_slower("resume with backup no slower than torch_memory_saver (its time / ours)", resume_x));
+    }
     println!("\nTargets (this run)");
     let lines = targets
         .iter()
@@ -462,6 +489,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         "device": device_name, "vendor": api.as_str(), "quick": q,
         "passthrough": { "direct": direct, "hooked": hooked },
         "region": region, "bytes": bytes, "count": count, "memory": mem, "colocate_switch": switch,
+        "side_by_side": side_by_side,
         "targets": targets.iter().map(|(t, m, ok)| json!({"target": t, "measured": m, "met": ok})).collect::<Vec<_>>(),
     });
     let json_path = opts.out.join("results.json");
@@ -572,6 +600,7 @@ pub fn worker_main(args: &[String]) -> Result<Value, String> {
         Some("bytes") => worker::bytes_scan(api, &list(1)?, num(2)?),
         Some("count") => worker::count_scan(api, &list(1)?, num(2)?),
         Some("memory") => worker::memory(api, num(1)?, num(2)?),
+        Some("side") => worker::side_by_side(&list(1)?, num(2)?),
         other => Err(format!("bench-worker: unknown scenario {other:?}")),
     }
 }
