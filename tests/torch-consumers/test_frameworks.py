@@ -1,4 +1,4 @@
-"""SGLang's and slime's use of torch_memory_saver, re-enacted with real tensors on the simulated
+"""SGLang's, slime's and Relax's use of torch_memory_saver, re-enacted with real tensors on the simulated
 device, once with torch_memory_saver 0.0.10's own preload library and once with libtms_hook.so
 under its file name (the `which` parameter). The Python side is torch_memory_saver 0.0.10's own
 package in both cases; only the preloaded library differs.
@@ -66,6 +66,13 @@ slime (THUDM/slime @ 624b824a898ab0ec1fcb4d373004c7f3852bf515)
   resume_memory_occupation(["kv_cache", "cuda_graph"]). SGLang engines get
   enable_memory_saver=offload_rollout and never enable_weights_cpu_backup (new weights are pushed
   right after the weights come back).
+
+Relax (redai-infra/Relax; docs/ray.md cites the files and commits read) keeps slime's trainer:
+relax/distributed/ray/actor_group.py preloads <site-packages>/torch_memory_saver_hook_mode_preload.abi3.so
+(the unversioned name, after checking the file exists) with TMS_INIT_ENABLE=1 and
+TMS_INIT_ENABLE_CPU_BACKUP=1 under --offload-train; relax/backends/megatron/actor.py sets
+memory_margin_bytes from --train-memory-margin-bytes, sleeps with pause() and wakes with resume()
+as slime does. Its rollout engines are SGLang's, driven as slime drives them.
 
 Not re-enacted here: hook_mode "torch" (it loads the wheel's torch-mode library, which this file
 does not replace). Both variants train with autograd's worker threads: their first runtime call
@@ -268,6 +275,9 @@ from torch import nn
 LAYOUT = {layout!r}
 MIB = 1 << 20
 saver = torch_memory_saver.torch_memory_saver
+MARGIN = {margin}
+if MARGIN:  # --train-memory-margin-bytes (slime and Relax set it at actor init when > 0)
+    saver.memory_margin_bytes = MARGIN  # a setter only, in torch_memory_saver 0.0.10
 
 
 def clear_memory(clear_host_memory=False):
@@ -396,14 +406,30 @@ print("losses_same=%s" % ([loss0, loss1] == ref_losses))
 print("params_same=%s" % all(torch.equal(a, b) for a, b in zip(t.params(), ref_params)))
 state = [s for s in t.opt.state.values()]
 print("adam_steps=%s" % [int(s["step"]) for s in state][:1])
+if MARGIN:
+    # Every allocation is in a region (TMS_INIT_ENABLE=1): one that would leave less than the
+    # margin free is refused, a smaller one is not.
+    clear_memory()
+    try:
+        torch.empty(free() - MARGIN // 2, dtype=torch.uint8, device="cuda")
+        print("margin_kept=False")
+    except torch.OutOfMemoryError:
+        print("margin_kept=True")
+    clear_memory()
+    x = torch.empty(free() - 2 * MARGIN, dtype=torch.uint8, device="cuda")
+    print("below_margin_ok=True")
 """
 
 
 @pytest.mark.parametrize("which", WHICH, indirect=True)
 @pytest.mark.parametrize("layout", ["whole_process", "megatron_buffers"])
 def test_slime_trainer_sleep_and_wake_up_between_steps(sim, which, layout):
-    code = SLIME_TRAINER.format(layout=layout)
+    code = SLIME_TRAINER.format(layout=layout, margin=0)
     out = sim.ok(code, preload=_preload(sim, which), memory="2GiB", extra=_trainer_env())
+    _check_trainer(out, layout)
+
+
+def _check_trainer(out, layout):
     param_bytes = int(out["param_bytes"])
     # After a step: params, grads and AdamW's two moments (at least) are released by the pause.
     assert int(out["freed_init"]) >= param_bytes, out
@@ -416,6 +442,21 @@ def test_slime_trainer_sleep_and_wake_up_between_steps(sim, which, layout):
     if layout == "megatron_buffers":
         assert out["region_flag_restored"] == "True"
         assert out["comm_kept"] == "True"
+
+
+@pytest.mark.parametrize("which", WHICH, indirect=True)
+def test_relax_trainer_with_its_preload_name_and_a_margin(sim, which):
+    # Relax (redai-infra/Relax, relax/distributed/ray/actor_group.py and
+    # relax/backends/megatron/actor.py; docs/ray.md) runs slime's trainer cycle but preloads the
+    # unversioned library name, checking that the file exists, and sets memory_margin_bytes from
+    # --train-memory-margin-bytes before building the model.
+    preload = _preload(sim, which).with_name("torch_memory_saver_hook_mode_preload.abi3.so")
+    assert preload.exists(), preload
+    code = SLIME_TRAINER.format(layout="whole_process", margin=256 * MIB)
+    out = sim.ok(code, preload=preload, memory="2GiB", extra=_trainer_env())
+    _check_trainer(out, "whole_process")
+    assert out["margin_kept"] == "True", out
+    assert out["below_margin_ok"] == "True", out
 
 
 # --------------------------------------------------------------------------------------------
