@@ -14,8 +14,9 @@
 #                                             set_env.sh sourced), torch_npu programs through the
 #                                             wheel in preload and torch modes
 #
-# What `run` checks: the C consumers against the driver (100 pause/resume cycles with backup,
-# contents, addresses and free memory; a thread without a context allocating with a margin;
+# What `run` checks: the C consumers against the driver (100 pause/resume cycles with backup:
+# contents, addresses and free memory; one tag on every GPU when there are several; a thread
+# without a context allocating with a margin;
 # threads churning during pause; RDMA-capable region memory; a pause that must not wait for a
 # stalled non-blocking stream; disk backup), real PyTorch through the installed wheel in preload
 # and torch modes (tests/torch-consumers: torch_memory_saver programs, SGLang's and slime's call
@@ -27,7 +28,7 @@
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
 prepare() {
@@ -195,6 +196,20 @@ run() {
     check c-pause-ignores-stalled-nonblocking-stream 60 env LD_PRELOAD="$hook" "$consumer" pause-streams cuda
     mkdir -p "$outdir/disk"
     check c-disk-backup 120 env LD_PRELOAD="$hook" "$consumer" disk-backup cuda "$outdir/disk"
+    # Several GPUs: one tag's memory on each, paused and resumed together (each device's free
+    # memory, addresses, contents; the caller's current device kept).
+    if [ $sim = 1 ]; then
+      check c-multi-device 120 env TMS_SIM_NODE="$TMS_SIM_NODE-multi" TMS_SIM_DEVICES=2 LD_PRELOAD="$hook" \
+        "$consumer" multi-device cuda 10
+    else
+      local ndev
+      ndev=$("$consumer" device-count cuda 2>/dev/null | sed -n 's/^devices=//p')
+      if [ "${ndev:-0}" -ge 2 ]; then
+        check c-multi-device 120 env LD_PRELOAD="$hook" "$consumer" multi-device cuda 10
+      else
+        skip c-multi-device "${ndev:-no} GPU(s) here; the check needs two or more"
+      fi
+    fi
     if [ $sim = 1 ]; then
       # Fault injection and the simulator's introspection exist only there.
       check c-oom-on-resume-then-retry 60 env LD_PRELOAD="$hook" "$consumer" oom-resume cuda
@@ -270,6 +285,18 @@ run_npu() {
     check acl-threads-churn-during-pause 300 env LD_PRELOAD="$hook" "$consumer" threads acl 200
     mkdir -p "$outdir/disk"
     check acl-disk-backup 120 env LD_PRELOAD="$hook" "$consumer" disk-backup acl "$outdir/disk"
+    if [ "$sim" = 1 ]; then
+      check acl-multi-device 120 env TMS_SIM_NODE="$TMS_SIM_NODE-multi" TMS_SIM_DEVICES=2 LD_PRELOAD="$hook" \
+        "$consumer" multi-device acl 10
+    else
+      local ndev
+      ndev=$("$consumer" device-count acl 2>/dev/null | sed -n 's/^devices=//p')
+      if [ "${ndev:-0}" -ge 2 ]; then
+        check acl-multi-device 120 env LD_PRELOAD="$hook" "$consumer" multi-device acl 10
+      else
+        skip acl-multi-device "${ndev:-no} NPU(s) here; the check needs two or more"
+      fi
+    fi
     if [ "$sim" = 1 ]; then
       check acl-malloc-policies 120 env LD_PRELOAD="$hook" "$consumer" acl-policies acl
       check acl-oom-on-resume-then-retry 60 env LD_PRELOAD="$hook" "$consumer" oom-resume acl

@@ -1021,6 +1021,97 @@ static int tag_churn(long steps) {
   return 0;
 }
 
+static int dev_count(void) {
+  if (use_acl) {
+    uint32_t n = 0;
+    EXPECT(ACL(aclrtGetDeviceCount)(&n), 0);
+    return (int)n;
+  }
+  int n = 0;
+  EXPECT(CUDART(cudaGetDeviceCount)(&n), 0);
+  return n;
+}
+
+static int dev_set(int d) { return use_acl ? ACL(aclrtSetDevice)(d) : CUDART(cudaSetDevice)(d); }
+
+static int dev_current(void) {
+  int d = -1;
+  if (use_acl) {
+    int32_t a = -1;
+    ACL(aclrtGetDevice)(&a);
+    d = a;
+  } else {
+    CUDART(cudaGetDevice)(&d);
+  }
+  return d;
+}
+
+/* Region memory on every device of the machine (two or more): one pause of the tag releases each
+ * device's share (free memory rises on each device by exactly what it holds there), resume
+ * restores every allocation on its own device at its address with its bytes, and the caller's
+ * current device is what it was. `cycles` pause/resume rounds. */
+static int multi_device(long cycles) {
+  enum { PER_DEVICE = 2, MAXDEV = 16 };
+  int n = dev_count();
+  if (n < 2) {
+    fprintf(stderr, "multi-device: %d device(s); this check needs two or more\n", n);
+    return 1;
+  }
+  if (n > MAXDEV) n = MAXDEV;
+  void *p[MAXDEV][PER_DEVICE];
+  uint64_t sum[MAXDEV][PER_DEVICE];
+  size_t held[MAXDEV], before[MAXDEV];
+  const size_t size[PER_DEVICE] = {6 * MiB, 2 * MiB};
+  for (int d = 0; d < n; d++) {
+    EXPECT(dev_set(d), 0);
+    before[d] = dev_free_mem();
+    region("multi", 1);
+    held[d] = 0;
+    for (int i = 0; i < PER_DEVICE; i++) {
+      EXPECT(dev_malloc(&p[d][i], size[i]), 0);
+      dev_fill(p[d][i], size[i], (unsigned)(d * 31 + i + 7));
+      sum[d][i] = dev_checksum(p[d][i], size[i]);
+      held[d] += size[i];
+    }
+    no_region();
+    EXPECT(before[d] - dev_free_mem() >= held[d], 1);
+  }
+  const int home = n - 1; /* the caller's device during pause and resume: not device 0 */
+  EXPECT(dev_set(home), 0);
+  for (long c = 0; c < cycles; c++) {
+    size_t live[MAXDEV];
+    for (int d = 0; d < n; d++) {
+      EXPECT(dev_set(d), 0);
+      live[d] = dev_free_mem();
+    }
+    EXPECT(dev_set(home), 0);
+    tms_report r;
+    EXPECT(TMS(tms_pause_report)("multi", &r), 0);
+    EXPECT(r.allocations_done, (uint64_t)(n * PER_DEVICE));
+    EXPECT(dev_current(), home);
+    for (int d = 0; d < n; d++) {
+      EXPECT(dev_set(d), 0);
+      EXPECT(dev_free_mem() - live[d], held[d]);
+    }
+    EXPECT(dev_set(home), 0);
+    EXPECT(TMS(tms_resume_report)("multi", &r), 0);
+    EXPECT(r.allocations_done, (uint64_t)(n * PER_DEVICE));
+    EXPECT(dev_current(), home);
+    for (int d = 0; d < n; d++) {
+      EXPECT(dev_set(d), 0);
+      EXPECT(dev_free_mem(), live[d]);
+      for (int i = 0; i < PER_DEVICE; i++) EXPECT(dev_checksum(p[d][i], size[i]), sum[d][i]);
+    }
+    EXPECT(dev_set(home), 0);
+  }
+  for (int d = 0; d < n; d++) {
+    EXPECT(dev_set(d), 0);
+    for (int i = 0; i < PER_DEVICE; i++) EXPECT(dev_free(p[d][i]), 0);
+  }
+  printf("multi-device ok: devices=%d cycles=%ld\n", n, cycles);
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -1028,6 +1119,11 @@ int tms_test_main(int argc, char **argv) {
   }
   dev_init(argv[2]);
   const char *m = argv[1];
+  if (!strcmp(m, "multi-device") && argc == 4) return multi_device(atol(argv[3]));
+  if (!strcmp(m, "device-count")) {
+    printf("devices=%d\n", dev_count());
+    return 0;
+  }
   if (!strcmp(m, "cycle")) return cycle(argc > 3 ? atol(argv[3]) : 1);
   if (!strcmp(m, "oom-resume")) return oom_resume();
   if (!strcmp(m, "faults")) return faults((argc > 3 ? atol(argv[3]) : 4) * MiB, argc > 4 ? atoi(argv[4]) : 1);

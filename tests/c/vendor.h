@@ -70,6 +70,7 @@ typedef struct { int flags; aclrtMemLocation location; uint8_t rsv[12]; } aclrtM
 aclError aclInit(const char *config);
 aclError aclrtSetDevice(int32_t d);
 aclError aclrtGetDevice(int32_t *d);
+aclError aclrtGetDeviceCount(uint32_t *count);
 aclError aclrtGetCurrentContext(aclrtContext *c);
 aclError aclrtSetCurrentContext(aclrtContext c);
 aclError aclrtMalloc(void **p, size_t n, int policy);

@@ -132,6 +132,7 @@ fn the_kit_passes_on_the_simulator() {
         "c-rdma-capable-region-memory",
         "c-faults-in-every-driver-call",
         "c-ascend-malloc-policies",
+        "c-multi-device",
         "relax-colocate-run",
         "relax-colocate-bench",
     ] {
@@ -169,6 +170,7 @@ fn the_ascend_kit_passes_on_the_simulators_acl_side() {
         "acl-cycles-100-with-backup",
         "acl-malloc-policies",
         "acl-faults-in-every-driver-call",
+        "acl-multi-device",
         "relax-colocate-run",
         "relax-colocate-bench",
     ] {

@@ -21,6 +21,17 @@ fn pause_resume_100_cycles_keeps_bytes_and_addresses_in_every_style() {
     }
 }
 
+/// Region memory on several devices: one pause releases each device's share, resume restores
+/// each allocation on its own device, from a thread whose current device is another one.
+#[test]
+fn one_tag_on_several_devices_pauses_and_resumes_each_device_s_memory() {
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("1GiB").env("TMS_SIM_DEVICES", "3");
+        let out = hooked(&node, Style::Linked, &["multi-device", api, "10"]);
+        assert!(out.contains("multi-device ok: devices=3 cycles=10"), "{api}: {out}");
+    }
+}
+
 #[test]
 fn allocations_of_many_pieces_cycle_with_contents_and_free_memory_exact() {
     // 2 MiB pieces and copies: every allocation of the cycle test is split, so pause releases
