@@ -118,6 +118,24 @@ use_simulator() {
   mkdir -p "$TMS_SIM_DIR"
 }
 
+# One tag's memory on every device, paused and resumed together (each device's free memory,
+# addresses, contents; the caller's current device kept): on the simulator with two devices, on
+# a machine where there are two or more, skipped with the count otherwise.
+multi_device_check() {
+  local name="$1" api="$2" kind="$3" sim="$4" consumer="$5" hook="$6" ndev
+  if [ "$sim" = 1 ]; then
+    check "$name" 120 env TMS_SIM_NODE="$TMS_SIM_NODE-multi" TMS_SIM_DEVICES=2 LD_PRELOAD="$hook" \
+      "$consumer" multi-device "$api" 10
+    return
+  fi
+  ndev=$("$consumer" device-count "$api" 2>/dev/null | sed -n 's/^devices=//p')
+  if [ "${ndev:-0}" -ge 2 ]; then
+    check "$name" 120 env LD_PRELOAD="$hook" "$consumer" multi-device "$api" 10
+  else
+    skip "$name" "${ndev:-no} $kind(s) here; the check needs two or more"
+  fi
+}
+
 find_cudart() {
   # The runtime the C consumers load: CUDA 13 first, then 12; from the system or PyTorch's wheels.
   local so
@@ -196,20 +214,7 @@ run() {
     check c-pause-ignores-stalled-nonblocking-stream 60 env LD_PRELOAD="$hook" "$consumer" pause-streams cuda
     mkdir -p "$outdir/disk"
     check c-disk-backup 120 env LD_PRELOAD="$hook" "$consumer" disk-backup cuda "$outdir/disk"
-    # Several GPUs: one tag's memory on each, paused and resumed together (each device's free
-    # memory, addresses, contents; the caller's current device kept).
-    if [ $sim = 1 ]; then
-      check c-multi-device 120 env TMS_SIM_NODE="$TMS_SIM_NODE-multi" TMS_SIM_DEVICES=2 LD_PRELOAD="$hook" \
-        "$consumer" multi-device cuda 10
-    else
-      local ndev
-      ndev=$("$consumer" device-count cuda 2>/dev/null | sed -n 's/^devices=//p')
-      if [ "${ndev:-0}" -ge 2 ]; then
-        check c-multi-device 120 env LD_PRELOAD="$hook" "$consumer" multi-device cuda 10
-      else
-        skip c-multi-device "${ndev:-no} GPU(s) here; the check needs two or more"
-      fi
-    fi
+    multi_device_check c-multi-device cuda GPU "$sim" "$consumer" "$hook"
     if [ $sim = 1 ]; then
       # Fault injection and the simulator's introspection exist only there.
       check c-oom-on-resume-then-retry 60 env LD_PRELOAD="$hook" "$consumer" oom-resume cuda
@@ -285,18 +290,7 @@ run_npu() {
     check acl-threads-churn-during-pause 300 env LD_PRELOAD="$hook" "$consumer" threads acl 200
     mkdir -p "$outdir/disk"
     check acl-disk-backup 120 env LD_PRELOAD="$hook" "$consumer" disk-backup acl "$outdir/disk"
-    if [ "$sim" = 1 ]; then
-      check acl-multi-device 120 env TMS_SIM_NODE="$TMS_SIM_NODE-multi" TMS_SIM_DEVICES=2 LD_PRELOAD="$hook" \
-        "$consumer" multi-device acl 10
-    else
-      local ndev
-      ndev=$("$consumer" device-count acl 2>/dev/null | sed -n 's/^devices=//p')
-      if [ "${ndev:-0}" -ge 2 ]; then
-        check acl-multi-device 120 env LD_PRELOAD="$hook" "$consumer" multi-device acl 10
-      else
-        skip acl-multi-device "${ndev:-no} NPU(s) here; the check needs two or more"
-      fi
-    fi
+    multi_device_check acl-multi-device acl NPU "$sim" "$consumer" "$hook"
     if [ "$sim" = 1 ]; then
       check acl-malloc-policies 120 env LD_PRELOAD="$hook" "$consumer" acl-policies acl
       check acl-oom-on-resume-then-retry 60 env LD_PRELOAD="$hook" "$consumer" oom-resume acl

@@ -343,15 +343,18 @@ static int hold(const char *api, long mib) {
   return 0;
 }
 
-static long shmem_kib(void) {
-  FILE *f = fopen("/proc/meminfo", "r");
+/* The kB figure of the first line of `path` that `format` (e.g. "Shmem: %ld kB") reads, or -1. */
+static long proc_kib(const char *path, const char *format) {
+  FILE *f = fopen(path, "r");
   char line[256];
   long v = -1;
   while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "Shmem: %ld kB", &v) == 1) break;
+    if (sscanf(line, format, &v) == 1) break;
   if (f) fclose(f);
   return v;
 }
+
+static long shmem_kib(void) { return proc_kib("/proc/meminfo", "Shmem: %ld kB"); }
 
 /* Releasing physical memory must give host memory back: the simulator's resident bytes (memfd
  * blocks) and the kernel's Shmem both fall; RSS alone would prove nothing. */
@@ -653,15 +656,7 @@ static int context_does_not_fit(void) {
   return 0;
 }
 
-static long vmrss_kib(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  char line[256];
-  long v = -1;
-  while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "VmRSS: %ld kB", &v) == 1) break;
-  if (f) fclose(f);
-  return v;
-}
+static long vmrss_kib(void) { return proc_kib("/proc/self/status", "VmRSS: %ld kB"); }
 
 /* Device memory is not in a process's resident set on a GPU; tools and tests (torch_memory_saver's
  * own) read VmRSS to see a CPU backup come and go. Plain and virtual-memory allocations, written

@@ -227,6 +227,22 @@ finally:
 print(json.dumps(out))
 "#;
 
+/// Runs a Ray driver script with the repository's `tms` package importable; its last stdout line
+/// is the JSON result.
+fn run_driver(py: &std::path::Path, script: &str, args: &[std::path::PathBuf]) -> Value {
+    let out = Command::new(py)
+        .args(["-c", script])
+        .args(args)
+        .env("PYTHONPATH", workspace().root.join("python"))
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {}", text(&out)))
+}
+
 #[test]
 fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_driver() {
     let Some(py) = ray_python() else { return };
@@ -237,19 +253,7 @@ fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_dr
         assert_eq!(p.ask("alloc 8"), "rc=0");
         assert_eq!(p.ask("fill"), "rc=0");
     }
-    let out = Command::new(py)
-        .args(["-c", API_DRIVER])
-        .arg(n0.control_dir())
-        .arg(n1.control_dir())
-        .env("PYTHONPATH", workspace().root.join("python"))
-        .env("RAY_USAGE_STATS_ENABLED", "0")
-        .env_remove("LD_PRELOAD")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let r: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
-        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let r = run_driver(py, API_DRIVER, &[n0.control_dir(), n1.control_dir()]);
     let names = |rows: &Value| -> Vec<String> {
         let mut v: Vec<String> =
             rows.as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap_or("").to_string()).collect();
@@ -426,20 +430,7 @@ fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_
     let mut loner = Served::start_with(&n1, "cuda", &[("TMS_NAME", "loner")]);
     assert_eq!(loner.ask("alloc 8"), "rc=0");
     assert_eq!(loner.ask("fill"), "rc=0");
-    let out = Command::new(py)
-        .args(["-c", ACTOR_DRIVER])
-        .arg(n0.control_dir())
-        .arg(n1.control_dir())
-        .arg(spec.to_string())
-        .env("PYTHONPATH", workspace().root.join("python"))
-        .env("RAY_USAGE_STATS_ENABLED", "0")
-        .env_remove("LD_PRELOAD")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let r: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
-        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let r = run_driver(py, ACTOR_DRIVER, &[n0.control_dir(), n1.control_dir(), spec.to_string().into()]);
     let child = |k: &str| r["pids"][k][1].clone();
     let actor_pid = |k: &str| r["pids"][k][0].clone();
     let rows = |key: &str| r[key].as_array().unwrap().clone();
