@@ -250,7 +250,7 @@ class Agent:
         return {n: describe_exit(p.returncode) for n, p in self.procs.items()}
 
 
-def end_leftovers(run_id, grace_s=3.0):
+def end_leftovers(run_id, grace_s=3.0, settle_s=2.0):
     """Ends the processes of this run's local cluster still alive after Ray's shutdown."""
     me = os.getpid()
     needle = f"{CLUSTER_MARK}={run_id}".encode() + b"\0"
@@ -268,19 +268,31 @@ def end_leftovers(run_id, grace_s=3.0):
                 pass
         return found
 
-    left = ours()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in left:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = ours()
-        if not left:
-            break
+    def end(pids):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while pids and time.monotonic() < deadline:
+                time.sleep(0.1)
+                pids = ours()
+            if not pids:
+                break
+        return pids
+
+    left = end(ours())
+    # A dying node's raylet can still be starting one of its agents (a CI run found a
+    # DashboardAgent appear after the first scan): watch a little longer and end latecomers.
+    quiet_until = time.monotonic() + settle_s
+    while not left and time.monotonic() < quiet_until:
+        time.sleep(0.2)
+        late = ours()
+        if late:
+            left = end(late)
+            quiet_until = time.monotonic() + settle_s
     return left
 
 
