@@ -343,6 +343,17 @@ static int hold(const char *api, long mib) {
   return 0;
 }
 
+/* Device memory as the hook makes it: reserve, create, map, grant read/write on device 0. */
+static int map_new_memory(size_t size, CUdeviceptr *va, CUmemGenericAllocationHandle *h) {
+  CUmemAllocationProp prop = cuda_prop(0);
+  EXPECT(CUDRV(cuMemAddressReserve)(va, size, 0, 0, 0), 0);
+  EXPECT(CUDRV(cuMemCreate)(h, size, &prop, 0), 0);
+  EXPECT(CUDRV(cuMemMap)(*va, size, 0, *h, 0), 0);
+  CUmemAccessDesc acc = {{1, 0}, 3};
+  EXPECT(CUDRV(cuMemSetAccess)(*va, size, &acc, 1), 0);
+  return 0;
+}
+
 /* The kB figure of the first line of `path` that `format` (e.g. "Shmem: %ld kB") reads, or -1. */
 static long proc_kib(const char *path, const char *format) {
   FILE *f = fopen(path, "r");
@@ -361,7 +372,6 @@ static long shmem_kib(void) { return proc_kib("/proc/meminfo", "Shmem: %ld kB");
 static int release_returns_memory(void) {
   struct tms_sim_stats s0, s1, s2;
   EXPECT(CUDRV(cuInit)(0), 0);
-  CUmemAllocationProp prop = cuda_prop(0);
   size_t size = 256 * MiB;
   /* Shmem is machine-wide: other processes' shared memory moves it too (tests run in parallel).
      The simulator's own count is checked exactly every time; Shmem must show most of the
@@ -371,11 +381,7 @@ static int release_returns_memory(void) {
     CUmemGenericAllocationHandle h;
     EXPECT(sim_stats(&s0), 0);
     long shmem0 = shmem_kib();
-    EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
-    EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
-    EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
-    CUmemAccessDesc acc = {{1, 0}, 3};
-    EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+    EXPECT(map_new_memory(size, &va, &h), 0);
     EXPECT(CUDART(cudaMemset)((void *)va, 0x5a, size), 0); /* touch every page */
     EXPECT(sim_stats(&s1), 0);
     long shmem1 = shmem_kib();
@@ -527,14 +533,9 @@ static int unmap_in_flight(void) {
   EXPECT(CUDRV(cuDevicePrimaryCtxRetain)(&ctx, 0), 0);
   EXPECT(CUDRV(cuCtxSetCurrent)(ctx), 0);
   size_t size = 64 * MiB;
-  CUmemAllocationProp prop = cuda_prop(0);
   CUdeviceptr va;
   CUmemGenericAllocationHandle h;
-  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
-  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
-  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
-  CUmemAccessDesc acc = {{1, 0}, 3};
-  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+  EXPECT(map_new_memory(size, &va, &h), 0);
   unsigned char *pinned;
   EXPECT(CUDART(cudaMallocHost)((void **)&pinned, size), 0);
   fill(pinned, size, 9);
@@ -683,14 +684,9 @@ static int device_rss(int in_rss) {
   long rss2 = vmrss_kib();
   for (size_t i = 0; i < size; i += 4093) EXPECT(host[i], 0x5a);
 
-  CUmemAllocationProp prop = cuda_prop(0);
   CUdeviceptr va;
   CUmemGenericAllocationHandle h;
-  EXPECT(CUDRV(cuMemAddressReserve)(&va, size, 0, 0, 0), 0);
-  EXPECT(CUDRV(cuMemCreate)(&h, size, &prop, 0), 0);
-  EXPECT(CUDRV(cuMemMap)(va, size, 0, h, 0), 0);
-  CUmemAccessDesc acc = {{1, 0}, 3};
-  EXPECT(CUDRV(cuMemSetAccess)(va, size, &acc, 1), 0);
+  EXPECT(map_new_memory(size, &va, &h), 0);
   for (size_t i = 0; i < size; i++) host[i] = (unsigned char)(i * 7 + (i >> 20));
   EXPECT(CUDART(cudaMemcpy)((void *)va, host, size, 1), 0);
   EXPECT(CUDART(cudaMemcpy)(plain, (void *)va, size, 3), 0);
