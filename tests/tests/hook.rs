@@ -120,8 +120,20 @@ fn ascend_malloc_policies_choose_the_physical_memory_of_region_allocations() {
 #[test]
 fn pooled_pinned_buffers_stay_under_their_cap() {
     let node = SimNode::new("256MiB").env("TMS_PINNED_POOL_MAX_MB", "4");
-    let out = hooked(&node, Style::Linked, &["pool-cap", "cuda"]);
+    let out = hooked(&node, Style::Linked, &["pool-cap", "cuda", "4"]);
     assert!(out.contains("pool-cap ok"), "{out}");
+}
+
+#[test]
+fn pooled_pinned_buffers_go_when_the_host_runs_short_of_memory() {
+    // A reserve of all the host's memory can never be met: every buffer is freed at resume, as
+    // it must be on a machine whose memory a resume's buffers would exhaust. With no reserve
+    // (and no cap) all three stay for the next pause.
+    for (reserve, kept_mib) in [("100", "0"), ("0", "12")] {
+        let node = SimNode::new("256MiB").env("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", reserve);
+        let out = hooked(&node, Style::Linked, &["pool-cap", "cuda", kept_mib]);
+        assert!(out.contains("pool-cap ok"), "reserve {reserve}%: {out}");
+    }
 }
 
 #[test]

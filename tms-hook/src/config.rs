@@ -25,6 +25,10 @@ pub struct Config {
     /// Most bytes of pinned buffers kept pooled for the next pause (`TMS_PINNED_POOL_MAX_MB`;
     /// None: no limit).
     pub pinned_pool_max: Option<u64>,
+    /// Share of the host's memory (percent of MemTotal) that must stay available while pinned
+    /// buffers are pooled (`TMS_PINNED_POOL_HOST_RESERVE_PERCENT`): a resume that would leave
+    /// less frees pooled buffers until it does.
+    pub pinned_pool_host_reserve_percent: u64,
     /// Resume refuses unless the margin stays free too (`TMS_RESUME_KEEPS_MARGIN`, default off).
     pub resume_keeps_margin: bool,
     /// `TMS_BACKUP_STREAMS`: concurrent copy streams per device for backup/restore.
@@ -91,6 +95,7 @@ impl Config {
         let pinned_pool_max = var("TMS_PINNED_POOL_MAX_MB")
             .filter(|v| !v.trim().is_empty())
             .map(|_| number("TMS_PINNED_POOL_MAX_MB", u64::MAX >> 20, 0) << 20);
+        let pinned_pool_host_reserve_percent = number("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", 25, 0).min(100);
         let backup_streams = number("TMS_BACKUP_STREAMS", 4, 1).min(64) as usize;
         let backup_chunk = (number("TMS_BACKUP_CHUNK_MB", 16, 1).min(4096) as usize) << 20;
         let physical_chunk = (number("TMS_PHYSICAL_CHUNK_MB", 16, 0).min(1 << 20) as usize) << 20;
@@ -113,6 +118,7 @@ impl Config {
             margin,
             resume_keeps_margin,
             pinned_pool_max,
+            pinned_pool_host_reserve_percent,
             backup_streams,
             backup_chunk,
             physical_chunk,

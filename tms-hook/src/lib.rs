@@ -16,6 +16,7 @@ pub mod device;
 pub mod disk;
 pub mod exports;
 pub mod forward;
+pub mod host_memory;
 pub mod log;
 pub mod region;
 pub mod registry;

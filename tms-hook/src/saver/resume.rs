@@ -8,6 +8,7 @@ use crate::backup::{self, Direction};
 use crate::config::config;
 use crate::device::{DevResult, Device};
 use crate::disk;
+use crate::host_memory;
 use crate::region;
 use crate::registry::State;
 use std::time::Instant;
@@ -53,8 +54,17 @@ impl Saver {
         let retain = self.retain_backup();
         let keep = retain || config().keep_pinned;
         // Pooled buffers hold host memory while their allocations are active: at most
-        // TMS_PINNED_POOL_MAX_MB of them stay; the rest are freed (and pinned again next pause).
-        let mut pool_room = config().pinned_pool_max.map(|max| max.saturating_sub(self.pooled_bytes()));
+        // TMS_PINNED_POOL_MAX_MB of them stay, and only while the host keeps its reserve
+        // available; the rest are freed (and pinned again next pause).
+        let pooled_here = |j: &Job| !retain && !j.a.disk && !j.a.pageable_backup && j.a.backup.is_some();
+        let candidates: u64 =
+            jobs.iter().filter(|j| j.ok && pooled_here(j)).filter_map(|j| j.a.backup).map(|b| b.len as u64).sum();
+        let mut pool_room = None;
+        if keep && candidates > 0 {
+            let host = host_memory::pool_room(candidates, config().pinned_pool_host_reserve_percent);
+            let capped = config().pinned_pool_max.map(|max| max.saturating_sub(self.pooled_bytes()));
+            pool_room = Some(capped.map_or(host, |c| c.min(host)));
+        }
         for j in jobs.iter_mut().filter(|j| j.ok) {
             j.a.backup_valid = false;
             j.a.backup_retained = retain && !j.a.disk;
