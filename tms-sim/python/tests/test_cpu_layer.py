@@ -429,6 +429,54 @@ def test_computation_in_a_child_process():
     assert "child ok cuda:0" in r.stdout
 
 
+def test_wide_reductions_add_float_sums_in_float64():
+    # A child process: the switch is read when the layer registers its kernels.
+    code = textwrap.dedent(
+        """
+        import torch, tms_sim_torch
+        from tms_sim_torch import _wide
+        assert tms_sim_torch.installed() and _wide.enabled()
+        torch.manual_seed(7)
+        # More than one chunk, so the chunked path adds partial sums too.
+        x = torch.rand(3, _wide.CHUNK // 2 + 11) + 101.1
+        d = x.to("cuda")
+        exact = lambda r: r.to(torch.float32)
+        checks = [
+            (d.sum(), exact(x.double().sum())),
+            (d.mean(), exact(x.double().mean())),
+            (d.sum(1), exact(x.double().sum(1))),
+            (d.mean(dim=(0, 1), keepdim=True), exact(x.double().mean(dim=(0, 1), keepdim=True))),
+            (d.t().mean(0), exact(x.double().t().mean(0))),
+            (d.half().sum(dtype=torch.float32), exact(x.half().double().sum())),
+        ]
+        for got, want in checks:
+            assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
+            assert torch.equal(got.cpu(), want), (got, want)
+        # The switch changes something: float32 sums on the CPU round on the way.
+        assert not torch.equal(x.sum(1), checks[2][1]), "pick data where float32 sums differ"
+        # Integers and float64 keep the CPU's kernels.
+        i = torch.arange(10, device="cuda")
+        assert i.sum().item() == 45 and i.sum().dtype == torch.int64
+        assert torch.equal(d.double().sum().cpu(), x.double().sum())
+        # The graph replays the wide kernel, as the op ran outside capture.
+        g = torch.cuda.CUDAGraph()
+        out = None
+        with torch.cuda.graph(g):
+            out = (torch.ones(1000, device="cuda") * d[0, :1000].sum()).mean()
+        g.replay()
+        assert torch.equal(out.cpu(), exact(x[0, :1000].double().sum())), out
+        print("wide ok")
+        """
+    )
+    env = dict(os.environ, TMS_SIM_WIDE_REDUCTIONS="1")
+    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+    if PYDIR not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([PYDIR] + paths)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "wide ok" in r.stdout
+
+
 def test_allocations_stay_on_the_device():
     torch.cuda.synchronize()
     a = torch.randn(256, 256, device="cuda")

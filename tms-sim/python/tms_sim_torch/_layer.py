@@ -36,7 +36,7 @@ import warnings
 import torch
 import torch._decomp
 
-from . import _graphs
+from . import _graphs, _wide
 
 _CPU = torch.device("cpu")
 _Tensor = torch.Tensor
@@ -369,10 +369,11 @@ def _written_arg(call, t, out, resizable):
     return call.alias(t)
 
 
-def _make_kernel(op, spec, impl=None):
-    """The CUDA kernel of `op`: runs `impl` (default: `op` itself, which then dispatches to its CPU
-    kernel) on CPU aliases of the CUDA operands."""
-    fn = op if impl is None else impl
+def _make_kernel(op, spec, impl=None, cpu=None):
+    """The CUDA kernel of `op`: runs `impl` (a decomposition into other ops) or `cpu` (a CPU
+    function with the op's signature) on CPU aliases of the CUDA operands; by default `op` itself,
+    which then dispatches to its CPU kernel."""
+    fn = cpu if cpu is not None else (op if impl is None else impl)
     written = tuple(s for s in spec if s[4])
     has_written = any(s[4] for s in spec)
     numbers_ok = torch._C._should_allow_numbers_as_tensors(op._schema.name.split("::")[-1])
@@ -636,6 +637,7 @@ def register():
     specials = {
         "aten::_fused_sdp_choice": _fused_sdp_choice_kernel,
     }
+    wide = _wide.enabled()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
         warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
@@ -644,6 +646,8 @@ def register():
             count += 1
             short = name.split("::", 1)[1]
             fn = specials.get(name)
+            if fn is None and wide and impl is None and name in _wide.OPS:
+                fn = _make_kernel(op, _spec(op), cpu=_wide.make(op, name))
             if fn is None:
                 fn = _make_kernel(op, _spec(op), impl)
             lib.impl(short, fn, "CUDA")
