@@ -149,6 +149,13 @@ fn sglang_and_slime_call_sequences_with_ours_the_wheel_and_upstream() {
     pytest_with("test_frameworks.py", true);
 }
 
+/// The scenarios of torch_memory_saver's `test_examples.py` that no other test covers, re-enacted:
+/// its scenario scripts are not in the sdist that CI can download.
+#[test]
+fn torch_memory_saver_s_example_scenarios_with_ours_the_wheel_and_upstream() {
+    pytest_with("test_upstream_scenarios.py", true);
+}
+
 #[test]
 fn the_wheel_installs_with_pip_and_replaces_torch_memory_saver() {
     pytest_with("test_wheel.py", true);

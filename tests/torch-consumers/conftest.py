@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from variants import SITE, UPSTREAM_PRELOAD
 
 REAL_DEVICE = os.environ.get("TMS_TEST_REAL_DEVICE") == "1"
 
@@ -154,3 +155,13 @@ def fresh_venv(tmp_path_factory):
     )
     (site / "zz-torch-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python, site
+
+
+@pytest.fixture
+def which(request, sim):
+    """The variant (variants.py) named by the test's `which` parameter, set up on `sim`."""
+    if request.param == "upstream" and not (SITE / UPSTREAM_PRELOAD).exists():
+        pytest.skip("torch_memory_saver's own package is not installed here")
+    if request.param == "wheel":
+        sim.python_path.insert(0, str(request.getfixturevalue("wheel_site")))
+    return request.param

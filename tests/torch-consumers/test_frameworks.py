@@ -80,37 +80,13 @@ is cudaStreamIsCapturing, which makes the primary context current (as on a GPU; 
 once did not, and upstream's library exits its process on an allocation without a context).
 """
 
-import sysconfig
 from pathlib import Path
 
 import pytest
-import torch_build
+from variants import SITE, UPSTREAM_PRELOAD, WHICH
+from variants import preload_for as _preload
 
-SITE = Path(sysconfig.get_paths()["purelib"])
-# torch_memory_saver's preload library for this torch's CUDA major (the file slime preloads).
-UPSTREAM_PRELOAD = torch_build.upstream_preload_name()
-# ours: our hook under upstream's file name, with upstream's Python package; wheel: our wheel's
-# Python package and hook (what `pip install tms-memory-saver` gives); upstream: theirs, whole.
-WHICH = ["ours", "wheel", "upstream"]
 MIB = 1 << 20
-
-
-@pytest.fixture
-def which(request, sim):
-    if request.param == "upstream" and not (SITE / UPSTREAM_PRELOAD).exists():
-        pytest.skip("torch_memory_saver's own package is not installed here")
-    if request.param == "wheel":
-        sim.python_path.insert(0, str(request.getfixturevalue("wheel_site")))
-    return request.param
-
-
-def _preload(sim, which):
-    if which == "ours":
-        return sim.compat_dir() / "torch_memory_saver_hook_mode_preload.abi3.so"
-    if which == "wheel":
-        # The name slime puts in LD_PRELOAD, in the wheel's site folder.
-        return Path(sim.python_path[0]) / UPSTREAM_PRELOAD
-    return SITE / UPSTREAM_PRELOAD
 
 
 def _trainer_env(extra=None):
