@@ -441,7 +441,8 @@ fn stopped_processes_delay_no_one_and_are_reported_as_not_responding() {
     let (took, code, out, err) = timed(node.ctl(&["--timeout", "3", "pause", "--all"]));
     assert_eq!(code, 1, "{out}{err}");
     assert!(took < Duration::from_millis(5000), "pause --all took {took:?}");
-    let line = out.lines().find(|l| l.starts_with(&format!("pid {}:", live.pid()))).unwrap_or_default();
+    // Each line names the process as well as its pid.
+    let line = out.lines().find(|l| l.starts_with(&format!("pid {} (live):", live.pid()))).unwrap_or_default();
     assert!(line.contains("paused 1 allocations"), "{out}");
 
     // Picking a process by name waits for no one else: names are read from the socket folder.

@@ -499,6 +499,9 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
 #[derive(Serialize)]
 struct OpRow {
     pid: u32,
+    /// The process's TMS_NAME, where it set one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
     socket: String,
     ok: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -515,23 +518,20 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
     let answers = ask_all(ctx, procs, Arc::new(move |p: &Path| tms_proto::call_full(p, &request, timeout)));
     let mut rows = Vec::new();
     for (p, answer) in procs.iter().zip(answers) {
+        let name = tms_proto::read_name(&p.path).flatten();
+        let socket = p.path.display().to_string();
         let row = match answer {
             Ok((report, error)) => {
                 let report: Option<OpReport> = report.and_then(|v| serde_json::from_value(v).ok());
-                OpRow {
-                    pid: p.pid,
-                    socket: p.path.display().to_string(),
-                    ok: error.is_none(),
-                    report,
-                    error: error.map(|e| e.to_string()),
-                }
+                OpRow { pid: p.pid, name, socket, ok: error.is_none(), report, error: error.map(|e| e.to_string()) }
             }
-            Err(e) => {
-                OpRow { pid: p.pid, socket: p.path.display().to_string(), ok: false, report: None, error: Some(e) }
-            }
+            Err(e) => OpRow { pid: p.pid, name, socket, ok: false, report: None, error: Some(e) },
         };
         if !ctx.json {
-            let mut line = format!("pid {}: ", row.pid);
+            let mut line = match &row.name {
+                Some(name) => format!("pid {} ({name}): ", row.pid),
+                None => format!("pid {}: ", row.pid),
+            };
             if let Some(r) = &row.report {
                 line.push_str(&format!(
                     "{verb} {} allocations, {} in {:.1} ms (skipped {}, failed {}); device free {} -> {}",
