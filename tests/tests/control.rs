@@ -450,6 +450,14 @@ fn stopped_processes_delay_no_one_and_are_reported_as_not_responding() {
     assert_eq!(code, 0, "{out}{err}");
     assert!(took < Duration::from_millis(2500), "resume live took {took:?}");
     assert!(out.contains("resumed 1 allocations"), "{out}");
+    let (_, code, out, err) = timed(node.ctl(&["--timeout", "3", "ping", "live"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(out.trim(), format!("pid {} (live): ok", live.pid()), "{out}");
+    let (code, rows) = json(node.ctl(&["--timeout", "3", "--json", "pause", "live"]));
+    assert_eq!(code, 0, "{rows}");
+    assert_eq!(rows[0]["name"], "live", "{rows}");
+    let (code, rows) = json(node.ctl(&["--timeout", "3", "--json", "resume", "live"]));
+    assert_eq!((code, rows[0]["report"]["allocations_done"].as_u64()), (0, Some(1)), "{rows}");
 
     for f in &mut frozen {
         // SAFETY: signalling our own child.

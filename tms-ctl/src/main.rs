@@ -528,10 +528,7 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
             Err(e) => OpRow { pid: p.pid, name, socket, ok: false, report: None, error: Some(e) },
         };
         if !ctx.json {
-            let mut line = match &row.name {
-                Some(name) => format!("pid {} ({name}): ", row.pid),
-                None => format!("pid {}: ", row.pid),
-            };
+            let mut line = format!("{}: ", label(row.pid, row.name.as_deref()));
             if let Some(r) = &row.report {
                 line.push_str(&format!(
                     "{verb} {} allocations, {} in {:.1} ms (skipped {}, failed {}); device free {} -> {}",
@@ -557,6 +554,14 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
     Ok(if rows.iter().all(|r| r.ok) { 0 } else { 1 })
 }
 
+/// How an output line names a process: its pid, and its TMS_NAME where it set one.
+fn label(pid: u32, name: Option<&str>) -> String {
+    match name {
+        Some(name) => format!("pid {pid} ({name})"),
+        None => format!("pid {pid}"),
+    }
+}
+
 fn simple(ctx: &Ctx, procs: &[SocketEntry], request: &Request) -> Result<u8, Failure> {
     let timeout = ctx.timeout;
     let request = request.clone();
@@ -564,14 +569,17 @@ fn simple(ctx: &Ctx, procs: &[SocketEntry], request: &Request) -> Result<u8, Fai
     let failed = answers.iter().any(Result::is_err);
     let mut rows = Vec::new();
     for (p, r) in procs.iter().zip(&answers) {
+        let name = tms_proto::read_name(&p.path).flatten();
         if !ctx.json {
+            let who = label(p.pid, name.as_deref());
             match r {
-                Ok(_) => println!("pid {}: ok", p.pid),
-                Err(e) => println!("pid {}: error: {e}", p.pid),
+                Ok(_) => println!("{who}: ok"),
+                Err(e) => println!("{who}: error: {e}"),
             }
         }
         rows.push(serde_json::json!({
             "pid": p.pid,
+            "name": name,
             "socket": p.path.display().to_string(),
             "ok": r.is_ok(),
             "result": r.as_ref().ok(),
