@@ -239,7 +239,7 @@ run() {
   else
     local wheel
     wheel=$(ls "$kit"/wheel/tms_memory_saver-*.whl 2>/dev/null | head -n 1)
-    check torch-consumers 420 env -C "$kit/tests/torch-consumers" TMS_TEST_REAL_DEVICE=1 TMS_TEST_HOOK="$hook" \
+    check torch-consumers 600 env -C "$kit/tests/torch-consumers" TMS_TEST_REAL_DEVICE=1 TMS_TEST_HOOK="$hook" \
       TMS_TEST_WHEEL="$wheel" TMS_TEST_TMP="$outdir/torch" python3 -m pytest -q -p no:cacheprovider -rfEs \
       --junitxml="$outdir/torch-consumers.xml" .
   fi

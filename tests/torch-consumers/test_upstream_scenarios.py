@@ -159,11 +159,15 @@ used_resumed = used()
 print("forward2=%r" % forward(weights))
 used_forward2 = used()
 
+# The caching allocator must give back its cached blocks to fit `c`. Allocation is the point,
+# not contents: `empty` keeps this cheap on the simulator, whose fills run on the CPU.
 total = torch.cuda.mem_get_info()[1]
-a = torch.full((int(total * 0.3),), 42, dtype=torch.uint8, device="cuda")
-b = torch.full((int(total * 0.3),), 42, dtype=torch.uint8, device="cuda")
+a = torch.empty((int(total * 0.3),), dtype=torch.uint8, device="cuda")
+b = torch.empty((int(total * 0.3),), dtype=torch.uint8, device="cuda")
 del a, b
-c = torch.full((int(total * 0.6),), 42, dtype=torch.uint8, device="cuda")
+c = torch.empty((int(total * 0.6),), dtype=torch.uint8, device="cuda")
+c[-1] = 7
+print("evicted=%s" % (c[-1].item() == 7))
 initial += 1
 print("initial_ok=%s" % bool((initial == 43).all()))
 print("weights_ok=%s" % all(bool((w == 42).all()) for w in weights))
@@ -199,6 +203,7 @@ def test_a_whole_process_trainer_pauses_runs_disabled_code_and_resumes(sim, whic
     assert abs((u["used_resumed"] - u["used_after_disable"]) - taken) <= 2 * MIB, u
     assert abs(u["used_forward2"] - u["used_resumed"]) <= MIB, u
     assert out["initial_ok"] == "True" and out["weights_ok"] == "True", out
+    assert out["evicted"] == "True", out
 
 
 # --------------------------------------------------------------------------------------------
