@@ -210,14 +210,35 @@ def test_a_whole_process_trainer_pauses_runs_disabled_code_and_resumes(sim, whic
 # examples/multi_device.py (preload) and multi_device_torch_mode.py (torch)
 # --------------------------------------------------------------------------------------------
 
-TWO_DEVICES = (
+# The start of a two-device scenario: on a real machine with one device (the kit) it reports a
+# skip; `{mode}` is filled in by _on_two_devices.
+TWO_DEVICE_PROLOGUE = (
     COMMON
     + """
-if torch.cuda.device_count() < 2:  # a real machine with one device (the kit)
+if torch.cuda.device_count() < 2:
     print("skip=%d device(s): the scenario needs two" % torch.cuda.device_count())
     raise SystemExit(0)
 saver.hook_mode = "{mode}"
 N = 64 * MIB
+"""
+)
+
+
+def _on_two_devices(sim, which, mode, scenario):
+    """Runs `scenario` (formatted with its hook mode) on two 1 GiB devices; skips where the
+    variant has no library of its own for the mode, or where a real machine has one device."""
+    if mode == "torch" and which == "ours":
+        pytest.skip("torch mode loads the package's own torch-mode library, which 'ours' does not replace")
+    preload = _preload(sim, which) if mode == "preload" else None
+    out = sim.ok(scenario.format(mode=mode), preload=preload, devices=2, memory="1GiB")
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    return out
+
+
+TWO_DEVICES = (
+    TWO_DEVICE_PROLOGUE
+    + """
 torch.cuda.set_device(1)
 if "{mode}" == "preload":
     # A region allocation on a device other than the current one: only the global hook sees it.
@@ -253,12 +274,7 @@ print("devices=%s,%s,%s" % (a0.device, a1.device, b1.device))
 @pytest.mark.parametrize("which", WHICH, indirect=True)
 @pytest.mark.parametrize("mode", ["preload", "torch"])
 def test_regions_on_two_devices_pause_and_resume_each(sim, which, mode):
-    if mode == "torch" and which == "ours":
-        pytest.skip("torch mode loads the package's own torch-mode library, which 'ours' does not replace")
-    preload = _preload(sim, which) if mode == "preload" else None
-    out = sim.ok(TWO_DEVICES.format(mode=mode), preload=preload, devices=2, memory="1GiB")
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    out = _on_two_devices(sim, which, mode, TWO_DEVICES)
     # Without backup: pause frees each device's share, resume takes it again.
     assert int(out["freed0"]) >= 64 * MIB and int(out["freed1"]) >= 128 * MIB, out
     assert int(out["back0"]) >= 64 * MIB and int(out["back1"]) >= 128 * MIB, out
@@ -389,13 +405,8 @@ def test_the_mmap_backend_from_the_environment_comes_and_goes_in_rss(sim, which)
 
 
 MMAP_TWO_DEVICES = (
-    COMMON
+    TWO_DEVICE_PROLOGUE
     + """
-if torch.cuda.device_count() < 2:  # a real machine with one device (the kit)
-    print("skip=%d device(s): the scenario needs two" % torch.cuda.device_count())
-    raise SystemExit(0)
-saver.hook_mode = "{mode}"
-N = 64 * MIB
 tensors = []
 for d, value in enumerate((7, 13)):
     torch.cuda.set_device(d)
@@ -424,12 +435,7 @@ for d, (t, value) in enumerate(zip(tensors, (7, 13))):
 @pytest.mark.parametrize("which", WHICH, indirect=True)
 @pytest.mark.parametrize("mode", ["preload", "torch"])
 def test_mmap_backups_of_two_devices_resume_on_their_own_devices(sim, which, mode):
-    if mode == "torch" and which == "ours":
-        pytest.skip("torch mode loads the package's own torch-mode library, which 'ours' does not replace")
-    preload = _preload(sim, which) if mode == "preload" else None
-    out = sim.ok(MMAP_TWO_DEVICES.format(mode=mode), preload=preload, devices=2, memory="1GiB")
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    out = _on_two_devices(sim, which, mode, MMAP_TWO_DEVICES)
     assert out["current"] == "0", out
     assert all(int(f) >= 64 * MIB for f in out["freed"].split(",")), out
     assert out["device0"] == "True" and out["device1"] == "True", out

@@ -407,6 +407,18 @@ def test_computation_in_a_thread():
     torch.testing.assert_close(result["value"], (a.t() @ a).softmax(1), rtol=0, atol=0)
 
 
+def _child(code, extra_env=None, timeout=120):
+    """Runs `code` in a child Python with this process's environment (so on the simulator, through
+    sitecustomize) plus `extra_env`; requires exit 0 and returns the completed process."""
+    env = dict(os.environ, **(extra_env or {}))
+    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+    if PYDIR not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([PYDIR] + paths)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 def test_computation_in_a_child_process():
     code = textwrap.dedent(
         """
@@ -420,12 +432,7 @@ def test_computation_in_a_child_process():
         print("child ok", x.device)
         """
     )
-    env = dict(os.environ)
-    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
-    if PYDIR not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([PYDIR] + paths)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    r = _child(code)
     assert "child ok cuda:0" in r.stdout
 
 
@@ -468,12 +475,7 @@ def test_wide_reductions_add_float_sums_in_float64():
         print("wide ok")
         """
     )
-    env = dict(os.environ, TMS_SIM_WIDE_REDUCTIONS="1")
-    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
-    if PYDIR not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([PYDIR] + paths)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = _child(code, {"TMS_SIM_WIDE_REDUCTIONS": "1"}, timeout=300)
     assert "wide ok" in r.stdout
 
 
