@@ -71,9 +71,8 @@ impl Saver {
             if let Some(path) = j.a.disk_file.take() {
                 disk::remove(&path);
             }
-            let pooled = !j.a.backup_retained && !j.a.disk && !j.a.pageable_backup;
             let fits = match (&mut pool_room, j.a.backup) {
-                (Some(room), Some(b)) if pooled => {
+                (Some(room), Some(b)) if pooled_here(j) => {
                     let ok = b.len as u64 <= *room;
                     if ok {
                         *room -= b.len as u64;
