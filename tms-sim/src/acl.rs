@@ -4,10 +4,10 @@
 //! ACL_ERROR_RT_CONTEXT_NULL on a thread that never set a device or context: a control thread in
 //! the hook must set one first.
 
-use crate::config::GRANULARITY;
-use crate::fault;
-use crate::memory::MemError;
-use crate::sim::{ACL_CTX_TOKENS, ACL_DEVICE, CopyKind, ctx_device, ctx_handle, guard, sim};
+use crate::core::config::GRANULARITY;
+use crate::core::fault;
+use crate::core::memory::MemError;
+use crate::core::sim::{ACL_CTX_TOKENS, ACL_DEVICE, CopyKind, ctx_device, ctx_handle, guard, sim};
 use libc::{c_char, c_int, c_void};
 
 pub const SUCCESS: i32 = 0;
@@ -69,7 +69,7 @@ fn result(r: Result<(), MemError>) -> i32 {
 }
 
 fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
-    crate::sim::ACL_IN_USE.store(true, std::sync::atomic::Ordering::Relaxed);
+    crate::core::sim::ACL_IN_USE.store(true, std::sync::atomic::Ordering::Relaxed);
     guard(RT_INTERNAL_ERROR, || fault::check(name, RT_MEMORY_ALLOCATION).unwrap_or_else(body))
 }
 
@@ -102,7 +102,7 @@ pub unsafe extern "C" fn acl_finalize() -> i32 {
 
 pub unsafe extern "C" fn aclrt_set_device(dev: i32) -> i32 {
     call("aclrtSetDevice", || match sim().valid_device(dev as i64) {
-        Some(d) if crate::sim::open_acl_context(d) => {
+        Some(d) if crate::core::sim::open_acl_context(d) => {
             ACL_DEVICE.with(|c| c.set(d + 1));
             SUCCESS
         }
@@ -139,7 +139,7 @@ pub unsafe extern "C" fn aclrt_get_device_count(count: *mut u32) -> i32 {
 
 pub unsafe extern "C" fn aclrt_create_context(ctx: *mut *mut c_void, dev: i32) -> i32 {
     call("aclrtCreateContext", || match sim().valid_device(dev as i64) {
-        Some(d) if crate::sim::open_acl_context(d) => {
+        Some(d) if crate::core::sim::open_acl_context(d) => {
             // Creating a context makes it current, as the real runtime does.
             ACL_DEVICE.with(|c| c.set(d + 1));
             put(ctx, ctx_handle(&ACL_CTX_TOKENS, d))

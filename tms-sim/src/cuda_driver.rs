@@ -1,9 +1,11 @@
 //! The CUDA driver ABI (`libcuda.so.1`), including the virtual-memory management calls.
 
-use crate::config::GRANULARITY;
-use crate::fault;
-use crate::memory::MemError;
-use crate::sim::{CUDA_CTX, CUDA_CTX_TOKENS, CopyKind, DRIVER_INIT, PointerKind, ctx_device, ctx_handle, guard, sim};
+use crate::core::config::GRANULARITY;
+use crate::core::fault;
+use crate::core::memory::MemError;
+use crate::core::sim::{
+    CUDA_CTX, CUDA_CTX_TOKENS, CopyKind, DRIVER_INIT, PointerKind, ctx_device, ctx_handle, guard, sim,
+};
 use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::Ordering;
 
@@ -80,8 +82,8 @@ fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
             return NOT_INITIALIZED;
         }
         // A context that met an illegal address is dead: every call fails with that code.
-        if let Some(code) = crate::sim::current_cuda_fault() {
-            return code;
+        if let Some(fault) = crate::core::sim::current_cuda_fault() {
+            return code_of(fault);
         }
         fault::check(name, OUT_OF_MEMORY).unwrap_or_else(body)
     })
@@ -119,7 +121,7 @@ pub unsafe extern "C" fn cu_init(flags: c_uint) -> i32 {
 }
 
 pub unsafe extern "C" fn cu_driver_get_version(v: *mut c_int) -> i32 {
-    put(v, crate::cuda_runtime::RUNTIME_VERSION)
+    put(v, crate::core::config::CUDA_VERSION)
 }
 
 pub unsafe extern "C" fn cu_device_get(dev: *mut c_int, ordinal: c_int) -> i32 {
@@ -171,7 +173,7 @@ pub unsafe extern "C" fn cu_device_total_mem(bytes: *mut usize, dev: c_int) -> i
 
 pub unsafe extern "C" fn cu_device_primary_ctx_retain(ctx: *mut *mut c_void, dev: c_int) -> i32 {
     call("cuDevicePrimaryCtxRetain", || match sim().valid_device(dev as i64) {
-        Some(d) if crate::sim::open_cuda_context(d) => put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d)),
+        Some(d) if crate::core::sim::open_cuda_context(d) => put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d)),
         Some(_) => OUT_OF_MEMORY,
         None => INVALID_DEVICE,
     })
@@ -186,7 +188,7 @@ pub unsafe extern "C" fn cu_device_primary_ctx_get_state(dev: c_int, flags: *mut
                 return INVALID_VALUE;
             }
             put(flags, 0);
-            put(active, c_int::from(crate::sim::primary_active(d)))
+            put(active, c_int::from(crate::core::sim::primary_active(d)))
         }
         None => INVALID_DEVICE,
     })
@@ -195,7 +197,7 @@ pub unsafe extern "C" fn cu_device_primary_ctx_get_state(dev: c_int, flags: *mut
 /// The answer of every driver entry point the simulator does not implement:
 /// CUDA_ERROR_NOT_SUPPORTED, and one log line per name.
 pub(crate) fn not_supported(name: &str) -> i32 {
-    crate::config::warn_not_supported(name, "CUDA_ERROR_NOT_SUPPORTED");
+    crate::core::config::warn_not_supported(name, "CUDA_ERROR_NOT_SUPPORTED");
     NOT_SUPPORTED
 }
 

@@ -8,17 +8,10 @@
 //! `cudaMemGetInfo` and run out of memory together. See the README for the environment.
 
 pub mod acl;
-pub mod config;
+pub mod core;
 pub mod cuda_driver;
 pub mod cuda_runtime;
-pub mod fault;
-pub mod graphs;
-pub mod memory;
-pub mod node;
 pub mod nvml;
-pub mod sim;
-pub mod streams;
-pub mod timing;
 
 /// Exports `$imp` under the C name `$name` as a one-instruction trampoline (driver, ACL: the
 /// runtime's names are declared in `cuda_runtime/surface.rs`). It is defined in
@@ -266,8 +259,8 @@ export! {
 pub mod introspect {
     //! What tests read back: device usage, host memory really held, live objects.
 
-    use crate::config::MAX_DEVICES;
-    use crate::sim::{guard, sim};
+    use crate::core::config::MAX_DEVICES;
+    use crate::core::sim::{guard, sim};
     use std::sync::atomic::Ordering;
 
     /// Mirrors `struct tms_sim_stats` in include/tms_sim.h.
@@ -373,7 +366,7 @@ pub mod introspect {
             if !s.streams.exists(stream) || dst == 0 {
                 return 1;
             }
-            if !matches!(s.classify(dst), crate::sim::PointerKind::Device(_)) {
+            if !matches!(s.classify(dst), crate::core::sim::PointerKind::Device(_)) {
                 return 1;
             }
             let job = Box::new(move || {
@@ -398,13 +391,13 @@ pub mod introspect {
                 // SAFETY: the caller passes a NUL-terminated string.
                 unsafe { std::ffi::CStr::from_ptr(spec) }.to_string_lossy().into_owned()
             };
-            match crate::fault::parse(&text) {
+            match crate::core::fault::parse(&text) {
                 Ok(rules) => {
-                    crate::fault::install(rules);
+                    crate::core::fault::install(rules);
                     0
                 }
                 Err(e) => {
-                    crate::config::warn(&e);
+                    crate::core::config::warn(&e);
                     1
                 }
             }

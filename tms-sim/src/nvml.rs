@@ -4,8 +4,8 @@
 //! node, as `nvidia-smi` shows a whole GPU. Signatures and struct layouts follow nvml.h of CUDA
 //! 13.2 (NVML_API_VERSION 13).
 
-use crate::cuda_runtime::RUNTIME_VERSION;
-use crate::sim::{guard, sim};
+use crate::core::config::CUDA_VERSION as RUNTIME_VERSION;
+use crate::core::sim::{guard, sim};
 use libc::{c_char, c_int, c_uint, c_void};
 
 pub const SUCCESS: i32 = 0;
@@ -16,7 +16,7 @@ pub const INSUFFICIENT_SIZE: i32 = 7;
 pub const UNKNOWN: i32 = 999;
 
 /// Device handles are addresses inside this array, one byte per device.
-static DEVICE_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config::MAX_DEVICES];
+static DEVICE_TOKENS: [u8; crate::core::config::MAX_DEVICES] = [0; crate::core::config::MAX_DEVICES];
 
 fn handle_of(dev: usize) -> *mut c_void {
     &DEVICE_TOKENS[dev] as *const u8 as *mut c_void

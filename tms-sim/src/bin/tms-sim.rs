@@ -3,7 +3,7 @@
 use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use tms_sim::config::{self, state_dir, state_file_for};
+use tms_sim::core::config::{self, state_dir, state_file_for};
 
 /// Names under which programs look for the vendor runtimes; each becomes a link to libtms_sim.so.
 const RUNTIME_NAMES: &[&str] = &[
@@ -166,7 +166,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Status { node, json } => {
             let node = node.or_else(|| std::env::var("TMS_SIM_NODE").ok()).unwrap_or_else(|| "default".into());
             let path = state_file_for(&state_dir(), &node);
-            let report = tms_sim::node::inspect(&path).map_err(|e| {
+            let report = tms_sim::core::node::inspect(&path).map_err(|e| {
                 format!("node {node:?} ({}): {e}. A node exists once a process has used it.", path.display())
             })?;
             if json {

@@ -1,8 +1,8 @@
-//! CUDA graphs: stream capture, instantiation, launch and user objects (see `crate::graphs`).
+//! CUDA graphs: stream capture, instantiation, launch and user objects (see `crate::core::graphs`).
 
-use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call, put};
-use crate::graphs::{Exec, Graph, UserObject};
-use crate::sim::sim;
+use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call, code_of, put};
+use crate::core::graphs::{CaptureError, Exec, Graph, LaunchError, UserObject};
+use crate::core::sim::sim;
 use libc::{c_int, c_uint, c_ulonglong, c_void};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -49,7 +49,7 @@ pub unsafe extern "C" fn cuda_stream_begin_capture(stream: *mut c_void, mode: c_
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
-        sim().graphs.begin(stream as usize).map_or_else(|e| e, |_| SUCCESS)
+        sim().graphs.begin(stream as usize).map_or_else(capture_code, |_| SUCCESS)
     })
 }
 
@@ -61,9 +61,21 @@ pub unsafe extern "C" fn cuda_stream_end_capture(stream: *mut c_void, graph: *mu
         }
         match sim().graphs.end(stream as usize) {
             Ok(g) => put(graph, GRAPHS.insert(g) as *mut c_void),
-            Err(code) => code,
+            Err(e) => capture_code(e),
         }
     })
+}
+
+/// cudaErrorStreamCaptureUnsupported, cudaErrorStreamCaptureInvalidated (CUDA Runtime API).
+pub const CAPTURE_UNSUPPORTED: i32 = 900;
+const CAPTURE_INVALIDATED: i32 = 901;
+
+fn capture_code(e: CaptureError) -> i32 {
+    match e {
+        CaptureError::DefaultStream => CAPTURE_UNSUPPORTED,
+        CaptureError::AlreadyCapturing => CAPTURE_INVALIDATED,
+        CaptureError::NotCapturing => INVALID_VALUE,
+    }
 }
 
 fn instantiate(exec: *mut *mut c_void, graph: *mut c_void) -> i32 {
@@ -100,7 +112,11 @@ pub unsafe extern "C" fn cuda_graph_launch(exec: *mut c_void, stream: *mut c_voi
         if !sim().streams.exists(stream as usize) {
             return INVALID_RESOURCE_HANDLE;
         }
-        crate::graphs::launch(&e, stream as usize)
+        match crate::core::graphs::launch(&e, stream as usize) {
+            Ok(()) => SUCCESS,
+            Err(LaunchError::Earlier(code)) => code,
+            Err(LaunchError::Memory(m)) => code_of(m),
+        }
     })
 }
 
@@ -138,7 +154,7 @@ pub unsafe extern "C" fn cuda_graph_get_nodes(graph: *mut c_void, nodes: *mut *m
 pub unsafe extern "C" fn cuda_user_object_create(
     object: *mut *mut c_void,
     ptr: *mut c_void,
-    destroy: Option<crate::graphs::HostFn>,
+    destroy: Option<crate::core::graphs::HostFn>,
     initial_refcount: c_uint,
     _flags: c_uint,
 ) -> i32 {

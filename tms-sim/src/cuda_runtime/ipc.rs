@@ -9,7 +9,7 @@
 //! refused. Opened events are host-side only: they read as complete.
 
 use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, MEMORY_ALLOCATION, SUCCESS, call, code_of, put};
-use crate::sim::sim;
+use crate::core::sim::sim;
 use libc::{c_uint, c_void};
 
 /// `cudaIpcMemHandle_t` and `cudaIpcEventHandle_t`: 64 opaque bytes.
@@ -78,7 +78,7 @@ pub unsafe extern "C" fn cuda_ipc_get_mem_handle(handle: *mut IpcHandle, ptr: *m
         let pid = std::process::id();
         let h = MemHandle {
             pid,
-            start_time: crate::node::process_start_time(pid).unwrap_or(0),
+            start_time: crate::core::node::process_start_time(pid).unwrap_or(0),
             fd: mem.pool_fd_for_ipc(),
             offset,
             len: len as u64,
@@ -100,7 +100,8 @@ pub unsafe extern "C" fn cuda_ipc_open_mem_handle(ptr: *mut *mut c_void, handle:
             // A handle cannot be opened by the process that exported it.
             return INVALID_RESOURCE_HANDLE;
         }
-        let alive = crate::node::process_start_time(h.pid).is_some_and(|t| h.start_time == 0 || t == h.start_time);
+        let alive =
+            crate::core::node::process_start_time(h.pid).is_some_and(|t| h.start_time == 0 || t == h.start_time);
         if !alive || (h.device as usize) >= sim().devices() {
             return INVALID_RESOURCE_HANDLE;
         }

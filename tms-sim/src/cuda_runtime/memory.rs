@@ -5,7 +5,7 @@ use super::{
     HOST_MEMORY_ALREADY_REGISTERED, HOST_MEMORY_NOT_REGISTERED, INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call,
     code_of, put, result,
 };
-use crate::sim::{CopyKind, PointerKind, sim};
+use crate::core::sim::{CopyKind, PointerKind, sim};
 use libc::{c_int, c_uint, c_void};
 
 pub unsafe extern "C" fn cuda_malloc(ptr: *mut *mut c_void, size: usize) -> i32 {
@@ -116,10 +116,10 @@ pub unsafe extern "C" fn cuda_memset_async(dst: *mut c_void, value: c_int, count
     call("cudaMemsetAsync", || {
         enter!();
         let (dst, value, stream) = (dst as usize, value as u8, stream as usize);
-        if crate::streams::is_null(stream) {
+        if crate::core::streams::is_null(stream) {
             return result(sim().memset(dst, value, count));
         }
-        if sim().graphs.record(stream, || crate::graphs::Node::Memset { dst, value, n: count }) {
+        if sim().graphs.record(stream, || crate::core::graphs::Node::Memset { dst, value, n: count }) {
             return SUCCESS;
         }
         let job = Box::new(move || sim().memset(dst, value, count).map_or_else(code_of, |()| SUCCESS));

@@ -22,13 +22,13 @@ pub mod memory;
 pub mod streams;
 pub mod surface;
 
-use crate::fault;
-use crate::memory::MemError;
-use crate::sim::{CUDA_CTX, DRIVER_INIT, LAST_ERROR, RT_DEVICE, guard};
+use crate::core::fault;
+use crate::core::memory::MemError;
+use crate::core::sim::{CUDA_CTX, DRIVER_INIT, LAST_ERROR, RT_DEVICE, guard};
 use libc::c_char;
 
-/// The runtime version presented: CUDA 13.2, the runtime PyTorch's current wheels are built for.
-pub const RUNTIME_VERSION: i32 = 13020;
+/// The runtime version presented (the driver and NVML present the same).
+pub const RUNTIME_VERSION: i32 = crate::core::config::CUDA_VERSION;
 
 pub const SUCCESS: i32 = 0;
 pub const INVALID_VALUE: i32 = 1;
@@ -73,7 +73,7 @@ fn enter() -> Result<usize, i32> {
         return Ok(current - 1);
     }
     let dev = RT_DEVICE.with(|d| d.get());
-    if !crate::sim::open_cuda_context(dev) {
+    if !crate::core::sim::open_cuda_context(dev) {
         return Err(MEMORY_ALLOCATION);
     }
     CUDA_CTX.with(|c| c.set(dev + 1));
@@ -86,10 +86,10 @@ fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
     rt(guard(UNKNOWN, || {
         // A context that met an illegal address is dead: every call that uses it fails with that
         // code (queries of devices and versions, which need no context, still answer).
-        if let Some(code) = crate::sim::current_cuda_fault()
+        if let Some(fault) = crate::core::sim::current_cuda_fault()
             && !NEEDS_NO_CONTEXT.contains(&name)
         {
-            return code;
+            return code_of(fault);
         }
         fault::check(name, MEMORY_ALLOCATION).unwrap_or_else(body)
     }))
@@ -122,18 +122,18 @@ fn put<T>(out: *mut T, value: T) -> i32 {
 /// The answer of every entry point the simulator does not implement: cudaErrorNotSupported,
 /// recorded as the last error (so frameworks that check it raise), and one log line per name.
 pub(crate) fn not_supported(name: &str) -> i32 {
-    crate::config::warn_not_supported(name, "cudaErrorNotSupported");
+    crate::core::config::warn_not_supported(name, "cudaErrorNotSupported");
     rt(NOT_SUPPORTED)
 }
 
 /// The last error, cleared, unless the context holds a sticky fault, which stays.
 pub unsafe extern "C" fn cuda_get_last_error() -> i32 {
     let last = LAST_ERROR.with(|e| e.replace(SUCCESS));
-    crate::sim::current_cuda_fault().unwrap_or(last)
+    crate::core::sim::current_cuda_fault().map_or(last, code_of)
 }
 
 pub unsafe extern "C" fn cuda_peek_at_last_error() -> i32 {
-    crate::sim::current_cuda_fault().unwrap_or_else(|| LAST_ERROR.with(|e| e.get()))
+    crate::core::sim::current_cuda_fault().map_or_else(|| LAST_ERROR.with(|e| e.get()), code_of)
 }
 
 const ERRORS: &[(i32, &std::ffi::CStr, &std::ffi::CStr)] = &[

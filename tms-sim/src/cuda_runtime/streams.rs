@@ -1,9 +1,10 @@
 //! Streams, events, host callbacks and stream-capture queries. Work submitted to a capturing
-//! stream is recorded into its graph (crate::graphs) instead of run.
+//! stream is recorded into its graph (crate::core::graphs) instead of run.
 
+use super::graphs::CAPTURE_UNSUPPORTED;
 use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, NOT_READY, SUCCESS, call, put};
-use crate::graphs::{CAPTURE_UNSUPPORTED, Node};
-use crate::sim::sim;
+use crate::core::graphs::Node;
+use crate::core::sim::sim;
 use libc::{c_float, c_int, c_uint, c_ulonglong, c_void};
 
 /// cudaStreamNonBlocking and the default.
@@ -43,7 +44,7 @@ pub unsafe extern "C" fn cuda_stream_create_with_priority(
 
 fn properties(stream: *mut c_void) -> Result<(u32, i32), i32> {
     let s = stream as usize;
-    if crate::streams::is_null(s) {
+    if crate::core::streams::is_null(s) {
         return Ok((0, 0));
     }
     sim().streams.properties(s).map_err(|_| INVALID_RESOURCE_HANDLE)
@@ -103,7 +104,7 @@ pub unsafe extern "C" fn cuda_stream_wait_event(stream: *mut c_void, event: *mut
             sim().graphs.join(stream as usize, ev.capture());
             return SUCCESS;
         }
-        if crate::streams::is_null(stream as usize) {
+        if crate::core::streams::is_null(stream as usize) {
             // The default stream runs synchronously: waiting is waiting now.
             ev.synchronize();
             return SUCCESS;

@@ -8,6 +8,10 @@ pub const MAX_DEVICES: usize = 16;
 /// pages report.
 pub const GRANULARITY: usize = 2 << 20;
 
+/// The CUDA version the simulated stack presents (runtime, driver and NVML alike): 13.2, the
+/// runtime PyTorch's current wheels are built for.
+pub const CUDA_VERSION: i32 = 13020;
+
 pub const DEFAULT_DEVICES: u32 = 1;
 pub const DEFAULT_MEMORY: u64 = 16 << 30;
 /// An H100's pinned host<->device copy rate (cuda.md: copy engines reach about 50-57 GB/s), so

@@ -1,12 +1,12 @@
 //! The process-wide simulator: one instance, created on the first API call, shared by the CUDA
 //! runtime, CUDA driver and ACL front ends (which differ only in names, codes and argument forms).
 
-use crate::config::{Config, warn};
-use crate::fault;
-use crate::memory::{Freed, MemError, MemResult, Memory, PAGE, round_up};
-use crate::node::Node;
-use crate::streams::Streams;
-use crate::timing::{self, TO_DEVICE, TO_HOST};
+use crate::core::config::{Config, warn};
+use crate::core::fault;
+use crate::core::memory::{Freed, MemError, MemResult, Memory, PAGE, round_up};
+use crate::core::node::Node;
+use crate::core::streams::Streams;
+use crate::core::timing::{self, TO_DEVICE, TO_HOST};
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -22,12 +22,12 @@ pub struct Sim {
     /// need it, so a thread preparing memory never waits for copies on the streams.
     copying: RwLock<()>,
     pub streams: Streams,
-    pub graphs: crate::graphs::Graphs,
+    pub graphs: crate::core::graphs::Graphs,
     /// Page-locked host ranges by start: allocated by the simulator or registered by the caller.
     host: Mutex<BTreeMap<usize, HostRange>>,
     pub pinned_bytes: AtomicU64,
     /// Bytes of this process's small plain allocations per device (see `charge_plain`).
-    small_bytes: Mutex<[usize; crate::config::MAX_DEVICES]>,
+    small_bytes: Mutex<[usize; crate::core::config::MAX_DEVICES]>,
 }
 
 pub struct HostRange {
@@ -74,16 +74,16 @@ thread_local! {
 }
 
 /// Opaque context handles are addresses inside these arrays, one byte per device.
-pub static CUDA_CTX_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config::MAX_DEVICES];
-pub static ACL_CTX_TOKENS: [u8; crate::config::MAX_DEVICES] = [0; crate::config::MAX_DEVICES];
+pub static CUDA_CTX_TOKENS: [u8; crate::core::config::MAX_DEVICES] = [0; crate::core::config::MAX_DEVICES];
+pub static ACL_CTX_TOKENS: [u8; crate::core::config::MAX_DEVICES] = [0; crate::core::config::MAX_DEVICES];
 
 /// Whether each device's primary context exists in this process (`cuDevicePrimaryCtxGetState`).
-static PRIMARY_ACTIVE: [AtomicBool; crate::config::MAX_DEVICES] =
-    [const { AtomicBool::new(false) }; crate::config::MAX_DEVICES];
+static PRIMARY_ACTIVE: [AtomicBool; crate::core::config::MAX_DEVICES] =
+    [const { AtomicBool::new(false) }; crate::core::config::MAX_DEVICES];
 
 /// Whether this process has an Ascend context on each device.
-static ACL_ACTIVE: [AtomicBool; crate::config::MAX_DEVICES] =
-    [const { AtomicBool::new(false) }; crate::config::MAX_DEVICES];
+static ACL_ACTIVE: [AtomicBool; crate::core::config::MAX_DEVICES] =
+    [const { AtomicBool::new(false) }; crate::core::config::MAX_DEVICES];
 
 /// Creates this process's context on `dev` unless it has one. A context takes device memory
 /// (`TMS_SIM_CONTEXT_MEMORY`, else the API's default), so creating one on a full device fails
@@ -108,12 +108,12 @@ fn open_context(active: &[AtomicBool], dev: usize, default_bytes: u64) -> bool {
 
 /// Creates the process's primary CUDA context on `dev` if needed; false: the device is full.
 pub fn open_cuda_context(dev: usize) -> bool {
-    open_context(&PRIMARY_ACTIVE, dev, crate::config::CUDA_CONTEXT_BYTES)
+    open_context(&PRIMARY_ACTIVE, dev, crate::core::config::CUDA_CONTEXT_BYTES)
 }
 
 /// Creates the process's Ascend context on `dev` if needed; false: the device is full.
 pub fn open_acl_context(dev: usize) -> bool {
-    open_context(&ACL_ACTIVE, dev, crate::config::ACL_CONTEXT_BYTES)
+    open_context(&ACL_ACTIVE, dev, crate::core::config::ACL_CONTEXT_BYTES)
 }
 
 pub fn primary_active(dev: usize) -> bool {
@@ -122,13 +122,14 @@ pub fn primary_active(dev: usize) -> bool {
 
 /// A device fault (an illegal address met by a copy, memset or kernel on a CUDA device) is sticky:
 /// the context is dead and every later CUDA call of the process on that device fails with the
-/// same code, as on a GPU. 0: no fault.
-static STICKY: [std::sync::atomic::AtomicI32; crate::config::MAX_DEVICES] =
-    [const { std::sync::atomic::AtomicI32::new(0) }; crate::config::MAX_DEVICES];
+/// same fault, as on a GPU. The core records only that the device faulted; each front end
+/// answers with its own code (the CUDA runtime's and driver's 700).
+static STICKY: [AtomicBool; crate::core::config::MAX_DEVICES] =
+    [const { AtomicBool::new(false) }; crate::core::config::MAX_DEVICES];
 
 /// The sticky fault of the calling thread's CUDA device (its current context's, else the
 /// runtime's device), if any.
-pub fn current_cuda_fault() -> Option<i32> {
+pub fn current_cuda_fault() -> Option<MemError> {
     let dev = match CUDA_CTX.with(|c| c.get()) {
         0 => RT_DEVICE.with(|d| d.get()),
         n => n - 1,
@@ -137,14 +138,13 @@ pub fn current_cuda_fault() -> Option<i32> {
 }
 
 /// The sticky fault of `dev`'s context, if it has one.
-pub fn sticky_fault(dev: usize) -> Option<i32> {
-    let code = STICKY.get(dev)?.load(Ordering::Acquire);
-    (code != 0).then_some(code)
+pub fn sticky_fault(dev: usize) -> Option<MemError> {
+    STICKY.get(dev)?.load(Ordering::Acquire).then_some(MemError::IllegalAddress)
 }
 
 fn record_fault(dev: usize) {
     if let Some(slot) = STICKY.get(dev) {
-        let _ = slot.compare_exchange(0, crate::cuda_runtime::ILLEGAL_ADDRESS, Ordering::AcqRel, Ordering::Acquire);
+        slot.store(true, Ordering::Release);
     }
 }
 
@@ -174,10 +174,10 @@ pub fn sim() -> &'static Sim {
             mem: RwLock::new(mem),
             copying: RwLock::new(()),
             streams: Streams::default(),
-            graphs: crate::graphs::Graphs::default(),
+            graphs: crate::core::graphs::Graphs::default(),
             host: Mutex::new(BTreeMap::new()),
             pinned_bytes: AtomicU64::new(0),
-            small_bytes: Mutex::new([0; crate::config::MAX_DEVICES]),
+            small_bytes: Mutex::new([0; crate::core::config::MAX_DEVICES]),
         }
     })
 }
@@ -245,7 +245,7 @@ impl Sim {
     /// take whole 2 MiB granules; small ones (512-byte aligned) are packed into shared granules,
     /// so the device pays a granule when the first small allocation needs it.
     fn charge_plain(&self, dev: usize, size: usize) -> MemResult<()> {
-        use crate::config::{GRANULARITY, SMALL_ALLOCATION_ALIGN, SMALL_ALLOCATION_LIMIT};
+        use crate::core::config::{GRANULARITY, SMALL_ALLOCATION_ALIGN, SMALL_ALLOCATION_LIMIT};
         if size >= SMALL_ALLOCATION_LIMIT {
             let cost = size.checked_next_multiple_of(GRANULARITY).ok_or(MemError::OutOfMemory)?;
             return if self.node.charge(dev, cost as u64) { Ok(()) } else { Err(MemError::OutOfMemory) };
@@ -262,7 +262,7 @@ impl Sim {
     }
 
     fn uncharge_plain(&self, dev: usize, size: usize) {
-        use crate::config::{GRANULARITY, SMALL_ALLOCATION_ALIGN, SMALL_ALLOCATION_LIMIT};
+        use crate::core::config::{GRANULARITY, SMALL_ALLOCATION_ALIGN, SMALL_ALLOCATION_LIMIT};
         if size >= SMALL_ALLOCATION_LIMIT {
             self.node.uncharge(dev, round_up(size, GRANULARITY) as u64);
             return;
@@ -296,7 +296,7 @@ impl Sim {
 
     /// Physical memory of `len` bytes on `dev`; `prop` is kept with it (`Physical::prop`).
     pub fn create(&self, dev: usize, len: usize, prop: i32) -> MemResult<u64> {
-        if len == 0 || !len.is_multiple_of(crate::config::GRANULARITY) {
+        if len == 0 || !len.is_multiple_of(crate::core::config::GRANULARITY) {
             return Err(MemError::Invalid);
         }
         if !self.node.charge(dev, len as u64) {
@@ -445,14 +445,14 @@ impl Sim {
         stream: usize,
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
-        if crate::streams::is_null(stream) {
+        if crate::core::streams::is_null(stream) {
             return self.copy_now(dst, src, n, kind).map_err(async_code);
         }
         if !self.streams.exists(stream) {
             return Err(async_code(MemError::Invalid));
         }
         self.plan_copy(&self.read(), dst, src, n, kind).map_err(async_code)?;
-        if self.graphs.record(stream, || crate::graphs::Node::Copy { dst, src, n, kind }) {
+        if self.graphs.record(stream, || crate::core::graphs::Node::Copy { dst, src, n, kind }) {
             return Ok(());
         }
         let job = Box::new(move || match self.copy_now(dst, src, n, kind) {
@@ -503,7 +503,7 @@ impl Sim {
     /// pages leave the process's resident set unless `TMS_SIM_DEVICE_IN_RSS` keeps them.
     fn leave_view(&self, view: usize, len: usize) {
         if !self.cfg.device_in_rss {
-            crate::memory::forget_mirror_pages(view, len);
+            crate::core::memory::forget_mirror_pages(view, len);
         }
     }
 

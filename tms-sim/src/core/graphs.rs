@@ -8,8 +8,9 @@
 //! calling thread (host functions of the layer need the caller's interpreter). A stream that
 //! waits on an event recorded during a capture joins that capture, as on a GPU.
 
-use crate::sim::{CopyKind, sim};
-use crate::streams::Event;
+use crate::core::memory::MemError;
+use crate::core::sim::{CopyKind, sim};
+use crate::core::streams::Event;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -99,9 +100,25 @@ pub struct Graphs {
     building: Mutex<HashMap<u64, Vec<Node>>>,
 }
 
-/// Why a capture call was refused, as the runtime's codes.
-pub const CAPTURE_UNSUPPORTED: i32 = 900;
-pub const CAPTURE_INVALIDATED: i32 = 901;
+/// Why a capture call was refused (the CUDA runtime answers 900 and 901, and 1 for `NotCapturing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureError {
+    /// The default stream cannot capture.
+    DefaultStream,
+    /// The stream is capturing already.
+    AlreadyCapturing,
+    /// The stream is not capturing.
+    NotCapturing,
+}
+
+/// Why a graph launch stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaunchError {
+    /// Work queued on the stream before the launch failed with this (front-end) code.
+    Earlier(i32),
+    /// A node met bad memory.
+    Memory(MemError),
+}
 
 impl Graphs {
     fn streams(&self) -> MutexGuard<'_, HashMap<usize, u64>> {
@@ -121,13 +138,13 @@ impl Graphs {
     }
 
     /// Starts capturing on `stream` (not the default stream, which cannot capture).
-    pub fn begin(&self, stream: usize) -> Result<u64, i32> {
-        if crate::streams::is_null(stream) {
-            return Err(CAPTURE_UNSUPPORTED);
+    pub fn begin(&self, stream: usize) -> Result<u64, CaptureError> {
+        if crate::core::streams::is_null(stream) {
+            return Err(CaptureError::DefaultStream);
         }
         let mut streams = self.streams();
         if streams.contains_key(&stream) {
-            return Err(CAPTURE_INVALIDATED);
+            return Err(CaptureError::AlreadyCapturing);
         }
         let id = self.next_id.fetch_add(1, Ordering::AcqRel) + 1;
         streams.insert(stream, id);
@@ -138,7 +155,7 @@ impl Graphs {
 
     /// Makes `stream` record into capture `id` too (it waited on an event of that capture).
     pub fn join(&self, stream: usize, id: u64) {
-        if !crate::streams::is_null(stream) && self.building().contains_key(&id) {
+        if !crate::core::streams::is_null(stream) && self.building().contains_key(&id) {
             self.streams().insert(stream, id);
         }
     }
@@ -156,9 +173,9 @@ impl Graphs {
     }
 
     /// Ends the capture `stream` started; every stream that joined it stops capturing.
-    pub fn end(&self, stream: usize) -> Result<Graph, i32> {
+    pub fn end(&self, stream: usize) -> Result<Graph, CaptureError> {
         let mut streams = self.streams();
-        let id = streams.get(&stream).copied().ok_or(crate::cuda_runtime::INVALID_VALUE)?;
+        let id = streams.get(&stream).copied().ok_or(CaptureError::NotCapturing)?;
         streams.retain(|_, c| *c != id);
         drop(streams);
         let nodes = self.building().remove(&id).unwrap_or_default();
@@ -168,42 +185,30 @@ impl Graphs {
 }
 
 /// Runs an instantiated graph's nodes in order in the calling thread, after the stream's
-/// earlier work. Returns the first error code (0 if none).
-pub fn launch(exec: &Exec, stream: usize) -> i32 {
+/// earlier work. Stops at the first failure.
+pub fn launch(exec: &Exec, stream: usize) -> Result<(), LaunchError> {
     let s = sim();
     if let Ok(code) = s.streams.synchronize(stream)
         && code != 0
     {
-        return code;
+        return Err(LaunchError::Earlier(code));
     }
     for node in exec.nodes.iter() {
-        let code = match node {
-            Node::Copy { dst, src, n, kind } => {
-                s.copy_now(*dst, *src, *n, *kind).map_or_else(crate::cuda_runtime::code_of, |()| 0)
-            }
-            Node::Memset { dst, value, n } => {
-                s.memset(*dst, *value, *n).map_or_else(crate::cuda_runtime::code_of, |()| 0)
-            }
+        match node {
+            Node::Copy { dst, src, n, kind } => s.copy_now(*dst, *src, *n, *kind).map_err(LaunchError::Memory)?,
+            Node::Memset { dst, value, n } => s.memset(*dst, *value, *n).map_err(LaunchError::Memory)?,
             Node::Host { f, data } => {
                 // SAFETY: a host function recorded during capture, with its own argument.
                 let f: HostFn = unsafe { std::mem::transmute(*f) };
                 unsafe { f(*data as *mut libc::c_void) };
-                0
             }
             Node::Callback { f, stream, data } => {
                 // SAFETY: a stream callback recorded during capture.
                 let f: StreamCallback = unsafe { std::mem::transmute(*f) };
                 unsafe { f(*stream as *mut libc::c_void, 0, *data as *mut libc::c_void) };
-                0
             }
-            Node::EventRecord { event } => {
-                event.complete_now();
-                0
-            }
-        };
-        if code != 0 {
-            return code;
+            Node::EventRecord { event } => event.complete_now(),
         }
     }
-    0
+    Ok(())
 }

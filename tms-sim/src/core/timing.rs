@@ -1,7 +1,7 @@
 //! The optional timing model: a copy bandwidth shared by every copy in one direction of one device
 //! (across processes, like a PCIe link), and a cost for pinning host memory.
 
-use crate::node::NodeState;
+use crate::core::node::NodeState;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 

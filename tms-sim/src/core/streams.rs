@@ -65,7 +65,7 @@ impl Event {
         let mut st = self.lock();
         if generation > st.completed {
             st.completed = generation;
-            st.at_ns = crate::timing::now_ns();
+            st.at_ns = crate::core::timing::now_ns();
         }
         self.cv.notify_all();
     }
@@ -190,7 +190,7 @@ impl Streams {
         if handle > 1 {
             return;
         }
-        let device = match crate::sim::CUDA_CTX.with(|c| c.get()) {
+        let device = match crate::core::sim::CUDA_CTX.with(|c| c.get()) {
             0 => return,
             n => n - 1,
         };

@@ -5,7 +5,7 @@
 //! process that died without freeing (crash, SIGKILL) can be handed back: a slot whose pid is gone,
 //! or whose pid now belongs to a process with another start time, is reclaimed.
 
-use crate::config::{Config, MAX_DEVICES, warn};
+use crate::core::config::{Config, MAX_DEVICES, warn};
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};

@@ -14,7 +14,7 @@
 //! - Access is granted separately (`set_access`), as on a GPU: a copy into mapped memory without
 //!   access is an illegal address.
 
-use crate::config::GRANULARITY;
+use crate::core::config::GRANULARITY;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 pub const PAGE: usize = 4096;
