@@ -6,7 +6,12 @@ use std::sync::Once;
 pub fn init() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        let filter = std::env::var("TMS_LOG").unwrap_or_else(|_| "warn".to_string());
+        // A word tracing would read as a target name (`verbose`) would silence every warning,
+        // the one about that word included: such a value is refused (config.rs warns).
+        let filter = std::env::var("TMS_LOG")
+            .ok()
+            .filter(|v| crate::config::valid_log_filter(v))
+            .unwrap_or_else(|| "warn".to_string());
         let filter = tracing_subscriber::EnvFilter::try_new(&filter)
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
         let _ = tracing_subscriber::fmt()
