@@ -408,14 +408,25 @@ fn the_readmes_qwen3_4b_tp2_on_a_small_hosts_simulator_suggests_memory_scale() {
 
 #[test]
 fn a_simulated_device_too_small_for_the_contexts_is_refused() {
-    // sim.memory=1MiB printed "1 x 1.0 MiB" while the simulator silently used 16 GiB.
+    // sim.memory=1MiB printed "1 x 1.0 MiB" while the simulator silently used 16 GiB. A size the
+    // user chose is configuration: exit 2, and `--json` still prints one object saying why.
     for size in ["1MiB", "500MiB"] {
         let dir = tempfile::tempdir().unwrap();
-        let out = run_cmd(dir.path(), &["--steps", "1", "--sim-memory", size]).output().unwrap();
-        assert_eq!(out.status.code(), Some(1), "{size}: {}", text(&out));
+        let out = run_cmd(dir.path(), &["--steps", "1", "--sim-memory", size, "--json"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{size}: {}", text(&out));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(&format!("sim.memory={size} leaves no room")) && err.contains("contexts"), "{err}");
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("--json printed no JSON object ({e}): {}", text(&out)));
+        assert_eq!(summary["status"], "failed", "{summary}");
+        assert_eq!(summary["failure"]["kind"], "configuration", "{summary}");
     }
+    // Errors found while reading the configuration print one object too.
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--set", "run.steps=abc", "--json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(summary["failure"]["cause"].as_str().unwrap().contains("run.steps"), "{summary}");
 }
 
 #[test]
