@@ -762,3 +762,21 @@ fn wandb_logger_runs_offline_or_names_the_install() {
         .collect();
     assert_eq!(runs.len(), 1, "no offline wandb run in {}", dir.path().display());
 }
+
+/// `tms-ctl list` during a run must be able to find its workers: the run says where they serve.
+#[test]
+fn the_run_prints_where_its_workers_control_sockets_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(workspace().bin("relax-colocate"))
+        .current_dir(&workspace().root)
+        .args(["run", "--device", "sim", "--steps", "1", "--out"])
+        .arg(dir.path())
+        .env_remove("LD_PRELOAD")
+        .env_remove("RELAX_WORKER_FAULT")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.contains("control sockets in")).unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("`tms-ctl --dir ") && line.contains(" list`"), "{line}");
+}

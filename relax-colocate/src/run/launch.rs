@@ -302,6 +302,14 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
     for line in loggers.describe() {
         progress.note(&format!("relax-colocate run: {line}"));
     }
+    // The workers' control sockets live in the run's private folder, which `tms-ctl list` does
+    // not look in by default: say how to reach them while the run goes on.
+    if cfg.run.launcher == Launcher::Local {
+        progress.note(&format!(
+            "relax-colocate run: workers' control sockets in {0} (`tms-ctl --dir {0} list`)",
+            ctl_dir.display()
+        ));
+    }
     let mut workers = Vec::new();
     let mut bridge = None;
     let mut runner_err = None;
