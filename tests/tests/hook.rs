@@ -269,10 +269,14 @@ fn out_of_range_settings_are_named_with_the_value_used() {
         .env("TMS_BACKUP_STREAMS", "100000")
         .env("TMS_LOG", "verbose")
         .env("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", "150")
-        .env("TMS_MEMORY_MARGIN_BYTES", "64MiB");
+        .env("TMS_MEMORY_MARGIN_BYTES", "64MiB")
+        .env("TMS_NAME", "log-check");
     let mut argv = c_program("hook_consumer", Style::Linked);
     argv.extend(["cycle".into(), "cuda".into(), "2".into()]);
-    let out = node.hooked(&argv).output().unwrap();
+    let child =
+        node.hooked(&argv).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
     assert_ok(&out, "cycle with out-of-range settings");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("TMS_BACKUP_STREAMS=100000 is above the most it takes, 64; using 64"), "{err}");
@@ -280,6 +284,10 @@ fn out_of_range_settings_are_named_with_the_value_used() {
     // Read as a target name, `verbose` would have silenced every warning, this one included.
     assert!(err.contains("TMS_LOG=\"verbose\" is not a log filter"), "{err}");
     assert!(!err.contains("TMS_MEMORY_MARGIN_BYTES"), "64MiB is a size: {err}");
+    // Each line says when, which process and which name, so several processes' logs can be told apart.
+    let line = err.lines().find(|l| l.contains("TMS_BACKUP_STREAMS")).unwrap();
+    let pid_tag = format!("[pid {pid} log-check] tms: ");
+    assert!(line.starts_with("20") && line.contains("Z WARN ") && line.contains(&pid_tag), "{line}");
 }
 
 #[test]

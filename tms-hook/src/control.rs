@@ -398,7 +398,7 @@ fn dispatch(req: Request) -> Reply {
             let here = if known.is_empty() { "none".to_string() } else { known.join(", ") };
             Reply::err(ProtoError::new(
                 ErrorCode::UnknownTag,
-                format!("no allocation carries tag {t:?} (tags here: {here})"),
+                format!("no allocation carries tag {t:?} and none ever did here (tags here: {here})"),
             ))
         }
         Request::Pause { tag } => operation_reply(tag.clone(), &saver().pause(tag.as_deref())),
@@ -434,10 +434,10 @@ fn dispatch(req: Request) -> Reply {
     }
 }
 
-/// Whether something carries `tag`: an allocation, active or paused, or a thread whose current
-/// tag it is (so a pause between one allocation's free and the next one's is no error).
+/// Whether the process knows `tag`: something carries it now, or it was used before (a pause
+/// between one allocation's free and the next one's is no error; a name never used here is).
 fn tag_carried(tag: &str) -> bool {
-    region::lookup(tag) != region::NO_SUCH_TAG
+    region::lookup(tag) != region::NO_SUCH_TAG || region::ever_used(tag)
 }
 
 /// A failed operation's reply carries its report too: what was done, skipped and failed.
