@@ -97,7 +97,7 @@ def main():
         ('{"v":1,"op":"status"}', True),
         ('{"v":1,"op":"pause","tag":"weights"}', True),
         ('{"v":1,"op":"resume","tag":"weights"}', True),
-        (None, True),  # pause/resume of a fresh, never-used tag
+        (None, False),  # pause/resume of a fresh, never-used tag: unknown_tag, and no growth
         ('{"v":1,"op":"ping"', False),  # malformed
         ('{"v":1,"op":"ping","op":"pause"}', False),  # duplicate key
     ]

@@ -103,7 +103,9 @@ the run.
 Exit codes: 0 the run completed and every check passed; 1 the run failed (a worker crashed, hung
 or was stopped past run.phase_timeout_s, ran out of memory, or a check failed: the message names
 the phase, the worker and the cause, and partial results stay in the run directory); 2 bad
-configuration or usage (a simulated run larger than the host's memory included); 130 interrupted (Ctrl-C or SIGTERM, which end every wait at once).
+configuration or usage (a device this machine lacks, a simulated device too small for the contexts
+or a simulated run larger than the host's memory included). With --json, stdout holds one JSON
+object whatever the outcome (a failure's status, kind and cause included); 130 interrupted (Ctrl-C or SIGTERM, which end every wait at once).
 
 Examples:
   relax-colocate run                                   # GRPO on the simulator (no GPU needed)

@@ -560,7 +560,8 @@ static int churn_for(long seconds) {
 }
 
 /* Driven over stdin by a test to make two processes take turns on one device:
- * commands alloc MiB | fill | pause | resume | verify | free | info | quit; one reply line each. */
+ * commands alloc MiB | alloc-env MiB | fill | pause | resume | verify | free | info | quit; one reply
+ * line each. */
 static int serve(void) {
   char line[128];
   void *p = NULL;
@@ -571,6 +572,12 @@ static int serve(void) {
     long arg = 0;
     if (sscanf(line, "alloc %ld", &arg) == 1) {
       region("train", 1);
+      n = (size_t)arg * MiB;
+      printf("rc=%d\n", dev_malloc(&p, n));
+    } else if (sscanf(line, "alloc-env %ld", &arg) == 1) {
+      /* A region whose backup flag is the environment's default (TMS_INIT_ENABLE_CPU_BACKUP). */
+      TMS(tms_set_current_tag)("train");
+      TMS(tms_set_interesting_region)(true);
       n = (size_t)arg * MiB;
       printf("rc=%d\n", dev_malloc(&p, n));
     } else if (sscanf(line, "plain %ld", &arg) == 1) {

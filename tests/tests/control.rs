@@ -111,6 +111,50 @@ fn unknown_targets_and_bad_usage_exit_2() {
     assert!(completions.contains("tms-ctl"));
 }
 
+/// Operations never report success for nothing: a tag no process carries, the empty tag and a
+/// margin larger than the device are refused with what would work; a process without the tag
+/// beside one with it is skipped, not failed.
+#[test]
+fn a_tag_nothing_carries_an_empty_tag_and_an_impossible_margin_are_refused() {
+    let node = SimNode::new("1GiB");
+    let mut trainer = Served::start(&node, "cuda");
+    assert_eq!(trainer.ask("alloc 8"), "rc=0");
+    assert_eq!(trainer.ask("fill"), "rc=0");
+    let mut idle = Served::start_with(&node, "cuda", &[("TMS_CONTROL", "1")]);
+    assert_eq!(idle.ask("plain 2"), "rc=0");
+    socket_of(&node, idle.pid());
+    socket_of(&node, trainer.pid());
+    let trainer_pid = trainer.pid().to_string();
+
+    let out = node.ctl(&["pause", "--tag", "nosuchtag", &trainer_pid]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("no process asked has an allocation tagged \"nosuchtag\""), "{err}");
+    let out = node.ctl(&["pause", "--tag", "", &trainer_pid]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("leave --tag out"));
+    assert_eq!(trainer.ask("verify"), "rc=0", "a refused pause touched memory");
+
+    // `--all --tag train` reaches the idle process too: skipped there, paused in the trainer.
+    let (code, rows) = json(node.ctl(&["--json", "pause", "--tag", "train", "--all"]));
+    assert_eq!(code, 0, "{rows}");
+    let rows = rows.as_array().unwrap().clone();
+    let idle_row = rows.iter().find(|r| r["pid"] == idle.pid()).expect("the idle process was asked");
+    assert!(idle_row["skipped"].as_str().unwrap().contains("no allocation carries tag \"train\""), "{idle_row}");
+    let trainer_row = rows.iter().find(|r| r["pid"] == trainer.pid()).unwrap();
+    assert_eq!(trainer_row["report"]["allocations_done"], 1, "{trainer_row}");
+    assert!(trainer.ask("resume").starts_with("rc=0"));
+    assert_eq!(trainer.ask("verify"), "rc=0");
+
+    let out = node.ctl(&["set", "--margin", "99TiB", &trainer_pid]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("more than this process's largest device holds"), "{text}");
+    assert!(run_ok(&mut node.ctl(&["set", "--margin", "512MiB", &trainer_pid])).contains("ok"));
+    trainer.quit();
+    idle.quit();
+}
+
 #[test]
 fn garbage_on_the_socket_changes_nothing_but_an_error_reply() {
     let node = SimNode::new("1GiB");
@@ -585,15 +629,17 @@ fn out_of_file_descriptors_the_server_backs_off_instead_of_spinning() {
 }
 
 #[test]
-fn a_margin_of_u64_max_set_from_outside_refuses_instead_of_wrapping() {
+fn a_margin_of_u64_max_set_from_outside_is_refused_and_changes_nothing() {
+    // It once wrapped around to a small margin and let every allocation through; now a margin above
+    // the device's memory is refused outright (the saver's own wrap guard is tested with
+    // TMS_MEMORY_MARGIN_BYTES in hook.rs).
     let node = SimNode::new("1GiB");
     let mut app = Served::start(&node, "cuda");
     assert_eq!(app.ask("alloc 8"), "rc=0");
     socket_of(&node, app.pid());
     let pid = app.pid().to_string();
-    run_ok(&mut node.ctl(&["set", "--margin", "18446744073709551615", &pid]));
-    assert_eq!(app.ask("alloc 64"), "rc=2");
-    run_ok(&mut node.ctl(&["set", "--margin", "0", &pid]));
+    let refused = node.ctl(&["set", "--margin", "18446744073709551615", &pid]).output().unwrap();
+    assert_eq!(refused.status.code(), Some(1), "{}", String::from_utf8_lossy(&refused.stdout));
     assert_eq!(app.ask("alloc 64"), "rc=0");
     // Sizes are taken as they print: 1GiB is 2^30 bytes (the device has 1 GiB, so nothing fits).
     run_ok(&mut node.ctl(&["set", "--margin", "1GiB", &pid]));

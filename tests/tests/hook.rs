@@ -220,6 +220,76 @@ fn bad_environment_values_warn_and_keep_defaults() {
     assert!(err.contains("TMS_MEMORY_MARGIN_BYTES=\"-3\""), "{err}");
 }
 
+/// Runs `hook_consumer serve` with `env`, feeding it `script` (one command a line).
+fn serve_script(node: &SimNode, env: &[(&str, &str)], script: &str) -> std::process::Output {
+    use std::io::Write;
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["serve".into(), "cuda".into()]);
+    let mut cmd = node.hooked(&argv);
+    cmd.envs(env.iter().copied());
+    let mut child = cmd
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// A misspelt backup variable is named, with the one meant, at the first allocation (before
+/// anything can be paused); a backup flag that cannot be read keeps the backup on, so the
+/// contents survive the pause.
+#[test]
+fn a_typo_or_an_unreadable_backup_flag_never_loses_contents_silently() {
+    let node = SimNode::new("1GiB");
+    let out = serve_script(&node, &[("TMS_INIT_ENABLE_CPU_BAKUP", "1")], "alloc-env 4\nquit\n");
+    assert_ok(&out, "serve with a misspelt variable");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("TMS_INIT_ENABLE_CPU_BAKUP is not a variable tms reads")
+            && err.contains("did you mean TMS_INIT_ENABLE_CPU_BACKUP?"),
+        "no warning at the first allocation: {err:?}"
+    );
+
+    let cycle = "alloc-env 4\nfill\npause\nresume\nverify\nquit\n";
+    for spelling in ["Y", "2", "enabled", "on", "TRUE", "Yes"] {
+        let out = serve_script(&node, &[("TMS_INIT_ENABLE_CPU_BACKUP", spelling)], cycle);
+        assert_ok(&out, spelling);
+        let replies: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+        assert_eq!(replies.len(), 5, "{spelling}: {replies:?}");
+        assert!(replies[2].starts_with("rc=0") && replies[3].starts_with("rc=0"), "{spelling}: {replies:?}");
+        assert_eq!(replies[4], "rc=0", "TMS_INIT_ENABLE_CPU_BACKUP={spelling}: contents lost");
+    }
+}
+
+#[test]
+fn out_of_range_settings_are_named_with_the_value_used() {
+    let node = SimNode::new("1GiB")
+        .env("TMS_BACKUP_STREAMS", "100000")
+        .env("TMS_LOG", "verbose")
+        .env("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", "150")
+        .env("TMS_MEMORY_MARGIN_BYTES", "64MiB")
+        .env("TMS_NAME", "log-check");
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["cycle".into(), "cuda".into(), "2".into()]);
+    let child =
+        node.hooked(&argv).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    assert_ok(&out, "cycle with out-of-range settings");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("TMS_BACKUP_STREAMS=100000 is above the most it takes, 64; using 64"), "{err}");
+    assert!(err.contains("TMS_PINNED_POOL_HOST_RESERVE_PERCENT=150 is above the most it takes, 100"), "{err}");
+    // Read as a target name, `verbose` would have silenced every warning, this one included.
+    assert!(err.contains("TMS_LOG=\"verbose\" is not a log filter"), "{err}");
+    assert!(!err.contains("TMS_MEMORY_MARGIN_BYTES"), "64MiB is a size: {err}");
+    // Each line says when, which process and which name, so several processes' logs can be told apart.
+    let line = err.lines().find(|l| l.contains("TMS_BACKUP_STREAMS")).unwrap();
+    let pid_tag = format!("[pid {pid} log-check] tms: ");
+    assert!(line.starts_with("20") && line.contains("Z WARN ") && line.contains(&pid_tag), "{line}");
+}
+
 #[test]
 fn dlsym_next_and_default_keep_their_meaning_under_the_hook() {
     let ws = workspace();

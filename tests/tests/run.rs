@@ -408,14 +408,25 @@ fn the_readmes_qwen3_4b_tp2_on_a_small_hosts_simulator_suggests_memory_scale() {
 
 #[test]
 fn a_simulated_device_too_small_for_the_contexts_is_refused() {
-    // sim.memory=1MiB printed "1 x 1.0 MiB" while the simulator silently used 16 GiB.
+    // sim.memory=1MiB printed "1 x 1.0 MiB" while the simulator silently used 16 GiB. A size the
+    // user chose is configuration: exit 2, and `--json` still prints one object saying why.
     for size in ["1MiB", "500MiB"] {
         let dir = tempfile::tempdir().unwrap();
-        let out = run_cmd(dir.path(), &["--steps", "1", "--sim-memory", size]).output().unwrap();
-        assert_eq!(out.status.code(), Some(1), "{size}: {}", text(&out));
+        let out = run_cmd(dir.path(), &["--steps", "1", "--sim-memory", size, "--json"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{size}: {}", text(&out));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(&format!("sim.memory={size} leaves no room")) && err.contains("contexts"), "{err}");
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("--json printed no JSON object ({e}): {}", text(&out)));
+        assert_eq!(summary["status"], "failed", "{summary}");
+        assert_eq!(summary["failure"]["kind"], "configuration", "{summary}");
     }
+    // Errors found while reading the configuration print one object too.
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--set", "run.steps=abc", "--json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(summary["failure"]["cause"].as_str().unwrap().contains("run.steps"), "{summary}");
 }
 
 #[test]
@@ -750,4 +761,22 @@ fn wandb_logger_runs_offline_or_names_the_install() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("offline-run-"))
         .collect();
     assert_eq!(runs.len(), 1, "no offline wandb run in {}", dir.path().display());
+}
+
+/// `tms-ctl list` during a run must be able to find its workers: the run says where they serve.
+#[test]
+fn the_run_prints_where_its_workers_control_sockets_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(workspace().bin("relax-colocate"))
+        .current_dir(&workspace().root)
+        .args(["run", "--device", "sim", "--steps", "1", "--out"])
+        .arg(dir.path())
+        .env_remove("LD_PRELOAD")
+        .env_remove("RELAX_WORKER_FAULT")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.contains("control sockets in")).unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("`tms-ctl --dir ") && line.contains(" list`"), "{line}");
 }

@@ -24,8 +24,9 @@ Exit codes:
   0  success: every process asked answered, and every operation succeeded
   1  some process failed: an error reply (e.g. out of memory on resume), or no answer within
      --timeout (stopped, busy, exited meanwhile); every other process was still served
-  2  usage error, no process matches a TARGET, or the socket folder is unsafe (another user's,
-     or writable by others: tms-ctl says how to fix it)";
+  2  usage error, no process matches a TARGET, no process asked carries the --tag given (one that
+     does not while another does is skipped, not failed), an empty --tag, or the socket folder is
+     unsafe (another user's, or writable by others: tms-ctl says how to fix it)";
 
 #[derive(Parser)]
 #[command(name = "tms-ctl", version, about = "Pause, resume and inspect processes that run with libtms_hook.so", after_help = AFTER_HELP)]
@@ -508,24 +509,39 @@ struct OpRow {
     report: Option<OpReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+    /// Why the process was left alone (it carries no allocation of the tag asked for).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    skipped: Option<String>,
 }
 
 fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> Result<u8, Failure> {
     let verb = if pause { "paused" } else { "resumed" };
-    let tag = tag.map(String::from);
+    if tag.is_some_and(|t| t.trim().is_empty()) {
+        return Err(usage("--tag \"\" names no tag; leave --tag out to pause or resume every tag"));
+    }
+    let wanted = tag.map(String::from);
+    let tag = wanted.clone();
     let request = if pause { Request::Pause { tag } } else { Request::Resume { tag } };
     let timeout = ctx.timeout;
     let answers = ask_all(ctx, procs, Arc::new(move |p: &Path| tms_proto::call_full(p, &request, timeout)));
     let mut rows = Vec::new();
+    // Processes that carry no allocation of the tag: skipped where another process has it (one
+    // `--all --tag kv_cache` reaches trainers too), an error where none has.
+    let mut without_tag = 0;
     for (p, answer) in procs.iter().zip(answers) {
         let name = tms_proto::read_name(&p.path).flatten();
         let socket = p.path.display().to_string();
         let row = match answer {
+            Ok((_, Some(e))) if e.code == ErrorCode::UnknownTag => {
+                without_tag += 1;
+                OpRow { pid: p.pid, name, socket, ok: true, report: None, error: None, skipped: Some(e.message) }
+            }
             Ok((report, error)) => {
                 let report: Option<OpReport> = report.and_then(|v| serde_json::from_value(v).ok());
-                OpRow { pid: p.pid, name, socket, ok: error.is_none(), report, error: error.map(|e| e.to_string()) }
+                let ok = error.is_none();
+                OpRow { pid: p.pid, name, socket, ok, report, error: error.map(|e| e.to_string()), skipped: None }
             }
-            Err(e) => OpRow { pid: p.pid, name, socket, ok: false, report: None, error: Some(e) },
+            Err(e) => OpRow { pid: p.pid, name, socket, ok: false, report: None, error: Some(e), skipped: None },
         };
         if !ctx.json {
             let mut line = format!("{}: ", label(row.pid, row.name.as_deref()));
@@ -544,9 +560,21 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
             if let Some(e) = &row.error {
                 line.push_str(&format!("{}error: {e}", if row.report.is_some() { "; " } else { "" }));
             }
+            if let Some(why) = &row.skipped {
+                line.push_str(&format!("skipped: {why}"));
+            }
             println!("{line}");
         }
         rows.push(row);
+    }
+    if !rows.is_empty() && without_tag == rows.len() {
+        if ctx.json {
+            println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
+        }
+        let t = wanted.unwrap_or_default();
+        return Err(usage(format!(
+            "no process asked has an allocation tagged {t:?}; `tms-ctl status` lists each process's tags"
+        )));
     }
     if ctx.json {
         println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));

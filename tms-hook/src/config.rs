@@ -1,5 +1,8 @@
 //! Every environment variable the hook reads, parsed once, in one place. Unparseable values are
-//! one warning line and the default, never an exit (torch_memory_saver exits on them).
+//! one warning line and the default, never an exit (torch_memory_saver exits on them). Two rules
+//! protect data: a `TMS_*` name nobody reads (a typo such as `TMS_INIT_ENABLE_CPU_BAKUP`) is
+//! named in a warning with the variable it most resembles, and a backup flag that cannot be read
+//! keeps the backup on, since pausing without one loses the contents.
 
 use std::sync::OnceLock;
 
@@ -53,27 +56,119 @@ fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// torch_memory_saver's boolean spellings.
+/// The variables the hook reads (this module, control.rs, disk.rs, log.rs).
+pub const HOOK_VARIABLES: &[&str] = &[
+    "TMS_INIT_ENABLE",
+    "TMS_INIT_ENABLE_CPU_BACKUP",
+    "TMS_INIT_TAG",
+    "TMS_INIT_CPU_BACKUP_BACKEND",
+    "TMS_INIT_ENABLE_DISK_BACKUP",
+    "TMS_DISK_BACKUP_DIR",
+    "TMS_RETAIN_CPU_BACKUP",
+    "TMS_KEEP_PINNED_BUFFERS",
+    "TMS_PINNED_POOL_MAX_MB",
+    "TMS_PINNED_POOL_HOST_RESERVE_PERCENT",
+    "TMS_MEMORY_MARGIN_BYTES",
+    "TMS_RESUME_KEEPS_MARGIN",
+    "TMS_BACKUP_STREAMS",
+    "TMS_BACKUP_CHUNK_MB",
+    "TMS_PHYSICAL_CHUNK_MB",
+    "TMS_LOG",
+    "TMS_CONTROL",
+    "TMS_CONTROL_DIR",
+    "TMS_CONTROL_TIMEOUT_MS",
+    "TMS_NAME",
+];
+
+/// `TMS_*` names that other parts of tms read (simulator, tools, scripts, tests): not typos.
+const OTHER_VARIABLES: &[&str] = &[
+    "TMS_LIBRARY",
+    "TMS_HOOK",
+    "TMS_PREFIX",
+    "TMS_PROFILE",
+    "TMS_CUDA_MAJOR",
+    "TMS_CUDART_SONAME",
+    "TMS_BUILD_VENV",
+    "TMS_WHEEL_TARGET_DIR",
+    "TMS_UPSTREAM_WHEEL",
+];
+const OTHER_PREFIXES: &[&str] = &["TMS_SIM_", "TMS_TEST_", "TMS_TORCH", "TMS_RAY_"];
+
+/// One warning per `TMS_*` name in `names` that no part of tms reads, naming the closest
+/// variable the hook reads.
+pub fn unknown_variables<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    names
+        .into_iter()
+        .filter(|n| n.starts_with("TMS_"))
+        .filter(|n| !HOOK_VARIABLES.contains(n) && !OTHER_VARIABLES.contains(n))
+        .filter(|n| !OTHER_PREFIXES.iter().any(|p| n.starts_with(p)))
+        .map(|n| {
+            let closest = HOOK_VARIABLES.iter().min_by_key(|k| edit_distance(n, k)).copied().unwrap_or("TMS_LOG");
+            format!("{n} is not a variable tms reads (ignored); did you mean {closest}?")
+        })
+        .collect()
+}
+
+/// Levenshtein distance over bytes (variable names are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.bytes().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitution = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitution.min(row[j] + 1).min(diagonal + 1);
+        }
+    }
+    row[b.len()]
+}
+
+/// Boolean spellings: 1/0, true/false, yes/no, on/off in any case (torch_memory_saver's are a subset).
 pub fn parse_bool(text: &str) -> Option<bool> {
-    match text.trim() {
-        "1" | "true" | "TRUE" | "True" | "yes" | "YES" | "Yes" => Some(true),
-        "0" | "false" | "FALSE" | "False" | "no" | "NO" | "No" | "" => Some(false),
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" | "" => Some(false),
         _ => None,
     }
 }
 
+/// The levels `TMS_LOG` takes alone; anything else must be a directive list (`target=level,...`).
+const LOG_LEVELS: &[&str] = &["off", "error", "warn", "info", "debug", "trace"];
+
+/// Whether `TMS_LOG`'s value is a filter, not a word such as `verbose` that tracing would take
+/// for a target name and so silence every warning.
+pub fn valid_log_filter(text: &str) -> bool {
+    text.split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .all(|d| d.contains('=') || LOG_LEVELS.contains(&d.to_ascii_lowercase().as_str()))
+}
+
 impl Config {
     pub fn from_env() -> Config {
-        let mut warnings = Vec::new();
-        let mut flag = |name: &str, default: bool| match var(name) {
+        let names: Vec<String> = std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()).collect();
+        let mut warnings = unknown_variables(names.iter().map(String::as_str));
+        let mut flag_or = |name: &str, default: bool, unreadable: bool, why: &str| match var(name) {
             None => default,
             Some(v) => parse_bool(&v).unwrap_or_else(|| {
-                warnings.push(format!("{name}={v:?} is not a boolean (1/0, true/false, yes/no); using {default}"));
-                default
+                warnings.push(format!(
+                    "{name}={v:?} is not a boolean (1/0, true/false, yes/no, on/off); using {}{why}",
+                    u8::from(unreadable)
+                ));
+                unreadable
             }),
         };
+        // Pausing without a backup loses the contents: an unreadable value keeps the backup on.
+        let init_backup = flag_or(
+            "TMS_INIT_ENABLE_CPU_BACKUP",
+            false,
+            true,
+            ", the safe choice (without a backup a pause loses the contents)",
+        );
+        let mut flag = |name: &str, default: bool| flag_or(name, default, default, "");
         let init_enable = flag("TMS_INIT_ENABLE", false);
-        let init_backup = flag("TMS_INIT_ENABLE_CPU_BACKUP", false);
         let retain_backup = flag("TMS_RETAIN_CPU_BACKUP", false);
         let keep_pinned = flag("TMS_KEEP_PINNED_BUFFERS", true);
         // torch_memory_saver checks the margin at allocation only; a resume that kept it too
@@ -81,24 +176,41 @@ impl Config {
         let resume_keeps_margin = flag("TMS_RESUME_KEEPS_MARGIN", false);
         let disk_backup = flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
         let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| flag("TMS_CONTROL", true));
-        let mut number = |name: &str, default: u64, min: u64| match var(name) {
+        let mut number = |name: &str, default: u64, min: u64, max: u64| match var(name) {
             None => default,
             Some(v) => match v.trim().parse::<u64>() {
+                Ok(n) if n > max => {
+                    warnings.push(format!("{name}={n} is above the most it takes, {max}; using {max}"));
+                    max
+                }
                 Ok(n) if n >= min => n,
                 _ => {
-                    warnings.push(format!("{name}={v:?} is not a whole number >= {min}; using {default}"));
+                    warnings.push(format!("{name}={v:?} is not a whole number from {min} to {max}; using {default}"));
                     default
                 }
             },
         };
-        let margin = number("TMS_MEMORY_MARGIN_BYTES", 0, 0);
         let pinned_pool_max = var("TMS_PINNED_POOL_MAX_MB")
             .filter(|v| !v.trim().is_empty())
-            .map(|_| number("TMS_PINNED_POOL_MAX_MB", u64::MAX >> 20, 0) << 20);
-        let pinned_pool_host_reserve_percent = number("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", 25, 0).min(100);
-        let backup_streams = number("TMS_BACKUP_STREAMS", 4, 1).min(64) as usize;
-        let backup_chunk = (number("TMS_BACKUP_CHUNK_MB", 16, 1).min(4096) as usize) << 20;
-        let physical_chunk = (number("TMS_PHYSICAL_CHUNK_MB", 16, 0).min(1 << 20) as usize) << 20;
+            .map(|_| number("TMS_PINNED_POOL_MAX_MB", u64::MAX >> 20, 0, u64::MAX >> 20) << 20);
+        let pinned_pool_host_reserve_percent = number("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", 25, 0, 100);
+        let backup_streams = number("TMS_BACKUP_STREAMS", 4, 1, 64) as usize;
+        let backup_chunk = (number("TMS_BACKUP_CHUNK_MB", 16, 1, 4096) as usize) << 20;
+        let physical_chunk = (number("TMS_PHYSICAL_CHUNK_MB", 16, 0, 1 << 20) as usize) << 20;
+        // The same size forms as `tms-ctl set --margin` (4096, 512MiB, 2GiB, 1GB).
+        let margin = match var("TMS_MEMORY_MARGIN_BYTES") {
+            None => 0,
+            Some(v) if v.trim().is_empty() => 0,
+            Some(v) => tms_proto::size::parse_size(&v).unwrap_or_else(|e| {
+                warnings.push(format!("TMS_MEMORY_MARGIN_BYTES={v:?} cannot be read ({e}); using 0 (no margin)"));
+                0
+            }),
+        };
+        if let Some(v) = var("TMS_LOG").filter(|v| !valid_log_filter(v)) {
+            warnings.push(format!(
+                "TMS_LOG={v:?} is not a log filter (off, error, warn, info, debug, trace, or target=level,...); using warn"
+            ));
+        }
         let init_tag = var("TMS_INIT_TAG").filter(|t| !t.is_empty()).unwrap_or_else(|| DEFAULT_TAG.to_string());
         let backup_backend = match var("TMS_INIT_CPU_BACKUP_BACKEND").as_deref() {
             None | Some("") | Some("pinned") => "pinned".to_string(),
@@ -153,13 +265,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn booleans_follow_torch_memory_saver() {
-        for t in ["1", "true", "TRUE", "yes", "YES"] {
+    fn booleans_take_the_usual_spellings_in_any_case() {
+        for t in ["1", "true", "TRUE", "yes", "YES", "on", "On", "ON", "Yes"] {
             assert_eq!(parse_bool(t), Some(true), "{t}");
         }
-        for f in ["0", "false", "FALSE", "no", "NO"] {
+        for f in ["0", "false", "FALSE", "no", "NO", "off", "Off"] {
             assert_eq!(parse_bool(f), Some(false), "{f}");
         }
-        assert_eq!(parse_bool("maybe"), None);
+        for bad in ["maybe", "Y", "2", "enabled"] {
+            assert_eq!(parse_bool(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_misspelt_variable_is_named_with_the_one_meant() {
+        let w = unknown_variables(["TMS_INIT_ENABLE_CPU_BAKUP", "TMS_INIT_ENABLE", "TMS_SIM_DEVICES", "PATH"]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("TMS_INIT_ENABLE_CPU_BAKUP") && w[0].contains("did you mean TMS_INIT_ENABLE_CPU_BACKUP?")
+        );
+        assert!(unknown_variables(["TMS_TORCH_VENV", "TMS_TEST_HOOK", "TMS_NAME", "TMS_LIBRARY"]).is_empty());
+        assert!(unknown_variables(["TMS_BACKUP_STREAM"])[0].ends_with("did you mean TMS_BACKUP_STREAMS?"));
+    }
+
+    #[test]
+    fn log_filters_are_levels_or_directives() {
+        for ok in ["warn", "INFO", "off", "tms_hook=debug", "warn,tms_hook=trace"] {
+            assert!(valid_log_filter(ok), "{ok}");
+        }
+        for bad in ["verbose", "loud", "warn,chatty"] {
+            assert!(!valid_log_filter(bad), "{bad}");
+        }
     }
 }

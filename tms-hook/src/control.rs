@@ -384,10 +384,42 @@ fn dispatch(req: Request) -> Reply {
     match req {
         Request::Ping => Reply::ok(serde_json::json!({ "pong": true, "pid": std::process::id() })),
         Request::Status => Reply::ok(json(&status())),
+        Request::Pause { tag } | Request::Resume { tag } if tag.as_deref().is_some_and(|t| t.trim().is_empty()) => {
+            Reply::err(ProtoError::new(
+                ErrorCode::BadRequest,
+                "the empty tag names no tag; leave the tag out to pause or resume every tag",
+            ))
+        }
+        Request::Pause { tag } | Request::Resume { tag } if tag.as_deref().is_some_and(|t| !tag_carried(t)) => {
+            let t = tag.unwrap_or_default();
+            let mut known: Vec<String> = status().tags.into_iter().map(|s| s.tag).collect();
+            known.sort();
+            known.dedup();
+            let here = if known.is_empty() { "none".to_string() } else { known.join(", ") };
+            Reply::err(ProtoError::new(
+                ErrorCode::UnknownTag,
+                format!("no allocation carries tag {t:?} and none ever did here (tags here: {here})"),
+            ))
+        }
         Request::Pause { tag } => operation_reply(tag.clone(), &saver().pause(tag.as_deref())),
         Request::Resume { tag } => operation_reply(tag.clone(), &saver().resume(tag.as_deref())),
         Request::Set(settings) => {
             let s = saver();
+            let largest = s.devices().into_iter().map(|(_, _, _, total)| total).max();
+            if let (Some(m), Some(total)) = (settings.margin_bytes, largest)
+                && m > total
+            {
+                use tms_proto::size::format_size;
+                return Reply::err(ProtoError::new(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "a margin of {} is more than this process's largest device holds ({}): every region \
+                         allocation would be refused; nothing was changed",
+                        format_size(m),
+                        format_size(total)
+                    ),
+                ));
+            }
             if let Some(m) = settings.margin_bytes {
                 s.set_margin(m);
             }
@@ -400,6 +432,12 @@ fn dispatch(req: Request) -> Reply {
             Reply::ok(json(&status()))
         }
     }
+}
+
+/// Whether the process knows `tag`: something carries it now, or it was used before (a pause
+/// between one allocation's free and the next one's is no error; a name never used here is).
+fn tag_carried(tag: &str) -> bool {
+    region::lookup(tag) != region::NO_SUCH_TAG || region::ever_used(tag)
 }
 
 /// A failed operation's reply carries its report too: what was done, skipped and failed.

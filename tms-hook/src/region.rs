@@ -137,6 +137,7 @@ impl TagTable {
         }
         // 4 billion distinct tags would be needed to run out; then the last id is shared (its
         // name stays the first one's) rather than wrapping onto live ids.
+        remember(name.as_bytes());
         let id = self.next;
         self.next = self.next.saturating_add(1).min(NO_SUCH_TAG - 1);
         self.by_name.insert(name.as_bytes().to_vec(), id);
@@ -155,6 +156,35 @@ impl TagTable {
             self.by_name.remove(gone.name.as_bytes());
         }
     }
+}
+
+/// Hashes of every tag name the process has used, so that the control plane can tell a tag that
+/// is momentarily carried by nothing (a pause between one allocation's free and the next) from a
+/// name never used here (a typo). Capped, so a program naming a new tag every step stays flat:
+/// past the cap every name counts as used, and no pause is refused for it.
+static USED: Mutex<Option<std::collections::HashSet<u64>>> = Mutex::new(None);
+const USED_CAP: usize = 4096;
+
+fn name_hash(name: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut h);
+    h.finish()
+}
+
+fn remember(name: &[u8]) {
+    let mut used = USED.lock().unwrap_or_else(|e| e.into_inner());
+    let set = used.get_or_insert_with(Default::default);
+    if set.len() < USED_CAP {
+        set.insert(name_hash(name));
+    }
+}
+
+/// Whether the process has ever used `tag` (or has used too many names to tell).
+pub fn ever_used(tag: &str) -> bool {
+    let name = clean(tag);
+    let used = USED.lock().unwrap_or_else(|e| e.into_inner());
+    used.as_ref().is_some_and(|set| set.len() >= USED_CAP || set.contains(&name_hash(name.as_bytes())))
 }
 
 /// The id of `tag`, added for the life of the process (the default tag, fixed names).

@@ -67,6 +67,8 @@ pub enum ErrorCode {
     DriverError,
     NoDriver,
     Internal,
+    /// A pause or resume named a tag that no allocation of the process carries.
+    UnknownTag,
 }
 
 impl ErrorCode {
@@ -83,6 +85,7 @@ impl ErrorCode {
             ErrorCode::DriverError => "driver_error",
             ErrorCode::NoDriver => "no_driver",
             ErrorCode::Internal => "internal",
+            ErrorCode::UnknownTag => "unknown_tag",
         }
     }
 }
@@ -189,7 +192,10 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
             only_fields(&obj, &["v", "op", "tag"])?;
             let tag = match obj.get("tag") {
                 None | Some(Value::Null) => None,
-                Some(Value::String(s)) if s.is_empty() => None,
+                // An empty tag once meant every tag: a blank variable in a script paused everything.
+                Some(Value::String(s)) if s.trim().is_empty() => {
+                    return Err(bad("the empty tag names no tag; leave tag out (or null) for every tag"));
+                }
                 Some(Value::String(s)) if s.len() <= 256 && !s.contains('\0') => Some(s.clone()),
                 Some(Value::String(_)) => return Err(bad("tag must be at most 256 bytes without NUL")),
                 Some(_) => return Err(bad("tag must be a string or null")),
@@ -721,7 +727,8 @@ mod tests {
         assert_eq!(code(r#"{"op":"set","retain_backup":"yes"}"#), ErrorCode::BadRequest);
         let huge = format!(r#"{{"op":"pause","tag":"{}"}}"#, "x".repeat(MAX_REQUEST_BYTES));
         assert_eq!(code(&huge), ErrorCode::TooLarge);
-        assert_eq!(parse_request(br#"{"op":"pause","tag":""}"#).unwrap(), Request::Pause { tag: None });
+        assert_eq!(code(r#"{"op":"pause","tag":""}"#), ErrorCode::BadRequest);
+        assert_eq!(parse_request(br#"{"op":"pause","tag":null}"#).unwrap(), Request::Pause { tag: None });
     }
 
     #[test]

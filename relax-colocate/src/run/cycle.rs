@@ -19,10 +19,18 @@ impl Runner {
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
         let owned = tag.map(String::from);
         let results = self.control_calls(&targets, &format!("{verb} {what}"), move |path, timeout| {
-            if pause {
+            let answer = if pause {
                 tms_proto::pause(path, owned.as_deref(), timeout)
             } else {
                 tms_proto::resume(path, owned.as_deref(), timeout)
+            };
+            // A worker that never allocated under the tag (an external worker without CUDA
+            // graphs) has nothing to pause or resume: an empty report, as before tags were checked.
+            match answer {
+                Err(tms_proto::ClientError::Remote(e)) if e.code == tms_proto::ErrorCode::UnknownTag => {
+                    Ok(OpReport { tag: owned.clone(), ..OpReport::default() })
+                }
+                other => other,
             }
         })?;
         let mut reports = Vec::new();

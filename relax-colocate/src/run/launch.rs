@@ -7,8 +7,8 @@ use super::sizing::{check_host_memory_for_sim, footprint, round_up, sim_context_
 use super::supervise::{describe_exit, phase_timeout};
 use super::task::{Addition, VOCAB};
 use super::{
-    FailKind, GRANULARITY, MIB, Options, Proc, R, Role, RunError, Runner, Worker, model, profile, ray, report,
-    setup_err, tmpfiles, wire,
+    FailKind, GRANULARITY, MIB, Options, Proc, R, Role, RunError, Runner, Worker, config_err, model, profile, ray,
+    report, setup_err, tmpfiles, wire,
 };
 use crate::bench::find_hook;
 use crate::runtime::can_load;
@@ -161,10 +161,10 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         d => d,
     };
     if device == DeviceChoice::Cuda && !can_load(c"libcuda.so.1") {
-        return Err(setup_err("--device cuda: libcuda.so.1 cannot be loaded here; use --device sim"));
+        return Err(config_err("--device cuda: libcuda.so.1 cannot be loaded here; use --device sim"));
     }
     if device == DeviceChoice::Npu && !can_load(c"libascendcl.so") {
-        return Err(setup_err(
+        return Err(config_err(
             "--device npu: libascendcl.so cannot be loaded; source CANN's set_env.sh or use --device sim",
         ));
     }
@@ -223,11 +223,11 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         let capacity = if cfg.sim.memory == "auto" {
             round_up(peak + contexts + (fp.trainer.min(fp.rollout) / 2).min(64 * MIB), GRANULARITY)
         } else {
-            let explicit = config::parse_size(&cfg.sim.memory).map_err(setup_err)?;
+            let explicit = config::parse_size(&cfg.sim.memory).map_err(config_err)?;
             // The simulator would replace a capacity under its granularity by its 16 GiB default,
             // and a device without room for both contexts fails every worker's first call.
             if explicit < contexts + GRANULARITY {
-                return Err(setup_err(format!(
+                return Err(config_err(format!(
                     "sim.memory={} leaves no room on the device: the trainer's and the rollout's \
                      contexts take {} of it; give at least {} (or sim.memory=auto)",
                     cfg.sim.memory,
@@ -301,6 +301,14 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
     ));
     for line in loggers.describe() {
         progress.note(&format!("relax-colocate run: {line}"));
+    }
+    // The workers' control sockets live in the run's private folder, which `tms-ctl list` does
+    // not look in by default: say how to reach them while the run goes on.
+    if cfg.run.launcher == Launcher::Local {
+        progress.note(&format!(
+            "relax-colocate run: workers' control sockets in {0} (`tms-ctl --dir {0} list`)",
+            ctl_dir.display()
+        ));
     }
     let mut workers = Vec::new();
     let mut bridge = None;

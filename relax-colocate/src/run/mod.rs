@@ -35,7 +35,7 @@ mod supervise;
 use config::Config;
 use launch::{make_run_dir, start};
 use profile::Profile;
-use serde_json::json;
+use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -218,6 +218,12 @@ pub struct Runner {
     checks_passed: u64,
 }
 
+/// A configuration that cannot run on this machine (a device it lacks, a device too small): the
+/// user's to change, so exit 2 as for the errors found while reading it.
+fn config_err(cause: impl Into<String>) -> RunError {
+    RunError { kind: FailKind::Config, step: 0, phase: "setup".into(), worker: None, cause: cause.into() }
+}
+
 fn setup_err(cause: impl Into<String>) -> RunError {
     RunError { kind: FailKind::Setup, step: 0, phase: "setup".into(), worker: None, cause: cause.into() }
 }
@@ -249,32 +255,45 @@ fn tail(path: &Path, lines: usize) -> String {
 }
 
 /// Runs the configured job; returns the process exit code.
+/// What `--json` prints when a run fails before its workers report anything: one object, as a
+/// finished or failed run prints, so scripts always have one to read.
+fn early_failure(kind: FailKind, cause: &str) -> Value {
+    json!({
+        "status": if kind == FailKind::Interrupted { "interrupted" } else { "failed" },
+        "failure": {"kind": kind.as_str(), "step": 0, "phase": "setup", "worker": null, "cause": cause},
+        "steps_completed": 0,
+    })
+}
+
 pub fn run(opts: &Options) -> u8 {
+    let refuse = |kind: FailKind, e: &str| {
+        eprintln!("relax-colocate run: {e}");
+        if opts.json {
+            println!("{}", serde_json::to_string_pretty(&early_failure(kind, e)).expect("serializes"));
+        }
+        kind.exit_code()
+    };
     let cfg = match config::load(opts.config.as_deref(), &opts.sets) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("relax-colocate run: {e}");
-            return 2;
-        }
+        Err(e) => return refuse(FailKind::Config, &e.to_string()),
     };
     // A missing wandb package is found before anything starts, as the other configuration errors.
     let kinds = loggers::parse_list(&cfg.metrics.loggers).unwrap_or_default();
     if let Err(e) = loggers::preflight(&kinds, &cfg.metrics.python) {
-        eprintln!("relax-colocate run: {e}");
-        return 2;
+        return refuse(FailKind::Config, &e.to_string());
     }
     signals::install();
     let run_dir = match make_run_dir(&cfg) {
         Ok(d) => d,
-        Err(e) => {
-            eprintln!("relax-colocate run: {e}");
-            return 1;
-        }
+        Err(e) => return refuse(FailKind::Setup, &e.to_string()),
     };
     let mut runner = match start(&cfg, opts, run_dir.clone()) {
         Ok(r) => r,
         Err(e) => {
-            report_failure(&e, None, &run_dir);
+            let summary = report_failure(&e, None, &run_dir);
+            if opts.json {
+                println!("{}", serde_json::to_string_pretty(&summary).expect("serializes"));
+            }
             return e.kind.exit_code();
         }
     };
@@ -300,6 +319,9 @@ pub fn run(opts: &Options) -> u8 {
         }
         Err(e) => {
             report_failure(&e, Some(&runner), &run_dir);
+            if opts.json {
+                println!("{}", serde_json::to_string_pretty(&summary).expect("serializes"));
+            }
             e.kind.exit_code()
         }
     }
@@ -315,7 +337,8 @@ fn drive(r: &mut Runner) -> R<()> {
     Ok(())
 }
 
-fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) {
+/// Says on stderr why the run failed; returns the summary written when no runner got going.
+fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) -> Value {
     let at =
         if e.step == 0 { format!("setup, phase {}", e.phase) } else { format!("step {}, phase {}", e.step, e.phase) };
     let who = e.worker.as_ref().map(|w| format!("worker {w}: ")).unwrap_or_default();
@@ -335,17 +358,18 @@ fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) {
             eprintln!("--- last lines of {} ---\n{t}\n---", log.display());
         }
     }
+    let summary = json!({
+        "status": if e.kind == FailKind::Interrupted { "interrupted" } else { "failed" },
+        "failure": {"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause},
+        "steps_completed": 0,
+    });
     if runner.is_none() {
         // The workers never got going: the summary says why, for scripts that read it.
-        let summary = json!({
-            "status": if e.kind == FailKind::Interrupted { "interrupted" } else { "failed" },
-            "failure": {"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause},
-            "steps_completed": 0,
-        });
         let _ =
             std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
     }
     eprintln!("partial results: {}", run_dir.display());
+    summary
 }
 
 impl Drop for Runner {

@@ -64,6 +64,14 @@ impl Saver {
             // A margin near u64::MAX refuses everything; it must never wrap into a small number.
             let needed = (rounded as u64).saturating_add(margin);
             if free < needed {
+                // The caller sees only an out-of-memory next to free memory: say why here.
+                tracing::warn!(
+                    "tms: refused a region allocation of {} on device {device}: {} free, and the margin \
+                     (TMS_MEMORY_MARGIN_BYTES / tms-ctl set --margin) keeps {} free",
+                    tms_proto::size::format_size(rounded as u64),
+                    tms_proto::size::format_size(free),
+                    tms_proto::size::format_size(margin)
+                );
                 return Err(Error::OutOfMemory { code: dev.oom_code(), needed, free });
             }
         }

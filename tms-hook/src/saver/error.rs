@@ -65,6 +65,31 @@ pub struct Report {
     pub error: Option<Error>,
 }
 
+impl Report {
+    /// One line for people: what was done, skipped and failed, how long, and device free memory.
+    pub fn summary(&self, verb: &str) -> String {
+        use tms_proto::size::format_size;
+        format!(
+            "{verb} {} allocation(s), {} in {:.1} ms (skipped {}, failed {}); device free {} -> {}",
+            self.allocations_done,
+            format_size(self.bytes_done),
+            self.elapsed_ns as f64 / 1e6,
+            self.allocations_skipped,
+            self.allocations_failed,
+            format_size(self.device_free_before),
+            format_size(self.device_free_after)
+        )
+    }
+}
+
+/// How a log line names the tag an operation was asked for.
+pub fn tag_label(tag: Option<&str>) -> String {
+    match tag {
+        Some(t) => format!("tag {t:?}"),
+        None => "every tag".to_string(),
+    }
+}
+
 /// Per-tag view for `tms_status` and the control plane.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TagStatus {

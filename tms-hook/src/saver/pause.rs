@@ -37,7 +37,7 @@ impl Saver {
         self.spill_to_disk(&mut jobs);
         self.finish(jobs, &mut report, State::Paused, State::Active);
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
-        tracing::info!("tms: pause {name:?}: {report:?}");
+        tracing::info!("tms: pause {}: {}", super::error::tag_label(name), report.summary("paused"));
         report
     }
 

@@ -98,13 +98,13 @@ impl Saver {
             // A job that wakes with memory still unmapped crashes on its next kernel: say so even
             // when the caller ignores the return code (torch_memory_saver's Python does).
             Some(e) => tracing::warn!(
-                "tms: resume {:?} left {} allocation(s), {} bytes, paused: {e}; their contents are \
+                "tms: resume {} left {} allocation(s), {} bytes, paused: {e}; their contents are \
                  kept, free device memory and resume again",
-                name,
+                super::error::tag_label(name),
                 report.allocations_failed,
                 report.bytes_failed
             ),
-            None => tracing::info!("tms: resume {name:?}: {report:?}"),
+            None => tracing::info!("tms: resume {}: {}", super::error::tag_label(name), report.summary("resumed")),
         }
         report
     }
