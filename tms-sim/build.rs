@@ -22,6 +22,35 @@ fn main() {
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcudart.so.13");
     let out = std::env::var("OUT_DIR").expect("cargo sets OUT_DIR");
     build_cuda12_name(Path::new(&out));
+    build_nccl_name(Path::new(&out));
+}
+
+/// The same for NCCL: PyTorch's libtorch_cuda.so has `NEEDED libnccl.so.2` behind an RPATH
+/// that names the nvidia-nccl wheel. An object with that soname and no functions (NCCL's names
+/// are unversioned, so its references bind to the simulator, first in the global scope),
+/// loaded before torch, stands in. `tms-sim lib-dir` writes it to `tms-sim-lib/nccl/`.
+fn build_nccl_name(out: &Path) {
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    std::fs::write(out.join("nccl.c"), "const char tms_sim_nccl_name[] = \"libnccl.so.2: tms-sim's NCCL name\";\n")
+        .unwrap_or_else(|e| panic!("write nccl.c in OUT_DIR: {e}"));
+    let status = Command::new(&cc)
+        .current_dir(out)
+        .args([
+            "-shared",
+            "-fPIC",
+            "-nostdlib",
+            "-o",
+            "libnccl.so.2",
+            "nccl.c",
+            "-Wl,-soname,libnccl.so.2",
+            "-Wl,-rpath,$ORIGIN/..",
+            "-Wl,--enable-new-dtags",
+            "-Wl,--no-as-needed",
+            "./libcudart.so.13",
+        ])
+        .status()
+        .unwrap_or_else(|e| panic!("run {cc} (a C compiler is needed to build tms-sim): {e}"));
+    assert!(status.success(), "{cc} failed to build the libnccl.so.2 name");
 }
 
 fn build_cuda12_name(out: &Path) {

@@ -134,6 +134,13 @@ fn pytorch_built_for_cuda_12_runs_on_the_simulator_with_the_hook() {
     pytest_under(python, "test_hook_under_torch.py", false);
 }
 
+/// torch.distributed's "nccl" backend on the simulator's libnccl.so.2 (2 and 4 ranks, against
+/// gloo), a rank killed mid-broadcast, and NCCL's C ABI with bad input (test_nccl.py).
+#[test]
+fn torch_distributed_nccl_runs_on_the_simulator() {
+    pytest("test_nccl.py");
+}
+
 #[test]
 fn hook_under_real_torch_and_torch_memory_saver_package() {
     pytest("test_hook_under_torch.py");

@@ -54,21 +54,24 @@ def test_only_the_simulator_serves_cuda(sim):
         import torch
         torch.empty(1, device="cuda")
         libs = sorted({l.split()[-1] for l in open("/proc/self/maps")
-                       if "libcudart" in l or "libcuda.so" in l or "libtms_sim" in l})
+                       if "libcudart" in l or "libcuda.so" in l or "libtms_sim" in l or "libnccl" in l})
         print("libs=%s" % ",".join(libs))
         """
     )
     libs = [Path(p) for p in out["libs"].split(",")]
     names = {p.name for p in libs}
     assert "libtms_sim.so" in names, libs
-    # Beside the simulator only its CUDA 12 name may be mapped (tms-sim-lib/cuda12/, loaded by
-    # the start-up hook for either major), never a vendor runtime, whether found through torch's
-    # RPATH or preloaded by path (torch does that when it sees "libcudart.so" in its maps).
-    assert names <= {"libtms_sim.so", "libtms_sim_cuda12.so"}, f"vendor libraries were loaded beside the simulator: {libs}"
+    # Beside the simulator only its CUDA 12 and NCCL names may be mapped (tms-sim-lib/cuda12/ and
+    # nccl/, loaded by the start-up hook), never a vendor runtime or NVIDIA's NCCL, whether found
+    # through torch's RPATH or preloaded by path (torch does that when it sees "libcudart.so" in
+    # its maps).
+    assert names <= {"libtms_sim.so", "libtms_sim_cuda12.so", "libtms_sim_nccl.so"}, f"vendor libraries were loaded beside the simulator: {libs}"
     ours = sim.lib_dir.resolve()
     for path in libs:
         if path.name == "libtms_sim_cuda12.so":
             assert path.resolve().parent == ours / "cuda12", f"the CUDA 12 name from outside the simulator: {path}"
+        if path.name == "libtms_sim_nccl.so":
+            assert path.resolve().parent == ours / "nccl", f"the NCCL name from outside the simulator: {path}"
 
 
 def test_devices_memory_and_copies(sim):

@@ -34,6 +34,14 @@ def _load_simulator():
             ctypes.CDLL(cuda12, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
             sys.stderr.write(f"tms-sim: cannot load {cuda12} (CUDA 12 builds of torch would load NVIDIA's runtime): {exc}\n")
+    # torch's libtorch_cuda.so needs libnccl.so.2 by its RPATH too: nccl/ holds an object with
+    # that soname whose NCCL references bind to the simulator (torch.distributed's "nccl").
+    nccl = os.path.join(os.path.dirname(lib), "nccl", "libtms_sim_nccl.so")
+    if os.path.exists(nccl):
+        try:
+            ctypes.CDLL(nccl, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            sys.stderr.write(f"tms-sim: cannot load {nccl} (torch would load NVIDIA's NCCL): {exc}\n")
 
 
 def _install_layer():

@@ -356,7 +356,10 @@ pub unsafe extern "C" fn cu_memcpy_htod_async(
 
 pub unsafe extern "C" fn cu_memset_d8(dst: c_ulonglong, value: u8, n: usize) -> i32 {
     call("cuMemsetD8_v2", || match current() {
-        Ok(_) => result(sim().memset(dst as usize, value, n)),
+        Ok(_) => {
+            sim().streams.settle_default();
+            result(sim().memset(dst as usize, value, n))
+        }
         Err(e) => e,
     })
 }

@@ -11,6 +11,7 @@ pub mod acl;
 pub mod core;
 pub mod cuda_driver;
 pub mod cuda_runtime;
+pub mod nccl;
 pub mod nvml;
 
 /// Exports `$imp` under the C name `$name` as a one-instruction trampoline (driver, ACL: the
@@ -123,7 +124,93 @@ mod driver_not_supported {
     }
 }
 
+/// NCCL entry points PyTorch's libtorch_cuda.so imports that the simulator does not implement
+/// (listed in `nccl::NOT_SUPPORTED`): ncclInvalidUsage and one warning each.
+#[allow(non_snake_case)]
+mod nccl_not_supported {
+    macro_rules! refuse {
+        ($($name:ident),*) => {$(
+            pub unsafe extern "C" fn $name() -> i32 {
+                crate::nccl::not_supported(stringify!($name))
+            }
+        )*};
+    }
+    refuse!(
+        ncclCommGetUniqueId,
+        ncclCommGrow,
+        ncclCommMemStats,
+        ncclCommResume,
+        ncclCommRevoke,
+        ncclCommShrink,
+        ncclCommSuspend,
+        ncclCommWindowDeregister,
+        ncclCommWindowRegister,
+        ncclDevCommCreate,
+        ncclDevCommDestroy,
+        ncclGetLsaMultimemDevicePointer,
+        ncclGetPeerDevicePointer,
+        ncclGroupSimulateEnd,
+        ncclPutSignal,
+        ncclSignal,
+        ncclWaitSignal,
+        ncclWinGetUserPtr
+    );
+}
+
 export! {
+    // NCCL (libnccl.so.2)
+    ncclGetVersion => nccl::get_version;
+    ncclGetErrorString => nccl::get_error_string;
+    ncclGetLastError => nccl::get_last_error;
+    ncclGetUniqueId => nccl::get_unique_id;
+    ncclCommInitRank => nccl::comm_init_rank;
+    ncclCommInitRankConfig => nccl::comm_init_rank_config;
+    ncclCommInitRankScalable => nccl::comm_init_rank_scalable;
+    ncclCommInitAll => nccl::comm_init_all;
+    ncclCommSplit => nccl::comm_split;
+    ncclCommFinalize => nccl::comm_finalize;
+    ncclCommDestroy => nccl::comm_destroy;
+    ncclCommAbort => nccl::comm_abort;
+    ncclCommGetAsyncError => nccl::comm_get_async_error;
+    ncclCommCount => nccl::comm_count;
+    ncclCommCuDevice => nccl::comm_cu_device;
+    ncclCommUserRank => nccl::comm_user_rank;
+    ncclBroadcast => nccl::broadcast;
+    ncclBcast => nccl::bcast;
+    ncclAllReduce => nccl::all_reduce;
+    ncclReduce => nccl::reduce;
+    ncclAllGather => nccl::all_gather;
+    ncclReduceScatter => nccl::reduce_scatter;
+    ncclAlltoAll => nccl::all_to_all;
+    ncclGather => nccl::gather;
+    ncclSend => nccl::send;
+    ncclRecv => nccl::recv;
+    ncclGroupStart => nccl::group_start;
+    ncclGroupEnd => nccl::group_end;
+    ncclRedOpCreatePreMulSum => nccl::red_op_create_pre_mul_sum;
+    ncclRedOpDestroy => nccl::red_op_destroy;
+    ncclCommRegister => nccl::comm_register;
+    ncclCommDeregister => nccl::comm_deregister;
+    ncclMemAlloc => nccl::mem_alloc;
+    ncclMemFree => nccl::mem_free;
+    ncclCommGetUniqueId => nccl_not_supported::ncclCommGetUniqueId;
+    ncclCommGrow => nccl_not_supported::ncclCommGrow;
+    ncclCommMemStats => nccl_not_supported::ncclCommMemStats;
+    ncclCommResume => nccl_not_supported::ncclCommResume;
+    ncclCommRevoke => nccl_not_supported::ncclCommRevoke;
+    ncclCommShrink => nccl_not_supported::ncclCommShrink;
+    ncclCommSuspend => nccl_not_supported::ncclCommSuspend;
+    ncclCommWindowDeregister => nccl_not_supported::ncclCommWindowDeregister;
+    ncclCommWindowRegister => nccl_not_supported::ncclCommWindowRegister;
+    ncclDevCommCreate => nccl_not_supported::ncclDevCommCreate;
+    ncclDevCommDestroy => nccl_not_supported::ncclDevCommDestroy;
+    ncclGetLsaMultimemDevicePointer => nccl_not_supported::ncclGetLsaMultimemDevicePointer;
+    ncclGetPeerDevicePointer => nccl_not_supported::ncclGetPeerDevicePointer;
+    ncclGroupSimulateEnd => nccl_not_supported::ncclGroupSimulateEnd;
+    ncclPutSignal => nccl_not_supported::ncclPutSignal;
+    ncclSignal => nccl_not_supported::ncclSignal;
+    ncclWaitSignal => nccl_not_supported::ncclWaitSignal;
+    ncclWinGetUserPtr => nccl_not_supported::ncclWinGetUserPtr;
     // CUDA driver
     cuInit => cuda_driver::cu_init;
     cuDriverGetVersion => cuda_driver::cu_driver_get_version;
@@ -333,7 +420,13 @@ pub mod introspect {
     /// Where the host reaches the bytes of a device range (see tms_sim.h), or NULL.
     #[unsafe(no_mangle)]
     pub unsafe extern "C" fn tms_sim_host_view(ptr: *const libc::c_void, len: usize) -> *mut libc::c_void {
-        let view = std::panic::catch_unwind(|| sim().host_view(ptr as usize, len)).ok().flatten();
+        // The CPU layer computes a default-stream kernel now: after what is queued there.
+        let view = std::panic::catch_unwind(|| {
+            sim().streams.settle_default();
+            sim().host_view(ptr as usize, len)
+        })
+        .ok()
+        .flatten();
         view.map_or(std::ptr::null_mut(), |p| p as *mut libc::c_void)
     }
 

@@ -14,6 +14,9 @@ const RUNTIME_NAMES: &[&str] = &[
     "libcuda.so",
     "libascendcl.so",
     "libnvidia-ml.so.1",
+    "libnccl.so.2",
+    "libnccl.so",
+    "libhccl.so",
 ];
 
 #[derive(Parser)]
@@ -290,6 +293,7 @@ fn link_dir(explicit: Option<&Path>) -> Result<PathBuf, String> {
         std::fs::rename(&tmp, &link).map_err(|e| format!("cannot place {}: {e}", link.display()))?;
     }
     place_cuda12_name(&dir)?;
+    place_name(&dir.join("nccl"), NCCL_FILE, NCCL_NAME)?;
     Ok(dir)
 }
 
@@ -301,6 +305,22 @@ fn link_dir(explicit: Option<&Path>) -> Result<PathBuf, String> {
 const CUDA12_NAME: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libcudart.so.12"));
 
 const CUDA12_FILE: &str = "libtms_sim_cuda12.so";
+
+/// The object with soname `libnccl.so.2` (build.rs) that PyTorch needs loaded before it, so that
+/// its `NEEDED libnccl.so.2` binds to the simulator's NCCL instead of the nvidia-nccl wheel's.
+const NCCL_NAME: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libnccl.so.2"));
+const NCCL_FILE: &str = "libtms_sim_nccl.so";
+
+fn place_name(sub: &Path, file: &str, bytes: &[u8]) -> Result<(), String> {
+    let path = sub.join(file);
+    if std::fs::read(&path).is_ok_and(|b| b == bytes) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(sub).map_err(|e| format!("cannot create {}: {e}", sub.display()))?;
+    let tmp = sub.join(format!(".{file}.{}", std::process::id()));
+    std::fs::write(&tmp, bytes).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).map_err(|e| format!("cannot place {}: {e}", path.display()))
+}
 
 fn place_cuda12_name(dir: &Path) -> Result<(), String> {
     let sub = dir.join("cuda12");

@@ -57,6 +57,10 @@ pub struct Config {
     /// as on a GPU, they do not: after each copy, memset or CPU-layer op the view's page-table
     /// entries are dropped (the bytes stay in the device pool).
     pub device_in_rss: bool,
+    /// Bytes per second a rank's link carries for collectives between devices of one simulated
+    /// node, and between nodes (`TMS_SIM_LINK_GBPS=INTRA[,INTER]`; 0: no modelled time).
+    pub link_intra_bytes_per_sec: f64,
+    pub link_inter_bytes_per_sec: f64,
 }
 
 impl Config {
@@ -84,6 +88,7 @@ impl Config {
             },
             None => DEFAULT_MEMORY,
         };
+        let link = link_rates();
         let commit = env_str("TMS_SIM_COMMIT").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
         Config {
             node,
@@ -105,6 +110,8 @@ impl Config {
             // so it stays resident unless asked otherwise.
             device_in_rss: env_str("TMS_SIM_DEVICE_IN_RSS")
                 .map_or(commit, |v| v == "1" || v.eq_ignore_ascii_case("true")),
+            link_intra_bytes_per_sec: link.0,
+            link_inter_bytes_per_sec: link.1,
         }
     }
 
@@ -134,6 +141,33 @@ pub fn state_file_for(dir: &std::path::Path, node: &str) -> PathBuf {
 
 fn env_str(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// An H100's NVLink 4 carries 450 GB/s each way (900 GB/s bidirectional, NVIDIA's H100
+/// datasheet); between nodes a GPU has one 400 Gb/s NIC, 50 GB/s (the DGX H100 layout).
+pub const DEFAULT_LINK_INTRA_GBPS: f64 = 450.0;
+pub const DEFAULT_LINK_INTER_GBPS: f64 = 50.0;
+
+/// `TMS_SIM_LINK_GBPS=INTRA[,INTER]` in GB/s; INTER defaults to INTRA when only one is given.
+fn link_rates() -> (f64, f64) {
+    let defaults = (DEFAULT_LINK_INTRA_GBPS * 1e9, DEFAULT_LINK_INTER_GBPS * 1e9);
+    let Some(v) = env_str("TMS_SIM_LINK_GBPS") else { return defaults };
+    let parse = |s: &str| s.trim().parse::<f64>().ok().filter(|g| *g >= 0.0 && g.is_finite()).map(|g| g * 1e9);
+    let mut parts = v.split(',');
+    let intra = parts.next().and_then(parse);
+    let inter = match parts.next() {
+        Some(p) => parse(p),
+        None => intra,
+    };
+    match (intra, inter, parts.next()) {
+        (Some(a), Some(b), None) => (a, b),
+        _ => {
+            warn(&format!(
+                "TMS_SIM_LINK_GBPS={v:?} is not INTRA[,INTER] in GB/s (e.g. 450,50); using {DEFAULT_LINK_INTRA_GBPS},{DEFAULT_LINK_INTER_GBPS}"
+            ));
+            defaults
+        }
+    }
 }
 
 fn gbps(name: &str, default: f64) -> f64 {

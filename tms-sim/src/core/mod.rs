@@ -3,6 +3,7 @@
 //! `MemError`s and plain facts (a device has faulted), and each front end (CUDA runtime, driver,
 //! NVML, ACL, NCCL, HCCL) turns them into its own ABI's codes.
 
+pub mod collectives;
 pub mod config;
 pub mod fault;
 pub mod graphs;

@@ -446,6 +446,7 @@ impl Sim {
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
         if crate::core::streams::is_null(stream) {
+            self.streams.settle_default();
             return self.copy_now(dst, src, n, kind).map_err(async_code);
         }
         if !self.streams.exists(stream) {
@@ -468,6 +469,46 @@ impl Sim {
                 }
             }
             Err(_) => Err(async_code(MemError::Invalid)),
+        }
+    }
+
+    /// A kernel reading device memory (a collective's send buffer): the range must be device
+    /// memory mapped with access when it runs; otherwise it faults as a kernel does (sticky on
+    /// the CUDA side).
+    pub fn kernel_read(&self, src: usize, out: &mut [u8]) -> MemResult<()> {
+        self.kernel_access(src, out.len(), false, |view| {
+            // SAFETY: the view covers `out.len()` validated bytes of the mirror.
+            unsafe { std::ptr::copy_nonoverlapping(view as *const u8, out.as_mut_ptr(), out.len()) }
+        })
+    }
+
+    /// A kernel writing device memory (a collective's receive buffer); see `kernel_read`.
+    pub fn kernel_write(&self, dst: usize, data: &[u8]) -> MemResult<()> {
+        self.kernel_access(dst, data.len(), true, |view| {
+            // SAFETY: the view covers `data.len()` validated bytes of the mirror, mapped writable.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), view as *mut u8, data.len()) }
+        })
+    }
+
+    fn kernel_access(&self, addr: usize, len: usize, write: bool, f: impl FnOnce(usize)) -> MemResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let _copying = self.copying.read().unwrap_or_else(|e| e.into_inner());
+        let found = self.read().device_range(addr, len, write);
+        match found {
+            Ok(Some(b)) => {
+                f(b.mirror);
+                self.leave_view(b.mirror, len);
+                Ok(())
+            }
+            // Host memory a device kernel cannot reach.
+            Ok(None) => Err(MemError::IllegalAddress),
+            Err(e) => {
+                drop(_copying);
+                self.on_fault(e, &[addr]);
+                Err(e)
+            }
         }
     }
 

@@ -120,6 +120,12 @@ impl Event {
 pub struct Streams {
     live: Mutex<HashMap<usize, Arc<Stream>>>,
     events: Mutex<HashMap<usize, Arc<Event>>>,
+    /// The default stream's own queue, for the work that must not block the host (collectives,
+    /// event records and waits). Other work on the default stream runs as it is queued, after
+    /// this queue has drained, so the stream's order holds. On a GPU none of it blocks the host:
+    /// PyTorch issues synchronous collectives on its current stream, then records an event and
+    /// polls it, and a collective that ran on the host would hang it whenever a peer is lost.
+    legacy: Mutex<HashMap<usize, Arc<Stream>>>,
 }
 
 impl Streams {
@@ -163,22 +169,11 @@ impl Streams {
     pub fn submit(&self, handle: usize, job: Job) -> Result<i32, UnknownStream> {
         if is_null(handle) {
             self.legacy_barrier(handle);
+            self.settle_default();
             return Ok(job());
         }
         let stream = self.get(handle)?;
-        stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted += 1;
-        let mut tx = stream.tx.lock().unwrap_or_else(|e| e.into_inner());
-        if tx.is_none() {
-            *tx = Some(start_worker(stream.progress.clone()).ok_or(UnknownStream)?);
-        }
-        let sent = tx.as_ref().map(|t| t.send(job));
-        match sent {
-            Some(Ok(())) => Ok(0),
-            _ => {
-                stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted -= 1;
-                Err(UnknownStream)
-            }
-        }
+        enqueue(&stream, job)
     }
 
     /// An action on the legacy default stream first waits for all work queued on the blocking
@@ -201,10 +196,64 @@ impl Streams {
         }
     }
 
+    /// The default stream's queue of `device` (each device has its own legacy stream).
+    fn legacy_queue(&self, device: usize) -> Arc<Stream> {
+        let mut legacy = self.legacy.lock().unwrap_or_else(|e| e.into_inner());
+        legacy
+            .entry(device)
+            .or_insert_with(|| {
+                let progress = Arc::new((Mutex::new(Progress { submitted: 0, done: 0, error: 0 }), Condvar::new()));
+                Arc::new(Stream { device, priority: 0, flags: 0, tx: Mutex::new(None), progress })
+            })
+            .clone()
+    }
+
+    fn legacy_queues(&self) -> Vec<Arc<Stream>> {
+        self.legacy.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+    }
+
+    /// Waits for the default stream's queued work on every device, leaving its errors for the
+    /// next synchronize: what runs on the default stream at once (copies, memsets, the CPU
+    /// layer's kernels) comes after what was queued there before.
+    pub fn settle_default(&self) {
+        for s in self.legacy_queues() {
+            let (lock, cv) = &*s.progress;
+            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+            while p.done < p.submitted {
+                p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+    }
+
+    /// Waits for the default stream's queued work on every device; returns the first error.
+    fn drain_legacy(&self) -> i32 {
+        let mut first = 0;
+        for s in self.legacy_queues() {
+            let code = wait(&s);
+            if first == 0 {
+                first = code;
+            }
+        }
+        first
+    }
+
+    /// Queues `job` without blocking the host, on the default stream too (see `legacy`): there,
+    /// on `device`'s queue, or the calling thread's device when None.
+    pub fn submit_async(&self, handle: usize, device: Option<usize>, job: Job) -> Result<i32, UnknownStream> {
+        if !is_null(handle) {
+            return self.submit(handle, job);
+        }
+        let device = device.unwrap_or_else(|| match crate::core::sim::CUDA_CTX.with(|c| c.get()) {
+            0 => crate::core::sim::RT_DEVICE.with(|d| d.get()),
+            n => n - 1,
+        });
+        enqueue(&self.legacy_queue(device), job)
+    }
+
     /// Waits for everything queued on `handle`; returns the first error of those jobs.
     pub fn synchronize(&self, handle: usize) -> Result<i32, UnknownStream> {
         if is_null(handle) {
-            return Ok(0);
+            return Ok(self.drain_legacy());
         }
         Ok(wait(&*self.get(handle)?))
     }
@@ -212,7 +261,10 @@ impl Streams {
     /// Whether everything queued on `handle` has run.
     pub fn is_idle(&self, handle: usize) -> Result<bool, UnknownStream> {
         if is_null(handle) {
-            return Ok(true);
+            return Ok(self.legacy_queues().iter().all(|s| {
+                let p = s.progress.0.lock().unwrap_or_else(|e| e.into_inner());
+                p.done >= p.submitted
+            }));
         }
         let s = self.get(handle)?;
         let p = s.progress.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -221,8 +273,8 @@ impl Streams {
 
     /// Waits for every stream (of `device`, or all when None).
     pub fn synchronize_all(&self, device: Option<usize>) -> i32 {
+        let mut first = self.drain_legacy();
         let all: Vec<Arc<Stream>> = self.live().values().cloned().collect();
-        let mut first = 0;
         for s in all.iter().filter(|s| device.is_none_or(|d| d == s.device)) {
             let code = wait(s);
             if first == 0 {
@@ -235,7 +287,8 @@ impl Streams {
     /// Waits for every stream's queued work without taking the errors it left: the stream's
     /// own next synchronize still reports them.
     pub fn drain_all(&self) {
-        let all: Vec<Arc<Stream>> = self.live().values().cloned().collect();
+        let mut all: Vec<Arc<Stream>> = self.live().values().cloned().collect();
+        all.extend(self.legacy_queues());
         for s in &all {
             let (lock, cv) = &*s.progress;
             let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -289,8 +342,9 @@ impl Streams {
             st.recorded
         };
         let target = event.clone();
-        self.submit(
+        self.submit_async(
             stream,
+            None,
             Box::new(move || {
                 target.complete(generation);
                 0
@@ -310,14 +364,31 @@ impl Streams {
             return if self.exists(stream) { Ok(()) } else { Err(UnknownStream) };
         }
         let target = event.clone();
-        self.submit(
+        self.submit_async(
             stream,
+            None,
             Box::new(move || {
                 target.wait_for(generation);
                 0
             }),
         )
         .map(|_| ())
+    }
+}
+
+fn enqueue(stream: &Stream, job: Job) -> Result<i32, UnknownStream> {
+    stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted += 1;
+    let mut tx = stream.tx.lock().unwrap_or_else(|e| e.into_inner());
+    if tx.is_none() {
+        *tx = Some(start_worker(stream.progress.clone()).ok_or(UnknownStream)?);
+    }
+    let sent = tx.as_ref().map(|t| t.send(job));
+    match sent {
+        Some(Ok(())) => Ok(0),
+        _ => {
+            stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted -= 1;
+            Err(UnknownStream)
+        }
     }
 }
 

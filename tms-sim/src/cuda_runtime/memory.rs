@@ -108,6 +108,7 @@ pub unsafe extern "C" fn cuda_memcpy_async(
 pub unsafe extern "C" fn cuda_memset(dst: *mut c_void, value: c_int, count: usize) -> i32 {
     call("cudaMemset", || {
         enter!();
+        sim().streams.settle_default();
         result(sim().memset(dst as usize, value as u8, count))
     })
 }
@@ -117,6 +118,7 @@ pub unsafe extern "C" fn cuda_memset_async(dst: *mut c_void, value: c_int, count
         enter!();
         let (dst, value, stream) = (dst as usize, value as u8, stream as usize);
         if crate::core::streams::is_null(stream) {
+            sim().streams.settle_default();
             return result(sim().memset(dst, value, count));
         }
         if sim().graphs.record(stream, || crate::core::graphs::Node::Memset { dst, value, n: count }) {

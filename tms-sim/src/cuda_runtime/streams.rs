@@ -104,11 +104,8 @@ pub unsafe extern "C" fn cuda_stream_wait_event(stream: *mut c_void, event: *mut
             sim().graphs.join(stream as usize, ev.capture());
             return SUCCESS;
         }
-        if crate::core::streams::is_null(stream as usize) {
-            // The default stream runs synchronously: waiting is waiting now.
-            ev.synchronize();
-            return SUCCESS;
-        }
+        // On the default stream too the wait is queued (core::streams::Streams::legacy): the
+        // host goes on, and the stream's next work waits.
         sim().streams.wait_event(stream as usize, &ev).map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
     })
 }

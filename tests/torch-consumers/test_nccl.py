@@ -1,0 +1,353 @@
+"""The simulator's NCCL (libnccl.so.2) under its real consumers.
+
+- PyTorch unchanged: `init_process_group("nccl")` across 2 and 4 processes on simulated devices,
+  every collective torch.distributed offers for weight sync, checked against the same calls on
+  CPU tensors over gloo in the same processes; a rank SIGKILLed mid-broadcast makes the survivor
+  raise within the process group's timeout.
+- NCCL's C ABI through ctypes, the way vLLM's and vllm-ascend's communicators load it: one
+  process driving two devices (ncclCommInitAll, groups), the device memory a communicator's
+  buffers take, and the documented error code for each kind of bad input.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REAL_DEVICE
+
+pytestmark = pytest.mark.skipif(REAL_DEVICE, reason="simulator-only: the real NCCL needs as many GPUs as ranks")
+
+RANK_PROGRAM = r"""
+import json, os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+cpu = dist.new_group(backend="gloo")
+gen = torch.Generator().manual_seed(1234 + rank)
+# Whole numbers small enough for every partial sum to be exact in the type (bfloat16 holds
+# whole numbers up to 256), so any reduction order (gloo's differs) gives the same result.
+def sample(n, dtype):
+    bound = 60 if dtype in (torch.bfloat16, torch.float16) else 1000
+    return torch.randint(-bound, bound, (n,), generator=gen).to(dtype)
+results = {}
+def both(name, fn, *tensors):
+    dev = [t.cuda() for t in tensors]
+    fn(dev, None)
+    host = [t.clone() for t in tensors]
+    fn(host, cpu)
+    results[name] = {"nccl": [t.cpu().float().tolist() for t in dev], "gloo": [t.float().tolist() for t in host]}
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8):
+    x = sample(1000, dtype) if dtype != torch.uint8 else torch.randint(0, 50, (1000,), generator=gen).to(dtype)
+    both(f"all_reduce_sum_{dtype}", lambda t, g: dist.all_reduce(t[0], group=g), x)
+both("all_reduce_max", lambda t, g: dist.all_reduce(t[0], op=dist.ReduceOp.MAX, group=g), sample(333, torch.float32))
+both("all_reduce_min_int", lambda t, g: dist.all_reduce(t[0], op=dist.ReduceOp.MIN, group=g), sample(333, torch.int64))
+both("all_reduce_product", lambda t, g: dist.all_reduce(t[0], op=dist.ReduceOp.PRODUCT, group=g), torch.tensor([1.5, -2.0, 3.0]) * (rank + 1))
+both("broadcast_from_last", lambda t, g: dist.broadcast(t[0], src=world - 1, group=g), sample(5000, torch.float32))
+big = sample(3 << 20, torch.float32)  # 12 MiB: several 4 MiB chunks
+both("broadcast_12MiB", lambda t, g: dist.broadcast(t[0], src=0, group=g), big)
+both("reduce_to_1", lambda t, g: dist.reduce(t[0], dst=1, group=g), sample(100, torch.float32))
+if rank != 1:
+    del results["reduce_to_1"]  # only the destination's tensor is defined
+def gather(t, g):
+    t[1].copy_(torch.zeros_like(t[1]))
+    dist.all_gather_into_tensor(t[1], t[0], group=g)
+both("all_gather_into_tensor", gather, sample(257, torch.bfloat16), torch.zeros(257 * world, dtype=torch.bfloat16))
+def scatter(t, g):
+    dist.reduce_scatter_tensor(t[1], t[0], group=g)
+both("reduce_scatter_tensor", scatter, sample(64 * world, torch.float32), torch.zeros(64))
+def ring(t, g):
+    right, left = (rank + 1) % world, (rank - 1) % world
+    ops = [dist.P2POp(dist.isend, t[0], right, group=g), dist.P2POp(dist.irecv, t[1], left, group=g)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+both("send_recv_ring", ring, sample(4096, torch.float32), torch.zeros(4096))
+def pairs(t, g):
+    if rank == 0:
+        dist.send(t[0], dst=1, group=g)
+    elif rank == 1:
+        dist.recv(t[0], src=0, group=g)
+both("send_then_recv", pairs, sample(10, torch.int64))
+def all_to_all(t, g):
+    dist.all_to_all_single(t[1], t[0], group=g)
+both("all_to_all_single", all_to_all, sample(8 * world, torch.float32), torch.zeros(8 * world))
+dist.barrier()
+# A subgroup of ranks 0 and 1 (new_group): its broadcast must not involve the others.
+sub = dist.new_group(ranks=[0, 1])
+subcpu = dist.new_group(ranks=[0, 1], backend="gloo")
+if rank < 2:
+    y = sample(77, torch.float32)
+    dev, host = y.cuda(), y.clone()
+    dist.broadcast(dev, src=1, group=sub)
+    dist.broadcast(host, src=1, group=subcpu)
+    results["new_group_broadcast"] = {"nccl": [dev.cpu().tolist()], "gloo": [host.tolist()]}
+dist.barrier()
+json.dump(results, open(os.environ["OUT"], "w"))
+dist.destroy_process_group()
+print("rank done", rank)
+"""
+
+
+def _launch(sim, world, program, extra=None, devices=None):
+    """Starts `world` ranks of `program` on one simulated node; returns the processes."""
+    script = sim.tmp / f"rank_program_{world}.py"
+    script.write_text(program)
+    port = 29000 + (os.getpid() * 7 + world * 131 + int(time.time())) % 20000
+    procs = []
+    for rank in range(world):
+        env = sim.env(
+            devices=devices or world,
+            memory="2GiB",
+            extra={
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OUT": str(sim.tmp / f"rank{rank}.json"),
+                "OMP_NUM_THREADS": "1",
+                "TMS_SIM_NCCL_CONNECT_TIMEOUT": "60",
+                **(extra or {}),
+            },
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)], env=env, cwd=sim.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    return procs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_distributed_nccl_matches_gloo(sim, world):
+    procs = _launch(sim, world, RANK_PROGRAM)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}"
+    per_rank = [json.loads((sim.tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    for rank, results in enumerate(per_rank):
+        assert len(results) >= 15, results.keys()
+        for name, r in results.items():
+            assert r["nccl"] == r["gloo"], f"rank {rank}: {name} differs between NCCL on the simulator and gloo"
+    # The data really moved: after the ring, each rank holds its left neighbour's tensor.
+    assert per_rank[0]["send_recv_ring"]["nccl"][1] == per_rank[0]["send_recv_ring"]["gloo"][1]
+    assert per_rank[0]["broadcast_12MiB"]["nccl"] == per_rank[world - 1]["broadcast_12MiB"]["nccl"]
+    assert per_rank[0]["broadcast_from_last"]["nccl"] != [[0.0] * 5000]
+
+
+KILLED_PROGRAM = r"""
+import os, sys, time, torch, torch.distributed as dist
+from datetime import timedelta
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+dist.barrier()
+x = torch.full((16 << 20,), float(rank), device="cuda")  # 64 MiB
+print("broadcasting", flush=True)
+start = time.monotonic()
+try:
+    dist.broadcast(x, src=1)
+    torch.cuda.synchronize()
+    print(f"finished after {time.monotonic() - start:.1f} s", flush=True)
+except Exception as e:
+    print(f"raised after {time.monotonic() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_rank_killed_mid_broadcast_makes_the_survivor_raise(sim):
+    # A slow modelled link (64 MiB at 50 MB/s: over a second) keeps the broadcast under way.
+    procs = _launch(
+        sim, 2, KILLED_PROGRAM, extra={"TMS_SIM_LINK_GBPS": "0.05", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    )
+    sender = procs[1]
+    line = ""
+    deadline = time.monotonic() + 120
+    while "broadcasting" not in line and time.monotonic() < deadline:
+        line = sender.stdout.readline()
+        if not line and sender.poll() is not None:
+            break
+    assert "broadcasting" in line, f"the sender never reached its broadcast: {sender.communicate()[0]}"
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    sender.send_signal(signal.SIGKILL)
+    sender.wait()
+    out, _ = procs[0].communicate(timeout=120)
+    took = time.monotonic() - killed_at
+    assert procs[0].returncode not in (0, None), f"the survivor did not fail:\n{out}"
+    assert "finished after" not in out, out
+    assert took < 40, f"the survivor took {took:.0f} s to fail (process group timeout 20 s):\n{out}"
+    assert "raised after" in out, f"the survivor did not raise:\n{out}"
+
+
+# ---- the C ABI through ctypes ------------------------------------------------------------
+
+CTYPES_PROGRAM = r"""
+import ctypes, json, os, struct, sys, threading, time
+cudart = ctypes.CDLL("libcudart.so.13")
+nccl = ctypes.CDLL("libnccl.so.2")
+out = {}
+v = ctypes.c_int()
+assert nccl.ncclGetVersion(ctypes.byref(v)) == 0
+out["version"] = v.value
+nccl.ncclGetErrorString.restype = ctypes.c_char_p
+nccl.ncclGetLastError.restype = ctypes.c_char_p
+out["error_string_6"] = nccl.ncclGetErrorString(6).decode()
+
+def free_bytes(dev):
+    cudart.cudaSetDevice(dev)
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    assert cudart.cudaMemGetInfo(ctypes.byref(f), ctypes.byref(t)) == 0
+    return f.value
+
+def dev_buffer(dev, values, fmt="f"):
+    cudart.cudaSetDevice(dev)
+    p = ctypes.c_void_p()
+    raw = struct.pack(f"<{len(values)}{fmt}", *values)
+    assert cudart.cudaMalloc(ctypes.byref(p), len(raw)) == 0
+    assert cudart.cudaMemcpy(p, raw, len(raw), 1) == 0
+    return p, len(raw)
+
+def read(p, n, fmt="f"):
+    buf = ctypes.create_string_buffer(n)
+    assert cudart.cudaMemcpy(buf, p, n, 2) == 0
+    return list(struct.unpack(f"<{n // struct.calcsize(fmt)}{fmt}", buf.raw))
+
+# One process, two devices.
+before = [free_bytes(0), free_bytes(1)]
+comms = (ctypes.c_void_p * 2)()
+assert nccl.ncclCommInitAll(comms, 2, None) == 0
+comms = [ctypes.c_void_p(c) for c in comms]  # as pointers: ctypes passes a bare int as a C int
+after = [free_bytes(0), free_bytes(1)]
+out["buffer_bytes"] = [b - a for b, a in zip(before, after)]
+count, rank, dev = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+assert nccl.ncclCommCount(comms[1], ctypes.byref(count)) == 0
+assert nccl.ncclCommUserRank(comms[1], ctypes.byref(rank)) == 0
+assert nccl.ncclCommCuDevice(comms[1], ctypes.byref(dev)) == 0
+out["count_rank_device"] = [count.value, rank.value, dev.value]
+
+# A group of all-reduces, one per device, as a single process must issue them.
+bufs = [dev_buffer(d, [1.5 * (d + 1), 2.0, -3.0, 4.25]) for d in range(2)]
+assert nccl.ncclGroupStart() == 0
+for d in range(2):
+    cudart.cudaSetDevice(d)
+    assert nccl.ncclAllReduce(bufs[d][0], bufs[d][0], ctypes.c_size_t(4), 7, 0, comms[d], None) == 0
+assert nccl.ncclGroupEnd() == 0
+for d in range(2):
+    cudart.cudaSetDevice(d)
+    assert cudart.cudaDeviceSynchronize() == 0
+out["all_reduce"] = [read(bufs[d][0], bufs[d][1]) for d in range(2)]
+
+# Bad input: each gets NCCL's documented code, and nothing crashes.
+p0 = bufs[0][0]
+out["null_comm"] = nccl.ncclAllReduce(p0, p0, ctypes.c_size_t(4), 7, 0, None, None)
+out["freed_comm"] = nccl.ncclCommCount(ctypes.c_void_p(12345), ctypes.byref(count))
+out["unknown_dtype"] = nccl.ncclAllReduce(p0, p0, ctypes.c_size_t(4), 99, 0, comms[0], None)
+out["unknown_op"] = nccl.ncclAllReduce(p0, p0, ctypes.c_size_t(4), 7, 42, comms[0], None)
+out["root_out_of_range"] = nccl.ncclBroadcast(p0, p0, ctypes.c_size_t(4), 7, 2, comms[0], None)
+out["count_overflow"] = nccl.ncclAllReduce(p0, p0, ctypes.c_size_t(2**62), 7, 0, comms[0], None)
+out["null_buffer"] = nccl.ncclAllReduce(None, None, ctypes.c_size_t(4), 7, 0, comms[0], None)
+out["group_end_alone"] = nccl.ncclGroupEnd()
+bad_cfg = (ctypes.c_char * 256)()
+class UniqueId(ctypes.Structure):  # ncclUniqueId, passed by value
+    _fields_ = [("internal", ctypes.c_char * 128)]
+out["garbage_id"] = nccl.ncclCommInitRank(ctypes.byref(ctypes.c_void_p()), 2, UniqueId(b"not an id"), 0)
+out["config_without_magic"] = nccl.ncclCommInitRankConfig(ctypes.byref(ctypes.c_void_p()), 1, UniqueId(), 0, bad_cfg)
+out["unsupported"] = nccl.ncclCommShrink(comms[0])
+out["last_error"] = nccl.ncclGetLastError(None).decode()
+
+# Ranks that disagree (different counts) fail the operation on both, named, instead of mixing.
+assert nccl.ncclGroupStart() == 0
+for d, n in ((0, 4), (1, 2)):
+    cudart.cudaSetDevice(d)
+    assert nccl.ncclAllReduce(bufs[d][0], bufs[d][0], ctypes.c_size_t(n), 7, 0, comms[d], None) == 0
+assert nccl.ncclGroupEnd() == 0
+for d in range(2):
+    cudart.cudaSetDevice(d)
+    cudart.cudaDeviceSynchronize()
+errs = []
+for d in range(2):
+    e = ctypes.c_int()
+    assert nccl.ncclCommGetAsyncError(comms[d], ctypes.byref(e)) == 0
+    errs.append(e.value)
+    if d == 0:
+        out["mismatch_message"] = nccl.ncclGetLastError(comms[0]).decode()
+out["mismatch_async_errors"] = errs
+out["after_mismatch_call"] = nccl.ncclAllReduce(p0, p0, ctypes.c_size_t(4), 7, 0, comms[0], None)
+held = [free_bytes(0), free_bytes(1)]
+for d in range(2):
+    assert nccl.ncclCommDestroy(comms[d]) == 0
+out["given_back_by_destroy"] = [free_bytes(0) - held[0], free_bytes(1) - held[1]]
+out["destroyed_again"] = nccl.ncclCommDestroy(comms[0])
+print(json.dumps(out))
+"""
+
+
+def test_nccl_c_abi_one_process_two_devices_and_bad_input(sim):
+    proc = sim.python(CTYPES_PROGRAM, devices=2, memory="1GiB", python=sys.executable)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"] == 23007
+    assert "remote process exited" in out["error_string_6"]
+    # NCCL_BUFFSIZE (4 MiB) x 2 channels x send+receive x 1 peer, outside any allocation.
+    assert out["buffer_bytes"] == [16 << 20, 16 << 20]
+    assert out["count_rank_device"] == [2, 1, 1]
+    expected = [1.5 + 3.0, 4.0, -6.0, 8.5]
+    assert out["all_reduce"] == [expected, expected]
+    assert out["null_comm"] == 4
+    assert out["freed_comm"] == 4
+    assert out["unknown_dtype"] == 4
+    assert out["unknown_op"] == 4
+    assert out["root_out_of_range"] == 4
+    assert out["count_overflow"] == 4
+    assert out["null_buffer"] == 4
+    assert out["group_end_alone"] == 5
+    assert out["config_without_magic"] == 4
+    assert out["garbage_id"] == 4
+    assert out["unsupported"] == 5
+    assert "ncclCommShrink" in out["last_error"]
+    assert out["mismatch_async_errors"] == [5, 5]
+    assert "disagree" in out["mismatch_message"] and "4 elements" in out["mismatch_message"]
+    assert out["after_mismatch_call"] == 5
+    assert out["given_back_by_destroy"] == [16 << 20, 16 << 20]
+    assert out["destroyed_again"] == 4
+
+
+LONELY_PROGRAM = r"""
+import ctypes, json, subprocess, sys, time
+cudart = ctypes.CDLL("libcudart.so.13")
+nccl = ctypes.CDLL("libnccl.so.2")
+out = {}
+class UniqueId(ctypes.Structure):  # ncclUniqueId, passed by value
+    _fields_ = [("internal", ctypes.c_char * 128)]
+uid = UniqueId()
+assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+comm = ctypes.c_void_p()
+start = time.monotonic()
+out["never_joined"] = nccl.ncclCommInitRank(ctypes.byref(comm), 2, uid, 0)
+out["never_joined_s"] = time.monotonic() - start
+nccl.ncclGetLastError.restype = ctypes.c_char_p
+out["never_joined_message"] = nccl.ncclGetLastError(None).decode()
+# An id from another run: its root (a process that exited) is gone.
+other = subprocess.run([sys.executable, "-c",
+    "import ctypes,sys; n=ctypes.CDLL('libnccl.so.2'); u=(ctypes.c_char*128)(); n.ncclGetUniqueId(u); sys.stdout.buffer.write(bytes(u))"],
+    capture_output=True, check=True).stdout
+start = time.monotonic()
+out["other_run"] = nccl.ncclCommInitRank(ctypes.byref(comm), 2, UniqueId.from_buffer_copy(other), 1)
+out["other_run_s"] = time.monotonic() - start
+print(json.dumps(out))
+"""
+
+
+def test_a_rank_that_never_joins_fails_init_after_the_connect_timeout(sim):
+    proc = sim.python(LONELY_PROGRAM, devices=1, memory="1GiB", extra={"TMS_SIM_NCCL_CONNECT_TIMEOUT": "2"})
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["never_joined"] == 8, out  # ncclTimeout
+    assert 1.5 < out["never_joined_s"] < 15, out
+    assert "rank(s) 1 never joined" in out["never_joined_message"]
+    assert out["other_run"] == 2, out  # ncclSystemError: the root cannot be reached
+    assert out["other_run_s"] < 15, out

@@ -1,0 +1,837 @@
+//! A communicator: its ranks' connections, the operations queued on streams, its buffers' device
+//! memory, and its error state.
+//!
+//! - Every operation is numbered when the host issues it (collectives in one sequence, sends and
+//!   receives per peer, as NCCL matches them), so ranks agree on which messages belong together
+//!   whatever their streams' timing. A collective starts with every rank telling every other
+//!   what it called (operation, count, type, reduction, root): ranks that disagree fail the
+//!   operation with a message naming both calls, instead of mixing data.
+//! - Data moves in chunks of `CHUNK`; a reduction combines the ranks' chunks in rank order
+//!   (`reduce.rs` documents the arithmetic).
+//! - Link time: an operation books the rank's link for the bytes the ring algorithm would put
+//!   on it (nccl-tests' bus-bandwidth factors: broadcast and reduce S, all-reduce 2(n-1)/n S,
+//!   all-gather, reduce-scatter, all-to-all and gather (n-1) times one rank's share, send S) at
+//!   `TMS_SIM_LINK_GBPS` (the inter-node rate when any peer is on another simulated node), and
+//!   each chunk lands no earlier than its share of that time. The host's own speed is the floor.
+//! - Errors: the first failure of an operation becomes the communicator's asynchronous error
+//!   (what ncclCommGetAsyncError reports); later operations fail at once. A device fault (a
+//!   buffer unmapped by a pause) is also returned to the stream, where the front end makes it
+//!   the runtime's sticky error, as a faulting kernel does.
+
+use super::reduce;
+use super::transport::{Mesh, UniqueId};
+use super::{CollError, DType, RedOp};
+use crate::core::memory::MemError;
+use crate::core::sim::sim;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Bytes moved per message.
+pub const CHUNK: usize = 4 << 20;
+
+const P2P: u64 = 1 << 63;
+/// Host-side exchanges of communicator splits.
+const SPLIT: u64 = 1 << 62;
+const STEP_BITS: u32 = 24;
+
+#[derive(Debug, Clone)]
+pub struct CommConfig {
+    /// How long init waits for every rank to join.
+    pub connect_timeout: Duration,
+    /// Device memory the communicator's buffers take, outside any allocation of the caller's.
+    pub buffer_bytes: u64,
+}
+
+/// One operation, with device addresses as the caller gave them. `count` is in elements: the
+/// whole buffer for broadcast, reduce and all-reduce; one rank's share for all-gather,
+/// reduce-scatter, gather and all-to-all (as NCCL counts them).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Op {
+    Broadcast { send: usize, recv: usize, count: usize, dtype: DType, root: usize },
+    Reduce { send: usize, recv: usize, count: usize, dtype: DType, op: RedOp, root: usize },
+    AllReduce { send: usize, recv: usize, count: usize, dtype: DType, op: RedOp },
+    AllGather { send: usize, recv: usize, count: usize, dtype: DType },
+    ReduceScatter { send: usize, recv: usize, count: usize, dtype: DType, op: RedOp },
+    AllToAll { send: usize, recv: usize, count: usize, dtype: DType },
+    Gather { send: usize, recv: usize, count: usize, dtype: DType, root: usize },
+    Send { buf: usize, count: usize, dtype: DType, peer: usize },
+    Recv { buf: usize, count: usize, dtype: DType, peer: usize },
+    Barrier,
+}
+
+impl Op {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Broadcast { .. } => "broadcast",
+            Op::Reduce { .. } => "reduce",
+            Op::AllReduce { .. } => "all-reduce",
+            Op::AllGather { .. } => "all-gather",
+            Op::ReduceScatter { .. } => "reduce-scatter",
+            Op::AllToAll { .. } => "all-to-all",
+            Op::Gather { .. } => "gather",
+            Op::Send { .. } => "send",
+            Op::Recv { .. } => "recv",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    fn kind(&self) -> u64 {
+        match self {
+            Op::Broadcast { .. } => 1,
+            Op::Reduce { .. } => 2,
+            Op::AllReduce { .. } => 3,
+            Op::AllGather { .. } => 4,
+            Op::ReduceScatter { .. } => 5,
+            Op::AllToAll { .. } => 6,
+            Op::Gather { .. } => 7,
+            Op::Send { .. } | Op::Recv { .. } => 8,
+            Op::Barrier => 9,
+        }
+    }
+
+    /// What every rank must agree on: (kind, count, type, reduction, root).
+    fn header(&self) -> [u64; 5] {
+        let (count, dtype, op, root) = match *self {
+            Op::Broadcast { count, dtype, root, .. } | Op::Gather { count, dtype, root, .. } => {
+                (count, dtype.code(), 0, root as u64)
+            }
+            Op::Reduce { count, dtype, op, root, .. } => (count, dtype.code(), op.code(), root as u64),
+            Op::AllReduce { count, dtype, op, .. } | Op::ReduceScatter { count, dtype, op, .. } => {
+                (count, dtype.code(), op.code(), 0)
+            }
+            Op::AllGather { count, dtype, .. } | Op::AllToAll { count, dtype, .. } => (count, dtype.code(), 0, 0),
+            Op::Send { count, dtype, .. } | Op::Recv { count, dtype, .. } => (count, dtype.code(), 0, 0),
+            Op::Barrier => (0, 0, 0, 0),
+        };
+        [self.kind(), count as u64, dtype, op, root]
+    }
+
+    fn describe(h: &[u64; 5]) -> String {
+        let kind = [
+            "?",
+            "broadcast",
+            "reduce",
+            "all-reduce",
+            "all-gather",
+            "reduce-scatter",
+            "all-to-all",
+            "gather",
+            "send/recv",
+            "barrier",
+        ]
+        .get(h[0] as usize)
+        .copied()
+        .unwrap_or("?");
+        format!("{kind} of {} elements (type {}, reduction {}, root {})", h[1], h[2], h[3] & 0xff, h[4])
+    }
+}
+
+/// The rank's link: busy until this time (ns), per device of this process.
+static LINK_BUSY: [AtomicU64; crate::core::config::MAX_DEVICES] =
+    [const { AtomicU64::new(0) }; crate::core::config::MAX_DEVICES];
+
+struct Pace {
+    start: u64,
+    duration: u64,
+    total: usize,
+}
+
+impl Pace {
+    /// Waits until the modelled link has carried `done` of the operation's `total` bytes.
+    fn wait(&self, done: usize) {
+        if self.duration == 0 || self.total == 0 {
+            return;
+        }
+        let lands = self.start + (self.duration as f64 * done as f64 / self.total as f64) as u64;
+        crate::core::timing::sleep_until(lands);
+    }
+}
+
+struct Pending {
+    issued: u64,
+    done: u64,
+}
+
+pub struct Comm {
+    pub rank: usize,
+    pub nranks: usize,
+    pub device: usize,
+    mesh: Mesh,
+    /// Some peer is on another simulated node: the inter-node rate applies.
+    crosses_nodes: bool,
+    seq: AtomicU64,
+    splits: AtomicU64,
+    sent: Mutex<Vec<u64>>,
+    received: Mutex<Vec<u64>>,
+    error: Mutex<Option<CollError>>,
+    pending: (Mutex<Pending>, Condvar),
+    buffer_bytes: u64,
+    charged: AtomicBool,
+    /// Set by abort and destroy: operations stuck on a lost peer may end.
+    stopped: (Mutex<bool>, Condvar),
+}
+
+impl Comm {
+    /// Joins communicator `id` as `rank` of `nranks` on `device`: takes the buffers' device
+    /// memory, then waits (up to the connect timeout) for every rank.
+    pub fn init(
+        id: UniqueId,
+        nranks: usize,
+        rank: usize,
+        device: usize,
+        cfg: &CommConfig,
+    ) -> Result<Arc<Comm>, CollError> {
+        if nranks == 0 || rank >= nranks {
+            return Err(CollError::InvalidArgument(format!("rank {rank} of {nranks} ranks")));
+        }
+        let s = sim();
+        if device >= s.devices() {
+            return Err(CollError::InvalidArgument(format!("device {device} does not exist")));
+        }
+        if !s.node.charge(device, cfg.buffer_bytes) {
+            let (free, _) = s.mem_info(device);
+            return Err(CollError::OutOfMemory(format!(
+                "the communicator's buffers need {} bytes on device {device}, {free} are free",
+                cfg.buffer_bytes
+            )));
+        }
+        let mesh = match Mesh::join(id, rank, nranks, &s.cfg.node, cfg.connect_timeout) {
+            Ok(m) => m,
+            Err(e) => {
+                s.node.uncharge(device, cfg.buffer_bytes);
+                return Err(e);
+            }
+        };
+        let crosses_nodes = mesh.peers.iter().any(|p| p.node != s.cfg.node);
+        Ok(Arc::new(Comm {
+            rank,
+            nranks,
+            device,
+            mesh,
+            crosses_nodes,
+            seq: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+            sent: Mutex::new(vec![0; nranks]),
+            received: Mutex::new(vec![0; nranks]),
+            error: Mutex::new(None),
+            pending: (Mutex::new(Pending { issued: 0, done: 0 }), Condvar::new()),
+            buffer_bytes: cfg.buffer_bytes,
+            charged: AtomicBool::new(true),
+            stopped: (Mutex::new(false), Condvar::new()),
+        }))
+    }
+
+    pub fn buffer_bytes(&self) -> u64 {
+        self.buffer_bytes
+    }
+
+    /// The simulated node each rank runs on, in rank order.
+    pub fn nodes(&self) -> Vec<String> {
+        self.mesh.peers.iter().map(|p| p.node.clone()).collect()
+    }
+
+    pub fn async_error(&self) -> Option<CollError> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn fail(&self, e: CollError) {
+        let mut slot = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+    }
+
+    /// Checks one operation's arguments against this communicator (before anything is queued).
+    pub fn check(&self, op: &Op) -> Result<(), CollError> {
+        let n = self.nranks;
+        let bytes = |count: usize, dtype: DType, times: usize| {
+            count
+                .checked_mul(dtype.size())
+                .and_then(|b| b.checked_mul(times))
+                .filter(|b| *b < isize::MAX as usize)
+                .ok_or_else(|| {
+                    CollError::InvalidArgument(format!(
+                        "{count} elements of {} bytes overflow the address space",
+                        dtype.size()
+                    ))
+                })
+        };
+        let buffers = |ptrs: &[usize], len: usize| {
+            if len > 0 && ptrs.contains(&0) {
+                Err(CollError::InvalidArgument(format!("{}: a null buffer for {len} bytes", op.name())))
+            } else {
+                Ok(())
+            }
+        };
+        let in_range = |what: &str, r: usize| {
+            if r < n {
+                Ok(())
+            } else {
+                Err(CollError::InvalidArgument(format!("{what} {r} is out of range for {n} ranks")))
+            }
+        };
+        let reducible = |dtype: DType, red: RedOp| {
+            if !dtype.reducible() {
+                return Err(CollError::InvalidArgument(format!(
+                    "reductions of {dtype:?} are not modelled by the simulator"
+                )));
+            }
+            if matches!(red, RedOp::PreMulSum(_)) && !dtype.is_float() {
+                return Err(CollError::InvalidArgument("a pre-multiplied sum needs a floating-point type here".into()));
+            }
+            Ok(())
+        };
+        match *op {
+            Op::Broadcast { send, recv, count, dtype, root } => {
+                in_range("root", root)?;
+                let len = bytes(count, dtype, 1)?;
+                buffers(&[recv], len)?;
+                if self.rank == root { buffers(&[send], len) } else { Ok(()) }
+            }
+            Op::Reduce { send, recv, count, dtype, op, root } => {
+                in_range("root", root)?;
+                reducible(dtype, op)?;
+                let len = bytes(count, dtype, 1)?;
+                buffers(&[send], len)?;
+                if self.rank == root { buffers(&[recv], len) } else { Ok(()) }
+            }
+            Op::AllReduce { send, recv, count, dtype, op } => {
+                reducible(dtype, op)?;
+                buffers(&[send, recv], bytes(count, dtype, 1)?)
+            }
+            Op::ReduceScatter { send, recv, count, dtype, op } => {
+                reducible(dtype, op)?;
+                bytes(count, dtype, n)?;
+                buffers(&[send, recv], bytes(count, dtype, 1)?)
+            }
+            Op::AllGather { send, recv, count, dtype } | Op::AllToAll { send, recv, count, dtype } => {
+                bytes(count, dtype, n)?;
+                buffers(&[send, recv], bytes(count, dtype, 1)?)
+            }
+            Op::Gather { send, recv, count, dtype, root } => {
+                in_range("root", root)?;
+                let len = bytes(count, dtype, n)?;
+                buffers(&[send], len)?;
+                if self.rank == root { buffers(&[recv], len) } else { Ok(()) }
+            }
+            Op::Send { buf, count, dtype, peer } | Op::Recv { buf, count, dtype, peer } => {
+                in_range("peer", peer)?;
+                buffers(&[buf], bytes(count, dtype, 1)?)
+            }
+            Op::Barrier => Ok(()),
+        }
+    }
+
+    /// Queues `ops` (one operation, or a group's) on `stream`: they run in order when the stream
+    /// reaches them (the group's sends first, so no order of sends and receives can deadlock).
+    /// `fault_code` turns a device fault into the front end's runtime code for the stream.
+    /// Returns the communicator's error if it already has one, or an argument error; nothing is
+    /// queued then.
+    pub fn submit(
+        self: &Arc<Self>,
+        stream: usize,
+        ops: Vec<Op>,
+        fault_code: fn(MemError) -> i32,
+    ) -> Result<(), CollError> {
+        if let Some(e) = self.async_error() {
+            return Err(e);
+        }
+        for op in &ops {
+            self.check(op)?;
+        }
+        let tagged = self.number(ops);
+        self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).issued += 1;
+        let comm = self.clone();
+        let job = Box::new(move || {
+            let code = match comm.run(&tagged) {
+                Ok(()) => 0,
+                Err(e) => {
+                    let code = if let CollError::Device(m) = e { fault_code(m) } else { 0 };
+                    let lost_peer = matches!(e, CollError::Remote(_));
+                    comm.fail(e);
+                    if lost_peer {
+                        // A kernel waiting for a peer that is gone never completes: the stream
+                        // stays blocked until the communicator is aborted (or destroyed), which
+                        // is what the caller's watchdog does on seeing the asynchronous error.
+                        comm.wait_stopped();
+                    }
+                    code
+                }
+            };
+            let (lock, cv) = &comm.pending;
+            lock.lock().unwrap_or_else(|e| e.into_inner()).done += 1;
+            cv.notify_all();
+            code
+        });
+        match sim().streams.submit_async(stream, Some(self.device), job) {
+            Ok(_) => Ok(()),
+            Err(_) => {
+                let (lock, cv) = &self.pending;
+                lock.lock().unwrap_or_else(|e| e.into_inner()).issued -= 1;
+                cv.notify_all();
+                Err(CollError::InvalidArgument("the stream does not exist".into()))
+            }
+        }
+    }
+
+    /// Gives each operation its message tag, in the order the host issued them.
+    fn number(&self, ops: Vec<Op>) -> Vec<(Op, u64)> {
+        let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
+        let mut received = self.received.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tagged: Vec<(Op, u64)> = ops
+            .into_iter()
+            .map(|op| {
+                let tag = match op {
+                    Op::Send { peer, .. } => {
+                        sent[peer] += 1;
+                        P2P | (sent[peer] << STEP_BITS)
+                    }
+                    Op::Recv { peer, .. } => {
+                        received[peer] += 1;
+                        P2P | (received[peer] << STEP_BITS)
+                    }
+                    _ => (self.seq.fetch_add(1, Ordering::AcqRel) + 1) << STEP_BITS,
+                };
+                (op, tag)
+            })
+            .collect();
+        // Sends never wait, so running them first lets any order of receives complete.
+        tagged.sort_by_key(|(op, _)| !matches!(op, Op::Send { .. }));
+        tagged
+    }
+
+    /// Every rank of this communicator calls this with its color (negative: no new
+    /// communicator) and key. Ranks of one color form a communicator ordered by (key, rank here);
+    /// its first member starts a bootstrap root and sends the id to the others. Returns the id,
+    /// the new rank and the new size, or None for a negative color.
+    pub fn split(
+        &self,
+        color: i32,
+        key: i32,
+        timeout: Duration,
+    ) -> Result<Option<(UniqueId, usize, usize)>, CollError> {
+        let tag = SPLIT | ((self.splits.fetch_add(1, Ordering::AcqRel) + 1) << STEP_BITS);
+        let mine = [color as i64 as u64, key as i64 as u64];
+        let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for p in self.others() {
+            self.mesh.send(p, tag, &bytes)?;
+        }
+        let mut all = vec![(color, key); self.nranks];
+        for p in self.others() {
+            let b = self.mesh.recv(p, tag)?;
+            if b.len() != 16 {
+                return Err(CollError::Internal("a malformed split message".into()));
+            }
+            let c = u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) as i64 as i32;
+            let k = u64::from_le_bytes(b[8..].try_into().expect("8 bytes")) as i64 as i32;
+            all[p] = (c, k);
+        }
+        if color < 0 {
+            return Ok(None);
+        }
+        let mut members: Vec<usize> = (0..self.nranks).filter(|&r| all[r].0 == color).collect();
+        members.sort_by_key(|&r| (all[r].1, r));
+        let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let id = if new_rank == 0 {
+            let id = super::transport::create_root(timeout)?;
+            let mut b = [0u8; super::transport::ID_BYTES];
+            id.encode(&mut b);
+            for &m in &members[1..] {
+                self.mesh.send(m, tag | 1, &b)?;
+            }
+            id
+        } else {
+            let b = self.mesh.recv(members[0], tag | 1)?;
+            UniqueId::decode(&b).ok_or_else(|| CollError::Internal("a malformed split id".into()))?
+        };
+        Ok(Some((id, new_rank, members.len())))
+    }
+
+    /// Waits until every queued operation has run (ncclCommFinalize, destroy).
+    pub fn finalize(&self) {
+        let (lock, cv) = &self.pending;
+        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while p.done < p.issued {
+            p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Fails everything under way and to come, closes the connections and gives the buffers'
+    /// memory back (ncclCommAbort).
+    pub fn abort(&self) {
+        self.fail(CollError::Aborted);
+        self.mesh.abort();
+        self.stop();
+        self.release_buffers();
+    }
+
+    fn stop(&self) {
+        let (lock, cv) = &self.stopped;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
+
+    fn wait_stopped(&self) {
+        let (lock, cv) = &self.stopped;
+        let mut stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while !*stopped {
+            stopped = cv.wait(stopped).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Flushes queued work, closes the connections and gives the buffers' memory back. A
+    /// communicator that lost a peer has operations that would never finish: they are ended as
+    /// by an abort.
+    pub fn destroy(&self) {
+        if self.async_error().is_some() {
+            self.mesh.abort();
+            self.stop();
+        }
+        self.finalize();
+        self.mesh.close();
+        self.release_buffers();
+    }
+
+    fn release_buffers(&self) {
+        if self.charged.swap(false, Ordering::AcqRel) {
+            sim().node.uncharge(self.device, self.buffer_bytes);
+        }
+    }
+
+    fn run(&self, ops: &[(Op, u64)]) -> Result<(), CollError> {
+        if let Some(e) = self.async_error() {
+            return Err(e);
+        }
+        for (op, tag) in ops {
+            self.run_one(op, *tag)?;
+        }
+        Ok(())
+    }
+
+    fn run_one(&self, op: &Op, tag: u64) -> Result<(), CollError> {
+        let n = self.nranks;
+        match *op {
+            Op::Send { buf, count, dtype, peer } => return self.send(op, tag, buf, count * dtype.size(), peer),
+            Op::Recv { buf, count, dtype, peer } => return self.recv(op, tag, buf, count * dtype.size(), peer),
+            _ => {}
+        }
+        self.agree(op, tag)?;
+        match *op {
+            Op::Broadcast { send, recv, count, dtype, root } => {
+                self.broadcast(tag, send, recv, count * dtype.size(), root)
+            }
+            Op::AllReduce { send, recv, count, dtype, op } => self.reduce_into(tag, send, recv, count, dtype, op, None),
+            Op::Reduce { send, recv, count, dtype, op, root } => {
+                self.reduce_into(tag, send, recv, count, dtype, op, Some(root))
+            }
+            Op::AllGather { send, recv, count, dtype } => self.gather_into(tag, send, recv, count * dtype.size(), None),
+            Op::Gather { send, recv, count, dtype, root } => {
+                self.gather_into(tag, send, recv, count * dtype.size(), Some(root))
+            }
+            Op::ReduceScatter { send, recv, count, dtype, op } => {
+                self.reduce_scatter(tag, send, recv, count, dtype, op)
+            }
+            Op::AllToAll { send, recv, count, dtype } => self.all_to_all(tag, send, recv, count * dtype.size()),
+            Op::Barrier => {
+                let _ = n;
+                Ok(())
+            }
+            Op::Send { .. } | Op::Recv { .. } => Ok(()),
+        }
+    }
+
+    /// Every rank tells every other what it called; a disagreement fails the operation here and
+    /// on the ranks that see it.
+    fn agree(&self, op: &Op, tag: u64) -> Result<(), CollError> {
+        let mine = op.header();
+        let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for p in self.others() {
+            self.mesh.send(p, tag, &bytes)?;
+        }
+        for p in self.others() {
+            let theirs = decode_header(&self.mesh.recv(p, tag)?)?;
+            if theirs != mine {
+                return Err(CollError::InvalidUsage(format!(
+                    "ranks disagree on collective #{}: rank {} called {}, rank {p} called {}",
+                    tag >> STEP_BITS,
+                    self.rank,
+                    Op::describe(&mine),
+                    Op::describe(&theirs)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn others(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.nranks).filter(move |&r| r != self.rank)
+    }
+
+    /// Books the link for `link_bytes` and returns the pacing of an operation moving `total`
+    /// bytes through this rank.
+    fn book(&self, link_bytes: f64, total: usize) -> Pace {
+        let cfg = &sim().cfg;
+        let rate = if self.crosses_nodes { cfg.link_inter_bytes_per_sec } else { cfg.link_intra_bytes_per_sec };
+        if rate <= 0.0 || link_bytes <= 0.0 {
+            return Pace { start: 0, duration: 0, total };
+        }
+        let duration = (link_bytes / rate * 1e9) as u64;
+        let mut start = 0;
+        let slot = &LINK_BUSY[self.device.min(LINK_BUSY.len() - 1)];
+        let _ = slot.fetch_update(Ordering::AcqRel, Ordering::Acquire, |busy| {
+            start = busy.max(crate::core::timing::now_ns());
+            Some(start + duration)
+        });
+        Pace { start, duration, total }
+    }
+
+    fn broadcast(&self, tag: u64, send: usize, recv: usize, len: usize, root: usize) -> Result<(), CollError> {
+        let pace = self.book(len as f64, len);
+        for (i, off, n) in chunks(len) {
+            let data = if self.rank == root {
+                let data = read(send + off, n)?;
+                for p in self.others() {
+                    self.mesh.send(p, tag | i, &data)?;
+                }
+                data
+            } else {
+                expect_len(self.mesh.recv(root, tag | i)?, n, root)?
+            };
+            pace.wait(off + n);
+            if self.rank != root || recv != send {
+                write(recv + off, &data)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// All-reduce (`root` None) or reduce to `root`.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_into(
+        &self,
+        tag: u64,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: DType,
+        op: RedOp,
+        root: Option<usize>,
+    ) -> Result<(), CollError> {
+        let len = count * dtype.size();
+        let n = self.nranks;
+        let link = match root {
+            None => 2.0 * (n - 1) as f64 / n as f64 * len as f64,
+            Some(_) => len as f64,
+        };
+        let pace = self.book(link, len);
+        for (i, off, m) in chunks(len) {
+            let mine = read(send + off, m)?;
+            let targets: Vec<usize> = match root {
+                None => self.others().collect(),
+                Some(r) if r != self.rank => vec![r],
+                Some(_) => vec![],
+            };
+            for p in targets {
+                self.mesh.send(p, tag | i, &mine)?;
+            }
+            if root.is_some_and(|r| r != self.rank) {
+                pace.wait(off + m);
+                continue;
+            }
+            let mut parts = Vec::with_capacity(n);
+            for r in 0..n {
+                parts.push(if r == self.rank { mine.clone() } else { expect_len(self.mesh.recv(r, tag | i)?, m, r)? });
+            }
+            let acc = combine_all(dtype, op, parts, n);
+            pace.wait(off + m);
+            write(recv + off, &acc)?;
+        }
+        Ok(())
+    }
+
+    /// All-gather (`root` None) or gather to `root`: rank r's `len` bytes land at r * len.
+    fn gather_into(
+        &self,
+        tag: u64,
+        send: usize,
+        recv: usize,
+        len: usize,
+        root: Option<usize>,
+    ) -> Result<(), CollError> {
+        let n = self.nranks;
+        let pace = self.book(((n - 1) * len) as f64, len);
+        let receives = root.is_none_or(|r| r == self.rank);
+        for (i, off, m) in chunks(len) {
+            let mine = read(send + off, m)?;
+            let targets: Vec<usize> = match root {
+                None => self.others().collect(),
+                Some(r) if r != self.rank => vec![r],
+                Some(_) => vec![],
+            };
+            for p in targets {
+                self.mesh.send(p, tag | i, &mine)?;
+            }
+            if !receives {
+                pace.wait(off + m);
+                continue;
+            }
+            let mut parts = Vec::with_capacity(n);
+            for r in 0..n {
+                parts.push(if r == self.rank { mine.clone() } else { expect_len(self.mesh.recv(r, tag | i)?, m, r)? });
+            }
+            pace.wait(off + m);
+            for (r, part) in parts.iter().enumerate() {
+                write(recv + r * len + off, part)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &self,
+        tag: u64,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: DType,
+        op: RedOp,
+    ) -> Result<(), CollError> {
+        let len = count * dtype.size();
+        let n = self.nranks;
+        let pace = self.book(((n - 1) * len) as f64, len);
+        for (i, off, m) in chunks(len) {
+            for p in self.others() {
+                self.mesh.send(p, tag | i, &read(send + p * len + off, m)?)?;
+            }
+            let mut parts = Vec::with_capacity(n);
+            for r in 0..n {
+                parts.push(if r == self.rank {
+                    read(send + r * len + off, m)?
+                } else {
+                    expect_len(self.mesh.recv(r, tag | i)?, m, r)?
+                });
+            }
+            let acc = combine_all(dtype, op, parts, n);
+            pace.wait(off + m);
+            write(recv + off, &acc)?;
+        }
+        Ok(())
+    }
+
+    fn all_to_all(&self, tag: u64, send: usize, recv: usize, len: usize) -> Result<(), CollError> {
+        let n = self.nranks;
+        let pace = self.book(((n - 1) * len) as f64, len);
+        for (i, off, m) in chunks(len) {
+            for p in self.others() {
+                self.mesh.send(p, tag | i, &read(send + p * len + off, m)?)?;
+            }
+            let mut parts = Vec::with_capacity(n);
+            for r in 0..n {
+                parts.push(if r == self.rank {
+                    read(send + r * len + off, m)?
+                } else {
+                    expect_len(self.mesh.recv(r, tag | i)?, m, r)?
+                });
+            }
+            pace.wait(off + m);
+            for (r, part) in parts.iter().enumerate() {
+                write(recv + r * len + off, part)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&self, op: &Op, tag: u64, buf: usize, len: usize, peer: usize) -> Result<(), CollError> {
+        let header: Vec<u8> = op.header().iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.mesh.send(peer, tag, &header)?;
+        let pace = self.book(len as f64, len);
+        for (i, off, n) in chunks(len) {
+            let data = read(buf + off, n)?;
+            self.mesh.send(peer, tag | i, &data)?;
+            pace.wait(off + n);
+        }
+        Ok(())
+    }
+
+    fn recv(&self, op: &Op, tag: u64, buf: usize, len: usize, peer: usize) -> Result<(), CollError> {
+        let theirs = decode_header(&self.mesh.recv(peer, tag)?)?;
+        if theirs != op.header() {
+            return Err(CollError::InvalidUsage(format!(
+                "rank {} receives {} from rank {peer}, which sends {}",
+                self.rank,
+                Op::describe(&op.header()),
+                Op::describe(&theirs)
+            )));
+        }
+        for (i, off, n) in chunks(len) {
+            let data = expect_len(self.mesh.recv(peer, tag | i)?, n, peer)?;
+            write(buf + off, &data)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        self.release_buffers();
+    }
+}
+
+/// (step, offset, length) of each chunk of a `len`-byte transfer; steps start at 1 (step 0 of
+/// a tag is the header).
+fn chunks(len: usize) -> impl Iterator<Item = (u64, usize, usize)> {
+    (0..len.div_ceil(CHUNK)).map(move |i| ((i + 1) as u64, i * CHUNK, CHUNK.min(len - i * CHUNK)))
+}
+
+fn decode_header(b: &[u8]) -> Result<[u64; 5], CollError> {
+    if b.len() != 40 {
+        return Err(CollError::Internal(format!("a header of {} bytes", b.len())));
+    }
+    let mut h = [0u64; 5];
+    for (i, v) in h.iter_mut().enumerate() {
+        *v = u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    }
+    Ok(h)
+}
+
+fn expect_len(data: Vec<u8>, len: usize, from: usize) -> Result<Vec<u8>, CollError> {
+    if data.len() == len {
+        Ok(data)
+    } else {
+        Err(CollError::Internal(format!("rank {from} sent {} bytes where {len} were expected", data.len())))
+    }
+}
+
+/// Combines the ranks' contributions in rank order (see reduce.rs).
+fn combine_all(dtype: DType, op: RedOp, mut parts: Vec<Vec<u8>>, n: usize) -> Vec<u8> {
+    let premul = match op {
+        RedOp::Avg if dtype.is_float() => Some(1.0 / n as f64),
+        RedOp::PreMulSum(s) => Some(s),
+        _ => None,
+    };
+    if let Some(factor) = premul {
+        for p in &mut parts {
+            reduce::scale(dtype, p, factor);
+        }
+    }
+    let mut iter = parts.into_iter();
+    let mut acc = iter.next().unwrap_or_default();
+    for p in iter {
+        reduce::combine(dtype, op, &mut acc, &p);
+    }
+    if op == RedOp::Avg && !dtype.is_float() {
+        reduce::divide_ints(dtype, &mut acc, n);
+    }
+    acc
+}
+
+fn read(addr: usize, len: usize) -> Result<Vec<u8>, CollError> {
+    let mut buf = vec![0u8; len];
+    sim().kernel_read(addr, &mut buf).map_err(CollError::Device)?;
+    Ok(buf)
+}
+
+fn write(addr: usize, data: &[u8]) -> Result<(), CollError> {
+    sim().kernel_write(addr, data).map_err(CollError::Device)
+}
