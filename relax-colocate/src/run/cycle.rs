@@ -3,9 +3,13 @@
 
 use super::config::AlgoName;
 use super::metrics::{self, mean};
+use super::protocol::{
+    BucketParams, Checksum, Generate, GenerateParams, Init, InitParams, LoadState, LogProbs, LogProbsParams, Model,
+    Pack, Pair, SamplesParams, SaveState, Step, Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams,
+    UpdateBeginReply, UpdateEnd, Values,
+};
 use super::task::{self, Rng};
 use super::{FailKind, R, Role, Runner, algo, model, report};
-use serde_json::{Value, json};
 use std::io::Write as _;
 use std::time::Instant;
 use tms_proto::OpReport;
@@ -78,8 +82,8 @@ impl Runner {
     }
 
     fn checksums(&mut self, role: Role) -> R<Vec<String>> {
-        let replies = self.call_all(role, "checksum", json!({"step": self.step}))?;
-        Ok(replies.iter().map(|r| r["weights"].as_str().unwrap_or("").to_string()).collect())
+        let replies = self.call_all::<Checksum>(role, Step { step: self.step })?;
+        Ok(replies.into_iter().map(|r| r.weights).collect())
     }
 
     /// Every worker of `role` must hold `expected`.
@@ -117,7 +121,7 @@ impl Runner {
     fn sleep_trainer(&mut self) -> R<()> {
         self.phase("sleep", |r| {
             if !r.cfg.memory.backup {
-                r.call_all(Role::Trainer, "save_state", json!({"step": r.step}))?;
+                r.call_all::<SaveState>(Role::Trainer, Step { step: r.step })?;
             }
             r.control(Role::Trainer, true, None).map(|_| ())
         })
@@ -125,23 +129,23 @@ impl Runner {
 
     fn update_weights(&mut self) -> R<()> {
         self.phase("update_weights", |r| {
-            let p = json!({"shm": r.shm, "bucket_bytes": r.bucket_bytes, "step": r.step});
-            let t = r.call_all(Role::Trainer, "update_begin", p.clone())?;
-            r.call_all(Role::Rollout, "update_begin", p)?;
-            let buckets = t[0]["buckets"].as_u64().unwrap_or(0);
+            let p = UpdateBeginParams { shm: r.shm.clone(), bucket_bytes: r.bucket_bytes, step: r.step };
+            let t = r.call_all::<UpdateBegin>(Role::Trainer, p.clone())?;
+            r.call_all::<UpdateBegin>(Role::Rollout, p)?;
+            let buckets = r.bucket_count(&t)?;
             let trainers = r.indices(Role::Trainer);
             let rollouts = r.indices(Role::Rollout);
             // One shared bucket file per pair would let pairs run in parallel; pairs take turns
             // here, each bucket packed by the trainer and unpacked by its rollout.
             for (ti, ri) in trainers.into_iter().zip(rollouts) {
                 for b in 0..buckets {
-                    let q = json!({"bucket": b, "step": r.step});
-                    r.call_each(&[ti], "pack", vec![q.clone()])?;
-                    r.call_each(&[ri], "unpack", vec![q])?;
+                    let q = BucketParams { bucket: b, step: r.step };
+                    r.call_each::<Pack>(&[ti], vec![q])?;
+                    r.call_each::<Unpack>(&[ri], vec![q])?;
                 }
             }
-            r.call_all(Role::Trainer, "update_end", json!({"step": r.step}))?;
-            r.call_all(Role::Rollout, "update_end", json!({"step": r.step}))?;
+            r.call_all::<UpdateEnd>(Role::Trainer, Step { step: r.step })?;
+            r.call_all::<UpdateEnd>(Role::Rollout, Step { step: r.step })?;
             Ok(())
         })
     }
@@ -154,22 +158,27 @@ impl Runner {
         let max_batch = per_device * self.cfg.rollout.samples_per_prompt;
         let rollout_mem = self.profile.rollout.tags.clone();
         let trainer_mem = self.profile.trainer.tags.clone();
-        let init = |r: &Runner, role: Role, mem: &[(String, Vec<u64>)]| -> Vec<Value> {
+        let init = |r: &Runner, role: Role, mem: &[(String, Vec<u64>)]| -> Vec<InitParams> {
             r.indices(role)
                 .iter()
-                .map(|&i| {
-                    json!({
-                        "api": r.api, "device": r.workers[i].device, "shape": r.shape, "seed": r.cfg.run.seed,
-                        "memory": mem, "backup": r.cfg.memory.backup, "max_batch": max_batch,
-                        "loss": r.loss_config(), "adam": r.adam(), "step": 0,
-                    })
+                .map(|&i| InitParams {
+                    api: r.api.into(),
+                    device: r.workers[i].device,
+                    shape: r.shape,
+                    seed: r.cfg.run.seed,
+                    memory: mem.to_vec(),
+                    backup: r.cfg.memory.backup,
+                    max_batch,
+                    loss: Some(r.loss_config()),
+                    adam: Some(r.adam()),
+                    step: 0,
                 })
                 .collect()
         };
         self.phase("init_rollout", |r| {
             let p = init(r, Role::Rollout, &rollout_mem);
             let targets = r.indices(Role::Rollout);
-            r.call_each(&targets, "init", p)?;
+            r.call_each::<Init>(&targets, p)?;
             r.find_control_sockets(Role::Rollout)
         })?;
         if offload {
@@ -178,7 +187,7 @@ impl Runner {
         self.phase("init_trainer", |r| {
             let p = init(r, Role::Trainer, &trainer_mem);
             let targets = r.indices(Role::Trainer);
-            r.call_each(&targets, "init", p).map_err(|mut e| {
+            r.call_each::<Init>(&targets, p).map_err(|mut e| {
                 if e.kind == FailKind::OutOfMemory && !r.cfg.run.offload {
                     e.cause += "; the trainer and the rollout do not fit on the device together: \
                                 run with offload (run.offload = true) so the rollout sleeps first";
@@ -210,6 +219,14 @@ impl Runner {
             })?;
         }
         Ok(())
+    }
+
+    /// How many buckets the weights stream has, as the first trainer says.
+    fn bucket_count(&self, trainers: &[UpdateBeginReply]) -> R<u64> {
+        trainers[0].buckets.ok_or_else(|| {
+            let name = self.workers[self.indices(Role::Trainer)[0]].name.clone();
+            self.fail(FailKind::Worker, Some(&name), "malformed update_begin reply: missing field `buckets`")
+        })
     }
 
     fn find_control_sockets(&mut self, role: Role) -> R<()> {
@@ -269,185 +286,203 @@ impl Runner {
         }
     }
 
+    /// One step of the colocated cycle, phases in slime's order.
     pub(super) fn rl_step(&mut self, rng: &mut Rng) -> R<()> {
         self.step_times.clear();
         let wall = Instant::now();
-        let offload = self.cfg.run.offload;
-        let cfg = self.cfg.clone();
-        let n = cfg.rollout.samples_per_prompt;
-        let prompts: Vec<Vec<u32>> = (0..cfg.rollout.prompts_per_step)
-            .map(|_| {
-                let lim = self.task.operand_limit();
-                self.task.prompt(rng.below(lim), rng.below(lim))
-            })
-            .collect();
-        // generate: each rollout takes a contiguous shard, so groups stay contiguous.
-        let samples = self.phase("generate", |r| {
-            let rollouts = r.indices(Role::Rollout);
-            let shard = prompts.len() / rollouts.len();
-            let params = rollouts
-                .iter()
-                .enumerate()
-                .map(|(k, _)| {
-                    json!({
-                        "prompts": prompts[k * shard..(k + 1) * shard], "n": n,
-                        "max_new_tokens": r.task.max_new_tokens(), "temperature": cfg.rollout.temperature,
-                        "eos": task::EOS, "seed": cfg.run.seed.wrapping_mul(1_000_003) ^ (r.step << 8) ^ k as u64,
-                        "step": r.step,
-                    })
-                })
-                .collect();
-            let replies = r.call_each(&rollouts, "generate", params)?;
-            let mut all = Vec::new();
-            for (k, rep) in replies.iter().enumerate() {
-                let list = rep["samples"].as_array().cloned().unwrap_or_default();
-                if list.len() != shard * n {
-                    return Err(r.fail(
-                        FailKind::Worker,
-                        None,
-                        format!("generate returned {} samples, expected {}", list.len(), shard * n),
-                    ));
-                }
-                for s in list {
-                    let pi = s["prompt_index"].as_u64().unwrap_or(u64::MAX) as usize;
-                    let resp: Vec<u32> = serde_json::from_value(s["response"].clone()).unwrap_or_default();
-                    let lps: Vec<f64> = serde_json::from_value(s["logprobs"].clone()).unwrap_or_default();
-                    if pi >= shard || resp.is_empty() || lps.len() != resp.len() {
-                        return Err(r.fail(FailKind::Worker, None, "generate returned a malformed sample"));
-                    }
-                    all.push((prompts[k * shard + pi].clone(), resp, lps));
-                }
-            }
-            Ok(all)
-        })?;
+        let prompts = self.prompts(rng);
+        let samples = self.phase("generate", |r| r.generate(&prompts))?;
+        let reward = self.cfg.task.reward;
         let scored: Vec<(f64, bool)> =
-            samples.iter().map(|(p, resp, _)| self.task.score(p, resp, cfg.task.reward)).collect();
-        if offload {
-            self.phase("rollout_offload", |r| r.control(Role::Rollout, true, None).map(|_| ()))?;
-            self.phase("wake_up", |r| {
-                r.control(Role::Trainer, false, None)?;
-                if !r.cfg.memory.backup {
-                    r.call_all(Role::Trainer, "load_state", json!({"step": r.step}))?;
-                }
-                Ok(())
-            })?;
-            let expected = self.weights_checksum.clone().unwrap_or_default();
-            self.expect_checksum(Role::Trainer, &expected, "after wake_up")?;
+            samples.iter().map(|s| self.task.score(&s.prompt, &s.response, reward)).collect();
+        if self.cfg.run.offload {
+            self.wake_trainer()?;
         }
-        let pairs: Vec<Value> = samples.iter().map(|(p, r, _)| json!({"prompt": p, "response": r})).collect();
-        let ref_lp = self.phase("ref_log_probs", |r| {
-            r.call_all(Role::Trainer, "log_probs", json!({"model": "ref", "samples": pairs, "step": r.step}))
-        })?;
-        let old = self.phase("log_probs", |r| {
-            r.call_all(Role::Trainer, "log_probs", json!({"model": "actor", "samples": pairs, "step": r.step}))
-        })?;
-        let to_vecs =
-            |v: &Value, key: &str| -> Vec<Vec<f64>> { serde_json::from_value(v[key].clone()).unwrap_or_default() };
-        let ref_lp = to_vecs(&ref_lp[0], "logprobs");
-        let old_lp = to_vecs(&old[0], "logprobs");
-        let entropy = to_vecs(&old[0], "entropy");
-        if ref_lp.len() != samples.len() || old_lp.len() != samples.len() {
-            return Err(self.fail(FailKind::Worker, None, "log_probs returned the wrong number of sequences"));
-        }
-        let values = if cfg.algo.name == AlgoName::Ppo {
-            let v = self
-                .phase("values", |r| r.call_all(Role::Trainer, "values", json!({"samples": pairs, "step": r.step})))?;
-            to_vecs(&v[0], "values")
-        } else {
-            Vec::new()
-        };
+        let scores = self.score(&samples)?;
         let rewards: Vec<f64> = scored.iter().map(|s| s.0).collect();
-        let (advantages, returns, kl_ref, penalized) = self.phase("advantages", |r| {
-            let kl_tok: Vec<Vec<f64>> = old_lp
-                .iter()
-                .zip(&ref_lp)
-                .map(|(o, f)| o.iter().zip(f).map(|(a, b)| algo::kl(*a, *b, cfg.algo.kl_type).0).collect())
-                .collect();
-            let kl_mean = mean(kl_tok.iter().flatten().copied());
-            // The sequence reward after the KL penalty (verl's critic/rewards): the score for GRPO,
-            // whose KL is in the loss.
-            let mut penalized = rewards.clone();
-            let (adv, ret) = match cfg.algo.name {
-                AlgoName::Grpo => {
-                    let a = algo::grpo_advantages(&rewards, n, cfg.algo.dr_grpo);
-                    (samples.iter().zip(&a).map(|((_, resp, _), a)| vec![*a; resp.len()]).collect(), Vec::new())
-                }
-                AlgoName::Ppo => {
-                    if values.len() != samples.len() {
-                        return Err(r.fail(FailKind::Worker, None, "values returned the wrong number of sequences"));
-                    }
-                    let mut advs = Vec::new();
-                    let mut rets = Vec::new();
-                    for i in 0..samples.len() {
-                        let tr = algo::ppo_token_rewards(rewards[i], &kl_tok[i], cfg.algo.kl_coef);
-                        penalized[i] = tr.iter().sum();
-                        let (a, rt) = algo::gae(&tr, &values[i], cfg.algo.gamma, cfg.algo.lambda);
-                        advs.push(a);
-                        rets.push(rt);
-                    }
-                    if cfg.algo.whiten_advantages {
-                        algo::whiten(&mut advs);
-                    }
-                    (advs, rets)
-                }
-            };
-            Ok((adv, ret, kl_mean, penalized))
-        })?;
-        let train_samples: Vec<model::TrainSample> = (0..samples.len())
-            .map(|i| model::TrainSample {
-                prompt: samples[i].0.clone(),
-                response: samples[i].1.clone(),
-                advantages: advantages[i].clone(),
-                old_logprobs: old_lp[i].clone(),
-                ref_logprobs: ref_lp[i].clone(),
-                returns: returns.get(i).cloned().unwrap_or_default(),
-                old_values: values.get(i).cloned().unwrap_or_default(),
-            })
-            .collect();
-        let train = self.phase("actor_train", |r| {
-            r.call_all(
-                Role::Trainer,
-                "train",
-                json!({"samples": train_samples, "minibatches": cfg.algo.minibatches, "epochs": cfg.algo.epochs, "step": r.step}),
-            )
-        })?;
+        let adv = self.phase("advantages", |r| r.advantages(&samples, &rewards, &scores))?;
+        let train = self.phase("actor_train", |r| r.train(&samples, &scores, &adv))?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;
-
-        self.write_metrics(&StepData {
-            wall_s: wall.elapsed().as_secs_f64(),
-            samples: &samples,
-            scored: &scored,
-            old_lp: &old_lp,
-            ref_lp: &ref_lp,
-            entropy: &entropy,
-            advantages: &advantages,
-            returns: &returns,
-            values: &values,
-            penalized: &penalized,
-            kl_ref,
-            train: &train[0],
-        });
+        let wall_s = wall.elapsed().as_secs_f64();
+        self.write_metrics(&StepData { wall_s, samples: &samples, scored: &scored, scores: &scores, adv: &adv, train });
         self.steps_completed += 1;
         Ok(())
     }
+
+    fn prompts(&self, rng: &mut Rng) -> Vec<Vec<u32>> {
+        let lim = self.task.operand_limit();
+        (0..self.cfg.rollout.prompts_per_step).map(|_| self.task.prompt(rng.below(lim), rng.below(lim))).collect()
+    }
+
+    /// Each rollout takes a contiguous shard of the prompts, so groups stay contiguous.
+    fn generate(&mut self, prompts: &[Vec<u32>]) -> R<Vec<Sample>> {
+        let rollouts = self.indices(Role::Rollout);
+        let shard = prompts.len() / rollouts.len();
+        let n = self.cfg.rollout.samples_per_prompt;
+        let params = (0..rollouts.len())
+            .map(|k| GenerateParams {
+                prompts: prompts[k * shard..(k + 1) * shard].to_vec(),
+                n,
+                max_new_tokens: self.task.max_new_tokens(),
+                temperature: self.cfg.rollout.temperature,
+                eos: Some(task::EOS),
+                seed: self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.step << 8) ^ k as u64,
+                step: self.step,
+            })
+            .collect();
+        let replies = self.call_each::<Generate>(&rollouts, params)?;
+        let mut all = Vec::new();
+        for ((k, &i), reply) in rollouts.iter().enumerate().zip(replies) {
+            let name = self.workers[i].name.clone();
+            if reply.samples.len() != shard * n {
+                let cause = format!("generate returned {} samples, expected {}", reply.samples.len(), shard * n);
+                return Err(self.fail(FailKind::Worker, Some(&name), cause));
+            }
+            for s in reply.samples {
+                if s.prompt_index >= shard || s.response.is_empty() || s.logprobs.len() != s.response.len() {
+                    return Err(self.fail(FailKind::Worker, Some(&name), "generate returned a malformed sample"));
+                }
+                let prompt = prompts[k * shard + s.prompt_index].clone();
+                all.push(Sample { prompt, response: s.response, logprobs: s.logprobs });
+            }
+        }
+        Ok(all)
+    }
+
+    /// The rollout sleeps, the trainer wakes up with the weights it went to sleep with.
+    fn wake_trainer(&mut self) -> R<()> {
+        self.phase("rollout_offload", |r| r.control(Role::Rollout, true, None).map(|_| ()))?;
+        self.phase("wake_up", |r| {
+            r.control(Role::Trainer, false, None)?;
+            if !r.cfg.memory.backup {
+                r.call_all::<LoadState>(Role::Trainer, Step { step: r.step })?;
+            }
+            Ok(())
+        })?;
+        let expected = self.weights_checksum.clone().unwrap_or_default();
+        self.expect_checksum(Role::Trainer, &expected, "after wake_up")
+    }
+
+    /// The trainer's passes over the samples: reference and actor log-probs, and values for PPO.
+    fn score(&mut self, samples: &[Sample]) -> R<Scores> {
+        let pairs: Vec<Pair> =
+            samples.iter().map(|s| Pair { prompt: s.prompt.clone(), response: s.response.clone() }).collect();
+        let log_probs = |r: &mut Runner, model: Model| {
+            let p = LogProbsParams { model, samples: pairs.clone(), step: r.step };
+            r.call_all::<LogProbs>(Role::Trainer, p).map(first)
+        };
+        let reference = self.phase("ref_log_probs", |r| log_probs(r, Model::Ref))?;
+        let actor = self.phase("log_probs", |r| log_probs(r, Model::Actor))?;
+        if reference.logprobs.len() != samples.len() || actor.logprobs.len() != samples.len() {
+            return Err(self.fail(FailKind::Worker, None, "log_probs returned the wrong number of sequences"));
+        }
+        let values = if self.cfg.algo.name == AlgoName::Ppo {
+            let p = SamplesParams { samples: pairs.clone(), step: self.step };
+            self.phase("values", |r| r.call_all::<Values>(Role::Trainer, p).map(first))?.values
+        } else {
+            Vec::new()
+        };
+        Ok(Scores { old_lp: actor.logprobs, ref_lp: reference.logprobs, entropy: actor.entropy, values })
+    }
+
+    /// Advantages (and PPO's returns) in the runner, with the KL to the reference.
+    fn advantages(&self, samples: &[Sample], rewards: &[f64], scores: &Scores) -> R<Advantages> {
+        let kl_type = self.cfg.algo.kl_type;
+        let kl_tok: Vec<Vec<f64>> = (scores.old_lp.iter().zip(&scores.ref_lp))
+            .map(|(o, f)| o.iter().zip(f).map(|(a, b)| algo::kl(*a, *b, kl_type).0).collect())
+            .collect();
+        let kl_ref = mean(kl_tok.iter().flatten().copied());
+        match self.cfg.algo.name {
+            AlgoName::Grpo => {
+                let a = algo::grpo_advantages(rewards, self.cfg.rollout.samples_per_prompt, self.cfg.algo.dr_grpo);
+                let advantages = samples.iter().zip(&a).map(|(s, a)| vec![*a; s.response.len()]).collect();
+                // The sequence reward after the KL penalty (verl's critic/rewards): the score for
+                // GRPO, whose KL is in the loss.
+                Ok(Advantages { advantages, returns: Vec::new(), kl_ref, penalized: rewards.to_vec() })
+            }
+            AlgoName::Ppo => {
+                if scores.values.len() != samples.len() {
+                    return Err(self.fail(FailKind::Worker, None, "values returned the wrong number of sequences"));
+                }
+                Ok(self.gae(rewards, &kl_tok, &scores.values, kl_ref))
+            }
+        }
+    }
+
+    /// PPO: the KL in the token rewards, GAE over the critic's values.
+    fn gae(&self, rewards: &[f64], kl_tok: &[Vec<f64>], values: &[Vec<f64>], kl_ref: f64) -> Advantages {
+        let a = &self.cfg.algo;
+        let mut out = Advantages { advantages: Vec::new(), returns: Vec::new(), kl_ref, penalized: Vec::new() };
+        for ((reward, kl), values) in rewards.iter().zip(kl_tok).zip(values) {
+            let tr = algo::ppo_token_rewards(*reward, kl, a.kl_coef);
+            out.penalized.push(tr.iter().sum());
+            let (adv, ret) = algo::gae(&tr, values, a.gamma, a.lambda);
+            out.advantages.push(adv);
+            out.returns.push(ret);
+        }
+        if a.whiten_advantages {
+            algo::whiten(&mut out.advantages);
+        }
+        out
+    }
+
+    fn train(&mut self, samples: &[Sample], scores: &Scores, adv: &Advantages) -> R<TrainReply> {
+        let samples = (0..samples.len())
+            .map(|i| model::TrainSample {
+                prompt: samples[i].prompt.clone(),
+                response: samples[i].response.clone(),
+                advantages: adv.advantages[i].clone(),
+                old_logprobs: scores.old_lp[i].clone(),
+                ref_logprobs: scores.ref_lp[i].clone(),
+                returns: adv.returns.get(i).cloned().unwrap_or_default(),
+                old_values: scores.values.get(i).cloned().unwrap_or_default(),
+            })
+            .collect();
+        let a = &self.cfg.algo;
+        let p = TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step: self.step };
+        self.call_all::<Train>(Role::Trainer, p).map(first)
+    }
+}
+
+/// The first worker's reply (the trainers are replicas).
+fn first<T>(replies: Vec<T>) -> T {
+    replies.into_iter().next().expect("every role has a worker")
+}
+
+/// A rollout's sample: the prompt, the response and the rollout's log-probs of it.
+struct Sample {
+    prompt: Vec<u32>,
+    response: Vec<u32>,
+    logprobs: Vec<f64>,
+}
+
+/// The trainer's per-token numbers for each sample.
+struct Scores {
+    old_lp: Vec<Vec<f64>>,
+    ref_lp: Vec<Vec<f64>>,
+    entropy: Vec<Vec<f64>>,
+    /// PPO only.
+    values: Vec<Vec<f64>>,
+}
+
+struct Advantages {
+    advantages: Vec<Vec<f64>>,
+    /// PPO only.
+    returns: Vec<Vec<f64>>,
+    kl_ref: f64,
+    /// The sequence reward after the KL penalty.
+    penalized: Vec<f64>,
 }
 
 /// What one step produced, for its metrics row.
 struct StepData<'a> {
     wall_s: f64,
-    /// (prompt, response, rollout log-probs) per sample.
-    samples: &'a [(Vec<u32>, Vec<u32>, Vec<f64>)],
+    samples: &'a [Sample],
     /// (reward, exact) per sample.
     scored: &'a [(f64, bool)],
-    old_lp: &'a [Vec<f64>],
-    ref_lp: &'a [Vec<f64>],
-    entropy: &'a [Vec<f64>],
-    advantages: &'a [Vec<f64>],
-    returns: &'a [Vec<f64>],
-    values: &'a [Vec<f64>],
-    penalized: &'a [f64],
-    kl_ref: f64,
-    train: &'a Value,
+    scores: &'a Scores,
+    adv: &'a Advantages,
+    train: TrainReply,
 }
 
 impl Runner {
@@ -472,39 +507,41 @@ impl Runner {
 
         let flat = |v: &[Vec<f64>]| mean(v.iter().flatten().copied());
         row.set("rollout/raw_reward", mean(d.scored.iter().map(|s| s.0)));
-        row.set("rollout/kl_penalized_reward", mean(d.penalized.iter().copied()));
+        row.set("rollout/kl_penalized_reward", mean(d.adv.penalized.iter().copied()));
         let passed: Vec<bool> = d.scored.iter().map(|s| s.1).collect();
         for (k, v) in metrics::pass_at_k(&passed, self.cfg.rollout.samples_per_prompt) {
             row.set(&format!("passrate/pass@{k}"), v);
         }
-        let lengths: Vec<f64> = d.samples.iter().map(|s| s.1.len() as f64).collect();
+        let lengths: Vec<f64> = d.samples.iter().map(|s| s.response.len() as f64).collect();
         for (stat, v) in metrics::statistics(&lengths) {
             row.set(&format!("rollout/response_len/{stat}"), v);
         }
         let max_new = self.task.max_new_tokens();
-        let truncated =
-            d.samples.iter().map(|s| f64::from(u8::from(s.1.len() >= max_new && s.1.last() != Some(&task::EOS))));
+        let truncated = d.samples.iter().map(|s| {
+            let r = &s.response;
+            f64::from(u8::from(r.len() >= max_new && r.last() != Some(&task::EOS)))
+        });
         row.set("rollout/truncated_ratio", mean(truncated));
-        row.set("rollout/log_probs", flat(d.old_lp));
-        row.set("rollout/ref_log_probs", flat(d.ref_lp));
-        row.set("rollout/rollout_log_probs", mean(d.samples.iter().flat_map(|s| s.2.iter().copied())));
-        row.set("rollout/entropy", flat(d.entropy));
-        row.set("rollout/kl", d.kl_ref);
-        row.set("rollout/advantages", flat(d.advantages));
-        if !d.returns.is_empty() {
-            row.set("rollout/returns", flat(d.returns));
-            row.set("rollout/values", flat(d.values));
+        row.set("rollout/log_probs", flat(&d.scores.old_lp));
+        row.set("rollout/ref_log_probs", flat(&d.scores.ref_lp));
+        row.set("rollout/rollout_log_probs", mean(d.samples.iter().flat_map(|s| s.logprobs.iter().copied())));
+        row.set("rollout/entropy", flat(&d.scores.entropy));
+        row.set("rollout/kl", d.adv.kl_ref);
+        row.set("rollout/advantages", flat(&d.adv.advantages));
+        if !d.adv.returns.is_empty() {
+            row.set("rollout/returns", flat(&d.adv.returns));
+            row.set("rollout/values", flat(&d.scores.values));
         }
-        let diffs =
-            || d.samples.iter().zip(d.old_lp).flat_map(|((_, _, r), o)| r.iter().zip(o).map(|(a, b)| (a - b).abs()));
+        let diffs = || {
+            let pairs = d.samples.iter().zip(&d.scores.old_lp);
+            pairs.flat_map(|(s, o)| s.logprobs.iter().zip(o).map(|(a, b)| (a - b).abs()))
+        };
         row.set("train/train_rollout_logprob_abs_diff", mean(diffs()));
         row.set("rollout/logprob_abs_diff_max", diffs().fold(0.0, f64::max));
         row.set("train/lr-pg_0", self.cfg.algo.lr);
-        if let Some(obj) = d.train.as_object() {
-            for (k, v) in obj {
-                if let Some(x) = v.as_f64() {
-                    row.set(&metrics::train_metric(k), x);
-                }
+        for (k, v) in &d.train.0 {
+            if let Some(x) = v {
+                row.set(&metrics::train_metric(k), *x);
             }
         }
         for s in self.step_memory.iter().filter(|s| s.step == self.step) {

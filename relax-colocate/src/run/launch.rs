@@ -7,8 +7,8 @@ use super::sizing::{check_host_memory_for_sim, footprint, round_up, sim_context_
 use super::supervise::{describe_exit, phase_timeout};
 use super::task::{Addition, VOCAB};
 use super::{
-    FailKind, GRANULARITY, MIB, Options, Proc, R, Role, RunError, Runner, Worker, config_err, model, profile, ray,
-    report, setup_err, tmpfiles, wire,
+    FailKind, GRANULARITY, MIB, Options, Proc, R, Role, RunError, Runner, Worker, config_err, model, profile, protocol,
+    ray, report, setup_err, tmpfiles, wire,
 };
 use crate::bench::find_hook;
 use crate::runtime::can_load;
@@ -131,14 +131,11 @@ fn spawn_worker(
         Err(wire::ReadError::Abandoned(why)) => return Err(fail(&mut child, why)),
         Err(e) => return Err(fail(&mut child, format!("no hello: {e}"))),
     };
-    let h = &hello["hello"];
-    if h["protocol"].as_u64() != Some(wire::PROTOCOL) || h["role"] != role.as_str() {
-        return Err(fail(
-            &mut child,
-            format!("bad hello {hello}: expected protocol {} and role {}", wire::PROTOCOL, role.as_str()),
-        ));
-    }
-    let pid = h["pid"].as_u64().unwrap_or(child.id() as u64) as u32;
+    let hello = match protocol::read_hello(hello, role.as_str()) {
+        Ok(h) => h,
+        Err(cause) => return Err(fail(&mut child, cause)),
+    };
+    let pid = hello.pid.unwrap_or(child.id());
     Ok(Worker {
         name,
         role,

@@ -18,6 +18,7 @@ pub mod loggers;
 pub mod metrics;
 pub mod model;
 pub mod profile;
+pub mod protocol;
 pub mod report;
 pub mod task;
 pub mod tmpfiles;

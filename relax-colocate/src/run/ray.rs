@@ -7,7 +7,7 @@
 use super::config::{Config, DeviceChoice};
 use super::signals::interruption;
 use super::supervise::{describe_exit, phase_timeout};
-use super::{FailKind, Proc, R, Role, RunError, Worker, setup_err, tail, wire};
+use super::{FailKind, Proc, R, Role, RunError, Worker, protocol, setup_err, tail, wire};
 use serde_json::{Value, json};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -259,15 +259,9 @@ fn accept_all(
             std::fs::read_to_string(&exit_file).map_or(Ok(()), Err)
         });
         let hello = hello.map_err(|e| start_err(FailKind::Crash, Some(&name), format!("no hello: {e}")))?;
-        let h = &hello["hello"];
-        if h["protocol"].as_u64() != Some(wire::PROTOCOL) || h["role"] != role.as_str() {
-            return Err(start_err(
-                FailKind::Setup,
-                Some(&name),
-                format!("bad hello {hello}: expected protocol {} and role {}", wire::PROTOCOL, role.as_str()),
-            ));
-        }
-        let pid = h["pid"].as_u64().unwrap_or(0) as u32;
+        let hello = protocol::read_hello(hello, role.as_str())
+            .map_err(|cause| start_err(FailKind::Setup, Some(&name), cause))?;
+        let pid = hello.pid.unwrap_or(0);
         // The device Ray gave this worker's bundle, as the worker sees it (the bridge writes the
         // placement before it lets any worker say hello).
         let placement: Value =

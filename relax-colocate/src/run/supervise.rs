@@ -3,6 +3,7 @@
 //! exited is named as; and stopping every worker at the end.
 
 use super::config::Config;
+use super::protocol::{self, Method, Request, Response, Shutdown};
 use super::signals::{interruption, signal_count};
 use super::{FailKind, Proc, R, Role, RunError, Runner, wire};
 use serde_json::{Value, json};
@@ -118,87 +119,125 @@ impl Runner {
         Ok(out.into_iter().map(|v| v.expect("every answer arrived")).collect())
     }
 
-    /// Sends `method` to each worker in `targets` with its own params, then collects the replies.
-    pub(super) fn call_each(&mut self, targets: &[usize], method: &str, params: Vec<Value>) -> R<Vec<Value>> {
+    /// Sends `M` to each worker in `targets` with its own params, then collects and reads the
+    /// replies.
+    pub(super) fn call_each<M: Method>(&mut self, targets: &[usize], params: Vec<M::Params>) -> R<Vec<M::Reply>> {
+        let params = params.into_iter().map(|p| serde_json::to_value(p).expect("params serialize")).collect();
+        let replies = self.exchange(targets, M::NAME, params)?;
+        self.read_replies::<M>(targets, replies)
+    }
+
+    /// `M` with the same params to every worker of `role`.
+    pub(super) fn call_all<M: Method>(&mut self, role: Role, params: M::Params) -> R<Vec<M::Reply>> {
+        let targets = self.indices(role);
+        let params = serde_json::to_value(params).expect("params serialize");
+        let replies = self.exchange(&targets, M::NAME, vec![params; targets.len()])?;
+        self.read_replies::<M>(&targets, replies)
+    }
+
+    /// Each result as `M::Reply`: one that does not read fails the run naming the worker and the
+    /// field.
+    fn read_replies<M: Method>(&self, targets: &[usize], results: Vec<Value>) -> R<Vec<M::Reply>> {
+        let read = |(&i, v): (&usize, Value)| {
+            protocol::decode::<M::Reply>(v).map_err(|e| {
+                let cause = format!("malformed {} reply: {e}", M::NAME);
+                self.fail(FailKind::Worker, Some(&self.workers[i].name), cause)
+            })
+        };
+        targets.iter().zip(results).map(read).collect()
+    }
+
+    /// Sends `method` to each worker in `targets` with its own params, then collects the results.
+    fn exchange(&mut self, targets: &[usize], method: &str, params: Vec<Value>) -> R<Vec<Value>> {
         let deadline = Instant::now() + phase_timeout(&self.cfg);
         let mut ids = Vec::new();
         for (&i, p) in targets.iter().zip(params) {
-            let w = &mut self.workers[i];
-            w.next_id += 1;
-            let id = w.next_id;
-            let msg = json!({"id": id, "method": method, "params": p});
-            let proc = &mut w.proc;
-            let sent = w.conn.as_mut().expect("connected").send_within(&msg, deadline, || {
-                if let Some(why) = interruption() {
-                    return Err(why);
-                }
-                proc.exited().map_or(Ok(()), Err)
-            });
-            match sent {
-                Ok(()) => {}
-                Err(wire::ReadError::TimedOut) => {
-                    return Err(self.timed_out(i, &format!("{method} (it did not read the request)")));
-                }
-                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
-                    return Err(self.fail(FailKind::Interrupted, None, why));
-                }
-                Err(e) => {
-                    let cause = self.exit_cause(i).unwrap_or_else(|| format!("cannot send {method}: {e}"));
-                    let name = self.workers[i].name.clone();
-                    return Err(self.fail(FailKind::Crash, Some(&name), cause));
-                }
-            }
-            ids.push(id);
+            ids.push(self.send_request(i, method, p, deadline)?);
         }
         let mut out = Vec::new();
         for (&i, id) in targets.iter().zip(ids) {
-            let name = self.workers[i].name.clone();
-            let w = &mut self.workers[i];
-            let proc = &mut w.proc;
-            let reply = w.conn.as_mut().expect("connected").recv(Some(deadline), || {
-                if let Some(why) = interruption() {
-                    return Err(why);
-                }
-                proc.exited().map_or(Ok(()), Err)
-            });
-            let reply = match reply {
-                Ok(v) => v,
-                Err(wire::ReadError::TimedOut) => return Err(self.timed_out(i, method)),
-                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
-                    return Err(self.fail(FailKind::Interrupted, None, why));
-                }
-                Err(wire::ReadError::Abandoned(why)) => return Err(self.fail(FailKind::Crash, Some(&name), why)),
-                Err(wire::ReadError::Closed) => {
-                    let cause = self.wait_exit_cause(i);
-                    if let (None, Some(why)) = (&cause, interruption()) {
-                        return Err(self.fail(FailKind::Interrupted, None, why));
-                    }
-                    let cause = cause.unwrap_or_else(|| "closed its connection".into());
-                    return Err(self.fail(FailKind::Crash, Some(&name), cause));
-                }
-                Err(e) => return Err(self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}"))),
-            };
-            if reply["id"].as_u64() != Some(id) {
-                return Err(self.fail(
-                    FailKind::Worker,
-                    Some(&name),
-                    format!("answered {} to request {id}", reply["id"]),
-                ));
-            }
-            if let Some(err) = reply.get("error") {
-                let kind = if err["kind"] == "oom" { FailKind::OutOfMemory } else { FailKind::Worker };
-                let msg = err["message"].as_str().unwrap_or("(no message)");
-                return Err(self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", err["kind"])));
-            }
-            out.push(reply.get("result").cloned().unwrap_or(Value::Null));
+            out.push(self.receive_result(i, id, method, deadline)?);
         }
         Ok(out)
     }
 
-    pub(super) fn call_all(&mut self, role: Role, method: &str, params: Value) -> R<Vec<Value>> {
-        let targets = self.indices(role);
-        let n = targets.len();
-        self.call_each(&targets, method, vec![params; n])
+    /// Writes one request to worker `i`; returns its id.
+    fn send_request(&mut self, i: usize, method: &str, params: Value, deadline: Instant) -> R<u64> {
+        let w = &mut self.workers[i];
+        w.next_id += 1;
+        let id = w.next_id;
+        let msg = Request { id: id.into(), method: method.into(), params };
+        let msg = serde_json::to_value(msg).expect("requests serialize");
+        let proc = &mut w.proc;
+        let sent = w.conn.as_mut().expect("connected").send_within(&msg, deadline, || {
+            if let Some(why) = interruption() {
+                return Err(why);
+            }
+            proc.exited().map_or(Ok(()), Err)
+        });
+        match sent {
+            Ok(()) => Ok(id),
+            Err(wire::ReadError::TimedOut) => {
+                Err(self.timed_out(i, &format!("{method} (it did not read the request)")))
+            }
+            Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
+                Err(self.fail(FailKind::Interrupted, None, why))
+            }
+            Err(e) => {
+                let cause = self.exit_cause(i).unwrap_or_else(|| format!("cannot send {method}: {e}"));
+                let name = self.workers[i].name.clone();
+                Err(self.fail(FailKind::Crash, Some(&name), cause))
+            }
+        }
+    }
+
+    /// Reads worker `i`'s answer to request `id`: its result, or the run's error.
+    fn receive_result(&mut self, i: usize, id: u64, method: &str, deadline: Instant) -> R<Value> {
+        let name = self.workers[i].name.clone();
+        let w = &mut self.workers[i];
+        let proc = &mut w.proc;
+        let reply = w.conn.as_mut().expect("connected").recv(Some(deadline), || {
+            if let Some(why) = interruption() {
+                return Err(why);
+            }
+            proc.exited().map_or(Ok(()), Err)
+        });
+        let reply = match reply {
+            Ok(v) => v,
+            Err(e) => return Err(self.read_failed(i, method, e)),
+        };
+        let reply: Response = match serde_json::from_value(reply) {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}"))),
+        };
+        if reply.id.as_u64() != Some(id) {
+            return Err(self.fail(FailKind::Worker, Some(&name), format!("answered {} to request {id}", reply.id)));
+        }
+        if let Some(err) = reply.error {
+            let kind = if err.kind == "oom" { FailKind::OutOfMemory } else { FailKind::Worker };
+            let msg = err.message.as_deref().unwrap_or("(no message)");
+            return Err(self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", Value::from(err.kind))));
+        }
+        Ok(reply.result.unwrap_or(Value::Null))
+    }
+
+    /// What a failed read of worker `i`'s answer means for the run.
+    fn read_failed(&mut self, i: usize, method: &str, e: wire::ReadError) -> RunError {
+        let name = self.workers[i].name.clone();
+        match e {
+            wire::ReadError::TimedOut => self.timed_out(i, method),
+            wire::ReadError::Abandoned(why) if interruption().is_some() => self.fail(FailKind::Interrupted, None, why),
+            wire::ReadError::Abandoned(why) => self.fail(FailKind::Crash, Some(&name), why),
+            wire::ReadError::Closed => {
+                let cause = self.wait_exit_cause(i);
+                if let (None, Some(why)) = (&cause, interruption()) {
+                    return self.fail(FailKind::Interrupted, None, why);
+                }
+                let cause = cause.unwrap_or_else(|| "closed its connection".into());
+                self.fail(FailKind::Crash, Some(&name), cause)
+            }
+            e => self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}")),
+        }
     }
 
     /// A remote worker whose control request failed may have died under it: its exit, as its node
@@ -266,7 +305,8 @@ impl Runner {
                 let w = &mut self.workers[i];
                 if let Some(c) = w.conn.as_mut() {
                     w.next_id += 1;
-                    let _ = c.send(&json!({"id": w.next_id, "method": "shutdown", "params": {}}));
+                    let msg = Request { id: w.next_id.into(), method: Shutdown::NAME.into(), params: json!({}) };
+                    let _ = c.send(&serde_json::to_value(msg).expect("requests serialize"));
                 }
             }
             self.wait_for_exits(Duration::from_secs(5), signals_before, |w| w.proc.exited().is_none());
