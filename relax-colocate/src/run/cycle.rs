@@ -129,7 +129,7 @@ impl Runner {
 
     fn update_weights(&mut self) -> R<()> {
         self.phase("update_weights", |r| {
-            let p = UpdateBeginParams { shm: r.shm.clone(), bucket_bytes: r.bucket_bytes, step: r.step };
+            let p = UpdateBeginParams { shm: r.scratch.shm.clone(), bucket_bytes: r.bucket_bytes, step: r.step };
             let t = r.call_all::<UpdateBegin>(Role::Trainer, p.clone())?;
             r.call_all::<UpdateBegin>(Role::Rollout, p)?;
             let buckets = r.bucket_count(&t)?;
@@ -236,7 +236,7 @@ impl Runner {
                 continue;
             }
             let pid = self.workers[i].pid;
-            let found = tms_proto::list_sockets(&self.ctl_dir).into_iter().find(|s| s.pid == pid);
+            let found = tms_proto::list_sockets(&self.scratch.ctl_dir).into_iter().find(|s| s.pid == pid);
             match found {
                 Some(s) => self.workers[i].control = Some(s.path),
                 None => {
@@ -247,7 +247,7 @@ impl Runner {
                         format!(
                             "no tms control socket for pid {pid} in {} after init: is libtms_hook.so preloaded in the \
                              worker and did it allocate inside a region?",
-                            self.ctl_dir.display()
+                            self.scratch.ctl_dir.display()
                         ),
                     ));
                 }

@@ -191,9 +191,8 @@ pub struct Runner {
     workers: Vec<Worker>,
     /// Launcher ray: the process that placed the workers and carries their messages.
     bridge: Option<ray::Bridge>,
-    /// Holds the sockets, the control folder and the simulator state; removed on drop.
-    _tmp: tempfile::TempDir,
-    ctl_dir: PathBuf,
+    /// The sockets, the control folder, the simulator state and the bucket file; removed on drop.
+    scratch: tmpfiles::Scratch,
     run_dir: PathBuf,
     api: &'static str,
     step: u64,
@@ -210,7 +209,6 @@ pub struct Runner {
     /// TensorBoard and wandb, when asked for (metrics.loggers).
     loggers: loggers::Loggers,
     memory_file: std::fs::File,
-    shm: PathBuf,
     bucket_bytes: u64,
     weights_checksum: Option<String>,
     leak_baseline: BTreeMap<String, Vec<u64>>,
@@ -371,10 +369,4 @@ fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) -> Valu
     }
     eprintln!("partial results: {}", run_dir.display());
     summary
-}
-
-impl Drop for Runner {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.shm);
-    }
 }

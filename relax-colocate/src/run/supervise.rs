@@ -345,7 +345,7 @@ impl Runner {
             b.stop();
         }
         // A killed worker cannot remove its control socket; the folder is ours alone.
-        for s in tms_proto::list_sockets(&self.ctl_dir) {
+        for s in tms_proto::list_sockets(&self.scratch.ctl_dir) {
             let _ = std::fs::remove_file(s.path);
         }
     }
