@@ -2,27 +2,21 @@
 //! anything: the device and its API, the hook, the model's shape and memory profile, the weight
 //! bucket, and on the simulator the device's size and environment (refusing what cannot run here).
 //! `start` then acts on the plan: it sweeps what dead runs left, makes the temp and shared-memory
-//! files (tmpfiles.rs), opens the run directory's outputs, and starts each worker up to its hello
-//! (here, or through Ray: ray.rs).
+//! files (fleet/tmpfiles.rs), opens the run directory's outputs (the recorder's), and launches the
+//! fleet: each worker up to its hello (fleet/local.rs, or through Ray: fleet/ray.rs).
 
 use super::config::{self, AlgoName, Config, DeviceChoice, Launcher};
+use super::fleet::Fleet;
+use super::fleet::tmpfiles::Scratch;
 use super::profile::Profile;
-use super::signals::interruption;
+use super::recorder::report::{Progress, human};
+use super::recorder::{Outputs, Recorder};
 use super::sizing::{Footprint, check_host_memory_for_sim, footprint, round_up, sim_context_bytes};
-use super::supervise::{describe_exit, phase_timeout};
 use super::task::{Addition, VOCAB};
-use super::tmpfiles::Scratch;
-use super::{
-    FailKind, GRANULARITY, MIB, Options, Proc, R, Role, RunError, Runner, Worker, config_err, loggers, model, profile,
-    protocol, ray, report, setup_err, wire,
-};
+use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
 use crate::environment::{find_hook, sim_environment};
 use crate::runtime::can_load;
-use std::collections::BTreeMap;
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 fn utc_stamp() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -150,8 +144,8 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
             "sim.memory={} leaves no room on the device: the trainer's and the rollout's \
              contexts take {} of it; give at least {} (or sim.memory=auto)",
             cfg.sim.memory,
-            report::human(contexts),
-            report::human(contexts + GRANULARITY)
+            human(contexts),
+            human(contexts + GRANULARITY)
         )));
     }
     Ok(SimDevice { capacity, contexts, vars })
@@ -165,10 +159,10 @@ fn device_label(cfg: &Config, device: DeviceChoice, api: &str, sim: Option<&SimD
             "tms-sim ({} API), {} x {} (trainer needs {}, rollout {}, their contexts {})",
             if api == "acl" { "ACL" } else { "CUDA" },
             cfg.run.devices,
-            report::human(sim.capacity),
-            report::human(fp.trainer),
-            report::human(fp.rollout),
-            report::human(sim.contexts)
+            human(sim.capacity),
+            human(fp.trainer),
+            human(fp.rollout),
+            human(sim.contexts)
         ),
         _ => String::new(),
     };
@@ -209,35 +203,10 @@ impl Plan {
     }
 }
 
-/// The run directory's outputs, opened before any worker starts.
-struct Outputs {
-    metrics_file: std::fs::File,
-    memory_file: std::fs::File,
-    loggers: loggers::Loggers,
-}
-
-fn open_outputs(cfg: &Config, run_dir: &Path) -> R<Outputs> {
-    std::fs::write(run_dir.join("config.toml"), cfg.to_toml()).map_err(|e| setup_err(e.to_string()))?;
-    let open = |name: &str| std::fs::File::create(run_dir.join(name)).map_err(|e| setup_err(e.to_string()));
-    let metrics_file = open("metrics.jsonl")?;
-    let memory_file = open("memory.jsonl")?;
-    let kinds = loggers::parse_list(&cfg.metrics.loggers).map_err(setup_err)?;
-    let loggers = loggers::Loggers::open(&kinds, run_dir, &cfg.metrics.python, &cfg.metrics.wandb_project)
-        .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
-    Ok(Outputs { metrics_file, memory_file, loggers })
-}
-
 /// The lines a run starts with: what it removed, what it runs where, its loggers, and (local
 /// launcher) how to reach its workers' control sockets.
-fn announce(
-    cfg: &Config,
-    opts: &Options,
-    plan: &Plan,
-    out: &Outputs,
-    scratch: &Scratch,
-    run_dir: &Path,
-) -> report::Progress {
-    let progress = report::Progress::new(opts.quiet || opts.json);
+fn announce(cfg: &Config, opts: &Options, plan: &Plan, out: &Outputs, scratch: &Scratch, run_dir: &Path) -> Progress {
+    let progress = Progress::new(opts.quiet || opts.json);
     if !scratch.swept.is_empty() {
         progress.note(&format!(
             "relax-colocate run: removed {} temp/shared-memory file(s) of runs that are gone: {}",
@@ -269,207 +238,16 @@ fn announce(
     progress
 }
 
-/// Acts on the plan: files, outputs, then the workers. A worker that cannot start stops those
-/// started before it.
-pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
+/// Acts on the plan: files, outputs, then the workers; returns the plan with the fleet and the
+/// recorder a driver runs over.
+pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<(Plan, Fleet, Recorder)> {
     let plan = plan(cfg, opts.hook.as_deref())?;
     let scratch = Scratch::create(plan.shm_bytes).map_err(setup_err)?;
     let env = plan.worker_env(cfg, &scratch);
-    let out = open_outputs(cfg, &run_dir)?;
+    let out = Outputs::open(cfg, &run_dir)?;
     let progress = announce(cfg, opts, &plan, &out, &scratch, &run_dir);
-    let (workers, bridge, failed) = launch_workers(cfg, &plan, &env, &scratch, &run_dir);
-    let runner = Runner {
-        cfg: cfg.clone(),
-        task: plan.task,
-        shape: plan.shape,
-        profile: plan.profile,
-        started: Instant::now(),
-        workers,
-        bridge,
-        scratch,
-        run_dir,
-        api: plan.api,
-        step: 0,
-        phase: "setup".into(),
-        step_memory: Vec::new(),
-        step_times: BTreeMap::new(),
-        steps_completed: 0,
-        peak_used: vec![0; cfg.total_devices()],
-        metrics_file: out.metrics_file,
-        memory_file: out.memory_file,
-        loggers: out.loggers,
-        bucket_bytes: plan.bucket_bytes,
-        weights_checksum: None,
-        leak_baseline: BTreeMap::new(),
-        progress,
-        device_label: plan.device_label,
-        checks_passed: 0,
-    };
-    if let Some(e) = failed {
-        let mut r = runner;
-        r.stop_workers(false);
-        return Err(e);
-    }
-    Ok(runner)
-}
-
-/// Starts every worker with the run's launcher; returns those started (and the Ray bridge), and
-/// why the others did not start.
-fn launch_workers(
-    cfg: &Config,
-    plan: &Plan,
-    env: &[(String, String)],
-    scratch: &Scratch,
-    run_dir: &Path,
-) -> (Vec<Worker>, Option<ray::Bridge>, Option<RunError>) {
-    if cfg.run.launcher == Launcher::Ray {
-        let bucket = (scratch.shm.as_path(), plan.shm_bytes);
-        return match ray::start_workers(cfg, plan.device, env, scratch.tmp.path(), run_dir, bucket) {
-            Ok((w, b)) => (w, Some(b), None),
-            Err(e) => (Vec::new(), None, Some(e)),
-        };
-    }
-    let mut workers = Vec::new();
-    for rank in 0..cfg.run.devices {
-        for role in [Role::Rollout, Role::Trainer] {
-            match spawn_worker(cfg, role, rank, env, &scratch.sock_dir, run_dir) {
-                Ok(w) => workers.push(w),
-                Err(e) => return (workers, None, Some(e)),
-            }
-        }
-    }
-    (workers, None, None)
-}
-
-/// The socket a worker connects to, listening.
-pub(super) fn listen(sock: &Path) -> R<UnixListener> {
-    let listener =
-        UnixListener::bind(sock).map_err(|e| setup_err(format!("cannot listen on {}: {e}", sock.display())))?;
-    listener.set_nonblocking(true).map_err(|e| setup_err(e.to_string()))?;
-    Ok(listener)
-}
-
-/// The command a worker of `role` runs: the configured one under `/bin/sh -c`, else this
-/// executable's built-in worker.
-pub(super) fn worker_argv(cfg: &Config, role: Role) -> R<Vec<String>> {
-    let external = match role {
-        Role::Trainer => &cfg.run.trainer_cmd,
-        Role::Rollout => &cfg.run.rollout_cmd,
-    };
-    if !external.is_empty() {
-        return Ok(vec!["/bin/sh".into(), "-c".into(), external.clone()]);
-    }
-    let exe = std::env::current_exe().map_err(|e| setup_err(e.to_string()))?;
-    Ok(vec![exe.display().to_string(), "worker".into(), role.as_str().into()])
-}
-
-/// The variables that tell a worker who it is and where the runner is (docs/worker-protocol.md).
-pub(super) fn worker_vars(
-    name: &str,
-    role: Role,
-    rank: u32,
-    device: u32,
-    sock: &Path,
-    run_dir: &Path,
-) -> [(&'static str, String); 6] {
-    [
-        ("TMS_NAME", name.into()),
-        ("RELAX_WORKER_SOCKET", sock.display().to_string()),
-        ("RELAX_ROLE", role.as_str().into()),
-        ("RELAX_RANK", rank.to_string()),
-        ("RELAX_DEVICE", device.to_string()),
-        ("RELAX_RUN_DIR", run_dir.display().to_string()),
-    ]
-}
-
-/// Starts one worker under the hook, in a process group of its own, and waits for its hello.
-fn spawn_worker(
-    cfg: &Config,
-    role: Role,
-    rank: u32,
-    env: &[(String, String)],
-    sock_dir: &Path,
-    run_dir: &Path,
-) -> Result<Worker, RunError> {
-    let name = format!("{}-{rank}", role.as_str());
-    let sock = sock_dir.join(format!("{name}.sock"));
-    let listener = listen(&sock)?;
-    let log = run_dir.join("logs").join(format!("{name}.log"));
-    let file = std::fs::File::create(&log).map_err(|e| setup_err(format!("cannot create {}: {e}", log.display())))?;
-    let argv = worker_argv(cfg, role)?;
-    let mut cmd = Command::new(&argv[0]);
-    cmd.args(&argv[1..])
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .envs(worker_vars(&name, role, rank, rank, &sock, run_dir))
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().map_err(|e| setup_err(e.to_string()))?)
-        .stderr(file);
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {name}: {e}")))?;
-    let deadline = Instant::now() + phase_timeout(cfg);
-    match hello_from_child(&mut child, &listener, role, &sock, deadline) {
-        Ok((conn, pid)) => {
-            let pid = pid.unwrap_or(child.id());
-            let proc = Proc::Local(child);
-            Ok(Worker {
-                name,
-                role,
-                rank,
-                device: rank,
-                proc,
-                conn: Some(conn),
-                pid,
-                log,
-                control: None,
-                control_relay: None,
-                next_id: 0,
-            })
-        }
-        Err((kind, cause)) => {
-            if kind != FailKind::Crash {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            let kind = if kind == FailKind::Setup && interruption().is_some() { FailKind::Interrupted } else { kind };
-            Err(RunError { kind, step: 0, phase: "start".into(), worker: Some(name), cause })
-        }
-    }
-}
-
-/// Waits for the child's connection and hello: the connection and the pid it names, or how the
-/// wait failed (Crash when the child exited first).
-fn hello_from_child(
-    child: &mut Child,
-    listener: &UnixListener,
-    role: Role,
-    sock: &Path,
-    deadline: Instant,
-) -> Result<(wire::Conn, Option<u32>), (FailKind, String)> {
-    let setup = |cause: String| (FailKind::Setup, cause);
-    let stream: UnixStream = loop {
-        match listener.accept() {
-            Ok((s, _)) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(setup(format!("accept: {e}"))),
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err((FailKind::Crash, format!("{} before connecting", describe_exit(status))));
-        }
-        if let Some(why) = interruption() {
-            return Err(setup(why));
-        }
-        if Instant::now() > deadline {
-            return Err(setup(format!("did not connect to {} in time", sock.display())));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let _ = stream.set_nonblocking(false);
-    let mut conn = wire::Conn::new(stream).map_err(|e| setup(e.to_string()))?;
-    let hello = match conn.recv(Some(deadline), || interruption().map_or(Ok(()), Err)) {
-        Ok(h) => h,
-        Err(wire::ReadError::Abandoned(why)) => return Err(setup(why)),
-        Err(e) => return Err(setup(format!("no hello: {e}"))),
-    };
-    let hello = protocol::read_hello(hello, role.as_str()).map_err(setup)?;
-    Ok((conn, hello.pid))
+    let at = Cursor::new();
+    let fleet = Fleet::launch(cfg, plan.device, &env, scratch, &run_dir, at.clone())?;
+    let rec = Recorder::new(cfg, at, run_dir, plan.device_label.clone(), fleet.names(), out, progress);
+    Ok((plan, fleet, rec))
 }

@@ -61,9 +61,7 @@ pub struct Hello {
     pub protocol: u64,
     pub role: String,
     /// The process the hook is loaded in (an external command may be a shell around it).
-    #[serde(default)]
     pub pid: Option<u32>,
-    #[serde(default)]
     pub implementation: Option<String>,
 }
 
@@ -99,10 +97,11 @@ pub struct Response {
     pub error: Option<ErrorBody>,
 }
 
+/// Why a request failed: `oom` (reported as out of memory), or any other kind (`bad_request`,
+/// `unknown_method`, `unsupported`, `device`, `internal`), reported as a worker error.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ErrorBody {
     pub kind: String,
-    #[serde(default)]
     pub message: Option<String>,
 }
 
@@ -129,9 +128,7 @@ pub struct InitParams {
     pub backup: bool,
     #[serde(default)]
     pub max_batch: usize,
-    #[serde(default)]
     pub loss: Option<LossConfig>,
-    #[serde(default)]
     pub adam: Option<Adam>,
     #[serde(default)]
     pub step: u64,
@@ -144,19 +141,16 @@ fn yes() -> bool {
 /// Anything informative; the runner reads none of it.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct InitReply {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_free: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_total: Option<u64>,
 }
 
+/// A digest of the weights (trainer and rollout agree when they hold the same weights) and how
+/// many bytes it covers.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ChecksumReply {
-    /// A digest of the weights: trainer and rollout agree when they hold the same weights.
     pub weights: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
 }
 
@@ -172,9 +166,7 @@ pub struct UpdateBeginParams {
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct UpdateBeginReply {
     /// How many buckets the weights stream has: the trainer's answer is read, the rollout's not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub buckets: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
 }
 
@@ -188,7 +180,6 @@ pub struct BucketParams {
 /// Not read by the runner.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct BucketReply {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
 }
 
@@ -199,7 +190,6 @@ pub struct GenerateParams {
     pub max_new_tokens: usize,
     #[serde(default = "one")]
     pub temperature: f64,
-    #[serde(default)]
     pub eos: Option<u32>,
     #[serde(default)]
     pub seed: u64,

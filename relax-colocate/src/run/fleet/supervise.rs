@@ -2,10 +2,11 @@
 //! each bounded by run.phase_timeout_s and interruptible; what a worker that stopped answering or
 //! exited is named as; and stopping every worker at the end.
 
-use super::config::Config;
-use super::protocol::{self, Method, Request, Response, Shutdown};
-use super::signals::{interruption, signal_count};
-use super::{FailKind, Proc, R, Role, RunError, Runner, wire};
+use super::{Fleet, Proc, Worker};
+use crate::run::config::Config;
+use crate::run::protocol::{self, Method, Request, Response, Shutdown};
+use crate::run::signals::{interruption, signal_count};
+use crate::run::{FailKind, R, Role, RunError, wire};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -15,8 +16,12 @@ use std::time::{Duration, Instant};
 const POLL: Duration = Duration::from_millis(20);
 
 /// `run.phase_timeout_s` as a duration; a huge value means "practically never", not a panic.
-pub(super) fn phase_timeout(cfg: &Config) -> Duration {
-    Duration::try_from_secs_f64(cfg.run.phase_timeout_s).unwrap_or(Duration::from_secs(365 * 86_400))
+pub(in crate::run) fn phase_timeout(cfg: &Config) -> Duration {
+    timeout_of(cfg.run.phase_timeout_s)
+}
+
+fn timeout_of(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs).unwrap_or(Duration::from_secs(365 * 86_400))
 }
 
 /// The scheduling state of `pid` from /proc/PID/stat, in words, for messages about a worker that
@@ -35,7 +40,11 @@ fn process_state(pid: u32) -> Option<&'static str> {
     })
 }
 
-impl Runner {
+impl Fleet {
+    fn timeout(&self) -> Duration {
+        timeout_of(self.timeout_s)
+    }
+
     /// Worker `i` did not answer `what` within the phase timeout: say who it is, and what its
     /// process is doing (a stopped process looks exactly like a hung one from the socket).
     fn timed_out(&self, i: usize, what: &str) -> RunError {
@@ -54,7 +63,7 @@ impl Runner {
                 "timed out: the {} (pid {}) did not answer {what} within {}s (run.phase_timeout_s){state}",
                 w.role.as_str(),
                 w.pid,
-                self.cfg.run.phase_timeout_s
+                self.timeout_s
             ),
         )
     }
@@ -70,7 +79,7 @@ impl Runner {
         what: &str,
         call: impl Fn(&Path, Duration) -> Result<T, tms_proto::ClientError> + Clone + Send + 'static,
     ) -> R<Vec<T>> {
-        let timeout = phase_timeout(&self.cfg);
+        let timeout = self.timeout();
         let deadline = Instant::now() + timeout;
         let (tx, rx) = std::sync::mpsc::channel();
         for (k, &i) in targets.iter().enumerate() {
@@ -121,14 +130,18 @@ impl Runner {
 
     /// Sends `M` to each worker in `targets` with its own params, then collects and reads the
     /// replies.
-    pub(super) fn call_each<M: Method>(&mut self, targets: &[usize], params: Vec<M::Params>) -> R<Vec<M::Reply>> {
+    pub(in crate::run) fn call_each<M: Method>(
+        &mut self,
+        targets: &[usize],
+        params: Vec<M::Params>,
+    ) -> R<Vec<M::Reply>> {
         let params = params.into_iter().map(|p| serde_json::to_value(p).expect("params serialize")).collect();
         let replies = self.exchange(targets, M::NAME, params)?;
         self.read_replies::<M>(targets, replies)
     }
 
     /// `M` with the same params to every worker of `role`.
-    pub(super) fn call_all<M: Method>(&mut self, role: Role, params: M::Params) -> R<Vec<M::Reply>> {
+    pub(in crate::run) fn call_all<M: Method>(&mut self, role: Role, params: M::Params) -> R<Vec<M::Reply>> {
         let targets = self.indices(role);
         let params = serde_json::to_value(params).expect("params serialize");
         let replies = self.exchange(&targets, M::NAME, vec![params; targets.len()])?;
@@ -149,7 +162,7 @@ impl Runner {
 
     /// Sends `method` to each worker in `targets` with its own params, then collects the results.
     fn exchange(&mut self, targets: &[usize], method: &str, params: Vec<Value>) -> R<Vec<Value>> {
-        let deadline = Instant::now() + phase_timeout(&self.cfg);
+        let deadline = Instant::now() + self.timeout();
         let mut ids = Vec::new();
         for (&i, p) in targets.iter().zip(params) {
             ids.push(self.send_request(i, method, p, deadline)?);
@@ -282,7 +295,7 @@ impl Runner {
     /// Waits up to `within` for every worker to exit. A signal that comes meanwhile (or a second
     /// one after the signal that ended the run) cuts the wait short: the user wants out now, and
     /// whatever is left gets SIGKILL.
-    fn wait_for_exits(&mut self, within: Duration, signals_before: u32, running: fn(&mut super::Worker) -> bool) {
+    fn wait_for_exits(&mut self, within: Duration, signals_before: u32, running: fn(&mut Worker) -> bool) {
         let start = Instant::now();
         let mut told = false;
         while start.elapsed() < within && self.workers.iter_mut().any(running) {
@@ -298,7 +311,9 @@ impl Runner {
         }
     }
 
-    pub(super) fn stop_workers(&mut self, graceful: bool) {
+    /// Stops every worker: a graceful end asks each to shut down first; then SIGTERM, and SIGKILL
+    /// 3 s later, to each process group; the bridge stops the remote ones.
+    pub(in crate::run) fn stop(&mut self, graceful: bool) {
         let signals_before = signal_count();
         if graceful {
             for i in 0..self.workers.len() {
@@ -351,7 +366,7 @@ impl Runner {
     }
 }
 
-pub(super) fn describe_exit(status: std::process::ExitStatus) -> String {
+pub(in crate::run) fn describe_exit(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with status {c}"),

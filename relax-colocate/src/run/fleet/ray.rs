@@ -4,11 +4,12 @@
 //! connection (the bridge connects to the runner's listener in the worker's place) and a control
 //! socket (the bridge's, relayed to the worker's own on its node). The phase loop is unchanged.
 
-use super::config::{Config, DeviceChoice};
-use super::launch::{listen, worker_argv, worker_vars};
-use super::signals::interruption;
+use super::local::{listen, worker_argv, worker_vars};
 use super::supervise::{describe_exit, phase_timeout};
-use super::{FailKind, Proc, R, Role, RunError, Worker, protocol, setup_err, tail, wire};
+use super::{Proc, Worker};
+use crate::run::config::{Config, DeviceChoice};
+use crate::run::signals::interruption;
+use crate::run::{FailKind, R, Role, RunError, protocol, setup_err, tail, wire};
 use serde_json::{Value, json};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 
 /// The bridge itself, written next to the run's sockets and run as `__main__` so that Ray ships
 /// its agent class to the nodes by value: nodes need Ray, not the tms package.
-const BRIDGE_PY: &str = include_str!("../../../python/tms/ray/bridge.py");
+const BRIDGE_PY: &str = include_str!("../../../../python/tms/ray/bridge.py");
 
 /// How long Ray may take to start a local cluster, place the bundles and start the agents: on a
 /// loaded 2-core machine a 2-node cluster takes tens of seconds.
@@ -88,7 +89,7 @@ fn ray_python(cfg: &Config) -> Result<PathBuf, String> {
 
 /// Per-node values of the workers' environment: each node its own control folder and, on the
 /// simulator, its own device node (so nodes of a local cluster do not share device memory).
-pub(super) fn node_env(base: &[(String, String)], tmp: &Path, node: u32) -> Vec<(String, String)> {
+pub(in crate::run) fn node_env(base: &[(String, String)], tmp: &Path, node: u32) -> Vec<(String, String)> {
     let run_id = tmp.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     base.iter()
         .map(|(k, v)| match k.as_str() {

@@ -21,6 +21,7 @@ pub struct Scratch {
     pub ctl_dir: PathBuf,
     pub sock_dir: PathBuf,
     pub shm: PathBuf,
+    pub shm_bytes: u64,
     /// What dead runs had left, removed first.
     pub swept: Vec<PathBuf>,
 }
@@ -48,7 +49,7 @@ impl Scratch {
             .map_err(|e| format!("cannot create the update bucket file in {}: {e}", shm_dir.display()))?;
         shm.as_file().set_len(shm_bytes).map_err(|e| e.to_string())?;
         let (_, shm) = shm.keep().map_err(|e| e.to_string())?;
-        Ok(Scratch { tmp, ctl_dir, sock_dir, shm, swept })
+        Ok(Scratch { tmp, ctl_dir, sock_dir, shm, shm_bytes, swept })
     }
 }
 
