@@ -223,6 +223,38 @@ fn phase_color(p: &str) -> RGBColor {
 /// a solid block (the cycle repeats), which memory_per_step.svg shows over the whole run instead.
 const TIMELINE_STEPS: u64 = 30;
 
+/// The timeline's points: the devices' use and capacity and each process's resident bytes (every
+/// `stride`-th sample), and every phase's span, from `first_step` on.
+struct Timeline {
+    used: Vec<(f64, f64)>,
+    capacity: Vec<(f64, f64)>,
+    per_worker: Vec<Vec<(f64, f64)>>,
+    spans: Vec<Span>,
+}
+
+fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: usize) -> Timeline {
+    let mut t = Timeline {
+        used: Vec::new(),
+        capacity: Vec::new(),
+        per_worker: vec![Vec::new(); names.len()],
+        spans: Vec::new(),
+    };
+    let shown = read_lines::<MemSample>(path).filter(|s| s.step >= first_step);
+    for (i, s) in shown.enumerate() {
+        // Every phase keeps its span (it is one rectangle); only the lines are thinned.
+        t.spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
+        if i % stride != 0 {
+            continue;
+        }
+        t.used.push((s.t_s, s.device_used.iter().sum::<u64>() as f64));
+        t.capacity.push((s.t_s, s.device_total.iter().sum::<u64>() as f64));
+        for (name, pts) in names.iter().zip(&mut t.per_worker) {
+            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
+        }
+    }
+    t
+}
+
 /// Device memory over time: each process's resident bytes stacked (summed over its tags and
 /// devices), the devices' total in use and their capacity, and the phases in a strip below; for
 /// a run longer than `TIMELINE_STEPS`, its last `TIMELINE_STEPS` steps.
@@ -239,23 +271,7 @@ fn memory_timeline(r: &Recorder) -> String {
     let first_step = if last_step > TIMELINE_STEPS { last_step + 1 - TIMELINE_STEPS } else { 0 };
     let stride = n.div_ceil(MAX_SAMPLES).max(1);
     let names = &r.names;
-    let mut used = Vec::new();
-    let mut capacity = Vec::new();
-    let mut per_worker: Vec<Vec<(f64, f64)>> = vec![Vec::new(); names.len()];
-    let mut spans = Vec::new();
-    let shown = read_lines::<MemSample>(&path).filter(|s| s.step >= first_step);
-    for (i, s) in shown.enumerate() {
-        // Every phase keeps its span (it is one rectangle); only the lines are thinned.
-        spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
-        if i % stride != 0 {
-            continue;
-        }
-        used.push((s.t_s, s.device_used.iter().sum::<u64>() as f64));
-        capacity.push((s.t_s, s.device_total.iter().sum::<u64>() as f64));
-        for (name, pts) in names.iter().zip(&mut per_worker) {
-            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
-        }
-    }
+    let Timeline { used, capacity, per_worker, mut spans } = timeline(&path, names, first_step, stride);
     if spans.len() > MAX_SAMPLES {
         spans = merge_spans(spans, MAX_SAMPLES);
     }
