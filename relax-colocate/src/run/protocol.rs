@@ -34,20 +34,24 @@ macro_rules! methods {
     };
 }
 
+// The methods, as docs/worker-protocol.md lists them.
 methods! {
+    // Both roles.
     Init = "init": InitParams => InitReply;
     Checksum = "checksum": Step => ChecksumReply;
     UpdateBegin = "update_begin": UpdateBeginParams => UpdateBeginReply;
     UpdateEnd = "update_end": Step => Ack;
-    Pack = "pack": BucketParams => BucketReply;
-    Unpack = "unpack": BucketParams => BucketReply;
+    Shutdown = "shutdown": Ack => Ack;
+    // The rollout's.
     Generate = "generate": GenerateParams => GenerateReply;
+    Unpack = "unpack": BucketParams => BucketReply;
+    // The trainer's.
     LogProbs = "log_probs": LogProbsParams => LogProbsReply;
     Values = "values": SamplesParams => ValuesReply;
     Train = "train": TrainParams => TrainReply;
+    Pack = "pack": BucketParams => BucketReply;
     SaveState = "save_state": Step => Ack;
     LoadState = "load_state": Step => Ack;
-    Shutdown = "shutdown": Ack => Ack;
 }
 
 /// The worker's first message, `{"hello": {...}}`.
@@ -86,6 +90,14 @@ pub struct Request {
     pub params: Value,
 }
 
+/// Why a request failed: `oom` (reported as out of memory), or any other kind (`bad_request`,
+/// `unknown_method`, `unsupported`, `device`, `internal`), reported as a worker error.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub kind: String,
+    pub message: Option<String>,
+}
+
 /// An answer: `{"id", "result"}` or `{"id", "error"}`.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Response {
@@ -95,14 +107,6 @@ pub struct Response {
     pub result: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorBody>,
-}
-
-/// Why a request failed: `oom` (reported as out of memory), or any other kind (`bad_request`,
-/// `unknown_method`, `unsupported`, `device`, `internal`), reported as a worker error.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct ErrorBody {
-    pub kind: String,
-    pub message: Option<String>,
 }
 
 /// A reply the runner does not read, or params that carry nothing: `{}` on the wire.
