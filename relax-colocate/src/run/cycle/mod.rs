@@ -15,7 +15,6 @@ use super::protocol::{
     UpdateBeginReply, UpdateEnd,
 };
 use super::recorder::Recorder;
-use super::recorder::report::human;
 use super::task::Addition;
 use super::{Cursor, FailKind, R, Role, RunError, algo, model};
 use std::rc::Rc;
@@ -75,32 +74,19 @@ impl Colocate {
     fn phase<T>(&mut self, name: &str, f: impl FnOnce(&mut Self) -> R<T>) -> R<T> {
         let span = self.rec.begin(name);
         let out = f(self)?;
-        self.rec.timed(&span);
-        let statuses = self.fleet.statuses()?;
-        self.rec.end(span, statuses)?;
+        self.rec.end(span, &self.fleet)?;
         Ok(out)
     }
-    /// Pause or resume `tag` (None: all) in every worker of `role` (fleet.control); checks after a
-    /// pause that free memory rose by what was paused.
+
+    /// Pause or resume `tag` (None: all) in every worker of `role`; after a pause, the recorder
+    /// checks that free memory rose by what was paused.
     fn control(&mut self, role: Role, pause: bool, tag: Option<&str>) -> R<()> {
         let reports = self.fleet.control(role, pause, tag)?;
-        if !pause || !self.rec.checks_enabled() {
+        if !pause {
             return Ok(());
         }
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
-        for (name, report) in reports {
-            let rose = report.device_free_after.saturating_sub(report.device_free_before);
-            if rose < report.bytes_done {
-                let cause = format!(
-                    "pause {what} reported {} paused but device free memory rose by only {}",
-                    human(report.bytes_done),
-                    human(rose)
-                );
-                return Err(self.fail(FailKind::Check, Some(&name), cause));
-            }
-            self.rec.passed();
-        }
-        Ok(())
+        self.rec.check_paused(&what, &reports)
     }
 
     fn checksums(&mut self, role: Role) -> R<Vec<String>> {
@@ -114,18 +100,9 @@ impl Colocate {
             return Ok(());
         }
         let got = self.checksums(role)?;
-        for (i, c) in self.indices(role).into_iter().zip(got) {
-            if c != expected {
-                let name = self.fleet.worker(i).name.clone();
-                return Err(self.fail(
-                    FailKind::Check,
-                    Some(&name),
-                    format!("weights checksum {when} is {c}, expected {expected}: the weights were not preserved"),
-                ));
-            }
-            self.rec.passed();
-        }
-        Ok(())
+        let named: Vec<(String, String)> =
+            self.indices(role).into_iter().map(|i| self.fleet.worker(i).name.clone()).zip(got).collect();
+        self.rec.check_weights(&named, expected, when)
     }
 
     fn trainer_checksum(&mut self) -> R<String> {

@@ -1,16 +1,17 @@
 //! The recorder: what a run measures and leaves behind. Phase timings and the memory sampled at
-//! each phase boundary (sampling.rs, with the leak check), the count of checks passed, the run
-//! directory's files (metrics.jsonl, memory.jsonl), the loggers (loggers.rs: TensorBoard, wandb),
-//! the progress line, and at the end the summary, table and plots (report.rs). Metric names are
-//! metrics.rs's. A driver says what a step produced; the recorder writes it down.
+//! each phase boundary (sampling.rs, with the leak check), the checks and their count (checks.rs),
+//! the run directory's files (metrics.jsonl, memory.jsonl), the loggers (loggers.rs: TensorBoard,
+//! wandb), the progress line, and at the end the summary, table and plots (report.rs). Metric
+//! names are metrics.rs's. A driver says what a step produced; the recorder writes it down.
 
+mod checks;
 pub mod loggers;
 pub mod metrics;
 pub mod report;
 mod sampling;
 
 use super::config::Config;
-use super::fleet::WorkerStatus;
+use super::fleet::Fleet;
 use super::{Cursor, FailKind, R, RunError, setup_err};
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -135,14 +136,11 @@ impl Recorder {
         Span { name: name.to_string(), start_s: self.elapsed(), t0: Instant::now() }
     }
 
-    /// The phase's work is done: its time counts towards the step's.
-    pub(super) fn timed(&mut self, span: &Span) {
+    /// The phase's work is done: its time counts towards the step's, and the fleet's memory is
+    /// sampled (memory.jsonl, the leak check, the peak, the step's row).
+    pub(super) fn end(&mut self, span: Span, fleet: &Fleet) -> R<()> {
         *self.step_times.entry(span.name.clone()).or_default() += span.t0.elapsed().as_secs_f64();
-    }
-
-    /// The phase ends with the workers' memory as `statuses` report it (memory.jsonl, the leak
-    /// check, the peak, the step's row).
-    pub(super) fn end(&mut self, span: Span, statuses: Vec<WorkerStatus>) -> R<()> {
+        let statuses = fleet.statuses()?;
         self.sample_memory(span.start_s, statuses)
     }
 
@@ -164,11 +162,6 @@ impl Recorder {
 
     pub(super) fn checks_enabled(&self) -> bool {
         self.cfg.run.checks
-    }
-
-    /// A check passed.
-    pub(super) fn passed(&mut self) {
-        self.checks_passed += 1;
     }
 
     /// The step's row, under slime's names (metrics.rs renames it for verl): to metrics.jsonl, the
