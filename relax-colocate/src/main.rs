@@ -5,10 +5,10 @@
 //! limit in one command.
 
 mod bench;
+mod environment;
 mod plot;
 mod run;
 mod runtime;
-mod simulator;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;

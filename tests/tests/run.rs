@@ -2,7 +2,8 @@
 //! checked, the run directory holds what it promises; the same node that runs with pause/resume
 //! fails with OOM without it; a crash, a hang, a frozen (SIGSTOPped) worker, an OOM on wake-up and
 //! Ctrl-C each stop the run with the phase, the worker and the cause named, leave partial results
-//! and no process behind; an external Python worker runs the same cycle.
+//! and no process behind; an external Python worker runs the same cycle, and one whose reply does
+//! not read as its method's type fails the run naming the worker and the field.
 
 use serde_json::Value;
 use std::path::Path;
@@ -289,6 +290,34 @@ fn external_python_workers_run_the_same_cycle() {
     // The hook tracked the Python workers' allocations under their tags.
     let m = metrics(dir.path());
     assert!(m[0]["memory/trainer-0/ref/actor_train_bytes"].as_u64().unwrap() > 0);
+}
+
+/// A reply that does not read as its method's type fails the run naming the worker and the field,
+/// rather than reading as empty (here a checksum that is a number, not a string).
+#[test]
+fn a_malformed_reply_names_the_worker_and_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("malformed_worker.py");
+    let source = "import os, sys\n\
+                  sys.path.insert(0, os.path.join(os.getcwd(), 'scripts'))\n\
+                  import example_worker as ew, relax_worker as rw\n\
+                  names = ['init', 'checksum', 'generate', 'log_probs', 'train', 'update_begin', 'pack', 'unpack', \
+                  'update_end']\n\
+                  handlers = {n: getattr(ew, n) for n in names}\n\
+                  handlers['checksum'] = lambda p: {'weights': 7}\n\
+                  rw.serve(handlers, implementation='malformed')\n";
+    std::fs::write(&script, source).unwrap();
+    let cmd = format!("python3 {}", script.display());
+    let good = "python3 scripts/example_worker.py";
+    let out = run_cmd(&dir.path().join("run"), &["--steps", "1", "--trainer-cmd", &cmd, "--rollout-cmd", good])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("trainer-0: malformed checksum reply: field `weights`: invalid type"), "{err}");
+    let s = json(&dir.path().join("run/summary.json"));
+    assert_eq!(s["failure"]["kind"], "worker_error", "{s}");
+    assert!(survivors(&dir.path().join("run")).is_empty(), "workers left behind");
 }
 
 #[test]

@@ -11,8 +11,9 @@ pub mod plot;
 pub mod upstream;
 pub mod worker;
 
+use crate::environment::find_hook;
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 const MIB: usize = 1 << 20;
@@ -67,21 +68,6 @@ pub struct Options {
     pub sim_copy_gbps: f64,
     /// torch_memory_saver's library to compare with, side by side (CUDA only).
     pub upstream_lib: upstream::UpstreamLib,
-}
-
-pub(crate) fn exe_dir() -> PathBuf {
-    std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default()
-}
-
-pub(crate) fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
-    let dir = exe_dir();
-    let candidates: Vec<PathBuf> = match explicit {
-        Some(p) => vec![p.to_path_buf()],
-        None => vec![dir.join("libtms_hook.so"), dir.join("../lib/libtms_hook.so")],
-    };
-    candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
-        format!("libtms_hook.so not found (looked at {candidates:?}); build it (cargo build) or pass --hook PATH")
-    })
 }
 
 fn cuda_present() -> bool {
@@ -218,7 +204,7 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         (choice, _) => upstream::resolve(choice),
     };
     let sim = if device == DeviceKind::Sim {
-        Some((crate::simulator::sim_environment()?.lib_dir, tempfile::tempdir().map_err(|e| e.to_string())?))
+        Some((crate::environment::sim_environment()?.lib_dir, tempfile::tempdir().map_err(|e| e.to_string())?))
     } else {
         None
     };

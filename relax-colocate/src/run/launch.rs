@@ -1,23 +1,22 @@
-//! Starting a run: the run directory, the environment workers get (hook, control folder,
-//! simulator), the temp and shared-memory files, and each worker up to its hello.
+//! Starting a run, in two parts. `plan` resolves everything the run will use without changing
+//! anything: the device and its API, the hook, the model's shape and memory profile, the weight
+//! bucket, and on the simulator the device's size and environment (refusing what cannot run here).
+//! `start` then acts on the plan: it sweeps what dead runs left, makes the temp and shared-memory
+//! files (fleet/tmpfiles.rs), opens the run directory's outputs (the recorder's), and launches the
+//! fleet: each worker up to its hello (fleet/local.rs, or through Ray: fleet/ray.rs).
 
 use super::config::{self, AlgoName, Config, DeviceChoice, Launcher};
-use super::signals::interruption;
-use super::sizing::{check_host_memory_for_sim, footprint, round_up, sim_context_bytes};
-use super::supervise::{describe_exit, phase_timeout};
+use super::fleet::Fleet;
+use super::fleet::tmpfiles::Scratch;
+use super::profile::Profile;
+use super::recorder::report::{Progress, human};
+use super::recorder::{Outputs, Recorder};
+use super::sizing::{Footprint, check_host_memory_for_sim, footprint, round_up, sim_context_bytes};
 use super::task::{Addition, VOCAB};
-use super::{
-    FailKind, GRANULARITY, MIB, Options, Proc, R, Role, RunError, Runner, Worker, config_err, model, profile, ray,
-    report, setup_err, tmpfiles, wire,
-};
-use crate::bench::find_hook;
+use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
+use crate::environment::{find_hook, sim_environment};
 use crate::runtime::can_load;
-use crate::simulator::sim_environment;
-use std::collections::BTreeMap;
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 fn utc_stamp() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -53,108 +52,33 @@ pub(super) fn make_run_dir(cfg: &Config) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-/// Starts one worker under the hook and waits for its hello.
-fn spawn_worker(
-    cfg: &Config,
-    role: Role,
-    rank: u32,
-    env: &[(String, String)],
-    sock_dir: &Path,
-    run_dir: &Path,
-) -> Result<Worker, RunError> {
-    let name = format!("{}-{rank}", role.as_str());
-    let sock = sock_dir.join(format!("{name}.sock"));
-    let listener =
-        UnixListener::bind(&sock).map_err(|e| setup_err(format!("cannot listen on {}: {e}", sock.display())))?;
-    listener.set_nonblocking(true).map_err(|e| setup_err(e.to_string()))?;
-    let log = run_dir.join("logs").join(format!("{name}.log"));
-    let file = std::fs::File::create(&log).map_err(|e| setup_err(format!("cannot create {}: {e}", log.display())))?;
-    let external = match role {
-        Role::Trainer => &cfg.run.trainer_cmd,
-        Role::Rollout => &cfg.run.rollout_cmd,
-    };
-    let mut cmd = if external.is_empty() {
-        let mut c = Command::new(std::env::current_exe().map_err(|e| setup_err(e.to_string()))?);
-        c.args(["worker", role.as_str()]);
-        c
-    } else {
-        let mut c = Command::new("/bin/sh");
-        c.args(["-c", external]);
-        c
-    };
-    cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env("TMS_NAME", &name)
-        .env("RELAX_WORKER_SOCKET", &sock)
-        .env("RELAX_ROLE", role.as_str())
-        .env("RELAX_RANK", rank.to_string())
-        .env("RELAX_DEVICE", rank.to_string())
-        .env("RELAX_RUN_DIR", run_dir)
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().map_err(|e| setup_err(e.to_string()))?)
-        .stderr(file);
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {name}: {e}")))?;
-    let deadline = Instant::now() + phase_timeout(cfg);
-    let fail = |child: &mut Child, cause: String| {
-        let _ = child.kill();
-        let _ = child.wait();
-        let kind = if interruption().is_some() { FailKind::Interrupted } else { FailKind::Setup };
-        RunError { kind, step: 0, phase: "start".into(), worker: Some(name.clone()), cause }
-    };
-    let stream = loop {
-        match listener.accept() {
-            Ok((s, _)) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(fail(&mut child, format!("accept: {e}"))),
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(RunError {
-                kind: FailKind::Crash,
-                step: 0,
-                phase: "start".into(),
-                worker: Some(name.clone()),
-                cause: format!("{} before connecting", describe_exit(status)),
-            });
-        }
-        if let Some(why) = interruption() {
-            return Err(fail(&mut child, why));
-        }
-        if Instant::now() > deadline {
-            return Err(fail(&mut child, format!("did not connect to {} in time", sock.display())));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let _ = stream.set_nonblocking(false);
-    let mut conn = wire::Conn::new(stream).map_err(|e| setup_err(e.to_string()))?;
-    let hello = match conn.recv(Some(deadline), || interruption().map_or(Ok(()), Err)) {
-        Ok(h) => h,
-        Err(wire::ReadError::Abandoned(why)) => return Err(fail(&mut child, why)),
-        Err(e) => return Err(fail(&mut child, format!("no hello: {e}"))),
-    };
-    let h = &hello["hello"];
-    if h["protocol"].as_u64() != Some(wire::PROTOCOL) || h["role"] != role.as_str() {
-        return Err(fail(
-            &mut child,
-            format!("bad hello {hello}: expected protocol {} and role {}", wire::PROTOCOL, role.as_str()),
-        ));
-    }
-    let pid = h["pid"].as_u64().unwrap_or(child.id() as u64) as u32;
-    Ok(Worker {
-        name,
-        role,
-        rank,
-        device: rank,
-        proc: Proc::Local(child),
-        conn: Some(conn),
-        pid,
-        log,
-        control: None,
-        control_relay: None,
-        next_id: 0,
-    })
+/// What a run will use, resolved from the configuration and this machine.
+pub(super) struct Plan {
+    pub(super) device: DeviceChoice,
+    /// The vendor API the workers use: "cuda" or "acl".
+    pub(super) api: &'static str,
+    hook: PathBuf,
+    pub(super) task: Addition,
+    pub(super) shape: model::Shape,
+    pub(super) profile: Profile,
+    pub(super) bucket_bytes: u64,
+    /// The size of the file one bucket of weights crosses in.
+    shm_bytes: u64,
+    sim: Option<SimDevice>,
+    /// The device as the run's first line and the summary name it.
+    pub(super) device_label: String,
 }
 
-pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner> {
+/// The simulated device: its size and the environment that puts a worker on it.
+struct SimDevice {
+    capacity: u64,
+    /// What each process's context takes of it.
+    contexts: u64,
+    vars: Vec<(String, String)>,
+}
+
+/// The device `run.device` names, checked against what this machine can load.
+fn resolve_device(cfg: &Config) -> R<DeviceChoice> {
     let device = match cfg.run.device {
         DeviceChoice::Auto if can_load(c"libcuda.so.1") => DeviceChoice::Cuda,
         DeviceChoice::Auto => DeviceChoice::Sim,
@@ -168,7 +92,14 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
             "--device npu: libascendcl.so cannot be loaded; source CANN's set_env.sh or use --device sim",
         ));
     }
-    let hook = find_hook(opts.hook.as_deref()).map_err(setup_err)?;
+    Ok(device)
+}
+
+/// Resolves the run without side effects; every refusal the configuration earns here comes before
+/// anything is created.
+pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
+    let device = resolve_device(cfg)?;
+    let hook = find_hook(hook).map_err(setup_err)?;
     // The simulator serves both runtimes; sim.api picks the one the workers use.
     let api: &'static str = match device {
         DeviceChoice::Npu => "acl",
@@ -182,124 +113,118 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
         .map_err(setup_err)?;
     let bucket_bytes = config::parse_size(&cfg.memory.update_weight_buffer_size).map_err(setup_err)?;
     let fp = footprint(cfg, &shape, &profile, bucket_bytes);
-    let shm_dir = Path::new("/dev/shm");
-    let mut swept = tmpfiles::sweep(&std::env::temp_dir(), tmpfiles::DIR_PREFIX);
-    swept.extend(tmpfiles::sweep(shm_dir, tmpfiles::BUCKET_PREFIX));
-    let owner = tmpfiles::owner_tag();
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!("{}{owner}", tmpfiles::DIR_PREFIX))
-        .tempdir()
-        .map_err(|e| setup_err(e.to_string()))?;
-    let ctl_dir = tmp.path().join("ctl");
-    let sock_dir = tmp.path().join("w");
-    for d in [&ctl_dir, &sock_dir] {
-        std::fs::create_dir_all(d).map_err(|e| setup_err(e.to_string()))?;
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700));
+    let sim = if device == DeviceChoice::Sim { Some(plan_sim(cfg, api, &shape, bucket_bytes, &fp)?) } else { None };
+    let device_label = device_label(cfg, device, api, sim.as_ref(), &fp);
+    let shm_bytes = fp.transfer.max(4096);
+    Ok(Plan { device, api, hook, task, shape, profile, bucket_bytes, shm_bytes, sim, device_label })
+}
+
+/// Sizes the simulated device, or refuses a run the host or the configured size cannot hold.
+fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp: &Footprint) -> R<SimDevice> {
+    let per_device_at = |scale: f64| {
+        let p = profile::build(&cfg.memory.profile, cfg.memory.tp, scale, cfg.memory.kv_cache_gib).ok()?;
+        let f = footprint(cfg, shape, &p, bucket_bytes);
+        Some(f.trainer + f.rollout)
+    };
+    check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at)
+        .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
+    let vars = sim_environment().map_err(setup_err)?.vars;
+    let peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
+    // Each device holds two processes, and each process's context takes device memory.
+    let contexts = 2 * sim_context_bytes(api);
+    if cfg.sim.memory == "auto" {
+        let capacity = round_up(peak + contexts + (fp.trainer.min(fp.rollout) / 2).min(64 * MIB), GRANULARITY);
+        return Ok(SimDevice { capacity, contexts, vars });
     }
-    let mut env: Vec<(String, String)> = vec![
-        ("LD_PRELOAD".into(), hook.display().to_string()),
-        ("TMS_CONTROL".into(), "1".into()),
-        ("TMS_CONTROL_DIR".into(), ctl_dir.display().to_string()),
-        ("RELAX_DEVICE_API".into(), api.into()),
-    ];
-    let mut device_label = match device {
-        DeviceChoice::Cuda => "CUDA".to_string(),
-        DeviceChoice::Npu => "Ascend NPU (ACL)".to_string(),
+    let capacity = config::parse_size(&cfg.sim.memory).map_err(config_err)?;
+    // The simulator would replace a capacity under its granularity by its 16 GiB default, and a
+    // device without room for both contexts fails every worker's first call.
+    if capacity < contexts + GRANULARITY {
+        return Err(config_err(format!(
+            "sim.memory={} leaves no room on the device: the trainer's and the rollout's \
+             contexts take {} of it; give at least {} (or sim.memory=auto)",
+            cfg.sim.memory,
+            human(contexts),
+            human(contexts + GRANULARITY)
+        )));
+    }
+    Ok(SimDevice { capacity, contexts, vars })
+}
+
+fn device_label(cfg: &Config, device: DeviceChoice, api: &str, sim: Option<&SimDevice>, fp: &Footprint) -> String {
+    let label = match (device, sim) {
+        (DeviceChoice::Cuda, _) => "CUDA".to_string(),
+        (DeviceChoice::Npu, _) => "Ascend NPU (ACL)".to_string(),
+        (_, Some(sim)) => format!(
+            "tms-sim ({} API), {} x {} (trainer needs {}, rollout {}, their contexts {})",
+            if api == "acl" { "ACL" } else { "CUDA" },
+            cfg.run.devices,
+            human(sim.capacity),
+            human(fp.trainer),
+            human(fp.rollout),
+            human(sim.contexts)
+        ),
         _ => String::new(),
     };
-    if device == DeviceChoice::Sim {
-        let per_device_at = |scale: f64| {
-            let p = profile::build(&cfg.memory.profile, cfg.memory.tp, scale, cfg.memory.kv_cache_gib).ok()?;
-            let f = footprint(cfg, &shape, &p, bucket_bytes);
-            Some(f.trainer + f.rollout)
-        };
-        check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at)
-            .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
-        let sim_env = sim_environment().map_err(setup_err)?;
-        let peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
-        // Each device holds two processes, and each process's context takes device memory.
-        let contexts = 2 * sim_context_bytes(api);
-        let capacity = if cfg.sim.memory == "auto" {
-            round_up(peak + contexts + (fp.trainer.min(fp.rollout) / 2).min(64 * MIB), GRANULARITY)
-        } else {
-            let explicit = config::parse_size(&cfg.sim.memory).map_err(config_err)?;
-            // The simulator would replace a capacity under its granularity by its 16 GiB default,
-            // and a device without room for both contexts fails every worker's first call.
-            if explicit < contexts + GRANULARITY {
-                return Err(config_err(format!(
-                    "sim.memory={} leaves no room on the device: the trainer's and the rollout's \
-                     contexts take {} of it; give at least {} (or sim.memory=auto)",
-                    cfg.sim.memory,
-                    report::human(contexts),
-                    report::human(contexts + GRANULARITY)
-                )));
-            }
-            explicit
-        };
+    if cfg.run.launcher != Launcher::Ray {
+        return label;
+    }
+    format!(
+        "{label}; placed by Ray ({}): {} node(s) x {} device(s)",
+        cfg.run.ray_address.trim(),
+        cfg.run.nodes,
+        cfg.run.devices
+    )
+}
+
+impl Plan {
+    /// The environment every worker gets, the run's temp files being `scratch`.
+    fn worker_env(&self, cfg: &Config, scratch: &Scratch) -> Vec<(String, String)> {
+        let mut env: Vec<(String, String)> = vec![
+            ("LD_PRELOAD".into(), self.hook.display().to_string()),
+            ("TMS_CONTROL".into(), "1".into()),
+            ("TMS_CONTROL_DIR".into(), scratch.ctl_dir.display().to_string()),
+            ("RELAX_DEVICE_API".into(), self.api.into()),
+        ];
+        let Some(sim) = &self.sim else { return env };
         // Python workers (scripts/torch_worker.py) get the start-up hook that puts PyTorch on
         // the simulator with the rest of the environment.
-        env.extend(sim_env.vars);
+        env.extend(sim.vars.iter().cloned());
         env.extend([
-            ("TMS_SIM_DIR".into(), tmp.path().join("sim").display().to_string()),
+            ("TMS_SIM_DIR".into(), scratch.tmp.path().join("sim").display().to_string()),
             ("TMS_SIM_NODE".into(), "relax".into()),
-            ("TMS_SIM_MEMORY".into(), capacity.to_string()),
+            ("TMS_SIM_MEMORY".into(), sim.capacity.to_string()),
             ("TMS_SIM_DEVICES".into(), cfg.run.devices.to_string()),
         ]);
         if cfg.sim.copy_gbps > 0.0 {
             env.push(("TMS_SIM_COPY_GBPS".into(), cfg.sim.copy_gbps.to_string()));
         }
-        device_label = format!(
-            "tms-sim ({} API), {} x {} (trainer needs {}, rollout {}, their contexts {})",
-            if api == "acl" { "ACL" } else { "CUDA" },
-            cfg.run.devices,
-            report::human(capacity),
-            report::human(fp.trainer),
-            report::human(fp.rollout),
-            report::human(contexts)
-        );
+        env
     }
-    if cfg.run.launcher == Launcher::Ray {
-        device_label = format!(
-            "{device_label}; placed by Ray ({}): {} node(s) x {} device(s)",
-            cfg.run.ray_address.trim(),
-            cfg.run.nodes,
-            cfg.run.devices
-        );
-    }
-    std::fs::write(run_dir.join("config.toml"), cfg.to_toml()).map_err(|e| setup_err(e.to_string()))?;
-    let open = |name: &str| std::fs::File::create(run_dir.join(name)).map_err(|e| setup_err(e.to_string()));
-    let metrics_file = open("metrics.jsonl")?;
-    let memory_file = open("memory.jsonl")?;
-    let kinds = super::loggers::parse_list(&cfg.metrics.loggers).map_err(setup_err)?;
-    let loggers = super::loggers::Loggers::open(&kinds, &run_dir, &cfg.metrics.python, &cfg.metrics.wandb_project)
-        .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
-    let shm_dir = if shm_dir.is_dir() { shm_dir.to_path_buf() } else { tmp.path().to_path_buf() };
-    let shm_bytes = fp.transfer.max(4096);
-    let shm = tempfile::Builder::new()
-        .prefix(&format!("{}{owner}", tmpfiles::BUCKET_PREFIX))
-        .tempfile_in(&shm_dir)
-        .map_err(|e| setup_err(format!("cannot create the update bucket file in {}: {e}", shm_dir.display())))?;
-    shm.as_file().set_len(shm_bytes).map_err(|e| setup_err(e.to_string()))?;
-    let (_, shm_path) = shm.keep().map_err(|e| setup_err(e.to_string()))?;
-    let progress = report::Progress::new(opts.quiet || opts.json);
-    if !swept.is_empty() {
+}
+
+/// The lines a run starts with: what it removed, what it runs where, its loggers, and (local
+/// launcher) how to reach its workers' control sockets.
+fn announce(cfg: &Config, opts: &Options, plan: &Plan, out: &Outputs, scratch: &Scratch, run_dir: &Path) -> Progress {
+    let progress = Progress::new(opts.quiet || opts.json);
+    if !scratch.swept.is_empty() {
         progress.note(&format!(
             "relax-colocate run: removed {} temp/shared-memory file(s) of runs that are gone: {}",
-            swept.len(),
-            swept.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+            scratch.swept.len(),
+            scratch.swept.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
+    let algo = match cfg.algo.name {
+        AlgoName::Grpo => "GRPO",
+        AlgoName::Ppo => "PPO",
+    };
     progress.note(&format!(
-        "relax-colocate run: {} {} steps on {device_label}; run directory {}",
-        match cfg.algo.name {
-            AlgoName::Grpo => "GRPO",
-            AlgoName::Ppo => "PPO",
-        },
+        "relax-colocate run: {algo} {} steps on {}; run directory {}",
         cfg.run.steps,
+        plan.device_label,
         run_dir.display()
     ));
-    for line in loggers.describe() {
+    for line in out.loggers.describe() {
         progress.note(&format!("relax-colocate run: {line}"));
     }
     // The workers' control sockets live in the run's private folder, which `tms-ctl list` does
@@ -307,66 +232,22 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<Runner>
     if cfg.run.launcher == Launcher::Local {
         progress.note(&format!(
             "relax-colocate run: workers' control sockets in {0} (`tms-ctl --dir {0} list`)",
-            ctl_dir.display()
+            scratch.ctl_dir.display()
         ));
     }
-    let mut workers = Vec::new();
-    let mut bridge = None;
-    let mut runner_err = None;
-    if cfg.run.launcher == Launcher::Ray {
-        match ray::start_workers(cfg, device, &env, tmp.path(), &run_dir, (&shm_path, shm_bytes)) {
-            Ok((w, b)) => {
-                workers = w;
-                bridge = Some(b);
-            }
-            Err(e) => runner_err = Some(e),
-        }
-    } else {
-        'spawn: for rank in 0..cfg.run.devices {
-            for role in [Role::Rollout, Role::Trainer] {
-                match spawn_worker(cfg, role, rank, &env, &sock_dir, &run_dir) {
-                    Ok(w) => workers.push(w),
-                    Err(e) => {
-                        runner_err = Some(e);
-                        break 'spawn;
-                    }
-                }
-            }
-        }
-    }
-    let runner = Runner {
-        cfg: cfg.clone(),
-        task,
-        shape,
-        profile,
-        started: Instant::now(),
-        workers,
-        bridge,
-        _tmp: tmp,
-        ctl_dir,
-        run_dir,
-        api,
-        step: 0,
-        phase: "setup".into(),
-        step_memory: Vec::new(),
-        step_times: BTreeMap::new(),
-        steps_completed: 0,
-        peak_used: vec![0; cfg.total_devices()],
-        metrics_file,
-        memory_file,
-        loggers,
-        shm: shm_path,
-        bucket_bytes,
-        weights_checksum: None,
-        leak_baseline: BTreeMap::new(),
-        progress,
-        device_label,
-        checks_passed: 0,
-    };
-    if let Some(e) = runner_err {
-        let mut r = runner;
-        r.stop_workers(false);
-        return Err(e);
-    }
-    Ok(runner)
+    progress
+}
+
+/// Acts on the plan: files, outputs, then the workers; returns the plan with the fleet and the
+/// recorder a driver runs over.
+pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<(Plan, Fleet, Recorder)> {
+    let plan = plan(cfg, opts.hook.as_deref())?;
+    let scratch = Scratch::create(plan.shm_bytes).map_err(setup_err)?;
+    let env = plan.worker_env(cfg, &scratch);
+    let out = Outputs::open(cfg, &run_dir)?;
+    let progress = announce(cfg, opts, &plan, &out, &scratch, &run_dir);
+    let at = Cursor::new();
+    let fleet = Fleet::launch(cfg, plan.device, &env, scratch, &run_dir, at.clone())?;
+    let rec = Recorder::new(cfg, at, run_dir, plan.device_label.clone(), fleet.names(), out, progress);
+    Ok((plan, fleet, rec))
 }

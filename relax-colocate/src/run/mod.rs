@@ -3,44 +3,41 @@
 //!
 //! The runner owns the RL loop (prompts, rewards, advantages) and the device-memory choreography
 //! (pause/resume through each worker's tms control socket); workers own the model state in device
-//! memory and speak the worker protocol (wire.rs, docs/worker-protocol.md).
+//! memory and speak the worker protocol (protocol.rs over wire.rs, docs/worker-protocol.md).
 //!
-//! Here: the run's types, its entry point and how it ends. launch.rs starts it (sizing.rs sizes
-//! the device, tmpfiles.rs names the files outside the run directory; ray.rs places the workers
-//! with Ray instead of starting them as children, docs/ray.md), cycle.rs drives the steps,
-//! sampling.rs times phases and samples memory, supervise.rs bounds every wait on a worker and
-//! stops them, signals.rs records Ctrl-C and SIGTERM, report.rs writes what the run shows.
+//! A driver runs over two shared parts: the fleet (fleet/: the worker processes, requests to them,
+//! their control sockets, supervision and the launchers) and the recorder (recorder/: phase
+//! timings, memory samples, checks, the run directory's files, loggers, progress and report).
+//! cycle/ is the colocated driver. launch.rs resolves a run's plan without side effects, then
+//! acts on it (sizing.rs sizes the device); signals.rs records Ctrl-C and SIGTERM. Here: the
+//! run's types, its entry point and how it ends.
 
 pub mod algo;
 pub mod config;
 pub mod device;
-pub mod loggers;
-pub mod metrics;
 pub mod model;
 pub mod profile;
-pub mod report;
+pub mod protocol;
 pub mod task;
-pub mod tmpfiles;
 pub mod wire;
 pub mod worker;
 
 mod cycle;
+mod fleet;
 mod launch;
-mod ray;
-mod sampling;
+mod recorder;
 mod signals;
 mod sizing;
-mod supervise;
 
-use config::Config;
+pub use recorder::{loggers, metrics};
+
+use cycle::Colocate;
 use launch::{make_run_dir, start};
-use profile::Profile;
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
+use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
-use std::process::Child;
-use std::time::Instant;
-use task::{Addition, Rng};
+use std::rc::Rc;
+use task::Rng;
 
 const MIB: u64 = 1 << 20;
 /// The simulator's (and CUDA's usual) VMM granularity: region allocations round up to it.
@@ -117,105 +114,39 @@ impl Role {
     }
 }
 
-/// A worker's process as the runner sees it.
-enum Proc {
-    /// A child of the runner, leading its own process group.
-    Local(Child),
-    /// Started on `node` by the Ray bridge (ray.rs); the bridge writes `exit_file`, naming how the
-    /// process ended, before it closes the worker's connection.
-    Remote { node: String, exit_file: PathBuf },
+/// Where the run is: the step and the phase a failure is reported at. The driver moves it (the
+/// recorder's phases name it); the fleet and the driver read it when they fail.
+#[derive(Default)]
+struct Cursor {
+    step: Cell<u64>,
+    phase: RefCell<String>,
 }
 
-impl Proc {
-    /// How the process ended, once it has.
-    fn exited(&mut self) -> Option<String> {
-        match self {
-            Proc::Local(c) => c.try_wait().ok().flatten().map(supervise::describe_exit),
-            Proc::Remote { exit_file, .. } => std::fs::read_to_string(exit_file).ok(),
-        }
+impl Cursor {
+    fn new() -> Rc<Cursor> {
+        Rc::new(Cursor { step: Cell::new(0), phase: RefCell::new("setup".into()) })
     }
 
-    fn node(&self) -> Option<&str> {
-        match self {
-            Proc::Local(_) => None,
-            Proc::Remote { node, .. } => Some(node),
-        }
+    fn step(&self) -> u64 {
+        self.step.get()
     }
-}
 
-struct Worker {
-    name: String,
-    role: Role,
-    /// Global rank: the device's index in the run (node-major), and the worker's metrics column.
-    rank: u32,
-    /// The device index on the worker's own node.
-    device: u32,
-    proc: Proc,
-    conn: Option<wire::Conn>,
-    /// The process that said hello (the one the hook is loaded in; an external command may be a
-    /// shell around it).
-    pid: u32,
-    log: PathBuf,
-    control: Option<PathBuf>,
-    /// Launcher ray: the bridge's socket that carries control requests to the worker's own one.
-    control_relay: Option<PathBuf>,
-    next_id: u64,
-}
+    fn set_step(&self, step: u64) {
+        self.step.set(step);
+    }
 
-/// Device memory at one phase boundary (a line of memory.jsonl).
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct MemSample {
-    /// When the phase ended (and the sample was taken), seconds since the run started.
-    pub t_s: f64,
-    /// When the phase began: with `t_s`, its span on the timeline plot.
-    #[serde(default)]
-    pub start_s: f64,
-    pub step: u64,
-    pub phase: String,
-    /// Per device: bytes in use (total − free).
-    pub device_used: Vec<u64>,
-    pub device_total: Vec<u64>,
-    /// Per worker: active (resident) bytes per tag.
-    pub workers: BTreeMap<String, BTreeMap<String, u64>>,
-    /// Per worker: paused bytes in all.
-    pub paused: BTreeMap<String, u64>,
-}
+    fn phase(&self) -> String {
+        self.phase.borrow().clone()
+    }
 
-pub struct Runner {
-    cfg: Config,
-    task: Addition,
-    shape: model::Shape,
-    profile: Profile,
-    started: Instant,
-    workers: Vec<Worker>,
-    /// Launcher ray: the process that placed the workers and carries their messages.
-    bridge: Option<ray::Bridge>,
-    /// Holds the sockets, the control folder and the simulator state; removed on drop.
-    _tmp: tempfile::TempDir,
-    ctl_dir: PathBuf,
-    run_dir: PathBuf,
-    api: &'static str,
-    step: u64,
-    phase: String,
-    /// This step's memory samples, for its metrics row. Everything older is in memory.jsonl and
-    /// metrics.jsonl only, which the report and the plots read back at the end: the runner's own
-    /// memory stays flat however many steps a run has.
-    step_memory: Vec<MemSample>,
-    step_times: BTreeMap<String, f64>,
-    steps_completed: u64,
-    /// Per device: the most memory in use at any phase boundary.
-    peak_used: Vec<u64>,
-    metrics_file: std::fs::File,
-    /// TensorBoard and wandb, when asked for (metrics.loggers).
-    loggers: loggers::Loggers,
-    memory_file: std::fs::File,
-    shm: PathBuf,
-    bucket_bytes: u64,
-    weights_checksum: Option<String>,
-    leak_baseline: BTreeMap<String, Vec<u64>>,
-    progress: report::Progress,
-    device_label: String,
-    checks_passed: u64,
+    fn set_phase(&self, phase: &str) {
+        *self.phase.borrow_mut() = phase.to_string();
+    }
+
+    /// A failure here.
+    fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
+        RunError { kind, step: self.step(), phase: self.phase(), worker: worker.map(String::from), cause: cause.into() }
+    }
 }
 
 /// A configuration that cannot run on this machine (a device it lacks, a device too small): the
@@ -226,26 +157,6 @@ fn config_err(cause: impl Into<String>) -> RunError {
 
 fn setup_err(cause: impl Into<String>) -> RunError {
     RunError { kind: FailKind::Setup, step: 0, phase: "setup".into(), worker: None, cause: cause.into() }
-}
-
-impl Runner {
-    fn elapsed(&self) -> f64 {
-        self.started.elapsed().as_secs_f64()
-    }
-
-    fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
-        RunError {
-            kind,
-            step: self.step,
-            phase: self.phase.clone(),
-            worker: worker.map(String::from),
-            cause: cause.into(),
-        }
-    }
-
-    fn indices(&self, role: Role) -> Vec<usize> {
-        self.workers.iter().enumerate().filter(|(_, w)| w.role == role).map(|(i, _)| i).collect()
-    }
 }
 
 fn tail(path: &Path, lines: usize) -> String {
@@ -287,8 +198,8 @@ pub fn run(opts: &Options) -> u8 {
         Ok(d) => d,
         Err(e) => return refuse(FailKind::Setup, &e.to_string()),
     };
-    let mut runner = match start(&cfg, opts, run_dir.clone()) {
-        Ok(r) => r,
+    let mut cycle = match start(&cfg, opts, run_dir.clone()) {
+        Ok((plan, fleet, recorder)) => Colocate::new(&cfg, plan, fleet, recorder),
         Err(e) => {
             let summary = report_failure(&e, None, &run_dir);
             if opts.json {
@@ -297,48 +208,49 @@ pub fn run(opts: &Options) -> u8 {
             return e.kind.exit_code();
         }
     };
-    let result = drive(&mut runner);
-    let graceful = result.is_ok();
-    runner.stop_workers(graceful);
-    runner.progress.finish();
-    runner.loggers.finish();
-    for w in &runner.loggers.warnings {
-        eprintln!("relax-colocate run: {w}");
-    }
-    let summary = report::summary(&runner, result.as_ref().err());
-    let _ = std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
-    let _ = report::write_plots(&runner);
-    match result {
-        Ok(()) => {
-            if opts.json {
-                println!("{}", serde_json::to_string_pretty(&summary).expect("serializes"));
-            } else {
-                report::print_table(&runner, &summary);
-            }
-            0
-        }
-        Err(e) => {
-            report_failure(&e, Some(&runner), &run_dir);
-            if opts.json {
-                println!("{}", serde_json::to_string_pretty(&summary).expect("serializes"));
-            }
-            e.kind.exit_code()
-        }
-    }
+    let result = drive(&mut cycle);
+    finish(cycle, result, opts, &run_dir)
 }
 
-fn drive(r: &mut Runner) -> R<()> {
-    r.setup()?;
-    let mut rng = Rng::new(r.cfg.run.seed ^ 0xDA7A);
-    for step in 1..=r.cfg.run.steps {
-        r.step = step;
-        r.rl_step(&mut rng)?;
+fn drive(c: &mut Colocate) -> R<()> {
+    c.setup()?;
+    let mut rng = Rng::new(c.cfg.run.seed ^ 0xDA7A);
+    for step in 1..=c.cfg.run.steps {
+        c.at.set_step(step);
+        c.rl_step(&mut rng)?;
     }
     Ok(())
 }
 
-/// Says on stderr why the run failed; returns the summary written when no runner got going.
-fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) -> Value {
+/// Stops the workers, writes the summary and the plots, and says how the run ended; returns the
+/// exit code.
+fn finish(mut c: Colocate, result: R<()>, opts: &Options, run_dir: &Path) -> u8 {
+    c.fleet.stop(result.is_ok());
+    let rec = &mut c.rec;
+    rec.finish();
+    let summary = recorder::report::summary(rec, result.as_ref().err(), &c.profile);
+    let _ = std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
+    let _ = recorder::report::write_plots(rec);
+    let code = match &result {
+        Ok(()) if !opts.json => {
+            recorder::report::print_table(rec, &summary);
+            0
+        }
+        Ok(()) => 0,
+        Err(e) => {
+            report_failure(e, Some(c.fleet.log_of_name(e.worker.as_deref())), run_dir);
+            e.kind.exit_code()
+        }
+    };
+    if opts.json {
+        println!("{}", serde_json::to_string_pretty(&summary).expect("serializes"));
+    }
+    code
+}
+
+/// Says on stderr why the run failed; returns the summary written when no worker got going.
+/// `log` is the failed worker's log as the fleet knows it (None: the workers never started).
+fn report_failure(e: &RunError, log: Option<Option<PathBuf>>, run_dir: &Path) -> Value {
     let at =
         if e.step == 0 { format!("setup, phase {}", e.phase) } else { format!("step {}, phase {}", e.step, e.phase) };
     let who = e.worker.as_ref().map(|w| format!("worker {w}: ")).unwrap_or_default();
@@ -349,10 +261,7 @@ fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) -> Valu
         eprintln!("relax-colocate run: failed at {at}: {who}{} [{}]", e.cause, e.kind.as_str());
     }
     if let Some(w) = &e.worker {
-        let log = runner
-            .and_then(|r| r.workers.iter().find(|x| &x.name == w))
-            .map(|wk| wk.log.clone())
-            .unwrap_or_else(|| run_dir.join("logs").join(format!("{w}.log")));
+        let log = log.clone().flatten().unwrap_or_else(|| run_dir.join("logs").join(format!("{w}.log")));
         let t = tail(&log, 20);
         if !t.is_empty() {
             eprintln!("--- last lines of {} ---\n{t}\n---", log.display());
@@ -363,17 +272,11 @@ fn report_failure(e: &RunError, runner: Option<&Runner>, run_dir: &Path) -> Valu
         "failure": {"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause},
         "steps_completed": 0,
     });
-    if runner.is_none() {
+    if log.is_none() {
         // The workers never got going: the summary says why, for scripts that read it.
         let _ =
             std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
     }
     eprintln!("partial results: {}", run_dir.display());
     summary
-}
-
-impl Drop for Runner {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.shm);
-    }
 }

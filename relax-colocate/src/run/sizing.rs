@@ -3,7 +3,8 @@
 
 use super::config::{self, Config};
 use super::profile::Profile;
-use super::{GRANULARITY, MIB, model, report};
+use super::recorder::report;
+use super::{GRANULARITY, MIB, model};
 
 pub(super) fn round_up(v: u64, to: u64) -> u64 {
     v.div_ceil(to) * to

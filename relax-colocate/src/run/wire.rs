@@ -3,12 +3,13 @@
 //! sends requests `{"id", "method", "params"}`; the worker answers each with `{"id", "result"}` or
 //! `{"id", "error": {"kind", "message"}}`.
 
-use serde_json::{Value, json};
+use super::protocol::{ErrorBody, Hello, HelloMsg, PROTOCOL, Request, Response, Shutdown};
+use super::protocol::{Method, decode};
+use serde_json::Value;
 use std::io::{BufRead, BufReader, ErrorKind, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-pub const PROTOCOL: u64 = 1;
 /// One message may carry a whole batch; anything larger is a broken peer.
 pub const MAX_LINE: usize = 256 << 20;
 
@@ -125,10 +126,13 @@ pub fn connect(role: &str, implementation: &str) -> Result<Conn, String> {
         .map_err(|_| "RELAX_WORKER_SOCKET is not set: workers are started by relax-colocate run".to_string())?;
     let stream = UnixStream::connect(&path).map_err(|e| format!("cannot connect to {path}: {e}"))?;
     let mut conn = Conn::new(stream).map_err(|e| e.to_string())?;
-    conn.send(&json!({"hello": {
-        "protocol": PROTOCOL, "role": role, "pid": std::process::id(), "implementation": implementation
-    }}))
-    .map_err(|e| e.to_string())?;
+    let hello = Hello {
+        protocol: PROTOCOL,
+        role: role.into(),
+        pid: Some(std::process::id()),
+        implementation: Some(implementation.into()),
+    };
+    conn.send(&serde_json::to_value(HelloMsg { hello }).expect("serializes")).map_err(|e| e.to_string())?;
     Ok(conn)
 }
 
@@ -139,14 +143,17 @@ pub fn serve(conn: &mut Conn, mut handle: impl FnMut(&str, &Value) -> Result<Val
             Ok(m) => m,
             Err(_) => return,
         };
-        let id = msg.get("id").cloned().unwrap_or(Value::Null);
-        let method = msg.get("method").and_then(Value::as_str).unwrap_or("");
-        let params = msg.get("params").cloned().unwrap_or(json!({}));
-        let reply = match handle(method, &params) {
-            Ok(result) => json!({"id": id, "result": result}),
-            Err((kind, message)) => json!({"id": id, "error": {"kind": kind, "message": message}}),
+        // A request that does not read is answered as an unknown method.
+        let Request { id, method, params } =
+            decode(msg).unwrap_or(Request { id: Value::Null, method: String::new(), params: Value::Null });
+        let params = if params.is_null() { Value::Object(Default::default()) } else { params };
+        let reply = match handle(&method, &params) {
+            Ok(result) => Response { id, result: Some(result), error: None },
+            Err((kind, message)) => {
+                Response { id, result: None, error: Some(ErrorBody { kind, message: Some(message) }) }
+            }
         };
-        if conn.send(&reply).is_err() || method == "shutdown" {
+        if conn.send(&serde_json::to_value(reply).expect("serializes")).is_err() || method == Shutdown::NAME {
             return;
         }
     }
@@ -155,6 +162,7 @@ pub fn serve(conn: &mut Conn, mut handle: impl FnMut(&str, &Value) -> Result<Val
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn a_send_to_a_peer_that_reads_nothing_ends_at_the_deadline_or_when_abandoned() {

@@ -6,15 +6,19 @@
 
 use super::device::{DevError, Device, Hasher};
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
+use super::protocol::{
+    self, Ack, BucketParams, BucketReply, Checksum, ChecksumReply, Generate, GenerateParams, GenerateReply, Generated,
+    Init, InitParams, InitReply, LogProbs, LogProbsParams, LogProbsReply, Method, Model, Pack, SamplesParams, Shutdown,
+    Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd, Values,
+    ValuesReply,
+};
 use super::task::Rng;
 use super::wire;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const CHUNK: usize = 16 << 20;
 
 type Failure = (String, String);
-type Pairs = Vec<(Vec<u32>, Vec<u32>)>;
 
 fn dev_err(e: DevError) -> Failure {
     match e {
@@ -27,24 +31,15 @@ fn bad(msg: impl Into<String>) -> Failure {
     ("bad_request".into(), msg.into())
 }
 
-#[derive(Deserialize)]
-struct InitParams {
-    api: String,
-    device: i32,
-    shape: Shape,
-    seed: u64,
-    /// Profile allocations: (tag, sizes).
-    memory: Vec<(String, Vec<u64>)>,
-    #[serde(default = "yes")]
-    backup: bool,
-    #[serde(default)]
-    max_batch: usize,
-    loss: Option<LossConfig>,
-    adam: Option<Adam>,
+/// Reads a request's params as `M`'s.
+fn params<M: Method>(p: &Value) -> Result<M::Params, Failure> {
+    protocol::decode(p.clone()).map_err(|e| bad(format!("{}: {e}", M::NAME)))
 }
 
-fn yes() -> bool {
-    true
+/// Answers a request with `M`'s params and reply types.
+fn answer<M: Method>(p: &Value, f: impl FnOnce(M::Params) -> Result<M::Reply, Failure>) -> Result<Value, Failure> {
+    let reply = f(params::<M>(p)?)?;
+    Ok(serde_json::to_value(reply).expect("replies serialize"))
 }
 
 /// A device allocation and what it is for.
@@ -118,7 +113,7 @@ impl Common {
         v
     }
 
-    fn checksum(&self) -> Result<Value, Failure> {
+    fn checksum(&self) -> Result<ChecksumReply, Failure> {
         let mut h = Hasher::default();
         let mut host = vec![0u8; CHUNK];
         let mut total = 0u64;
@@ -132,7 +127,7 @@ impl Common {
             }
             total += e.bytes;
         }
-        Ok(json!({"weights": h.hex(), "bytes": total}))
+        Ok(ChecksumReply { weights: h.hex(), bytes: Some(total) })
     }
 
     fn read_params(&self, bufs: &[Buf]) -> Result<Vec<f32>, Failure> {
@@ -156,14 +151,15 @@ impl Common {
         Ok(())
     }
 
-    fn update_begin(&mut self, p: &Value) -> Result<Value, Failure> {
-        let path = p["shm"].as_str().ok_or_else(|| bad("update_begin needs shm"))?;
-        let bucket_bytes = p["bucket_bytes"].as_u64().filter(|b| *b > 0).ok_or_else(|| bad("bucket_bytes"))?;
+    fn update_begin(&mut self, p: UpdateBeginParams) -> Result<UpdateBeginReply, Failure> {
+        let path = p.shm.display();
+        let bucket_bytes =
+            Some(p.bucket_bytes).filter(|b| *b > 0).ok_or_else(|| bad("bucket_bytes must be positive"))?;
         let total: u64 = self.weight_entries().iter().map(|e| e.bytes).sum();
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .open(path)
+            .open(&p.shm)
             .map_err(|e| bad(format!("cannot open {path}: {e}")))?;
         let map_len = file.metadata().map_err(|e| bad(e.to_string()))?.len() as usize;
         let span = bucket_bytes.min(total).max(1);
@@ -195,16 +191,16 @@ impl Common {
             }
         };
         self.transfer = Some(Transfer { map: map.cast(), map_len, bucket_bytes, device_buf: Buf { ptr, bytes: span } });
-        Ok(json!({"buckets": total.div_ceil(bucket_bytes), "bytes": total}))
+        Ok(UpdateBeginReply { buckets: Some(total.div_ceil(bucket_bytes)), bytes: Some(total) })
     }
 
-    fn update_end(&mut self) -> Result<Value, Failure> {
+    fn update_end(&mut self) -> Result<Ack, Failure> {
         if let Some(t) = self.transfer.take() {
             // SAFETY: the mapping made in update_begin.
             unsafe { libc::munmap(t.map.cast(), t.map_len) };
             self.dev.free(t.device_buf.ptr).map_err(dev_err)?;
         }
-        Ok(json!({}))
+        Ok(Ack {})
     }
 
     /// The pieces of bucket `i`: (entry, offset in entry, offset in bucket, length), the entry
@@ -233,6 +229,15 @@ impl Common {
         // SAFETY: the mapping is map_len bytes and len ≤ the bucket span ≤ map_len; the runner
         // lets one side touch it at a time.
         unsafe { std::slice::from_raw_parts_mut(t.map, len as usize) }
+    }
+
+    /// The methods both roles answer alike.
+    fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
+        match method {
+            Checksum::NAME => answer::<Checksum>(p, |_| self.checksum()),
+            UpdateBegin::NAME => answer::<UpdateBegin>(p, |p| self.update_begin(p)),
+            _ => answer::<UpdateEnd>(p, |_| self.update_end()),
+        }
     }
 
     fn hog(&mut self, bytes: u64) -> Result<(), Failure> {
@@ -274,17 +279,7 @@ impl Trainer {
         Ok(())
     }
 
-    fn samples(p: &Value) -> Result<Pairs, Failure> {
-        #[derive(Deserialize)]
-        struct S {
-            prompt: Vec<u32>,
-            response: Vec<u32>,
-        }
-        let v: Vec<S> = serde_json::from_value(p["samples"].clone()).map_err(|e| bad(format!("samples: {e}")))?;
-        Ok(v.into_iter().map(|s| (s.prompt, s.response)).collect())
-    }
-
-    fn check_tokens(&self, samples: &[(Vec<u32>, Vec<u32>)]) -> Result<(), Failure> {
+    fn check_tokens<'a>(&self, samples: impl IntoIterator<Item = (&'a [u32], &'a [u32])>) -> Result<(), Failure> {
         for (p, r) in samples {
             if p.len() + r.len() > self.c.shape.context + 1
                 || p.iter().chain(r).any(|t| *t as usize >= self.c.shape.vocab)
@@ -295,61 +290,70 @@ impl Trainer {
         Ok(())
     }
 
+    /// Per token of every sample, under the actor's or the reference's weights.
+    fn token_scores(&self, model: Model, samples: &[protocol::Pair]) -> Result<Vec<Vec<model::TokenScore>>, Failure> {
+        self.check_tokens(samples.iter().map(|s| (&s.prompt[..], &s.response[..])))?;
+        let which = if model == Model::Ref { &self.reference } else { &self.c.weights };
+        let params = self.c.read_params(which)?;
+        let pol = Policy { shape: self.c.shape, params: &params };
+        Ok(samples.iter().map(|s| pol.score(&s.prompt, &s.response, self.loss.temperature)).collect())
+    }
+
+    fn log_probs(&self, p: LogProbsParams) -> Result<LogProbsReply, Failure> {
+        let scores = self.token_scores(p.model, &p.samples)?;
+        let pick = |f: fn(&model::TokenScore) -> f64| scores.iter().map(|s| s.iter().map(f).collect()).collect();
+        Ok(LogProbsReply { logprobs: pick(|s| s.logprob), entropy: pick(|s| s.entropy) })
+    }
+
+    fn values(&self, p: SamplesParams) -> Result<ValuesReply, Failure> {
+        let scores = self.token_scores(Model::Actor, &p.samples)?;
+        Ok(ValuesReply { values: scores.iter().map(|s| s.iter().map(|t| t.value).collect()).collect() })
+    }
+
+    fn pack(&mut self, p: BucketParams) -> Result<BucketReply, Failure> {
+        let pieces = self.c.bucket_pieces(p.bucket, &self.c.weight_entries())?;
+        let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
+        let mut len = 0;
+        for (idx, off, boff, n) in pieces {
+            let src = &self.snapshot[idx][off as usize..(off + n) as usize];
+            self.c.dev.write(dbuf + boff, src).map_err(dev_err)?;
+            len = boff + n;
+        }
+        let shm = self.c.shm(len);
+        self.c.dev.read(shm, dbuf).map_err(dev_err)?;
+        Ok(BucketReply { bytes: Some(len) })
+    }
+
+    fn save_state(&mut self) -> Result<Ack, Failure> {
+        let state = self.all_state().iter().map(|b| read_all(&self.c.dev, *b)).collect::<Result<_, _>>()?;
+        self.saved = Some(state);
+        Ok(Ack {})
+    }
+
+    fn load_state(&mut self) -> Result<Ack, Failure> {
+        let saved = self.saved.take().ok_or_else(|| bad("load_state without save_state"))?;
+        for (b, data) in self.all_state().iter().zip(&saved) {
+            self.c.dev.write(b.ptr, data).map_err(dev_err)?;
+        }
+        Ok(Ack {})
+    }
+
     fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
         match method {
-            "log_probs" | "values" => {
-                let samples = Self::samples(p)?;
-                self.check_tokens(&samples)?;
-                let which = if p["model"] == "ref" { &self.reference } else { &self.c.weights };
-                let params = self.c.read_params(which)?;
-                let pol = Policy { shape: self.c.shape, params: &params };
-                let scores: Vec<Vec<model::TokenScore>> =
-                    samples.iter().map(|(pr, r)| pol.score(pr, r, self.loss.temperature)).collect();
-                let pick = |f: fn(&model::TokenScore) -> f64| -> Vec<Vec<f64>> {
-                    scores.iter().map(|s| s.iter().map(f).collect()).collect()
-                };
-                Ok(if method == "values" {
-                    json!({"values": pick(|s| s.value)})
-                } else {
-                    json!({"logprobs": pick(|s| s.logprob), "entropy": pick(|s| s.entropy)})
-                })
-            }
-            "train" => self.train(p),
-            "pack" => {
-                let i = p["bucket"].as_u64().ok_or_else(|| bad("pack needs bucket"))?;
-                let pieces = self.c.bucket_pieces(i, &self.c.weight_entries())?;
-                let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
-                let mut len = 0;
-                for (idx, off, boff, n) in pieces {
-                    let src = &self.snapshot[idx][off as usize..(off + n) as usize];
-                    self.c.dev.write(dbuf + boff, src).map_err(dev_err)?;
-                    len = boff + n;
-                }
-                let shm = self.c.shm(len);
-                self.c.dev.read(shm, dbuf).map_err(dev_err)?;
-                Ok(json!({"bytes": len}))
-            }
-            "save_state" => {
-                let state = self.all_state().iter().map(|b| read_all(&self.c.dev, *b)).collect::<Result<_, _>>()?;
-                self.saved = Some(state);
-                Ok(json!({}))
-            }
-            "load_state" => {
-                let saved = self.saved.take().ok_or_else(|| bad("load_state without save_state"))?;
-                for (b, data) in self.all_state().iter().zip(&saved) {
-                    self.c.dev.write(b.ptr, data).map_err(dev_err)?;
-                }
-                Ok(json!({}))
-            }
+            LogProbs::NAME => answer::<LogProbs>(p, |p| self.log_probs(p)),
+            Values::NAME => answer::<Values>(p, |p| self.values(p)),
+            Train::NAME => answer::<Train>(p, |p| self.train(p)),
+            Pack::NAME => answer::<Pack>(p, |p| self.pack(p)),
+            protocol::SaveState::NAME => answer::<protocol::SaveState>(p, |_| self.save_state()),
+            protocol::LoadState::NAME => answer::<protocol::LoadState>(p, |_| self.load_state()),
             _ => Err(("unknown_method".into(), format!("trainer has no method {method:?}"))),
         }
     }
 
-    fn train(&mut self, p: &Value) -> Result<Value, Failure> {
-        let samples: Vec<TrainSample> =
-            serde_json::from_value(p["samples"].clone()).map_err(|e| bad(format!("samples: {e}")))?;
-        let minibatches = p["minibatches"].as_u64().unwrap_or(1).max(1) as usize;
-        let epochs = p["epochs"].as_u64().unwrap_or(1).max(1) as usize;
+    fn train(&mut self, p: TrainParams) -> Result<TrainReply, Failure> {
+        let samples: Vec<TrainSample> = p.samples;
+        let minibatches = p.minibatches.max(1);
+        let epochs = p.epochs.max(1);
         for s in &samples {
             let n = s.response.len();
             if s.advantages.len() != n || s.old_logprobs.len() != n || s.ref_logprobs.len() != n {
@@ -359,8 +363,7 @@ impl Trainer {
                 return Err(bad("PPO samples need returns and old_values per token"));
             }
         }
-        let pairs: Vec<_> = samples.iter().map(|s| (s.prompt.clone(), s.response.clone())).collect();
-        self.check_tokens(&pairs)?;
+        self.check_tokens(samples.iter().map(|s| (&s.prompt[..], &s.response[..])))?;
         let n = model::param_count(&self.c.shape);
         let mut params = self.c.read_params(&self.c.weights)?;
         let mut m = self.c.read_params(&self.adam_m)?;
@@ -395,19 +398,30 @@ impl Trainer {
         self.c.write_params(&self.adam_v, &v)?;
         // The profile's trainer state changes every step as a real one's would: stamp the step
         // into every allocation so update_weights and the checksums see new contents.
-        let stamp = (p["step"].as_u64().unwrap_or(0) ^ 0x5EED_0000_0000).to_le_bytes();
+        let stamp = (p.step ^ 0x5EED_0000_0000).to_le_bytes();
         for pad in &self.c.pads {
             self.c.dev.write(pad.buf.ptr, &stamp[..(pad.buf.bytes as usize).min(8)]).map_err(dev_err)?;
         }
         self.take_snapshot()?;
         let k = updates as f64;
-        Ok(json!({
-            "loss": metrics.loss / k, "pg_loss": metrics.pg_loss / k, "kl": metrics.kl / k, "ppo_kl": metrics.ppo_kl / k,
-            "entropy": metrics.entropy / k, "value_loss": metrics.value_loss / k,
-            "clip_frac": metrics.clip_frac / k, "dual_clip_frac": metrics.dual_clip_frac / k,
-            "value_clip_frac": metrics.value_clip_frac / k, "grad_norm": grad_norm / k,
-            "optimizer_steps": updates, "tokens": metrics.tokens,
-        }))
+        let m = &metrics;
+        let means = [
+            ("loss", m.loss),
+            ("pg_loss", m.pg_loss),
+            ("kl", m.kl),
+            ("ppo_kl", m.ppo_kl),
+            ("entropy", m.entropy),
+            ("value_loss", m.value_loss),
+            ("clip_frac", m.clip_frac),
+            ("dual_clip_frac", m.dual_clip_frac),
+            ("value_clip_frac", m.value_clip_frac),
+            ("grad_norm", grad_norm),
+        ];
+        let mut out: std::collections::BTreeMap<String, Option<f64>> =
+            means.into_iter().map(|(name, sum)| (name.to_string(), Some(sum / k))).collect();
+        out.insert("optimizer_steps".into(), Some(k));
+        out.insert("tokens".into(), Some(m.tokens as f64));
+        Ok(TrainReply(out))
     }
 }
 
@@ -444,32 +458,27 @@ struct Rollout {
 impl Rollout {
     fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
         match method {
-            "generate" => self.generate(p),
-            "unpack" => {
-                let i = p["bucket"].as_u64().ok_or_else(|| bad("unpack needs bucket"))?;
-                let entries = self.c.weight_entries();
-                let pieces = self.c.bucket_pieces(i, &entries)?;
-                let len = pieces.last().map(|(_, _, boff, n)| boff + n).unwrap_or(0);
-                let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
-                let shm = self.c.shm(len);
-                self.c.dev.write(dbuf, shm).map_err(dev_err)?;
-                for (idx, off, boff, n) in pieces {
-                    self.c.dev.copy(entries[idx].ptr + off, dbuf + boff, n as usize).map_err(dev_err)?;
-                }
-                Ok(json!({"bytes": len}))
-            }
+            Generate::NAME => answer::<Generate>(p, |p| self.generate(p)),
+            Unpack::NAME => answer::<Unpack>(p, |p| self.unpack(p)),
             _ => Err(("unknown_method".into(), format!("rollout has no method {method:?}"))),
         }
     }
 
-    fn generate(&mut self, p: &Value) -> Result<Value, Failure> {
-        let prompts: Vec<Vec<u32>> =
-            serde_json::from_value(p["prompts"].clone()).map_err(|e| bad(format!("prompts: {e}")))?;
-        let n = p["n"].as_u64().ok_or_else(|| bad("generate needs n"))? as usize;
-        let max_new = p["max_new_tokens"].as_u64().ok_or_else(|| bad("max_new_tokens"))? as usize;
-        let temperature = p["temperature"].as_f64().unwrap_or(1.0);
-        let eos = p["eos"].as_u64().map(|e| e as u32);
-        let seed = p["seed"].as_u64().unwrap_or(0);
+    fn unpack(&mut self, p: BucketParams) -> Result<BucketReply, Failure> {
+        let entries = self.c.weight_entries();
+        let pieces = self.c.bucket_pieces(p.bucket, &entries)?;
+        let len = pieces.last().map(|(_, _, boff, n)| boff + n).unwrap_or(0);
+        let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
+        let shm = self.c.shm(len);
+        self.c.dev.write(dbuf, shm).map_err(dev_err)?;
+        for (idx, off, boff, n) in pieces {
+            self.c.dev.copy(entries[idx].ptr + off, dbuf + boff, n as usize).map_err(dev_err)?;
+        }
+        Ok(BucketReply { bytes: Some(len) })
+    }
+
+    fn generate(&mut self, p: GenerateParams) -> Result<GenerateReply, Failure> {
+        let GenerateParams { prompts, n, max_new_tokens: max_new, temperature, eos, seed, .. } = p;
         let s = self.c.shape;
         let batch = prompts.len() * n;
         if batch > self.max_batch {
@@ -536,11 +545,11 @@ impl Rollout {
             }
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
-        let samples: Vec<Value> = seqs
+        let samples = seqs
             .into_iter()
-            .map(|(pi, resp, lp, _)| json!({"prompt_index": pi, "response": resp, "logprobs": lp}))
+            .map(|(prompt_index, response, logprobs, _)| Generated { prompt_index, response, logprobs })
             .collect();
-        Ok(json!({"samples": samples}))
+        Ok(GenerateReply { samples })
     }
 }
 
@@ -559,12 +568,12 @@ enum Role {
     Rollout(Box<Rollout>),
 }
 
-fn init(role: &str, p: &Value) -> Result<(Role, Value), Failure> {
-    let ip: InitParams = serde_json::from_value(p.clone()).map_err(|e| bad(format!("init: {e}")))?;
+fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
     if ip.shape.vocab == 0 || ip.shape.hidden == 0 || ip.shape.context == 0 {
         return Err(bad("shape must be non-zero"));
     }
-    let dev = Device::open(&ip.api, ip.device).map_err(|e| ("device".to_string(), e))?;
+    let device = i32::try_from(ip.device).map_err(|_| bad(format!("device {} is out of range", ip.device)))?;
+    let dev = Device::open(&ip.api, device).map_err(|e| ("device".to_string(), e))?;
     let mut c = Common { dev, shape: ip.shape, weights: Vec::new(), pads: Vec::new(), transfer: None, hog: Vec::new() };
     let role = if role == "trainer" {
         let b = ip.backup;
@@ -608,7 +617,8 @@ fn init(role: &str, p: &Value) -> Result<(Role, Value), Failure> {
         Role::Rollout(r) => &r.c,
     };
     let (free, total) = common.dev.mem_info().map_err(dev_err)?;
-    Ok((role, json!({"params": model::param_count(&ip.shape), "device_free": free, "device_total": total})))
+    let params = model::param_count(&ip.shape) as u64;
+    Ok((role, InitReply { params: Some(params), device_free: Some(free), device_total: Some(total) }))
 }
 
 /// Test hook (RELAX_WORKER_FAULT=METHOD:STEP:ACTION, ACTION = crash | hang | hog): makes the
@@ -644,20 +654,16 @@ pub fn main(role: &str) -> Result<(), String> {
             _ => {}
         }
         match (method, state.as_mut()) {
-            ("init", None) => {
-                let (r, v) = init(role, p)?;
+            (Init::NAME, None) => answer::<Init>(p, |ip| {
+                let (r, reply) = init(role, ip)?;
                 state = Some(r);
-                Ok(v)
-            }
-            ("init", Some(_)) => Err(bad("init was already called")),
-            ("shutdown", _) => Ok(json!({})),
+                Ok(reply)
+            }),
+            (Init::NAME, Some(_)) => Err(bad("init was already called")),
+            (Shutdown::NAME, _) => answer::<Shutdown>(p, |_| Ok(Ack {})),
             (_, None) => Err(bad(format!("{method} before init"))),
-            ("checksum", Some(Role::Trainer(t))) => t.c.checksum(),
-            ("checksum", Some(Role::Rollout(r))) => r.c.checksum(),
-            ("update_begin", Some(Role::Trainer(t))) => t.c.update_begin(p),
-            ("update_begin", Some(Role::Rollout(r))) => r.c.update_begin(p),
-            ("update_end", Some(Role::Trainer(t))) => t.c.update_end(),
-            ("update_end", Some(Role::Rollout(r))) => r.c.update_end(),
+            (Checksum::NAME | UpdateBegin::NAME | UpdateEnd::NAME, Some(Role::Trainer(t))) => t.c.handle(method, p),
+            (Checksum::NAME | UpdateBegin::NAME | UpdateEnd::NAME, Some(Role::Rollout(r))) => r.c.handle(method, p),
             (m, Some(Role::Trainer(t))) => t.handle(m, p),
             (m, Some(Role::Rollout(r))) => r.handle(m, p),
         }

@@ -2,9 +2,11 @@
 //! each bounded by run.phase_timeout_s and interruptible; what a worker that stopped answering or
 //! exited is named as; and stopping every worker at the end.
 
-use super::config::Config;
-use super::signals::{interruption, signal_count};
-use super::{FailKind, Proc, R, Role, RunError, Runner, wire};
+use super::{Fleet, Proc, Worker};
+use crate::run::config::Config;
+use crate::run::protocol::{self, Method, Request, Response, Shutdown};
+use crate::run::signals::{interruption, signal_count};
+use crate::run::{FailKind, R, Role, RunError, wire};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -14,8 +16,12 @@ use std::time::{Duration, Instant};
 const POLL: Duration = Duration::from_millis(20);
 
 /// `run.phase_timeout_s` as a duration; a huge value means "practically never", not a panic.
-pub(super) fn phase_timeout(cfg: &Config) -> Duration {
-    Duration::try_from_secs_f64(cfg.run.phase_timeout_s).unwrap_or(Duration::from_secs(365 * 86_400))
+pub(in crate::run) fn phase_timeout(cfg: &Config) -> Duration {
+    timeout_of(cfg.run.phase_timeout_s)
+}
+
+fn timeout_of(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs).unwrap_or(Duration::from_secs(365 * 86_400))
 }
 
 /// The scheduling state of `pid` from /proc/PID/stat, in words, for messages about a worker that
@@ -34,7 +40,11 @@ fn process_state(pid: u32) -> Option<&'static str> {
     })
 }
 
-impl Runner {
+impl Fleet {
+    fn timeout(&self) -> Duration {
+        timeout_of(self.timeout_s)
+    }
+
     /// Worker `i` did not answer `what` within the phase timeout: say who it is, and what its
     /// process is doing (a stopped process looks exactly like a hung one from the socket).
     fn timed_out(&self, i: usize, what: &str) -> RunError {
@@ -53,7 +63,7 @@ impl Runner {
                 "timed out: the {} (pid {}) did not answer {what} within {}s (run.phase_timeout_s){state}",
                 w.role.as_str(),
                 w.pid,
-                self.cfg.run.phase_timeout_s
+                self.timeout_s
             ),
         )
     }
@@ -69,7 +79,7 @@ impl Runner {
         what: &str,
         call: impl Fn(&Path, Duration) -> Result<T, tms_proto::ClientError> + Clone + Send + 'static,
     ) -> R<Vec<T>> {
-        let timeout = phase_timeout(&self.cfg);
+        let timeout = self.timeout();
         let deadline = Instant::now() + timeout;
         let (tx, rx) = std::sync::mpsc::channel();
         for (k, &i) in targets.iter().enumerate() {
@@ -118,87 +128,129 @@ impl Runner {
         Ok(out.into_iter().map(|v| v.expect("every answer arrived")).collect())
     }
 
-    /// Sends `method` to each worker in `targets` with its own params, then collects the replies.
-    pub(super) fn call_each(&mut self, targets: &[usize], method: &str, params: Vec<Value>) -> R<Vec<Value>> {
-        let deadline = Instant::now() + phase_timeout(&self.cfg);
+    /// Sends `M` to each worker in `targets` with its own params, then collects and reads the
+    /// replies.
+    pub(in crate::run) fn call_each<M: Method>(
+        &mut self,
+        targets: &[usize],
+        params: Vec<M::Params>,
+    ) -> R<Vec<M::Reply>> {
+        let params = params.into_iter().map(|p| serde_json::to_value(p).expect("params serialize")).collect();
+        let replies = self.exchange(targets, M::NAME, params)?;
+        self.read_replies::<M>(targets, replies)
+    }
+
+    /// `M` with the same params to every worker of `role`.
+    pub(in crate::run) fn call_all<M: Method>(&mut self, role: Role, params: M::Params) -> R<Vec<M::Reply>> {
+        let targets = self.indices(role);
+        let params = serde_json::to_value(params).expect("params serialize");
+        let replies = self.exchange(&targets, M::NAME, vec![params; targets.len()])?;
+        self.read_replies::<M>(&targets, replies)
+    }
+
+    /// Each result as `M::Reply`: one that does not read fails the run naming the worker and the
+    /// field.
+    fn read_replies<M: Method>(&self, targets: &[usize], results: Vec<Value>) -> R<Vec<M::Reply>> {
+        let read = |(&i, v): (&usize, Value)| {
+            protocol::decode::<M::Reply>(v).map_err(|e| {
+                let cause = format!("malformed {} reply: {e}", M::NAME);
+                self.fail(FailKind::Worker, Some(&self.workers[i].name), cause)
+            })
+        };
+        targets.iter().zip(results).map(read).collect()
+    }
+
+    /// Sends `method` to each worker in `targets` with its own params, then collects the results.
+    fn exchange(&mut self, targets: &[usize], method: &str, params: Vec<Value>) -> R<Vec<Value>> {
+        let deadline = Instant::now() + self.timeout();
         let mut ids = Vec::new();
         for (&i, p) in targets.iter().zip(params) {
-            let w = &mut self.workers[i];
-            w.next_id += 1;
-            let id = w.next_id;
-            let msg = json!({"id": id, "method": method, "params": p});
-            let proc = &mut w.proc;
-            let sent = w.conn.as_mut().expect("connected").send_within(&msg, deadline, || {
-                if let Some(why) = interruption() {
-                    return Err(why);
-                }
-                proc.exited().map_or(Ok(()), Err)
-            });
-            match sent {
-                Ok(()) => {}
-                Err(wire::ReadError::TimedOut) => {
-                    return Err(self.timed_out(i, &format!("{method} (it did not read the request)")));
-                }
-                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
-                    return Err(self.fail(FailKind::Interrupted, None, why));
-                }
-                Err(e) => {
-                    let cause = self.exit_cause(i).unwrap_or_else(|| format!("cannot send {method}: {e}"));
-                    let name = self.workers[i].name.clone();
-                    return Err(self.fail(FailKind::Crash, Some(&name), cause));
-                }
-            }
-            ids.push(id);
+            ids.push(self.send_request(i, method, p, deadline)?);
         }
         let mut out = Vec::new();
         for (&i, id) in targets.iter().zip(ids) {
-            let name = self.workers[i].name.clone();
-            let w = &mut self.workers[i];
-            let proc = &mut w.proc;
-            let reply = w.conn.as_mut().expect("connected").recv(Some(deadline), || {
-                if let Some(why) = interruption() {
-                    return Err(why);
-                }
-                proc.exited().map_or(Ok(()), Err)
-            });
-            let reply = match reply {
-                Ok(v) => v,
-                Err(wire::ReadError::TimedOut) => return Err(self.timed_out(i, method)),
-                Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
-                    return Err(self.fail(FailKind::Interrupted, None, why));
-                }
-                Err(wire::ReadError::Abandoned(why)) => return Err(self.fail(FailKind::Crash, Some(&name), why)),
-                Err(wire::ReadError::Closed) => {
-                    let cause = self.wait_exit_cause(i);
-                    if let (None, Some(why)) = (&cause, interruption()) {
-                        return Err(self.fail(FailKind::Interrupted, None, why));
-                    }
-                    let cause = cause.unwrap_or_else(|| "closed its connection".into());
-                    return Err(self.fail(FailKind::Crash, Some(&name), cause));
-                }
-                Err(e) => return Err(self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}"))),
-            };
-            if reply["id"].as_u64() != Some(id) {
-                return Err(self.fail(
-                    FailKind::Worker,
-                    Some(&name),
-                    format!("answered {} to request {id}", reply["id"]),
-                ));
-            }
-            if let Some(err) = reply.get("error") {
-                let kind = if err["kind"] == "oom" { FailKind::OutOfMemory } else { FailKind::Worker };
-                let msg = err["message"].as_str().unwrap_or("(no message)");
-                return Err(self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", err["kind"])));
-            }
-            out.push(reply.get("result").cloned().unwrap_or(Value::Null));
+            out.push(self.receive_result(i, id, method, deadline)?);
         }
         Ok(out)
     }
 
-    pub(super) fn call_all(&mut self, role: Role, method: &str, params: Value) -> R<Vec<Value>> {
-        let targets = self.indices(role);
-        let n = targets.len();
-        self.call_each(&targets, method, vec![params; n])
+    /// Writes one request to worker `i`; returns its id.
+    fn send_request(&mut self, i: usize, method: &str, params: Value, deadline: Instant) -> R<u64> {
+        let w = &mut self.workers[i];
+        w.next_id += 1;
+        let id = w.next_id;
+        let msg = Request { id: id.into(), method: method.into(), params };
+        let msg = serde_json::to_value(msg).expect("requests serialize");
+        let proc = &mut w.proc;
+        let sent = w.conn.as_mut().expect("connected").send_within(&msg, deadline, || {
+            if let Some(why) = interruption() {
+                return Err(why);
+            }
+            proc.exited().map_or(Ok(()), Err)
+        });
+        match sent {
+            Ok(()) => Ok(id),
+            Err(wire::ReadError::TimedOut) => {
+                Err(self.timed_out(i, &format!("{method} (it did not read the request)")))
+            }
+            Err(wire::ReadError::Abandoned(why)) if interruption().is_some() => {
+                Err(self.fail(FailKind::Interrupted, None, why))
+            }
+            Err(e) => {
+                let cause = self.exit_cause(i).unwrap_or_else(|| format!("cannot send {method}: {e}"));
+                let name = self.workers[i].name.clone();
+                Err(self.fail(FailKind::Crash, Some(&name), cause))
+            }
+        }
+    }
+
+    /// Reads worker `i`'s answer to request `id`: its result, or the run's error.
+    fn receive_result(&mut self, i: usize, id: u64, method: &str, deadline: Instant) -> R<Value> {
+        let name = self.workers[i].name.clone();
+        let w = &mut self.workers[i];
+        let proc = &mut w.proc;
+        let reply = w.conn.as_mut().expect("connected").recv(Some(deadline), || {
+            if let Some(why) = interruption() {
+                return Err(why);
+            }
+            proc.exited().map_or(Ok(()), Err)
+        });
+        let reply = match reply {
+            Ok(v) => v,
+            Err(e) => return Err(self.read_failed(i, method, e)),
+        };
+        let reply: Response = match serde_json::from_value(reply) {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}"))),
+        };
+        if reply.id.as_u64() != Some(id) {
+            return Err(self.fail(FailKind::Worker, Some(&name), format!("answered {} to request {id}", reply.id)));
+        }
+        if let Some(err) = reply.error {
+            let kind = if err.kind == "oom" { FailKind::OutOfMemory } else { FailKind::Worker };
+            let msg = err.message.as_deref().unwrap_or("(no message)");
+            return Err(self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", Value::from(err.kind))));
+        }
+        Ok(reply.result.unwrap_or(Value::Null))
+    }
+
+    /// What a failed read of worker `i`'s answer means for the run.
+    fn read_failed(&mut self, i: usize, method: &str, e: wire::ReadError) -> RunError {
+        let name = self.workers[i].name.clone();
+        match e {
+            wire::ReadError::TimedOut => self.timed_out(i, method),
+            wire::ReadError::Abandoned(why) if interruption().is_some() => self.fail(FailKind::Interrupted, None, why),
+            wire::ReadError::Abandoned(why) => self.fail(FailKind::Crash, Some(&name), why),
+            wire::ReadError::Closed => {
+                let cause = self.wait_exit_cause(i);
+                if let (None, Some(why)) = (&cause, interruption()) {
+                    return self.fail(FailKind::Interrupted, None, why);
+                }
+                let cause = cause.unwrap_or_else(|| "closed its connection".into());
+                self.fail(FailKind::Crash, Some(&name), cause)
+            }
+            e => self.fail(FailKind::Worker, Some(&name), format!("protocol error: {e}")),
+        }
     }
 
     /// A remote worker whose control request failed may have died under it: its exit, as its node
@@ -243,7 +295,7 @@ impl Runner {
     /// Waits up to `within` for every worker to exit. A signal that comes meanwhile (or a second
     /// one after the signal that ended the run) cuts the wait short: the user wants out now, and
     /// whatever is left gets SIGKILL.
-    fn wait_for_exits(&mut self, within: Duration, signals_before: u32, running: fn(&mut super::Worker) -> bool) {
+    fn wait_for_exits(&mut self, within: Duration, signals_before: u32, running: fn(&mut Worker) -> bool) {
         let start = Instant::now();
         let mut told = false;
         while start.elapsed() < within && self.workers.iter_mut().any(running) {
@@ -259,14 +311,17 @@ impl Runner {
         }
     }
 
-    pub(super) fn stop_workers(&mut self, graceful: bool) {
+    /// Stops every worker: a graceful end asks each to shut down first; then SIGTERM, and SIGKILL
+    /// 3 s later, to each process group; the bridge stops the remote ones.
+    pub(in crate::run) fn stop(&mut self, graceful: bool) {
         let signals_before = signal_count();
         if graceful {
             for i in 0..self.workers.len() {
                 let w = &mut self.workers[i];
                 if let Some(c) = w.conn.as_mut() {
                     w.next_id += 1;
-                    let _ = c.send(&json!({"id": w.next_id, "method": "shutdown", "params": {}}));
+                    let msg = Request { id: w.next_id.into(), method: Shutdown::NAME.into(), params: json!({}) };
+                    let _ = c.send(&serde_json::to_value(msg).expect("requests serialize"));
                 }
             }
             self.wait_for_exits(Duration::from_secs(5), signals_before, |w| w.proc.exited().is_none());
@@ -305,13 +360,13 @@ impl Runner {
             b.stop();
         }
         // A killed worker cannot remove its control socket; the folder is ours alone.
-        for s in tms_proto::list_sockets(&self.ctl_dir) {
+        for s in tms_proto::list_sockets(&self.scratch.ctl_dir) {
             let _ = std::fs::remove_file(s.path);
         }
     }
 }
 
-pub(super) fn describe_exit(status: std::process::ExitStatus) -> String {
+pub(in crate::run) fn describe_exit(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with status {c}"),

@@ -1,49 +1,35 @@
-//! Phases and the memory at their boundaries: each phase is timed, then every worker's tms status
-//! is sampled (memory.jsonl, the leak check, the step's metrics row).
+//! The memory at phase boundaries: every worker's tms status, sampled as each phase ends, makes
+//! a line of memory.jsonl, the device peaks, the step's memory metrics and the leak check.
 
-use super::{FailKind, MIB, MemSample, R, Runner, report};
+use super::{MemSample, Recorder};
+use crate::run::fleet::WorkerStatus;
+use crate::run::{FailKind, MIB, R};
 use std::collections::BTreeMap;
 use std::io::Write as _;
-use std::time::Instant;
 
-impl Runner {
-    /// Runs one timed phase; records its span and the memory at its end.
-    pub(super) fn phase<T>(&mut self, name: &str, f: impl FnOnce(&mut Self) -> R<T>) -> R<T> {
-        self.phase = name.to_string();
-        let start = self.elapsed();
-        let t0 = Instant::now();
-        let out = f(self)?;
-        let secs = t0.elapsed().as_secs_f64();
-        *self.step_times.entry(name.to_string()).or_default() += secs;
-        self.sample_memory(start)?;
-        Ok(out)
-    }
-
-    fn sample_memory(&mut self, start_s: f64) -> R<()> {
+impl Recorder {
+    pub(super) fn sample_memory(&mut self, start_s: f64, statuses: Vec<WorkerStatus>) -> R<()> {
         let devices = self.cfg.total_devices();
         let mut s = MemSample {
             t_s: self.elapsed(),
             start_s,
-            step: self.step,
-            phase: self.phase.clone(),
+            step: self.at.step(),
+            phase: self.at.phase(),
             device_used: vec![0; devices],
             device_total: vec![0; devices],
             workers: BTreeMap::new(),
             paused: BTreeMap::new(),
         };
-        let targets: Vec<usize> = (0..self.workers.len()).filter(|&i| self.workers[i].control.is_some()).collect();
-        let statuses = self.control_calls(&targets, "a control status request", tms_proto::status)?;
-        for (&i, st) in targets.iter().zip(statuses) {
-            let w = &self.workers[i];
+        for WorkerStatus { name, rank, status: st } in statuses {
             let tags = st.tags.iter().map(|t| (t.tag.clone(), t.bytes_active)).collect();
-            s.workers.insert(w.name.clone(), tags);
-            s.paused.insert(w.name.clone(), st.tags.iter().map(|t| t.bytes_paused).sum());
+            s.workers.insert(name.clone(), tags);
+            s.paused.insert(name, st.tags.iter().map(|t| t.bytes_paused).sum());
             if let Some(d) = st.devices.first() {
-                s.device_used[w.rank as usize] = d.total.saturating_sub(d.free);
-                s.device_total[w.rank as usize] = d.total;
+                s.device_used[rank as usize] = d.total.saturating_sub(d.free);
+                s.device_total[rank as usize] = d.total;
             }
         }
-        let _ = writeln!(self.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
+        let _ = writeln!(self.out.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
         self.leak_check(&s)?;
         for (peak, used) in self.peak_used.iter_mut().zip(&s.device_used) {
             *peak = (*peak).max(*used);
@@ -74,10 +60,10 @@ impl Runner {
                         format!(
                             "leak check: device {d} uses {} after {} at step {}, {} more than at step {baseline_step} \
                              (tolerance run.leak_tolerance_mib = {})",
-                            report::human(*now),
+                            super::report::human(*now),
                             s.phase,
                             s.step,
-                            report::human(now - was),
+                            super::report::human(now - was),
                             self.cfg.run.leak_tolerance_mib
                         ),
                     ));

@@ -4,10 +4,12 @@
 //! connection (the bridge connects to the runner's listener in the worker's place) and a control
 //! socket (the bridge's, relayed to the worker's own on its node). The phase loop is unchanged.
 
-use super::config::{Config, DeviceChoice};
-use super::signals::interruption;
+use super::local::{listen, worker_argv, worker_vars};
 use super::supervise::{describe_exit, phase_timeout};
-use super::{FailKind, Proc, R, Role, RunError, Worker, setup_err, tail, wire};
+use super::{Proc, Worker};
+use crate::run::config::{Config, DeviceChoice};
+use crate::run::signals::interruption;
+use crate::run::{FailKind, R, Role, RunError, protocol, setup_err, tail, wire};
 use serde_json::{Value, json};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -16,7 +18,7 @@ use std::time::{Duration, Instant};
 
 /// The bridge itself, written next to the run's sockets and run as `__main__` so that Ray ships
 /// its agent class to the nodes by value: nodes need Ray, not the tms package.
-const BRIDGE_PY: &str = include_str!("../../../python/tms/ray/bridge.py");
+const BRIDGE_PY: &str = include_str!("../../../../python/tms/ray/bridge.py");
 
 /// How long Ray may take to start a local cluster, place the bundles and start the agents: on a
 /// loaded 2-core machine a 2-node cluster takes tens of seconds.
@@ -87,7 +89,7 @@ fn ray_python(cfg: &Config) -> Result<PathBuf, String> {
 
 /// Per-node values of the workers' environment: each node its own control folder and, on the
 /// simulator, its own device node (so nodes of a local cluster do not share device memory).
-pub(super) fn node_env(base: &[(String, String)], tmp: &Path, node: u32) -> Vec<(String, String)> {
+pub(in crate::run) fn node_env(base: &[(String, String)], tmp: &Path, node: u32) -> Vec<(String, String)> {
     let run_id = tmp.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     base.iter()
         .map(|(k, v)| match k.as_str() {
@@ -96,6 +98,66 @@ pub(super) fn node_env(base: &[(String, String)], tmp: &Path, node: u32) -> Vec<
             _ => (k.clone(), v.clone()),
         })
         .collect()
+}
+
+/// A worker the bridge will start, and the runner's end of its connection.
+struct Pending {
+    name: String,
+    role: Role,
+    rank: u32,
+    /// Its device on its own node.
+    device: u32,
+    node: u32,
+    listener: UnixListener,
+    log: PathBuf,
+}
+
+/// Where the run's files are for the bridge: the temp folder, its worker sockets and the run
+/// directory as every node sees it.
+struct Paths<'a> {
+    tmp: &'a Path,
+    sock_dir: PathBuf,
+    run_dir: PathBuf,
+    exe_argv: [Vec<String>; 2],
+}
+
+/// The bridge's description of one worker: what to run where, with which environment and sockets.
+fn worker_spec(paths: &Paths, node_env: &[(String, String)], p: &Pending) -> Value {
+    let Paths { tmp, sock_dir, run_dir, exe_argv } = paths;
+    let name = &p.name;
+    let node_sock = tmp.join(format!("n{}", p.node)).join(format!("{name}.sock"));
+    let mut wenv: serde_json::Map<String, Value> =
+        node_env.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect();
+    for (k, v) in worker_vars(name, p.role, p.rank, p.device, &node_sock, run_dir) {
+        wenv.insert(k.into(), Value::String(v));
+    }
+    let argv = &exe_argv[usize::from(p.role == Role::Trainer)];
+    json!({
+        "name": name, "node": format!("node{}", p.node), "device": p.device, "argv": argv, "env": wenv,
+        "log": p.log, "node_socket": node_sock, "ctl_dir": tmp.join(format!("ctl-node{}", p.node)),
+        "runner_socket": sock_dir.join(format!("{name}.sock")), "control_socket": sock_dir.join(format!("{name}.ctl")),
+    })
+}
+
+/// Every worker of the run, node-major, each listening for its connection; and their specs.
+fn pending_workers(cfg: &Config, env: &[(String, String)], paths: &Paths) -> R<(Vec<Pending>, Vec<Value>)> {
+    let mut pending = Vec::new();
+    let mut specs = Vec::new();
+    for node in 0..cfg.run.nodes {
+        let node_env = node_env(env, paths.tmp, node);
+        for local in 0..cfg.run.devices {
+            let rank = node * cfg.run.devices + local;
+            for role in [Role::Rollout, Role::Trainer] {
+                let name = format!("{}-{rank}", role.as_str());
+                let listener = listen(&paths.sock_dir.join(format!("{name}.sock")))?;
+                let log = paths.run_dir.join("logs").join(format!("{name}.log"));
+                let p = Pending { name, role, rank, device: local, node, listener, log };
+                specs.push(worker_spec(paths, &node_env, &p));
+                pending.push(p);
+            }
+        }
+    }
+    Ok((pending, specs))
 }
 
 /// Starts the bridge and waits for every worker's hello through it.
@@ -109,55 +171,11 @@ pub(super) fn start_workers(
 ) -> R<(Vec<Worker>, Bridge)> {
     let python = ray_python(cfg).map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     let run_dir = std::fs::canonicalize(run_dir).map_err(|e| setup_err(format!("{}: {e}", run_dir.display())))?;
-    let sock_dir = tmp.join("w");
     let exit_dir = tmp.join("exits");
     std::fs::create_dir_all(&exit_dir).map_err(|e| setup_err(e.to_string()))?;
-    let exe = std::env::current_exe().map_err(|e| setup_err(e.to_string()))?;
-    let mut listeners = Vec::new();
-    let mut specs = Vec::new();
-    for node in 0..cfg.run.nodes {
-        let node_env = node_env(env, tmp, node);
-        let ctl_dir = tmp.join(format!("ctl-node{node}"));
-        for local in 0..cfg.run.devices {
-            let rank = node * cfg.run.devices + local;
-            for role in [Role::Rollout, Role::Trainer] {
-                let name = format!("{}-{rank}", role.as_str());
-                let sock = sock_dir.join(format!("{name}.sock"));
-                let listener = UnixListener::bind(&sock)
-                    .map_err(|e| setup_err(format!("cannot listen on {}: {e}", sock.display())))?;
-                listener.set_nonblocking(true).map_err(|e| setup_err(e.to_string()))?;
-                let external = match role {
-                    Role::Trainer => &cfg.run.trainer_cmd,
-                    Role::Rollout => &cfg.run.rollout_cmd,
-                };
-                let argv: Vec<String> = if external.is_empty() {
-                    vec![exe.display().to_string(), "worker".into(), role.as_str().into()]
-                } else {
-                    vec!["/bin/sh".into(), "-c".into(), external.clone()]
-                };
-                let mut wenv: serde_json::Map<String, Value> =
-                    node_env.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect();
-                let node_sock = tmp.join(format!("n{node}")).join(format!("{name}.sock"));
-                for (k, v) in [
-                    ("TMS_NAME", name.clone()),
-                    ("RELAX_WORKER_SOCKET", node_sock.display().to_string()),
-                    ("RELAX_ROLE", role.as_str().into()),
-                    ("RELAX_RANK", rank.to_string()),
-                    ("RELAX_DEVICE", local.to_string()),
-                    ("RELAX_RUN_DIR", run_dir.display().to_string()),
-                ] {
-                    wenv.insert(k.into(), Value::String(v));
-                }
-                let log = run_dir.join("logs").join(format!("{name}.log"));
-                specs.push(json!({
-                    "name": name, "node": format!("node{node}"), "device": local, "argv": argv, "env": wenv,
-                    "log": log, "node_socket": node_sock, "ctl_dir": ctl_dir,
-                    "runner_socket": sock, "control_socket": sock_dir.join(format!("{name}.ctl")),
-                }));
-                listeners.push((name, role, rank, local, node, listener, log));
-            }
-        }
-    }
+    let exe_argv = [worker_argv(cfg, Role::Rollout)?, worker_argv(cfg, Role::Trainer)?];
+    let paths = Paths { tmp, sock_dir: tmp.join("w"), run_dir, exe_argv };
+    let (pending, specs) = pending_workers(cfg, env, &paths)?;
     let spec = json!({
         "ray_address": cfg.run.ray_address.trim(),
         "nodes": cfg.run.nodes,
@@ -172,13 +190,25 @@ pub(super) fn start_workers(
         "bucket": {"path": bucket.0, "bytes": bucket.1},
         "workers": specs,
     });
+    let mut bridge = start_bridge(&python, &spec, tmp, &paths.run_dir)?;
+    match accept_all(cfg, &mut bridge, pending, &exit_dir, &paths.sock_dir, &tmp.join("placement.json")) {
+        Ok(workers) => Ok((workers, bridge)),
+        Err(e) => {
+            bridge.stop();
+            Err(e)
+        }
+    }
+}
+
+/// Writes the spec and the bridge next to the sockets and starts it in a process group of its own.
+fn start_bridge(python: &Path, spec: &Value, tmp: &Path, run_dir: &Path) -> R<Bridge> {
     let spec_path = tmp.join("ray-spec.json");
     let script = tmp.join("ray_bridge.py");
     std::fs::write(&spec_path, spec.to_string()).map_err(|e| setup_err(e.to_string()))?;
     std::fs::write(&script, BRIDGE_PY).map_err(|e| setup_err(e.to_string()))?;
     let log = run_dir.join("logs").join("ray-bridge.log");
     let file = std::fs::File::create(&log).map_err(|e| setup_err(format!("cannot create {}: {e}", log.display())))?;
-    let mut cmd = Command::new(&python);
+    let mut cmd = Command::new(python);
     cmd.arg(&script)
         .arg(&spec_path)
         .env("RAY_USAGE_STATS_ENABLED", "0")
@@ -189,67 +219,27 @@ pub(super) fn start_workers(
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {}: {e}", python.display())))?;
     let stdin = child.stdin.take();
-    let mut bridge = Bridge { child, stdin, log };
-    match accept_all(cfg, &mut bridge, listeners, &exit_dir, &sock_dir, &tmp.join("placement.json")) {
-        Ok(workers) => Ok((workers, bridge)),
-        Err(e) => {
-            bridge.stop();
-            Err(e)
-        }
-    }
+    Ok(Bridge { child, stdin, log })
 }
 
-type Pending = (String, Role, u32, u32, u32, UnixListener, PathBuf);
+fn start_err(kind: FailKind, worker: Option<&str>, cause: String) -> RunError {
+    RunError { kind, step: 0, phase: "start".into(), worker: worker.map(String::from), cause }
+}
 
 fn accept_all(
     cfg: &Config,
     bridge: &mut Bridge,
-    listeners: Vec<Pending>,
+    pending: Vec<Pending>,
     exit_dir: &Path,
     sock_dir: &Path,
     placement_file: &Path,
 ) -> R<Vec<Worker>> {
     let limit = RAY_START + phase_timeout(cfg);
     let deadline = Instant::now() + limit;
-    let start_err = |kind: FailKind, worker: Option<&str>, cause: String| RunError {
-        kind,
-        step: 0,
-        phase: "start".into(),
-        worker: worker.map(String::from),
-        cause,
-    };
     let mut workers = Vec::new();
-    for (name, role, rank, device, node, listener, log) in listeners {
-        let exit_file = exit_dir.join(format!("{name}.exit"));
-        let stream: UnixStream = loop {
-            match listener.accept() {
-                Ok((s, _)) => break s,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(start_err(FailKind::Setup, Some(&name), format!("accept: {e}"))),
-            }
-            if let Ok(cause) = std::fs::read_to_string(&exit_file) {
-                return Err(start_err(FailKind::Crash, Some(&name), cause));
-            }
-            if let Some(cause) = bridge.exited() {
-                return Err(start_err(FailKind::Setup, None, cause));
-            }
-            if let Some(why) = interruption() {
-                return Err(start_err(FailKind::Interrupted, None, why));
-            }
-            if Instant::now() > deadline {
-                return Err(start_err(
-                    FailKind::Timeout,
-                    Some(&name),
-                    format!(
-                        "did not connect through Ray within {}s; the bridge's log, {}:\n{}",
-                        limit.as_secs(),
-                        bridge.log.display(),
-                        tail(&bridge.log, 15)
-                    ),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+    for p in pending {
+        let exit_file = exit_dir.join(format!("{}.exit", p.name));
+        let stream = accept_remote(bridge, &p, &exit_file, deadline, limit)?;
         let _ = stream.set_nonblocking(false);
         let mut conn = wire::Conn::new(stream).map_err(|e| setup_err(e.to_string()))?;
         let hello = conn.recv(Some(deadline), || {
@@ -258,36 +248,69 @@ fn accept_all(
             }
             std::fs::read_to_string(&exit_file).map_or(Ok(()), Err)
         });
-        let hello = hello.map_err(|e| start_err(FailKind::Crash, Some(&name), format!("no hello: {e}")))?;
-        let h = &hello["hello"];
-        if h["protocol"].as_u64() != Some(wire::PROTOCOL) || h["role"] != role.as_str() {
-            return Err(start_err(
-                FailKind::Setup,
-                Some(&name),
-                format!("bad hello {hello}: expected protocol {} and role {}", wire::PROTOCOL, role.as_str()),
-            ));
-        }
-        let pid = h["pid"].as_u64().unwrap_or(0) as u32;
+        let hello = hello.map_err(|e| start_err(FailKind::Crash, Some(&p.name), format!("no hello: {e}")))?;
+        let hello = protocol::read_hello(hello, p.role.as_str())
+            .map_err(|cause| start_err(FailKind::Setup, Some(&p.name), cause))?;
         // The device Ray gave this worker's bundle, as the worker sees it (the bridge writes the
         // placement before it lets any worker say hello).
         let placement: Value =
             std::fs::read(placement_file).ok().and_then(|b| serde_json::from_slice(&b).ok()).ok_or_else(|| {
                 start_err(FailKind::Setup, None, format!("the bridge wrote no {}", placement_file.display()))
             })?;
-        let device = placement[&name]["device"].as_u64().map_or(device, |d| d as u32);
+        let device = placement[&p.name]["device"].as_u64().map_or(p.device, |d| d as u32);
         workers.push(Worker {
-            control_relay: Some(sock_dir.join(format!("{name}.ctl"))),
-            name,
-            role,
-            rank,
+            control_relay: Some(sock_dir.join(format!("{}.ctl", p.name))),
+            name: p.name,
+            role: p.role,
+            rank: p.rank,
             device,
-            proc: Proc::Remote { node: format!("node{node}"), exit_file },
+            proc: Proc::Remote { node: format!("node{}", p.node), exit_file },
             conn: Some(conn),
-            pid,
-            log,
+            pid: hello.pid.unwrap_or(0),
+            log: p.log,
             control: None,
             next_id: 0,
         });
     }
     Ok(workers)
+}
+
+/// Waits for the bridge to connect in the worker's place; fails when the worker, the bridge or
+/// the wait ends first.
+fn accept_remote(
+    bridge: &mut Bridge,
+    p: &Pending,
+    exit_file: &Path,
+    deadline: Instant,
+    limit: Duration,
+) -> R<UnixStream> {
+    loop {
+        match p.listener.accept() {
+            Ok((s, _)) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(start_err(FailKind::Setup, Some(&p.name), format!("accept: {e}"))),
+        }
+        if let Ok(cause) = std::fs::read_to_string(exit_file) {
+            return Err(start_err(FailKind::Crash, Some(&p.name), cause));
+        }
+        if let Some(cause) = bridge.exited() {
+            return Err(start_err(FailKind::Setup, None, cause));
+        }
+        if let Some(why) = interruption() {
+            return Err(start_err(FailKind::Interrupted, None, why));
+        }
+        if Instant::now() > deadline {
+            return Err(start_err(
+                FailKind::Timeout,
+                Some(&p.name),
+                format!(
+                    "did not connect through Ray within {}s; the bridge's log, {}:\n{}",
+                    limit.as_secs(),
+                    bridge.log.display(),
+                    tail(&bridge.log, 15)
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -1,11 +1,29 @@
-//! The environment that puts a launched process on tms-sim, as `tms-sim env` defines it: the
-//! runtime-named links on the library path, and for Python programs the start-up hook that loads
-//! the simulator before PyTorch (whose RPATH would otherwise find NVIDIA's runtime) and runs its
-//! kernels on the CPU. Asking the tool keeps one definition of it.
+//! What a launched process needs, for `run` and `bench` alike: the hook (`find_hook`), and the
+//! environment that puts it on tms-sim, as `tms-sim env` defines it: the runtime-named links on
+//! the library path, and for Python programs the start-up hook that loads the simulator before
+//! PyTorch (whose RPATH would otherwise find NVIDIA's runtime) and runs its kernels on the CPU.
+//! Asking the tool keeps one definition of it.
 
-use crate::bench::exe_dir;
 use serde_json::Value;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// The folder of this executable, where a build puts the hook and tms-sim beside it.
+pub(crate) fn exe_dir() -> PathBuf {
+    std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default()
+}
+
+/// `libtms_hook.so`: the one given, else beside this executable or in ../lib.
+pub(crate) fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    let dir = exe_dir();
+    let candidates: Vec<PathBuf> = match explicit {
+        Some(p) => vec![p.to_path_buf()],
+        None => vec![dir.join("libtms_hook.so"), dir.join("../lib/libtms_hook.so")],
+    };
+    candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
+        format!("libtms_hook.so not found (looked at {candidates:?}); build it (cargo build) or pass --hook PATH")
+    })
+}
 
 pub(crate) struct SimEnvironment {
     /// The folder of runtime-named links to libtms_sim.so.

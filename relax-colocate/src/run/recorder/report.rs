@@ -1,8 +1,10 @@
 //! What a run shows and leaves behind: the progress line, the phase table, summary.json, and the
 //! SVG memory timeline and reward curve.
 
-use super::{MemSample, RunError, Runner};
+use super::{MemSample, Recorder};
 use crate::plot::{self, Axis, Chart, Quantity, RGBColor, Series, Shape, Span, color};
+use crate::run::profile::Profile;
+use crate::run::{FailKind, RunError};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write as _};
@@ -103,7 +105,7 @@ fn read_lines<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> impl It
 
 /// Per-step numbers of metrics.jsonl: `keys` (slime's names; read under the run's style) series
 /// in file order (only those numbers, not the rows, are held).
-fn metric_series(r: &Runner, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
+fn metric_series(r: &Recorder, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
     let style = r.cfg.metrics.style;
     let mut out: BTreeMap<String, Vec<f64>> = keys.iter().map(|k| (k.clone(), Vec::new())).collect();
     for row in read_lines::<Value>(&r.run_dir.join("metrics.jsonl")) {
@@ -116,7 +118,7 @@ fn metric_series(r: &Runner, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
     out
 }
 
-pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
+pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Profile) -> Value {
     let phase_names: Vec<&str> = STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect();
     let mut keys: Vec<String> = phase_names.iter().map(|p| super::metrics::phase_time(p)).collect();
     keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
@@ -146,7 +148,7 @@ pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
         if k == 0 { f64::NAN } else { v[v.len() - k..].iter().sum::<f64>() / k as f64 }
     };
     json!({
-        "status": match err { None => "ok", Some(e) if e.kind == super::FailKind::Interrupted => "interrupted", Some(_) => "failed" },
+        "status": match err { None => "ok", Some(e) if e.kind == FailKind::Interrupted => "interrupted", Some(_) => "failed" },
         "failure": err.map(|e| json!({"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause})),
         "device": r.device_label,
         "algo": r.cfg.algo.name,
@@ -157,10 +159,10 @@ pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
         "pass_rate": {"first3_mean": head(&pass), "last3_mean": last(&pass)},
         "checks": {"enabled": r.cfg.run.checks, "passed": r.checks_passed},
         "memory": {
-            "profile": r.cfg.memory.profile, "trainer_bytes_per_device": r.profile.trainer.bytes(),
-            "rollout_bytes_per_device": r.profile.rollout.bytes(),
-            "weights_bytes_per_device": r.profile.rollout.tag_bytes("weights"),
-            "trainer_allocations": r.profile.trainer.count(), "rollout_allocations": r.profile.rollout.count(),
+            "profile": r.cfg.memory.profile, "trainer_bytes_per_device": profile.trainer.bytes(),
+            "rollout_bytes_per_device": profile.rollout.bytes(),
+            "weights_bytes_per_device": profile.rollout.tag_bytes("weights"),
+            "trainer_allocations": profile.trainer.count(), "rollout_allocations": profile.rollout.count(),
             "peak_device_used": r.peak_used,
         },
         "wall_time_s": r.started.elapsed().as_secs_f64(),
@@ -168,7 +170,7 @@ pub fn summary(r: &Runner, err: Option<&RunError>) -> Value {
     })
 }
 
-pub fn print_table(r: &Runner, summary: &Value) {
+pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
     println!("\nPhase times over {} steps ({})", summary["steps_completed"], r.device_label);
     println!("{:<16} {:>10} {:>10} {:>8}", "phase", "median s", "p90 s", "share");
     for p in summary["phases"].as_array().into_iter().flatten() {
@@ -221,12 +223,44 @@ fn phase_color(p: &str) -> RGBColor {
 /// a solid block (the cycle repeats), which memory_per_step.svg shows over the whole run instead.
 const TIMELINE_STEPS: u64 = 30;
 
+/// The timeline's points: the devices' use and capacity and each process's resident bytes (every
+/// `stride`-th sample), and every phase's span, from `first_step` on.
+struct Timeline {
+    used: Vec<(f64, f64)>,
+    capacity: Vec<(f64, f64)>,
+    per_worker: Vec<Vec<(f64, f64)>>,
+    spans: Vec<Span>,
+}
+
+fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: usize) -> Timeline {
+    let mut t = Timeline {
+        used: Vec::new(),
+        capacity: Vec::new(),
+        per_worker: vec![Vec::new(); names.len()],
+        spans: Vec::new(),
+    };
+    let shown = read_lines::<MemSample>(path).filter(|s| s.step >= first_step);
+    for (i, s) in shown.enumerate() {
+        // Every phase keeps its span (it is one rectangle); only the lines are thinned.
+        t.spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
+        if i % stride != 0 {
+            continue;
+        }
+        t.used.push((s.t_s, s.device_used.iter().sum::<u64>() as f64));
+        t.capacity.push((s.t_s, s.device_total.iter().sum::<u64>() as f64));
+        for (name, pts) in names.iter().zip(&mut t.per_worker) {
+            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
+        }
+    }
+    t
+}
+
 /// Device memory over time: each process's resident bytes stacked (summed over its tags and
 /// devices), the devices' total in use and their capacity, and the phases in a strip below; for
 /// a run longer than `TIMELINE_STEPS`, its last `TIMELINE_STEPS` steps.
 ///
 /// Reads memory.jsonl twice (the steps first, then the drawing) rather than holding it.
-pub fn memory_timeline(r: &Runner) -> String {
+fn memory_timeline(r: &Recorder) -> String {
     const MAX_SAMPLES: usize = 4000;
     let path = r.run_dir.join("memory.jsonl");
     let (mut n, mut last_step) = (0usize, 0u64);
@@ -236,24 +270,8 @@ pub fn memory_timeline(r: &Runner) -> String {
     }
     let first_step = if last_step > TIMELINE_STEPS { last_step + 1 - TIMELINE_STEPS } else { 0 };
     let stride = n.div_ceil(MAX_SAMPLES).max(1);
-    let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
-    let mut used = Vec::new();
-    let mut capacity = Vec::new();
-    let mut per_worker: Vec<Vec<(f64, f64)>> = vec![Vec::new(); names.len()];
-    let mut spans = Vec::new();
-    let shown = read_lines::<MemSample>(&path).filter(|s| s.step >= first_step);
-    for (i, s) in shown.enumerate() {
-        // Every phase keeps its span (it is one rectangle); only the lines are thinned.
-        spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
-        if i % stride != 0 {
-            continue;
-        }
-        used.push((s.t_s, s.device_used.iter().sum::<u64>() as f64));
-        capacity.push((s.t_s, s.device_total.iter().sum::<u64>() as f64));
-        for (name, pts) in names.iter().zip(&mut per_worker) {
-            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
-        }
-    }
+    let names = &r.names;
+    let Timeline { used, capacity, per_worker, mut spans } = timeline(&path, names, first_step, stride);
     if spans.len() > MAX_SAMPLES {
         spans = merge_spans(spans, MAX_SAMPLES);
     }
@@ -322,9 +340,9 @@ pub fn memory_timeline(r: &Runner) -> String {
 /// Every step of the run at a glance: per step, the devices' highest and lowest use (sampled at
 /// phase boundaries) and each process's highest resident bytes, with the capacity. Flat lines
 /// over 1,000 steps say nothing leaks; a step that needed more than the others stands out.
-pub fn memory_per_step(r: &Runner) -> String {
+fn memory_per_step(r: &Recorder) -> String {
     let path = r.run_dir.join("memory.jsonl");
-    let names: Vec<String> = r.workers.iter().map(|w| w.name.clone()).collect();
+    let names = &r.names;
     struct Step {
         highest: f64,
         lowest: f64,
@@ -385,7 +403,7 @@ fn merge_spans(spans: Vec<Span>, max: usize) -> Vec<Span> {
         .collect()
 }
 
-pub fn reward_curve(r: &Runner) -> String {
+fn reward_curve(r: &Recorder) -> String {
     let keys = ["step".to_string(), "rollout/raw_reward".to_string(), "passrate/pass@1".to_string()];
     let series = metric_series(r, &keys);
     let get = |k: &str| -> Vec<(f64, f64)> { series["step"].iter().copied().zip(series[k].iter().copied()).collect() };
@@ -416,7 +434,7 @@ pub fn reward_curve(r: &Runner) -> String {
     })
 }
 
-pub fn write_plots(r: &Runner) -> std::io::Result<()> {
+pub(in crate::run) fn write_plots(r: &Recorder) -> std::io::Result<()> {
     std::fs::write(r.run_dir.join("memory_timeline.svg"), memory_timeline(r))?;
     std::fs::write(r.run_dir.join("memory_per_step.svg"), memory_per_step(r))?;
     std::fs::write(r.run_dir.join("reward.svg"), reward_curve(r))

@@ -13,6 +13,52 @@ use std::path::{Path, PathBuf};
 pub const DIR_PREFIX: &str = "relax-";
 pub const BUCKET_PREFIX: &str = "relax-bucket-";
 
+/// The run's files outside its run directory: the temp folder with the control folder (`ctl`) and
+/// the worker sockets (`w`), and the shared-memory file one bucket of weights crosses in. The
+/// folder goes when this is dropped, and the bucket file with it.
+pub struct Scratch {
+    pub tmp: tempfile::TempDir,
+    pub ctl_dir: PathBuf,
+    pub sock_dir: PathBuf,
+    pub shm: PathBuf,
+    pub shm_bytes: u64,
+    /// What dead runs had left, removed first.
+    pub swept: Vec<PathBuf>,
+}
+
+impl Scratch {
+    /// Sweeps what dead runs left, then makes this run's folder and a bucket file of `shm_bytes`.
+    pub fn create(shm_bytes: u64) -> Result<Scratch, String> {
+        let shm_dir = Path::new("/dev/shm");
+        let mut swept = sweep(&std::env::temp_dir(), DIR_PREFIX);
+        swept.extend(sweep(shm_dir, BUCKET_PREFIX));
+        let owner = owner_tag();
+        let tmp =
+            tempfile::Builder::new().prefix(&format!("{DIR_PREFIX}{owner}")).tempdir().map_err(|e| e.to_string())?;
+        let ctl_dir = tmp.path().join("ctl");
+        let sock_dir = tmp.path().join("w");
+        for d in [&ctl_dir, &sock_dir] {
+            std::fs::create_dir_all(d).map_err(|e| e.to_string())?;
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700));
+        }
+        let shm_dir = if shm_dir.is_dir() { shm_dir.to_path_buf() } else { tmp.path().to_path_buf() };
+        let shm = tempfile::Builder::new()
+            .prefix(&format!("{BUCKET_PREFIX}{owner}"))
+            .tempfile_in(&shm_dir)
+            .map_err(|e| format!("cannot create the update bucket file in {}: {e}", shm_dir.display()))?;
+        shm.as_file().set_len(shm_bytes).map_err(|e| e.to_string())?;
+        let (_, shm) = shm.keep().map_err(|e| e.to_string())?;
+        Ok(Scratch { tmp, ctl_dir, sock_dir, shm, shm_bytes, swept })
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.shm);
+    }
+}
+
 /// This process's part of the names: `<pid>-<start time>-`.
 pub fn owner_tag() -> String {
     let pid = std::process::id();

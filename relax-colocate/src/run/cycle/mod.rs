@@ -1,0 +1,261 @@
+//! The colocated driver: trainer and rollout share each device and take turns with its memory,
+//! in slime's order. Setup, then per step (step.rs) generate, offload, wake-up, the trainer's
+//! phases, sleep and the weights hand-over, with the checks; the step's metrics row is row.rs's.
+//! It runs over the fleet (requests, pause and resume) and the recorder (phases, checks, rows).
+
+mod row;
+mod step;
+
+use super::config::{AlgoName, Config};
+use super::fleet::Fleet;
+use super::launch::Plan;
+use super::profile::Profile;
+use super::protocol::{
+    BucketParams, Checksum, Init, InitParams, Method, Pack, SaveState, Step, Unpack, UpdateBegin, UpdateBeginParams,
+    UpdateBeginReply, UpdateEnd,
+};
+use super::recorder::Recorder;
+use super::task::Addition;
+use super::{Cursor, FailKind, R, Role, RunError, algo, model};
+use std::rc::Rc;
+
+pub(super) struct Colocate {
+    pub(super) cfg: Config,
+    /// Where the run is (step, phase), shared with the fleet and the recorder.
+    pub(super) at: Rc<Cursor>,
+    task: Addition,
+    shape: model::Shape,
+    pub(super) profile: Profile,
+    api: &'static str,
+    bucket_bytes: u64,
+    pub(super) fleet: Fleet,
+    pub(super) rec: Recorder,
+    /// The trainer's weights as it last went to sleep: what it must wake up with.
+    weights_checksum: Option<String>,
+}
+
+impl Colocate {
+    pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Colocate {
+        Colocate {
+            cfg: cfg.clone(),
+            at: rec.cursor(),
+            task: plan.task,
+            shape: plan.shape,
+            profile: plan.profile,
+            api: plan.api,
+            bucket_bytes: plan.bucket_bytes,
+            fleet,
+            rec,
+            weights_checksum: None,
+        }
+    }
+
+    fn step(&self) -> u64 {
+        self.at.step()
+    }
+
+    fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
+        self.at.fail(kind, worker, cause)
+    }
+
+    fn indices(&self, role: Role) -> Vec<usize> {
+        self.fleet.indices(role)
+    }
+
+    fn call_each<M: Method>(&mut self, targets: &[usize], params: Vec<M::Params>) -> R<Vec<M::Reply>> {
+        self.fleet.call_each::<M>(targets, params)
+    }
+
+    fn call_all<M: Method>(&mut self, role: Role, params: M::Params) -> R<Vec<M::Reply>> {
+        self.fleet.call_all::<M>(role, params)
+    }
+
+    /// Runs one timed phase: the recorder times it and samples the fleet's memory at its end.
+    fn phase<T>(&mut self, name: &str, f: impl FnOnce(&mut Self) -> R<T>) -> R<T> {
+        let span = self.rec.begin(name);
+        let out = f(self)?;
+        self.rec.end(span, &self.fleet)?;
+        Ok(out)
+    }
+
+    /// Pause or resume `tag` (None: all) in every worker of `role`; after a pause, the recorder
+    /// checks that free memory rose by what was paused.
+    fn control(&mut self, role: Role, pause: bool, tag: Option<&str>) -> R<()> {
+        let reports = self.fleet.control(role, pause, tag)?;
+        if !pause {
+            return Ok(());
+        }
+        let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
+        self.rec.check_paused(&what, &reports)
+    }
+
+    fn checksums(&mut self, role: Role) -> R<Vec<String>> {
+        let replies = self.call_all::<Checksum>(role, Step { step: self.step() })?;
+        Ok(replies.into_iter().map(|r| r.weights).collect())
+    }
+
+    /// Every worker of `role` must hold `expected`.
+    fn expect_checksum(&mut self, role: Role, expected: &str, when: &str) -> R<()> {
+        if !self.rec.checks_enabled() {
+            return Ok(());
+        }
+        let got = self.checksums(role)?;
+        let named: Vec<(String, String)> =
+            self.indices(role).into_iter().map(|i| self.fleet.worker(i).name.clone()).zip(got).collect();
+        self.rec.check_weights(&named, expected, when)
+    }
+
+    fn trainer_checksum(&mut self) -> R<String> {
+        let sums = self.checksums(Role::Trainer)?;
+        if sums.windows(2).any(|w| w[0] != w[1]) {
+            return Err(self.fail(
+                FailKind::Check,
+                None,
+                format!("trainer replicas disagree on their weights: {sums:?}"),
+            ));
+        }
+        Ok(sums[0].clone())
+    }
+
+    fn sleep_trainer(&mut self) -> R<()> {
+        self.phase("sleep", |r| {
+            if !r.cfg.memory.backup {
+                r.call_all::<SaveState>(Role::Trainer, Step { step: r.step() })?;
+            }
+            r.control(Role::Trainer, true, None)
+        })
+    }
+
+    fn update_weights(&mut self) -> R<()> {
+        self.phase("update_weights", |r| {
+            let p =
+                UpdateBeginParams { shm: r.fleet.shm().to_path_buf(), bucket_bytes: r.bucket_bytes, step: r.step() };
+            let t = r.call_all::<UpdateBegin>(Role::Trainer, p.clone())?;
+            r.call_all::<UpdateBegin>(Role::Rollout, p)?;
+            let buckets = r.bucket_count(&t)?;
+            let trainers = r.indices(Role::Trainer);
+            let rollouts = r.indices(Role::Rollout);
+            // One shared bucket file per pair would let pairs run in parallel; pairs take turns
+            // here, each bucket packed by the trainer and unpacked by its rollout.
+            for (ti, ri) in trainers.into_iter().zip(rollouts) {
+                for b in 0..buckets {
+                    let q = BucketParams { bucket: b, step: r.step() };
+                    r.call_each::<Pack>(&[ti], vec![q])?;
+                    r.call_each::<Unpack>(&[ri], vec![q])?;
+                }
+            }
+            r.call_all::<UpdateEnd>(Role::Trainer, Step { step: r.step() })?;
+            r.call_all::<UpdateEnd>(Role::Rollout, Step { step: r.step() })?;
+            Ok(())
+        })
+    }
+
+    /// Rollout and trainer start, the trainer's initial weights reach the rollout: slime's
+    /// colocated startup.
+    pub(in crate::run) fn setup(&mut self) -> R<()> {
+        let offload = self.cfg.run.offload;
+        let per_device = self.cfg.rollout.prompts_per_step / self.cfg.total_devices();
+        let max_batch = per_device * self.cfg.rollout.samples_per_prompt;
+        let rollout_mem = self.profile.rollout.tags.clone();
+        let trainer_mem = self.profile.trainer.tags.clone();
+        let init = |r: &Colocate, role: Role, mem: &[(String, Vec<u64>)]| -> Vec<InitParams> {
+            r.indices(role)
+                .iter()
+                .map(|&i| InitParams {
+                    api: r.api.into(),
+                    device: r.fleet.worker(i).device,
+                    shape: r.shape,
+                    seed: r.cfg.run.seed,
+                    memory: mem.to_vec(),
+                    backup: r.cfg.memory.backup,
+                    max_batch,
+                    loss: Some(r.loss_config()),
+                    adam: Some(r.adam()),
+                    step: 0,
+                })
+                .collect()
+        };
+        self.phase("init_rollout", |r| {
+            let p = init(r, Role::Rollout, &rollout_mem);
+            let targets = r.indices(Role::Rollout);
+            r.call_each::<Init>(&targets, p)?;
+            r.fleet.find_control_sockets(Role::Rollout)
+        })?;
+        if offload {
+            self.phase("rollout_offload", |r| r.control(Role::Rollout, true, None))?;
+        }
+        self.phase("init_trainer", |r| {
+            let p = init(r, Role::Trainer, &trainer_mem);
+            let targets = r.indices(Role::Trainer);
+            r.call_each::<Init>(&targets, p).map_err(|mut e| {
+                if e.kind == FailKind::OutOfMemory && !r.cfg.run.offload {
+                    e.cause += "; the trainer and the rollout do not fit on the device together: \
+                                run with offload (run.offload = true) so the rollout sleeps first";
+                }
+                e
+            })?;
+            r.fleet.find_control_sockets(Role::Trainer)
+        })?;
+        self.hand_weights_to_rollout("on the rollout after the initial update_weights")
+    }
+
+    /// The second half of every step (and of setup): record the trainer's weights, put it to
+    /// sleep, wake the rollout's weights, push the trainer's into them and check they arrived,
+    /// then wake the KV cache last so the peak stays low.
+    fn hand_weights_to_rollout(&mut self, when: &str) -> R<()> {
+        let offload = self.cfg.run.offload;
+        let sum = self.trainer_checksum()?;
+        self.weights_checksum = Some(sum.clone());
+        if offload {
+            self.sleep_trainer()?;
+            self.phase("onload_weights", |r| r.control(Role::Rollout, false, Some("weights")))?;
+        }
+        self.update_weights()?;
+        self.expect_checksum(Role::Rollout, &sum, when)?;
+        if offload {
+            self.phase("onload_kv", |r| {
+                r.control(Role::Rollout, false, Some("kv_cache"))?;
+                r.control(Role::Rollout, false, Some("cuda_graph"))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// How many buckets the weights stream has, as the first trainer says.
+    fn bucket_count(&self, trainers: &[UpdateBeginReply]) -> R<u64> {
+        trainers[0].buckets.ok_or_else(|| {
+            let name = &self.fleet.worker(self.indices(Role::Trainer)[0]).name;
+            self.fail(FailKind::Worker, Some(name), "malformed update_begin reply: missing field `buckets`")
+        })
+    }
+
+    fn loss_config(&self) -> model::LossConfig {
+        let a = &self.cfg.algo;
+        let ppo = a.name == AlgoName::Ppo;
+        model::LossConfig {
+            clip: algo::Clip {
+                eps_low: a.clip_eps_low,
+                eps_high: a.clip_eps_high,
+                dual: (a.dual_clip > 1.0).then_some(a.dual_clip),
+            },
+            // PPO puts the KL in the token reward; GRPO in the loss.
+            kl_coef: if ppo { 0.0 } else { a.kl_coef },
+            kl_kind: a.kl_type,
+            entropy_coef: a.entropy_coef,
+            aggregation: a.aggregation,
+            value_coef: if ppo { a.value_coef } else { 0.0 },
+            value_clip: a.value_clip,
+            temperature: self.cfg.rollout.temperature,
+        }
+    }
+
+    fn adam(&self) -> model::Adam {
+        model::Adam {
+            lr: self.cfg.algo.lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            max_grad_norm: self.cfg.algo.max_grad_norm,
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! The worker fleet: the workers' processes and connections, requests to them over the worker
+//! protocol, pause/resume/status through their tms control sockets, supervision (every wait
+//! bounded by run.phase_timeout_s and interruptible, supervise.rs) and stopping them. The local
+//! launcher starts the workers as children (local.rs), the Ray launcher through a bridge (ray.rs);
+//! the run's temp and bucket files are tmpfiles.rs's. Drivers use the fleet without knowing which
+//! launcher started it.
+
+pub(super) mod local;
+pub(super) mod ray;
+mod supervise;
+pub(super) mod tmpfiles;
+
+use super::config::{Config, DeviceChoice, Launcher};
+use super::{Cursor, FailKind, R, Role, RunError, wire};
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::rc::Rc;
+use tmpfiles::Scratch;
+use tms_proto::{OpReport, Status};
+
+/// A worker's process as the runner sees it.
+pub(super) enum Proc {
+    /// A child of the runner, leading its own process group.
+    Local(Child),
+    /// Started on `node` by the Ray bridge (ray.rs); the bridge writes `exit_file`, naming how the
+    /// process ended, before it closes the worker's connection.
+    Remote { node: String, exit_file: PathBuf },
+}
+
+impl Proc {
+    /// How the process ended, once it has.
+    fn exited(&mut self) -> Option<String> {
+        match self {
+            Proc::Local(c) => c.try_wait().ok().flatten().map(supervise::describe_exit),
+            Proc::Remote { exit_file, .. } => std::fs::read_to_string(exit_file).ok(),
+        }
+    }
+
+    fn node(&self) -> Option<&str> {
+        match self {
+            Proc::Local(_) => None,
+            Proc::Remote { node, .. } => Some(node),
+        }
+    }
+}
+
+pub(super) struct Worker {
+    pub(super) name: String,
+    pub(super) role: Role,
+    /// Global rank: the device's index in the run (node-major), and the worker's metrics column.
+    pub(super) rank: u32,
+    /// The device index on the worker's own node.
+    pub(super) device: u32,
+    pub(super) proc: Proc,
+    pub(super) conn: Option<wire::Conn>,
+    /// The process that said hello (the one the hook is loaded in; an external command may be a
+    /// shell around it).
+    pub(super) pid: u32,
+    pub(super) log: PathBuf,
+    pub(super) control: Option<PathBuf>,
+    /// Launcher ray: the bridge's socket that carries control requests to the worker's own one.
+    pub(super) control_relay: Option<PathBuf>,
+    pub(super) next_id: u64,
+}
+
+/// One worker's tms status, for the memory sample at a phase boundary.
+pub(super) struct WorkerStatus {
+    pub(super) name: String,
+    pub(super) rank: u32,
+    pub(super) status: Status,
+}
+
+pub(super) struct Fleet {
+    workers: Vec<Worker>,
+    /// Launcher ray: the process that placed the workers and carries their messages.
+    bridge: Option<ray::Bridge>,
+    /// The sockets, the control folder, the simulator state and the bucket file; removed on drop.
+    scratch: Scratch,
+    /// run.phase_timeout_s: every wait on a worker ends by then.
+    timeout_s: f64,
+    at: Rc<Cursor>,
+}
+
+impl Fleet {
+    fn new(cfg: &Config, workers: Vec<Worker>, bridge: Option<ray::Bridge>, scratch: Scratch, at: Rc<Cursor>) -> Fleet {
+        Fleet { workers, bridge, scratch, timeout_s: cfg.run.phase_timeout_s, at }
+    }
+
+    /// Starts every worker with the run's launcher, each up to its hello. A worker that cannot
+    /// start fails the launch, and those started before it are stopped.
+    pub(super) fn launch(
+        cfg: &Config,
+        device: DeviceChoice,
+        env: &[(String, String)],
+        scratch: Scratch,
+        run_dir: &Path,
+        at: Rc<Cursor>,
+    ) -> R<Fleet> {
+        let mut fleet = Fleet::new(cfg, Vec::new(), None, scratch, at);
+        let started = if cfg.run.launcher == Launcher::Ray {
+            let s = &fleet.scratch;
+            ray::start_workers(cfg, device, env, s.tmp.path(), run_dir, (&s.shm, s.shm_bytes))
+                .map(|(workers, bridge)| (fleet.workers, fleet.bridge) = (workers, Some(bridge)))
+        } else {
+            fleet.start_local(cfg, env, run_dir)
+        };
+        match started {
+            Ok(()) => Ok(fleet),
+            Err(e) => {
+                fleet.stop(false);
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts one rollout and one trainer per device, in that order, as children.
+    fn start_local(&mut self, cfg: &Config, env: &[(String, String)], run_dir: &Path) -> R<()> {
+        for rank in 0..cfg.run.devices {
+            for role in [Role::Rollout, Role::Trainer] {
+                let w = local::spawn_worker(cfg, role, rank, env, &self.scratch.sock_dir, run_dir)?;
+                self.workers.push(w);
+            }
+        }
+        Ok(())
+    }
+
+    fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
+        self.at.fail(kind, worker, cause)
+    }
+
+    /// The workers of `role`, as indices into the fleet.
+    pub(super) fn indices(&self, role: Role) -> Vec<usize> {
+        self.workers.iter().enumerate().filter(|(_, w)| w.role == role).map(|(i, _)| i).collect()
+    }
+
+    pub(super) fn worker(&self, i: usize) -> &Worker {
+        &self.workers[i]
+    }
+
+    /// Every worker's name, in the fleet's order.
+    pub(super) fn names(&self) -> Vec<String> {
+        self.workers.iter().map(|w| w.name.clone()).collect()
+    }
+
+    /// The log of the worker named `name`, when there is one.
+    pub(super) fn log_of_name(&self, name: Option<&str>) -> Option<PathBuf> {
+        self.workers.iter().find(|w| Some(w.name.as_str()) == name).map(|w| w.log.clone())
+    }
+
+    /// The file one bucket of weights crosses in.
+    pub(super) fn shm(&self) -> &Path {
+        &self.scratch.shm
+    }
+
+    /// Pause or resume `tag` (None: all) in every worker of `role`, in parallel, through the
+    /// control sockets; a report that carries an error fails the run. Returns each worker's name
+    /// and report.
+    pub(super) fn control(&mut self, role: Role, pause: bool, tag: Option<&str>) -> R<Vec<(String, OpReport)>> {
+        let targets = self.indices(role);
+        let verb = if pause { "pause" } else { "resume" };
+        let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
+        let owned = tag.map(String::from);
+        let results = self.control_calls(&targets, &format!("{verb} {what}"), move |path, timeout| {
+            let answer = if pause {
+                tms_proto::pause(path, owned.as_deref(), timeout)
+            } else {
+                tms_proto::resume(path, owned.as_deref(), timeout)
+            };
+            // A worker that never allocated under the tag (an external worker without CUDA
+            // graphs) has nothing to pause or resume: an empty report, as before tags were checked.
+            match answer {
+                Err(tms_proto::ClientError::Remote(e)) if e.code == tms_proto::ErrorCode::UnknownTag => {
+                    Ok(OpReport { tag: owned.clone(), ..OpReport::default() })
+                }
+                other => other,
+            }
+        })?;
+        let mut reports = Vec::new();
+        for (&i, report) in targets.iter().zip(results) {
+            let name = self.workers[i].name.clone();
+            if let Some(err) = &report.error {
+                let kind = if err.code == tms_proto::ErrorCode::OutOfMemory {
+                    FailKind::OutOfMemory
+                } else {
+                    FailKind::Worker
+                };
+                let hint = if kind == FailKind::OutOfMemory && !pause {
+                    " (something else holds the device memory this worker needs to wake up: look at the memory timeline)"
+                } else {
+                    ""
+                };
+                let done = report.bytes_done;
+                let cause = format!("{verb} {what}: {err}; {done} of {} bytes done{hint}", done + report.bytes_failed);
+                return Err(self.fail(kind, Some(&name), cause));
+            }
+            reports.push((name, report));
+        }
+        Ok(reports)
+    }
+
+    /// The tms status of every worker whose control socket is known.
+    pub(super) fn statuses(&self) -> R<Vec<WorkerStatus>> {
+        let targets: Vec<usize> = (0..self.workers.len()).filter(|&i| self.workers[i].control.is_some()).collect();
+        let statuses = self.control_calls(&targets, "a control status request", tms_proto::status)?;
+        let status = |(&i, status): (&usize, Status)| {
+            let w = &self.workers[i];
+            WorkerStatus { name: w.name.clone(), rank: w.rank, status }
+        };
+        Ok(targets.iter().zip(statuses).map(status).collect())
+    }
+
+    /// Finds the control socket of each worker of `role`, after its init: the one its process
+    /// created in the control folder (launcher ray: the bridge's relay).
+    pub(super) fn find_control_sockets(&mut self, role: Role) -> R<()> {
+        for i in self.indices(role) {
+            if let Some(relay) = self.workers[i].control_relay.clone() {
+                self.workers[i].control = Some(relay);
+                continue;
+            }
+            let pid = self.workers[i].pid;
+            let found = tms_proto::list_sockets(&self.scratch.ctl_dir).into_iter().find(|s| s.pid == pid);
+            match found {
+                Some(s) => self.workers[i].control = Some(s.path),
+                None => {
+                    let cause = format!(
+                        "no tms control socket for pid {pid} in {} after init: is libtms_hook.so preloaded in the \
+                         worker and did it allocate inside a region?",
+                        self.scratch.ctl_dir.display()
+                    );
+                    return Err(self.fail(FailKind::Setup, Some(&self.workers[i].name), cause));
+                }
+            }
+        }
+        Ok(())
+    }
+}

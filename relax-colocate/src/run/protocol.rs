@@ -1,0 +1,351 @@
+//! The worker protocol's messages (docs/worker-protocol.md): the hello, the envelopes, and for each
+//! method one params type and one reply type, shared by the runner (fleet/) and the built-in worker
+//! (worker.rs). wire.rs carries them as JSON lines.
+//!
+//! A reply that does not read as its type is an error that names the field (`decode`); a result of
+//! `null` (a Python handler that returns nothing) reads as `{}`.
+
+use super::model::{Adam, LossConfig, Shape, TrainSample};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+pub const PROTOCOL: u64 = 1;
+
+/// A method: its name on the wire, what the runner sends and what the worker answers.
+pub trait Method {
+    const NAME: &'static str;
+    type Params: Serialize + DeserializeOwned;
+    type Reply: Serialize + DeserializeOwned;
+}
+
+macro_rules! methods {
+    ($($ty:ident = $name:literal: $params:ty => $reply:ty;)*) => {
+        $(
+            pub struct $ty;
+            impl Method for $ty {
+                const NAME: &'static str = $name;
+                type Params = $params;
+                type Reply = $reply;
+            }
+        )*
+    };
+}
+
+// The methods, as docs/worker-protocol.md lists them.
+methods! {
+    // Both roles.
+    Init = "init": InitParams => InitReply;
+    Checksum = "checksum": Step => ChecksumReply;
+    UpdateBegin = "update_begin": UpdateBeginParams => UpdateBeginReply;
+    UpdateEnd = "update_end": Step => Ack;
+    Shutdown = "shutdown": Ack => Ack;
+    // The rollout's.
+    Generate = "generate": GenerateParams => GenerateReply;
+    Unpack = "unpack": BucketParams => BucketReply;
+    // The trainer's.
+    LogProbs = "log_probs": LogProbsParams => LogProbsReply;
+    Values = "values": SamplesParams => ValuesReply;
+    Train = "train": TrainParams => TrainReply;
+    Pack = "pack": BucketParams => BucketReply;
+    SaveState = "save_state": Step => Ack;
+    LoadState = "load_state": Step => Ack;
+}
+
+/// The worker's first message, `{"hello": {...}}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct HelloMsg {
+    pub hello: Hello,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Hello {
+    pub protocol: u64,
+    pub role: String,
+    /// The process the hook is loaded in (an external command may be a shell around it).
+    pub pid: Option<u32>,
+    pub implementation: Option<String>,
+}
+
+/// Reads a worker's first message: a hello of this protocol for `role`.
+pub fn read_hello(msg: Value, role: &str) -> Result<Hello, String> {
+    let shown = msg.to_string();
+    match decode::<HelloMsg>(msg) {
+        Ok(HelloMsg { hello }) if hello.protocol == PROTOCOL && hello.role == role => Ok(hello),
+        Ok(_) => Err(format!("bad hello {shown}: expected protocol {PROTOCOL} and role {role}")),
+        Err(e) => Err(format!("bad hello {shown}: {e}")),
+    }
+}
+
+/// A request: `{"id", "method", "params"}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Request {
+    #[serde(default)]
+    pub id: Value,
+    #[serde(default)]
+    pub method: String,
+    #[serde(default)]
+    pub params: Value,
+}
+
+/// Why a request failed: `oom` (reported as out of memory), or any other kind (`bad_request`,
+/// `unknown_method`, `unsupported`, `device`, `internal`), reported as a worker error.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub kind: String,
+    pub message: Option<String>,
+}
+
+/// An answer: `{"id", "result"}` or `{"id", "error"}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Response {
+    #[serde(default)]
+    pub id: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+/// A reply the runner does not read, or params that carry nothing: `{}` on the wire.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Ack {}
+
+/// Params of the methods that carry only the step.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct Step {
+    #[serde(default)]
+    pub step: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct InitParams {
+    pub api: String,
+    pub device: u32,
+    pub shape: Shape,
+    pub seed: u64,
+    /// The memory profile's allocations for this role: (tag, sizes).
+    pub memory: Vec<(String, Vec<u64>)>,
+    #[serde(default = "yes")]
+    pub backup: bool,
+    #[serde(default)]
+    pub max_batch: usize,
+    pub loss: Option<LossConfig>,
+    pub adam: Option<Adam>,
+    #[serde(default)]
+    pub step: u64,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Anything informative; the runner reads none of it.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct InitReply {
+    pub params: Option<u64>,
+    pub device_free: Option<u64>,
+    pub device_total: Option<u64>,
+}
+
+/// A digest of the weights (trainer and rollout agree when they hold the same weights) and how
+/// many bytes it covers.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ChecksumReply {
+    pub weights: String,
+    pub bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UpdateBeginParams {
+    /// The file both sides map; one bucket crosses in it at a time.
+    pub shm: PathBuf,
+    pub bucket_bytes: u64,
+    #[serde(default)]
+    pub step: u64,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct UpdateBeginReply {
+    /// How many buckets the weights stream has: the trainer's answer is read, the rollout's not.
+    pub buckets: Option<u64>,
+    pub bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct BucketParams {
+    pub bucket: u64,
+    #[serde(default)]
+    pub step: u64,
+}
+
+/// Not read by the runner.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct BucketReply {
+    pub bytes: Option<u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct GenerateParams {
+    pub prompts: Vec<Vec<u32>>,
+    pub n: usize,
+    pub max_new_tokens: usize,
+    #[serde(default = "one")]
+    pub temperature: f64,
+    pub eos: Option<u32>,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub step: u64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct GenerateReply {
+    /// `n` samples per prompt, grouped by prompt.
+    pub samples: Vec<Generated>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Generated {
+    pub prompt_index: usize,
+    pub response: Vec<u32>,
+    pub logprobs: Vec<f64>,
+}
+
+/// A sequence to score: its prompt and response tokens.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Pair {
+    pub prompt: Vec<u32>,
+    pub response: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Model {
+    #[default]
+    Actor,
+    Ref,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct LogProbsParams {
+    #[serde(default)]
+    pub model: Model,
+    pub samples: Vec<Pair>,
+    #[serde(default)]
+    pub step: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SamplesParams {
+    pub samples: Vec<Pair>,
+    #[serde(default)]
+    pub step: u64,
+}
+
+/// Per sequence, per response token.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct LogProbsReply {
+    pub logprobs: Vec<Vec<f64>>,
+    pub entropy: Vec<Vec<f64>>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ValuesReply {
+    pub values: Vec<Vec<f64>>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TrainParams {
+    pub samples: Vec<TrainSample>,
+    #[serde(default = "one_usize")]
+    pub minibatches: usize,
+    #[serde(default = "one_usize")]
+    pub epochs: usize,
+    #[serde(default)]
+    pub step: u64,
+}
+
+fn one_usize() -> usize {
+    1
+}
+
+/// The step's training metrics, any names (logged as `train/<name>`, metrics.rs); a `null` (a NaN
+/// on the wire) is left out.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TrainReply(pub BTreeMap<String, Option<f64>>);
+
+/// Reads a reply (a request's params, on the worker's side) as `T`; the error names the field that
+/// does not read, when the message is an object and one of its fields is the cause.
+pub fn decode<T: DeserializeOwned>(v: Value) -> Result<T, String> {
+    let v = if v.is_null() { Value::Object(Default::default()) } else { v };
+    let err = match serde_json::from_value::<T>(v.clone()) {
+        Ok(t) => return Ok(t),
+        Err(e) => e.to_string(),
+    };
+    if err.starts_with("missing field") {
+        return Err(err);
+    }
+    let Value::Object(fields) = v else { return Err(err) };
+    // The culprit is the field without which the error goes away or becomes "missing".
+    for key in fields.keys() {
+        let mut without = fields.clone();
+        without.remove(key);
+        match serde_json::from_value::<T>(Value::Object(without)) {
+            Ok(_) => return Err(format!("field `{key}`: {err}")),
+            Err(e) if e.to_string() == format!("missing field `{key}`") => {
+                return Err(format!("field `{key}`: {err}"));
+            }
+            Err(_) => {}
+        }
+    }
+    Err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_malformed_reply_names_its_field() {
+        let e = decode::<ChecksumReply>(json!({"bytes": 3})).unwrap_err();
+        assert_eq!(e, "missing field `weights`");
+        let e = decode::<ChecksumReply>(json!({"weights": 7, "bytes": 3})).unwrap_err();
+        assert!(e.starts_with("field `weights`: invalid type"), "{e}");
+        let e = decode::<GenerateReply>(json!({"samples": [{"prompt_index": 0, "response": [1], "logprobs": [null]}]}))
+            .unwrap_err();
+        assert!(e.starts_with("field `samples`: invalid type: null"), "{e}");
+        let e = decode::<UpdateBeginReply>(json!({"buckets": "two"})).unwrap_err();
+        assert!(e.starts_with("field `buckets`"), "{e}");
+        let e = decode::<TrainReply>(json!({"loss": 0.5, "kl": "low"})).unwrap_err();
+        assert!(e.starts_with("field `kl`"), "{e}");
+    }
+
+    #[test]
+    fn null_reads_as_an_empty_object_and_unknown_fields_are_ignored() {
+        decode::<Ack>(Value::Null).unwrap();
+        let r = decode::<ChecksumReply>(json!({"weights": "ab", "extra": [1]})).unwrap();
+        assert_eq!(r.weights, "ab");
+        assert_eq!(decode::<UpdateBeginReply>(json!({})).unwrap().buckets, None);
+    }
+
+    #[test]
+    fn params_go_out_as_the_documented_fields() {
+        let p =
+            LogProbsParams { model: Model::Ref, samples: vec![Pair { prompt: vec![1], response: vec![2] }], step: 3 };
+        assert_eq!(
+            serde_json::to_value(p).unwrap(),
+            json!({"model": "ref", "samples": [{"prompt": [1], "response": [2]}], "step": 3})
+        );
+        assert_eq!(serde_json::to_value(Ack {}).unwrap(), json!({}));
+        assert_eq!(serde_json::to_value(TrainReply::default()).unwrap(), json!({}));
+    }
+}

@@ -1,0 +1,45 @@
+//! The checks a driver runs as it goes, each counted when it passes (run.checks turns them off):
+//! a pause frees the memory it reports, and the weights a worker holds are the ones expected.
+//! The leak check is sampling.rs's.
+
+use super::Recorder;
+use super::report::human;
+use crate::run::{FailKind, R};
+use tms_proto::OpReport;
+
+impl Recorder {
+    /// After a pause of `what` (`tag "weights"`, `every tag`): each worker's device free memory rose
+    /// by at least the bytes it reports paused.
+    pub(in crate::run) fn check_paused(&mut self, what: &str, reports: &[(String, OpReport)]) -> R<()> {
+        if !self.cfg.run.checks {
+            return Ok(());
+        }
+        for (name, report) in reports {
+            let rose = report.device_free_after.saturating_sub(report.device_free_before);
+            if rose < report.bytes_done {
+                let cause = format!(
+                    "pause {what} reported {} paused but device free memory rose by only {}",
+                    human(report.bytes_done),
+                    human(rose)
+                );
+                return Err(self.fail(FailKind::Check, Some(name), cause));
+            }
+            self.checks_passed += 1;
+        }
+        Ok(())
+    }
+
+    /// Each worker's weights checksum (`sums`: name, checksum) is `expected`; `when` says at which
+    /// point of the cycle.
+    pub(in crate::run) fn check_weights(&mut self, sums: &[(String, String)], expected: &str, when: &str) -> R<()> {
+        for (name, sum) in sums {
+            if sum != expected {
+                let cause =
+                    format!("weights checksum {when} is {sum}, expected {expected}: the weights were not preserved");
+                return Err(self.fail(FailKind::Check, Some(name), cause));
+            }
+            self.checks_passed += 1;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,186 @@
+//! The recorder: what a run measures and leaves behind. Phase timings and the memory sampled at
+//! each phase boundary (sampling.rs, with the leak check), the checks and their count (checks.rs),
+//! the run directory's files (metrics.jsonl, memory.jsonl), the loggers (loggers.rs: TensorBoard,
+//! wandb), the progress line, and at the end the summary, table and plots (report.rs). Metric
+//! names are metrics.rs's. A driver says what a step produced; the recorder writes it down.
+
+mod checks;
+pub mod loggers;
+pub mod metrics;
+pub mod report;
+mod sampling;
+
+use super::config::Config;
+use super::fleet::Fleet;
+use super::{Cursor, FailKind, R, RunError, setup_err};
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Instant;
+
+/// Device memory at one phase boundary (a line of memory.jsonl).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct MemSample {
+    /// When the phase ended (and the sample was taken), seconds since the run started.
+    pub t_s: f64,
+    /// When the phase began: with `t_s`, its span on the timeline plot.
+    #[serde(default)]
+    pub start_s: f64,
+    pub step: u64,
+    pub phase: String,
+    /// Per device: bytes in use (total − free).
+    pub device_used: Vec<u64>,
+    pub device_total: Vec<u64>,
+    /// Per worker: active (resident) bytes per tag.
+    pub workers: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Per worker: paused bytes in all.
+    pub paused: BTreeMap<String, u64>,
+}
+
+/// The run directory's outputs, opened before any worker starts.
+pub(super) struct Outputs {
+    metrics_file: std::fs::File,
+    memory_file: std::fs::File,
+    pub(super) loggers: loggers::Loggers,
+}
+
+impl Outputs {
+    /// Writes config.toml, creates metrics.jsonl and memory.jsonl, and opens the loggers.
+    pub(super) fn open(cfg: &Config, run_dir: &Path) -> R<Outputs> {
+        std::fs::write(run_dir.join("config.toml"), cfg.to_toml()).map_err(|e| setup_err(e.to_string()))?;
+        let open = |name: &str| std::fs::File::create(run_dir.join(name)).map_err(|e| setup_err(e.to_string()));
+        let metrics_file = open("metrics.jsonl")?;
+        let memory_file = open("memory.jsonl")?;
+        let kinds = loggers::parse_list(&cfg.metrics.loggers).map_err(setup_err)?;
+        let loggers = loggers::Loggers::open(&kinds, run_dir, &cfg.metrics.python, &cfg.metrics.wandb_project)
+            .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
+        Ok(Outputs { metrics_file, memory_file, loggers })
+    }
+}
+
+/// A phase under way: its name and when it began.
+pub(super) struct Span {
+    name: String,
+    start_s: f64,
+    t0: Instant,
+}
+
+pub(super) struct Recorder {
+    cfg: Config,
+    at: Rc<Cursor>,
+    started: Instant,
+    run_dir: PathBuf,
+    /// The device as the run's first line and the summary name it.
+    device_label: String,
+    /// The workers' names in the fleet's order: the plots' series.
+    names: Vec<String>,
+    /// This step's memory samples, for its metrics row. Everything older is in memory.jsonl and
+    /// metrics.jsonl only, which the report and the plots read back at the end: the runner's own
+    /// memory stays flat however many steps a run has.
+    step_memory: Vec<MemSample>,
+    step_times: BTreeMap<String, f64>,
+    steps_completed: u64,
+    /// Per device: the most memory in use at any phase boundary.
+    peak_used: Vec<u64>,
+    leak_baseline: BTreeMap<String, Vec<u64>>,
+    checks_passed: u64,
+    out: Outputs,
+    progress: report::Progress,
+}
+
+impl Recorder {
+    pub(super) fn new(
+        cfg: &Config,
+        at: Rc<Cursor>,
+        run_dir: PathBuf,
+        device_label: String,
+        names: Vec<String>,
+        out: Outputs,
+        progress: report::Progress,
+    ) -> Recorder {
+        Recorder {
+            cfg: cfg.clone(),
+            at,
+            started: Instant::now(),
+            run_dir,
+            device_label,
+            names,
+            step_memory: Vec::new(),
+            step_times: BTreeMap::new(),
+            steps_completed: 0,
+            peak_used: vec![0; cfg.total_devices()],
+            leak_baseline: BTreeMap::new(),
+            checks_passed: 0,
+            out,
+            progress,
+        }
+    }
+
+    /// Where the run is, shared with the fleet and the driver.
+    pub(super) fn cursor(&self) -> Rc<Cursor> {
+        self.at.clone()
+    }
+
+    fn elapsed(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
+        self.at.fail(kind, worker, cause)
+    }
+
+    /// A phase begins: failures from here on name it.
+    pub(super) fn begin(&mut self, name: &str) -> Span {
+        self.at.set_phase(name);
+        Span { name: name.to_string(), start_s: self.elapsed(), t0: Instant::now() }
+    }
+
+    /// The phase's work is done: its time counts towards the step's, and the fleet's memory is
+    /// sampled (memory.jsonl, the leak check, the peak, the step's row).
+    pub(super) fn end(&mut self, span: Span, fleet: &Fleet) -> R<()> {
+        *self.step_times.entry(span.name.clone()).or_default() += span.t0.elapsed().as_secs_f64();
+        let statuses = fleet.statuses()?;
+        self.sample_memory(span.start_s, statuses)
+    }
+
+    /// A new step: its phase times start from nothing.
+    pub(super) fn new_step(&mut self) {
+        self.step_times.clear();
+    }
+
+    /// Seconds per phase in this step.
+    pub(super) fn step_times(&self) -> &BTreeMap<String, f64> {
+        &self.step_times
+    }
+
+    /// This step's memory samples.
+    pub(super) fn step_memory(&self) -> impl Iterator<Item = &MemSample> {
+        let step = self.at.step();
+        self.step_memory.iter().filter(move |s| s.step == step)
+    }
+
+    pub(super) fn checks_enabled(&self) -> bool {
+        self.cfg.run.checks
+    }
+
+    /// The step's row, under slime's names (metrics.rs renames it for verl): to metrics.jsonl, the
+    /// loggers and the progress line; the step counts as completed.
+    pub(super) fn record_step(&mut self, row: &metrics::Row) {
+        let rendered = row.render(self.cfg.metrics.style);
+        let _ = writeln!(self.out.metrics_file, "{}", metrics::json_line(&rendered));
+        let _ = self.out.metrics_file.flush();
+        self.out.loggers.log(&rendered);
+        self.progress.step(self.at.step(), self.cfg.run.steps, row);
+        self.steps_completed += 1;
+    }
+
+    /// The run is over: the progress line ends, the loggers flush and say what went wrong.
+    pub(super) fn finish(&mut self) {
+        self.progress.finish();
+        self.out.loggers.finish();
+        for w in &self.out.loggers.warnings {
+            eprintln!("relax-colocate run: {w}");
+        }
+    }
+}
