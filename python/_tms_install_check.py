@@ -106,7 +106,7 @@ def message(site, replaced, missing):
         )
     return (
         "tms-memory-saver: torch_memory_saver's files in %s are no longer tms's (%s: %s). %s.\n"
-        "  put tms back:                   %s -m pip install --force-reinstall --no-deps %s\n"
+        "  put tms back:                    %s -m pip install --force-reinstall --no-deps %s\n"
         "  or use torch_memory_saver's own: %s -m pip uninstall -y tms-memory-saver && "
         "%s -m pip install --force-reinstall %s\n"
         % (site, what, shown, effect, python, _quote(_installed_from(site)), python, python,
