@@ -295,8 +295,11 @@ def test_configure_subprocess_leaves_one_hook_in_the_child(sim, fresh_venv):
 # our distribution as tms-memory-saver, so it installs theirs over our files without a word, and
 # `pip uninstall torch_memory_saver` deletes them while tms-memory-saver stays listed.
 
-# torch_memory_saver 0.0.10's wheel on the package index (what a pin installs), checked by hash.
-UPSTREAM_WHEEL_PIN = "torch_memory_saver==0.0.10 --hash=sha256:786e18755a9af255ae692b0e19a62ff06861dbf55a19fa8545e62a100ab5a28f"
+# torch_memory_saver's wheels on the package index (what the pins install), checked by hash.
+UPSTREAM_WHEEL_PINS = (
+    "torch_memory_saver==0.0.10 --hash=sha256:786e18755a9af255ae692b0e19a62ff06861dbf55a19fa8545e62a100ab5a28f",
+    "torch_memory_saver==0.0.9 --hash=sha256:0cf26332993649f8ea1b95d7307dfba3a95ee6cee53de84a3e561fb21752b584",
+)
 
 
 def _pip(python, *args):
@@ -309,26 +312,28 @@ def _record_hash(data):
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def _framework_wheel(folder):
-    """A wheel standing for a framework whose requirements pin torch_memory_saver==0.0.10."""
+def _framework_wheel(folder, module, pin):
+    """A wheel standing for a framework (distribution and module `module`) whose requirements pin
+    torch_memory_saver==`pin`."""
+    info = f"{module}-1.0.dist-info"
     files = {
-        "a_framework.py": b"",
-        "a_framework-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: a-framework\nVersion: 1.0\n"
-        b"Requires-Dist: torch_memory_saver==0.0.10\n",
-        "a_framework-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: tms-tests\nRoot-Is-Purelib: true\n"
-        b"Tag: py3-none-any\n",
+        f"{module}.py": b"",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n"
+        f"Requires-Dist: torch_memory_saver=={pin}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tms-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files.items())
-    files["a_framework-1.0.dist-info/RECORD"] = (record + "a_framework-1.0.dist-info/RECORD,,\n").encode()
-    with zipfile.ZipFile(folder / "a_framework-1.0-py3-none-any.whl", "w") as z:
+    files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
+    with zipfile.ZipFile(folder / f"{module}-1.0-py3-none-any.whl", "w") as z:
         for name, data in files.items():
             z.writestr(name, data)
 
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
-    """A folder for `pip --no-index --find-links`: torch_memory_saver 0.0.10's wheel (downloaded
-    once into ${XDG_CACHE_HOME:-~/.cache}/tms/upstream-wheel) and the framework's."""
+    """A folder for `pip --no-index --find-links`: torch_memory_saver 0.0.10's and 0.0.9's wheels
+    (3 MB, downloaded once into ${XDG_CACHE_HOME:-~/.cache}/tms/upstream-wheel) and two
+    frameworks' pinning them (a_framework: 0.0.10, an_older_framework: 0.0.9)."""
     if REAL_DEVICE:
         pytest.skip("pip's handling of the wheel is checked by the test suite, not the hardware kit")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tms" / "upstream-wheel"
@@ -336,19 +341,21 @@ def index(tmp_path_factory):
     with open(f"{cache}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stamp = cache / ".tms-pin"
-        if not (stamp.exists() and stamp.read_text() == UPSTREAM_WHEEL_PIN):
+        if not (stamp.exists() and stamp.read_text() == "\n".join(UPSTREAM_WHEEL_PINS)):
             for old in cache.glob("*.whl"):
                 old.unlink()
             pins = cache / "pins.txt"
-            pins.write_text(UPSTREAM_WHEEL_PIN + "\n")
-            got = _pip(sys.executable, "download", "-q", "--no-deps", "--only-binary", ":all:", "--require-hashes",
-                       "-r", str(pins), "-d", str(cache))
-            assert got.returncode == 0, f"could not download torch_memory_saver's wheel (is the package index reachable?)\n{got.stderr}"
-            stamp.write_text(UPSTREAM_WHEEL_PIN)
+            for pin in UPSTREAM_WHEEL_PINS:  # one at a time: pip resolves a file's lines together
+                pins.write_text(pin + "\n")
+                got = _pip(sys.executable, "download", "-q", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+                           "-r", str(pins), "-d", str(cache))
+                assert got.returncode == 0, f"could not download {pin.split()[0]}'s wheel (is the package index reachable?)\n{got.stderr}"
+            stamp.write_text("\n".join(UPSTREAM_WHEEL_PINS))
     folder = tmp_path_factory.mktemp("index")
     for wheel in cache.glob("*.whl"):
         (folder / wheel.name).symlink_to(wheel)
-    _framework_wheel(folder)
+    _framework_wheel(folder, "a_framework", "0.0.10")
+    _framework_wheel(folder, "an_older_framework", "0.0.9")
     return folder
 
 
@@ -402,7 +409,7 @@ def _assert_named_with_repair(python, wheel, said):
 def test_a_framework_pinning_torch_memory_saver_installed_after_the_wheel_is_named_and_repaired(pip_venv, index):
     python, site, wheel = pip_venv
     assert _startup_says(python) == ""
-    got = _pip(python, "install", "--no-index", "--find-links", str(index), "a-framework")
+    got = _pip(python, "install", "--no-index", "--find-links", str(index), "a_framework")
     assert got.returncode == 0 and "torch_memory_saver-0.0.10" in got.stdout, got.stdout + got.stderr
     # pip has put upstream's hook and Python package over ours: every start-up says so, and
     # `import tms` refuses with the same repair.
@@ -412,12 +419,18 @@ def test_a_framework_pinning_torch_memory_saver_installed_after_the_wheel_is_nam
     again = _pip(python, "install", "--no-index", "--find-links", str(index), "torch_memory_saver==0.0.10")
     assert again.returncode == 0 and "already satisfied" in again.stdout, again.stdout + again.stderr
     _assert_tms_is_back(python, site, wheel)
+    # A framework pinning another version: pip uninstalls 0.0.10 (our files with it) and writes
+    # 0.0.9's; named again, repaired again.
+    older = _pip(python, "install", "--no-index", "--find-links", str(index), "an_older_framework")
+    assert older.returncode == 0 and "torch_memory_saver-0.0.9" in older.stdout, older.stdout + older.stderr
+    _assert_named_with_repair(python, wheel, "replaced")
+    _assert_tms_is_back(python, site, wheel)
 
 
 def test_pip_uninstall_torch_memory_saver_after_the_wheel_is_named_and_repaired(pip_venv, index):
     python, site, wheel = pip_venv
     # torch_memory_saver recorded beside the wheel, as the test above (or any framework) leaves it.
-    _pip(python, "install", "-q", "--no-index", "--find-links", str(index), "a-framework")
+    _pip(python, "install", "-q", "--no-index", "--find-links", str(index), "a_framework")
     subprocess.run(shlex.split(_repair_command(python, wheel)), check=True, capture_output=True)
     _assert_tms_is_back(python, site, wheel)
     got = _pip(python, "uninstall", "-y", "torch_memory_saver")
