@@ -16,6 +16,16 @@ torch is imported only when a function needs it.
 import contextlib
 import os
 
+try:
+    import _tms_install_check
+except ImportError:  # not installed by the wheel (scripts/install.sh, a checkout)
+    _tms_install_check = None
+if _tms_install_check is not None:
+    # A framework's pin of torch_memory_saver installed over the wheel's files, or
+    # `pip uninstall torch_memory_saver` removed them: say so and how to repair, instead of
+    # failing later on another library.
+    _tms_install_check.refuse_import(os.path.dirname(__file__))
+
 from ._lib import (  # noqa: F401  (re-exported)
     TMS_ERR_DRIVER,
     TMS_ERR_INTERNAL,

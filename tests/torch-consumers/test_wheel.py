@@ -2,11 +2,25 @@
 (torch reached through a .pth file), then torch_memory_saver programs run unchanged on the
 simulated device, in preload and torch modes. Each scenario checks a torch_memory_saver semantic
 that SGLang, slime or verl rely on; the comment says which.
+
+The last tests replay what pip does to the wheel when a framework's install pins
+torch_memory_saver (a distribution of another name owning the same files), in a virtual
+environment of their own, and check that the damage is named, with the command that repairs it.
 """
 
+import base64
+import fcntl
+import hashlib
+import os
+import shlex
 import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
+import pytest
 import torch_build
+from conftest import REAL_DEVICE
 
 MIB = 1 << 20
 # The name slime preloads for this torch's CUDA major; the wheel ships every one.
@@ -20,6 +34,9 @@ def _run(sim, fresh_venv, code, preload=True, **kw):
 
 def test_pip_install_gives_the_whole_replacement(fresh_venv):
     python, site = fresh_venv
+    # The start-up check of a healthy install says nothing.
+    quiet = subprocess.run([str(python), "-c", "pass"], capture_output=True, text=True, check=True)
+    assert quiet.stderr == "", quiet.stderr
     for mode in ("preload", "torch"):
         for cuda in ("", "_cu12", "_cu13"):
             assert (site / f"torch_memory_saver_hook_mode_{mode}{cuda}.abi3.so").is_file(), (mode, cuda)
@@ -271,3 +288,154 @@ def test_configure_subprocess_leaves_one_hook_in_the_child(sim, fresh_venv):
     assert str(other) in out["child_env"], out
     assert int(out["child_freed"]) >= 16 * MIB, out
     assert out["child_exit"] == "0", out
+
+
+# --- pip and torch_memory_saver's files ---------------------------------------------------------
+# SGLang, slime and verl install torch_memory_saver with a pin (==0.0.10, 0.0.9, 0.0.8). pip knows
+# our distribution as tms-memory-saver, so it installs theirs over our files without a word, and
+# `pip uninstall torch_memory_saver` deletes them while tms-memory-saver stays listed.
+
+# torch_memory_saver's wheels on the package index (what the pins install), checked by hash.
+UPSTREAM_WHEEL_PINS = (
+    "torch_memory_saver==0.0.10 --hash=sha256:786e18755a9af255ae692b0e19a62ff06861dbf55a19fa8545e62a100ab5a28f",
+    "torch_memory_saver==0.0.9 --hash=sha256:0cf26332993649f8ea1b95d7307dfba3a95ee6cee53de84a3e561fb21752b584",
+)
+
+
+def _pip(python, *args):
+    return subprocess.run(
+        [str(python), "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True
+    )
+
+
+def _record_hash(data):
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _framework_wheel(folder, module, pin):
+    """A wheel standing for a framework (distribution and module `module`) whose requirements pin
+    torch_memory_saver==`pin`."""
+    info = f"{module}-1.0.dist-info"
+    files = {
+        f"{module}.py": b"",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n"
+        f"Requires-Dist: torch_memory_saver=={pin}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tms-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files.items())
+    files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
+    with zipfile.ZipFile(folder / f"{module}-1.0-py3-none-any.whl", "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    """A folder for `pip --no-index --find-links`: torch_memory_saver 0.0.10's and 0.0.9's wheels
+    (3 MB, downloaded once into ${XDG_CACHE_HOME:-~/.cache}/tms/upstream-wheel) and two
+    frameworks' pinning them (a_framework: 0.0.10, an_older_framework: 0.0.9)."""
+    if REAL_DEVICE:
+        pytest.skip("pip's handling of the wheel is checked by the test suite, not the hardware kit")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tms" / "upstream-wheel"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(f"{cache}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stamp = cache / ".tms-pin"
+        if not (stamp.exists() and stamp.read_text() == "\n".join(UPSTREAM_WHEEL_PINS)):
+            for old in cache.glob("*.whl"):
+                old.unlink()
+            pins = cache / "pins.txt"
+            for pin in UPSTREAM_WHEEL_PINS:  # one at a time: pip resolves a file's lines together
+                pins.write_text(pin + "\n")
+                got = _pip(sys.executable, "download", "-q", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+                           "-r", str(pins), "-d", str(cache))
+                assert got.returncode == 0, f"could not download {pin.split()[0]}'s wheel (is the package index reachable?)\n{got.stderr}"
+            stamp.write_text("\n".join(UPSTREAM_WHEEL_PINS))
+    folder = tmp_path_factory.mktemp("index")
+    for wheel in cache.glob("*.whl"):
+        (folder / wheel.name).symlink_to(wheel)
+    _framework_wheel(folder, "a_framework", "0.0.10")
+    _framework_wheel(folder, "an_older_framework", "0.0.9")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pip_venv(tmp_path_factory, index):
+    """A virtual environment with the wheel installed by its own pip, seeing no other
+    site-packages (fresh_venv sees the test environment's torch_memory_saver, which pip would take
+    as installed). Returns (python, site-packages, wheel)."""
+    wheel = str(Path(os.environ["TMS_TEST_WHEEL"]).resolve())
+    venv = tmp_path_factory.mktemp("pip") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    python = venv / "bin" / "python"
+    got = _pip(python, "install", "-q", "--no-deps", "--no-index", wheel)
+    assert got.returncode == 0, got.stderr
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    return python, site, wheel
+
+
+def _repair_command(python, wheel):
+    """What the check names to put tms back."""
+    return f"{python} -m pip install --force-reinstall --no-deps {shlex.quote(wheel)}"
+
+
+def _startup_says(python):
+    """What an interpreter that runs nothing prints (the start-up check's warning, if any)."""
+    return subprocess.run([str(python), "-c", "pass"], capture_output=True, text=True, check=True).stderr
+
+
+def _assert_tms_is_back(python, site, wheel):
+    assert _startup_says(python) == "", "a repaired install still warns"
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("torch_memory_saver"):
+                assert (site / name).read_bytes() == z.read(name), f"{name} is not the wheel's"
+    probe = subprocess.run([str(python), "-c", "import tms, torch_memory_saver; print(tms.library_path())"],
+                           capture_output=True, text=True)
+    assert probe.returncode == 0 and probe.stdout.strip().startswith(str(site)), probe.stdout + probe.stderr
+
+
+def _assert_named_with_repair(python, wheel, said):
+    repair = _repair_command(python, wheel)
+    warning = _startup_says(python)
+    assert "tms-memory-saver" in warning and said in warning and repair in warning, warning
+    imported = subprocess.run([str(python), "-c", "import tms"], capture_output=True, text=True)
+    assert imported.returncode != 0 and "ImportError" in imported.stderr and repair in imported.stderr, imported.stderr
+    fixed = subprocess.run(shlex.split(repair), capture_output=True, text=True)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+def test_a_framework_pinning_torch_memory_saver_installed_after_the_wheel_is_named_and_repaired(pip_venv, index):
+    python, site, wheel = pip_venv
+    assert _startup_says(python) == ""
+    got = _pip(python, "install", "--no-index", "--find-links", str(index), "a_framework")
+    assert got.returncode == 0 and "torch_memory_saver-0.0.10" in got.stdout, got.stdout + got.stderr
+    # pip has put upstream's hook and Python package over ours: every start-up says so, and
+    # `import tms` refuses with the same repair.
+    _assert_named_with_repair(python, wheel, "replaced")
+    _assert_tms_is_back(python, site, wheel)
+    # torch_memory_saver 0.0.10 stays recorded: the pin is satisfied and pip leaves our files alone.
+    again = _pip(python, "install", "--no-index", "--find-links", str(index), "torch_memory_saver==0.0.10")
+    assert again.returncode == 0 and "already satisfied" in again.stdout, again.stdout + again.stderr
+    _assert_tms_is_back(python, site, wheel)
+    # A framework pinning another version: pip uninstalls 0.0.10 (our files with it) and writes
+    # 0.0.9's; named again, repaired again.
+    older = _pip(python, "install", "--no-index", "--find-links", str(index), "an_older_framework")
+    assert older.returncode == 0 and "torch_memory_saver-0.0.9" in older.stdout, older.stdout + older.stderr
+    _assert_named_with_repair(python, wheel, "replaced")
+    _assert_tms_is_back(python, site, wheel)
+
+
+def test_pip_uninstall_torch_memory_saver_after_the_wheel_is_named_and_repaired(pip_venv, index):
+    python, site, wheel = pip_venv
+    # torch_memory_saver recorded beside the wheel, as the test above (or any framework) leaves it.
+    _pip(python, "install", "-q", "--no-index", "--find-links", str(index), "a_framework")
+    subprocess.run(shlex.split(_repair_command(python, wheel)), check=True, capture_output=True)
+    _assert_tms_is_back(python, site, wheel)
+    got = _pip(python, "uninstall", "-y", "torch_memory_saver")
+    assert got.returncode == 0 and "Successfully uninstalled torch_memory_saver" in got.stdout, got.stdout + got.stderr
+    # Our files went with it while tms-memory-saver stays listed.
+    assert not (site / PRELOAD_CU13).exists()
+    _assert_named_with_repair(python, wheel, "missing")
+    _assert_tms_is_back(python, site, wheel)
