@@ -351,3 +351,56 @@ def test_a_rank_that_never_joins_fails_init_after_the_connect_timeout(sim):
     assert "rank(s) 1 never joined" in out["never_joined_message"]
     assert out["other_run"] == 2, out  # ncclSystemError: the root cannot be reached
     assert out["other_run_s"] < 15, out
+
+
+PAUSED_PROGRAM = r"""
+import ctypes, json
+cudart = ctypes.CDLL("libcudart.so.13")
+cuda = ctypes.CDLL("libcuda.so.1")
+nccl = ctypes.CDLL("libnccl.so.2")
+out = {}
+cudart.cudaSetDevice(0)
+cudart.cudaFree(None)  # the primary context
+class Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+class Prop(ctypes.Structure):  # CUmemAllocationProp: pinned, on device 0
+    _fields_ = [("type", ctypes.c_int), ("handleTypes", ctypes.c_int), ("location", Location),
+                ("win32", ctypes.c_void_p), ("flags", ctypes.c_ubyte * 8)]
+class Access(ctypes.Structure):
+    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+size = 2 << 20
+addr, handle = ctypes.c_uint64(), ctypes.c_uint64()
+assert cuda.cuMemAddressReserve(ctypes.byref(addr), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)) == 0
+assert cuda.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(Prop(1, 0, Location(1, 0))), ctypes.c_uint64(0)) == 0
+assert cuda.cuMemMap(addr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_uint64(0)) == 0
+assert cuda.cuMemSetAccess(addr, ctypes.c_size_t(size), ctypes.byref(Access(Location(1, 0), 3)), ctypes.c_size_t(1)) == 0
+comms = (ctypes.c_void_p * 1)()
+assert nccl.ncclCommInitAll(comms, 1, (ctypes.c_int * 1)(0)) == 0
+comm = ctypes.c_void_p(comms[0])
+ptr = ctypes.c_void_p(addr.value)
+# Mapped: a broadcast over it runs.
+assert nccl.ncclBroadcast(ptr, ptr, ctypes.c_size_t(1024), 7, 0, comm, None) == 0
+out["mapped_sync"] = cudart.cudaDeviceSynchronize()
+# Paused as the hook pauses: unmapped, the handle released; the range stays reserved.
+assert cuda.cuMemUnmap(addr, ctypes.c_size_t(size)) == 0
+assert cuda.cuMemRelease(handle) == 0
+out["queued"] = nccl.ncclBroadcast(ptr, ptr, ctypes.c_size_t(1024), 7, 0, comm, None)
+out["paused_sync"] = cudart.cudaDeviceSynchronize()
+p = ctypes.c_void_p()
+out["after"] = cudart.cudaMalloc(ctypes.byref(p), 256)
+e = ctypes.c_int()
+nccl.ncclCommGetAsyncError(comm, ctypes.byref(e))
+out["async_error"] = e.value
+print(json.dumps(out))
+"""
+
+
+def test_a_collective_on_paused_memory_faults_like_a_kernel(sim):
+    proc = sim.python(PAUSED_PROGRAM, devices=1, memory="1GiB")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["mapped_sync"] == 0
+    assert out["queued"] == 0  # queued: the fault comes when the stream runs it
+    assert out["paused_sync"] == 700  # cudaErrorIllegalAddress
+    assert out["after"] == 700  # sticky: the context is dead
+    assert out["async_error"] == 1  # ncclUnhandledCudaError
