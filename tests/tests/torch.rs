@@ -141,6 +141,13 @@ fn torch_distributed_nccl_runs_on_the_simulator() {
     pytest("test_nccl.py");
 }
 
+/// The simulator's libhccl.so under a ctypes client written from CANN's documentation, as
+/// vllm-ascend's communicator loads it (test_hccl.py).
+#[test]
+fn hccl_clients_run_on_the_simulator() {
+    pytest("test_hccl.py");
+}
+
 #[test]
 fn hook_under_real_torch_and_torch_memory_saver_package() {
     pytest("test_hook_under_torch.py");

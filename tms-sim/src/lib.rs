@@ -11,6 +11,7 @@ pub mod acl;
 pub mod core;
 pub mod cuda_driver;
 pub mod cuda_runtime;
+pub mod hccl;
 pub mod nccl;
 pub mod nvml;
 
@@ -211,6 +212,24 @@ export! {
     ncclSignal => nccl_not_supported::ncclSignal;
     ncclWaitSignal => nccl_not_supported::ncclWaitSignal;
     ncclWinGetUserPtr => nccl_not_supported::ncclWinGetUserPtr;
+    // HCCL (libhccl.so)
+    HcclGetErrorString => hccl::get_error_string;
+    HcclGetRootInfo => hccl::get_root_info;
+    HcclCommInitRootInfo => hccl::comm_init_root_info;
+    HcclCommInitRootInfoConfig => hccl::comm_init_root_info_config;
+    HcclCommInitClusterInfo => hccl::comm_init_cluster_info;
+    HcclCommDestroy => hccl::comm_destroy;
+    HcclGetRankSize => hccl::get_rank_size;
+    HcclGetRankId => hccl::get_rank_id;
+    HcclGetCommAsyncError => hccl::get_comm_async_error;
+    HcclBroadcast => hccl::broadcast;
+    HcclAllReduce => hccl::all_reduce;
+    HcclReduce => hccl::reduce;
+    HcclAllGather => hccl::all_gather;
+    HcclReduceScatter => hccl::reduce_scatter;
+    HcclSend => hccl::send;
+    HcclRecv => hccl::recv;
+    HcclBarrier => hccl::barrier;
     // CUDA driver
     cuInit => cuda_driver::cu_init;
     cuDriverGetVersion => cuda_driver::cu_driver_get_version;

@@ -20,6 +20,8 @@ use crate::core::memory::MemError;
 pub enum DType {
     I8,
     U8,
+    I16,
+    U16,
     I32,
     U32,
     I64,
@@ -36,7 +38,7 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::I8 | DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
-            DType::F16 | DType::BF16 => 2,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
             DType::I32 | DType::U32 | DType::F32 => 4,
             DType::I64 | DType::U64 | DType::F64 => 8,
         }

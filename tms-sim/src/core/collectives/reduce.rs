@@ -17,6 +17,8 @@ pub fn combine(dtype: DType, op: RedOp, acc: &mut [u8], src: &[u8]) {
     match dtype {
         DType::I8 => ints::<i8, 1>(op, acc, src),
         DType::U8 => ints::<u8, 1>(op, acc, src),
+        DType::I16 => ints::<i16, 2>(op, acc, src),
+        DType::U16 => ints::<u16, 2>(op, acc, src),
         DType::I32 => ints::<i32, 4>(op, acc, src),
         DType::U32 => ints::<u32, 4>(op, acc, src),
         DType::I64 => ints::<i64, 8>(op, acc, src),
@@ -98,6 +100,8 @@ pub fn divide_ints(dtype: DType, buf: &mut [u8], n: usize) {
     match dtype {
         DType::I8 => div::<i8, 1>(buf, n),
         DType::U8 => div::<u8, 1>(buf, n),
+        DType::I16 => div::<i16, 2>(buf, n),
+        DType::U16 => div::<u16, 2>(buf, n),
         DType::I32 => div::<i32, 4>(buf, n),
         DType::U32 => div::<u32, 4>(buf, n),
         DType::I64 => div::<i64, 8>(buf, n),
@@ -136,7 +140,7 @@ macro_rules! int_impl {
         }
     )*};
 }
-int_impl!(i8, u8, i32, u32, i64, u64);
+int_impl!(i8, u8, i16, u16, i32, u32, i64, u64);
 
 fn ints<T: Int, const N: usize>(op: RedOp, acc: &mut [u8], src: &[u8]) {
     for (a, s) in acc.chunks_exact_mut(N).zip(src.chunks_exact(N)) {

@@ -51,7 +51,7 @@ impl UniqueId {
 
 /// The address the simulator's sockets listen on: loopback unless `TMS_SIM_COMM_ADDR` names
 /// another of this host's IPv4 addresses (ranks on other machines).
-fn listen_ip() -> Ipv4Addr {
+pub fn listen_ip() -> Ipv4Addr {
     std::env::var("TMS_SIM_COMM_ADDR").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(Ipv4Addr::LOCALHOST)
 }
 
@@ -141,13 +141,19 @@ const TIMED_OUT: u64 = 4;
 /// for every rank of the communicator that uses the id, then answers them all (or, if some never
 /// came, tells those that did which ranks are missing) and ends.
 pub fn create_root(timeout: Duration) -> Result<UniqueId, CollError> {
-    let listener = TcpListener::bind(SocketAddrV4::new(listen_ip(), 0))
-        .map_err(|e| CollError::System(format!("bootstrap root: cannot listen: {e}")))?;
+    create_root_at(SocketAddrV4::new(listen_ip(), 0), random_run(), timeout)
+}
+
+/// A root at a known address and run number (a rank table names no root: its ranks derive both
+/// from the table). Port 0 picks a free one.
+pub fn create_root_at(at: SocketAddrV4, run: u64, timeout: Duration) -> Result<UniqueId, CollError> {
+    let listener =
+        TcpListener::bind(at).map_err(|e| CollError::System(format!("bootstrap root: cannot listen on {at}: {e}")))?;
     let root = match listener.local_addr() {
         Ok(SocketAddr::V4(a)) => a,
         _ => return Err(CollError::System("bootstrap root: no IPv4 address".into())),
     };
-    let id = UniqueId { root, run: random_run() };
+    let id = UniqueId { root, run };
     std::thread::Builder::new()
         .name("tms-sim-bootstrap".into())
         .spawn(move || run_root(listener, id.run, timeout))
