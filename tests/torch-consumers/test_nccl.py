@@ -241,6 +241,35 @@ for d in range(2):
     assert cudart.cudaDeviceSynchronize() == 0
 out["all_reduce"] = [read(bufs[d][0], bufs[d][1]) for d in range(2)]
 
+# Communicator memory (ncclCommSuspend/Resume/MemStats, NCCL 2.29.7+): the buffers go and come back.
+def stat(comm, which):
+    v = ctypes.c_uint64()
+    assert nccl.ncclCommMemStats(comm, which, ctypes.byref(v)) == 0
+    return v.value
+out["stats"] = [stat(comms[0], k) for k in range(4)]
+free_active = [free_bytes(0), free_bytes(1)]
+out["suspend_bad_flags"] = nccl.ncclCommSuspend(comms[0], 2)
+for d in range(2):
+    assert nccl.ncclCommSuspend(comms[d], 1) == 0
+out["suspend_again"] = nccl.ncclCommSuspend(comms[0], 1)
+out["suspended_stat"] = stat(comms[0], 1)
+out["freed_by_suspend"] = [free_bytes(d) - free_active[d] for d in range(2)]
+out["collective_while_suspended"] = nccl.ncclAllReduce(bufs[0][0], bufs[0][0], ctypes.c_size_t(4), 7, 0, comms[0], None)
+nccl.ncclGetLastError.restype = ctypes.c_char_p
+out["suspended_message"] = nccl.ncclGetLastError(None).decode()
+for d in range(2):
+    assert nccl.ncclCommResume(comms[d]) == 0
+out["taken_by_resume"] = [free_active[d] - free_bytes(d) for d in range(2)]
+assert nccl.ncclGroupStart() == 0
+for d in range(2):
+    cudart.cudaSetDevice(d)
+    assert nccl.ncclAllReduce(bufs[d][0], bufs[d][0], ctypes.c_size_t(4), 7, 0, comms[d], None) == 0
+assert nccl.ncclGroupEnd() == 0
+for d in range(2):
+    cudart.cudaSetDevice(d)
+    assert cudart.cudaDeviceSynchronize() == 0
+out["all_reduce_after_resume"] = [read(bufs[d][0], bufs[d][1]) for d in range(2)]
+
 # Bad input: each gets NCCL's documented code, and nothing crashes.
 p0 = bufs[0][0]
 out["null_comm"] = nccl.ncclAllReduce(p0, p0, ctypes.c_size_t(4), 7, 0, None, None)
@@ -292,10 +321,20 @@ def test_nccl_c_abi_one_process_two_devices_and_bad_input(sim):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["version"] == 23007
     assert "remote process exited" in out["error_string_6"]
-    # NCCL_BUFFSIZE (4 MiB) x 2 channels x send+receive x 1 peer, outside any allocation.
-    assert out["buffer_bytes"] == [16 << 20, 16 << 20]
-    assert out["count_rank_device"] == [2, 1, 1]
     expected = [1.5 + 3.0, 4.0, -6.0, 8.5]
+    # NCCL_BUFFSIZE (4 MiB) x 2 channels x send+receive x 1 peer, plus 1 MiB that stays while
+    # suspended, outside any allocation.
+    assert out["buffer_bytes"] == [17 << 20, 17 << 20]
+    assert out["stats"] == [16 << 20, 0, 1 << 20, 17 << 20]
+    assert out["suspend_bad_flags"] == 4
+    assert out["suspend_again"] == 0
+    assert out["suspended_stat"] == 1
+    assert out["freed_by_suspend"] == [16 << 20, 16 << 20]
+    assert out["collective_while_suspended"] == 5
+    assert "suspended" in out["suspended_message"] and "ncclCommResume" in out["suspended_message"]
+    assert out["taken_by_resume"] == [0, 0]
+    assert out["all_reduce_after_resume"] == [[2 * v for v in expected]] * 2
+    assert out["count_rank_device"] == [2, 1, 1]
     assert out["all_reduce"] == [expected, expected]
     assert out["null_comm"] == 4
     assert out["freed_comm"] == 4
@@ -312,7 +351,7 @@ def test_nccl_c_abi_one_process_two_devices_and_bad_input(sim):
     assert out["mismatch_async_errors"] == [5, 5]
     assert "disagree" in out["mismatch_message"] and "4 elements" in out["mismatch_message"]
     assert out["after_mismatch_call"] == 5
-    assert out["given_back_by_destroy"] == [16 << 20, 16 << 20]
+    assert out["given_back_by_destroy"] == [17 << 20, 17 << 20]
     assert out["destroyed_again"] == 4
 
 

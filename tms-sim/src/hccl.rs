@@ -149,7 +149,7 @@ fn connect_timeout() -> Duration {
 
 fn comm_config(buffer_mb: Option<u64>) -> CommConfig {
     let mb = buffer_mb.or_else(|| env_u64("HCCL_BUFFSIZE").filter(|m| *m >= 1)).unwrap_or(DEFAULT_BUFFSIZE_MB);
-    CommConfig { connect_timeout: connect_timeout(), buffer_bytes: 2 * mb * (1 << 20) }
+    CommConfig { connect_timeout: connect_timeout(), buffer_bytes: 2 * mb * (1 << 20), persistent_bytes: 0 }
 }
 
 /// The calling thread's Ascend device (aclrtSetDevice's): HCCL needs one set first.

@@ -139,11 +139,8 @@ mod nccl_not_supported {
     refuse!(
         ncclCommGetUniqueId,
         ncclCommGrow,
-        ncclCommMemStats,
-        ncclCommResume,
         ncclCommRevoke,
         ncclCommShrink,
-        ncclCommSuspend,
         ncclCommWindowDeregister,
         ncclCommWindowRegister,
         ncclDevCommCreate,
@@ -196,11 +193,11 @@ export! {
     ncclMemFree => nccl::mem_free;
     ncclCommGetUniqueId => nccl_not_supported::ncclCommGetUniqueId;
     ncclCommGrow => nccl_not_supported::ncclCommGrow;
-    ncclCommMemStats => nccl_not_supported::ncclCommMemStats;
-    ncclCommResume => nccl_not_supported::ncclCommResume;
+    ncclCommMemStats => nccl::comm_mem_stats;
+    ncclCommResume => nccl::comm_resume;
     ncclCommRevoke => nccl_not_supported::ncclCommRevoke;
     ncclCommShrink => nccl_not_supported::ncclCommShrink;
-    ncclCommSuspend => nccl_not_supported::ncclCommSuspend;
+    ncclCommSuspend => nccl::comm_suspend;
     ncclCommWindowDeregister => nccl_not_supported::ncclCommWindowDeregister;
     ncclCommWindowRegister => nccl_not_supported::ncclCommWindowRegister;
     ncclDevCommCreate => nccl_not_supported::ncclDevCommCreate;

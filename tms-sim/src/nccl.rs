@@ -44,6 +44,12 @@ const SPLIT_NOCOLOR: c_int = -1;
 const DEFAULT_BUFFSIZE: u64 = 4 << 20;
 const DEFAULT_CHANNELS: u64 = 2;
 const DEFAULT_CONNECT_TIMEOUT_S: u64 = 120;
+/// What a communicator keeps while suspended (its device-side structures and work queue). NVIDIA
+/// gives no figure; this is the simulator's assumption, reported by ncclCommMemStats as
+/// ncclStatGpuMemPersist.
+const DEFAULT_PERSISTENT_BYTES: u64 = 1 << 20;
+/// NCCL_SUSPEND_MEM, the one ncclCommSuspend flag.
+const SUSPEND_MEM: c_int = 0x01;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -167,6 +173,7 @@ fn comm_config(nranks: usize) -> CommConfig {
         connect_timeout: Duration::from_secs(env_u64("TMS_SIM_NCCL_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT_S)),
         // A send and a receive buffer per channel per peer (NCCL_BUFFSIZE is per connection).
         buffer_bytes: (nranks as u64 - 1) * channels * 2 * buffsize,
+        persistent_bytes: env_u64("TMS_SIM_NCCL_PERSISTENT_MEMORY", DEFAULT_PERSISTENT_BYTES),
     }
 }
 
@@ -923,6 +930,53 @@ pub unsafe extern "C" fn red_op_destroy(op: c_int, comm: *mut c_void) -> c_int {
     })
 }
 
+/// Releases the communicator's suspendable device memory (its buffers), once its queued work has
+/// run. Until ncclCommResume its operations get ncclInvalidUsage.
+pub unsafe extern "C" fn comm_suspend(comm: *mut c_void, flags: c_int) -> c_int {
+    call(|| {
+        let core = match lookup(comm).and_then(|c| c.core()) {
+            Ok(core) => core,
+            Err(code) => return code,
+        };
+        if flags != SUSPEND_MEM {
+            set_last_error(format!("ncclCommSuspend: flags {flags:#x} (NCCL_SUSPEND_MEM, 0x1, is the only one)"));
+            return INVALID_ARGUMENT;
+        }
+        core.suspend();
+        SUCCESS
+    })
+}
+
+pub unsafe extern "C" fn comm_resume(comm: *mut c_void) -> c_int {
+    call(|| match lookup(comm).and_then(|c| c.core()) {
+        Ok(core) => core.resume().map_or_else(fail, |()| SUCCESS),
+        Err(code) => code,
+    })
+}
+
+/// ncclCommMemStats: ncclStatGpuMemSuspend (0) bytes a suspend releases, ncclStatGpuMemSuspended
+/// (1) 0 or 1, ncclStatGpuMemPersist (2) bytes kept, ncclStatGpuMemTotal (3) both.
+pub unsafe extern "C" fn comm_mem_stats(comm: *mut c_void, stat: c_int, out: *mut u64) -> c_int {
+    call(|| {
+        let core = match lookup(comm).and_then(|c| c.core()) {
+            Ok(core) => core,
+            Err(code) => return code,
+        };
+        let m = core.mem_stats();
+        let value = match stat {
+            0 => m.suspendable,
+            1 => m.suspended as u64,
+            2 => m.persistent,
+            3 => m.suspendable + m.persistent,
+            _ => {
+                set_last_error(format!("ncclCommMemStats: {stat} is not an ncclCommMemStat_t"));
+                return INVALID_ARGUMENT;
+            }
+        };
+        put(out, value)
+    })
+}
+
 /// Buffer registration is an optimisation NCCL may use or ignore; the simulator accepts it and
 /// moves the same bytes.
 pub unsafe extern "C" fn comm_register(
@@ -987,11 +1041,8 @@ pub fn not_supported(name: &str) -> c_int {
 pub const NOT_SUPPORTED: &[&str] = &[
     "ncclCommGetUniqueId",
     "ncclCommGrow",
-    "ncclCommMemStats",
-    "ncclCommResume",
     "ncclCommRevoke",
     "ncclCommShrink",
-    "ncclCommSuspend",
     "ncclCommWindowDeregister",
     "ncclCommWindowRegister",
     "ncclDevCommCreate",

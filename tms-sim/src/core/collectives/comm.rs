@@ -23,7 +23,7 @@ use super::transport::{Mesh, UniqueId};
 use super::{CollError, DType, RedOp};
 use crate::core::memory::MemError;
 use crate::core::sim::sim;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -39,8 +39,26 @@ const STEP_BITS: u32 = 24;
 pub struct CommConfig {
     /// How long init waits for every rank to join.
     pub connect_timeout: Duration,
-    /// Device memory the communicator's buffers take, outside any allocation of the caller's.
+    /// Device memory the communicator's buffers take, outside any allocation of the caller's;
+    /// released by a suspend (ncclCommSuspend) and taken again by a resume.
     pub buffer_bytes: u64,
+    /// Device memory the communicator keeps while it lives, suspended or not.
+    pub persistent_bytes: u64,
+}
+
+/// A communicator's device memory as ncclCommMemStats reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemStats {
+    pub suspendable: u64,
+    pub suspended: bool,
+    pub persistent: u64,
+}
+
+#[derive(Default)]
+struct Charges {
+    persistent: bool,
+    buffers: bool,
+    suspended: bool,
 }
 
 /// One operation, with device addresses as the caller gave them. `count` is in elements: the
@@ -167,7 +185,9 @@ pub struct Comm {
     error: Mutex<Option<CollError>>,
     pending: (Mutex<Pending>, Condvar),
     buffer_bytes: u64,
-    charged: AtomicBool,
+    persistent_bytes: u64,
+    /// What of its device memory is charged now.
+    charges: Mutex<Charges>,
     /// Set by abort and destroy: operations stuck on a lost peer may end.
     stopped: (Mutex<bool>, Condvar),
 }
@@ -189,17 +209,17 @@ impl Comm {
         if device >= s.devices() {
             return Err(CollError::InvalidArgument(format!("device {device} does not exist")));
         }
-        if !s.node.charge(device, cfg.buffer_bytes) {
+        let total = cfg.buffer_bytes + cfg.persistent_bytes;
+        if !s.node.charge(device, total) {
             let (free, _) = s.mem_info(device);
             return Err(CollError::OutOfMemory(format!(
-                "the communicator's buffers need {} bytes on device {device}, {free} are free",
-                cfg.buffer_bytes
+                "the communicator's buffers need {total} bytes on device {device}, {free} are free"
             )));
         }
         let mesh = match Mesh::join(id, rank, nranks, &s.cfg.node, cfg.connect_timeout) {
             Ok(m) => m,
             Err(e) => {
-                s.node.uncharge(device, cfg.buffer_bytes);
+                s.node.uncharge(device, total);
                 return Err(e);
             }
         };
@@ -217,13 +237,57 @@ impl Comm {
             error: Mutex::new(None),
             pending: (Mutex::new(Pending { issued: 0, done: 0 }), Condvar::new()),
             buffer_bytes: cfg.buffer_bytes,
-            charged: AtomicBool::new(true),
+            persistent_bytes: cfg.persistent_bytes,
+            charges: Mutex::new(Charges { persistent: true, buffers: true, suspended: false }),
             stopped: (Mutex::new(false), Condvar::new()),
         }))
     }
 
-    pub fn buffer_bytes(&self) -> u64 {
-        self.buffer_bytes
+    fn charges(&self) -> std::sync::MutexGuard<'_, Charges> {
+        self.charges.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn mem_stats(&self) -> MemStats {
+        MemStats {
+            suspendable: self.buffer_bytes,
+            suspended: self.charges().suspended,
+            persistent: self.persistent_bytes,
+        }
+    }
+
+    /// Releases the buffers' device memory once queued work has run (ncclCommSuspend with
+    /// NCCL_SUSPEND_MEM). Until a resume, operations are refused. A second suspend changes
+    /// nothing.
+    pub fn suspend(&self) {
+        self.finalize();
+        let mut c = self.charges();
+        if c.suspended {
+            return;
+        }
+        if c.buffers {
+            sim().node.uncharge(self.device, self.buffer_bytes);
+            c.buffers = false;
+        }
+        c.suspended = true;
+    }
+
+    /// Takes the buffers' device memory again (ncclCommResume); fails when the device has no
+    /// room for them, leaving the communicator suspended.
+    pub fn resume(&self) -> Result<(), CollError> {
+        let mut c = self.charges();
+        if !c.suspended {
+            return Ok(());
+        }
+        if !sim().node.charge(self.device, self.buffer_bytes) {
+            let (free, _) = sim().mem_info(self.device);
+            return Err(CollError::OutOfMemory(format!(
+                "resuming needs {} bytes on device {}, {free} are free",
+                self.buffer_bytes, self.device
+            )));
+        }
+        c.buffers = true;
+        c.suspended = false;
+        Ok(())
     }
 
     /// The simulated node each rank runs on, in rank order.
@@ -336,6 +400,11 @@ impl Comm {
     ) -> Result<(), CollError> {
         if let Some(e) = self.async_error() {
             return Err(e);
+        }
+        if self.charges().suspended {
+            return Err(CollError::InvalidUsage(
+                "the communicator is suspended (ncclCommSuspend): its buffers are released; resume it first (ncclCommResume)".into(),
+            ));
         }
         for op in &ops {
             self.check(op)?;
@@ -494,8 +563,12 @@ impl Comm {
     }
 
     fn release_buffers(&self) {
-        if self.charged.swap(false, Ordering::AcqRel) {
+        let mut c = self.charges();
+        if std::mem::take(&mut c.buffers) {
             sim().node.uncharge(self.device, self.buffer_bytes);
+        }
+        if std::mem::take(&mut c.persistent) {
+            sim().node.uncharge(self.device, self.persistent_bytes);
         }
     }
 
