@@ -243,10 +243,36 @@ impl Streams {
         if !is_null(handle) {
             return self.submit(handle, job);
         }
-        let device = device.unwrap_or_else(|| match crate::core::sim::CUDA_CTX.with(|c| c.get()) {
+        let ctx = crate::core::sim::CUDA_CTX.with(|c| c.get());
+        let device = device.unwrap_or_else(|| match ctx {
             0 => crate::core::sim::RT_DEVICE.with(|d| d.get()),
             n => n - 1,
         });
+        // The legacy stream's rule holds for queued work too: it starts after the work already
+        // queued on the blocking streams of the caller's device (what legacy_barrier waits for).
+        let before: Vec<(Arc<Stream>, u64)> = if handle > 1 || ctx == 0 {
+            Vec::new()
+        } else {
+            self.live()
+                .values()
+                .filter(|s| s.device == ctx - 1 && s.flags & NON_BLOCKING == 0)
+                .map(|s| (s.clone(), s.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted))
+                .collect()
+        };
+        let job: Job = if before.is_empty() {
+            job
+        } else {
+            Box::new(move || {
+                for (stream, target) in &before {
+                    let (lock, cv) = &*stream.progress;
+                    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    while p.done < *target {
+                        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+                job()
+            })
+        };
         enqueue(&self.legacy_queue(device), job)
     }
 
