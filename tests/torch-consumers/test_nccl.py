@@ -443,3 +443,62 @@ def test_a_collective_on_paused_memory_faults_like_a_kernel(sim):
     assert out["paused_sync"] == 700  # cudaErrorIllegalAddress
     assert out["after"] == 700  # sticky: the context is dead
     assert out["async_error"] == 1  # ncclUnhandledCudaError
+
+
+NODES_PROGRAM = r"""
+import ctypes, json, os, struct, sys, time
+cudart = ctypes.CDLL("libcudart.so.13")
+nccl = ctypes.CDLL("libnccl.so.2")
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+rank, id_file = int(os.environ["RANK"]), os.environ["ID_FILE"]
+uid = UniqueId()
+if rank == 0:
+    assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+    open(id_file + ".tmp", "wb").write(bytes(uid))  # the raw 128 bytes (.internal stops at a NUL)
+    os.rename(id_file + ".tmp", id_file)
+else:
+    while not os.path.exists(id_file):
+        time.sleep(0.02)
+    uid = UniqueId.from_buffer_copy(open(id_file, "rb").read())
+cudart.cudaSetDevice(0)
+comm = ctypes.c_void_p()
+assert nccl.ncclCommInitRank(ctypes.byref(comm), 2, uid, rank) == 0
+n = 8 << 20
+p = ctypes.c_void_p()
+assert cudart.cudaMalloc(ctypes.byref(p), n) == 0
+pattern = bytes((i * 7 + 3) % 251 for i in range(n)) if rank == 0 else bytes(n)
+assert cudart.cudaMemcpy(p, pattern, n, 1) == 0
+stream = ctypes.c_void_p()
+assert cudart.cudaStreamCreate(ctypes.byref(stream)) == 0
+start = time.monotonic()
+assert nccl.ncclBroadcast(p, p, ctypes.c_size_t(n), 1, 0, comm, stream) == 0
+assert cudart.cudaStreamSynchronize(stream) == 0
+took = time.monotonic() - start
+back = ctypes.create_string_buffer(n)
+assert cudart.cudaMemcpy(back, p, n, 2) == 0
+expect = bytes((i * 7 + 3) % 251 for i in range(n))
+print(json.dumps({"rank": rank, "same": back.raw == expect, "seconds": took, "node": os.environ["TMS_SIM_NODE"]}))
+assert nccl.ncclCommDestroy(comm) == 0
+"""
+
+
+def test_ranks_on_different_simulated_nodes_move_data_at_the_inter_node_rate(sim):
+    # As Ray places them: each rank on a node of its own (own device 0). The inter-node link is
+    # modelled at 0.1 GB/s, so 8 MiB takes at least 84 ms; intra-node would be 450 GB/s.
+    script = sim.tmp / "nodes.py"
+    script.write_text(NODES_PROGRAM)
+    id_file = sim.tmp / "nccl-id"
+    procs = []
+    for rank in range(2):
+        env = sim.env(devices=1, memory="1GiB", extra={"RANK": str(rank), "ID_FILE": str(id_file), "TMS_SIM_LINK_GBPS": "450,0.1"})
+        env["TMS_SIM_NODE"] = f"{sim.node}-host{rank}"
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=sim.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, f"exit {p.returncode}\n{stdout}\n{stderr}"
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert outs[0]["node"] != outs[1]["node"]
+    assert all(o["same"] for o in outs), outs
+    assert outs[1]["seconds"] >= (8 << 20) / 0.1e9 * 0.95, outs
