@@ -230,15 +230,15 @@ assert nccl.ncclCommCuDevice(comms[1], ctypes.byref(dev)) == 0
 out["count_rank_device"] = [count.value, rank.value, dev.value]
 
 # A group of all-reduces, one per device, as a single process must issue them.
+def group_all_reduce(counts=(4, 4)):
+    assert nccl.ncclGroupStart() == 0
+    for d in range(2):
+        cudart.cudaSetDevice(d)
+        assert nccl.ncclAllReduce(bufs[d][0], bufs[d][0], ctypes.c_size_t(counts[d]), 7, 0, comms[d], None) == 0
+    assert nccl.ncclGroupEnd() == 0
+    return [cudart.cudaSetDevice(d) or cudart.cudaDeviceSynchronize() for d in range(2)]
 bufs = [dev_buffer(d, [1.5 * (d + 1), 2.0, -3.0, 4.25]) for d in range(2)]
-assert nccl.ncclGroupStart() == 0
-for d in range(2):
-    cudart.cudaSetDevice(d)
-    assert nccl.ncclAllReduce(bufs[d][0], bufs[d][0], ctypes.c_size_t(4), 7, 0, comms[d], None) == 0
-assert nccl.ncclGroupEnd() == 0
-for d in range(2):
-    cudart.cudaSetDevice(d)
-    assert cudart.cudaDeviceSynchronize() == 0
+assert group_all_reduce() == [0, 0]
 out["all_reduce"] = [read(bufs[d][0], bufs[d][1]) for d in range(2)]
 
 # Communicator memory (ncclCommSuspend/Resume/MemStats, NCCL 2.29.7+): the buffers go and come back.
@@ -260,14 +260,7 @@ out["suspended_message"] = nccl.ncclGetLastError(None).decode()
 for d in range(2):
     assert nccl.ncclCommResume(comms[d]) == 0
 out["taken_by_resume"] = [free_active[d] - free_bytes(d) for d in range(2)]
-assert nccl.ncclGroupStart() == 0
-for d in range(2):
-    cudart.cudaSetDevice(d)
-    assert nccl.ncclAllReduce(bufs[d][0], bufs[d][0], ctypes.c_size_t(4), 7, 0, comms[d], None) == 0
-assert nccl.ncclGroupEnd() == 0
-for d in range(2):
-    cudart.cudaSetDevice(d)
-    assert cudart.cudaDeviceSynchronize() == 0
+assert group_all_reduce() == [0, 0]
 out["all_reduce_after_resume"] = [read(bufs[d][0], bufs[d][1]) for d in range(2)]
 
 # Bad input: each gets NCCL's documented code, and nothing crashes.
@@ -289,14 +282,7 @@ out["unsupported"] = nccl.ncclCommShrink(comms[0])
 out["last_error"] = nccl.ncclGetLastError(None).decode()
 
 # Ranks that disagree (different counts) fail the operation on both, named, instead of mixing.
-assert nccl.ncclGroupStart() == 0
-for d, n in ((0, 4), (1, 2)):
-    cudart.cudaSetDevice(d)
-    assert nccl.ncclAllReduce(bufs[d][0], bufs[d][0], ctypes.c_size_t(n), 7, 0, comms[d], None) == 0
-assert nccl.ncclGroupEnd() == 0
-for d in range(2):
-    cudart.cudaSetDevice(d)
-    cudart.cudaDeviceSynchronize()
+group_all_reduce(counts=(4, 2))
 errs = []
 for d in range(2):
     e = ctypes.c_int()

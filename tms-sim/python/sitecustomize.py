@@ -28,20 +28,22 @@ def _load_simulator():
         return
     # A CUDA 12 build of torch needs libcudart.so.12 the same way: tms-sim-lib/cuda12/ holds an
     # object with that soname and no functions of its own (its references bind to the simulator).
-    cuda12 = os.path.join(os.path.dirname(lib), "cuda12", "libtms_sim_cuda12.so")
-    if os.path.exists(cuda12):
-        try:
-            ctypes.CDLL(cuda12, mode=ctypes.RTLD_GLOBAL)
-        except OSError as exc:
-            sys.stderr.write(f"tms-sim: cannot load {cuda12} (CUDA 12 builds of torch would load NVIDIA's runtime): {exc}\n")
+    _load_name(lib, "cuda12", "libtms_sim_cuda12.so", "CUDA 12 builds of torch would load NVIDIA's runtime")
     # torch's libtorch_cuda.so needs libnccl.so.2 by its RPATH too: nccl/ holds an object with
     # that soname whose NCCL references bind to the simulator (torch.distributed's "nccl").
-    nccl = os.path.join(os.path.dirname(lib), "nccl", "libtms_sim_nccl.so")
-    if os.path.exists(nccl):
+    _load_name(lib, "nccl", "libtms_sim_nccl.so", "torch would load NVIDIA's NCCL")
+
+
+def _load_name(lib, folder, file, otherwise):
+    """Loads a soname stand-in from tms-sim-lib/FOLDER/ beside the simulator, if it is there."""
+    import ctypes
+
+    path = os.path.join(os.path.dirname(lib), folder, file)
+    if os.path.exists(path):
         try:
-            ctypes.CDLL(nccl, mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
-            sys.stderr.write(f"tms-sim: cannot load {nccl} (torch would load NVIDIA's NCCL): {exc}\n")
+            sys.stderr.write(f"tms-sim: cannot load {path} ({otherwise}): {exc}\n")
 
 
 def _install_layer():

@@ -774,17 +774,7 @@ impl Comm {
         let n = self.nranks;
         let pace = self.book(((n - 1) * len) as f64, len);
         for (i, off, m) in chunks(len) {
-            for p in self.others() {
-                self.mesh.send(p, tag | i, &read(send + p * len + off, m)?)?;
-            }
-            let mut parts = Vec::with_capacity(n);
-            for r in 0..n {
-                parts.push(if r == self.rank {
-                    read(send + r * len + off, m)?
-                } else {
-                    expect_len(self.mesh.recv(r, tag | i)?, m, r)?
-                });
-            }
+            let parts = self.exchange_slices(tag | i, send, len, off, m)?;
             let acc = combine_all(dtype, op, parts, n);
             pace.wait(off + m);
             write(recv + off, &acc)?;
@@ -792,21 +782,37 @@ impl Comm {
         Ok(())
     }
 
+    /// Sends rank p the chunk at `off` of slice p of `send` (slices of `len` bytes) and returns
+    /// what every rank sent this one, in rank order (this rank's own slice included).
+    fn exchange_slices(
+        &self,
+        tag: u64,
+        send: usize,
+        len: usize,
+        off: usize,
+        m: usize,
+    ) -> Result<Vec<Vec<u8>>, CollError> {
+        for p in self.others() {
+            self.mesh.send(p, tag, &read(send + p * len + off, m)?)?;
+        }
+        (0..self.nranks)
+            .map(
+                |r| {
+                    if r == self.rank {
+                        read(send + r * len + off, m)
+                    } else {
+                        expect_len(self.mesh.recv(r, tag)?, m, r)
+                    }
+                },
+            )
+            .collect()
+    }
+
     fn all_to_all(&self, tag: u64, send: usize, recv: usize, len: usize) -> Result<(), CollError> {
         let n = self.nranks;
         let pace = self.book(((n - 1) * len) as f64, len);
         for (i, off, m) in chunks(len) {
-            for p in self.others() {
-                self.mesh.send(p, tag | i, &read(send + p * len + off, m)?)?;
-            }
-            let mut parts = Vec::with_capacity(n);
-            for r in 0..n {
-                parts.push(if r == self.rank {
-                    read(send + r * len + off, m)?
-                } else {
-                    expect_len(self.mesh.recv(r, tag | i)?, m, r)?
-                });
-            }
+            let parts = self.exchange_slices(tag | i, send, len, off, m)?;
             pace.wait(off + m);
             for (r, part) in parts.iter().enumerate() {
                 write(recv + r * len + off, part)?;
