@@ -318,3 +318,235 @@ def test_sglang_weights_update_group_with_slime_s_bucket_loop(sim):
         assert all(trainer["v1"][k] != trainer["v2"][k] for k in names)
         assert engine["storage_kept"], "loading must write into the engine's own parameters"
         assert {engine["dtypes"][k] for k in names} == {"torch.bfloat16", "torch.float32"}
+
+
+# ---- verl's stateless group with a ctypes communicator ----------------------------------------
+
+VERL_STATELESS = COMMON + r"""
+import ctypes, pickle
+from datetime import timedelta
+from torch.distributed import TCPStore
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD"])
+torch.cuda.set_device(RANK)
+out = {"rank": RANK}
+
+class StatelessGroup:
+    # A group that is only a TCP store: rank 0 serves it and waits for the others, the others
+    # connect; objects go through it pickled under per-broadcast keys.
+    def __init__(self, port, timeout_s):
+        self.store = TCPStore("127.0.0.1", port, WORLD, RANK == 0, timedelta(seconds=timeout_s))
+        self.count = 0
+    def broadcast_obj(self, obj, src):
+        key = f"broadcast_from/{src}/{self.count}"
+        self.count += 1
+        if RANK == src:
+            self.store.set(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(self.store.get(key))
+
+class NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+NCCL_DTYPE = {torch.uint8: 1, torch.float32: 7, torch.bfloat16: 9}  # nccl.h's ncclDataType_t
+
+class CtypesNccl:
+    # libnccl.so.2 loaded by ctypes, the unique id from rank 0 handed over by the stateless group,
+    # every rank's ncclCommInitRank, a 1-element warm-up all-reduce, collectives on torch streams.
+    def __init__(self, group, device):
+        lib = self.lib = ctypes.CDLL("libnccl.so.2")
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(NcclUniqueId)]
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, NcclUniqueId, ctypes.c_int]
+        lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p]
+        lib.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p]
+        lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+        version = ctypes.c_int()
+        self.check(lib.ncclGetVersion(ctypes.byref(version)))
+        out["nccl_version"] = version.value
+        uid = NcclUniqueId()
+        if RANK == 0:
+            self.check(lib.ncclGetUniqueId(ctypes.byref(uid)))
+        raw = group.broadcast_obj(bytes(uid.internal), src=0)
+        ctypes.memmove(ctypes.byref(uid), raw, 128)
+        self.comm = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            self.check(lib.ncclCommInitRank(ctypes.byref(self.comm), WORLD, uid, RANK))
+            warm = torch.zeros(1, device=device)
+            self.all_reduce(warm)
+            torch.cuda.current_stream().synchronize()
+    def check(self, r):
+        if r != 0:
+            raise RuntimeError(f"NCCL error {r}: {self.lib.ncclGetErrorString(r).decode()}")
+    def all_reduce(self, t, stream=None):
+        stream = stream or torch.cuda.current_stream()
+        self.check(self.lib.ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), NCCL_DTYPE[t.dtype], 0, self.comm,
+                                          stream.cuda_stream))
+    def broadcast(self, t, src, stream=None):
+        stream = stream or torch.cuda.current_stream()
+        send = t.data_ptr() if src == RANK else None  # only the root has a send buffer
+        self.check(self.lib.ncclBroadcast(send, t.data_ptr(), t.numel(), NCCL_DTYPE[t.dtype], src, self.comm,
+                                          stream.cuda_stream))
+    def destroy(self):
+        self.check(self.lib.ncclCommDestroy(self.comm))
+
+def attempt(what, fn):
+    start = time.monotonic()
+    try:
+        fn()
+        out[what] = "ok"
+    except Exception as e:
+        out[what] = f"{type(e).__name__}: {e}"[:400]
+    out[what + "_s"] = round(time.monotonic() - start, 2)
+
+# Round 1: the creation calls not awaited together. The rollout ranks come to the store while
+# the actor's call (dispatched, never awaited) has not run; it runs after they have given up.
+race_timeout = float(os.environ["RACE_STORE_TIMEOUT"])
+if RANK == 0:
+    for r in range(1, WORLD):
+        await_file(f"race-gave-up-{r}")
+    attempt("race", lambda: StatelessGroup(int(os.environ["RACE_PORT"]), race_timeout))
+else:
+    attempt("race", lambda: CtypesNccl(StatelessGroup(int(os.environ["RACE_PORT"]), race_timeout), RANK))
+    post(f"race-gave-up-{RANK}", {})
+
+# Round 2: every rank's creation awaited together.
+group = StatelessGroup(int(os.environ["GROUP_PORT"]), 30)
+comm = CtypesNccl(group, RANK)
+params = model(seed=1 if RANK == 0 else 99, device="cuda")
+out["before"] = {k: digest(t) for k, t in params.items()}
+# The actor broadcasts each tensor of its weights info from rank 0; a rollout rank receives into a
+# new tensor and loads it. Every other tensor goes on a side stream ordered against the current one.
+side = torch.cuda.Stream()
+for i, (name, t) in enumerate(params.items()):
+    buf = t if RANK == 0 else torch.empty_like(t)
+    if i % 2:
+        side.wait_stream(torch.cuda.current_stream())
+        comm.broadcast(buf, 0, side)
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        comm.broadcast(buf, 0)
+    if RANK != 0:
+        with torch.no_grad():
+            t.copy_(buf)
+torch.cuda.synchronize()
+out["nccl"] = {k: digest(t) for k, t in params.items()}
+comm.destroy()
+
+# Round 3: the same rendezvous with libhccl.so on ACL streams, as vllm-ascend's communicator does
+# it (no torch_npu: the bytes go through host copies). The actor trains a step first.
+if os.environ.get("WITH_HCCL") == "1":
+    with torch.no_grad():
+        if RANK == 0:
+            for t in params.values():
+                t.mul_(-0.5).add_(0.25)
+    acl = ctypes.CDLL("libascendcl.so")
+    hccl = ctypes.CDLL("libhccl.so")
+    hccl.HcclGetErrorString.restype = ctypes.c_char_p
+    class RootInfo(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_byte * 4108)]
+    def ok(r, what):
+        if r != 0:
+            raise RuntimeError(f"{what}: {r}")
+    HCCL_DTYPE = {torch.float32: 4, torch.bfloat16: 11}  # HcclDataType
+    ok(acl.aclrtSetDevice(RANK), "aclrtSetDevice")
+    stream = ctypes.c_void_p()
+    ok(acl.aclrtCreateStream(ctypes.byref(stream)), "aclrtCreateStream")
+    hgroup = StatelessGroup(int(os.environ["HCCL_PORT"]), 30)
+    info = RootInfo()
+    if RANK == 0:
+        ok(hccl.HcclGetRootInfo(ctypes.byref(info)), "HcclGetRootInfo")
+    ctypes.memmove(ctypes.byref(info), hgroup.broadcast_obj(bytes(info.internal), src=0), 4108)
+    hcomm = ctypes.c_void_p()
+    ok(hccl.HcclCommInitRootInfo(WORLD, ctypes.byref(info), RANK, ctypes.byref(hcomm)), "HcclCommInitRootInfo")
+    def device_copy(data, nbytes):
+        p = ctypes.c_void_p()
+        ok(acl.aclrtMalloc(ctypes.byref(p), ctypes.c_size_t(nbytes), 0), "aclrtMalloc")
+        if data is not None:
+            ok(acl.aclrtMemcpy(p, ctypes.c_size_t(nbytes), data, ctypes.c_size_t(nbytes), 1), "aclrtMemcpy H2D")
+        return p
+    warm = device_copy(bytes(4), 4)
+    ok(hccl.HcclAllReduce(warm, warm, ctypes.c_uint64(1), 4, 0, hcomm, stream), "HcclAllReduce")
+    ok(acl.aclrtSynchronizeStream(stream), "warm-up")
+    bufs = {}
+    for name, t in params.items():
+        raw = t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        bufs[name] = device_copy(raw if RANK == 0 else None, len(raw))
+        ok(hccl.HcclBroadcast(bufs[name], ctypes.c_uint64(t.numel()), HCCL_DTYPE[t.dtype], 0, hcomm, stream), name)
+    ok(acl.aclrtSynchronizeStream(stream), "aclrtSynchronizeStream")
+    for name, t in params.items():
+        n = t.numel() * t.element_size()
+        host = ctypes.create_string_buffer(n)
+        ok(acl.aclrtMemcpy(host, ctypes.c_size_t(n), bufs[name], ctypes.c_size_t(n), 2), "aclrtMemcpy D2H")
+        if RANK != 0:
+            with torch.no_grad():
+                t.copy_(torch.frombuffer(bytearray(host.raw), dtype=torch.uint8).view(t.dtype).view(t.shape))
+    out["hccl"] = {k: digest(t) for k, t in params.items()}
+    ok(hccl.HcclCommDestroy(hcomm), "HcclCommDestroy")
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_verl_stateless_group_ctypes_nccl_and_hccl_and_the_creation_race(sim):
+    """Re-enacts verl's weight sync between disjoint actor and rollout pools over a stateless group
+    and a ctypes communicator (verl PR 5043, merged as 064b4552; volcengine/verl):
+
+    - verl/experimental/fully_async_policy/param_sync.py `ParameterSynchronizer._init_sync_group`
+      (NPU branch; read at the versions the index holds, e.g. file id 36226540969): the address
+      and a free port (bind-and-release) from actor worker 0, then
+      `actor_wg.create_weight_sync_group(addr, port, 0, n)` dispatched and NOT awaited, and
+      `ray.get(rollout_wg.create_weight_sync_group(addr, port, n_actor, n))` awaited alone; the
+      workers' `create_weight_sync_group` (rank = own rank + rank_offset) call
+      `stateless_init_process_group` (verl/utils/distributed.py, vLLM's example helper):
+      `StatelessProcessGroup.create(host, port, rank, world_size)` (a TCPStore, rank 0 its
+      server) and `PyNcclCommunicator(pg, device)` (vllm/distributed/device_communicators/
+      pynccl.py: libnccl.so.2 by ctypes, `ncclGetUniqueId` on rank 0, the id through
+      `broadcast_obj`, `ncclCommInitRank` under `torch.cuda.device`, a 1-element warm-up
+      all-reduce, `ncclBroadcast` with a null send buffer off the root on the caller's torch
+      stream); `sync_rollout_weights` broadcasts each tensor of the weights info from rank 0 and
+      the rollout loads it.
+    - The race the PR's review named: the rollout ranks can join before rank 0 has created the
+      store, and the actor's creation is never awaited. Round 1 makes the actor's call run after
+      the rollouts' store timeout (3 s): both sides must fail within their timeouts (the rollouts
+      cannot reach a store; the actor's store sees no clients), never hang.
+    - Round 2: every rank's creation awaited together: the communicator forms and the rollouts'
+      weights equal the actor's byte for byte (bf16 and fp32; half of the tensors on a side stream).
+    - Round 3, Ascend: the same rendezvous with libhccl.so as vllm-ascend's pyhccl communicator
+      makes it (vllm_ascend/distributed/device_communicators/pyhccl.py @ 1e263aec,
+      pyhccl_wrapper.py @ 2568f302: `HcclGetRootInfo` on rank 0, the 4108-byte root info through
+      the stateless group, `HcclCommInitRootInfo`, a warm-up all-reduce, `HcclBroadcast` on an
+      ACL stream), after a training step; the rollouts get the new weights byte for byte.
+    """
+    ports = {k: str(_free_port()) for k in ("RACE_PORT", "GROUP_PORT", "HCCL_PORT")}
+    common = {
+        "WORLD": "3",
+        "RACE_STORE_TIMEOUT": "3",
+        "WITH_HCCL": "1",
+        "HCCL_BUFFSIZE": "8",
+        "TMS_SIM_NCCL_CONNECT_TIMEOUT": "20",
+        "TMS_SIM_HCCL_CONNECT_TIMEOUT": "20",
+        **ports,
+    }
+    started = time.monotonic()
+    actor, *rollouts = _run_ranks(sim, VERL_STATELESS, [{"RANK": str(r)} for r in range(3)], devices=3, extra=common)
+    took = time.monotonic() - started
+    # Round 1: not awaited together, both sides fail, each within its store timeout.
+    for r in rollouts:
+        assert "timed out" in r["race"] and "connect" in r["race"], r["race"]  # no store to reach
+        assert 2.5 < r["race_s"] < 15, r
+    assert "waiting for clients" in actor["race"], actor["race"]  # its store: no one came
+    assert 2.5 < actor["race_s"] < 15, actor
+    assert took < 100, f"the ranks took {took:.0f} s"
+    # Round 2: awaited together, the rollouts' weights are the actor's.
+    assert actor["nccl_version"] == 23007  # the simulator's library, not a real NCCL
+    names = set(actor["nccl"])
+    assert len(names) == 15
+    for r in rollouts:
+        assert all(r["before"][k] != actor["before"][k] for k in names), "the rollout started with the actor's weights"
+        assert r["nccl"] == actor["nccl"], f"rank {r['rank']}: weights differ from the actor's after the NCCL sync"
+    # Round 3: HCCL, after a training step.
+    assert all(actor["hccl"][k] != actor["nccl"][k] for k in names)
+    for r in rollouts:
+        assert r["hccl"] == actor["hccl"], f"rank {r['rank']}: weights differ from the actor's after the HCCL sync"
