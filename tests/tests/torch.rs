@@ -148,6 +148,14 @@ fn hccl_clients_run_on_the_simulator() {
     pytest("test_hccl.py");
 }
 
+/// The frameworks' weight-sync call sequences on the simulator's NCCL and HCCL: SGLang's
+/// weights-update group driven as slime drives it, and verl's stateless group with a ctypes
+/// communicator, including its group-creation race (test_weight_sync.py).
+#[test]
+fn weight_sync_call_sequences_of_sglang_slime_and_verl() {
+    pytest("test_weight_sync.py");
+}
+
 #[test]
 fn hook_under_real_torch_and_torch_memory_saver_package() {
     pytest("test_hook_under_torch.py");
