@@ -221,3 +221,62 @@ def test_hccl_connect_timeout_and_bad_init(sim):
     assert out["garbage_root_info"] == 1
     assert out["rank_out_of_range"] == 1
     assert out["missing_rank_table"] == 10  # HCCL_E_OPEN_FILE_FAILURE
+
+
+ONE_PROCESS = r"""
+import ctypes, json, struct
+acl = ctypes.CDLL("libascendcl.so")
+hccl = ctypes.CDLL("libhccl.so")
+class Item(ctypes.Structure):  # HcclSendRecvItem
+    _fields_ = [("type", ctypes.c_int), ("buf", ctypes.c_void_p), ("count", ctypes.c_uint64),
+                ("dataType", ctypes.c_int), ("remoteRank", ctypes.c_uint32)]
+comms = (ctypes.c_void_p * 2)()
+assert hccl.HcclCommInitAll(2, (ctypes.c_int32 * 2)(0, 1), comms) == 0
+comms = [ctypes.c_void_p(c) for c in comms]
+streams, bufs, a2a_in, a2a_out = [], [], [], []
+def device(values):
+    raw = struct.pack(f"<{len(values)}f", *values)
+    p = ctypes.c_void_p()
+    assert acl.aclrtMalloc(ctypes.byref(p), ctypes.c_size_t(len(raw)), 0) == 0
+    assert acl.aclrtMemcpy(p, ctypes.c_size_t(len(raw)), raw, ctypes.c_size_t(len(raw)), 1) == 0
+    return p
+for d in range(2):
+    assert acl.aclrtSetDevice(d) == 0
+    s = ctypes.c_void_p()
+    assert acl.aclrtCreateStream(ctypes.byref(s)) == 0
+    streams.append(s)
+    bufs.append((device([d + 1.0] * 4), device([0.0] * 4)))
+    a2a_in.append(device([10.0 * d + k for k in range(4)]))
+    a2a_out.append(device([0.0] * 4))
+# Each rank sends its first buffer to the other and receives into its second, items in
+# opposite orders on the two ranks: as one batch neither can wait on the other.
+for d in range(2):
+    peer = 1 - d
+    send, recv = Item(0, bufs[d][0], 4, 4, peer), Item(1, bufs[d][1], 4, 4, peer)
+    items = (Item * 2)(*((send, recv) if d == 0 else (recv, send)))
+    assert hccl.HcclBatchSendRecv(items, 2, comms[d], streams[d]) == 0
+    assert hccl.HcclAlltoAll(a2a_in[d], ctypes.c_uint64(2), 4, a2a_out[d], ctypes.c_uint64(2), 4, comms[d], streams[d]) == 0
+out = {"mismatched_alltoall": hccl.HcclAlltoAll(a2a_in[0], ctypes.c_uint64(2), 4, a2a_out[0], ctypes.c_uint64(1), 4, comms[0], streams[0])}
+def host(p):
+    buf = ctypes.create_string_buffer(16)
+    assert acl.aclrtMemcpy(buf, ctypes.c_size_t(16), p, ctypes.c_size_t(16), 2) == 0
+    return list(struct.unpack("<4f", buf.raw))
+for d in range(2):
+    assert acl.aclrtSetDevice(d) == 0
+    assert acl.aclrtSynchronizeStream(streams[d]) == 0
+out["received"] = [host(bufs[d][1]) for d in range(2)]
+out["all_to_all"] = [host(a2a_out[d]) for d in range(2)]
+for d in range(2):
+    assert hccl.HcclCommDestroy(comms[d]) == 0
+print(json.dumps(out))
+"""
+
+
+def test_hccl_one_process_two_devices_batch_send_recv_and_all_to_all(sim):
+    proc = sim.python(ONE_PROCESS, devices=2, memory="2GiB", extra={"HCCL_BUFFSIZE": "8"})
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["received"] == [[2.0] * 4, [1.0] * 4]
+    # Rank d's slice p (2 elements) goes to rank p's slot d.
+    assert out["all_to_all"] == [[0.0, 1.0, 10.0, 11.0], [2.0, 3.0, 12.0, 13.0]]
+    assert out["mismatched_alltoall"] == 1

@@ -220,6 +220,13 @@ pub unsafe extern "C" fn get_root_info(out: *mut HcclRootInfo) -> i32 {
     })
 }
 
+fn register(core: Arc<Comm>) -> *mut c_void {
+    let comm = Arc::new(HcclComm { core });
+    let ptr = Arc::as_ptr(&comm) as *mut c_void;
+    live().insert(ptr as usize, comm);
+    ptr
+}
+
 fn init(id: UniqueId, nranks: u32, rank: u32, buffer_mb: Option<u64>, out: *mut *mut c_void) -> i32 {
     if out.is_null() {
         return E_PTR;
@@ -234,11 +241,8 @@ fn init(id: UniqueId, nranks: u32, rank: u32, buffer_mb: Option<u64>, out: *mut 
     };
     match Comm::init(id, nranks as usize, rank as usize, device, &comm_config(buffer_mb)) {
         Ok(core) => {
-            let comm = Arc::new(HcclComm { core });
-            let ptr = Arc::as_ptr(&comm) as *mut c_void;
-            live().insert(ptr as usize, comm);
             // SAFETY: checked non-null.
-            unsafe { out.write(ptr) };
+            unsafe { out.write(register(core)) };
             SUCCESS
         }
         Err(e) => fail(e),
@@ -379,6 +383,135 @@ fn rank_table(text: &[u8], rank: u32) -> Result<(usize, usize), String> {
     }
     let device = ranks.get(rank as usize).map(|(_, d)| *d).ok_or(format!("rank {rank} is not in the table"))?;
     Ok((ranks.len(), device))
+}
+
+/// One process, `ndev` devices (HcclCommInitAll): a root here and each rank's init in a thread of
+/// its own, on its device.
+pub unsafe extern "C" fn comm_init_all(ndev: u32, devices: *const i32, comms: *mut *mut c_void) -> i32 {
+    call(|| {
+        if devices.is_null() || comms.is_null() {
+            return E_PTR;
+        }
+        if ndev == 0 {
+            return E_PARA;
+        }
+        // SAFETY: the caller passes ndev device ids.
+        let devs: Vec<i32> = (0..ndev as usize).map(|i| unsafe { *devices.add(i) }).collect();
+        if let Some(bad) = devs.iter().find(|d| usize::try_from(**d).map_or(true, |d| d >= sim().devices())) {
+            warn(&format!("HcclCommInitAll: device {bad} does not exist"));
+            return E_PARA;
+        }
+        let cfg = comm_config(None);
+        let id = match crate::core::collectives::transport::create_root(cfg.connect_timeout) {
+            Ok(id) => id,
+            Err(e) => return fail(e),
+        };
+        let threads: Vec<_> = devs
+            .iter()
+            .enumerate()
+            .map(|(rank, &dev)| {
+                let cfg = cfg.clone();
+                std::thread::spawn(move || {
+                    crate::core::sim::open_acl_context(dev as usize);
+                    Comm::init(id, ndev as usize, rank, dev as usize, &cfg)
+                })
+            })
+            .collect();
+        let results: Vec<Result<Arc<Comm>, CollError>> = threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|_| Err(CollError::Internal("an init thread panicked".into()))))
+            .collect();
+        if let Some(e) = results.iter().find_map(|r| r.as_ref().err()) {
+            return fail(e.clone());
+        }
+        for (i, r) in results.into_iter().enumerate() {
+            if let Ok(core) = r {
+                // SAFETY: comms holds ndev entries.
+                unsafe { comms.add(i).write(register(core)) };
+            }
+        }
+        SUCCESS
+    })
+}
+
+/// HcclSendRecvItem: {HcclSendRecvType sendRecvType (SEND 0, RECV 1); void *buf; uint64_t count;
+/// HcclDataType dataType; uint32_t remoteRank}.
+#[repr(C)]
+pub struct HcclSendRecvItem {
+    pub kind: i32,
+    pub buf: *mut c_void,
+    pub count: u64,
+    pub dtype: i32,
+    pub remote_rank: u32,
+}
+
+/// Sends and receives queued together: they run as one operation, sends first, so no order of
+/// items can deadlock (HcclBatchSendRecv).
+pub unsafe extern "C" fn batch_send_recv(
+    items: *const HcclSendRecvItem,
+    n: u32,
+    comm: *mut c_void,
+    stream: *mut c_void,
+) -> i32 {
+    call(|| {
+        if items.is_null() && n > 0 {
+            return E_PTR;
+        }
+        let core = match lookup(comm) {
+            Ok(c) => c,
+            Err(code) => return code,
+        };
+        let mut ops = Vec::with_capacity(n as usize);
+        for i in 0..n as usize {
+            // SAFETY: the caller passes n items.
+            let it = unsafe { &*items.add(i) };
+            let (dtype, count) = match dtype_of(it.dtype).and_then(|d| Ok((d, count_of(it.count)?))) {
+                Ok(v) => v,
+                Err(code) => return code,
+            };
+            let (buf, peer) = (it.buf as usize, it.remote_rank as usize);
+            ops.push(match it.kind {
+                0 => Op::Send { buf, count, dtype, peer },
+                1 => Op::Recv { buf, count, dtype, peer },
+                k => {
+                    warn(&format!("HcclBatchSendRecv: item {i} has type {k} (HCCL_SEND 0, HCCL_RECV 1)"));
+                    return E_PARA;
+                }
+            });
+        }
+        if !sim().streams.exists(stream as usize) {
+            return E_PARA;
+        }
+        match core.submit(stream as usize, ops, crate::acl::code_of) {
+            Ok(()) => SUCCESS,
+            Err(e) => fail(e),
+        }
+    })
+}
+
+/// HcclAlltoAll with one count and type for every peer (what the core models); differing send
+/// and receive counts or types are refused.
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn all_to_all(
+    send: *const c_void,
+    send_count: u64,
+    send_type: i32,
+    recv: *const c_void,
+    recv_count: u64,
+    recv_type: i32,
+    comm: *mut c_void,
+    stream: *mut c_void,
+) -> i32 {
+    call(|| {
+        if send_count != recv_count || send_type != recv_type {
+            warn("HcclAlltoAll: send and receive counts and types must match in the simulator");
+            return E_PARA;
+        }
+        let o = dtype_of(send_type).and_then(|dtype| {
+            Ok(Op::AllToAll { send: send as usize, recv: recv as usize, count: count_of(send_count)?, dtype })
+        });
+        enqueue(comm, stream, o)
+    })
 }
 
 pub unsafe extern "C" fn comm_destroy(comm: *mut c_void) -> i32 {

@@ -215,6 +215,9 @@ export! {
     HcclCommInitRootInfo => hccl::comm_init_root_info;
     HcclCommInitRootInfoConfig => hccl::comm_init_root_info_config;
     HcclCommInitClusterInfo => hccl::comm_init_cluster_info;
+    HcclCommInitAll => hccl::comm_init_all;
+    HcclBatchSendRecv => hccl::batch_send_recv;
+    HcclAlltoAll => hccl::all_to_all;
     HcclCommDestroy => hccl::comm_destroy;
     HcclGetRankSize => hccl::get_rank_size;
     HcclGetRankId => hccl::get_rank_id;
