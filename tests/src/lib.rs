@@ -127,7 +127,22 @@ fn build_stubs(ws: &Workspace) {
     mk("libcudart.so.12", &rt, Some("libcudart.so.12"));
     mk("libcuda.so.1", &drv, None);
     mk("libascendcl.so", &acl, None);
+    let nccl: Vec<String> = NCCL_FUNCTIONS.iter().map(|n| n.to_string()).collect();
+    mk("libnccl.so.2", &nccl, None);
 }
+
+/// The NCCL functions tests/c/nccl_consumer.c calls (it declares them itself).
+const NCCL_FUNCTIONS: &[&str] = &[
+    "ncclCommInitAll",
+    "ncclCommDestroy",
+    "ncclCommSuspend",
+    "ncclCommResume",
+    "ncclCommMemStats",
+    "ncclAllReduce",
+    "ncclGroupStart",
+    "ncclGroupEnd",
+    "ncclGetLastError",
+];
 
 fn cc(args: &[String]) {
     let out = Command::new("cc").args(args).output().expect("run cc");

@@ -41,6 +41,14 @@ fn header_declares_exactly_the_exports() {
         "aclrtMallocAlign32",
         "aclrtFree",
         "dlsym",
+        "ncclCommInitRank",
+        "ncclCommInitRankConfig",
+        "ncclCommInitRankScalable",
+        "ncclCommInitAll",
+        "ncclCommSplit",
+        "ncclCommShrink",
+        "ncclCommDestroy",
+        "ncclCommAbort",
     ]
     .map(String::from)
     .into();

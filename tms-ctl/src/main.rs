@@ -489,6 +489,20 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                             human(t.backup_bytes)
                         );
                     }
+                    for c in &st.communicators {
+                        println!(
+                            "  nccl communicator {:#x} on device {}: suspendable {}, persistent {}, {}",
+                            c.handle,
+                            c.device.map_or_else(|| "?".to_string(), |d| d.to_string()),
+                            human(c.suspendable_bytes),
+                            human(c.persistent_bytes),
+                            match (c.suspended, c.suspended_by_tms) {
+                                (false, _) => "active",
+                                (true, true) => "suspended (tag nccl)",
+                                (true, false) => "suspended by the application",
+                            }
+                        );
+                    }
                 }
                 None => println!("pid {}: no answer: {}", r.pid, r.error.as_deref().unwrap_or("?")),
             }

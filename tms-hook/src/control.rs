@@ -373,6 +373,17 @@ pub fn status() -> Status {
         retain_backup: s.retain_backup(),
         default_backup: region::default_backup(),
         pooled_backup_bytes: s.pooled_bytes(),
+        communicators: crate::comms::status()
+            .into_iter()
+            .map(|c| tms_proto::CommInfo {
+                handle: c.handle as u64,
+                device: c.device,
+                suspendable_bytes: c.suspendable_bytes,
+                persistent_bytes: c.persistent_bytes,
+                suspended: c.suspended,
+                suspended_by_tms: c.suspended_by_tms,
+            })
+            .collect(),
     }
 }
 
@@ -437,7 +448,7 @@ fn dispatch(req: Request) -> Reply {
 /// Whether the process knows `tag`: something carries it now, or it was used before (a pause
 /// between one allocation's free and the next one's is no error; a name never used here is).
 fn tag_carried(tag: &str) -> bool {
-    region::lookup(tag) != region::NO_SUCH_TAG || region::ever_used(tag)
+    region::lookup(tag) != region::NO_SUCH_TAG || region::ever_used(tag) || crate::comms::is_known_tag(tag)
 }
 
 /// A failed operation's reply carries its report too: what was done, skipped and failed.

@@ -10,6 +10,7 @@
 //! threads, no files in processes that never use a device.
 
 pub mod backup;
+pub mod comms;
 pub mod config;
 pub mod control;
 pub mod device;

@@ -306,6 +306,29 @@ pub struct Status {
     /// hooks older than this field).
     #[serde(default)]
     pub pooled_backup_bytes: u64,
+    /// The NCCL communicators the process created (tag `nccl`); absent when it has none, and
+    /// from hooks older than this field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub communicators: Vec<CommInfo>,
+}
+
+/// One NCCL communicator, as `ncclCommMemStats` describes its device memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommInfo {
+    /// The communicator's handle in the process, for telling them apart.
+    pub handle: u64,
+    /// Its CUDA device (absent while a non-blocking init is still running).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<i32>,
+    /// Device bytes a suspend releases (ncclStatGpuMemSuspend).
+    pub suspendable_bytes: u64,
+    /// Device bytes that stay while suspended (ncclStatGpuMemPersist).
+    pub persistent_bytes: u64,
+    pub suspended: bool,
+    /// Suspended by tms (pause of tag `nccl`), so resumed by it; one the application suspended
+    /// itself is left to it.
+    #[serde(default)]
+    pub suspended_by_tms: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

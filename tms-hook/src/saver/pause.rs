@@ -36,6 +36,10 @@ impl Saver {
         }
         self.spill_to_disk(&mut jobs);
         self.finish(jobs, &mut report, State::Paused, State::Active);
+        if name == Some(crate::comms::TAG) {
+            let no_allocations = report.allocations_done + report.allocations_skipped + report.allocations_failed == 0;
+            crate::comms::pause(self, &mut report, no_allocations);
+        }
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
         tracing::info!("tms: pause {}: {}", super::error::tag_label(name), report.summary("paused"));
         report

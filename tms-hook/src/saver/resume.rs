@@ -93,6 +93,10 @@ impl Saver {
         }
         self.finish(jobs, &mut report, State::Active, State::Paused);
         self.finish(unreadable, &mut report, State::Active, State::Paused);
+        if name == Some(crate::comms::TAG) {
+            let no_allocations = report.allocations_done + report.allocations_skipped + report.allocations_failed == 0;
+            crate::comms::resume(self, &mut report, no_allocations);
+        }
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
         match &report.error {
             // A job that wakes with memory still unmapped crashes on its next kernel: say so even

@@ -1,0 +1,181 @@
+//! NCCL's communicator creation and destruction (nccl.h of NCCL 2.30): each call goes to the
+//! real library first, unchanged, and the communicator it made or ends is then recorded or
+//! forgotten (comms.rs) so that the reserved tag `nccl` can suspend and resume it.
+//!
+//! These are reached only by a process that calls NCCL, and NCCL is never needed to build or load
+//! the hook. Unlike the allocation hooks they do not mark the thread as inside the hook: NCCL's
+//! own device allocations during init go on to the allocation hooks exactly as without them.
+#![allow(non_snake_case)] // the vendor ABI names these functions
+
+use crate::comms;
+use crate::forward::Target;
+use libc::{c_char, c_int, c_void};
+use std::ffi::CStr;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+const NCCL: &[&CStr] = &[c"libnccl.so.2", c"libnccl.so"];
+const SUCCESS: c_int = 0;
+const INTERNAL_ERROR: c_int = 3;
+const IN_PROGRESS: c_int = 7;
+
+static INIT_RANK: Target = Target::new(c"ncclCommInitRank", NCCL);
+static INIT_RANK_CONFIG: Target = Target::new(c"ncclCommInitRankConfig", NCCL);
+static INIT_RANK_SCALABLE: Target = Target::new(c"ncclCommInitRankScalable", NCCL);
+static INIT_ALL: Target = Target::new(c"ncclCommInitAll", NCCL);
+static SPLIT: Target = Target::new(c"ncclCommSplit", NCCL);
+static SHRINK: Target = Target::new(c"ncclCommShrink", NCCL);
+static DESTROY: Target = Target::new(c"ncclCommDestroy", NCCL);
+static ABORT: Target = Target::new(c"ncclCommAbort", NCCL);
+
+/// ncclUniqueId, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NcclUniqueId {
+    pub internal: [c_char; 128],
+}
+
+/// The real function's address; None (with a warning) when no loaded library has it.
+fn real(t: &Target, own: usize) -> Option<usize> {
+    let f = t.resolve(own);
+    if f.is_none() {
+        tracing::warn!("tms: {} called but no NCCL library providing it is loaded", t.name.to_string_lossy());
+    }
+    f
+}
+
+/// Records what a creation call made, if it made something; never unwinds into C.
+fn record(rc: c_int, out: *mut *mut c_void, count: usize) {
+    if (rc != SUCCESS && rc != IN_PROGRESS) || out.is_null() {
+        return;
+    }
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        for i in 0..count {
+            // SAFETY: the real call succeeded and filled `count` handles at `out`.
+            comms::created(unsafe { *out.add(i) });
+        }
+    }));
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut *mut c_void,
+    nranks: c_int,
+    id: NcclUniqueId,
+    rank: c_int,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut *mut c_void, c_int, NcclUniqueId, c_int) -> c_int;
+    let Some(f) = real(&INIT_RANK, ncclCommInitRank as *const () as usize) else { return INTERNAL_ERROR };
+    // SAFETY: NCCL's function, with the caller's arguments.
+    let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm, nranks, id, rank) };
+    record(rc, comm, 1);
+    rc
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut *mut c_void,
+    nranks: c_int,
+    id: NcclUniqueId,
+    rank: c_int,
+    config: *mut c_void,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut *mut c_void, c_int, NcclUniqueId, c_int, *mut c_void) -> c_int;
+    let Some(f) = real(&INIT_RANK_CONFIG, ncclCommInitRankConfig as *const () as usize) else {
+        return INTERNAL_ERROR;
+    };
+    // SAFETY: NCCL's function, with the caller's arguments.
+    let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm, nranks, id, rank, config) };
+    record(rc, comm, 1);
+    rc
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommInitRankScalable(
+    comm: *mut *mut c_void,
+    nranks: c_int,
+    rank: c_int,
+    n_ids: c_int,
+    ids: *mut NcclUniqueId,
+    config: *mut c_void,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut *mut c_void, c_int, c_int, c_int, *mut NcclUniqueId, *mut c_void) -> c_int;
+    let Some(f) = real(&INIT_RANK_SCALABLE, ncclCommInitRankScalable as *const () as usize) else {
+        return INTERNAL_ERROR;
+    };
+    // SAFETY: NCCL's function, with the caller's arguments.
+    let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm, nranks, rank, n_ids, ids, config) };
+    record(rc, comm, 1);
+    rc
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommInitAll(comms: *mut *mut c_void, ndev: c_int, devlist: *const c_int) -> c_int {
+    type F = unsafe extern "C" fn(*mut *mut c_void, c_int, *const c_int) -> c_int;
+    let Some(f) = real(&INIT_ALL, ncclCommInitAll as *const () as usize) else { return INTERNAL_ERROR };
+    // SAFETY: NCCL's function, with the caller's arguments.
+    let rc = unsafe { std::mem::transmute::<usize, F>(f)(comms, ndev, devlist) };
+    if rc == SUCCESS {
+        record(rc, comms, usize::try_from(ndev).unwrap_or(0));
+    }
+    rc
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommSplit(
+    comm: *mut c_void,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut *mut c_void,
+    config: *mut c_void,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut c_void, c_int, c_int, *mut *mut c_void, *mut c_void) -> c_int;
+    let Some(f) = real(&SPLIT, ncclCommSplit as *const () as usize) else { return INTERNAL_ERROR };
+    // SAFETY: NCCL's function, with the caller's arguments.
+    let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm, color, key, newcomm, config) };
+    // A rank with NCCL_SPLIT_NOCOLOR gets NULL, which is not recorded.
+    record(rc, newcomm, 1);
+    rc
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: *mut c_void,
+    exclude: *mut c_int,
+    exclude_count: c_int,
+    newcomm: *mut *mut c_void,
+    config: *mut c_void,
+    flags: c_int,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut c_void, *mut c_int, c_int, *mut *mut c_void, *mut c_void, c_int) -> c_int;
+    let Some(f) = real(&SHRINK, ncclCommShrink as *const () as usize) else { return INTERNAL_ERROR };
+    // SAFETY: NCCL's function, with the caller's arguments.
+    let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm, exclude, exclude_count, newcomm, config, flags) };
+    record(rc, newcomm, 1);
+    rc
+}
+
+/// Waits for a pause or resume of the communicators in progress, forgets this one, then destroys
+/// it: NCCL never sees a suspend of a communicator being destroyed.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommDestroy(comm: *mut c_void) -> c_int {
+    type F = unsafe extern "C" fn(*mut c_void) -> c_int;
+    let Some(f) = real(&DESTROY, ncclCommDestroy as *const () as usize) else { return INTERNAL_ERROR };
+    let guard = catch_unwind(AssertUnwindSafe(|| comms::destroying(comm))).ok();
+    // SAFETY: NCCL's function, with the caller's argument.
+    let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm) };
+    drop(guard);
+    rc
+}
+
+/// Forgets the communicator and ends it at once, without waiting for a pause or resume in
+/// progress: abort is how an application stops work that is stuck, maybe the very work a suspend
+/// waits for.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommAbort(comm: *mut c_void) -> c_int {
+    type F = unsafe extern "C" fn(*mut c_void) -> c_int;
+    let Some(f) = real(&ABORT, ncclCommAbort as *const () as usize) else { return INTERNAL_ERROR };
+    // Forgotten first: once NCCL has freed it, a new communicator may get the same address.
+    let _ = catch_unwind(AssertUnwindSafe(|| comms::forget(comm)));
+    // SAFETY: NCCL's function, with the caller's argument.
+    unsafe { std::mem::transmute::<usize, F>(f)(comm) }
+}
