@@ -312,6 +312,16 @@ fn cli_pauses_and_resumes_while_the_process_allocates() {
     let child = node.hooked(&argv).stdout(std::process::Stdio::piped()).spawn().unwrap();
     let sock = socket_of(&node, child.id());
     let target = sock.to_str().unwrap().to_string();
+    // The socket opens at the first region allocation; a tag the process has not allocated with
+    // yet is unknown (exit 2), so wait until both exist before churning.
+    let ready = Instant::now();
+    for tag in ["volatile", "stable"] {
+        while !node.ctl(&["pause", "--tag", tag, &target]).output().unwrap().status.success() {
+            assert!(ready.elapsed() < Duration::from_secs(20), "tag {tag} never appeared");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        run_ok(&mut node.ctl(&["resume", "--tag", tag, &target]));
+    }
     let mut cycles = 0;
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(3) {
