@@ -35,8 +35,8 @@ enum Command {
     #[command(after_long_help = RUN_HELP)]
     Run(Box<RunArgs>),
     /// Measure interception, region allocation, pause/resume (bytes and counts, with and without
-    /// backup) against the raw pinned copy, and host memory, through CUDA or ACL (Ascend); print
-    /// tables, write JSON and SVG.
+    /// backup) against the raw pinned copy, host memory, and an ncclBroadcast between two devices
+    /// against the link, through CUDA or ACL (Ascend); print tables, write JSON and SVG.
     Bench {
         /// Where to run: the real CUDA driver, an Ascend NPU through ACL (CANN), the simulator,
         /// or auto (CUDA if present, else an NPU if CANN is, else the simulator).
@@ -62,6 +62,15 @@ enum Command {
         /// (0: unthrottled host memcpy).
         #[arg(long, default_value_t = 25.0)]
         sim_copy_gbps: f64,
+        /// Simulator: the link between the collective row's two devices in GB/s per direction
+        /// (TMS_SIM_LINK_GBPS for its ranks; 0: no modelled time). The default is a rate this
+        /// host's memcpy can carry, so the row measures the simulator against its model.
+        #[arg(long, default_value_t = 2.0)]
+        sim_link_gbps: f64,
+        /// The collective row's ncclBroadcast sizes, comma-separated (default 64MiB,256MiB,1GiB;
+        /// 16MiB,64MiB with --quick).
+        #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+        broadcast_sizes: Option<Vec<usize>>,
         /// Exit 1 when a target is missed (without it, missed targets are reported and the exit
         /// is 0: the figures are the product).
         #[arg(long)]
@@ -299,6 +308,12 @@ impl RunArgs {
     }
 }
 
+/// A size such as `64MiB` or `1GiB` (tms's size syntax).
+fn parse_bytes(text: &str) -> Result<usize, String> {
+    let n = tms_proto::size::parse_size(text)?;
+    if n == 0 { Err("a size must be > 0".into()) } else { usize::try_from(n).map_err(|e| e.to_string()) }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -323,10 +338,24 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::Bench { device, api, quick, out, hook, sim_memory, sim_copy_gbps, check, upstream_lib } => {
-            if !(sim_copy_gbps >= 0.0 && sim_copy_gbps.is_finite()) {
-                eprintln!("relax-colocate: --sim-copy-gbps must be a number >= 0");
-                return ExitCode::from(2);
+        Command::Bench {
+            device,
+            api,
+            quick,
+            out,
+            hook,
+            sim_memory,
+            sim_copy_gbps,
+            sim_link_gbps,
+            broadcast_sizes,
+            check,
+            upstream_lib,
+        } => {
+            for (flag, v) in [("--sim-copy-gbps", sim_copy_gbps), ("--sim-link-gbps", sim_link_gbps)] {
+                if !(v >= 0.0 && v.is_finite()) {
+                    eprintln!("relax-colocate: {flag} must be a number >= 0");
+                    return ExitCode::from(2);
+                }
             }
             if let bench::upstream::UpstreamLib::Path(_) = &upstream_lib {
                 let ascend = api == Some(bench::ApiKind::Acl) || device == bench::DeviceKind::Npu;
@@ -343,7 +372,18 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             }
-            let opts = bench::Options { device, api, quick, out, hook, sim_memory, sim_copy_gbps, upstream_lib };
+            let opts = bench::Options {
+                device,
+                api,
+                quick,
+                out,
+                hook,
+                sim_memory,
+                sim_copy_gbps,
+                sim_link_gbps,
+                broadcast_sizes,
+                upstream_lib,
+            };
             match bench::run(&opts) {
                 Ok(verdict) if verdict.missed.is_empty() => ExitCode::SUCCESS,
                 Ok(verdict) => {
