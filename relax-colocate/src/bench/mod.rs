@@ -138,7 +138,13 @@ impl Env {
 
     /// The worker process of a scenario, its environment set (on the simulator: a node of its
     /// own with one device, unless `extra` says otherwise).
-    fn command(&self, hooked: bool, scenario: &str, args: &[String], extra: &[(&str, &str)]) -> Result<Command, String> {
+    fn command(
+        &self,
+        hooked: bool,
+        scenario: &str,
+        args: &[String],
+        extra: &[(&str, &str)],
+    ) -> Result<Command, String> {
         let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
         cmd.arg("bench-worker").arg(self.api.as_str()).arg(scenario).args(args).env_remove("LD_PRELOAD");
         if hooked {
@@ -616,7 +622,9 @@ pub fn worker_main(args: &[String]) -> Result<Value, String> {
         Some("count") => worker::count_scan(api, &list(1)?, num(2)?),
         Some("memory") => worker::memory(api, num(1)?, num(2)?),
         Some("side") => worker::side_by_side(&list(1)?, num(2)?),
-        Some("broadcast") => collective::rank(num(1)?, args.get(2).ok_or("bench-worker: missing id file")?, &list(3)?, num(4)?),
+        Some("broadcast") => {
+            collective::rank(num(1)?, args.get(2).ok_or("bench-worker: missing id file")?, &list(3)?, num(4)?)
+        }
         other => Err(format!("bench-worker: unknown scenario {other:?}")),
     }
 }

@@ -74,6 +74,11 @@ pub fn write_collective(dir: &Path, rows: &[Value]) -> std::io::Result<()> {
     let size = Axis::log("broadcast size", Quantity::Bytes);
     std::fs::write(
         dir.join("broadcast_vs_link.svg"),
-        chart("Broadcast between two devices vs the modelled link", size, Axis::log("throughput", Quantity::Rate), lines),
+        chart(
+            "Broadcast between two devices vs the modelled link",
+            size,
+            Axis::log("throughput", Quantity::Rate),
+            lines,
+        ),
     )
 }
