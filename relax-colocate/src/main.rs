@@ -63,9 +63,9 @@ enum Command {
         #[arg(long, default_value_t = 25.0)]
         sim_copy_gbps: f64,
         /// Simulator: the link between the collective row's two devices in GB/s per direction
-        /// (TMS_SIM_LINK_GBPS for its ranks; 0: no modelled time). The default is a rate this
-        /// host's memcpy can carry, so the row measures the simulator against its model.
-        #[arg(long, default_value_t = 2.0)]
+        /// (TMS_SIM_LINK_GBPS for its ranks; 0: no modelled time). The default is a rate a busy
+        /// 2-core host carries, so the row measures the simulator against its model, not the host.
+        #[arg(long, default_value_t = 0.5)]
         sim_link_gbps: f64,
         /// The collective row's ncclBroadcast sizes, comma-separated (default 64MiB,256MiB,1GiB;
         /// 16MiB,64MiB with --quick).

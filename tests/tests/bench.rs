@@ -9,7 +9,7 @@ use tms_e2e::*;
 #[test]
 fn quick_bench_prints_every_table_and_writes_results() {
     quick_bench(
-        &["--broadcast-sizes", "2MiB,8MiB"],
+        &["--broadcast-sizes", "2MiB,8MiB", "--sim-link-gbps", "2"],
         "cuda",
         &["cudaFree(NULL)", "cudaMalloc(4 KiB) + cudaFree", "reserve+create+map+access", "MODELLED link of 2 GB/s"],
     );
@@ -106,9 +106,10 @@ fn quick_bench(api: &[&str], vendor: &str, labels: &[&str]) {
     collective_row(&results["collective"], vendor, &stdout, out.path());
 }
 
-/// Through CUDA: one row per size given, each with its bytes, a positive time and rate, the
-/// modelled link and the share of it, the bytes arrived, and a plot. Through ACL: skipped, saying
-/// why. No figure is judged here: the target is the bench's, on sizes of 64 MiB and more.
+/// Through CUDA: one row per size given (--broadcast-sizes), each with its bytes, a positive time
+/// and rate, the modelled link given (--sim-link-gbps) and the share of it, the bytes arrived, and
+/// a plot. Through ACL: skipped, saying why. No figure is judged here: the target is the bench's,
+/// on sizes of 64 MiB and more.
 fn collective_row(row: &serde_json::Value, vendor: &str, stdout: &str, out: &std::path::Path) {
     if vendor == "acl" {
         assert!(row["skipped"].as_str().is_some_and(|s| s.contains("NCCL")), "{row}");

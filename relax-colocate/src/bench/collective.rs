@@ -5,9 +5,10 @@
 //! `ncclGetUniqueId` reaches rank 1 through a file, and every size is broadcast several times on a
 //! stream of each rank, the stream synchronized after each. For a broadcast NCCL's bus bandwidth
 //! equals bytes / time (nccl-tests' factor is 1), which is what the simulator charges its link
-//! for. The figure is the simulator's fidelity to its own model, so the bench models a link this
-//! host can carry (`--sim-link-gbps`, 2 GB/s by default: the simulator's default of 450 GB/s,
-//! an H100's NVLink, is above a 2-core VM's memcpy, and would measure the host instead).
+//! for. The figure is the simulator's fidelity to its own model, so the bench models a link the
+//! host can carry (`--sim-link-gbps`, 0.5 GB/s by default: the simulator's default of 450 GB/s,
+//! an H100's NVLink, is far above what moves between two processes on a 2-core VM, about 0.7 to
+//! 1.1 GB/s there with no modelled time (docs/perf.md), and would measure the host instead).
 
 use super::{DeviceKind, Env, Options, Target, f, finish, gbs, human, table};
 use crate::runtime::{Nccl, NcclUniqueId, Runtime, Streams, check, load_cuda, load_nccl};
