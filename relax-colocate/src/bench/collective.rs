@@ -308,3 +308,28 @@ fn arrived(rt: &Runtime, buf: *mut libc::c_void, len: usize) -> Result<bool, Str
     }
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank_rows(times: &[(usize, f64)]) -> Value {
+        json!({ "rows": times.iter().map(|(b, t)| json!({ "bytes": b, "time_ns": t })).collect::<Vec<_>>() })
+    }
+
+    #[test]
+    fn a_size_takes_the_slower_rank_and_only_64_mib_and_more_are_judged() {
+        let ranks =
+            [rank_rows(&[(16 * MIB, 1e6), (64 * MIB, 134e6)]), rank_rows(&[(16 * MIB, 2e6), (64 * MIB, 140e6)])];
+        let rows = combine(&ranks, Some(0.5));
+        assert_eq!(f(&rows[1], "time_ns"), 140e6);
+        let share = (64 * MIB) as f64 / 0.14 / 0.5e9;
+        assert!((f(&rows[1], "link_share") - share).abs() < 1e-12);
+        // 16 MiB at 8 GB/s would pass; 64 MiB at 96 % is what the target reads.
+        let (_, measured, met) = judge(&rows).unwrap();
+        assert_eq!((measured.as_str(), met), ("96%", true));
+        assert!(judge(&rows[..1]).is_none());
+        let unmodelled = combine(&ranks, None);
+        assert!(unmodelled[0]["link_share"].is_null() && unmodelled[0]["link_bytes_per_s"].is_null());
+    }
+}
