@@ -35,44 +35,9 @@ enum Command {
     #[command(after_long_help = RUN_HELP)]
     Run(Box<RunArgs>),
     /// Measure interception, region allocation, pause/resume (bytes and counts, with and without
-    /// backup) against the raw pinned copy, and host memory, through CUDA or ACL (Ascend); print
-    /// tables, write JSON and SVG.
-    Bench {
-        /// Where to run: the real CUDA driver, an Ascend NPU through ACL (CANN), the simulator,
-        /// or auto (CUDA if present, else an NPU if CANN is, else the simulator).
-        #[arg(long, value_enum, default_value = "auto")]
-        device: bench::DeviceKind,
-        /// The vendor API the scenarios call: the device's own by default (cuda, acl for npu).
-        /// `--device sim --api acl` runs the NPU path on the simulator.
-        #[arg(long, value_enum)]
-        api: Option<bench::ApiKind>,
-        /// Small sizes and iteration counts (about 30 s on the simulator; what CI runs).
-        #[arg(long)]
-        quick: bool,
-        /// Output folder for results.json and the plots.
-        #[arg(long, default_value = "runs/bench")]
-        out: PathBuf,
-        /// libtms_hook.so to measure (default: next to this binary, or ../lib).
-        #[arg(long)]
-        hook: Option<PathBuf>,
-        /// Simulator: capacity of the device.
-        #[arg(long, default_value = "64GiB")]
-        sim_memory: String,
-        /// Simulator: host<->device copy bandwidth per direction in GB/s, like a PCIe link
-        /// (0: unthrottled host memcpy).
-        #[arg(long, default_value_t = 25.0)]
-        sim_copy_gbps: f64,
-        /// Exit 1 when a target is missed (without it, missed targets are reported and the exit
-        /// is 0: the figures are the product).
-        #[arg(long)]
-        check: bool,
-        /// torch_memory_saver's own preload library to run side by side with ours, through the
-        /// same C calls in the same run (CUDA only): a path, `auto` (the torch_memory_saver
-        /// package of `python3` on PATH, if it is torch_memory_saver's own), or `none`. Two more
-        /// targets are judged when it runs: pause and resume with backup no slower than it.
-        #[arg(long, default_value = "auto", value_name = "PATH|auto|none")]
-        upstream_lib: bench::upstream::UpstreamLib,
-    },
+    /// backup) against the raw pinned copy, host memory, and an ncclBroadcast between two devices
+    /// against the link, through CUDA or ACL (Ascend); print tables, write JSON and SVG.
+    Bench(Box<BenchArgs>),
     /// Internal: a built-in worker process of `run` (trainer or rollout).
     #[command(hide = true)]
     Worker { role: String },
@@ -114,6 +79,53 @@ Examples:
   relax-colocate run --set memory.scale=0.01 --memory-profile qwen3-8b --device sim
   relax-colocate run --offload false                   # see the OOM the saver prevents
   relax-colocate run --trainer-cmd 'python3 my_trainer.py' --rollout-cmd 'python3 my_engine.py'";
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Where to run: the real CUDA driver, an Ascend NPU through ACL (CANN), the simulator,
+    /// or auto (CUDA if present, else an NPU if CANN is, else the simulator).
+    #[arg(long, value_enum, default_value = "auto")]
+    device: bench::DeviceKind,
+    /// The vendor API the scenarios call: the device's own by default (cuda, acl for npu).
+    /// `--device sim --api acl` runs the NPU path on the simulator.
+    #[arg(long, value_enum)]
+    api: Option<bench::ApiKind>,
+    /// Small sizes and iteration counts (about 30 s on the simulator; what CI runs).
+    #[arg(long)]
+    quick: bool,
+    /// Output folder for results.json and the plots.
+    #[arg(long, default_value = "runs/bench")]
+    out: PathBuf,
+    /// libtms_hook.so to measure (default: next to this binary, or ../lib).
+    #[arg(long)]
+    hook: Option<PathBuf>,
+    /// Simulator: capacity of the device.
+    #[arg(long, default_value = "64GiB")]
+    sim_memory: String,
+    /// Simulator: host<->device copy bandwidth per direction in GB/s, like a PCIe link
+    /// (0: unthrottled host memcpy).
+    #[arg(long, default_value_t = 25.0)]
+    sim_copy_gbps: f64,
+    /// Simulator: the link between the collective row's two devices in GB/s per direction
+    /// (TMS_SIM_LINK_GBPS for its ranks; 0: no modelled time). The default is a rate a busy
+    /// 2-core host carries, so the row measures the simulator against its model, not the host.
+    #[arg(long, default_value_t = 0.5)]
+    sim_link_gbps: f64,
+    /// The collective row's ncclBroadcast sizes, comma-separated (default 64MiB,256MiB,1GiB;
+    /// 16MiB,64MiB with --quick).
+    #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+    broadcast_sizes: Option<Vec<usize>>,
+    /// Exit 1 when a target is missed (without it, missed targets are reported and the exit
+    /// is 0: the figures are the product).
+    #[arg(long)]
+    check: bool,
+    /// torch_memory_saver's own preload library to run side by side with ours, through the
+    /// same C calls in the same run (CUDA only): a path, `auto` (the torch_memory_saver
+    /// package of `python3` on PATH, if it is torch_memory_saver's own), or `none`. Two more
+    /// targets are judged when it runs: pause and resume with backup no slower than it.
+    #[arg(long, default_value = "auto", value_name = "PATH|auto|none")]
+    upstream_lib: bench::upstream::UpstreamLib,
+}
 
 #[derive(clap::Args)]
 struct RunArgs {
@@ -299,6 +311,79 @@ impl RunArgs {
     }
 }
 
+/// A size such as `64MiB` or `1GiB` (tms's size syntax).
+fn parse_bytes(text: &str) -> Result<usize, String> {
+    let n = tms_proto::size::parse_size(text)?;
+    if n == 0 { Err("a size must be > 0".into()) } else { usize::try_from(n).map_err(|e| e.to_string()) }
+}
+
+/// `relax-colocate bench`: checks the flags, runs the bench, exits by its verdict.
+fn bench_main(args: BenchArgs) -> ExitCode {
+    let BenchArgs {
+        device,
+        api,
+        quick,
+        out,
+        hook,
+        sim_memory,
+        sim_copy_gbps,
+        sim_link_gbps,
+        broadcast_sizes,
+        check,
+        upstream_lib,
+    } = args;
+    for (flag, v) in [("--sim-copy-gbps", sim_copy_gbps), ("--sim-link-gbps", sim_link_gbps)] {
+        if !(v >= 0.0 && v.is_finite()) {
+            eprintln!("relax-colocate: {flag} must be a number >= 0");
+            return ExitCode::from(2);
+        }
+    }
+    if let bench::upstream::UpstreamLib::Path(_) = &upstream_lib {
+        let ascend = api == Some(bench::ApiKind::Acl) || device == bench::DeviceKind::Npu;
+        let refused = match bench::upstream::resolve(&upstream_lib) {
+            Err(e) => Some(e),
+            Ok(_) if ascend => Some("torch_memory_saver has no Ascend backend".to_string()),
+            Ok(_) => None,
+        };
+        if let Some(why) = refused {
+            eprintln!(
+                "relax-colocate: --upstream-lib: {why}; pass torch_memory_saver's own preload library \
+                 (CUDA only), or none"
+            );
+            return ExitCode::from(2);
+        }
+    }
+    let opts = bench::Options {
+        device,
+        api,
+        quick,
+        out,
+        hook,
+        sim_memory,
+        sim_copy_gbps,
+        sim_link_gbps,
+        broadcast_sizes,
+        upstream_lib,
+    };
+    match bench::run(&opts) {
+        Ok(verdict) if verdict.missed.is_empty() => ExitCode::SUCCESS,
+        Ok(verdict) => {
+            let what = format!("{} of {} targets missed", verdict.missed.len(), verdict.targets);
+            if check {
+                eprintln!("relax-colocate bench --check: {what}: {}", verdict.missed.join("; "));
+                ExitCode::from(1)
+            } else {
+                eprintln!("relax-colocate bench: {what} (--check makes that exit 1)");
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            eprintln!("relax-colocate: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -323,45 +408,7 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::Bench { device, api, quick, out, hook, sim_memory, sim_copy_gbps, check, upstream_lib } => {
-            if !(sim_copy_gbps >= 0.0 && sim_copy_gbps.is_finite()) {
-                eprintln!("relax-colocate: --sim-copy-gbps must be a number >= 0");
-                return ExitCode::from(2);
-            }
-            if let bench::upstream::UpstreamLib::Path(_) = &upstream_lib {
-                let ascend = api == Some(bench::ApiKind::Acl) || device == bench::DeviceKind::Npu;
-                let refused = match bench::upstream::resolve(&upstream_lib) {
-                    Err(e) => Some(e),
-                    Ok(_) if ascend => Some("torch_memory_saver has no Ascend backend".to_string()),
-                    Ok(_) => None,
-                };
-                if let Some(why) = refused {
-                    eprintln!(
-                        "relax-colocate: --upstream-lib: {why}; pass torch_memory_saver's own preload library \
-                         (CUDA only), or none"
-                    );
-                    return ExitCode::from(2);
-                }
-            }
-            let opts = bench::Options { device, api, quick, out, hook, sim_memory, sim_copy_gbps, upstream_lib };
-            match bench::run(&opts) {
-                Ok(verdict) if verdict.missed.is_empty() => ExitCode::SUCCESS,
-                Ok(verdict) => {
-                    let what = format!("{} of {} targets missed", verdict.missed.len(), verdict.targets);
-                    if check {
-                        eprintln!("relax-colocate bench --check: {what}: {}", verdict.missed.join("; "));
-                        ExitCode::from(1)
-                    } else {
-                        eprintln!("relax-colocate bench: {what} (--check makes that exit 1)");
-                        ExitCode::SUCCESS
-                    }
-                }
-                Err(e) => {
-                    eprintln!("relax-colocate: {e}");
-                    ExitCode::from(1)
-                }
-            }
-        }
+        Command::Bench(args) => bench_main(*args),
         Command::BenchWorker { args } => match bench::worker_main(&args) {
             Ok(v) => {
                 println!("{v}");

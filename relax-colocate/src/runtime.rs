@@ -35,6 +35,40 @@ api!(Runtime {
     mem_get_info: c"cudaMemGetInfo" => fn(*mut usize, *mut usize) -> c_int;
 });
 
+// What the collective row needs of the CUDA runtime beyond `Runtime`.
+api!(Streams {
+    device_count: c"cudaGetDeviceCount" => fn(*mut c_int) -> c_int;
+    create: c"cudaStreamCreate" => fn(*mut *mut c_void) -> c_int;
+    synchronize: c"cudaStreamSynchronize" => fn(*mut c_void) -> c_int;
+    destroy: c"cudaStreamDestroy" => fn(*mut c_void) -> c_int;
+});
+
+/// ncclUniqueId: 128 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NcclUniqueId {
+    pub internal: [u8; 128],
+}
+
+// NCCL's C ABI as nccl.h declares it (communicators are opaque pointers; ncclDataType_t and the
+// results are ints).
+api!(Nccl {
+    get_unique_id: c"ncclGetUniqueId" => fn(*mut NcclUniqueId) -> c_int;
+    comm_init_rank: c"ncclCommInitRank" => fn(*mut *mut c_void, c_int, NcclUniqueId, c_int) -> c_int;
+    broadcast: c"ncclBroadcast" => fn(*const c_void, *mut c_void, usize, c_int, c_int, *mut c_void, *mut c_void) -> c_int;
+    comm_destroy: c"ncclCommDestroy" => fn(*mut c_void) -> c_int;
+    get_last_error: c"ncclGetLastError" => fn(*mut c_void) -> *const c_char;
+});
+
+/// Loads NCCL into the global scope (after the CUDA runtime), as PyTorch and vLLM load it.
+pub fn load_nccl() -> Result<(), String> {
+    // SAFETY: dlopen of a vendor library by soname.
+    if unsafe { libc::dlopen(c"libnccl.so.2".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+        return Err("libnccl.so.2 cannot be loaded".into());
+    }
+    Ok(())
+}
+
 api!(Acl {
     init: c"aclInit" => fn(*const c_char) -> c_int;
     set_device: c"aclrtSetDevice" => fn(i32) -> c_int;

@@ -1,13 +1,18 @@
 //! `relax-colocate bench --quick` on the simulator: every table printed, targets judged on figures
 //! of the same run, results and plots written; through the CUDA API and through ACL (the path
-//! `--device npu` takes on an Ascend NPU).
+//! `--device npu` takes on an Ascend NPU). The collective row (ncclBroadcast between two simulated
+//! devices) runs with small sizes through CUDA; its figures are checked for shape, not speed.
 
 use std::process::Command;
 use tms_e2e::*;
 
 #[test]
 fn quick_bench_prints_every_table_and_writes_results() {
-    quick_bench(&[], "cuda", &["cudaFree(NULL)", "cudaMalloc(4 KiB) + cudaFree", "reserve+create+map+access"]);
+    quick_bench(
+        &["--broadcast-sizes", "2MiB,8MiB", "--sim-link-gbps", "2"],
+        "cuda",
+        &["cudaFree(NULL)", "cudaMalloc(4 KiB) + cudaFree", "reserve+create+map+access", "MODELLED link of 2 GB/s"],
+    );
 }
 
 #[test]
@@ -98,6 +103,39 @@ fn quick_bench(api: &[&str], vendor: &str, labels: &[&str]) {
     }
     let by_bytes = std::fs::read_to_string(out.path().join("time_vs_bytes.svg")).unwrap();
     assert!(by_bytes.contains("\n1 MiB\n") && by_bytes.contains(" ms\n"), "{by_bytes}");
+    collective_row(&results["collective"], vendor, &stdout, out.path());
+}
+
+/// Through CUDA: one row per size given (--broadcast-sizes), each with its bytes, a positive time
+/// and rate, the modelled link given (--sim-link-gbps) and the share of it, the bytes arrived, and
+/// a plot. Through ACL: skipped, saying why. No figure is judged here: the target is the bench's,
+/// on sizes of 64 MiB and more.
+fn collective_row(row: &serde_json::Value, vendor: &str, stdout: &str, out: &std::path::Path) {
+    if vendor == "acl" {
+        assert!(row["skipped"].as_str().is_some_and(|s| s.contains("NCCL")), "{row}");
+        assert!(stdout.contains("Collective (ncclBroadcast): skipped"), "{stdout}");
+        return;
+    }
+    assert!(stdout.contains("Collective: ncclBroadcast"), "{stdout}");
+    assert_eq!(
+        (row["op"].as_str(), row["library"].as_str(), row["ranks"].as_u64()),
+        (Some("broadcast"), Some("nccl"), Some(2))
+    );
+    assert_eq!(row["link_modelled"], true, "{row}");
+    assert_eq!(row["link_gbps"].as_f64(), Some(2.0), "{row}");
+    assert_eq!(row["contents_intact"], true, "{row}");
+    let rows = row["rows"].as_array().unwrap();
+    let bytes: Vec<u64> = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(bytes, [2 << 20, 8 << 20], "{row}");
+    for r in rows {
+        for key in ["time_ns", "bytes_per_s", "bus_bytes_per_s", "link_share"] {
+            assert!(r[key].as_f64().unwrap_or(0.0) > 0.0, "{key}: {r}");
+        }
+        assert_eq!(r["link_bytes_per_s"].as_f64(), Some(2e9), "{r}");
+        assert_eq!(r["rank_time_ns"].as_array().map(Vec::len), Some(2), "{r}");
+    }
+    let plot = std::fs::read_to_string(out.join("broadcast_vs_link.svg")).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("modelled link"), "{plot}");
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //! Scenarios go through the CUDA API (`--device cuda`) or the Ascend ACL API (`--device npu`);
 //! the simulator serves both, `--api` picking one (CUDA by default), so CI proves the NPU path.
 
+pub mod collective;
 pub mod plot;
 pub mod upstream;
 pub mod worker;
@@ -66,6 +67,10 @@ pub struct Options {
     pub hook: Option<PathBuf>,
     pub sim_memory: String,
     pub sim_copy_gbps: f64,
+    /// Simulator: the modelled link of the collective row (`TMS_SIM_LINK_GBPS`), GB/s.
+    pub sim_link_gbps: f64,
+    /// The collective row's broadcast sizes; None: the defaults (fewer and smaller with --quick).
+    pub broadcast_sizes: Option<Vec<usize>>,
     /// torch_memory_saver's library to compare with, side by side (CUDA only).
     pub upstream_lib: upstream::UpstreamLib,
 }
@@ -127,6 +132,19 @@ impl Env {
         args: &[String],
         extra: &[(&str, &str)],
     ) -> Result<Value, String> {
+        let out = self.command(hooked, scenario, args, extra)?.output();
+        finish(scenario, out.map_err(|e| format!("cannot run the bench worker: {e}"))?)
+    }
+
+    /// The worker process of a scenario, its environment set (on the simulator: a node of its
+    /// own with one device, unless `extra` says otherwise).
+    fn command(
+        &self,
+        hooked: bool,
+        scenario: &str,
+        args: &[String],
+        extra: &[(&str, &str)],
+    ) -> Result<Command, String> {
         let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
         cmd.arg("bench-worker").arg(self.api.as_str()).arg(scenario).args(args).env_remove("LD_PRELOAD");
         if hooked {
@@ -146,16 +164,20 @@ impl Env {
         for (k, v) in extra {
             cmd.env(k, v);
         }
-        let out = cmd.output().map_err(|e| format!("cannot run the bench worker: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "bench scenario {scenario} failed ({}):\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
-        serde_json::from_slice(&out.stdout).map_err(|e| format!("scenario {scenario}: bad output ({e})"))
+        Ok(cmd)
     }
+}
+
+/// A worker's JSON, or why it failed.
+fn finish(scenario: &str, out: std::process::Output) -> Result<Value, String> {
+    if !out.status.success() {
+        return Err(format!(
+            "bench scenario {scenario} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| format!("scenario {scenario}: bad output ({e})"))
 }
 
 fn gbs(bytes_per_s: f64) -> String {
@@ -218,20 +240,9 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     };
     std::fs::create_dir_all(&opts.out).map_err(|e| format!("cannot create {}: {e}", opts.out.display()))?;
     let q = opts.quick;
-    let through = match api {
-        ApiKind::Cuda => "CUDA API",
-        ApiKind::Acl => "ACL API",
-    };
-    let device_name = match device {
-        DeviceKind::Sim if opts.sim_copy_gbps > 0.0 => {
-            format!("tms-sim (copy bus {} GB/s per direction), {through}", opts.sim_copy_gbps)
-        }
-        DeviceKind::Sim => format!("tms-sim (no copy throttle: host memcpy), {through}"),
-        DeviceKind::Npu => "Ascend NPU 0 (ACL)".to_string(),
-        _ => "CUDA device 0".to_string(),
-    };
+    let device_name = device_name(device, api, opts.sim_copy_gbps);
     println!("relax-colocate bench on {device_name}{}", if q { ", --quick" } else { "" });
-    let step = |n: usize, what: &str| eprintln!("[{n}/7] {what}...");
+    let step = |n: usize, what: &str| eprintln!("[{n}/8] {what}...");
 
     step(1, "interception overhead (direct vs through the hook)");
     let iters = if q { 200_000 } else { 2_000_000 };
@@ -464,18 +475,16 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         targets.push(no_slower("pause with backup no slower than torch_memory_saver (its time / ours)", pause_x));
         targets.push(no_slower("resume with backup no slower than torch_memory_saver (its time / ours)", resume_x));
     }
-    println!("\nTargets (this run)");
-    let lines = targets
-        .iter()
-        .map(|(t, m, ok)| vec![t.to_string(), m.clone(), (if *ok { "yes" } else { "NO" }).to_string()])
-        .collect();
-    println!("{}", table(&["target", "measured", "met"], lines));
+    step(8, "a collective: ncclBroadcast between two devices against the modelled link");
+    let (collective, broadcast_target) = collective::run(&env, device, opts)?;
+    targets.extend(broadcast_target);
+    print_targets(&targets);
 
     let result = json!({
         "device": device_name, "vendor": api.as_str(), "quick": q,
         "passthrough": { "direct": direct, "hooked": hooked },
         "region": region, "bytes": bytes, "count": count, "memory": mem, "colocate_switch": switch,
-        "side_by_side": side_by_side,
+        "side_by_side": side_by_side, "collective": collective,
         "targets": targets.iter().map(|(t, m, ok)| json!({"target": t, "measured": m, "met": ok})).collect::<Vec<_>>(),
     });
     let json_path = opts.out.join("results.json");
@@ -490,6 +499,32 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         targets: targets.len(),
         missed: targets.iter().filter(|(_, _, ok)| !ok).map(|(t, m, _)| format!("{} ({m})", t.trim())).collect(),
     })
+}
+
+/// The device line of the report.
+fn device_name(device: DeviceKind, api: ApiKind, copy_gbps: f64) -> String {
+    let through = match api {
+        ApiKind::Cuda => "CUDA API",
+        ApiKind::Acl => "ACL API",
+    };
+    match device {
+        DeviceKind::Sim if copy_gbps > 0.0 => format!("tms-sim (copy bus {copy_gbps} GB/s per direction), {through}"),
+        DeviceKind::Sim => format!("tms-sim (no copy throttle: host memcpy), {through}"),
+        DeviceKind::Npu => "Ascend NPU 0 (ACL)".to_string(),
+        _ => "CUDA device 0".to_string(),
+    }
+}
+
+/// A judged target: what, the figure, met or not.
+type Target = (&'static str, String, bool);
+
+fn print_targets(targets: &[Target]) {
+    println!("\nTargets (this run)");
+    let lines = targets
+        .iter()
+        .map(|(t, m, ok)| vec![t.to_string(), m.clone(), (if *ok { "yes" } else { "NO" }).to_string()])
+        .collect();
+    println!("{}", table(&["target", "measured", "met"], lines));
 }
 
 /// Adds to each row with backup the time the whole operation could take at best when the copy
@@ -587,6 +622,9 @@ pub fn worker_main(args: &[String]) -> Result<Value, String> {
         Some("count") => worker::count_scan(api, &list(1)?, num(2)?),
         Some("memory") => worker::memory(api, num(1)?, num(2)?),
         Some("side") => worker::side_by_side(&list(1)?, num(2)?),
+        Some("broadcast") => {
+            collective::rank(num(1)?, args.get(2).ok_or("bench-worker: missing id file")?, &list(3)?, num(4)?)
+        }
         other => Err(format!("bench-worker: unknown scenario {other:?}")),
     }
 }

@@ -1,5 +1,6 @@
 //! The benchmark's plots: pause/resume time against bytes and against the number of allocations,
-//! and backup throughput against the raw pinned copy of the same run, on log axes.
+//! backup throughput against the raw pinned copy of the same run, and the collective row's broadcast
+//! against its modelled link, on log axes.
 
 use crate::plot::{Axis, Chart, Quantity, Series, Shape, color, svg};
 use serde_json::Value;
@@ -60,5 +61,24 @@ pub fn write_all(dir: &Path, bytes_rows: &[Value], count_rows: &[Value]) -> std:
     std::fs::write(
         dir.join("throughput_vs_limit.svg"),
         chart("Backup throughput vs raw pinned copy", size(), Axis::log("throughput", Quantity::Rate), throughput),
+    )
+}
+
+/// The collective row: the broadcast's rate against the modelled link, per size.
+pub fn write_collective(dir: &Path, rows: &[Value]) -> std::io::Result<()> {
+    let all = |_: &Value| true;
+    let mut lines = vec![series(rows, all, "bytes", "bytes_per_s", 1.0, "ncclBroadcast (bytes / time)", 0)];
+    if rows.iter().any(|r| r["link_bytes_per_s"].is_number()) {
+        lines.push(series(rows, all, "bytes", "link_bytes_per_s", 1.0, "modelled link", 1));
+    }
+    let size = Axis::log("broadcast size", Quantity::Bytes);
+    std::fs::write(
+        dir.join("broadcast_vs_link.svg"),
+        chart(
+            "Broadcast between two devices vs the modelled link",
+            size,
+            Axis::log("throughput", Quantity::Rate),
+            lines,
+        ),
     )
 }

@@ -20,7 +20,7 @@ const ACL_MEMCPY_DEVICE_TO_HOST: i32 = 2;
 /// aclInit's ACL_ERROR_REPEAT_INITIALIZE: harmless, another library of the process did it first.
 const ACL_REPEAT_INITIALIZE: i32 = 100_002;
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
