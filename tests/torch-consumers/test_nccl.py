@@ -488,3 +488,69 @@ def test_ranks_on_different_simulated_nodes_move_data_at_the_inter_node_rate(sim
     assert outs[0]["node"] != outs[1]["node"]
     assert all(o["same"] for o in outs), outs
     assert outs[1]["seconds"] >= (8 << 20) / 0.1e9 * 0.95, outs
+
+
+CTYPES_UNDER_HOOK = r"""
+import ctypes, json, os, struct
+cudart = ctypes.CDLL("libcudart.so.13")
+# As vLLM's and verl's communicators load NCCL: by name, names looked up on that handle (a lookup
+# that never sees the preloaded hook's definitions unless the hook answers dlsym itself).
+nccl = ctypes.CDLL("libnccl.so.2")
+hook = ctypes.CDLL(os.environ["TMS_HOOK"])
+def free_bytes(dev):
+    cudart.cudaSetDevice(dev)
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    assert cudart.cudaMemGetInfo(ctypes.byref(f), ctypes.byref(t)) == 0
+    return f.value
+comms = (ctypes.c_void_p * 2)()
+assert nccl.ncclCommInitAll(comms, 2, None) == 0
+comms = [ctypes.c_void_p(c) for c in comms]
+bufs = []
+for d in range(2):
+    cudart.cudaSetDevice(d)
+    p = ctypes.c_void_p()
+    assert cudart.cudaMalloc(ctypes.byref(p), 16) == 0
+    assert cudart.cudaMemcpy(p, struct.pack("<4f", d + 1.0, 2.0, 3.0, 4.0), 16, 1) == 0
+    bufs.append(p)
+def all_reduce():
+    # In a group, NCCL reports a communicator's state at ncclGroupEnd.
+    assert nccl.ncclGroupStart() == 0
+    for d in range(2):
+        cudart.cudaSetDevice(d)
+        assert nccl.ncclAllReduce(bufs[d], bufs[d], ctypes.c_size_t(4), 7, 0, comms[d], None) == 0
+    rc = nccl.ncclGroupEnd()
+    for d in range(2):
+        cudart.cudaSetDevice(d)
+        cudart.cudaDeviceSynchronize()
+    return rc
+out = {}
+before = [free_bytes(0), free_bytes(1)]
+out["pause"] = hook.tms_pause(b"nccl")
+out["freed"] = [free_bytes(d) - before[d] for d in range(2)]
+out["while_paused"] = all_reduce()
+out["resume"] = hook.tms_resume(b"nccl")
+out["back"] = [before[d] - free_bytes(d) for d in range(2)]
+out["after"] = all_reduce()
+buf = ctypes.create_string_buffer(16)
+cudart.cudaSetDevice(1)
+assert cudart.cudaMemcpy(buf, bufs[1], 16, 2) == 0
+out["values"] = list(struct.unpack("<4f", buf.raw))
+for c in comms:
+    assert nccl.ncclCommDestroy(c) == 0
+print(json.dumps(out))
+"""
+
+
+def test_communicators_of_a_ctypes_client_pause_with_the_tag_nccl(sim):
+    # vLLM's PyNcclCommunicator and verl's weight-sync group load libnccl.so.2 with ctypes; the
+    # hook answers their handle lookups, so their communicators are tracked and tag nccl
+    # suspends them (issue 32).
+    proc = sim.python(CTYPES_UNDER_HOOK, devices=2, memory="1GiB", preload=sim.hook, extra={"TMS_HOOK": str(sim.hook)})
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["pause"] == 0 and out["resume"] == 0, out
+    assert out["freed"] == [16 << 20, 16 << 20], out
+    assert out["while_paused"] == 5, out  # ncclInvalidUsage: suspended
+    assert out["back"] == [0, 0], out
+    assert out["after"] == 0, out
+    assert out["values"] == [3.0, 4.0, 6.0, 8.0], out

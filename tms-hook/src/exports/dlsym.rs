@@ -1,8 +1,10 @@
 //! The `dlsym` interposer.
 //!
 //! torch_npu reaches `aclrtMallocAlign32` with `dlsym(handle_of_libascendcl, name)`, a lookup that
-//! never sees preloaded definitions. So `dlsym` itself is interposed: a lookup on a specific handle
-//! of one of the five intercepted names returns the hook's function (and the real address it
+//! never sees preloaded definitions (and ctypes NCCL communicators reach `ncclCommInitRank` the
+//! same way). So `dlsym` itself is interposed: a lookup on a specific handle of one of the
+//! intercepted names (the five allocation calls, NCCL's communicator creation and destruction)
+//! returns the hook's function (and the real address it
 //! found is kept as the forwarding target). Every other lookup must behave exactly as glibc's,
 //! and glibc resolves `RTLD_NEXT` and `RTLD_DEFAULT` relative to the caller's return address, so
 //! the entry point is a naked trampoline: it asks `decide` (a normal function) and then either
@@ -31,7 +33,10 @@ extern "C" fn decide(handle: *mut c_void, name: *const c_char) -> usize {
                 (&forward::ACL_MALLOC_ALIGN32, super::acl::aclrtMallocAlign32 as *const () as usize)
             }
             b"aclrtFree" => (&forward::ACL_FREE, super::acl::aclrtFree as *const () as usize),
-            _ => return vendor_through_own_handle(handle, n),
+            other => match super::nccl::interposed(other) {
+                Some(found) => found,
+                None => return vendor_through_own_handle(handle, n),
+            },
         };
         // Only answer for handles that really provide the function; for others the real dlsym
         // reports the failure (and sets dlerror) itself.

@@ -18,20 +18,39 @@ const SUCCESS: c_int = 0;
 const INTERNAL_ERROR: c_int = 3;
 const IN_PROGRESS: c_int = 7;
 
-static INIT_RANK: Target = Target::new(c"ncclCommInitRank", NCCL);
-static INIT_RANK_CONFIG: Target = Target::new(c"ncclCommInitRankConfig", NCCL);
-static INIT_RANK_SCALABLE: Target = Target::new(c"ncclCommInitRankScalable", NCCL);
-static INIT_ALL: Target = Target::new(c"ncclCommInitAll", NCCL);
-static SPLIT: Target = Target::new(c"ncclCommSplit", NCCL);
-static SHRINK: Target = Target::new(c"ncclCommShrink", NCCL);
-static DESTROY: Target = Target::new(c"ncclCommDestroy", NCCL);
-static ABORT: Target = Target::new(c"ncclCommAbort", NCCL);
+pub(crate) static INIT_RANK: Target = Target::new(c"ncclCommInitRank", NCCL);
+pub(crate) static INIT_RANK_CONFIG: Target = Target::new(c"ncclCommInitRankConfig", NCCL);
+pub(crate) static INIT_RANK_SCALABLE: Target = Target::new(c"ncclCommInitRankScalable", NCCL);
+pub(crate) static INIT_ALL: Target = Target::new(c"ncclCommInitAll", NCCL);
+pub(crate) static SPLIT: Target = Target::new(c"ncclCommSplit", NCCL);
+pub(crate) static SHRINK: Target = Target::new(c"ncclCommShrink", NCCL);
+pub(crate) static DESTROY: Target = Target::new(c"ncclCommDestroy", NCCL);
+pub(crate) static ABORT: Target = Target::new(c"ncclCommAbort", NCCL);
 
 /// ncclUniqueId, passed by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct NcclUniqueId {
     pub internal: [c_char; 128],
+}
+
+/// The interposed name `name`, as (its forwarding target, the hook's function): a lookup of it on
+/// a library's own handle (vLLM's and verl's ctypes communicators load libnccl.so.2 with CDLL
+/// and look names up on that handle, which never sees preloaded definitions) gets the hook's
+/// function, so the communicators it makes are tracked too (exports/dlsym.rs).
+pub(crate) fn interposed(name: &[u8]) -> Option<(&'static Target, usize)> {
+    let own = |f: *const ()| f as usize;
+    Some(match name {
+        b"ncclCommInitRank" => (&INIT_RANK, own(ncclCommInitRank as *const ())),
+        b"ncclCommInitRankConfig" => (&INIT_RANK_CONFIG, own(ncclCommInitRankConfig as *const ())),
+        b"ncclCommInitRankScalable" => (&INIT_RANK_SCALABLE, own(ncclCommInitRankScalable as *const ())),
+        b"ncclCommInitAll" => (&INIT_ALL, own(ncclCommInitAll as *const ())),
+        b"ncclCommSplit" => (&SPLIT, own(ncclCommSplit as *const ())),
+        b"ncclCommShrink" => (&SHRINK, own(ncclCommShrink as *const ())),
+        b"ncclCommDestroy" => (&DESTROY, own(ncclCommDestroy as *const ())),
+        b"ncclCommAbort" => (&ABORT, own(ncclCommAbort as *const ())),
+        _ => return None,
+    })
 }
 
 /// The real function's address; None (with a warning) when no loaded library has it.
