@@ -699,28 +699,45 @@ impl Comm {
         };
         let pace = self.book(link, len);
         for (i, off, m) in chunks(len) {
-            let mine = read(send + off, m)?;
-            let targets: Vec<usize> = match root {
-                None => self.others().collect(),
-                Some(r) if r != self.rank => vec![r],
-                Some(_) => vec![],
-            };
-            for p in targets {
-                self.mesh.send(p, tag | i, &mine)?;
-            }
-            if root.is_some_and(|r| r != self.rank) {
+            let Some(parts) = self.pool_chunk(tag | i, read(send + off, m)?, root)? else {
                 pace.wait(off + m);
                 continue;
-            }
-            let mut parts = Vec::with_capacity(n);
-            for r in 0..n {
-                parts.push(if r == self.rank { mine.clone() } else { expect_len(self.mesh.recv(r, tag | i)?, m, r)? });
-            }
+            };
             let acc = combine_all(dtype, op, parts, n);
             pace.wait(off + m);
             write(recv + off, &acc)?;
         }
         Ok(())
+    }
+
+    /// Sends this rank's chunk to every other rank (`root` None) or to `root`, and returns every
+    /// rank's chunk in rank order where this rank receives (all of them, or the root); None on a
+    /// rank that only sends.
+    fn pool_chunk(&self, tag: u64, mine: Vec<u8>, root: Option<usize>) -> Result<Option<Vec<Vec<u8>>>, CollError> {
+        match root {
+            None => {
+                for p in self.others() {
+                    self.mesh.send(p, tag, &mine)?;
+                }
+            }
+            Some(r) if r != self.rank => {
+                self.mesh.send(r, tag, &mine)?;
+                return Ok(None);
+            }
+            Some(_) => {}
+        }
+        let m = mine.len();
+        let mut mine = Some(mine);
+        (0..self.nranks)
+            .map(|r| {
+                if r == self.rank {
+                    Ok(mine.take().unwrap_or_default())
+                } else {
+                    expect_len(self.mesh.recv(r, tag)?, m, r)
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
     }
 
     /// All-gather (`root` None) or gather to `root`: rank r's `len` bytes land at r * len.
@@ -734,25 +751,11 @@ impl Comm {
     ) -> Result<(), CollError> {
         let n = self.nranks;
         let pace = self.book(((n - 1) * len) as f64, len);
-        let receives = root.is_none_or(|r| r == self.rank);
         for (i, off, m) in chunks(len) {
-            let mine = read(send + off, m)?;
-            let targets: Vec<usize> = match root {
-                None => self.others().collect(),
-                Some(r) if r != self.rank => vec![r],
-                Some(_) => vec![],
-            };
-            for p in targets {
-                self.mesh.send(p, tag | i, &mine)?;
-            }
-            if !receives {
+            let Some(parts) = self.pool_chunk(tag | i, read(send + off, m)?, root)? else {
                 pace.wait(off + m);
                 continue;
-            }
-            let mut parts = Vec::with_capacity(n);
-            for r in 0..n {
-                parts.push(if r == self.rank { mine.clone() } else { expect_len(self.mesh.recv(r, tag | i)?, m, r)? });
-            }
+            };
             pace.wait(off + m);
             for (r, part) in parts.iter().enumerate() {
                 write(recv + r * len + off, part)?;
