@@ -141,6 +141,15 @@ fn torch_distributed_nccl_runs_on_the_simulator() {
     pytest("test_nccl.py");
 }
 
+/// Tag `nccl` under an unchanged torch.distributed program: 2 ranks with the hook, a default and a
+/// second NCCL process group, paused and resumed through tms's Python API and tms-ctl; a
+/// collective while suspended, idempotence, groups destroyed while suspended
+/// (test_nccl_pause.py).
+#[test]
+fn torch_process_groups_pause_with_the_tag_nccl() {
+    pytest("test_nccl_pause.py");
+}
+
 /// The simulator's libhccl.so under a ctypes client written from CANN's documentation, as
 /// vllm-ascend's communicator loads it (test_hccl.py).
 #[test]
