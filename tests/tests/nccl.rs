@@ -95,6 +95,9 @@ fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
         assert_eq!(c["suspended"], false, "{status}");
     }
 
+    let listed = run_ok(&mut node.ctl(&["list", "--json"]));
+    assert!(listed.contains("\"suspended\": 0,\n") && listed.contains("\"count\": 2,"), "{listed}");
+
     for round in 0..2 {
         let paused = run_ok(&mut node.ctl(&["pause", "trainer-rank0", "--tag", "nccl", "--json"]));
         let paused: serde_json::Value = serde_json::from_str(&paused).unwrap();
@@ -112,6 +115,23 @@ fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
     }
     let human = run_ok(&mut node.ctl(&["status", "trainer-rank0"]));
     assert_eq!(human.matches("suspended (tag nccl)").count(), 2, "{human}");
+    // list adds them up per process, in JSON and in its table.
+    let listed = run_ok(&mut node.ctl(&["list", "--json"]));
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let row = listed.as_array().unwrap().iter().find(|r| r["pid"] == child.id()).cloned().unwrap_or_default();
+    assert_eq!(
+        row["communicators"],
+        serde_json::json!([{
+            "library": "nccl", "count": 2, "suspendable_bytes": 32 * MIB, "persistent_bytes": 2 * MIB,
+            "suspended": 2, "suspended_bytes": 32 * MIB
+        }]),
+        "{listed}"
+    );
+    let table = run_ok(&mut node.ctl(&["list"]));
+    assert!(
+        table.contains("2 nccl communicator(s): suspendable 32.0 MiB, suspended 2 (32.0 MiB), persistent 2.0 MiB"),
+        "{table}"
+    );
 
     for round in 0..2 {
         let resumed = run_ok(&mut node.ctl(&["resume", "trainer-rank0", "--tag", "nccl", "--json"]));
@@ -132,6 +152,8 @@ fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
     assert_eq!(field(&destroyed, "free1"), free1 + 17 * MIB, "{destroyed}");
     let status = run_ok(&mut node.ctl(&["status", "trainer-rank0", "--json"]));
     assert!(!status.contains("communicators"), "{status}");
+    let table = run_ok(&mut node.ctl(&["list"]));
+    assert!(!table.contains("communicator"), "{table}");
     let resumed = run_ok(&mut node.ctl(&["resume", "trainer-rank0", "--tag", "nccl", "--json"]));
     assert!(resumed.contains("\"allocations_done\": 0"), "{resumed}");
 

@@ -280,3 +280,104 @@ def test_hccl_one_process_two_devices_batch_send_recv_and_all_to_all(sim):
     # Rank d's slice p (2 elements) goes to rank p's slot d.
     assert out["all_to_all"] == [[0.0, 1.0, 10.0, 11.0], [2.0, 3.0, 12.0, 13.0]]
     assert out["mismatched_alltoall"] == 1
+
+
+UNDER_HOOK = r"""
+import ctypes, json, os, sys
+acl = ctypes.CDLL("libascendcl.so")
+# As vllm-ascend's communicator loads it: by name, names looked up on that handle.
+hccl = ctypes.CDLL("libhccl.so")
+hook = ctypes.CDLL(os.environ["TMS_HOOK"])
+class RootInfo(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 4108)]
+class Config(ctypes.Structure):  # HcclCommConfig's head, as HcclCommConfigInit fills it
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint32), ("version", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint64), ("hcclBufferSize", ctypes.c_uint32), ("rest", ctypes.c_byte * 252)]
+def free_bytes(dev):
+    assert acl.aclrtSetDevice(dev) == 0
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    assert acl.aclrtGetMemInfo(1, ctypes.byref(f), ctypes.byref(t)) == 0
+    return f.value
+out = {}
+before = [free_bytes(0), free_bytes(1)]
+comms = (ctypes.c_void_p * 2)()
+assert hccl.HcclCommInitAll(2, (ctypes.c_int32 * 2)(0, 1), comms) == 0
+assert acl.aclrtSetDevice(1) == 0
+info, one = RootInfo(), ctypes.c_void_p()
+assert hccl.HcclGetRootInfo(ctypes.byref(info)) == 0
+cfg = Config(ctypes.sizeof(Config), 0xF0F0F0F0, 1, 0, 4)
+assert hccl.HcclCommInitRootInfoConfig(1, ctypes.byref(info), 0, ctypes.byref(cfg), ctypes.byref(one)) == 0
+out["taken"] = [b - free_bytes(d) for d, b in enumerate(before)]
+out["handles"] = [comms[0], comms[1], one.value]
+print("ready " + json.dumps(out), flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "pause":
+        print("pause_nccl=%d pause_all=%d resume_nccl=%d" % (hook.tms_pause(b"nccl"), hook.tms_pause(None), hook.tms_resume(b"nccl")), flush=True)
+    elif cmd == "destroy":
+        assert hccl.HcclCommDestroy(ctypes.c_void_p(comms[0])) == 0
+        print("destroyed", flush=True)
+    else:
+        break
+"""
+
+
+def test_hccl_communicators_are_measured_under_the_hook_and_cannot_be_paused(sim):
+    # issue 32: HCCL cannot release a live communicator's buffers, so tms shows what they cost.
+    from test_nccl_pause import _ctl_binary
+
+    ctl = _ctl_binary(sim.hook)
+    control = sim.tmp / "control"
+    control.mkdir(mode=0o700)
+    name = f"hccl-{time.monotonic_ns()}"
+    env = sim.env(
+        devices=2,
+        memory="2GiB",
+        preload=sim.hook,
+        extra={"TMS_HOOK": str(sim.hook), "HCCL_BUFFSIZE": "16", "TMS_CONTROL": "1", "TMS_CONTROL_DIR": str(control), "TMS_NAME": name},
+    )
+    script = sim.tmp / "hccl_under_hook.py"
+    script.write_text(UNDER_HOOK)
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=sim.tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def ask(cmd):
+        proc.stdin.write(cmd + "\n")
+        proc.stdin.flush()
+        return proc.stdout.readline().strip()
+
+    def ctl_json(*args):
+        r = subprocess.run([str(ctl), "--dir", str(control), *args], capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stdout, r.stderr
+
+    try:
+        ready = proc.stdout.readline()
+        assert ready.startswith("ready "), ready + proc.stderr.read() if proc.poll() is not None else ready
+        out = json.loads(ready.split(" ", 1)[1])
+        mib = 1 << 20
+        # HcclCommInitAll: 2 x HCCL_BUFFSIZE (16 MB) per device; the config's 4 MB on device 1.
+        assert out["taken"] == [32 * mib, 32 * mib + 8 * mib], out
+        rc, stdout, stderr = ctl_json("status", name, "--json")
+        assert rc == 0, stderr
+        comms = json.loads(stdout)[0]["status"]["communicators"]
+        seen = sorted((c["handle"], c["library"], c["device"], c["persistent_bytes"], c["suspendable_bytes"]) for c in comms)
+        h = out["handles"]
+        assert seen == sorted([(h[0], "hccl", 0, 32 * mib, 0), (h[1], "hccl", 1, 32 * mib, 0), (h[2], "hccl", 1, 8 * mib, 0)]), comms
+        rc, stdout, _ = ctl_json("list", "--json")
+        row = json.loads(stdout)[0]
+        assert row["communicators"] == [
+            {"library": "hccl", "count": 3, "suspendable_bytes": 0, "persistent_bytes": 72 * mib, "suspended": 0, "suspended_bytes": 0}
+        ], row
+        rc, stdout, _ = ctl_json("list")
+        assert "3 hccl communicator(s): buffers 72.0 MiB (HCCL cannot release them" in stdout, stdout
+        rc, stdout, _ = ctl_json("status", name)
+        assert stdout.count("cannot be released (HCCL_BUFFSIZE sizes them)") == 3, stdout
+        # Tag nccl fails, saying why; every tag at once and a resume are no error.
+        assert ask("pause") == "pause_nccl=1 pause_all=0 resume_nccl=0"
+        rc, stdout, stderr = ctl_json("pause", name, "--tag", "nccl")
+        assert rc == 1 and "HCCL communicators cannot be suspended" in stdout + stderr, (rc, stdout, stderr)
+        assert ask("destroy") == "destroyed"
+        rc, stdout, _ = ctl_json("list", "--json")
+        assert json.loads(stdout)[0]["communicators"][0]["count"] == 2, stdout
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)

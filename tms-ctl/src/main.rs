@@ -14,8 +14,8 @@ TARGET is a pid, a TMS_NAME (every process with that name), or a socket path.
 
 Sockets live in $TMS_CONTROL_DIR, else $XDG_RUNTIME_DIR/tms (when $XDG_RUNTIME_DIR is ours and
 0700), else /tmp/tms-$UID (override: --dir).
-A hooked process serves one from its first region allocation on (TMS_CONTROL=1: from its first
-hooked call; TMS_CONTROL=0: never). Only the same user or root is served.
+A hooked process serves one from its first region allocation or NCCL/HCCL communicator on
+(TMS_CONTROL=1: from its first hooked call; TMS_CONTROL=0: never). Only the same user or root is served.
 
 Processes are asked at the same time, each within --timeout: one that is stopped (SIGSTOP, a
 debugger) or too busy is reported as not responding and delays the others by nothing.
@@ -47,8 +47,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// List hooked processes: pid, name, devices, bytes per tag and state. Removes sockets of
-    /// processes that are gone.
+    /// List hooked processes: pid, name, devices, bytes per tag and state, and their NCCL/HCCL
+    /// communicators added up. Removes sockets of processes that are gone.
     List,
     /// Show one process (or all) in detail.
     Status {
@@ -372,8 +372,67 @@ struct ProcessRow {
     socket: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     status: Option<Status>,
+    /// The process's communicators added up, one entry per library ("nccl", "hccl"); absent
+    /// when it has none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    communicators: Vec<CommSummary>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+}
+
+/// One library's communicators in a process: how many, the bytes a pause of tag `nccl` can
+/// release (HCCL's: none), the bytes that stay (HCCL's: all its buffers), and what is suspended now.
+#[derive(Serialize, Debug, Default, PartialEq, Eq)]
+struct CommSummary {
+    library: String,
+    count: u64,
+    suspendable_bytes: u64,
+    persistent_bytes: u64,
+    suspended: u64,
+    suspended_bytes: u64,
+}
+
+fn summarize(st: &Status) -> Vec<CommSummary> {
+    let mut out: Vec<CommSummary> = Vec::new();
+    for c in &st.communicators {
+        let i = match out.iter().position(|s| s.library == c.library) {
+            Some(i) => i,
+            None => {
+                out.push(CommSummary { library: c.library.clone(), ..Default::default() });
+                out.len() - 1
+            }
+        };
+        let s = &mut out[i];
+        s.count += 1;
+        s.suspendable_bytes += c.suspendable_bytes;
+        s.persistent_bytes += c.persistent_bytes;
+        if c.suspended {
+            s.suspended += 1;
+            s.suspended_bytes += c.suspendable_bytes;
+        }
+    }
+    out
+}
+
+/// One line per library for the table: what its communicators hold and what a pause can win.
+fn comm_line(s: &CommSummary) -> String {
+    if s.library == "hccl" {
+        format!(
+            "{} hccl communicator(s): buffers {} (HCCL cannot release them; HCCL_BUFFSIZE sizes them)",
+            s.count,
+            human(s.persistent_bytes)
+        )
+    } else {
+        format!(
+            "{} {} communicator(s): suspendable {}, suspended {} ({}), persistent {}",
+            s.count,
+            printable(&s.library),
+            human(s.suspendable_bytes),
+            s.suspended,
+            human(s.suspended_bytes),
+            human(s.persistent_bytes)
+        )
+    }
 }
 
 fn collect(ctx: &Ctx, procs: &[SocketEntry]) -> Vec<ProcessRow> {
@@ -386,6 +445,7 @@ fn collect(ctx: &Ctx, procs: &[SocketEntry]) -> Vec<ProcessRow> {
             pid: p.pid,
             socket: p.path.display().to_string(),
             error: r.as_ref().err().cloned(),
+            communicators: r.as_ref().map(summarize).unwrap_or_default(),
             status: r.ok(),
         })
         .collect()
@@ -432,6 +492,9 @@ fn table(rows: &[ProcessRow]) -> String {
                 human(t.bytes_paused),
                 human(t.backup_bytes)
             ));
+        }
+        for c in &r.communicators {
+            out.push_str(&format!("{:<8} {:<18} {:<22} {}\n", "", "", "", comm_line(c)));
         }
     }
     out
@@ -489,7 +552,15 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                             human(t.backup_bytes)
                         );
                     }
-                    for c in &st.communicators {
+                    for c in st.communicators.iter().filter(|c| c.library == "hccl") {
+                        println!(
+                            "  hccl communicator {:#x} on device {}: buffers {}, cannot be released (HCCL_BUFFSIZE sizes them)",
+                            c.handle,
+                            c.device.map_or_else(|| "?".to_string(), |d| d.to_string()),
+                            human(c.persistent_bytes)
+                        );
+                    }
+                    for c in st.communicators.iter().filter(|c| c.library != "hccl") {
                         println!(
                             "  nccl communicator {:#x} on device {}: suspendable {}, persistent {}, {}",
                             c.handle,

@@ -11,6 +11,11 @@
 //! (no tag named) leaves communicators alone: a framework that pauses everything and then
 //! syncs weights over NCCL keeps working.
 //!
+//! HCCL (Ascend) communicators are recorded too (exports/hccl.rs), each with the bytes of its
+//! buffers (2 x HCCL_BUFFSIZE MB, or the config's size), for status to show what they cost: HCCL
+//! has no call that releases a live communicator's buffers, so pausing tag `nccl` in a process
+//! that has them says so (an error of that tag only) and leaves them.
+//!
 //! Locking: `COMMS` (the handles) is held only to read or change the table, never across a call
 //! into NCCL. `OPS` serializes pause, resume, status and `ncclCommDestroy`, so a communicator is
 //! never destroyed while it is being suspended or resumed. `ncclCommAbort` does not wait for
@@ -50,6 +55,8 @@ struct Comm {
 }
 
 static COMMS: Mutex<BTreeMap<usize, Comm>> = Mutex::new(BTreeMap::new());
+/// HCCL communicators: handle -> (device, bytes of its buffers).
+static HCCL: Mutex<BTreeMap<usize, (Option<i32>, u64)>> = Mutex::new(BTreeMap::new());
 static OPS: Mutex<()> = Mutex::new(());
 /// Whether this process ever created a communicator (the tag is known from then on).
 static EVER: AtomicBool = AtomicBool::new(false);
@@ -66,6 +73,8 @@ pub fn created(handle: *mut c_void) {
     }
     EVER.store(true, Ordering::Release);
     lock(&COMMS).insert(handle as usize, Comm::default());
+    // Like a region allocation, a communicator is memory tms-ctl can act on (or show).
+    crate::control::ensure_started();
 }
 
 /// Forgets a communicator the application is destroying; returns the guard that keeps pause and
@@ -83,6 +92,21 @@ pub fn forget(handle: *mut c_void) {
     {
         tracing::info!("tms: NCCL communicator {:#x} ended while suspended; forgotten", handle as usize);
     }
+}
+
+/// Records an HCCL communicator the application created.
+pub fn hccl_created(handle: *mut c_void, device: Option<i32>, buffer_bytes: u64) {
+    if handle.is_null() {
+        return;
+    }
+    EVER.store(true, Ordering::Release);
+    lock(&HCCL).insert(handle as usize, (device, buffer_bytes));
+    crate::control::ensure_started();
+}
+
+/// Forgets an HCCL communicator the application is destroying.
+pub fn hccl_forget(handle: *mut c_void) {
+    lock(&HCCL).remove(&(handle as usize));
 }
 
 /// Whether `tag` names the communicators of this process (it created one at some point).
@@ -147,6 +171,8 @@ fn device_of(comm: usize) -> Option<i32> {
 /// One communicator's figures for status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CommStatus {
+    /// "nccl" or "hccl".
+    pub library: &'static str,
     pub handle: usize,
     pub device: Option<i32>,
     pub suspendable_bytes: u64,
@@ -156,16 +182,29 @@ pub struct CommStatus {
 }
 
 /// The communicators tms knows, with what NCCL says of their memory (a communicator whose
-/// statistics cannot be read shows zeros).
+/// statistics cannot be read shows zeros); HCCL's with their buffers as persistent bytes.
 pub fn status() -> Vec<CommStatus> {
     if !EVER.load(Ordering::Acquire) {
         return Vec::new();
     }
     let _ops = lock(&OPS);
     let comms: Vec<(usize, Comm)> = lock(&COMMS).iter().map(|(h, c)| (*h, *c)).collect();
+    let hccl: Vec<CommStatus> = lock(&HCCL)
+        .iter()
+        .map(|(h, (device, bytes))| CommStatus {
+            library: "hccl",
+            handle: *h,
+            device: *device,
+            suspendable_bytes: 0,
+            persistent_bytes: *bytes,
+            suspended: false,
+            suspended_by_tms: false,
+        })
+        .collect();
     comms
         .into_iter()
         .map(|(handle, c)| CommStatus {
+            library: TAG,
             handle,
             device: c.device.or_else(|| device_of(handle)),
             suspendable_bytes: stat(handle, STAT_SUSPENDABLE).unwrap_or(0),
@@ -173,6 +212,7 @@ pub fn status() -> Vec<CommStatus> {
             suspended: stat(handle, STAT_SUSPENDED).unwrap_or(0) != 0,
             suspended_by_tms: c.suspended_by_tms,
         })
+        .chain(hccl)
         .collect()
 }
 
@@ -227,6 +267,19 @@ pub fn pause(saver: &Saver, report: &mut Report, set_free: bool) {
         return;
     }
     let _ops = lock(&OPS);
+    let hccl: Vec<u64> = lock(&HCCL).values().map(|(_, bytes)| *bytes).collect();
+    if !hccl.is_empty() {
+        report.allocations_failed += hccl.len() as u64;
+        report.bytes_failed += hccl.iter().sum::<u64>();
+        note(
+            report,
+            Error::Invalid(
+                "HCCL communicators cannot be suspended: HCCL has no call that releases a live \
+                 communicator's buffers (2 x HCCL_BUFFSIZE MB each); set HCCL_BUFFSIZE lower or destroy \
+                 the communicator to get them back",
+            ),
+        );
+    }
     let dev = saver.device(Vendor::Cuda);
     let mut first = set_free;
     for (device, comms) in by_device(snapshot()) {

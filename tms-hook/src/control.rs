@@ -376,6 +376,7 @@ pub fn status() -> Status {
         communicators: crate::comms::status()
             .into_iter()
             .map(|c| tms_proto::CommInfo {
+                library: c.library.to_string(),
                 handle: c.handle as u64,
                 device: c.device,
                 suspendable_bytes: c.suspendable_bytes,

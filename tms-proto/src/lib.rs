@@ -306,15 +306,20 @@ pub struct Status {
     /// hooks older than this field).
     #[serde(default)]
     pub pooled_backup_bytes: u64,
-    /// The NCCL communicators the process created (tag `nccl`); absent when it has none, and
+    /// The NCCL communicators the process created (tag `nccl`) and its HCCL ones; absent when it has none, and
     /// from hooks older than this field.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub communicators: Vec<CommInfo>,
 }
 
-/// One NCCL communicator, as `ncclCommMemStats` describes its device memory.
+/// One communicator: NCCL's as `ncclCommMemStats` describes its device memory; HCCL's with its
+/// buffers (2 x HCCL_BUFFSIZE MB, or its config's size) as persistent bytes, since HCCL cannot
+/// release them.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommInfo {
+    /// "nccl" or "hccl" (absent from hooks older than this field, which knew NCCL only).
+    #[serde(default = "nccl")]
+    pub library: String,
     /// The communicator's handle in the process, for telling them apart.
     pub handle: u64,
     /// Its CUDA device (absent while a non-blocking init is still running).
@@ -329,6 +334,10 @@ pub struct CommInfo {
     /// itself is left to it.
     #[serde(default)]
     pub suspended_by_tms: bool,
+}
+
+fn nccl() -> String {
+    "nccl".to_string()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,7 +3,8 @@
 //! torch_npu reaches `aclrtMallocAlign32` with `dlsym(handle_of_libascendcl, name)`, a lookup that
 //! never sees preloaded definitions (and ctypes NCCL communicators reach `ncclCommInitRank` the
 //! same way). So `dlsym` itself is interposed: a lookup on a specific handle of one of the
-//! intercepted names (the five allocation calls, NCCL's communicator creation and destruction)
+//! intercepted names (the five allocation calls, NCCL's and HCCL's communicator creation and
+//! destruction)
 //! returns the hook's function (and the real address it
 //! found is kept as the forwarding target). Every other lookup must behave exactly as glibc's,
 //! and glibc resolves `RTLD_NEXT` and `RTLD_DEFAULT` relative to the caller's return address, so
@@ -33,7 +34,7 @@ extern "C" fn decide(handle: *mut c_void, name: *const c_char) -> usize {
                 (&forward::ACL_MALLOC_ALIGN32, super::acl::aclrtMallocAlign32 as *const () as usize)
             }
             b"aclrtFree" => (&forward::ACL_FREE, super::acl::aclrtFree as *const () as usize),
-            other => match super::nccl::interposed(other) {
+            other => match super::nccl::interposed(other).or_else(|| super::hccl::interposed(other)) {
                 Some(found) => found,
                 None => return vendor_through_own_handle(handle, n),
             },

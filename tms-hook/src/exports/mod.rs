@@ -6,6 +6,7 @@ pub mod api;
 pub mod compat;
 pub mod cuda;
 pub mod dlsym;
+pub mod hccl;
 pub mod nccl;
 pub mod torch;
 
