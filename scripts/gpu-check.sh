@@ -21,14 +21,15 @@
 # stalled non-blocking stream; disk backup), real PyTorch through the installed wheel in preload
 # and torch modes (tests/torch-consumers: torch_memory_saver programs and its examples'
 # scenarios, SGLang's and slime's call sequences, MemPool isolation, a single-rank NCCL
-# all-reduce on region memory across a pause, our hook under torch_memory_saver's own package
+# all-reduce on region memory across a pause, tag nccl suspending and resuming a torch.distributed
+# program's two process groups (1-rank communicators: NCCL refuses two ranks on one GPU), our hook under torch_memory_saver's own package
 # side by side with its library), `relax-colocate run` with the built-in workers and with PyTorch workers
 # (scripts/torch_worker.py: a small transformer trained with AdamW, weights, KV cache and a
 # captured CUDA graph in tags) and `relax-colocate bench` on the device.
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
 prepare() {
@@ -57,7 +58,7 @@ prepare() {
   strip --strip-debug "$dir"/bin/* "$dir"/lib/*
   cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
   mkdir -p "$dir/tests/torch-consumers"
-  cp "$root"/tests/torch-consumers/{conftest.py,variants.py,torch_build.py,test_wheel.py,test_frameworks.py,test_upstream_scenarios.py,test_tms_package.py,test_hook_under_torch.py,test_device_only.py,test_npu_programs.py} "$dir/tests/torch-consumers/"
+  cp "$root"/tests/torch-consumers/{conftest.py,variants.py,torch_build.py,test_wheel.py,test_frameworks.py,test_upstream_scenarios.py,test_tms_package.py,test_hook_under_torch.py,test_device_only.py,test_npu_programs.py,test_nccl_pause.py} "$dir/tests/torch-consumers/"
   # The PyTorch workers of relax-colocate run, and the tms package they import (found in python/
   # beside scripts/, as in a checkout).
   cp "$root/scripts/torch_worker.py" "$root/scripts/relax_worker.py" "$dir/scripts/"

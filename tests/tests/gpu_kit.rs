@@ -93,6 +93,7 @@ fn the_kit_is_small_and_self_contained() {
         "tests/torch-consumers/test_wheel.py",
         "tests/torch-consumers/torch_build.py",
         "tests/torch-consumers/test_hook_under_torch.py",
+        "tests/torch-consumers/test_nccl_pause.py",
         "scripts/torch_worker.py",
         "scripts/relax_worker.py",
         "python/tms/__init__.py",
