@@ -78,6 +78,7 @@ Examples:
   relax-colocate run --memory-profile qwen3-4b --tp 2 --device cuda
   relax-colocate run --set memory.scale=0.01 --memory-profile qwen3-8b --device sim
   relax-colocate run --offload false                   # see the OOM the saver prevents
+  relax-colocate run --mode async --devices 2 --max-staleness 2   # trainer on 0, rollout on 1, overlapped
   relax-colocate run --trainer-cmd 'python3 my_trainer.py' --rollout-cmd 'python3 my_engine.py'";
 
 #[derive(clap::Args)]
@@ -147,9 +148,26 @@ struct RunArgs {
     /// auto, sim, cuda or npu [run.device].
     #[arg(long, value_enum)]
     device: Option<run::config::DeviceChoice>,
-    /// Devices (per node); one trainer and one rollout worker on each [run.devices].
+    /// colocate (trainer and rollout take turns on every device) or async (each role on devices
+    /// of its own, overlapped, samples at most --max-staleness updates old; docs/async.md) [run.mode].
+    #[arg(long, value_enum)]
+    mode: Option<run::config::Mode>,
+    /// Devices (per node); colocate: one trainer and one rollout worker on each [run.devices].
     #[arg(long)]
     devices: Option<u32>,
+    /// Async: the trainer's devices, e.g. 0 or 0-1,4 (default: the first half) [run.trainer_devices].
+    #[arg(long)]
+    trainer_devices: Option<String>,
+    /// Async: the rollout engines' devices (default: the rest) [run.rollout_devices].
+    #[arg(long)]
+    rollout_devices: Option<String>,
+    /// Async: drop samples whose oldest token is more than this many weight updates old
+    /// [async.max_staleness].
+    #[arg(long, allow_hyphen_values = true)]
+    max_staleness: Option<i64>,
+    /// Async: trainer steps between weight updates to the rollout [async.train_iters_per_update].
+    #[arg(long)]
+    train_iters_per_update: Option<u64>,
     /// local or ray: who starts the workers [run.launcher].
     #[arg(long, value_enum)]
     launcher: Option<run::config::Launcher>,
@@ -258,7 +276,20 @@ impl RunArgs {
                 })
             }),
         );
+        add(
+            "run.mode",
+            self.mode.map(|m| {
+                q(match m {
+                    run::config::Mode::Colocate => "colocate",
+                    run::config::Mode::Async => "async",
+                })
+            }),
+        );
         add("run.devices", self.devices.map(|x| x.to_string()));
+        add("run.trainer_devices", self.trainer_devices.as_deref().map(q));
+        add("run.rollout_devices", self.rollout_devices.as_deref().map(q));
+        add("async.max_staleness", self.max_staleness.map(|x| x.to_string()));
+        add("async.train_iters_per_update", self.train_iters_per_update.map(|x| x.to_string()));
         add(
             "run.launcher",
             self.launcher.map(|l| {

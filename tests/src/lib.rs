@@ -2,6 +2,8 @@
 //! lay out runtime-named links to the simulator, compile the C consumers in their three loading
 //! styles, and give each test a private simulated node.
 
+pub mod runner;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

@@ -89,6 +89,12 @@ fn plan(line: &str) -> Option<Plan> {
         }
         // Without the saver the same job cannot wake up: exit 1, out of memory, named.
         "target/release/relax-colocate run --offload false" => run(two_steps, 1, &["out of device memory"]),
+        "target/release/relax-colocate run --mode async --devices 2 --max-staleness 2" => {
+            run(two_steps, 0, &["async: trainer on device(s) 0, rollout on 1", "checks:"])
+        }
+        "target/release/relax-colocate run --mode async --devices 3 --rollout-devices 1-2 --algo ppo" => {
+            run(two_steps, 0, &["rollout on 1,2", "checks:"])
+        }
         "target/release/relax-colocate run --print-config" => run(as_written, 0, &["steps", "phase_timeout_s"]),
         "target/release/relax-colocate run --metrics-style verl --logger tensorboard" => {
             run(two_steps, 0, &["checks:", "passed"])

@@ -11,6 +11,8 @@ pub const DEFAULT_TOML: &str = include_str!("default.toml");
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub run: RunSection,
+    #[serde(rename = "async")]
+    pub asynchronous: AsyncSection,
     pub task: TaskSection,
     pub rollout: RolloutSection,
     pub algo: AlgoSection,
@@ -23,10 +25,13 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunSection {
+    pub mode: Mode,
     pub steps: u64,
     pub seed: u64,
     pub device: DeviceChoice,
     pub devices: u32,
+    pub trainer_devices: String,
+    pub rollout_devices: String,
     pub out: String,
     pub phase_timeout_s: f64,
     pub checks: bool,
@@ -38,6 +43,27 @@ pub struct RunSection {
     pub nodes: u32,
     pub ray_address: String,
     pub ray_python: String,
+}
+
+/// How trainer and rollout share the devices (docs/async.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Every device holds a trainer and a rollout worker, which take turns with its memory.
+    Colocate,
+    /// The trainer and the rollout engines on separate devices, overlapped, samples at most
+    /// `async.max_staleness` weight versions old.
+    Async,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AsyncSection {
+    /// Signed so that a negative value is refused by name rather than as a type error.
+    pub max_staleness: i64,
+    pub train_iters_per_update: u64,
+    pub queue_groups: u64,
+    pub segment_tokens: u64,
 }
 
 /// Who places the workers: child processes of the runner, or Ray (docs/ray.md).
@@ -284,10 +310,107 @@ impl Config {
         if let Err(e) = super::profile::preset(&self.memory.profile) {
             errors.push(e);
         }
-        if !self.rollout.prompts_per_step.is_multiple_of(self.total_devices()) {
-            errors.push("rollout.prompts_per_step must be a multiple of run.devices x run.nodes".into());
+        match self.mode_layout() {
+            Err(e) => errors.push(e),
+            Ok(None) => {
+                if !self.rollout.prompts_per_step.is_multiple_of(self.total_devices()) {
+                    errors.push("rollout.prompts_per_step must be a multiple of run.devices x run.nodes".into());
+                }
+            }
+            Ok(Some(split)) => {
+                if !self.rollout.prompts_per_step.is_multiple_of(split.rollout.len()) {
+                    errors.push(format!(
+                        "rollout.prompts_per_step must be a multiple of the {} rollout device(s) (run.rollout_devices)",
+                        split.rollout.len()
+                    ));
+                }
+                if self.asynchronous.max_staleness < 0 {
+                    errors.push(format!(
+                        "async.max_staleness={} is below 0: 0 trains only on samples of the current weights, 1 is \
+                         one-step off-policy",
+                        self.asynchronous.max_staleness
+                    ));
+                }
+                if self.asynchronous.train_iters_per_update < 1 {
+                    errors.push("async.train_iters_per_update must be at least 1".into());
+                }
+                if self.asynchronous.queue_groups != 0
+                    && (self.asynchronous.queue_groups as usize) < self.rollout.prompts_per_step
+                {
+                    errors.push(format!(
+                        "async.queue_groups={} cannot hold one batch of {} prompt groups \
+                         (rollout.prompts_per_step); give at least that, or 0 for the default",
+                        self.asynchronous.queue_groups, self.rollout.prompts_per_step
+                    ));
+                }
+            }
         }
         if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    /// Async mode: which devices train and which generate (None in colocate mode), or why the
+    /// device sets cannot run. Devices are numbered node-major across the run, as ranks are.
+    pub fn mode_layout(&self) -> Result<Option<DeviceSplit>, String> {
+        let total = self.total_devices() as u32;
+        if self.run.mode == Mode::Colocate {
+            for (key, v) in
+                [("run.trainer_devices", &self.run.trainer_devices), ("run.rollout_devices", &self.run.rollout_devices)]
+            {
+                if v.trim().is_empty() {
+                    continue;
+                }
+                return Err(format!(
+                    "{key}={v:?} needs run.mode = \"async\" (--mode async); colocate mode puts both roles on every device"
+                ));
+            }
+            return Ok(None);
+        }
+        if total < 2 {
+            return Err(format!(
+                "run.mode = \"async\" needs at least 2 devices (one to train, one to generate) and the run has {total}: \
+                 --devices 2, or --mode colocate"
+            ));
+        }
+        let half = (total / 2).max(1);
+        let trainer = match self.run.trainer_devices.trim() {
+            "" => None,
+            v => Some(parse_devices(v, total).map_err(|e| format!("run.trainer_devices: {e}"))?),
+        };
+        let rollout = match self.run.rollout_devices.trim() {
+            "" => None,
+            v => Some(parse_devices(v, total).map_err(|e| format!("run.rollout_devices: {e}"))?),
+        };
+        let rest = |taken: &[u32]| (0..total).filter(|d| !taken.contains(d)).collect::<Vec<u32>>();
+        let (trainer, rollout) = match (trainer, rollout) {
+            (Some(t), Some(r)) => (t, r),
+            (Some(t), None) => {
+                let r = rest(&t);
+                (t, r)
+            }
+            (None, Some(r)) => {
+                let t = rest(&r);
+                (t, r)
+            }
+            (None, None) => ((0..half).collect(), (half..total).collect()),
+        };
+        if trainer.is_empty() || rollout.is_empty() {
+            let (key, other) = if trainer.is_empty() {
+                ("run.trainer_devices", "rollout")
+            } else {
+                ("run.rollout_devices", "trainer")
+            };
+            return Err(format!(
+                "{key} is empty: the {other} takes every one of the run's {total} device(s); give each role its own \
+                 (e.g. --trainer-devices 0 --rollout-devices 1)"
+            ));
+        }
+        if let Some(d) = trainer.iter().find(|d| rollout.contains(d)) {
+            return Err(format!(
+                "run.trainer_devices and run.rollout_devices overlap on device {d}: async mode gives each role its own \
+                 devices (sharing one is colocate mode)"
+            ));
+        }
+        Ok(Some(DeviceSplit { trainer, rollout }))
     }
 
     /// Devices in the whole run: `run.devices` on each of `run.nodes` nodes.
@@ -298,6 +421,40 @@ impl Config {
     pub fn to_toml(&self) -> String {
         toml::to_string(self).expect("config serializes")
     }
+}
+
+/// Async mode's devices per role, node-major indices, each list sorted and without repeats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSplit {
+    pub trainer: Vec<u32>,
+    pub rollout: Vec<u32>,
+}
+
+/// "0,2-3" → [0, 2, 3], each below `total`.
+fn parse_devices(s: &str, total: u32) -> Result<Vec<u32>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        let num = |x: &str| {
+            x.trim().parse::<u32>().map_err(|_| format!("{part:?} is not a device index or a range like 0-3"))
+        };
+        let (lo, hi) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(part)?, num(part)?),
+        };
+        if lo > hi {
+            return Err(format!("range {part:?} runs backwards"));
+        }
+        if hi >= total {
+            return Err(format!(
+                "device {hi} is past the run's {total} device(s) (0-{}); raise --devices (run.devices x run.nodes)",
+                total - 1
+            ));
+        }
+        out.extend(lo..=hi);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
 }
 
 /// A size by tms's one rule (`tms_proto::size`): "512MiB", "2GiB", "1.5G" (GiB), "4096" bytes;

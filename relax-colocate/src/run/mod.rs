@@ -22,15 +22,20 @@ pub mod task;
 pub mod wire;
 pub mod worker;
 
+mod asynchronous;
 mod cycle;
 mod fleet;
 mod launch;
+mod learn;
 mod recorder;
 mod signals;
 mod sizing;
+mod weights;
 
 pub use recorder::{loggers, metrics};
 
+use asynchronous::Async;
+use config::Mode;
 use cycle::Colocate;
 use launch::{make_run_dir, start};
 use serde_json::{Value, json};
@@ -198,8 +203,11 @@ pub fn run(opts: &Options) -> u8 {
         Ok(d) => d,
         Err(e) => return refuse(FailKind::Setup, &e.to_string()),
     };
-    let mut cycle = match start(&cfg, opts, run_dir.clone()) {
-        Ok((plan, fleet, recorder)) => Colocate::new(&cfg, plan, fleet, recorder),
+    let mut driver = match start(&cfg, opts, run_dir.clone()) {
+        Ok((plan, fleet, recorder)) if cfg.run.mode == Mode::Async => {
+            Driver::Async(Box::new(Async::new(&cfg, plan, fleet, recorder)))
+        }
+        Ok((plan, fleet, recorder)) => Driver::Colocate(Box::new(Colocate::new(&cfg, plan, fleet, recorder))),
         Err(e) => {
             let summary = report_failure(&e, None, &run_dir);
             if opts.json {
@@ -208,8 +216,26 @@ pub fn run(opts: &Options) -> u8 {
             return e.kind.exit_code();
         }
     };
-    let result = drive(&mut cycle);
-    finish(cycle, result, opts, &run_dir)
+    let result = match &mut driver {
+        Driver::Colocate(c) => drive(c),
+        Driver::Async(a) => a.run(),
+    };
+    finish(driver, result, opts, &run_dir)
+}
+
+/// The two drivers over the same fleet and recorder.
+enum Driver {
+    Colocate(Box<Colocate>),
+    Async(Box<Async>),
+}
+
+impl Driver {
+    fn parts(&mut self) -> (&mut fleet::Fleet, &mut recorder::Recorder, &profile::Profile) {
+        match self {
+            Driver::Colocate(c) => (&mut c.fleet, &mut c.rec, &c.profile),
+            Driver::Async(a) => (&mut a.fleet, &mut a.rec, &a.profile),
+        }
+    }
 }
 
 fn drive(c: &mut Colocate) -> R<()> {
@@ -224,11 +250,18 @@ fn drive(c: &mut Colocate) -> R<()> {
 
 /// Stops the workers, writes the summary and the plots, and says how the run ended; returns the
 /// exit code.
-fn finish(mut c: Colocate, result: R<()>, opts: &Options, run_dir: &Path) -> u8 {
-    c.fleet.stop(result.is_ok());
-    let rec = &mut c.rec;
+fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> u8 {
+    let extra = match &driver {
+        Driver::Async(a) => Some(a.summary()),
+        Driver::Colocate(_) => None,
+    };
+    let (fleet, rec, profile) = driver.parts();
+    fleet.stop(result.is_ok());
     rec.finish();
-    let summary = recorder::report::summary(rec, result.as_ref().err(), &c.profile);
+    let mut summary = recorder::report::summary(rec, result.as_ref().err(), profile);
+    if let Some(block) = &extra {
+        summary["async"] = block.clone();
+    }
     let _ = std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
     let _ = recorder::report::write_plots(rec);
     let code = match &result {
@@ -238,7 +271,7 @@ fn finish(mut c: Colocate, result: R<()>, opts: &Options, run_dir: &Path) -> u8 
         }
         Ok(()) => 0,
         Err(e) => {
-            report_failure(e, Some(c.fleet.log_of_name(e.worker.as_deref())), run_dir);
+            report_failure(e, Some(fleet.log_of_name(e.worker.as_deref())), run_dir);
             e.kind.exit_code()
         }
     };

@@ -199,6 +199,15 @@ pub struct GenerateParams {
     pub seed: u64,
     #[serde(default)]
     pub step: u64,
+    /// Partial rollouts (async mode): the response tokens each sequence already has, one entry per
+    /// sequence in reply order (`prompts.len() * n`); generation continues after them under the
+    /// weights the rollout holds now. Empty: every sequence starts fresh.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub responses: Vec<Vec<u32>>,
+    /// Partial rollouts: generate at most this many new tokens per sequence in this request, and
+    /// say which sequences finished. None: to the end (EOS or `max_new_tokens` in all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment_tokens: Option<usize>,
 }
 
 fn one() -> f64 {
@@ -214,8 +223,12 @@ pub struct GenerateReply {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Generated {
     pub prompt_index: usize,
+    /// The tokens this request generated (after the `responses` prefix it was given, if any).
     pub response: Vec<u32>,
     pub logprobs: Vec<f64>,
+    /// False when the sequence stopped at `segment_tokens` and has more to generate.
+    #[serde(default = "yes")]
+    pub finished: bool,
 }
 
 /// A sequence to score: its prompt and response tokens.

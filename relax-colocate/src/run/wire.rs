@@ -47,6 +47,22 @@ impl Conn {
         Ok(Conn { writer: stream.try_clone()?, reader: BufReader::new(stream), pending: Vec::new() })
     }
 
+    /// Whether a message may be waiting: bytes buffered here, or the socket readable (or closed)
+    /// within `wait`. A true answer is followed by `recv`, which reads the rest of the line.
+    pub fn readable(&self, wait: Duration) -> bool {
+        if !self.reader.buffer().is_empty() || !self.pending.is_empty() {
+            return true;
+        }
+        let mut fd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(self.reader.get_ref()),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd for a socket this connection owns.
+        let n = unsafe { libc::poll(&mut fd, 1, wait.as_millis().min(i32::MAX as u128) as i32) };
+        n > 0
+    }
+
     pub fn send(&mut self, v: &Value) -> std::io::Result<()> {
         let mut line = serde_json::to_vec(v).expect("JSON values serialize");
         line.push(b'\n');

@@ -478,7 +478,17 @@ impl Rollout {
     }
 
     fn generate(&mut self, p: GenerateParams) -> Result<GenerateReply, Failure> {
-        let GenerateParams { prompts, n, max_new_tokens: max_new, temperature, eos, seed, .. } = p;
+        let GenerateParams {
+            prompts,
+            n,
+            max_new_tokens: max_new,
+            temperature,
+            eos,
+            seed,
+            responses,
+            segment_tokens,
+            ..
+        } = p;
         let s = self.c.shape;
         let batch = prompts.len() * n;
         if batch > self.max_batch {
@@ -487,24 +497,44 @@ impl Rollout {
         if prompts.iter().any(|pr| pr.len() + max_new > s.context + 1 || pr.iter().any(|t| *t as usize >= s.vocab)) {
             return Err(bad("a prompt does not fit the model's context or vocabulary"));
         }
+        if !responses.is_empty() && responses.len() != batch {
+            return Err(bad(format!("responses has {} entries for {batch} sequences", responses.len())));
+        }
+        if responses.iter().any(|r| r.len() >= max_new || r.iter().any(|t| *t as usize >= s.vocab)) {
+            return Err(bad("a response prefix is already max_new_tokens long or leaves the vocabulary"));
+        }
+        let segment = segment_tokens.unwrap_or(max_new).max(1);
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
         let pol = Policy { shape: s, params: &params };
         let h = s.hidden;
         // Prefill: the KV cache of each sequence starts as the prompt's hidden_pre.
         let mut kv_host = vec![0f64; batch * h];
+        // A continued sequence's cache also holds its prefix, as re-prefilling it under the new
+        // weights after an interruption would (SGLang and verl drop the old cache).
         let mut seqs: Vec<(usize, Vec<u32>, Vec<f64>, bool)> = Vec::with_capacity(batch);
+        // Per sequence: the tokens it had before this request.
+        let mut before: Vec<usize> = Vec::with_capacity(batch);
         for (pi, pr) in prompts.iter().enumerate() {
             let pre = pol.hidden_pre(pr);
             for _ in 0..n {
-                kv_host[seqs.len() * h..(seqs.len() + 1) * h].copy_from_slice(&pre);
-                seqs.push((pi, Vec::new(), Vec::new(), false));
+                let k = seqs.len();
+                let row = &mut kv_host[k * h..(k + 1) * h];
+                row.copy_from_slice(&pre);
+                let prefix = responses.get(k).map(Vec::as_slice).unwrap_or(&[]);
+                for (j, tok) in prefix.iter().enumerate() {
+                    for (a, w) in row.iter_mut().zip(pol.embed_row(pr.len() + j, *tok)) {
+                        *a += *w as f64;
+                    }
+                }
+                before.push(prefix.len());
+                seqs.push((pi, prefix.to_vec(), Vec::new(), false));
             }
         }
         self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         let mut rng = Rng::new(seed);
         let mut logits_host = vec![0f64; batch * s.vocab];
-        for _ in 0..max_new {
+        for _ in 0..segment.min(max_new) {
             if seqs.iter().all(|q| q.3) {
                 break;
             }
@@ -547,7 +577,13 @@ impl Rollout {
         }
         let samples = seqs
             .into_iter()
-            .map(|(prompt_index, response, logprobs, _)| Generated { prompt_index, response, logprobs })
+            .zip(before)
+            .map(|((prompt_index, response, logprobs, finished), k)| Generated {
+                prompt_index,
+                response: response[k..].to_vec(),
+                logprobs,
+                finished: finished || response.len() >= max_new,
+            })
             .collect();
         Ok(GenerateReply { samples })
     }

@@ -6,17 +6,14 @@
 mod row;
 mod step;
 
-use super::config::{AlgoName, Config};
+use super::config::Config;
 use super::fleet::Fleet;
 use super::launch::Plan;
 use super::profile::Profile;
-use super::protocol::{
-    BucketParams, Checksum, Init, InitParams, Method, Pack, SaveState, Step, Unpack, UpdateBegin, UpdateBeginParams,
-    UpdateBeginReply, UpdateEnd,
-};
+use super::protocol::{Init, Method, SaveState, Step};
 use super::recorder::Recorder;
 use super::task::Addition;
-use super::{Cursor, FailKind, R, Role, RunError, algo, model};
+use super::{Cursor, FailKind, R, Role, RunError, learn, model, weights};
 use std::rc::Rc;
 
 pub(super) struct Colocate {
@@ -89,32 +86,9 @@ impl Colocate {
         self.rec.check_paused(&what, &reports)
     }
 
-    fn checksums(&mut self, role: Role) -> R<Vec<String>> {
-        let replies = self.call_all::<Checksum>(role, Step { step: self.step() })?;
-        Ok(replies.into_iter().map(|r| r.weights).collect())
-    }
-
     /// Every worker of `role` must hold `expected`.
     fn expect_checksum(&mut self, role: Role, expected: &str, when: &str) -> R<()> {
-        if !self.rec.checks_enabled() {
-            return Ok(());
-        }
-        let got = self.checksums(role)?;
-        let named: Vec<(String, String)> =
-            self.indices(role).into_iter().map(|i| self.fleet.worker(i).name.clone()).zip(got).collect();
-        self.rec.check_weights(&named, expected, when)
-    }
-
-    fn trainer_checksum(&mut self) -> R<String> {
-        let sums = self.checksums(Role::Trainer)?;
-        if sums.windows(2).any(|w| w[0] != w[1]) {
-            return Err(self.fail(
-                FailKind::Check,
-                None,
-                format!("trainer replicas disagree on their weights: {sums:?}"),
-            ));
-        }
-        Ok(sums[0].clone())
+        weights::expect_checksum(&mut self.fleet, &mut self.rec, role, expected, when)
     }
 
     fn sleep_trainer(&mut self) -> R<()> {
@@ -127,27 +101,7 @@ impl Colocate {
     }
 
     fn update_weights(&mut self) -> R<()> {
-        self.phase("update_weights", |r| {
-            let p =
-                UpdateBeginParams { shm: r.fleet.shm().to_path_buf(), bucket_bytes: r.bucket_bytes, step: r.step() };
-            let t = r.call_all::<UpdateBegin>(Role::Trainer, p.clone())?;
-            r.call_all::<UpdateBegin>(Role::Rollout, p)?;
-            let buckets = r.bucket_count(&t)?;
-            let trainers = r.indices(Role::Trainer);
-            let rollouts = r.indices(Role::Rollout);
-            // One shared bucket file per pair would let pairs run in parallel; pairs take turns
-            // here, each bucket packed by the trainer and unpacked by its rollout.
-            for (ti, ri) in trainers.into_iter().zip(rollouts) {
-                for b in 0..buckets {
-                    let q = BucketParams { bucket: b, step: r.step() };
-                    r.call_each::<Pack>(&[ti], vec![q])?;
-                    r.call_each::<Unpack>(&[ri], vec![q])?;
-                }
-            }
-            r.call_all::<UpdateEnd>(Role::Trainer, Step { step: r.step() })?;
-            r.call_all::<UpdateEnd>(Role::Rollout, Step { step: r.step() })?;
-            Ok(())
-        })
+        self.phase("update_weights", |r| weights::host_transfer(&mut r.fleet, &r.at, r.bucket_bytes).map(drop))
     }
 
     /// Rollout and trainer start, the trainer's initial weights reach the rollout: slime's
@@ -156,27 +110,11 @@ impl Colocate {
         let offload = self.cfg.run.offload;
         let per_device = self.cfg.rollout.prompts_per_step / self.cfg.total_devices();
         let max_batch = per_device * self.cfg.rollout.samples_per_prompt;
-        let rollout_mem = self.profile.rollout.tags.clone();
-        let trainer_mem = self.profile.trainer.tags.clone();
-        let init = |r: &Colocate, role: Role, mem: &[(String, Vec<u64>)]| -> Vec<InitParams> {
-            r.indices(role)
-                .iter()
-                .map(|&i| InitParams {
-                    api: r.api.into(),
-                    device: r.fleet.worker(i).device,
-                    shape: r.shape,
-                    seed: r.cfg.run.seed,
-                    memory: mem.to_vec(),
-                    backup: r.cfg.memory.backup,
-                    max_batch,
-                    loss: Some(r.loss_config()),
-                    adam: Some(r.adam()),
-                    step: 0,
-                })
-                .collect()
+        let init = |r: &Colocate, role: Role| {
+            learn::init_params(&r.cfg, &r.fleet, role, r.api, r.shape, &r.profile, max_batch)
         };
         self.phase("init_rollout", |r| {
-            let p = init(r, Role::Rollout, &rollout_mem);
+            let p = init(r, Role::Rollout);
             let targets = r.indices(Role::Rollout);
             r.call_each::<Init>(&targets, p)?;
             r.fleet.find_control_sockets(Role::Rollout)
@@ -185,7 +123,7 @@ impl Colocate {
             self.phase("rollout_offload", |r| r.control(Role::Rollout, true, None))?;
         }
         self.phase("init_trainer", |r| {
-            let p = init(r, Role::Trainer, &trainer_mem);
+            let p = init(r, Role::Trainer);
             let targets = r.indices(Role::Trainer);
             r.call_each::<Init>(&targets, p).map_err(|mut e| {
                 if e.kind == FailKind::OutOfMemory && !r.cfg.run.offload {
@@ -204,7 +142,7 @@ impl Colocate {
     /// then wake the KV cache last so the peak stays low.
     fn hand_weights_to_rollout(&mut self, when: &str) -> R<()> {
         let offload = self.cfg.run.offload;
-        let sum = self.trainer_checksum()?;
+        let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
         self.weights_checksum = Some(sum.clone());
         if offload {
             self.sleep_trainer()?;
@@ -219,43 +157,5 @@ impl Colocate {
             })?;
         }
         Ok(())
-    }
-
-    /// How many buckets the weights stream has, as the first trainer says.
-    fn bucket_count(&self, trainers: &[UpdateBeginReply]) -> R<u64> {
-        trainers[0].buckets.ok_or_else(|| {
-            let name = &self.fleet.worker(self.indices(Role::Trainer)[0]).name;
-            self.fail(FailKind::Worker, Some(name), "malformed update_begin reply: missing field `buckets`")
-        })
-    }
-
-    fn loss_config(&self) -> model::LossConfig {
-        let a = &self.cfg.algo;
-        let ppo = a.name == AlgoName::Ppo;
-        model::LossConfig {
-            clip: algo::Clip {
-                eps_low: a.clip_eps_low,
-                eps_high: a.clip_eps_high,
-                dual: (a.dual_clip > 1.0).then_some(a.dual_clip),
-            },
-            // PPO puts the KL in the token reward; GRPO in the loss.
-            kl_coef: if ppo { 0.0 } else { a.kl_coef },
-            kl_kind: a.kl_type,
-            entropy_coef: a.entropy_coef,
-            aggregation: a.aggregation,
-            value_coef: if ppo { a.value_coef } else { 0.0 },
-            value_clip: a.value_clip,
-            temperature: self.cfg.rollout.temperature,
-        }
-    }
-
-    fn adam(&self) -> model::Adam {
-        model::Adam {
-            lr: self.cfg.algo.lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            max_grad_norm: self.cfg.algo.max_grad_norm,
-        }
     }
 }

@@ -2,10 +2,9 @@
 //! rewards, pass rates, lengths, log-probs, KL, advantages, the trainer's metrics and memory.
 
 use super::Colocate;
-use super::step::{Advantages, Sample, Scores};
-use crate::run::metrics::{self, mean};
+use crate::run::learn::{self, Advantages, Sample, Scores};
+use crate::run::metrics;
 use crate::run::protocol::TrainReply;
-use crate::run::task;
 
 /// What one step produced, for its metrics row.
 pub(super) struct StepData<'a> {
@@ -39,45 +38,12 @@ impl Colocate {
         }
         row.set("perf/wall_step_time", d.wall_s);
 
-        let flat = |v: &[Vec<f64>]| mean(v.iter().flatten().copied());
-        row.set("rollout/raw_reward", mean(d.scored.iter().map(|s| s.0)));
-        row.set("rollout/kl_penalized_reward", mean(d.adv.penalized.iter().copied()));
-        let passed: Vec<bool> = d.scored.iter().map(|s| s.1).collect();
-        for (k, v) in metrics::pass_at_k(&passed, self.cfg.rollout.samples_per_prompt) {
-            row.set(&format!("passrate/pass@{k}"), v);
-        }
-        let lengths: Vec<f64> = d.samples.iter().map(|s| s.response.len() as f64).collect();
-        for (stat, v) in metrics::statistics(&lengths) {
-            row.set(&format!("rollout/response_len/{stat}"), v);
-        }
-        let max_new = self.task.max_new_tokens();
-        let truncated = d.samples.iter().map(|s| {
-            let r = &s.response;
-            f64::from(u8::from(r.len() >= max_new && r.last() != Some(&task::EOS)))
-        });
-        row.set("rollout/truncated_ratio", mean(truncated));
-        row.set("rollout/log_probs", flat(&d.scores.old_lp));
-        row.set("rollout/ref_log_probs", flat(&d.scores.ref_lp));
-        row.set("rollout/rollout_log_probs", mean(d.samples.iter().flat_map(|s| s.logprobs.iter().copied())));
-        row.set("rollout/entropy", flat(&d.scores.entropy));
-        row.set("rollout/kl", d.adv.kl_ref);
-        row.set("rollout/advantages", flat(&d.adv.advantages));
-        if !d.adv.returns.is_empty() {
-            row.set("rollout/returns", flat(&d.adv.returns));
-            row.set("rollout/values", flat(&d.scores.values));
-        }
-        let diffs = || {
-            let pairs = d.samples.iter().zip(&d.scores.old_lp);
-            pairs.flat_map(|(s, o)| s.logprobs.iter().zip(o).map(|(a, b)| (a - b).abs()))
-        };
-        row.set("train/train_rollout_logprob_abs_diff", mean(diffs()));
-        row.set("rollout/logprob_abs_diff_max", diffs().fold(0.0, f64::max));
-        row.set("train/lr-pg_0", self.cfg.algo.lr);
-        for (k, v) in &d.train.0 {
-            if let Some(x) = v {
-                row.set(&metrics::train_metric(k), *x);
-            }
-        }
+        learn::sample_metrics(
+            &mut row,
+            &self.cfg,
+            &self.task,
+            &learn::Outcome { samples: d.samples, scored: d.scored, scores: d.scores, adv: d.adv, train: &d.train },
+        );
         for s in self.rec.step_memory() {
             metrics::add_memory(&mut row, s);
         }

@@ -4,13 +4,13 @@
 use super::Colocate;
 use super::row::StepData;
 use crate::run::config::AlgoName;
-use crate::run::metrics::mean;
+use crate::run::learn::{self, Advantages, Sample, Scores};
 use crate::run::protocol::{
-    Generate, GenerateParams, LoadState, LogProbs, LogProbsParams, Model, Pair, SamplesParams, Step, Train,
-    TrainParams, TrainReply, Values,
+    Generate, GenerateParams, LoadState, LogProbs, LogProbsParams, Model, Pair, SamplesParams, Step, Train, TrainReply,
+    Values,
 };
 use crate::run::task::{self, Rng};
-use crate::run::{FailKind, R, Role, algo, model};
+use crate::run::{FailKind, R, Role};
 use std::time::Instant;
 
 impl Colocate {
@@ -28,7 +28,9 @@ impl Colocate {
         }
         let scores = self.score(&samples)?;
         let rewards: Vec<f64> = scored.iter().map(|s| s.0).collect();
-        let adv = self.phase("advantages", |r| r.advantages(&samples, &rewards, &scores))?;
+        let adv = self.phase("advantages", |r| {
+            learn::advantages(&r.cfg, &samples, &rewards, &scores).map_err(|e| r.fail(FailKind::Worker, None, e))
+        })?;
         let train = self.phase("actor_train", |r| r.train(&samples, &scores, &adv))?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;
         let wall_s = wall.elapsed().as_secs_f64();
@@ -55,6 +57,8 @@ impl Colocate {
                 eos: Some(task::EOS),
                 seed: self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.step() << 8) ^ k as u64,
                 step: self.step(),
+                responses: Vec::new(),
+                segment_tokens: None,
             })
             .collect();
         let replies = self.call_each::<Generate>(&rollouts, params)?;
@@ -112,90 +116,12 @@ impl Colocate {
         Ok(Scores { old_lp: actor.logprobs, ref_lp: reference.logprobs, entropy: actor.entropy, values })
     }
 
-    /// Advantages (and PPO's returns) in the runner, with the KL to the reference.
-    fn advantages(&self, samples: &[Sample], rewards: &[f64], scores: &Scores) -> R<Advantages> {
-        let kl_type = self.cfg.algo.kl_type;
-        let kl_tok: Vec<Vec<f64>> = (scores.old_lp.iter().zip(&scores.ref_lp))
-            .map(|(o, f)| o.iter().zip(f).map(|(a, b)| algo::kl(*a, *b, kl_type).0).collect())
-            .collect();
-        let kl_ref = mean(kl_tok.iter().flatten().copied());
-        match self.cfg.algo.name {
-            AlgoName::Grpo => {
-                let a = algo::grpo_advantages(rewards, self.cfg.rollout.samples_per_prompt, self.cfg.algo.dr_grpo);
-                let advantages = samples.iter().zip(&a).map(|(s, a)| vec![*a; s.response.len()]).collect();
-                // The sequence reward after the KL penalty (verl's critic/rewards): the score for
-                // GRPO, whose KL is in the loss.
-                Ok(Advantages { advantages, returns: Vec::new(), kl_ref, penalized: rewards.to_vec() })
-            }
-            AlgoName::Ppo => {
-                if scores.values.len() != samples.len() {
-                    return Err(self.fail(FailKind::Worker, None, "values returned the wrong number of sequences"));
-                }
-                Ok(self.gae(rewards, &kl_tok, &scores.values, kl_ref))
-            }
-        }
-    }
-
-    /// PPO: the KL in the token rewards, GAE over the critic's values.
-    fn gae(&self, rewards: &[f64], kl_tok: &[Vec<f64>], values: &[Vec<f64>], kl_ref: f64) -> Advantages {
-        let a = &self.cfg.algo;
-        let mut out = Advantages { advantages: Vec::new(), returns: Vec::new(), kl_ref, penalized: Vec::new() };
-        for ((reward, kl), values) in rewards.iter().zip(kl_tok).zip(values) {
-            let tr = algo::ppo_token_rewards(*reward, kl, a.kl_coef);
-            out.penalized.push(tr.iter().sum());
-            let (adv, ret) = algo::gae(&tr, values, a.gamma, a.lambda);
-            out.advantages.push(adv);
-            out.returns.push(ret);
-        }
-        if a.whiten_advantages {
-            algo::whiten(&mut out.advantages);
-        }
-        out
-    }
-
     fn train(&mut self, samples: &[Sample], scores: &Scores, adv: &Advantages) -> R<TrainReply> {
-        let samples = (0..samples.len())
-            .map(|i| model::TrainSample {
-                prompt: samples[i].prompt.clone(),
-                response: samples[i].response.clone(),
-                advantages: adv.advantages[i].clone(),
-                old_logprobs: scores.old_lp[i].clone(),
-                ref_logprobs: scores.ref_lp[i].clone(),
-                returns: adv.returns.get(i).cloned().unwrap_or_default(),
-                old_values: scores.values.get(i).cloned().unwrap_or_default(),
-            })
-            .collect();
-        let a = &self.cfg.algo;
-        let p = TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step: self.step() };
+        let p = learn::train_params(&self.cfg, samples, scores, adv, self.step());
         self.call_all::<Train>(Role::Trainer, p).map(first)
     }
 }
 /// The first worker's reply (the trainers are replicas).
 fn first<T>(replies: Vec<T>) -> T {
     replies.into_iter().next().expect("every role has a worker")
-}
-
-/// A rollout's sample: the prompt, the response and the rollout's log-probs of it.
-pub(super) struct Sample {
-    pub(super) prompt: Vec<u32>,
-    pub(super) response: Vec<u32>,
-    pub(super) logprobs: Vec<f64>,
-}
-
-/// The trainer's per-token numbers for each sample.
-pub(super) struct Scores {
-    pub(super) old_lp: Vec<Vec<f64>>,
-    pub(super) ref_lp: Vec<Vec<f64>>,
-    pub(super) entropy: Vec<Vec<f64>>,
-    /// PPO only.
-    pub(super) values: Vec<Vec<f64>>,
-}
-
-pub(super) struct Advantages {
-    pub(super) advantages: Vec<Vec<f64>>,
-    /// PPO only.
-    pub(super) returns: Vec<Vec<f64>>,
-    pub(super) kl_ref: f64,
-    /// The sequence reward after the KL penalty.
-    pub(super) penalized: Vec<f64>,
 }

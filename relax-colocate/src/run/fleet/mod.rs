@@ -8,6 +8,8 @@
 pub(super) mod local;
 pub(super) mod ray;
 mod supervise;
+
+pub(super) use supervise::InFlight;
 pub(super) mod tmpfiles;
 
 use super::config::{Config, DeviceChoice, Launcher};
@@ -81,6 +83,21 @@ pub(super) struct Fleet {
     at: Rc<Cursor>,
 }
 
+/// Which worker runs on which device (its rank, node-major), in start order: colocate mode puts a
+/// rollout and a trainer on every device, async mode one role per device as run.trainer_devices and
+/// run.rollout_devices say.
+pub(super) fn placements(cfg: &Config) -> Vec<(u32, Role)> {
+    match cfg.mode_layout() {
+        Ok(Some(split)) => {
+            let mut v: Vec<(u32, Role)> = split.rollout.iter().map(|&d| (d, Role::Rollout)).collect();
+            v.extend(split.trainer.iter().map(|&d| (d, Role::Trainer)));
+            v.sort_by_key(|&(d, _)| d);
+            v
+        }
+        _ => (0..cfg.total_devices() as u32).flat_map(|d| [(d, Role::Rollout), (d, Role::Trainer)]).collect(),
+    }
+}
+
 impl Fleet {
     fn new(cfg: &Config, workers: Vec<Worker>, bridge: Option<ray::Bridge>, scratch: Scratch, at: Rc<Cursor>) -> Fleet {
         Fleet { workers, bridge, scratch, timeout_s: cfg.run.phase_timeout_s, at }
@@ -113,13 +130,11 @@ impl Fleet {
         }
     }
 
-    /// Starts one rollout and one trainer per device, in that order, as children.
+    /// Starts the workers `placements` names, in its order, as children.
     fn start_local(&mut self, cfg: &Config, env: &[(String, String)], run_dir: &Path) -> R<()> {
-        for rank in 0..cfg.run.devices {
-            for role in [Role::Rollout, Role::Trainer] {
-                let w = local::spawn_worker(cfg, role, rank, env, &self.scratch.sock_dir, run_dir)?;
-                self.workers.push(w);
-            }
+        for (rank, role) in placements(cfg) {
+            let w = local::spawn_worker(cfg, role, rank, env, &self.scratch.sock_dir, run_dir)?;
+            self.workers.push(w);
         }
         Ok(())
     }

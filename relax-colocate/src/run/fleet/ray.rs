@@ -143,19 +143,15 @@ fn worker_spec(paths: &Paths, node_env: &[(String, String)], p: &Pending) -> Val
 fn pending_workers(cfg: &Config, env: &[(String, String)], paths: &Paths) -> R<(Vec<Pending>, Vec<Value>)> {
     let mut pending = Vec::new();
     let mut specs = Vec::new();
-    for node in 0..cfg.run.nodes {
-        let node_env = node_env(env, paths.tmp, node);
-        for local in 0..cfg.run.devices {
-            let rank = node * cfg.run.devices + local;
-            for role in [Role::Rollout, Role::Trainer] {
-                let name = format!("{}-{rank}", role.as_str());
-                let listener = listen(&paths.sock_dir.join(format!("{name}.sock")))?;
-                let log = paths.run_dir.join("logs").join(format!("{name}.log"));
-                let p = Pending { name, role, rank, device: local, node, listener, log };
-                specs.push(worker_spec(paths, &node_env, &p));
-                pending.push(p);
-            }
-        }
+    let node_envs: Vec<_> = (0..cfg.run.nodes).map(|node| node_env(env, paths.tmp, node)).collect();
+    for (rank, role) in super::placements(cfg) {
+        let (node, local) = (rank / cfg.run.devices, rank % cfg.run.devices);
+        let name = format!("{}-{rank}", role.as_str());
+        let listener = listen(&paths.sock_dir.join(format!("{name}.sock")))?;
+        let log = paths.run_dir.join("logs").join(format!("{name}.log"));
+        let p = Pending { name, role, rank, device: local, node, listener, log };
+        specs.push(worker_spec(paths, &node_envs[node as usize], &p));
+        pending.push(p);
     }
     Ok((pending, specs))
 }

@@ -11,6 +11,15 @@ use serde_json::{Value, json};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+/// A request sent with `submit` whose answer is still to be read.
+#[derive(Debug)]
+pub(in crate::run) struct InFlight {
+    pub(in crate::run) worker: usize,
+    id: u64,
+    pub(in crate::run) method: &'static str,
+    deadline: Instant,
+}
+
 /// How often a wait on a worker looks at the interruption flag: Ctrl-C and SIGTERM take effect
 /// within this even while a worker never answers.
 const POLL: Duration = Duration::from_millis(20);
@@ -146,6 +155,48 @@ impl Fleet {
         let params = serde_json::to_value(params).expect("params serialize");
         let replies = self.exchange(&targets, M::NAME, vec![params; targets.len()])?;
         self.read_replies::<M>(&targets, replies)
+    }
+
+    /// Sends `M` to worker `i` and returns at once: the request is under way until `collect`
+    /// reads its reply. Drivers that overlap workers (async mode) keep one request in flight per
+    /// worker and learn from `wait_any` which answered.
+    pub(in crate::run) fn submit<M: Method>(&mut self, i: usize, params: M::Params) -> R<InFlight> {
+        let deadline = Instant::now() + self.timeout();
+        let params = serde_json::to_value(params).expect("params serialize");
+        let id = self.send_request(i, M::NAME, params, deadline)?;
+        Ok(InFlight { worker: i, id, method: M::NAME, deadline })
+    }
+
+    /// Waits until one of `requests` has an answer to read, or one's time is up (its `collect`
+    /// then reports the timeout); returns its position. Interruptions end the wait.
+    pub(in crate::run) fn wait_any(&mut self, requests: &[&InFlight]) -> R<usize> {
+        assert!(!requests.is_empty(), "waiting on no request");
+        loop {
+            if let Some(why) = interruption() {
+                return Err(self.fail(FailKind::Interrupted, None, why));
+            }
+            let now = Instant::now();
+            if let Some(k) = requests.iter().position(|r| r.deadline <= now) {
+                return Ok(k);
+            }
+            // A short look at each in turn: the first is looked at longest, which is fine for a
+            // handful of workers and keeps this free of a poll set to maintain.
+            let slice = POLL / requests.len().max(1) as u32;
+            for (k, r) in requests.iter().enumerate() {
+                let conn = self.workers[r.worker].conn.as_ref().expect("connected");
+                if conn.readable(slice) {
+                    return Ok(k);
+                }
+            }
+        }
+    }
+
+    /// Reads the answer to `request` as `M::Reply` (waiting for it if need be, up to its deadline).
+    pub(in crate::run) fn collect<M: Method>(&mut self, request: InFlight) -> R<M::Reply> {
+        assert_eq!(request.method, M::NAME, "collected as another method");
+        let v = self.receive_result(request.worker, request.id, M::NAME, request.deadline)?;
+        let mut replies = self.read_replies::<M>(&[request.worker], vec![v])?;
+        Ok(replies.pop().expect("one reply"))
     }
 
     /// Each result as `M::Reply`: one that does not read fails the run naming the worker and the

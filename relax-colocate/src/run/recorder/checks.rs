@@ -8,6 +8,13 @@ use crate::run::{FailKind, R};
 use tms_proto::OpReport;
 
 impl Recorder {
+    /// A check the driver made itself passed (e.g. no sample over the staleness bound trained on).
+    pub(in crate::run) fn count_check(&mut self) {
+        if self.cfg.run.checks {
+            self.checks_passed += 1;
+        }
+    }
+
     /// After a pause of `what` (`tag "weights"`, `every tag`): each worker's device free memory rose
     /// by at least the bytes it reports paused.
     pub(in crate::run) fn check_paused(&mut self, what: &str, reports: &[(String, OpReport)]) -> R<()> {

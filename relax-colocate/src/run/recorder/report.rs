@@ -194,7 +194,16 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
         f(&summary["pass_rate"]["first3_mean"]),
         f(&summary["pass_rate"]["last3_mean"])
     );
-    if r.cfg.run.checks {
+    if let Some(a) = summary.get("async") {
+        print_async(a);
+    }
+    if r.cfg.run.checks && summary.get("async").is_some() {
+        println!(
+            "checks: {} passed (weights identical on every rollout engine after each update, no batch over the \
+             staleness bound, no leak)",
+            summary["checks"]["passed"]
+        );
+    } else if r.cfg.run.checks {
         println!(
             "checks: {} passed (memory freed on every pause, weights identical after wake_up and update_weights, no leak)",
             summary["checks"]["passed"]
@@ -204,6 +213,44 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
     println!(
         "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, memory_per_step.svg, reward.svg, logs/{tensorboard})",
         r.run_dir.display()
+    );
+}
+
+/// Async mode's lines: the layout, throughput, staleness, both sides' idle shares, the updates.
+fn print_async(a: &Value) {
+    let f = |k: &str| a[k].as_f64().unwrap_or(f64::NAN);
+    let devices = |k: &str| {
+        let list = a[k].as_array().map(|v| v.iter().map(Value::to_string).collect::<Vec<_>>().join(","));
+        list.unwrap_or_default()
+    };
+    let hist: Vec<String> = a["staleness_histogram"]
+        .as_object()
+        .map(|h| h.iter().map(|(k, v)| format!("{k}:{v}")).collect())
+        .unwrap_or_default();
+    println!(
+        "async: trainer on device(s) {}, rollout on {}; {} samples trained ({:.1}/s, {:.1} tokens/s; {})",
+        devices("trainer_devices"),
+        devices("rollout_devices"),
+        a["samples_trained"],
+        f("samples_per_s"),
+        f("tokens_per_s"),
+        a["compute"].as_str().unwrap_or("")
+    );
+    println!(
+        "       staleness (updates behind: samples) {}; {} dropped over the bound of {}; {} partial (spanning an update)",
+        hist.join(" "),
+        a["dropped_stale_samples"],
+        a["max_staleness"],
+        a["partial_samples"]
+    );
+    println!(
+        "       idle: trainer {:.0}%, rollout {:.0}%; {} weight updates over {}, {} in {:.2} s",
+        100.0 * f("trainer_idle_ratio"),
+        100.0 * f("rollout_idle_ratio"),
+        a["weight_updates"],
+        a["weight_transport"].as_str().unwrap_or("?"),
+        human(a["update_weights_bytes"].as_u64().unwrap_or(0)),
+        f("update_weights_s")
     );
 }
 

@@ -1,0 +1,712 @@
+//! The async driver (run.mode = "async"): the trainer and the rollout engines on devices of their
+//! own, working at once, as verl's fully-async policy and Relax's `--fully-async` run them.
+//!
+//! The rollout engines generate prompt groups into a bounded queue (queue.rs) while the trainer
+//! trains on the batches it takes out; every `async.train_iters_per_update` trainer steps the new
+//! weights go to every engine. Generation runs in segments of `async.segment_tokens` tokens: an
+//! update waits only for the segments in flight, and the sequences it interrupted continue under
+//! the new weights (partial rollouts), every token keeping the version that generated it. A group
+//! whose oldest token is more than `async.max_staleness` versions old when the trainer reaches it
+//! is dropped and counted. One request is in flight per worker at a time; the fleet says which
+//! answered first.
+
+mod queue;
+
+use super::config::{AlgoName, Config};
+use super::fleet::{Fleet, InFlight};
+use super::launch::Plan;
+use super::learn::{self, Advantages, Sample, Scores};
+use super::metrics::{self, mean};
+use super::profile::Profile;
+use super::protocol::{
+    Generate, GenerateParams, GenerateReply, Init, LogProbs, LogProbsParams, LogProbsReply, Model, Pair, SamplesParams,
+    Train, TrainReply, Values, ValuesReply,
+};
+use super::recorder::{Recorder, Span};
+use super::task::{self, Addition, Rng};
+use super::{Cursor, FailKind, R, Role, RunError, model, weights};
+use queue::{Group, Queue, Seq};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::Instant;
+
+pub(super) struct Async {
+    pub(super) cfg: Config,
+    pub(super) at: Rc<Cursor>,
+    task: Addition,
+    shape: model::Shape,
+    pub(super) profile: Profile,
+    api: &'static str,
+    bucket_bytes: u64,
+    pub(super) fleet: Fleet,
+    pub(super) rec: Recorder,
+    /// The weights the rollout engines hold: how many updates reached them (0: the initial ones).
+    version: u64,
+    queue: Queue,
+    engines: Vec<Engine>,
+    /// Prompt groups one generate request starts on an engine.
+    groups_per_request: usize,
+    /// Groups in the batch the trainer is working on (0 while it waits).
+    training_groups: usize,
+    rng: Rng,
+    requests: u64,
+    totals: Totals,
+    /// Since the last metrics row: time the trainer waited for a batch, and the engines' idle time.
+    window: Window,
+}
+
+/// A rollout engine and the groups it is generating.
+struct Engine {
+    worker: usize,
+    groups: Vec<Group>,
+    /// The request in flight, and the (group, sequence) each of its replies belongs to.
+    request: Option<(InFlight, Vec<(usize, usize)>)>,
+    /// When it last became idle (no request in flight).
+    idle_since: Option<Instant>,
+}
+
+/// Over the whole run, for the summary.
+#[derive(Default)]
+struct Totals {
+    samples_trained: u64,
+    tokens_trained: u64,
+    /// Trained samples per staleness (versions between their oldest token and the weights then).
+    staleness: BTreeMap<u64, u64>,
+    partial_samples: u64,
+    updates: u64,
+    update_s: f64,
+    update_bytes: u64,
+    trainer_idle_s: f64,
+    rollout_idle_s: f64,
+    started: Option<Instant>,
+}
+
+struct Window {
+    start: Instant,
+    trainer_idle_s: f64,
+    rollout_idle_s: f64,
+}
+
+impl Window {
+    fn new() -> Window {
+        Window { start: Instant::now(), trainer_idle_s: 0.0, rollout_idle_s: 0.0 }
+    }
+}
+
+/// The trainer's passes over one batch, a request at a time so the engines keep generating.
+struct Job {
+    samples: Vec<Sample>,
+    staleness: Vec<u64>,
+    spans: Vec<u64>,
+    stage: Stage,
+    span: Option<Span>,
+    requests: Vec<InFlight>,
+    reference: Option<LogProbsReply>,
+    actor: Option<LogProbsReply>,
+    values: Option<ValuesReply>,
+    adv: Option<Advantages>,
+    train: Option<TrainReply>,
+}
+
+/// A trained batch, for its metrics row.
+struct Finished {
+    samples: Vec<Sample>,
+    scored: Vec<(f64, bool)>,
+    scores: Scores,
+    adv: Advantages,
+    train: TrainReply,
+    staleness: Vec<u64>,
+    spans: Vec<u64>,
+}
+
+/// Which kind of request answered, by its position among those waited on.
+enum Answer {
+    Engine(usize),
+    Trainer(usize),
+}
+
+/// The trainer's per-token numbers for the job so far.
+fn job_scores(job: &Job) -> Scores {
+    let actor = job.actor.as_ref();
+    Scores {
+        old_lp: actor.map(|a| a.logprobs.clone()).unwrap_or_default(),
+        ref_lp: job.reference.as_ref().map(|r| r.logprobs.clone()).unwrap_or_default(),
+        entropy: actor.map(|a| a.entropy.clone()).unwrap_or_default(),
+        values: job.values.as_ref().map(|v| v.values.clone()).unwrap_or_default(),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    RefLogProbs,
+    LogProbs,
+    Values,
+    Train,
+}
+
+impl Stage {
+    fn phase(self) -> &'static str {
+        match self {
+            Stage::RefLogProbs => "ref_log_probs",
+            Stage::LogProbs => "log_probs",
+            Stage::Values => "values",
+            Stage::Train => "actor_train",
+        }
+    }
+}
+
+impl Async {
+    pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Async {
+        let rollouts = fleet.indices(Role::Rollout);
+        let engines =
+            rollouts.iter().map(|&worker| Engine { worker, groups: Vec::new(), request: None, idle_since: None });
+        let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
+        Async {
+            cfg: cfg.clone(),
+            at: rec.cursor(),
+            task: plan.task,
+            shape: plan.shape,
+            profile: plan.profile,
+            api: plan.api,
+            bucket_bytes: plan.bucket_bytes,
+            engines: engines.collect(),
+            fleet,
+            rec,
+            version: 0,
+            queue: Queue::default(),
+            groups_per_request,
+            training_groups: 0,
+            rng: Rng::new(cfg.run.seed ^ 0xDA7A),
+            requests: 0,
+            totals: Totals::default(),
+            window: Window::new(),
+        }
+    }
+
+    fn step(&self) -> u64 {
+        self.at.step()
+    }
+
+    fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
+        self.at.fail(kind, worker, cause)
+    }
+
+    fn max_staleness(&self) -> u64 {
+        self.cfg.asynchronous.max_staleness.max(0) as u64
+    }
+
+    /// Groups queued and being generated before an engine waits (back-pressure): Relax's
+    /// batch x (max_staleness + 1) unless async.queue_groups says otherwise.
+    fn capacity(&self) -> usize {
+        match self.cfg.asynchronous.queue_groups {
+            0 => self.cfg.rollout.prompts_per_step * (self.max_staleness() as usize + 1),
+            n => n as usize,
+        }
+    }
+
+    fn segment(&self) -> Option<usize> {
+        Some(self.cfg.asynchronous.segment_tokens as usize).filter(|s| *s > 0)
+    }
+
+    /// The whole run: setup, then trainer steps until run.steps, the engines generating meanwhile.
+    pub(super) fn run(&mut self) -> R<()> {
+        self.setup()?;
+        self.totals.started = Some(Instant::now());
+        self.window = Window::new();
+        let now = Instant::now();
+        for e in &mut self.engines {
+            e.idle_since = Some(now);
+        }
+        let steps = self.cfg.run.steps;
+        let per_update = self.cfg.asynchronous.train_iters_per_update;
+        let mut job: Option<Job> = None;
+        let mut trainer_idle_since = Some(Instant::now());
+        let mut since_update = 0;
+        // A finished step whose row waits for the weight update it triggered.
+        let mut before_update: Option<Finished> = None;
+        loop {
+            if job.is_none() && before_update.is_none() && self.step() < steps {
+                let batch =
+                    self.queue.take_batch(self.cfg.rollout.prompts_per_step, self.version, self.max_staleness());
+                if let Some(batch) = batch {
+                    if let Some(t) = trainer_idle_since.take() {
+                        self.window.trainer_idle_s += t.elapsed().as_secs_f64();
+                    }
+                    self.at.set_step(self.step() + 1);
+                    self.rec.new_step();
+                    job = Some(self.start_job(batch)?);
+                }
+            }
+            if before_update.is_none() {
+                self.feed_engines()?;
+            }
+            // An update waits for the segments in flight; then nothing else is under way.
+            if before_update.is_some() && self.engines.iter().all(|e| e.request.is_none()) {
+                self.update_weights()?;
+                let done = before_update.take().expect("checked");
+                self.write_row(done);
+                trainer_idle_since = Some(Instant::now());
+                continue;
+            }
+            let generating = self.engines.iter().any(|e| e.request.is_some());
+            if job.is_none() && before_update.is_none() && self.step() >= steps && !generating {
+                return Ok(());
+            }
+            if job.is_none() && !generating {
+                // Nothing under way and nothing to start: the queue can never fill.
+                return Err(self.fail(
+                    FailKind::Setup,
+                    None,
+                    format!(
+                        "async mode stalled: {} group(s) queued, the trainer needs {} and no engine may start more \
+                         (async.queue_groups too small?)",
+                        self.queue.len(),
+                        self.cfg.rollout.prompts_per_step
+                    ),
+                ));
+            }
+            if let Some(done) = self.wait_one(&mut job)? {
+                job = None;
+                since_update += 1;
+                if since_update == per_update {
+                    since_update = 0;
+                    before_update = Some(done);
+                } else {
+                    self.write_row(done);
+                    trainer_idle_since = Some(Instant::now());
+                }
+            }
+        }
+    }
+
+    /// The engines and the trainer start; the trainer's initial weights reach every engine.
+    fn setup(&mut self) -> R<()> {
+        let max_batch = self.groups_per_request * self.cfg.rollout.samples_per_prompt;
+        for (role, phase) in [(Role::Rollout, "init_rollout"), (Role::Trainer, "init_trainer")] {
+            let span = self.rec.begin(phase);
+            let targets = self.fleet.indices(role);
+            let params =
+                learn::init_params(&self.cfg, &self.fleet, role, self.api, self.shape, &self.profile, max_batch);
+            self.fleet.call_each::<Init>(&targets, params)?;
+            self.fleet.find_control_sockets(role)?;
+            self.rec.end(span, &self.fleet)?;
+        }
+        self.transfer_weights("on every rollout engine after the initial update_weights")
+    }
+
+    /// The trainer's weights to every engine, checked there.
+    fn transfer_weights(&mut self, when: &str) -> R<()> {
+        let span = self.rec.begin("update_weights");
+        let t0 = Instant::now();
+        let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
+        let bytes = weights::host_transfer(&mut self.fleet, &self.at, self.bucket_bytes)?;
+        self.rec.end(span, &self.fleet)?;
+        self.totals.update_s += t0.elapsed().as_secs_f64();
+        self.totals.update_bytes += bytes;
+        weights::expect_checksum(&mut self.fleet, &mut self.rec, Role::Rollout, &sum, when)
+    }
+
+    /// A new weight version: the trainer's weights after its last step reach every engine, whose
+    /// interrupted sequences continue under them.
+    fn update_weights(&mut self) -> R<()> {
+        let next = self.version + 1;
+        self.transfer_weights(&format!("on every rollout engine after update_weights (version {next})"))?;
+        self.version = next;
+        self.totals.updates += 1;
+        Ok(())
+    }
+
+    fn generating_groups(&self) -> usize {
+        self.engines.iter().map(|e| e.groups.len()).sum()
+    }
+
+    /// Gives every idle engine work: the rest of its interrupted sequences, or new prompts while
+    /// the queue has room (back-pressure) and the run needs more.
+    fn feed_engines(&mut self) -> R<()> {
+        for k in 0..self.engines.len() {
+            if self.engines[k].request.is_some() {
+                continue;
+            }
+            let resume = !self.engines[k].groups.is_empty();
+            // Counting the batch in training too: a group started now is trained on within
+            // capacity / batch updates, so the default capacity keeps every group within the
+            // staleness bound. With nothing else under way an engine always may start.
+            let under_way = self.generating_groups() + self.training_groups;
+            let held = self.queue.len() + under_way;
+            let room = held + self.groups_per_request <= self.capacity() || under_way == 0;
+            if !resume && (!room || self.step() >= self.cfg.run.steps) {
+                continue;
+            }
+            if !resume {
+                let lim = self.task.operand_limit();
+                let n = self.cfg.rollout.samples_per_prompt;
+                let fresh = (0..self.groups_per_request).map(|_| {
+                    let prompt = self.task.prompt(self.rng.below(lim), self.rng.below(lim));
+                    Group { prompt, seqs: vec![Seq::default(); n] }
+                });
+                let fresh: Vec<Group> = fresh.collect();
+                self.engines[k].groups = fresh;
+            }
+            self.send_generate(k, resume)?;
+        }
+        Ok(())
+    }
+
+    /// One generate request for engine `k`: its groups' unfinished sequences, each continued after
+    /// the tokens it has (or, for new groups, every prompt with its group size).
+    fn send_generate(&mut self, k: usize, resume: bool) -> R<()> {
+        self.requests += 1;
+        let seed = self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.requests << 8) ^ k as u64;
+        let e = &self.engines[k];
+        let (prompts, n, responses, order) = if resume {
+            let mut prompts = Vec::new();
+            let mut responses = Vec::new();
+            let mut order = Vec::new();
+            for (g, group) in e.groups.iter().enumerate() {
+                for (j, s) in group.seqs.iter().enumerate().filter(|(_, s)| !s.finished) {
+                    prompts.push(group.prompt.clone());
+                    responses.push(s.response.clone());
+                    order.push((g, j));
+                }
+            }
+            (prompts, 1, responses, order)
+        } else {
+            let n = self.cfg.rollout.samples_per_prompt;
+            let prompts = e.groups.iter().map(|g| g.prompt.clone()).collect();
+            let order = (0..e.groups.len()).flat_map(|g| (0..n).map(move |j| (g, j))).collect();
+            (prompts, n, Vec::new(), order)
+        };
+        let params = GenerateParams {
+            prompts,
+            n,
+            max_new_tokens: self.task.max_new_tokens(),
+            temperature: self.cfg.rollout.temperature,
+            eos: Some(task::EOS),
+            seed,
+            step: self.step(),
+            responses,
+            segment_tokens: self.segment(),
+        };
+        let worker = e.worker;
+        let request = self.fleet.submit::<Generate>(worker, params)?;
+        let e = &mut self.engines[k];
+        if let Some(t) = e.idle_since.take() {
+            self.window.rollout_idle_s += t.elapsed().as_secs_f64();
+        }
+        e.request = Some((request, order));
+        Ok(())
+    }
+
+    /// Waits for the first answer among the engines' requests and the trainer's, and takes it in.
+    /// Returns the batch the trainer finished, when that was the answer.
+    fn wait_one(&mut self, job: &mut Option<Job>) -> R<Option<Finished>> {
+        let k = {
+            let mut waiting: Vec<&InFlight> =
+                self.engines.iter().filter_map(|e| e.request.as_ref().map(|r| &r.0)).collect();
+            let engines = waiting.len();
+            if let Some(j) = job.as_ref() {
+                waiting.extend(j.requests.iter());
+            }
+            let k = self.fleet.wait_any(&waiting)?;
+            if k < engines { Answer::Engine(k) } else { Answer::Trainer(k - engines) }
+        };
+        match k {
+            Answer::Engine(nth) => {
+                let e = self.engines.iter().enumerate().filter(|(_, e)| e.request.is_some()).nth(nth).map(|(i, _)| i);
+                self.take_generated(e.expect("an engine in flight"))?;
+                Ok(None)
+            }
+            Answer::Trainer(nth) => {
+                let j = job.as_mut().expect("a trainer request");
+                self.advance(j, nth)
+            }
+        }
+    }
+
+    /// Engine `k`'s segment: its tokens join their sequences under the current version; finished
+    /// groups go to the queue.
+    fn take_generated(&mut self, k: usize) -> R<()> {
+        let (request, order) = self.engines[k].request.take().expect("in flight");
+        let worker = request.worker;
+        let name = self.fleet.worker(worker).name.clone();
+        let phase = self.at.phase();
+        self.at.set_phase("generate");
+        let reply: GenerateReply = self.fleet.collect::<Generate>(request)?;
+        self.at.set_phase(&phase);
+        let at = self.at.clone();
+        let bad = |cause: String| at.fail(FailKind::Worker, Some(&name), cause);
+        if reply.samples.len() != order.len() {
+            return Err(bad(format!("generate returned {} samples, expected {}", reply.samples.len(), order.len())));
+        }
+        let max_new = self.task.max_new_tokens();
+        let segment = self.segment();
+        let version = self.version;
+        let fresh = order.first().is_some_and(|&(_, j)| j == 0)
+            && self.engines[k].groups.iter().all(|g| g.seqs.iter().all(|s| s.response.is_empty()));
+        for (i, (s, &(g, j))) in reply.samples.into_iter().zip(&order).enumerate() {
+            let expected_index = if fresh { g } else { i };
+            if s.prompt_index != expected_index || s.logprobs.len() != s.response.len() {
+                return Err(bad("generate returned a malformed sample".into()));
+            }
+            if let Some(limit) = segment
+                && s.response.len() > limit
+            {
+                return Err(bad(format!(
+                    "generate returned {} tokens for a segment of {limit} (async.segment_tokens): the worker does not \
+                     support partial rollouts (docs/worker-protocol.md); set async.segment_tokens=0",
+                    s.response.len()
+                )));
+            }
+            let seq = &mut self.engines[k].groups[g].seqs[j];
+            seq.versions.extend(std::iter::repeat_n(version, s.response.len()));
+            seq.response.extend(s.response);
+            seq.logprobs.extend(s.logprobs);
+            seq.finished = s.finished || seq.response.len() >= max_new || segment.is_none();
+            if seq.response.is_empty() && seq.finished {
+                return Err(bad("generate returned an empty response".into()));
+            }
+        }
+        let e = &mut self.engines[k];
+        e.idle_since = Some(Instant::now());
+        if e.groups.iter().all(Group::finished) {
+            for g in std::mem::take(&mut e.groups) {
+                self.queue.push(g);
+            }
+        }
+        Ok(())
+    }
+
+    /// The trainer's first pass over a batch begins.
+    fn start_job(&mut self, groups: Vec<Group>) -> R<Job> {
+        let now = self.version;
+        let mut samples = Vec::new();
+        let (mut staleness, mut spans) = (Vec::new(), Vec::new());
+        for g in &groups {
+            for s in &g.seqs {
+                samples.push(Sample {
+                    prompt: g.prompt.clone(),
+                    response: s.response.clone(),
+                    logprobs: s.logprobs.clone(),
+                });
+                staleness.push(now - s.oldest(now).min(now));
+                spans.push(s.span());
+            }
+        }
+        if let Some(worst) = staleness.iter().max().filter(|w| **w > self.max_staleness()) {
+            return Err(self.fail(
+                FailKind::Check,
+                None,
+                format!(
+                    "a sample {worst} versions old reached the trainer (async.max_staleness = {})",
+                    self.max_staleness()
+                ),
+            ));
+        }
+        self.rec.count_check();
+        self.training_groups = groups.len();
+        let mut job = Job {
+            samples,
+            staleness,
+            spans,
+            stage: Stage::RefLogProbs,
+            span: None,
+            requests: Vec::new(),
+            reference: None,
+            actor: None,
+            values: None,
+            adv: None,
+            train: None,
+        };
+        self.submit_stage(&mut job)?;
+        Ok(job)
+    }
+
+    fn pairs(job: &Job) -> Vec<Pair> {
+        job.samples.iter().map(|s| Pair { prompt: s.prompt.clone(), response: s.response.clone() }).collect()
+    }
+
+    /// Sends the job's current stage to every trainer (replicas get the same request).
+    fn submit_stage(&mut self, job: &mut Job) -> R<()> {
+        job.span = Some(self.rec.begin(job.stage.phase()));
+        let step = self.step();
+        let mut requests = Vec::new();
+        for i in self.fleet.indices(Role::Trainer) {
+            let r = match job.stage {
+                Stage::RefLogProbs | Stage::LogProbs => {
+                    let model = if job.stage == Stage::RefLogProbs { Model::Ref } else { Model::Actor };
+                    self.fleet.submit::<LogProbs>(i, LogProbsParams { model, samples: Self::pairs(job), step })?
+                }
+                Stage::Values => self.fleet.submit::<Values>(i, SamplesParams { samples: Self::pairs(job), step })?,
+                Stage::Train => {
+                    let scores = job_scores(job);
+                    let adv = job.adv.as_ref().expect("advantages before train");
+                    self.fleet.submit::<Train>(i, learn::train_params(&self.cfg, &job.samples, &scores, adv, step))?
+                }
+            };
+            requests.push(r);
+        }
+        job.requests = requests;
+        Ok(())
+    }
+
+    /// The `nth` of the job's requests answered: read it; when every trainer has, the stage ends
+    /// and the next begins. Returns the finished batch after training.
+    fn advance(&mut self, job: &mut Job, nth: usize) -> R<Option<Finished>> {
+        let request = job.requests.remove(nth);
+        let n = job.samples.len();
+        let wrong = |what: &str| format!("{what} returned the wrong number of sequences");
+        match job.stage {
+            Stage::RefLogProbs | Stage::LogProbs => {
+                let r = self.fleet.collect::<LogProbs>(request)?;
+                if r.logprobs.len() != n {
+                    return Err(self.fail(FailKind::Worker, None, wrong("log_probs")));
+                }
+                let slot = if job.stage == Stage::RefLogProbs { &mut job.reference } else { &mut job.actor };
+                slot.get_or_insert(r);
+            }
+            Stage::Values => {
+                let r = self.fleet.collect::<Values>(request)?;
+                job.values.get_or_insert(r);
+            }
+            Stage::Train => {
+                let r = self.fleet.collect::<Train>(request)?;
+                job.train.get_or_insert(r);
+            }
+        }
+        if !job.requests.is_empty() {
+            return Ok(None);
+        }
+        let span = job.span.take().expect("a stage under way");
+        self.rec.end(span, &self.fleet)?;
+        job.stage = match job.stage {
+            Stage::RefLogProbs => Stage::LogProbs,
+            Stage::LogProbs if self.cfg.algo.name == AlgoName::Ppo => Stage::Values,
+            Stage::LogProbs | Stage::Values => {
+                let span = self.rec.begin("advantages");
+                let rewards: Vec<f64> = job
+                    .samples
+                    .iter()
+                    .map(|s| self.task.score(&s.prompt, &s.response, self.cfg.task.reward).0)
+                    .collect();
+                let scores = job_scores(job);
+                let adv = learn::advantages(&self.cfg, &job.samples, &rewards, &scores)
+                    .map_err(|e| self.fail(FailKind::Worker, None, e))?;
+                job.adv = Some(adv);
+                self.rec.end(span, &self.fleet)?;
+                Stage::Train
+            }
+            Stage::Train => {
+                self.training_groups = 0;
+                return Ok(Some(self.finished(job)));
+            }
+        };
+        self.submit_stage(job)?;
+        Ok(None)
+    }
+
+    /// The trained batch's numbers, taken out of the job.
+    fn finished(&self, job: &mut Job) -> Finished {
+        let scores = job_scores(job);
+        let samples = std::mem::take(&mut job.samples);
+        let reward = self.cfg.task.reward;
+        let scored = samples.iter().map(|s| self.task.score(&s.prompt, &s.response, reward)).collect();
+        Finished {
+            samples,
+            scored,
+            scores,
+            adv: job.adv.take().expect("advantages before train"),
+            train: job.train.take().unwrap_or_default(),
+            staleness: std::mem::take(&mut job.staleness),
+            spans: std::mem::take(&mut job.spans),
+        }
+    }
+
+    /// The step's row: the trainer's phases, both sides' idle shares, staleness and partial
+    /// rollouts (verl's names), and the batch's rollout and training metrics.
+    fn write_row(&mut self, d: Finished) {
+        let wall = self.window.start.elapsed().as_secs_f64();
+        let now = Instant::now();
+        for e in &mut self.engines {
+            if let Some(t) = e.idle_since.replace(now) {
+                self.window.rollout_idle_s += t.elapsed().as_secs_f64();
+            } else {
+                e.idle_since = None;
+            }
+        }
+        let mut row = metrics::Row::new(self.step());
+        let times = self.rec.step_times();
+        let t = |k: &str| times.get(k).copied().unwrap_or(0.0);
+        let train_time = t("ref_log_probs") + t("log_probs") + t("values") + t("advantages") + t("actor_train");
+        for (k, v) in times {
+            row.set(&metrics::phase_time(k), *v);
+        }
+        let (trainer_idle, rollout_idle) = (self.window.trainer_idle_s, self.window.rollout_idle_s);
+        row.set("perf/train_time", train_time);
+        row.set("perf/train_wait_time", trainer_idle);
+        row.set("perf/step_time", wall);
+        row.set("perf/wall_step_time", wall);
+        if wall > 0.0 {
+            row.set("perf/wait_time_ratio", trainer_idle / wall);
+            row.set("trainer/idle_ratio", trainer_idle / wall);
+            row.set("rollouter/idle_ratio", rollout_idle / (wall * self.engines.len() as f64));
+        }
+        let stale = d.staleness.iter().filter(|s| **s > 0).count();
+        row.set("fully_async/count/stale_samples_processed", stale as f64);
+        row.set("fully_async/count/dropped_stale_samples", self.queue.dropped_samples as f64);
+        row.set("fully_async/staleness_mean", mean(d.staleness.iter().map(|s| *s as f64)));
+        row.set("fully_async/staleness_max", d.staleness.iter().copied().max().unwrap_or(0) as f64);
+        let partial = d.spans.iter().filter(|s| **s > 0).count();
+        row.set("partial/partial_ratio", partial as f64 / d.spans.len().max(1) as f64);
+        row.set("partial/max_partial_span", d.spans.iter().copied().max().unwrap_or(0) as f64);
+        row.set("fully_async/weight_version", self.version as f64);
+        row.set("fully_async/queue_groups", self.queue.len() as f64);
+        let outcome =
+            learn::Outcome { samples: &d.samples, scored: &d.scored, scores: &d.scores, adv: &d.adv, train: &d.train };
+        learn::sample_metrics(&mut row, &self.cfg, &self.task, &outcome);
+        for s in self.rec.step_memory() {
+            metrics::add_memory(&mut row, s);
+        }
+        self.rec.record_step(&row);
+        let tot = &mut self.totals;
+        tot.samples_trained += d.samples.len() as u64;
+        tot.tokens_trained += d.samples.iter().map(|s| s.response.len() as u64).sum::<u64>();
+        for s in &d.staleness {
+            *tot.staleness.entry(*s).or_default() += 1;
+        }
+        tot.partial_samples += partial as u64;
+        tot.trainer_idle_s += trainer_idle;
+        tot.rollout_idle_s += rollout_idle;
+        self.window = Window::new();
+    }
+
+    /// The summary's `async` block: throughput, both sides' idle shares, staleness, the updates.
+    pub(super) fn summary(&self) -> Value {
+        let t = &self.totals;
+        let wall = t.started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
+        let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
+        let split = self.cfg.mode_layout().ok().flatten();
+        json!({
+            "mode": "async",
+            "trainer_devices": split.as_ref().map(|s| s.trainer.clone()),
+            "rollout_devices": split.as_ref().map(|s| s.rollout.clone()),
+            "max_staleness": self.max_staleness(),
+            "train_iters_per_update": self.cfg.asynchronous.train_iters_per_update,
+            "queue_capacity_groups": self.capacity(),
+            "segment_tokens": self.cfg.asynchronous.segment_tokens,
+            "weight_transport": "host",
+            "samples_trained": t.samples_trained,
+            "samples_per_s": per_s(t.samples_trained),
+            "tokens_per_s": per_s(t.tokens_trained),
+            "dropped_stale_samples": self.queue.dropped_samples,
+            "staleness_histogram": t.staleness.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "partial_samples": t.partial_samples,
+            "weight_updates": t.updates,
+            "update_weights_s": t.update_s,
+            "update_weights_bytes": t.update_bytes,
+            "trainer_idle_ratio": if wall > 0.0 { t.trainer_idle_s / wall } else { 0.0 },
+            "rollout_idle_ratio": if wall > 0.0 { t.rollout_idle_s / (wall * self.engines.len() as f64) } else { 0.0 },
+            "compute": "measured (this machine's CPU runs the built-in policy; no modelled device time)",
+        })
+    }
+}

@@ -1,0 +1,212 @@
+//! What both drivers do with a batch of samples, whatever the layout: the advantages (GRPO's
+//! group baseline, PPO's GAE over the critic's values), the trainer's request, the loss and
+//! optimizer settings, and the batch's metrics under slime's names.
+
+use super::Role;
+use super::config::{AlgoName, Config};
+use super::fleet::Fleet;
+use super::metrics::{self, mean};
+use super::profile::Profile;
+use super::protocol::InitParams;
+use super::protocol::{TrainParams, TrainReply};
+use super::task::{self, Addition};
+use super::{algo, model};
+
+/// A rollout's sample: the prompt, the response and the rollout's log-probs of it.
+pub(super) struct Sample {
+    pub(super) prompt: Vec<u32>,
+    pub(super) response: Vec<u32>,
+    pub(super) logprobs: Vec<f64>,
+}
+
+/// The trainer's per-token numbers for each sample.
+pub(super) struct Scores {
+    pub(super) old_lp: Vec<Vec<f64>>,
+    pub(super) ref_lp: Vec<Vec<f64>>,
+    pub(super) entropy: Vec<Vec<f64>>,
+    /// PPO only.
+    pub(super) values: Vec<Vec<f64>>,
+}
+
+pub(super) struct Advantages {
+    pub(super) advantages: Vec<Vec<f64>>,
+    /// PPO only.
+    pub(super) returns: Vec<Vec<f64>>,
+    pub(super) kl_ref: f64,
+    /// The sequence reward after the KL penalty.
+    pub(super) penalized: Vec<f64>,
+}
+
+/// A trained batch, for its metrics row.
+pub(super) struct Outcome<'a> {
+    pub(super) samples: &'a [Sample],
+    /// (reward, exact) per sample.
+    pub(super) scored: &'a [(f64, bool)],
+    pub(super) scores: &'a Scores,
+    pub(super) adv: &'a Advantages,
+    pub(super) train: &'a TrainReply,
+}
+
+/// Advantages (and PPO's returns) in the runner, with the KL to the reference.
+pub(super) fn advantages(
+    cfg: &Config,
+    samples: &[Sample],
+    rewards: &[f64],
+    scores: &Scores,
+) -> Result<Advantages, String> {
+    let kl_type = cfg.algo.kl_type;
+    let kl_tok: Vec<Vec<f64>> = (scores.old_lp.iter().zip(&scores.ref_lp))
+        .map(|(o, f)| o.iter().zip(f).map(|(a, b)| algo::kl(*a, *b, kl_type).0).collect())
+        .collect();
+    let kl_ref = mean(kl_tok.iter().flatten().copied());
+    match cfg.algo.name {
+        AlgoName::Grpo => {
+            let a = algo::grpo_advantages(rewards, cfg.rollout.samples_per_prompt, cfg.algo.dr_grpo);
+            let advantages = samples.iter().zip(&a).map(|(s, a)| vec![*a; s.response.len()]).collect();
+            // The sequence reward after the KL penalty (verl's critic/rewards): the score for
+            // GRPO, whose KL is in the loss.
+            Ok(Advantages { advantages, returns: Vec::new(), kl_ref, penalized: rewards.to_vec() })
+        }
+        AlgoName::Ppo => {
+            if scores.values.len() != samples.len() {
+                return Err("values returned the wrong number of sequences".into());
+            }
+            Ok(gae(cfg, rewards, &kl_tok, &scores.values, kl_ref))
+        }
+    }
+}
+
+/// PPO: the KL in the token rewards, GAE over the critic's values.
+fn gae(cfg: &Config, rewards: &[f64], kl_tok: &[Vec<f64>], values: &[Vec<f64>], kl_ref: f64) -> Advantages {
+    let a = &cfg.algo;
+    let mut out = Advantages { advantages: Vec::new(), returns: Vec::new(), kl_ref, penalized: Vec::new() };
+    for ((reward, kl), values) in rewards.iter().zip(kl_tok).zip(values) {
+        let tr = algo::ppo_token_rewards(*reward, kl, a.kl_coef);
+        out.penalized.push(tr.iter().sum());
+        let (adv, ret) = algo::gae(&tr, values, a.gamma, a.lambda);
+        out.advantages.push(adv);
+        out.returns.push(ret);
+    }
+    if a.whiten_advantages {
+        algo::whiten(&mut out.advantages);
+    }
+    out
+}
+
+/// The trainer's request for a batch: every sample with its per-token numbers.
+pub(super) fn train_params(
+    cfg: &Config,
+    samples: &[Sample],
+    scores: &Scores,
+    adv: &Advantages,
+    step: u64,
+) -> TrainParams {
+    let samples = (0..samples.len())
+        .map(|i| model::TrainSample {
+            prompt: samples[i].prompt.clone(),
+            response: samples[i].response.clone(),
+            advantages: adv.advantages[i].clone(),
+            old_logprobs: scores.old_lp[i].clone(),
+            ref_logprobs: scores.ref_lp[i].clone(),
+            returns: adv.returns.get(i).cloned().unwrap_or_default(),
+            old_values: scores.values.get(i).cloned().unwrap_or_default(),
+        })
+        .collect();
+    let a = &cfg.algo;
+    TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step }
+}
+
+/// The batch's rollout and training metrics: rewards, pass rates, lengths, log-probs, KL,
+/// advantages and the trainer's own numbers.
+pub(super) fn sample_metrics(row: &mut metrics::Row, cfg: &Config, task: &Addition, o: &Outcome) {
+    let flat = |v: &[Vec<f64>]| mean(v.iter().flatten().copied());
+    row.set("rollout/raw_reward", mean(o.scored.iter().map(|s| s.0)));
+    row.set("rollout/kl_penalized_reward", mean(o.adv.penalized.iter().copied()));
+    let passed: Vec<bool> = o.scored.iter().map(|s| s.1).collect();
+    for (k, v) in metrics::pass_at_k(&passed, cfg.rollout.samples_per_prompt) {
+        row.set(&format!("passrate/pass@{k}"), v);
+    }
+    let lengths: Vec<f64> = o.samples.iter().map(|s| s.response.len() as f64).collect();
+    for (stat, v) in metrics::statistics(&lengths) {
+        row.set(&format!("rollout/response_len/{stat}"), v);
+    }
+    let max_new = task.max_new_tokens();
+    let truncated = o.samples.iter().map(|s| {
+        let r = &s.response;
+        f64::from(u8::from(r.len() >= max_new && r.last() != Some(&task::EOS)))
+    });
+    row.set("rollout/truncated_ratio", mean(truncated));
+    row.set("rollout/log_probs", flat(&o.scores.old_lp));
+    row.set("rollout/ref_log_probs", flat(&o.scores.ref_lp));
+    row.set("rollout/rollout_log_probs", mean(o.samples.iter().flat_map(|s| s.logprobs.iter().copied())));
+    row.set("rollout/entropy", flat(&o.scores.entropy));
+    row.set("rollout/kl", o.adv.kl_ref);
+    row.set("rollout/advantages", flat(&o.adv.advantages));
+    if !o.adv.returns.is_empty() {
+        row.set("rollout/returns", flat(&o.adv.returns));
+        row.set("rollout/values", flat(&o.scores.values));
+    }
+    let diffs = || {
+        let pairs = o.samples.iter().zip(&o.scores.old_lp);
+        pairs.flat_map(|(s, o)| s.logprobs.iter().zip(o).map(|(a, b)| (a - b).abs()))
+    };
+    row.set("train/train_rollout_logprob_abs_diff", mean(diffs()));
+    row.set("rollout/logprob_abs_diff_max", diffs().fold(0.0, f64::max));
+    row.set("train/lr-pg_0", cfg.algo.lr);
+    for (k, v) in &o.train.0 {
+        if let Some(x) = v {
+            row.set(&metrics::train_metric(k), *x);
+        }
+    }
+}
+
+pub(super) fn loss_config(cfg: &Config) -> model::LossConfig {
+    let a = &cfg.algo;
+    let ppo = a.name == AlgoName::Ppo;
+    model::LossConfig {
+        clip: algo::Clip {
+            eps_low: a.clip_eps_low,
+            eps_high: a.clip_eps_high,
+            dual: (a.dual_clip > 1.0).then_some(a.dual_clip),
+        },
+        // PPO puts the KL in the token reward; GRPO in the loss.
+        kl_coef: if ppo { 0.0 } else { a.kl_coef },
+        kl_kind: a.kl_type,
+        entropy_coef: a.entropy_coef,
+        aggregation: a.aggregation,
+        value_coef: if ppo { a.value_coef } else { 0.0 },
+        value_clip: a.value_clip,
+        temperature: cfg.rollout.temperature,
+    }
+}
+
+pub(super) fn adam(cfg: &Config) -> model::Adam {
+    model::Adam { lr: cfg.algo.lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, max_grad_norm: cfg.algo.max_grad_norm }
+}
+
+/// What each worker of `role` starts with: its device, the model, its share of the memory profile,
+/// the largest batch it will generate (rollouts), and the loss and optimizer (trainers).
+pub(super) fn init_params(
+    cfg: &Config,
+    fleet: &Fleet,
+    role: Role,
+    api: &str,
+    shape: model::Shape,
+    profile: &Profile,
+    max_batch: usize,
+) -> Vec<InitParams> {
+    let memory = if role == Role::Trainer { &profile.trainer.tags } else { &profile.rollout.tags };
+    let params = |i: usize| InitParams {
+        api: api.into(),
+        device: fleet.worker(i).device,
+        shape,
+        seed: cfg.run.seed,
+        memory: memory.clone(),
+        backup: cfg.memory.backup,
+        max_batch,
+        loss: Some(loss_config(cfg)),
+        adam: Some(adam(cfg)),
+        step: 0,
+    };
+    fleet.indices(role).into_iter().map(params).collect()
+}

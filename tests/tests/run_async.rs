@@ -1,0 +1,167 @@
+//! `relax-colocate run --mode async` end to end on the simulator: the trainer and the rollout
+//! engines on devices of their own, overlapped; the staleness bound holds (stale groups are dropped
+//! and counted, never trained on); every weight update is checked on every engine; PPO runs with
+//! several engines and several trainer steps per update; a worker that dies mid-update fails the
+//! run naming it with nothing left behind; device sets that cannot work exit 2 naming the key.
+
+use serde_json::Value;
+use tms_e2e::runner::*;
+
+fn staleness_keys(summary: &Value) -> Vec<u64> {
+    let hist = summary["async"]["staleness_histogram"].as_object().expect("a staleness histogram");
+    hist.keys().map(|k| k.parse().unwrap()).collect()
+}
+
+#[test]
+fn async_grpo_trains_on_its_own_device_within_the_staleness_bound_and_checks_every_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_cmd(dir.path(), &["--mode", "async", "--devices", "2", "--steps", "12", "--max-staleness", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let m = metrics(dir.path());
+    assert_eq!(m.len(), 12);
+    for (i, row) in m.iter().enumerate() {
+        for k in [
+            "perf/actor_train_time",
+            "perf/update_weights_time",
+            "perf/step_time",
+            "trainer/idle_ratio",
+            "rollouter/idle_ratio",
+            "fully_async/count/stale_samples_processed",
+            "fully_async/count/dropped_stale_samples",
+            "partial/partial_ratio",
+            "rollout/raw_reward",
+            "train/pg_loss",
+        ] {
+            assert!(row[k].is_number(), "step lacks {k}: {row}");
+        }
+        assert!(row["fully_async/staleness_max"].as_f64().unwrap() <= 2.0, "{row}");
+        // Every step's weights reached the engines: version = steps so far.
+        assert_eq!(row["fully_async/weight_version"].as_f64(), Some(i as f64 + 1.0), "{row}");
+        // One role per device: the trainer never shows on the rollout's device and back.
+        assert!(resident(row, "actor_train", "trainer-0") > 0);
+        assert!(resident(row, "actor_train", "rollout-1") > 0);
+        assert!(row.get("memory/trainer-1/weights/actor_train_bytes").is_none(), "{row}");
+    }
+    let summary = json(&dir.path().join("summary.json"));
+    assert_eq!(summary["status"], "ok");
+    let a = &summary["async"];
+    assert_eq!(a["trainer_devices"], serde_json::json!([0]));
+    assert_eq!(a["rollout_devices"], serde_json::json!([1]));
+    assert_eq!(a["samples_trained"].as_u64(), Some(12 * 32 * 8));
+    assert_eq!(a["weight_updates"].as_u64(), Some(12));
+    assert_eq!(a["dropped_stale_samples"].as_u64(), Some(0), "the default queue keeps groups within the bound");
+    assert!(staleness_keys(&summary).iter().all(|s| *s <= 2), "{a}");
+    // Overlap: some samples were generated while the trainer trained on earlier ones.
+    assert!(staleness_keys(&summary).iter().any(|s| *s >= 1), "{a}");
+    // Each update is checked on the engine, and each batch against the bound.
+    assert!(summary["checks"]["passed"].as_u64().unwrap() >= 2 * 12, "{summary}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("async") && stdout.contains("staleness"), "{stdout}");
+    assert!(survivors(dir.path()).is_empty());
+}
+
+#[test]
+fn groups_staler_than_the_bound_are_dropped_and_counted_never_trained_on() {
+    let dir = tempfile::tempdir().unwrap();
+    // A queue far larger than the bound lets the engines run ahead of the trainer.
+    let args = [
+        "--mode",
+        "async",
+        "--devices",
+        "2",
+        "--steps",
+        "5",
+        "--max-staleness",
+        "0",
+        "--set",
+        "async.queue_groups=128",
+    ];
+    let out = run_cmd(dir.path(), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let summary = json(&dir.path().join("summary.json"));
+    let a = &summary["async"];
+    assert!(a["dropped_stale_samples"].as_u64().unwrap() > 0, "{a}");
+    assert_eq!(staleness_keys(&summary), vec![0], "{a}");
+    for row in metrics(dir.path()) {
+        assert_eq!(row["fully_async/count/stale_samples_processed"].as_f64(), Some(0.0), "{row}");
+    }
+}
+
+#[test]
+fn async_ppo_with_two_engines_and_two_trainer_steps_per_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--mode",
+        "async",
+        "--algo",
+        "ppo",
+        "--devices",
+        "3",
+        "--trainer-devices",
+        "0",
+        "--rollout-devices",
+        "1-2",
+        "--train-iters-per-update",
+        "2",
+        "--steps",
+        "6",
+    ];
+    let out = run_cmd(dir.path(), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let summary = json(&dir.path().join("summary.json"));
+    assert_eq!(summary["async"]["weight_updates"].as_u64(), Some(3), "{summary}");
+    assert_eq!(summary["async"]["rollout_devices"], serde_json::json!([1, 2]));
+    let m = metrics(dir.path());
+    assert!(m.iter().all(|r| r["rollout/values"].is_number()), "PPO rows carry the critic's values");
+    // Updates after steps 2, 4 and 6 only.
+    let versions: Vec<f64> = m.iter().map(|r| r["fully_async/weight_version"].as_f64().unwrap()).collect();
+    assert_eq!(versions, vec![0.0, 1.0, 1.0, 2.0, 2.0, 3.0]);
+    assert!(dir.path().join("logs/rollout-2.log").is_file() && dir.path().join("logs/trainer-0.log").is_file());
+}
+
+#[test]
+fn an_engine_that_dies_mid_update_fails_the_run_naming_it() {
+    let (dir, out) = failing_run("unpack:2:crash", &["--mode", "async", "--devices", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("phase update_weights") && err.contains("rollout-1") && err.contains("signal 6"), "{err}");
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["status"], "failed");
+    assert_eq!(s["failure"]["kind"], "crash");
+}
+
+#[test]
+fn device_sets_that_cannot_work_exit_2_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, said) in [
+        (vec!["--mode", "async"], "needs at least 2 devices"),
+        (
+            vec!["--mode", "async", "--devices", "2", "--trainer-devices", "0", "--rollout-devices", "0-1"],
+            "overlap on device 0",
+        ),
+        (vec!["--mode", "async", "--devices", "2", "--trainer-devices", "0-1"], "run.rollout_devices is empty"),
+        (vec!["--mode", "async", "--devices", "2", "--rollout-devices", "2"], "run.rollout_devices: device 2 is past"),
+        (
+            vec!["--mode", "async", "--devices", "2", "--trainer-devices", "x"],
+            "run.trainer_devices: \"x\" is not a device",
+        ),
+        (vec!["--mode", "async", "--devices", "2", "--max-staleness", "-1"], "async.max_staleness=-1 is below 0"),
+        (vec!["--mode", "async", "--devices", "2", "--train-iters-per-update", "0"], "async.train_iters_per_update"),
+        (
+            vec!["--mode", "async", "--devices", "2", "--set", "async.queue_groups=4"],
+            "async.queue_groups=4 cannot hold",
+        ),
+        (vec!["--devices", "2", "--trainer-devices", "0"], "needs run.mode = \"async\""),
+        (
+            vec!["--mode", "async", "--devices", "3", "--rollout-devices", "1-2", "--prompts", "9"],
+            "multiple of the 2 rollout",
+        ),
+    ] {
+        let out = run_cmd(dir.path(), &args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("metrics.jsonl").exists(), "a configuration error started a run");
+}
