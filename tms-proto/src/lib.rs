@@ -5,6 +5,7 @@
 //! `{"v":1,"op":"pause","tag":"kv_cache"}\n` → `{"v":1,"ok":true,"result":{...}}\n`.
 //! This crate exports no C symbols, so tools can link it without interposing anything.
 
+pub mod abi;
 pub mod size;
 
 use serde::{Deserialize, Serialize};
@@ -251,7 +252,8 @@ impl Request {
     }
 }
 
-/// What pause and resume report (same fields as `tms_report` in include/tms.h).
+/// What pause and resume report: the fields of `tms_report` (include/tms.h, `abi::Report`) but
+/// its two codes, the tag asked for, and the failure as the protocol's error.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpReport {
     pub tag: Option<String>,
@@ -271,6 +273,29 @@ pub struct OpReport {
     pub backup_ns: u64,
     /// The first failure, if any; the operation still did what it could.
     pub error: Option<ProtoError>,
+}
+
+impl OpReport {
+    /// The report of `c`'s counters; `c.error` and `c.driver_error` are the C API's codes, and
+    /// `error` says the same in the protocol's terms.
+    pub fn new(tag: Option<String>, c: &abi::Report, error: Option<ProtoError>) -> OpReport {
+        OpReport {
+            tag,
+            allocations_done: c.allocations_done,
+            bytes_done: c.bytes_done,
+            allocations_skipped: c.allocations_skipped,
+            bytes_skipped: c.bytes_skipped,
+            allocations_failed: c.allocations_failed,
+            bytes_failed: c.bytes_failed,
+            backup_bytes: c.backup_bytes,
+            elapsed_ns: c.elapsed_ns,
+            device_free_before: c.device_free_before,
+            device_free_after: c.device_free_after,
+            device_total: c.device_total,
+            backup_ns: c.backup_ns,
+            error,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -776,6 +801,51 @@ mod tests {
         assert_eq!(socket_dir_from(None, Some("/nonexistent/run".into()), uid), fallback);
         assert_eq!(socket_dir_from(None, None, uid), fallback);
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// The JSON fields of `v`, in order.
+    fn keys<T: Serialize>(v: &T) -> Vec<String> {
+        match serde_json::to_value(v).unwrap() {
+            Value::Object(m) => m.keys().cloned().collect(),
+            other => panic!("not an object: {other}"),
+        }
+    }
+
+    /// The C struct's field names, less `skip`, between `first` and `last`.
+    fn c_fields(layout: abi::Layout, first: &str, skip: &[&str], last: &[&str]) -> Vec<String> {
+        let middle = layout.fields.iter().map(|f| f.name).filter(|n| !skip.contains(n));
+        std::iter::once(first).chain(middle).chain(last.iter().copied()).map(String::from).collect()
+    }
+
+    #[test]
+    fn the_protocol_carries_the_fields_of_the_c_structs() {
+        // serde_json's map keeps its keys sorted, so the orders are compared sorted; a field added
+        // to one side only shows by name in the difference.
+        let sorted = |mut v: Vec<String>| {
+            v.sort();
+            v
+        };
+        let report = OpReport { error: Some(ProtoError::new(ErrorCode::Internal, "x")), ..OpReport::default() };
+        assert_eq!(
+            sorted(keys(&report)),
+            sorted(c_fields(abi::Report::LAYOUT, "tag", &["error", "driver_error"], &["error"]))
+        );
+        assert_eq!(sorted(keys(&TagInfo::default())), sorted(c_fields(abi::TagStatus::LAYOUT, "tag", &["tag"], &[])));
+    }
+
+    #[test]
+    fn op_report_takes_every_counter_of_the_c_report() {
+        let mut c = abi::Report { error: abi::TMS_ERR_DRIVER, driver_error: 2, ..abi::Report::default() };
+        // Distinct values, so that a counter copied into the wrong field shows.
+        let counters = abi::Report::LAYOUT.fields.iter().filter(|f| f.c_type == "uint64_t");
+        for (i, f) in counters.enumerate() {
+            // SAFETY: `f` is a u64 field of `c` at that offset.
+            unsafe { std::ptr::from_mut(&mut c).cast::<u8>().add(f.offset).cast::<u64>().write(i as u64 + 1) };
+        }
+        let op = serde_json::to_value(OpReport::new(Some("kv".into()), &c, None)).unwrap();
+        for (i, f) in abi::Report::LAYOUT.fields.iter().filter(|f| f.c_type == "uint64_t").enumerate() {
+            assert_eq!(op[f.name], i as u64 + 1, "{}", f.name);
+        }
     }
 
     #[test]
