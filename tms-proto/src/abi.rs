@@ -7,6 +7,7 @@
 //! of python/tms field by field.
 
 use libc::c_char;
+use serde::{Deserialize, Serialize};
 
 /// A C scalar as include/tms.h and Python's ctypes spell it.
 pub trait CType {
@@ -83,11 +84,16 @@ macro_rules! c_struct {
 c_struct! {
     /// `tms_report`: what a pause or resume did. Allocations already in the target state are
     /// skipped; those the operation could not complete failed and stay as they were.
-    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    ///
+    /// Its serde form is the counters alone: the protocol's `OpReport` carries them as its own
+    /// fields and says the failure in its own terms.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
     pub struct Report = "tms_report" {
         /// `TMS_OK` or the first `TMS_ERR_*` met.
+        #[serde(skip)]
         pub error: i32,
         /// The vendor's code for that error.
+        #[serde(skip)]
         pub driver_error: i32,
         pub allocations_done: u64,
         /// Rounded sizes: what the device gave or got back.
@@ -103,7 +109,9 @@ c_struct! {
         pub device_free_after: u64,
         pub device_total: u64,
         /// Time of the backup/restore pipeline: the copies, with the releases (pause) or creates
-        /// (resume) overlapped into them (part of `elapsed_ns`).
+        /// (resume) overlapped into them (part of `elapsed_ns`). Absent from the replies of
+        /// hooks older than the field.
+        #[serde(default)]
         pub backup_ns: u64,
     }
 }
