@@ -123,3 +123,22 @@ pub struct TagStatus {
     pub bytes_paused: u64,
     pub backup_bytes: u64,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_c_report_carries_the_counters_and_the_failure_as_codes() {
+        let counts = abi::Report { bytes_done: 4096, backup_ns: 7, ..abi::Report::default() };
+        let mut r = Report { counts, error: None };
+        assert_eq!(r.to_c(), abi::Report { bytes_done: 4096, backup_ns: 7, ..abi::Report::default() });
+        r.error = Some(Error::OutOfMemory { code: 207001, needed: 1, free: 0 });
+        let c = r.to_c();
+        assert_eq!((c.error, c.driver_error, c.bytes_done), (abi::TMS_ERR_OUT_OF_MEMORY, 207001, 4096));
+        r.error = Some(Error::Disk("gone".into()));
+        assert_eq!((r.to_c().error, r.to_c().driver_error), (abi::TMS_ERR_IO, 0));
+        // The saver's own copy keeps no codes: the typed error is their one source.
+        assert_eq!(r.driver_error, 0);
+    }
+}
