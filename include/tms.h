@@ -6,7 +6,8 @@
  *
  * Every function here is safe to call from any thread, never exits or aborts the process, and
  * never lets an error pass silently: pause/resume return a code and can fill a report.
- * A test (tests/tests/header.rs) keeps this file and the library's exports identical.
+ * A test (tests/tests/abi.rs) keeps this file and the library's exports identical, and its
+ * structs and codes identical to tms-proto/src/abi.rs, where the library declares them.
  */
 #ifndef TMS_H
 #define TMS_H

@@ -26,6 +26,7 @@ TORCH_NAMES = (
     "torch_memory_saver_hook_mode_torch_cu12.abi3.so",
 )
 
+# include/tms.h's codes (held to tms-proto/src/abi.rs by tests/tests/abi.rs).
 TMS_OK = 0
 TMS_ERR_INVALID = 1
 TMS_ERR_OUT_OF_MEMORY = 2
@@ -54,7 +55,7 @@ class TmsError(RuntimeError):
 
 
 class Report(ctypes.Structure):
-    """``tms_report`` of include/tms.h."""
+    """``tms_report`` of include/tms.h (tests/tests/abi.rs holds it to tms-proto/src/abi.rs)."""
 
     _fields_ = [
         ("error", ctypes.c_int32),
@@ -78,7 +79,7 @@ class Report(ctypes.Structure):
 
 
 class TagStatus(ctypes.Structure):
-    """``tms_tag_status`` of include/tms.h."""
+    """``tms_tag_status`` of include/tms.h (held to tms-proto/src/abi.rs as ``Report`` is)."""
 
     _fields_ = [
         ("tag", ctypes.c_char_p),
@@ -88,6 +89,44 @@ class TagStatus(ctypes.Structure):
         ("bytes_paused", ctypes.c_uint64),
         ("backup_bytes", ctypes.c_uint64),
     ]
+
+
+_c_bool, _c_char_p, _c_int, _c_uint64 = ctypes.c_bool, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint64
+_u8p = ctypes.POINTER(ctypes.c_uint8)
+
+# torch_memory_saver's functions, typed exactly as its Python wrapper types them: what a library
+# must serve for torch_memory_saver to import and run (tests/python/tms_ctypes_check.py binds
+# only these).
+TORCH_MEMORY_SAVER_API = {
+    "tms_set_interesting_region": ([_c_bool], None),
+    "tms_get_interesting_region": ([], _c_bool),
+    "tms_set_current_tag": ([_c_char_p], None),
+    "tms_get_current_tag": ([], _c_char_p),
+    "tms_get_enable_cpu_backup": ([], _c_bool),
+    "tms_set_enable_cpu_backup": ([_c_bool], None),
+    "tms_get_cpu_backup_backend": ([], _c_char_p),
+    "tms_set_cpu_backup_backend": ([_c_char_p], None),
+    "tms_get_enable_disk_backup": ([], _c_bool),
+    "tms_set_enable_disk_backup": ([_c_bool], None),
+    "tms_set_disk_backup_dir": ([_c_char_p], None),
+    "set_memory_margin_bytes": ([_c_uint64], None),
+    "tms_set_retain_cpu_backup": ([_c_bool], None),
+    "tms_get_retain_cpu_backup": ([], _c_bool),
+    "tms_pause": ([_c_char_p], _c_int),
+    "tms_resume": ([_c_char_p], _c_int),
+    "tms_get_cpu_backup_pointer": ([_u8p, _c_uint64], _u8p),
+}
+
+# tms's own functions (include/tms.h).
+TMS_API = {
+    "tms_get_memory_margin_bytes": ([], _c_uint64),
+    "tms_pause_report": ([_c_char_p, ctypes.POINTER(Report)], _c_int),
+    "tms_resume_report": ([_c_char_p, ctypes.POINTER(Report)], _c_int),
+    "tms_status": ([ctypes.POINTER(TagStatus), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)], _c_int),
+    "tms_release_cpu_backups": ([ctypes.POINTER(_c_uint64)], _c_int),
+    "tms_strerror": ([_c_int], _c_char_p),
+    "tms_version": ([], _c_char_p),
+}
 
 
 def _preload_entries():
@@ -172,41 +211,16 @@ def load(path):
         lib = _libs.get(path)
         if lib is None:
             lib = ctypes.CDLL(path)
-            _bind(lib)
+            bind(lib, {**TORCH_MEMORY_SAVER_API, **TMS_API})
             _libs[path] = lib
         return lib
 
 
-def _bind(lib):
-    c_bool, c_char_p, c_int, c_uint64 = ctypes.c_bool, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint64
-    u8p = ctypes.POINTER(ctypes.c_uint8)
-    spec = {
-        "tms_set_interesting_region": ([c_bool], None),
-        "tms_get_interesting_region": ([], c_bool),
-        "tms_set_current_tag": ([c_char_p], None),
-        "tms_get_current_tag": ([], c_char_p),
-        "tms_get_enable_cpu_backup": ([], c_bool),
-        "tms_set_enable_cpu_backup": ([c_bool], None),
-        "tms_get_cpu_backup_backend": ([], c_char_p),
-        "tms_set_cpu_backup_backend": ([c_char_p], None),
-        "tms_get_enable_disk_backup": ([], c_bool),
-        "tms_set_enable_disk_backup": ([c_bool], None),
-        "tms_set_disk_backup_dir": ([c_char_p], None),
-        "set_memory_margin_bytes": ([c_uint64], None),
-        "tms_get_memory_margin_bytes": ([], c_uint64),
-        "tms_set_retain_cpu_backup": ([c_bool], None),
-        "tms_get_retain_cpu_backup": ([], c_bool),
-        "tms_pause": ([c_char_p], c_int),
-        "tms_resume": ([c_char_p], c_int),
-        "tms_pause_report": ([c_char_p, ctypes.POINTER(Report)], c_int),
-        "tms_resume_report": ([c_char_p, ctypes.POINTER(Report)], c_int),
-        "tms_status": ([ctypes.POINTER(TagStatus), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)], c_int),
-        "tms_release_cpu_backups": ([ctypes.POINTER(c_uint64)], c_int),
-        "tms_get_cpu_backup_pointer": ([u8p, c_uint64], u8p),
-        "tms_strerror": ([c_int], c_char_p),
-        "tms_version": ([], c_char_p),
-    }
-    for name, (args, res) in spec.items():
+def bind(lib, api):
+    """Types ``api``'s functions of ``lib`` and returns it. A function ``lib`` lacks raises
+    AttributeError, which is what breaks torch_memory_saver's import on a library without it."""
+    for name, (args, res) in api.items():
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = res
+    return lib

@@ -180,25 +180,8 @@ pub fn device_access() -> AccessDesc {
     AccessDesc { location_kind: 1, location_id: 0, flags: 3 }
 }
 
-/// tms_report, as include/tms.h lays it out.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Report {
-    pub error: i32,
-    pub driver_error: i32,
-    pub allocations_done: u64,
-    pub bytes_done: u64,
-    pub allocations_skipped: u64,
-    pub bytes_skipped: u64,
-    pub allocations_failed: u64,
-    pub bytes_failed: u64,
-    pub backup_bytes: u64,
-    pub elapsed_ns: u64,
-    pub device_free_before: u64,
-    pub device_free_after: u64,
-    pub device_total: u64,
-    pub backup_ns: u64,
-}
+/// `tms_report`, which the hook fills.
+pub use tms_proto::abi::Report;
 
 api!(Tms {
     set_region: c"tms_set_interesting_region" => fn(bool) -> ();

@@ -1,11 +1,14 @@
 """Binds libtms_hook.so exactly as torch_memory_saver's Python wrapper does (same names, argtypes
-and restypes), then drives a region, pause and resume through them on the simulator.
+and restypes: tms's own package states them once, TORCH_MEMORY_SAVER_API) and nothing more, then
+drives a region, pause and resume through them on the simulator.
 
-Run with LD_PRELOAD=<libtms_hook.so> and the simulator on LD_LIBRARY_PATH. Exits 0 when every
-check holds; prints what failed otherwise."""
+Run with LD_PRELOAD=<libtms_hook.so>, the simulator on LD_LIBRARY_PATH and python/ on PYTHONPATH.
+Exits 0 when every check holds; prints what failed otherwise."""
 import ctypes
 import os
 import sys
+
+from tms._lib import TORCH_MEMORY_SAVER_API, bind
 
 MiB = 1 << 20
 
@@ -18,37 +21,8 @@ def preloaded_library():
     return ctypes.CDLL(hooks[0])
 
 
-def bind(lib):
-    c_bool, c_char_p, c_int, c_uint64 = ctypes.c_bool, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint64
-    u8p = ctypes.POINTER(ctypes.c_uint8)
-    spec = {
-        "tms_set_interesting_region": ([c_bool], None),
-        "tms_get_interesting_region": ([], c_bool),
-        "tms_set_current_tag": ([c_char_p], None),
-        "tms_get_current_tag": ([], c_char_p),
-        "tms_get_enable_cpu_backup": ([], c_bool),
-        "tms_set_enable_cpu_backup": ([c_bool], None),
-        "tms_get_cpu_backup_backend": ([], c_char_p),
-        "tms_set_cpu_backup_backend": ([c_char_p], None),
-        "tms_get_enable_disk_backup": ([], c_bool),
-        "tms_set_enable_disk_backup": ([c_bool], None),
-        "tms_set_disk_backup_dir": ([c_char_p], None),
-        "set_memory_margin_bytes": ([c_uint64], None),
-        "tms_set_retain_cpu_backup": ([c_bool], None),
-        "tms_get_retain_cpu_backup": ([], c_bool),
-        "tms_pause": ([c_char_p], c_int),
-        "tms_resume": ([c_char_p], c_int),
-        "tms_get_cpu_backup_pointer": ([u8p, c_uint64], u8p),
-    }
-    for name, (args, res) in spec.items():
-        fn = getattr(lib, name)  # AttributeError here is what breaks torch_memory_saver's import
-        fn.argtypes = args
-        fn.restype = res
-    return lib
-
-
 def main():
-    lib = bind(preloaded_library())
+    lib = bind(preloaded_library(), TORCH_MEMORY_SAVER_API)
     cudart = ctypes.CDLL("libcudart.so.12")  # dlopen + dlsym(handle): the interposed path
     size_t = ctypes.c_size_t
 

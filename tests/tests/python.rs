@@ -89,7 +89,10 @@ fn a_torch_memory_saver_program_runs_unchanged_under_the_compatibility_name() {
     let preload = prefix.path().join("lib/torch_memory_saver_hook_mode_preload.abi3.so");
     let script = ws.root.join("tests/python/tms_ctypes_check.py");
     let out = run_ok(
-        node.command(&["python3".into(), script]).env("LD_PRELOAD", &preload).env("PYTHONDONTWRITEBYTECODE", "1"),
+        node.command(&["python3".into(), script])
+            .env("LD_PRELOAD", &preload)
+            .env("PYTHONPATH", prefix.path().join("lib/python"))
+            .env("PYTHONDONTWRITEBYTECODE", "1"),
     );
     assert!(out.contains("ctypes ok"), "{out}");
 }

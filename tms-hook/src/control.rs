@@ -322,22 +322,7 @@ pub fn proto_error(e: &Error) -> ProtoError {
 }
 
 fn op_report(tag: Option<String>, r: &Report) -> OpReport {
-    OpReport {
-        tag,
-        allocations_done: r.allocations_done,
-        bytes_done: r.bytes_done,
-        allocations_skipped: r.allocations_skipped,
-        bytes_skipped: r.bytes_skipped,
-        allocations_failed: r.allocations_failed,
-        bytes_failed: r.bytes_failed,
-        backup_bytes: r.backup_bytes,
-        elapsed_ns: r.elapsed_ns,
-        device_free_before: r.device_free_before,
-        device_free_after: r.device_free_after,
-        device_total: r.device_total,
-        backup_ns: r.backup_ns,
-        error: r.error.as_ref().map(proto_error),
-    }
+    OpReport::new(tag, r, r.error.as_ref().map(proto_error))
 }
 
 pub fn status() -> Status {

@@ -5,6 +5,7 @@
 //! `{"v":1,"op":"pause","tag":"kv_cache"}\n` → `{"v":1,"ok":true,"result":{...}}\n`.
 //! This crate exports no C symbols, so tools can link it without interposing anything.
 
+pub mod abi;
 pub mod size;
 
 use serde::{Deserialize, Serialize};
@@ -251,26 +252,32 @@ impl Request {
     }
 }
 
-/// What pause and resume report (same fields as `tms_report` in include/tms.h).
+/// What pause and resume report: the counters of `tms_report` (include/tms.h, `abi::Report`) as
+/// fields of its own, the tag asked for, and the failure as the protocol's error.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpReport {
     pub tag: Option<String>,
-    pub allocations_done: u64,
-    pub bytes_done: u64,
-    pub allocations_skipped: u64,
-    pub bytes_skipped: u64,
-    pub allocations_failed: u64,
-    pub bytes_failed: u64,
-    pub backup_bytes: u64,
-    pub elapsed_ns: u64,
-    pub device_free_before: u64,
-    pub device_free_after: u64,
-    pub device_total: u64,
-    /// Time of the backup/restore pipeline, releases or creates overlapped (part of `elapsed_ns`).
-    #[serde(default)]
-    pub backup_ns: u64,
+    /// Its `error` and `driver_error` are 0: `error` below says the failure.
+    #[serde(flatten)]
+    pub counts: abi::Report,
     /// The first failure, if any; the operation still did what it could.
     pub error: Option<ProtoError>,
+}
+
+impl OpReport {
+    /// The report of `c`'s counters; `c.error` and `c.driver_error` are the C API's codes, and
+    /// `error` says the same in the protocol's terms.
+    pub fn new(tag: Option<String>, c: &abi::Report, error: Option<ProtoError>) -> OpReport {
+        OpReport { tag, counts: abi::Report { error: 0, driver_error: 0, ..*c }, error }
+    }
+}
+
+// Readers of a report count with `report.bytes_done`, as with the C report.
+impl std::ops::Deref for OpReport {
+    type Target = abi::Report;
+    fn deref(&self) -> &abi::Report {
+        &self.counts
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -785,6 +792,69 @@ mod tests {
         assert_eq!(socket_dir_from(None, Some("/nonexistent/run".into()), uid), fallback);
         assert_eq!(socket_dir_from(None, None, uid), fallback);
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// The JSON fields of `v`, in order.
+    fn keys<T: Serialize>(v: &T) -> Vec<String> {
+        match serde_json::to_value(v).unwrap() {
+            Value::Object(m) => m.keys().cloned().collect(),
+            other => panic!("not an object: {other}"),
+        }
+    }
+
+    /// The C struct's field names, less `skip`, between `first` and `last`.
+    fn c_fields(layout: abi::Layout, first: &str, skip: &[&str], last: &[&str]) -> Vec<String> {
+        let middle = layout.fields.iter().map(|f| f.name).filter(|n| !skip.contains(n));
+        std::iter::once(first).chain(middle).chain(last.iter().copied()).map(String::from).collect()
+    }
+
+    #[test]
+    fn the_protocol_carries_the_fields_of_the_c_structs() {
+        // serde_json's map keeps its keys sorted, so the orders are compared sorted; a field added
+        // to one side only shows by name in the difference.
+        let sorted = |mut v: Vec<String>| {
+            v.sort();
+            v
+        };
+        let report = OpReport { error: Some(ProtoError::new(ErrorCode::Internal, "x")), ..OpReport::default() };
+        assert_eq!(
+            sorted(keys(&report)),
+            sorted(c_fields(abi::Report::LAYOUT, "tag", &["error", "driver_error"], &["error"]))
+        );
+        assert_eq!(sorted(keys(&TagInfo::default())), sorted(c_fields(abi::TagStatus::LAYOUT, "tag", &["tag"], &[])));
+    }
+
+    #[test]
+    fn a_report_on_the_wire_is_flat_in_field_order_and_reads_back() {
+        let c = abi::Report {
+            error: abi::TMS_ERR_DRIVER,
+            driver_error: 2,
+            allocations_done: 1,
+            bytes_done: 2,
+            allocations_skipped: 3,
+            bytes_skipped: 4,
+            allocations_failed: 5,
+            bytes_failed: 6,
+            backup_bytes: 7,
+            elapsed_ns: 8,
+            device_free_before: 9,
+            device_free_after: 10,
+            device_total: 11,
+            backup_ns: 12,
+        };
+        let report = OpReport::new(Some("kv".into()), &c, Some(ProtoError::new(ErrorCode::DriverError, "x")));
+        let line = serde_json::to_string(&report).unwrap();
+        assert_eq!(
+            line,
+            r#"{"tag":"kv","allocations_done":1,"bytes_done":2,"allocations_skipped":3,"bytes_skipped":4,"#.to_owned()
+                + r#""allocations_failed":5,"bytes_failed":6,"backup_bytes":7,"elapsed_ns":8,"device_free_before":9,"#
+                + r#""device_free_after":10,"device_total":11,"backup_ns":12,"error":{"code":"driver_error","message":"x"}}"#
+        );
+        assert_eq!(serde_json::from_str::<OpReport>(&line).unwrap(), report);
+        // Hooks older than backup_ns send none; every other counter is required.
+        let old = line.replace(r#","backup_ns":12"#, "");
+        assert_eq!(serde_json::from_str::<OpReport>(&old).unwrap().backup_ns, 0);
+        assert!(serde_json::from_str::<OpReport>(&line.replace(r#""bytes_done":2,"#, "")).is_err());
     }
 
     #[test]

@@ -1,79 +1,13 @@
-//! The project's own C API: explicit error codes, reports and status (include/tms.h).
+//! The project's own C API: explicit error codes, reports and status (include/tms.h; the structs
+//! and codes are tms_proto::abi's).
 
 use super::{api, opt_str};
-use crate::saver::{Error, Report};
 use crate::{region, saver};
 use libc::c_char;
-
-pub const TMS_OK: i32 = 0;
-pub const TMS_ERR_INVALID: i32 = 1;
-pub const TMS_ERR_OUT_OF_MEMORY: i32 = 2;
-pub const TMS_ERR_DRIVER: i32 = 3;
-pub const TMS_ERR_NO_DRIVER: i32 = 4;
-pub const TMS_ERR_INTERNAL: i32 = 5;
-pub const TMS_ERR_IO: i32 = 6;
-
-/// Mirrors `tms_report` in include/tms.h.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-pub struct CReport {
-    pub error: i32,
-    pub driver_error: i32,
-    pub allocations_done: u64,
-    pub bytes_done: u64,
-    pub allocations_skipped: u64,
-    pub bytes_skipped: u64,
-    pub allocations_failed: u64,
-    pub bytes_failed: u64,
-    pub backup_bytes: u64,
-    pub elapsed_ns: u64,
-    pub device_free_before: u64,
-    pub device_free_after: u64,
-    pub device_total: u64,
-    pub backup_ns: u64,
-}
-
-/// Mirrors `tms_tag_status` in include/tms.h.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct CTagStatus {
-    pub tag: *const c_char,
-    pub allocations_active: u64,
-    pub allocations_paused: u64,
-    pub bytes_active: u64,
-    pub bytes_paused: u64,
-    pub backup_bytes: u64,
-}
-
-pub fn error_code(e: &Error) -> (i32, i32) {
-    match e {
-        Error::OutOfMemory { code, .. } => (TMS_ERR_OUT_OF_MEMORY, *code),
-        Error::Driver(d) => (TMS_ERR_DRIVER, d.code),
-        Error::NoDriver(_) => (TMS_ERR_NO_DRIVER, 0),
-        Error::Invalid(_) => (TMS_ERR_INVALID, 0),
-        Error::Disk(_) => (TMS_ERR_IO, 0),
-    }
-}
-
-pub fn to_c(r: &Report) -> CReport {
-    let (error, driver_error) = r.error.as_ref().map_or((TMS_OK, 0), error_code);
-    CReport {
-        error,
-        driver_error,
-        allocations_done: r.allocations_done,
-        bytes_done: r.bytes_done,
-        allocations_skipped: r.allocations_skipped,
-        bytes_skipped: r.bytes_skipped,
-        allocations_failed: r.allocations_failed,
-        bytes_failed: r.bytes_failed,
-        backup_bytes: r.backup_bytes,
-        elapsed_ns: r.elapsed_ns,
-        device_free_before: r.device_free_before,
-        device_free_after: r.device_free_after,
-        device_total: r.device_total,
-        backup_ns: r.backup_ns,
-    }
-}
+use tms_proto::abi::{
+    Report as CReport, TMS_ERR_DRIVER, TMS_ERR_INTERNAL, TMS_ERR_INVALID, TMS_ERR_IO, TMS_ERR_NO_DRIVER,
+    TMS_ERR_OUT_OF_MEMORY, TMS_OK, TagStatus as CTagStatus,
+};
 
 fn operation(tag: *const c_char, out: *mut CReport, pause: bool) -> i32 {
     // SAFETY: NULL or a NUL-terminated string (the exported contract).
@@ -82,7 +16,7 @@ fn operation(tag: *const c_char, out: *mut CReport, pause: bool) -> i32 {
         || {
             let s = saver();
             let report = if pause { s.pause(tag.as_deref()) } else { s.resume(tag.as_deref()) };
-            let c = to_c(&report);
+            let c = report.to_c();
             if !out.is_null() {
                 // SAFETY: the caller passes a tms_report to fill.
                 unsafe { out.write(c) };

@@ -2,6 +2,7 @@
 
 use crate::device::{DeviceError, Vendor};
 use crate::region::TagId;
+use tms_proto::abi;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Error {
@@ -19,6 +20,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// The C API's `TMS_ERR_*` code for this failure, and the vendor's code where there is one.
+    pub fn codes(&self) -> (i32, i32) {
+        match self {
+            Error::OutOfMemory { code, .. } => (abi::TMS_ERR_OUT_OF_MEMORY, *code),
+            Error::Driver(d) => (abi::TMS_ERR_DRIVER, d.code),
+            Error::NoDriver(_) => (abi::TMS_ERR_NO_DRIVER, 0),
+            Error::Invalid(_) => (abi::TMS_ERR_INVALID, 0),
+            Error::Disk(_) => (abi::TMS_ERR_IO, 0),
+        }
+    }
+
     /// The code the vendor API would return for this failure.
     pub fn vendor_code(&self, invalid: i32) -> i32 {
         match self {
@@ -43,29 +55,40 @@ impl std::fmt::Display for Error {
     }
 }
 
-/// What a pause or resume did; mirrors `tms_report` in include/tms.h.
+/// What a pause or resume did: the C API's report (include/tms.h), whose counters the saver
+/// fills, and the first failure as a typed error, which `to_c` and the control plane turn into
+/// their own codes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Report {
-    pub allocations_done: u64,
-    pub bytes_done: u64,
-    pub allocations_skipped: u64,
-    pub bytes_skipped: u64,
-    pub allocations_failed: u64,
-    pub bytes_failed: u64,
-    /// Bytes copied to or from host backups.
-    pub backup_bytes: u64,
-    pub elapsed_ns: u64,
-    pub device_free_before: u64,
-    pub device_free_after: u64,
-    pub device_total: u64,
-    /// Time of the backup/restore pipeline: the copies, with the releases (pause) or creates
-    /// (resume) overlapped into them (included in `elapsed_ns`).
-    pub backup_ns: u64,
+    /// Its `error` and `driver_error` stay 0 here: the typed `error` below is the one source.
+    counts: abi::Report,
     /// The first failure, if any (the operation still did what it could).
     pub error: Option<Error>,
 }
 
+// The saver and the NCCL communicators count into the C report's own fields
+// (`report.bytes_done += n`) rather than into a restatement of them.
+impl std::ops::Deref for Report {
+    type Target = abi::Report;
+    fn deref(&self) -> &abi::Report {
+        &self.counts
+    }
+}
+
+impl std::ops::DerefMut for Report {
+    fn deref_mut(&mut self) -> &mut abi::Report {
+        &mut self.counts
+    }
+}
+
 impl Report {
+    /// The C API's report: the counters, and the first failure as a `TMS_ERR_*` code with the
+    /// vendor's code.
+    pub fn to_c(&self) -> abi::Report {
+        let (error, driver_error) = self.error.as_ref().map_or((abi::TMS_OK, 0), Error::codes);
+        abi::Report { error, driver_error, ..self.counts }
+    }
+
     /// One line for people: what was done, skipped and failed, how long, and device free memory.
     pub fn summary(&self, verb: &str) -> String {
         use tms_proto::size::format_size;
@@ -99,4 +122,23 @@ pub struct TagStatus {
     pub bytes_active: u64,
     pub bytes_paused: u64,
     pub backup_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_c_report_carries_the_counters_and_the_failure_as_codes() {
+        let counts = abi::Report { bytes_done: 4096, backup_ns: 7, ..abi::Report::default() };
+        let mut r = Report { counts, error: None };
+        assert_eq!(r.to_c(), abi::Report { bytes_done: 4096, backup_ns: 7, ..abi::Report::default() });
+        r.error = Some(Error::OutOfMemory { code: 207001, needed: 1, free: 0 });
+        let c = r.to_c();
+        assert_eq!((c.error, c.driver_error, c.bytes_done), (abi::TMS_ERR_OUT_OF_MEMORY, 207001, 4096));
+        r.error = Some(Error::Disk("gone".into()));
+        assert_eq!((r.to_c().error, r.to_c().driver_error), (abi::TMS_ERR_IO, 0));
+        // The saver's own copy keeps no codes: the typed error is their one source.
+        assert_eq!(r.driver_error, 0);
+    }
 }
