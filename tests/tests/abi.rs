@@ -52,6 +52,11 @@ fn header_declares_exactly_the_exports() {
         "ncclCommShrink",
         "ncclCommDestroy",
         "ncclCommAbort",
+        "HcclCommInitRootInfo",
+        "HcclCommInitRootInfoConfig",
+        "HcclCommInitClusterInfo",
+        "HcclCommInitAll",
+        "HcclCommDestroy",
     ]
     .map(String::from)
     .into();
