@@ -5,6 +5,7 @@
 //! limit in one command.
 
 mod bench;
+mod compare;
 mod environment;
 mod plot;
 mod run;
@@ -38,6 +39,13 @@ enum Command {
     /// backup) against the raw pinned copy, host memory, and an ncclBroadcast between two devices
     /// against the link, through CUDA or ACL (Ascend); print tables, write JSON and SVG.
     Bench(Box<BenchArgs>),
+    /// Run the same job colocated and async (same profile, batch, steps and total devices), one
+    /// after the other, and print one table (samples/s, tokens/s, step time, each side's busy
+    /// share, weight-update time, staleness, reward) and plot reward against time. Device compute
+    /// is modelled from the memory profile by default (compute.model), so the comparison shows the
+    /// layout rather than this machine's CPU.
+    #[command(after_long_help = COMPARE_HELP)]
+    Compare(Box<CompareArgs>),
     /// Internal: a built-in worker process of `run` (trainer or rollout).
     #[command(hide = true)]
     Worker { role: String },
@@ -80,6 +88,51 @@ Examples:
   relax-colocate run --offload false                   # see the OOM the saver prevents
   relax-colocate run --mode async --devices 2 --max-staleness 2   # trainer on 0, rollout on 1, overlapped
   relax-colocate run --trainer-cmd 'python3 my_trainer.py' --rollout-cmd 'python3 my_engine.py'";
+
+const COMPARE_HELP: &str = "\
+Each layout is a `relax-colocate run` (its run directory is OUT/colocate and OUT/async); --set
+passes any configuration key to both. compare.json holds the table's figures, reward_vs_time.svg
+the plot. Exit codes: 0 both runs completed; 1 a run failed; 2 bad configuration (the failed run's
+message says which key).
+
+Examples:
+  relax-colocate compare --devices 4 --steps 10
+  relax-colocate compare --devices 4 --trainer-devices 0 --rollout-devices 1-3 --set rollout.prompts_per_step=24";
+
+#[derive(clap::Args)]
+struct CompareArgs {
+    /// Total devices, the same for both layouts [run.devices].
+    #[arg(long, default_value_t = 2)]
+    devices: u32,
+    /// Async: the trainer's devices (default: the first half).
+    #[arg(long)]
+    trainer_devices: Option<String>,
+    /// Async: the rollout engines' devices (default: the rest).
+    #[arg(long)]
+    rollout_devices: Option<String>,
+    /// Trainer steps of each run.
+    #[arg(long, default_value_t = 10)]
+    steps: u64,
+    /// Async: the staleness bound [async.max_staleness].
+    #[arg(long, default_value_t = 2)]
+    max_staleness: i64,
+    /// Model device compute time from the memory profile (true), or measure this CPU (false)
+    /// [compute.model].
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    model_compute: bool,
+    /// Any configuration key for both runs: --set memory.profile=qwen3-4b (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Output folder.
+    #[arg(long, default_value = "runs/compare")]
+    out: PathBuf,
+    /// libtms_hook.so to preload (default: next to this binary, or ../lib).
+    #[arg(long)]
+    hook: Option<PathBuf>,
+    /// Print compare.json on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+}
 
 #[derive(clap::Args)]
 struct BenchArgs {
@@ -439,6 +492,18 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
+        Command::Compare(a) => ExitCode::from(compare::main(&compare::Options {
+            devices: a.devices,
+            trainer_devices: a.trainer_devices,
+            rollout_devices: a.rollout_devices,
+            steps: a.steps,
+            max_staleness: a.max_staleness,
+            model_compute: a.model_compute,
+            sets: a.sets,
+            out: a.out,
+            hook: a.hook,
+            json: a.json,
+        })),
         Command::Bench(args) => bench_main(*args),
         Command::BenchWorker { args } => match bench::worker_main(&args) {
             Ok(v) => {

@@ -95,6 +95,9 @@ fn plan(line: &str) -> Option<Plan> {
         "target/release/relax-colocate run --mode async --devices 3 --rollout-devices 1-2 --algo ppo" => {
             run(two_steps, 0, &["rollout on 1,2", "checks:"])
         }
+        "target/release/relax-colocate compare --devices 4 --steps 10" => {
+            run(two_steps, 0, &["async / colocate throughput", "samples/s"])
+        }
         "target/release/relax-colocate run --print-config" => run(as_written, 0, &["steps", "phase_timeout_s"]),
         "target/release/relax-colocate run --metrics-style verl --logger tensorboard" => {
             run(two_steps, 0, &["checks:", "passed"])

@@ -165,3 +165,72 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
     }
     assert!(!dir.path().join("metrics.jsonl").exists(), "a configuration error started a run");
 }
+
+#[test]
+fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_under_new_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    // A 4B model's device time on the modelled device makes generation slow enough that updates
+    // land while sequences are in flight.
+    let args = [
+        "--mode",
+        "async",
+        "--devices",
+        "2",
+        "--steps",
+        "4",
+        "--memory-profile",
+        "qwen3-4b",
+        "--set",
+        "memory.scale=0.002",
+        "--set",
+        "compute.model=true",
+    ];
+    let out = run_cmd(dir.path(), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let summary = json(&dir.path().join("summary.json"));
+    let a = &summary["async"];
+    assert!(a["partial_samples"].as_u64().unwrap() > 0, "{a}");
+    assert!(summary["compute"].as_str().unwrap().starts_with("modelled: qwen3-4b"), "{summary}");
+    let m = metrics(dir.path());
+    assert!(m.iter().any(|r| r["partial/max_partial_span"].as_f64().unwrap() >= 1.0), "no sample spanned an update");
+    assert!(m.iter().all(|r| r["perf/pause_generation_time"].is_number()), "each update waits for the segments");
+    // The continued sequences are well formed: the checks (weights on every engine, the bound) held.
+    assert_eq!(summary["status"], "ok");
+}
+
+#[test]
+fn compare_runs_the_same_job_in_both_layouts_and_prints_one_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
+        .current_dir(&tms_e2e::workspace().root)
+        .args(["compare", "--devices", "2", "--steps", "3", "--out"])
+        .arg(dir.path())
+        .args(["--set", "run.device=\"sim\""])
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for line in ["samples/s", "trainer busy", "rollout busy", "staleness", "async / colocate throughput", "modelled:"] {
+        assert!(stdout.contains(line), "table lacks {line}:\n{stdout}");
+    }
+    let report = json(&dir.path().join("compare.json"));
+    for layout in ["colocate", "async"] {
+        assert!(report[layout]["samples_per_s"].as_f64().unwrap() > 0.0, "{report}");
+        assert_eq!(report[layout]["steps"].as_u64(), Some(3), "{report}");
+        assert!(dir.path().join(layout).join("summary.json").is_file());
+    }
+    let ratio = report["async_over_colocate_samples_per_s"].as_f64().unwrap();
+    let expected =
+        report["async"]["samples_per_s"].as_f64().unwrap() / report["colocate"]["samples_per_s"].as_f64().unwrap();
+    assert!((ratio - expected).abs() < 1e-9);
+    assert!(std::fs::read_to_string(dir.path().join("reward_vs_time.svg")).unwrap().contains("colocate"));
+    // A key that does not exist is the run's configuration error, exit 2 with its name.
+    let bad = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
+        .args(["compare", "--steps", "1", "--set", "algo.lrr=1", "--out"])
+        .arg(dir.path().join("bad"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("algo.lrr"));
+}

@@ -13,6 +13,7 @@ pub struct Config {
     pub run: RunSection,
     #[serde(rename = "async")]
     pub asynchronous: AsyncSection,
+    pub compute: ComputeSection,
     pub task: TaskSection,
     pub rollout: RolloutSection,
     pub algo: AlgoSection,
@@ -64,6 +65,17 @@ pub struct AsyncSection {
     pub train_iters_per_update: u64,
     pub queue_groups: u64,
     pub segment_tokens: u64,
+}
+
+/// Modelled device compute time (docs/async.md, "Modelled compute").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeSection {
+    pub model: bool,
+    pub tflops: f64,
+    pub train_mfu: f64,
+    pub rollout_mfu: f64,
+    pub token_scale: f64,
 }
 
 /// Who places the workers: child processes of the runner, or Ray (docs/ray.md).
@@ -289,6 +301,19 @@ impl Config {
         need(self.memory.kv_cache_gib >= 0.0, "memory.kv_cache_gib must be >= 0");
         need(self.sim.api == "cuda" || self.sim.api == "acl", "sim.api must be cuda or acl");
         need(self.sim.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0");
+        if self.compute.model {
+            let c = &self.compute;
+            need(c.tflops > 0.0 && c.tflops.is_finite(), "compute.tflops must be > 0");
+            need(
+                c.train_mfu > 0.0 && c.train_mfu <= 1.0 && c.rollout_mfu > 0.0 && c.rollout_mfu <= 1.0,
+                "compute.train_mfu and compute.rollout_mfu must be in (0, 1]",
+            );
+            need(c.token_scale > 0.0 && c.token_scale.is_finite(), "compute.token_scale must be > 0");
+            need(
+                self.memory.profile != "none",
+                "compute.model = true needs a memory profile (memory.profile): its parameter count sets the FLOPs per token",
+            );
+        }
         match parse_size(&self.memory.update_weight_buffer_size) {
             // A bucket of a few bytes turns update_weights into millions of round trips: setup
             // made no visible progress with "1".

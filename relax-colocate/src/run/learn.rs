@@ -7,7 +7,7 @@ use super::config::{AlgoName, Config};
 use super::fleet::Fleet;
 use super::metrics::{self, mean};
 use super::profile::Profile;
-use super::protocol::InitParams;
+use super::protocol::{ComputeModel, InitParams};
 use super::protocol::{TrainParams, TrainReply};
 use super::task::{self, Addition};
 use super::{algo, model};
@@ -207,6 +207,38 @@ pub(super) fn init_params(
         loss: Some(loss_config(cfg)),
         adam: Some(adam(cfg)),
         step: 0,
+        compute: compute_model(cfg, fleet, profile),
     };
     fleet.indices(role).into_iter().map(params).collect()
+}
+
+/// The device time the workers model (compute.model), from the profile's parameters per device.
+fn compute_model(cfg: &Config, fleet: &Fleet, profile: &Profile) -> Option<ComputeModel> {
+    let c = &cfg.compute;
+    c.model.then(|| ComputeModel {
+        forward_flops_per_token: 2.0 * profile.params_per_device as f64,
+        tflops: c.tflops,
+        train_mfu: c.train_mfu,
+        rollout_mfu: c.rollout_mfu,
+        token_scale: c.token_scale,
+        trainers: fleet.indices(Role::Trainer).len() as f64,
+    })
+}
+
+/// What the phase times measure, for the summary and the table.
+pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
+    let c = &cfg.compute;
+    if !c.model {
+        return "measured: the built-in policy on this machine's CPU (no modelled device time)".into();
+    }
+    format!(
+        "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device at MFU {} (train) and {} (rollout), each \
+         task token standing for {}; every request lasts at least that, measured time beside it in the logs",
+        cfg.memory.profile,
+        profile.params_per_device as f64 / 1e9,
+        c.tflops,
+        c.train_mfu,
+        c.rollout_mfu,
+        c.token_scale
+    )
 }

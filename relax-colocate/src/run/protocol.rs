@@ -136,6 +136,35 @@ pub struct InitParams {
     pub adam: Option<Adam>,
     #[serde(default)]
     pub step: u64,
+    /// Modelled device compute (compute.model): each request takes at least the time the memory
+    /// profile's model would take on the modelled device. None: only what it costs here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute: Option<ComputeModel>,
+}
+
+/// The device time a request models: FLOPs per token times tokens over the device's rate.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ComputeModel {
+    /// FLOPs of one token through the model's forward pass on one device (2 x its parameters).
+    pub forward_flops_per_token: f64,
+    /// The device's peak dense TFLOPS.
+    pub tflops: f64,
+    /// Shares of the peak the trainer's passes and generation reach.
+    pub train_mfu: f64,
+    pub rollout_mfu: f64,
+    /// Each token of the task stands for this many tokens of the modelled job.
+    pub token_scale: f64,
+    /// The trainers are replicas: each takes the time of its share of the batch.
+    pub trainers: f64,
+}
+
+impl ComputeModel {
+    /// Seconds for `tokens` task tokens through `passes` forward-pass equivalents (a forward pass
+    /// is 1, training 3: forward and backward) at `mfu`, on one of `devices` sharing the work.
+    pub fn seconds(&self, tokens: usize, passes: f64, mfu: f64, devices: f64) -> f64 {
+        let flops = tokens as f64 * self.token_scale * passes * self.forward_flops_per_token;
+        flops / (self.tflops * 1e12 * mfu * devices.max(1.0))
+    }
 }
 
 fn yes() -> bool {
@@ -208,6 +237,10 @@ pub struct GenerateParams {
     /// say which sequences finished. None: to the end (EOS or `max_new_tokens` in all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment_tokens: Option<usize>,
+    /// Partial rollouts: no weight update came since these sequences' last segment, so an engine
+    /// that keeps its cache between requests has their prefixes in it (re-prefilled otherwise).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prefix_cached: bool,
 }
 
 fn one() -> f64 {

@@ -7,10 +7,10 @@
 use super::device::{DevError, Device, Hasher};
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
 use super::protocol::{
-    self, Ack, BucketParams, BucketReply, Checksum, ChecksumReply, Generate, GenerateParams, GenerateReply, Generated,
-    Init, InitParams, InitReply, LogProbs, LogProbsParams, LogProbsReply, Method, Model, Pack, SamplesParams, Shutdown,
-    Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd, Values,
-    ValuesReply,
+    self, Ack, BucketParams, BucketReply, Checksum, ChecksumReply, ComputeModel, Generate, GenerateParams,
+    GenerateReply, Generated, Init, InitParams, InitReply, LogProbs, LogProbsParams, LogProbsReply, Method, Model,
+    Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams,
+    UpdateBeginReply, UpdateEnd, Values, ValuesReply,
 };
 use super::task::Rng;
 use super::wire;
@@ -62,6 +62,7 @@ struct Common {
     pads: Vec<Pad>,
     transfer: Option<Transfer>,
     hog: Vec<u64>,
+    compute: Option<ComputeModel>,
 }
 
 struct Transfer {
@@ -240,6 +241,22 @@ impl Common {
         }
     }
 
+    /// Modelled compute: a request that began at `t0` lasts at least what `modelled` says the
+    /// device would take (nothing without a compute model).
+    fn pace(&self, t0: std::time::Instant, modelled: impl FnOnce(&ComputeModel) -> f64) {
+        let Some(m) = &self.compute else { return };
+        let modelled = std::time::Duration::from_secs_f64(modelled(m));
+        if let Some(rest) = modelled.checked_sub(t0.elapsed()) {
+            std::thread::sleep(rest);
+        }
+    }
+
+    /// The trainer's passes: `tokens` through `passes` forward-pass equivalents, the batch
+    /// shared by the trainer replicas.
+    fn pace_trainer(&self, t0: std::time::Instant, tokens: usize, passes: f64) {
+        self.pace(t0, |m| m.seconds(tokens, passes, m.train_mfu, m.trainers));
+    }
+
     fn hog(&mut self, bytes: u64) -> Result<(), Failure> {
         let p = self.dev.malloc(bytes, None, false).map_err(dev_err)?;
         self.hog.push(p);
@@ -300,13 +317,17 @@ impl Trainer {
     }
 
     fn log_probs(&self, p: LogProbsParams) -> Result<LogProbsReply, Failure> {
+        let t0 = std::time::Instant::now();
         let scores = self.token_scores(p.model, &p.samples)?;
+        self.c.pace_trainer(t0, pair_tokens(&p.samples), 1.0);
         let pick = |f: fn(&model::TokenScore) -> f64| scores.iter().map(|s| s.iter().map(f).collect()).collect();
         Ok(LogProbsReply { logprobs: pick(|s| s.logprob), entropy: pick(|s| s.entropy) })
     }
 
     fn values(&self, p: SamplesParams) -> Result<ValuesReply, Failure> {
+        let t0 = std::time::Instant::now();
         let scores = self.token_scores(Model::Actor, &p.samples)?;
+        self.c.pace_trainer(t0, pair_tokens(&p.samples), 1.0);
         Ok(ValuesReply { values: scores.iter().map(|s| s.iter().map(|t| t.value).collect()).collect() })
     }
 
@@ -351,7 +372,9 @@ impl Trainer {
     }
 
     fn train(&mut self, p: TrainParams) -> Result<TrainReply, Failure> {
+        let t0 = std::time::Instant::now();
         let samples: Vec<TrainSample> = p.samples;
+        let tokens: usize = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
         let minibatches = p.minibatches.max(1);
         let epochs = p.epochs.max(1);
         for s in &samples {
@@ -403,6 +426,7 @@ impl Trainer {
             self.c.dev.write(pad.buf.ptr, &stamp[..(pad.buf.bytes as usize).min(8)]).map_err(dev_err)?;
         }
         self.take_snapshot()?;
+        self.c.pace_trainer(t0, tokens * epochs, 3.0);
         let k = updates as f64;
         let m = &metrics;
         let means = [
@@ -423,6 +447,11 @@ impl Trainer {
         out.insert("tokens".into(), Some(m.tokens as f64));
         Ok(TrainReply(out))
     }
+}
+
+/// Prompt and response tokens of every sequence.
+fn pair_tokens(samples: &[protocol::Pair]) -> usize {
+    samples.iter().map(|s| s.prompt.len() + s.response.len()).sum()
 }
 
 fn accumulate(into: &mut model::LossMetrics, m: &model::LossMetrics) {
@@ -487,6 +516,7 @@ impl Rollout {
             seed,
             responses,
             segment_tokens,
+            prefix_cached,
             ..
         } = p;
         let s = self.c.shape;
@@ -504,6 +534,15 @@ impl Rollout {
             return Err(bad("a response prefix is already max_new_tokens long or leaves the vocabulary"));
         }
         let segment = segment_tokens.unwrap_or(max_new).max(1);
+        let t0 = std::time::Instant::now();
+        // Prefill of the prompts and prefixes (none when they are still cached), then every token
+        // generated. This engine recomputes its small cache anyway; the model charges what one
+        // that keeps it would.
+        let prefill = if prefix_cached {
+            0
+        } else {
+            n * prompts.iter().map(Vec::len).sum::<usize>() + responses.iter().map(Vec::len).sum::<usize>()
+        };
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
         let pol = Policy { shape: s, params: &params };
@@ -575,6 +614,9 @@ impl Rollout {
             }
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
+        let generated: usize = seqs.iter().zip(&before).map(|(q, k)| q.1.len() - k).sum();
+        // Prefill is compute-bound like the trainer's passes; decoding reaches far less.
+        self.c.pace(t0, |m| m.seconds(prefill, 1.0, m.train_mfu, 1.0) + m.seconds(generated, 1.0, m.rollout_mfu, 1.0));
         let samples = seqs
             .into_iter()
             .zip(before)
@@ -610,7 +652,15 @@ fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
     }
     let device = i32::try_from(ip.device).map_err(|_| bad(format!("device {} is out of range", ip.device)))?;
     let dev = Device::open(&ip.api, device).map_err(|e| ("device".to_string(), e))?;
-    let mut c = Common { dev, shape: ip.shape, weights: Vec::new(), pads: Vec::new(), transfer: None, hog: Vec::new() };
+    let mut c = Common {
+        dev,
+        shape: ip.shape,
+        weights: Vec::new(),
+        pads: Vec::new(),
+        transfer: None,
+        hog: Vec::new(),
+        compute: ip.compute,
+    };
     let role = if role == "trainer" {
         let b = ip.backup;
         c.weights = c.alloc_tensors("weights", b)?;

@@ -64,6 +64,8 @@ struct Engine {
     request: Option<(InFlight, Vec<(usize, usize)>)>,
     /// When it last became idle (no request in flight).
     idle_since: Option<Instant>,
+    /// The weight version its last segment ran under.
+    version: u64,
 }
 
 /// Over the whole run, for the summary.
@@ -159,8 +161,13 @@ impl Stage {
 impl Async {
     pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Async {
         let rollouts = fleet.indices(Role::Rollout);
-        let engines =
-            rollouts.iter().map(|&worker| Engine { worker, groups: Vec::new(), request: None, idle_since: None });
+        let engines = rollouts.iter().map(|&worker| Engine {
+            worker,
+            groups: Vec::new(),
+            request: None,
+            idle_since: None,
+            version: 0,
+        });
         let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
         Async {
             cfg: cfg.clone(),
@@ -225,6 +232,7 @@ impl Async {
         let mut since_update = 0;
         // A finished step whose row waits for the weight update it triggered.
         let mut before_update: Option<Finished> = None;
+        let mut pausing: Option<Span> = None;
         loop {
             if job.is_none() && before_update.is_none() && self.step() < steps {
                 let batch =
@@ -241,8 +249,12 @@ impl Async {
             if before_update.is_none() {
                 self.feed_engines()?;
             }
-            // An update waits for the segments in flight; then nothing else is under way.
+            // An update waits for the segments in flight (Relax's pause and flush); then nothing
+            // else is under way.
             if before_update.is_some() && self.engines.iter().all(|e| e.request.is_none()) {
+                if let Some(span) = pausing.take() {
+                    self.rec.end(span, &self.fleet)?;
+                }
                 self.update_weights()?;
                 let done = before_update.take().expect("checked");
                 self.write_row(done);
@@ -272,6 +284,7 @@ impl Async {
                 if since_update == per_update {
                     since_update = 0;
                     before_update = Some(done);
+                    pausing = Some(self.rec.begin("pause_generation"));
                 } else {
                     self.write_row(done);
                     trainer_idle_since = Some(Instant::now());
@@ -387,6 +400,7 @@ impl Async {
             step: self.step(),
             responses,
             segment_tokens: self.segment(),
+            prefix_cached: resume && self.engines[k].version == self.version,
         };
         let worker = e.worker;
         let request = self.fleet.submit::<Generate>(worker, params)?;
@@ -395,6 +409,7 @@ impl Async {
             self.window.rollout_idle_s += t.elapsed().as_secs_f64();
         }
         e.request = Some((request, order));
+        e.version = self.version;
         Ok(())
     }
 
@@ -706,7 +721,6 @@ impl Async {
             "update_weights_bytes": t.update_bytes,
             "trainer_idle_ratio": if wall > 0.0 { t.trainer_idle_s / wall } else { 0.0 },
             "rollout_idle_ratio": if wall > 0.0 { t.rollout_idle_s / (wall * self.engines.len() as f64) } else { 0.0 },
-            "compute": "measured (this machine's CPU runs the built-in policy; no modelled device time)",
         })
     }
 }

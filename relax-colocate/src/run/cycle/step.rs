@@ -59,6 +59,7 @@ impl Colocate {
                 step: self.step(),
                 responses: Vec::new(),
                 segment_tokens: None,
+                prefix_cached: false,
             })
             .collect();
         let replies = self.call_each::<Generate>(&rollouts, params)?;

@@ -89,6 +89,7 @@ pub const STEP_PHASES: &[&str] = &[
     "actor_train",
     "sleep",
     "onload_weights",
+    "pause_generation",
     "update_weights",
     "onload_kv",
 ];
@@ -165,6 +166,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
             "trainer_allocations": profile.trainer.count(), "rollout_allocations": profile.rollout.count(),
             "peak_device_used": r.peak_used,
         },
+        "compute": crate::run::learn::compute_label(&r.cfg, profile),
         "wall_time_s": r.started.elapsed().as_secs_f64(),
         "run_dir": r.run_dir,
     })
@@ -195,7 +197,7 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
         f(&summary["pass_rate"]["last3_mean"])
     );
     if let Some(a) = summary.get("async") {
-        print_async(a);
+        print_async(a, summary["compute"].as_str().unwrap_or(""));
     }
     if r.cfg.run.checks && summary.get("async").is_some() {
         println!(
@@ -217,7 +219,7 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
 }
 
 /// Async mode's lines: the layout, throughput, staleness, both sides' idle shares, the updates.
-fn print_async(a: &Value) {
+fn print_async(a: &Value, compute: &str) {
     let f = |k: &str| a[k].as_f64().unwrap_or(f64::NAN);
     let devices = |k: &str| {
         let list = a[k].as_array().map(|v| v.iter().map(Value::to_string).collect::<Vec<_>>().join(","));
@@ -234,7 +236,7 @@ fn print_async(a: &Value) {
         a["samples_trained"],
         f("samples_per_s"),
         f("tokens_per_s"),
-        a["compute"].as_str().unwrap_or("")
+        compute
     );
     println!(
         "       staleness (updates behind: samples) {}; {} dropped over the bound of {}; {} partial (spanning an update)",
