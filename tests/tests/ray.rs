@@ -1,6 +1,6 @@
 //! `relax-colocate run --launcher ray` on a throwaway local Ray cluster (`--ray-address local`):
 //! 2 nodes x 2 devices run the same cycle and checks as the local launcher, each node its own
-//! simulated device node; a worker killed, hung or losing its node's agent mid-run fails the run
+//! simulated device node; async mode trains on one node and generates on the other; a worker killed, hung or losing its node's agent mid-run fails the run
 //! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
 //! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
 //! processes of one node, and those of chosen Ray actors (their hooked child processes).
@@ -159,6 +159,30 @@ fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_ch
         ids.sort();
         assert_eq!(ids, [0, 1], "node{node}'s two devices: {placed}");
     }
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+#[test]
+fn async_mode_trains_on_one_node_and_generates_on_the_other() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--mode", "async", "--nodes", "2", "--devices", "1", "--steps", "3"];
+    let out = ray_run(py, dir.path(), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(metrics_lines(dir.path()), 3);
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok", "{summary}");
+    assert_eq!(summary["async"]["weight_updates"].as_u64(), Some(3), "{summary}");
+    // Every update reached the engine on the other node and was checked there.
+    assert!(summary["checks"]["passed"].as_u64().unwrap() >= 6, "{summary}");
+    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
+    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
+    let placed: Value = serde_json::from_str(placed).unwrap();
+    assert_eq!(placed["trainer-0"]["node"], "node0", "{placed}");
+    assert_eq!(placed["rollout-1"]["node"], "node1", "{placed}");
+    assert!(placed.get("rollout-0").is_none() && placed.get("trainer-1").is_none(), "one role per device: {placed}");
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
