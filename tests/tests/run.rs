@@ -106,6 +106,16 @@ fn the_same_node_ooms_without_the_saver_and_runs_with_it() {
     assert!(err.contains("init_") && err.contains("out of device memory") && err.contains("offload"), "{err}");
     assert_eq!(json(&without.path().join("summary.json"))["failure"]["kind"], "out_of_memory");
     assert!(survivors(without.path()).is_empty());
+    // The plots show the moment it ran out: memory.jsonl's last sample is the failure's, with the
+    // rollout's memory resident, and the timeline marks it.
+    let mem = std::fs::read_to_string(without.path().join("memory.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(mem.lines().last().unwrap()).unwrap();
+    assert!(last["phase"].as_str().unwrap().starts_with("failed: init_"), "{last}");
+    assert!(last["device_used"][0].as_u64().unwrap() > 0, "{last}");
+    let timeline = std::fs::read_to_string(without.path().join("memory_timeline.svg")).unwrap();
+    assert!(timeline.contains("run stopped: out of memory in init_trainer (trainer-0)"), "{timeline}");
+    let per_step = std::fs::read_to_string(without.path().join("memory_per_step.svg")).unwrap();
+    assert!(per_step.contains("no step completed, out of memory in init_trainer"), "{per_step}");
 
     let with = tempfile::tempdir().unwrap();
     let out = run_cmd(with.path(), &["--steps", "2", "--sim-memory", "900MiB"]).output().unwrap();

@@ -256,6 +256,9 @@ fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> 
         Driver::Colocate(_) => None,
     };
     let (fleet, rec, profile) = driver.parts();
+    if let Err(e) = &result {
+        rec.mark_failure(fleet, e);
+    }
     fleet.stop(result.is_ok());
     rec.finish();
     let mut summary = recorder::report::summary(rec, result.as_ref().err(), profile);

@@ -224,6 +224,20 @@ impl Fleet {
         Ok(targets.iter().zip(statuses).map(status).collect())
     }
 
+    /// The status of every worker but `except` that answers its control socket within 2 s (after
+    /// a failure: a dead or stuck one is left out rather than waited for).
+    pub(super) fn statuses_of_live(&self, except: Option<&str>) -> Vec<WorkerStatus> {
+        let wait = std::time::Duration::from_secs(2);
+        let live = |(i, w): (usize, &Worker)| {
+            if Some(w.name.as_str()) == except {
+                return None;
+            }
+            let status = tms_proto::status(w.control.as_ref()?, wait).ok()?;
+            Some(WorkerStatus { name: w.name.clone(), rank: self.workers[i].rank, status })
+        };
+        self.workers.iter().enumerate().filter_map(live).collect()
+    }
+
     /// Finds the control socket of each worker of `role`, after its init: the one its process
     /// created in the control folder (launcher ray: the bridge's relay).
     pub(super) fn find_control_sockets(&mut self, role: Role) -> R<()> {

@@ -87,6 +87,10 @@ pub(super) struct Recorder {
     checks_passed: u64,
     out: Outputs,
     progress: report::Progress,
+    /// When the phase under way began (what a failure's sample spans).
+    phase_started_s: f64,
+    /// Where the run failed and how, for the timeline's mark.
+    failure_mark: Option<(f64, String)>,
 }
 
 impl Recorder {
@@ -114,6 +118,8 @@ impl Recorder {
             checks_passed: 0,
             out,
             progress,
+            phase_started_s: 0.0,
+            failure_mark: None,
         }
     }
 
@@ -133,7 +139,8 @@ impl Recorder {
     /// A phase begins: failures from here on name it.
     pub(super) fn begin(&mut self, name: &str) -> Span {
         self.at.set_phase(name);
-        Span { name: name.to_string(), start_s: self.elapsed(), t0: Instant::now() }
+        self.phase_started_s = self.elapsed();
+        Span { name: name.to_string(), start_s: self.phase_started_s, t0: Instant::now() }
     }
 
     /// The phase's work is done: its time counts towards the step's, and the fleet's memory is

@@ -372,6 +372,19 @@ fn memory_timeline(r: &Recorder) -> String {
     } else {
         "Device memory over the run".into()
     };
+    let mut title = title;
+    if let Some((t, what)) = &r.failure_mark {
+        // A vertical mark from zero to the capacity at the moment the run failed.
+        let top = series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).fold(0.0, f64::max);
+        series.push(Series {
+            name: format!("run stopped: {what}"),
+            points: vec![(*t, 0.0), (*t, top)],
+            shape: Shape::Line,
+            color: RGBColor(204, 0, 0),
+            width: 3,
+        });
+        title = format!("{title}: {what}");
+    }
     plot::svg(&Chart {
         title,
         width: 1000,
@@ -429,7 +442,7 @@ fn memory_per_step(r: &Recorder) -> String {
         series.push(line("capacity".into(), at(&|v| v.capacity), Shape::Dashed, RGBColor(120, 120, 120), 1));
     }
     plot::svg(&Chart {
-        title: "Device memory per step (highest and lowest at phase boundaries)".into(),
+        title: format!("Device memory per step (highest and lowest at phase boundaries){}", stopped_note(r)),
         width: 1000,
         height: 440,
         x: Some(Axis::linear("step", Quantity::Count)),
@@ -452,12 +465,20 @@ fn merge_spans(spans: Vec<Span>, max: usize) -> Vec<Span> {
         .collect()
 }
 
+/// For the per-step plots of a run that stopped before completing a step: why they are empty.
+fn stopped_note(r: &Recorder) -> String {
+    match &r.failure_mark {
+        Some((_, what)) if r.steps_completed == 0 => format!(": no step completed, {what}"),
+        _ => String::new(),
+    }
+}
+
 fn reward_curve(r: &Recorder) -> String {
     let keys = ["step".to_string(), "rollout/raw_reward".to_string(), "passrate/pass@1".to_string()];
     let series = metric_series(r, &keys);
     let get = |k: &str| -> Vec<(f64, f64)> { series["step"].iter().copied().zip(series[k].iter().copied()).collect() };
     plot::svg(&Chart {
-        title: "Reward and pass@1 per step".into(),
+        title: format!("Reward and pass@1 per step{}", stopped_note(r)),
         width: 800,
         height: 400,
         x: Some(Axis::linear("step", Quantity::Count)),

@@ -9,6 +9,42 @@ use std::io::Write as _;
 
 impl Recorder {
     pub(super) fn sample_memory(&mut self, start_s: f64, statuses: Vec<WorkerStatus>) -> R<()> {
+        let s = self.sample_of(start_s, statuses);
+        let _ = writeln!(self.out.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
+        self.leak_check(&s)?;
+        for (peak, used) in self.peak_used.iter_mut().zip(&s.device_used) {
+            *peak = (*peak).max(*used);
+        }
+        if self.step_memory.first().is_some_and(|f| f.step != s.step) {
+            self.step_memory.clear();
+        }
+        self.step_memory.push(s);
+        Ok(())
+    }
+
+    /// The run failed: the memory at that moment goes into memory.jsonl as a sample of phase
+    /// `failed: <phase>`, and the timeline marks it (an out-of-memory demo shows where it ran
+    /// out). Whatever workers still answer are sampled; the others are missing from it.
+    pub(in crate::run) fn mark_failure(&mut self, fleet: &crate::run::fleet::Fleet, e: &crate::run::RunError) {
+        // An interrupted run ends at once, and the failed worker may be the one that does not
+        // answer: neither is waited for.
+        let statuses =
+            if e.kind == FailKind::Interrupted { Vec::new() } else { fleet.statuses_of_live(e.worker.as_deref()) };
+        let start_s = self.phase_started_s;
+        let mut s = self.sample_of(start_s, statuses);
+        s.phase = format!("failed: {}", e.phase);
+        let _ = writeln!(self.out.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
+        let _ = self.out.memory_file.flush();
+        let what = match e.kind {
+            FailKind::OutOfMemory => "out of memory",
+            FailKind::Interrupted => "interrupted",
+            _ => "failed",
+        };
+        let who = e.worker.as_deref().map(|w| format!(" ({w})")).unwrap_or_default();
+        self.failure_mark = Some((s.t_s, format!("{what} in {}{who}", e.phase)));
+    }
+
+    fn sample_of(&self, start_s: f64, statuses: Vec<WorkerStatus>) -> MemSample {
         let devices = self.cfg.total_devices();
         let mut s = MemSample {
             t_s: self.elapsed(),
@@ -29,16 +65,7 @@ impl Recorder {
                 s.device_total[rank as usize] = d.total;
             }
         }
-        let _ = writeln!(self.out.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
-        self.leak_check(&s)?;
-        for (peak, used) in self.peak_used.iter_mut().zip(&s.device_used) {
-            *peak = (*peak).max(*used);
-        }
-        if self.step_memory.first().is_some_and(|f| f.step != s.step) {
-            self.step_memory.clear();
-        }
-        self.step_memory.push(s);
-        Ok(())
+        s
     }
 
     fn leak_check(&mut self, s: &MemSample) -> R<()> {
