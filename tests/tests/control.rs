@@ -695,3 +695,70 @@ fn a_socket_folder_open_to_others_is_reported_loudly_with_the_fix() {
     let out = node.ctl(&["pause", "--all"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `tms-ctl <args> --help`'s long options.
+fn long_options(args: &[&str]) -> Vec<String> {
+    let mut cmd = Command::new(workspace().bin("tms-ctl"));
+    let help = run_ok(cmd.args(args).arg("--help"));
+    let mut opts: Vec<String> = help
+        .split(|c: char| c.is_whitespace() || c == ',')
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(|w| w.trim_end_matches(|c: char| !c.is_alphanumeric()).to_string())
+        .collect();
+    opts.sort();
+    opts.dedup();
+    opts
+}
+
+#[test]
+fn the_manual_page_has_every_command_and_option_and_the_readme_agrees_with_the_help() {
+    let ctl = workspace().bin("tms-ctl");
+    let man = run_ok(Command::new(&ctl).arg("man"));
+    // One page: no reference to a page per subcommand that nothing installs.
+    assert!(!man.contains("tms\\-ctl\\-"), "the page points at per-command pages:\n{man}");
+    let top = run_ok(Command::new(&ctl).arg("--help"));
+    let commands: Vec<&str> = top
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .collect();
+    assert!(commands.len() >= 9, "{top}");
+    let section = {
+        let readme = std::fs::read_to_string(workspace().root.join("README.md")).unwrap();
+        let start = readme.find("## Controlling processes from outside").expect("the tms-ctl section");
+        let end = readme[start + 3..].find("\n## ").map_or(readme.len(), |e| start + 3 + e);
+        readme[start..end].to_string()
+    };
+    for c in &commands {
+        assert!(man.contains(&format!(".SS \"tms\\-ctl {c}")), "the page lacks {c}:\n{man}");
+        for opt in long_options(&[c]) {
+            if opt == "--help" {
+                continue;
+            }
+            let escaped = opt.replace('-', "\\-");
+            assert!(man.contains(&escaped), "the page lacks {c} {opt}");
+        }
+        assert!(section.contains(&format!("tms-ctl {c}")), "README's tms-ctl section never names `tms-ctl {c}`");
+    }
+    // Every option the README's section shows exists.
+    let mut known = long_options(&[]);
+    for c in &commands {
+        known.extend(long_options(&[c]));
+    }
+    for word in section.split(|c: char| c.is_whitespace() || "`(),;:".contains(c)) {
+        if let Some(opt) = word.strip_prefix("--").map(|o| o.trim_end_matches(|c: char| !c.is_alphanumeric())) {
+            if opt.is_empty() || opt.contains('=') {
+                continue;
+            }
+            assert!(known.contains(&format!("--{opt}")), "README shows --{opt}, which tms-ctl does not take");
+        }
+    }
+    // What the README says each setting is, the help says too.
+    let set = run_ok(Command::new(&ctl).args(["set", "--help"]));
+    for var in ["TMS_MEMORY_MARGIN_BYTES", "TMS_RETAIN_CPU_BACKUP", "TMS_INIT_ENABLE_CPU_BACKUP"] {
+        assert!(set.contains(var) && section.contains(var), "{var} in set --help and README:\n{set}");
+    }
+}
