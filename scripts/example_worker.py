@@ -92,23 +92,34 @@ def checksum(p):
 
 
 def generate(p):
+    """`n` samples per prompt; in async mode a sequence given a `responses` prefix continues after
+    it and each request generates at most `segment_tokens` new tokens per sequence (the table
+    needs no cache to refill: the context is the prompt and every token so far)."""
     table = read_table(state["weights"])
     rng = random.Random(p.get("seed", 0))
+    n, max_new, eos = p["n"], p["max_new_tokens"], p.get("eos")
+    responses = p.get("responses") or []
+    if responses and len(responses) != len(p["prompts"]) * n:
+        raise rw.WorkerError("bad_request", f"responses has {len(responses)} entries for {len(p['prompts']) * n} sequences")
+    segment = p.get("segment_tokens") or max_new
     samples = []
     hashes = array.array("I")
     for i, prompt in enumerate(p["prompts"]):
-        for _ in range(p["n"]):
-            context, response, lps = list(prompt), [], []
-            for _ in range(p["max_new_tokens"]):
+        for s in range(n):
+            prefix = list(responses[i * n + s]) if responses else []
+            context, response, lps = list(prompt) + prefix, [], []
+            finished = len(prefix) >= max_new
+            for _ in range(min(segment, max_new - len(prefix))):
                 probs = softmax(logits(table, context, p.get("temperature", 1.0)))
                 tok = rng.choices(range(len(probs)), probs)[0]
                 response.append(tok)
                 lps.append(math.log(probs[tok]))
                 context.append(tok)
-                if tok == p.get("eos"):
+                if tok == eos:
                     break
+            finished = finished or eos in response or len(prefix) + len(response) >= max_new
             hashes.append(row(context))
-            samples.append({"prompt_index": i, "response": response, "logprobs": lps})
+            samples.append({"prompt_index": i, "response": response, "logprobs": lps, "finished": finished})
     state["dev"].write(state["kv"], hashes.tobytes()[: 4 * max(1, len(hashes))])
     return {"samples": samples}
 

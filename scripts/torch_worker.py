@@ -26,6 +26,13 @@ in the loss, the three aggregations, minibatches, epochs, gradient clipping and 
 cross to the rollout through the runner's shared file, one bucket at a time, staged in a device
 buffer outside any region. PPO (a value head) is not implemented: `values` is refused.
 
+In async mode (`relax-colocate run --mode async`, docs/async.md) the same worker is the trainer on
+devices of its own and the rollout engines on others. The rollout does partial rollouts: it
+generates at most `segment_tokens` tokens per sequence a request, and a sequence sent back with the
+tokens it has (`responses`) continues after them under the weights it holds now, its prompt and
+prefix prefilled again. With `compute.model` every request lasts at least the modelled device
+time, as the built-in workers' do.
+
 On tms-sim the kernels run on the CPU (tms-sim/python's compute layer); on a GPU this is an
 ordinary PyTorch program. Needs torch and the `tms` package (the wheel, or python/ of this
 repository, which is found next to this script).
@@ -35,6 +42,7 @@ import hashlib
 import mmap
 import os
 import sys
+import time
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, here)
@@ -129,7 +137,8 @@ def init(p):
     hidden = max(HEADS, hidden - hidden % HEADS)
     backup = role == "trainer"
     torch.manual_seed(p.get("seed", 0))
-    state.update(role=role, device=device, loss=loss, context=context, transfer=None, pads=[])
+    state.update(role=role, device=device, loss=loss, context=context, transfer=None, pads=[],
+                 compute=p.get("compute"))
     with tms.region("weights", enable_cpu_backup=backup):
         model = Policy(vocab, context, hidden).to(device)
     state["model"] = model
@@ -169,6 +178,30 @@ def init(p):
     torch.cuda.empty_cache()
     return {"params": sum(w.numel() for w in model.parameters()), "hook_mode": tms.hook_mode(),
             "torch": torch.__version__}
+
+
+def modelled_s(tokens, passes, mfu, devices=1.0):
+    """Seconds `tokens` task tokens through `passes` forward-pass equivalents take on the modelled
+    device at `mfu`, shared by `devices` replicas (compute.model, docs/async.md)."""
+    m = state["compute"]
+    flops = tokens * m["token_scale"] * passes * m["forward_flops_per_token"]
+    return flops / (m["tflops"] * 1e12 * mfu * max(1.0, devices))
+
+
+def pace(t0, seconds):
+    """Modelled compute: a request that began at `t0` lasts at least `seconds`, as the built-in
+    workers' do. This small model on the simulator's CPU says nothing about a device's time, and
+    what the async layout overlaps is that time."""
+    rest = seconds - (time.monotonic() - t0)
+    if rest > 0:
+        time.sleep(rest)
+
+
+def pace_trainer(t0, tokens, passes):
+    """The trainer's passes, the batch shared by the trainer replicas."""
+    m = state["compute"]
+    if m:
+        pace(t0, modelled_s(tokens, passes, m["train_mfu"], m["trainers"]))
 
 
 def capture_sampling_head(batch, vocab):
@@ -218,22 +251,58 @@ def checksum(p):
     return {"weights": h.hexdigest()[:16], "bytes": stream_bytes(state["model"])}
 
 
+def generation_batches(p, capacity):
+    """The request's sequences as batches the KV cache can decode together: (slot, prompt index,
+    context, prefix length) rows of equal context length, at most `capacity` of them. Fresh
+    sequences are batched per prompt (its `n` samples); continued ones, which the runner sends one
+    per prompt, by the length of prompt + prefix, so that a resumed segment is a few batches and
+    not one per sequence."""
+    prompts, n = p["prompts"], p["n"]
+    responses = p.get("responses") or []
+    if responses and len(responses) != len(prompts) * n:
+        raise rw.WorkerError("bad_request", f"responses has {len(responses)} entries for {len(prompts) * n} sequences")
+    groups = {}
+    for i, prompt in enumerate(prompts):
+        for s in range(n):
+            slot = i * n + s
+            prefix = list(responses[slot]) if responses else []
+            key = len(prompt) + len(prefix) if responses else i
+            groups.setdefault(key, []).append((slot, i, list(prompt) + prefix, len(prefix)))
+    for rows in groups.values():
+        for at in range(0, len(rows), capacity):
+            yield rows[at:at + capacity]
+
+
 @torch.no_grad()
 def generate(p):
+    """Samples `n` responses per prompt. Partial rollouts (async mode): a sequence given a
+    `responses` prefix continues after it, the prompt and prefix prefilled again under the weights
+    held now (the cache of the interrupted segment was computed under older ones); at most
+    `segment_tokens` new tokens per sequence; the reply carries the new tokens only, and
+    `finished` once EOS, `max_new_tokens` in all or the context's end is reached."""
+    t0 = time.monotonic()
     model, kv, dev = state["model"], state["kv"], state["device"]
     gen = torch.Generator(device=dev)
     gen.manual_seed(p.get("seed", 0) & (2**63 - 1))
     temperature = p.get("temperature", 1.0)
     if not temperature > 0:
         raise rw.WorkerError("bad_request", f"temperature={temperature}: the torch worker samples, it needs a temperature above 0")
-    eos, n = p.get("eos"), p["n"]
-    if n > kv.shape[2]:
-        raise rw.WorkerError("bad_request", f"n={n} samples exceed the KV cache's {kv.shape[2]} sequences")
+    eos, n, max_new = p.get("eos"), p["n"], p["max_new_tokens"]
+    capacity = kv.shape[2]
+    if n > capacity:
+        raise rw.WorkerError("bad_request", f"n={n} samples exceed the KV cache's {capacity} sequences")
+    segment = p.get("segment_tokens")
+    if segment is not None and segment < 1:
+        raise rw.WorkerError("bad_request", f"segment_tokens={segment}: a segment needs at least one token")
     state["inv_temp"].fill_(1.0 / temperature)
-    samples = []
-    for i, prompt in enumerate(p["prompts"]):
-        steps = min(p["max_new_tokens"], state["context"] - len(prompt))
-        tokens = torch.tensor([prompt] * n, device=dev)
+    samples = [None] * (len(p["prompts"]) * n)
+    for rows in generation_batches(p, capacity):
+        width = len(rows[0][2])
+        # Per row, the new tokens allowed: what is left of max_new_tokens, of the context, and of
+        # the segment. Rows of a batch share the context but not always the prefix length.
+        limits = [max(0, min(max_new - had, state["context"] - width)) for _, _, _, had in rows]
+        steps = max(limits) if segment is None else min(max(limits), segment)
+        tokens = torch.tensor([row[2] for row in rows], device=dev)
         logits = model(tokens, kv, 0)[:, -1]
         out, lps = [], []
         for t in range(steps):
@@ -242,13 +311,26 @@ def generate(p):
             out.append(tok)
             lps.append(logp.gather(1, tok))
             if t + 1 < steps:
-                logits = model(tok, kv, len(prompt) + t)[:, -1]
-        toks = torch.cat(out, 1).tolist() if out else [[] for _ in range(n)]
-        lps = torch.cat(lps, 1).tolist() if lps else [[] for _ in range(n)]
-        for s in range(n):
-            end = toks[s].index(eos) + 1 if eos in toks[s] else len(toks[s])
-            samples.append({"prompt_index": i, "response": toks[s][:end], "logprobs": lps[s][:end]})
+                logits = model(tok, kv, width + t)[:, -1]
+        toks = torch.cat(out, 1).tolist() if out else [[] for _ in rows]
+        lps = torch.cat(lps, 1).tolist() if lps else [[] for _ in rows]
+        for r, (slot, i, _, _) in enumerate(rows):
+            cut = min(steps, limits[r])
+            new = toks[r][:cut]
+            ended = eos in new
+            end = new.index(eos) + 1 if ended else cut
+            finished = ended or cut == limits[r]
+            samples[slot] = {"prompt_index": i, "response": new[:end], "logprobs": lps[r][:end], "finished": finished}
     torch.cuda.empty_cache()
+    m = state["compute"]
+    if m:
+        # Charged as an engine that keeps its cache between segments would be: the prefill only
+        # when the prefixes are not cached (this worker re-prefills them every time regardless),
+        # compute-bound like the trainer's passes; decoding far below the peak.
+        prefill = 0 if p.get("prefix_cached") else (
+            n * sum(len(x) for x in p["prompts"]) + sum(len(x) for x in p.get("responses") or []))
+        generated = sum(len(x["response"]) for x in samples)
+        pace(t0, modelled_s(prefill, 1.0, m["train_mfu"]) + modelled_s(generated, 1.0, m["rollout_mfu"]))
     return {"samples": samples}
 
 
@@ -287,6 +369,7 @@ def split(flat, samples):
 
 @torch.no_grad()
 def log_probs(p):
+    t0 = time.monotonic()
     model = state["ref"] if p.get("model") == "ref" else state["model"]
     samples = [s for s in p["samples"] if s["response"]]
     lp, full = token_logprobs(model, samples) if samples else (torch.zeros(0), torch.zeros(0, 1))
@@ -296,6 +379,7 @@ def log_probs(p):
     it = iter(zip(lps, ents))
     out = [next(it) if s["response"] else ([], []) for s in p["samples"]]
     torch.cuda.empty_cache()
+    pace_trainer(t0, sum(len(s["prompt"]) + len(s["response"]) for s in p["samples"]), 1.0)
     return {"logprobs": [a for a, _ in out], "entropy": [b for _, b in out]}
 
 
@@ -346,6 +430,7 @@ def minibatch_loss(samples):
 
 
 def train(p):
+    t0 = time.monotonic()
     model, opt = state["model"], state["opt"]
     samples = [s for s in p["samples"] if s["response"]]
     if not samples:
@@ -367,6 +452,8 @@ def train(p):
     snapshot()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    epochs = max(1, p.get("epochs", 1))
+    pace_trainer(t0, epochs * sum(len(s["prompt"]) + len(s["response"]) for s in samples), 3.0)
     metrics = {k: v / count for k, v in totals.items()}
     metrics["tokens"] = sum(len(s["response"]) for s in samples)
     return metrics

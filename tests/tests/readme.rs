@@ -106,6 +106,9 @@ fn plan(line: &str) -> Option<Plan> {
         "relax-colocate run --memory-profile tiny --steps 30 --trainer-cmd \"$W\" --rollout-cmd \"$W\"" => {
             Some(Elsewhere("torch::the_colocated_cycle_runs_with_pytorch_workers (PyTorch from scripts/torch-env.sh)"))
         }
+        "relax-colocate run --mode async --devices 2 --memory-profile tiny --trainer-cmd \"$W\" --rollout-cmd \"$W\"" => {
+            Some(Elsewhere("torch::the_async_loop_runs_with_pytorch_workers_* (PyTorch from scripts/torch-env.sh)"))
+        }
         "target/release/relax-colocate bench --device sim --quick" => {
             Some(Elsewhere("bench::quick_bench_prints_every_table_and_writes_results"))
         }

@@ -131,6 +131,70 @@ fn an_engine_that_dies_mid_update_fails_the_run_naming_it() {
     assert_eq!(s["failure"]["kind"], "crash");
 }
 
+/// External Python workers in async mode: scripts/example_worker.py does partial rollouts; a
+/// worker that predates them (it ignores `responses` and `segment_tokens`, as a worker ignores
+/// params it does not know) returns whole responses, which fails a segmented run with a message
+/// saying what to set, and runs with `async.segment_tokens = 0`.
+#[test]
+fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let example = "python3 scripts/example_worker.py";
+    let base = [
+        "--mode",
+        "async",
+        "--devices",
+        "2",
+        "--steps",
+        "2",
+        "--prompts",
+        "4",
+        "--samples",
+        "4",
+        "--set",
+        "task.digits=3",
+    ];
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
+    let args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example, "--rollout-cmd", example]);
+    let out = run_cmd(&dir.path().join("example"), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let s = json(&dir.path().join("example/summary.json"));
+    assert_eq!(s["async"]["segment_tokens"].as_u64(), Some(1), "{s}");
+
+    let script = dir.path().join("old_worker.py");
+    let source = "import os, sys\n\
+                  sys.path.insert(0, os.path.join(os.getcwd(), 'scripts'))\n\
+                  import example_worker as ew, relax_worker as rw\n\
+                  names = ['init', 'checksum', 'generate', 'log_probs', 'train', 'update_begin', 'pack', 'unpack', \
+                  'update_end']\n\
+                  handlers = {n: getattr(ew, n) for n in names}\n\
+                  def whole(p):\n    \
+                      p = {k: v for k, v in p.items() if k not in ('responses', 'segment_tokens')}\n    \
+                      r = ew.generate(p)\n    \
+                      for s in r['samples']:\n        \
+                          del s['finished']\n    \
+                      return r\n\
+                  handlers['generate'] = whole\n\
+                  rw.serve(handlers, implementation='old')\n";
+    std::fs::write(&script, source).unwrap();
+    let old = format!("python3 {}", script.display());
+    let mut args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example]);
+    args.extend(["--rollout-cmd", &old]);
+    let out = run_cmd(&dir.path().join("old"), &args).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rollout-1") && err.contains("set async.segment_tokens=0"), "{err}");
+    assert!(survivors(&dir.path().join("old")).is_empty(), "workers left behind");
+
+    let mut args = with(&["--set", "async.segment_tokens=0", "--trainer-cmd", example]);
+    args.extend(["--rollout-cmd", &old]);
+    let out = run_cmd(&dir.path().join("whole"), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let s = json(&dir.path().join("whole/summary.json"));
+    assert_eq!(s["async"]["partial_samples"].as_u64(), Some(0), "{s}");
+    // Three updates checked on the engine, two batches against the bound.
+    assert!(s["checks"]["passed"].as_u64().unwrap() >= 5, "{s}");
+}
+
 #[test]
 fn device_sets_that_cannot_work_exit_2_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();

@@ -286,6 +286,96 @@ fn the_colocated_cycle_runs_with_pytorch_workers() {
     }
 }
 
+/// torch_worker.py's partial rollouts, called in-process: segments, `finished`, and sequences that
+/// continue after their prefix as if generated in one go (tests/torch-consumers/test_torch_worker.py).
+#[test]
+fn the_torch_worker_continues_sequences_after_their_prefix() {
+    pytest("test_torch_worker.py");
+}
+
+/// `relax-colocate run --mode async` with the same PyTorch workers: the trainer on device 0, the
+/// rollout engine on device 1, weights moved after every step and checked on the engine (the
+/// runner's checks), samples at most one update stale.
+fn torch_async_run(python: &std::path::Path, out: &std::path::Path, extra: &[&str]) -> serde_json::Value {
+    let ws = workspace();
+    let worker =
+        format!("env OMP_NUM_THREADS=1 {} {}", python.display(), ws.root.join("scripts/torch_worker.py").display());
+    let run = Command::new(ws.bin("relax-colocate"))
+        .current_dir(out)
+        .args(["run", "--device", "sim", "--quiet", "--out"])
+        .arg(out.join("run"))
+        .args(["--mode", "async", "--devices", "2", "--steps", "3", "--max-staleness", "1"])
+        .args(["--prompts", "4", "--samples", "4", "--memory-profile", "tiny", "--set", "task.digits=3"])
+        .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker])
+        .args(extra)
+        .env_remove("LD_PRELOAD")
+        .env_remove("PYTHONPATH")
+        .env_remove("TMS_SIM_LIB")
+        .output()
+        .expect("run relax-colocate");
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "relax-colocate run --mode async with torch workers {extra:?} failed:\n{text}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run/summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok", "{summary}");
+    assert_eq!(summary["steps_completed"], 3, "{summary}");
+    let a = &summary["async"];
+    assert_eq!(a["samples_trained"].as_u64(), Some(3 * 16), "{a}");
+    assert_eq!(a["weight_updates"].as_u64(), Some(3), "{a}");
+    assert_eq!(a["dropped_stale_samples"].as_u64(), Some(0), "{a}");
+    // The initial update and every step's are checked on the engine (4), and every batch against
+    // the bound (3).
+    assert!(summary["checks"]["passed"].as_u64().unwrap() >= 7, "{summary}");
+    let hist = a["staleness_histogram"].as_object().expect("a staleness histogram");
+    assert!(hist.keys().all(|k| k.parse::<u64>().unwrap() <= 1), "{a}");
+    // Overlap: the engine generated a batch while the trainer trained on the one before.
+    assert!(hist.keys().any(|k| k != "0"), "{a}");
+    summary
+}
+
+/// Partial rollouts with real PyTorch workers: generation in one-token segments, decoding slowed
+/// to a modelled device's pace (the worker sleeps out what the model says a request would take),
+/// so that the trainer finishes a step while the engine is mid-sequence; the interrupted sequences
+/// continue after their tokens under the new weights (re-prefilled) and are trained on.
+#[test]
+fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences() {
+    let Some(python) = torch_python() else { return };
+    let out = tempfile::tempdir().unwrap();
+    // On a 10-TFLOPS device at 0.1% MFU a decoded token of the tiny profile takes 20 ms: a batch's
+    // generation (16 sequences of up to 5 tokens) lasts over a second, several times a trainer
+    // step here.
+    let summary = torch_async_run(
+        python,
+        out.path(),
+        &[
+            "--set",
+            "async.segment_tokens=1",
+            "--set",
+            "compute.model=true",
+            "--set",
+            "compute.tflops=10",
+            "--set",
+            "compute.rollout_mfu=0.001",
+        ],
+    );
+    let a = &summary["async"];
+    assert_eq!(a["segment_tokens"].as_u64(), Some(1), "{a}");
+    assert!(a["partial_samples"].as_u64().unwrap() > 0, "no sequence continued across an update: {a}");
+    assert!(summary["compute"].as_str().unwrap().starts_with("modelled: tiny"), "{summary}");
+}
+
+/// With `async.segment_tokens = 0` the engines get whole-response requests (no `segment_tokens`,
+/// no `responses`), which is how a worker without partial rollouts runs in async mode.
+#[test]
+fn the_async_loop_runs_with_pytorch_workers_generating_whole_responses() {
+    let Some(python) = torch_python() else { return };
+    let out = tempfile::tempdir().unwrap();
+    let summary = torch_async_run(python, out.path(), &["--set", "async.segment_tokens=0"]);
+    let a = &summary["async"];
+    assert_eq!(a["segment_tokens"].as_u64(), Some(0), "{a}");
+    assert_eq!(a["partial_samples"].as_u64(), Some(0), "{a}");
+}
+
 /// `relax-colocate bench --upstream-lib`: torch_memory_saver 0.0.10's own preload library (from
 /// the test environment's site-packages) runs the bench's side-by-side scenario beside
 /// libtms_hook.so in the same run, through the same C calls; both keep the contents, both are
