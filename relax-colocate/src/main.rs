@@ -5,6 +5,7 @@
 //! limit in one command.
 
 mod bench;
+mod collective;
 mod compare;
 mod environment;
 mod plot;
@@ -221,6 +222,11 @@ struct RunArgs {
     /// Async: trainer steps between weight updates to the rollout [async.train_iters_per_update].
     #[arg(long)]
     train_iters_per_update: Option<u64>,
+    /// How weights reach the rollout: host (the shared bucket file), broadcast (NCCL/HCCL; async
+    /// mode) or auto (broadcast in async mode with the built-in workers, else host)
+    /// [run.weight_transport].
+    #[arg(long, value_enum)]
+    weight_transport: Option<run::config::WeightTransport>,
     /// local or ray: who starts the workers [run.launcher].
     #[arg(long, value_enum)]
     launcher: Option<run::config::Launcher>,
@@ -343,6 +349,7 @@ impl RunArgs {
         add("run.rollout_devices", self.rollout_devices.as_deref().map(q));
         add("async.max_staleness", self.max_staleness.map(|x| x.to_string()));
         add("async.train_iters_per_update", self.train_iters_per_update.map(|x| x.to_string()));
+        add("run.weight_transport", self.weight_transport.map(|t| q(t.as_str())));
         add(
             "run.launcher",
             self.launcher.map(|l| {

@@ -35,7 +35,7 @@ api!(Runtime {
     mem_get_info: c"cudaMemGetInfo" => fn(*mut usize, *mut usize) -> c_int;
 });
 
-// What the collective row needs of the CUDA runtime beyond `Runtime`.
+// What a collective needs of the CUDA runtime beyond `Runtime`: streams (and the bench's device count).
 api!(Streams {
     device_count: c"cudaGetDeviceCount" => fn(*mut c_int) -> c_int;
     create: c"cudaStreamCreate" => fn(*mut *mut c_void) -> c_int;
@@ -62,9 +62,41 @@ api!(Nccl {
 
 /// Loads NCCL into the global scope (after the CUDA runtime), as PyTorch and vLLM load it.
 pub fn load_nccl() -> Result<(), String> {
+    load_global(c"libnccl.so.2")
+}
+
+/// HcclRootInfo: 4108 opaque bytes (HCCL_ROOT_INFO_BYTES), passed by pointer.
+#[repr(C)]
+pub struct HcclRootInfo {
+    pub internal: [u8; 4108],
+}
+
+// HCCL's C ABI as hccl.h declares it (communicators are opaque pointers, HcclDataType and
+// HcclResult are ints, counts are u64 and ranks u32), the calls vllm-ascend's communicator makes.
+api!(Hccl {
+    get_root_info: c"HcclGetRootInfo" => fn(*mut HcclRootInfo) -> c_int;
+    comm_init_root_info: c"HcclCommInitRootInfo" => fn(u32, *const HcclRootInfo, u32, *mut *mut c_void) -> c_int;
+    broadcast: c"HcclBroadcast" => fn(*mut c_void, u64, c_int, u32, *mut c_void, *mut c_void) -> c_int;
+    comm_destroy: c"HcclCommDestroy" => fn(*mut c_void) -> c_int;
+    get_error_string: c"HcclGetErrorString" => fn(c_int) -> *const c_char;
+});
+
+/// Loads HCCL into the global scope (after the ACL runtime), as vllm-ascend loads it.
+pub fn load_hccl() -> Result<(), String> {
+    load_global(c"libhccl.so")
+}
+
+// The ACL streams a collective runs on.
+api!(AclStreams {
+    create: c"aclrtCreateStream" => fn(*mut *mut c_void) -> c_int;
+    synchronize: c"aclrtSynchronizeStream" => fn(*mut c_void) -> c_int;
+    destroy: c"aclrtDestroyStream" => fn(*mut c_void) -> c_int;
+});
+
+fn load_global(lib: &CStr) -> Result<(), String> {
     // SAFETY: dlopen of a vendor library by soname.
-    if unsafe { libc::dlopen(c"libnccl.so.2".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
-        return Err("libnccl.so.2 cannot be loaded".into());
+    if unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+        return Err(format!("{} cannot be loaded", lib.to_string_lossy()));
     }
     Ok(())
 }

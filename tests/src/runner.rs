@@ -18,6 +18,14 @@ pub fn run_cmd(out: &Path, args: &[&str]) -> Command {
     c
 }
 
+/// `run_cmd` that must succeed: its output and summary.json.
+pub fn run_ok(out: &Path, args: &[&str]) -> (Output, Value) {
+    let o = run_cmd(out, args).output().unwrap();
+    assert!(o.status.success(), "{args:?}: {}", text(&o));
+    let summary = json(&out.join("summary.json"));
+    (o, summary)
+}
+
 pub fn text(o: &Output) -> String {
     format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }

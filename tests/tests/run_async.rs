@@ -1,8 +1,10 @@
 //! `relax-colocate run --mode async` end to end on the simulator: the trainer and the rollout
 //! engines on devices of their own, overlapped; the staleness bound holds (stale groups are dropped
 //! and counted, never trained on); every weight update is checked on every engine; PPO runs with
-//! several engines and several trainer steps per update; a worker that dies mid-update fails the
-//! run naming it with nothing left behind; device sets that cannot work exit 2 naming the key.
+//! several engines and several trainer steps per update; the weights go by broadcast over the
+//! simulated NCCL and HCCL (the async default) or through the host; a worker that dies mid-update
+//! or never joins the weight-sync group fails the run naming it with nothing left behind; device
+//! sets and transports that cannot work exit 2 naming the key.
 
 use serde_json::Value;
 use tms_e2e::runner::*;
@@ -78,9 +80,7 @@ fn groups_staler_than_the_bound_are_dropped_and_counted_never_trained_on() {
         "--set",
         "async.queue_groups=128",
     ];
-    let out = run_cmd(dir.path(), &args).output().unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let summary = json(&dir.path().join("summary.json"));
+    let (_, summary) = run_ok(dir.path(), &args);
     let a = &summary["async"];
     assert!(a["dropped_stale_samples"].as_u64().unwrap() > 0, "{a}");
     assert_eq!(staleness_keys(&summary), vec![0], "{a}");
@@ -121,9 +121,88 @@ fn async_ppo_with_two_engines_and_two_trainer_steps_per_update() {
     assert!(dir.path().join("logs/rollout-2.log").is_file() && dir.path().join("logs/trainer-0.log").is_file());
 }
 
+/// Bytes per update as every row says, with the buckets they took at `bucket` bytes each.
+fn updates(m: &[Value], bucket: f64) -> Vec<f64> {
+    m.iter()
+        .map(|row| {
+            let bytes = row["perf/update_weights_bytes"].as_f64().unwrap_or_else(|| panic!("no bytes: {row}"));
+            assert_eq!(row["perf/update_weights_buckets"].as_f64(), Some((bytes / bucket).ceil()), "{row}");
+            assert!(row["perf/update_weights_gbps"].as_f64().unwrap() > 0.0, "{row}");
+            // The modelled link of 2 GB/s: a share of it, never more than all of it (by much).
+            let share = row["perf/update_weights_link_share"].as_f64().unwrap();
+            assert!(share > 0.0 && share < 1.2, "{row}");
+            bytes
+        })
+        .collect()
+}
+
+#[test]
+fn async_grpo_broadcasts_its_weights_over_nccl_and_hccl_checked_on_every_engine() {
+    for (api, library) in [("cuda", "nccl"), ("acl", "hccl")] {
+        let dir = tempfile::tempdir().unwrap();
+        let line = format!(
+            "--mode async --devices 3 --rollout-devices 1-2 --steps 3 --update-weight-buffer-size 8MiB \
+             --set sim.api={api} --set sim.link_gbps=2"
+        );
+        let args: Vec<&str> = line.split_whitespace().collect();
+        let (out, summary) = run_ok(dir.path(), &args);
+        let a = &summary["async"];
+        assert_eq!(a["weight_transport"], "broadcast", "the async default: {a}");
+        assert_eq!(a["weight_sync_library"], library, "{a}");
+        let per_update = updates(&metrics(dir.path()), (8u64 << 20) as f64);
+        assert!(per_update.iter().all(|b| *b == per_update[0] && *b > 8.0 * (1 << 20) as f64), "{per_update:?}");
+        // The initial weights and one update per step, the same bytes each time.
+        assert_eq!(a["update_weights_bytes"].as_f64(), Some(4.0 * per_update[0]), "{a}");
+        assert_eq!(a["update_weights_buckets"].as_f64(), Some(4.0 * (per_update[0] / (8 << 20) as f64).ceil()));
+        assert_eq!(a["link_gbps"].as_f64(), Some(2.0), "{a}");
+        assert!(a["update_weights_gbps"].as_f64().unwrap() > 0.0 && a["link_share"].as_f64().unwrap() > 0.0, "{a}");
+        // Every update checked on both engines (and every batch against the bound).
+        assert!(summary["checks"]["passed"].as_u64().unwrap() >= 4 + 3, "{summary}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains(&format!("over broadcast ({})", library.to_uppercase())), "{stdout}");
+        assert!(survivors(dir.path()).is_empty());
+    }
+}
+
+#[test]
+fn a_member_that_dies_mid_broadcast_fails_the_run_naming_it() {
+    for (fault, name) in
+        [("broadcast_weights:2:crash:rollout", "rollout-1"), ("broadcast_weights:2:crash:trainer", "trainer-0")]
+    {
+        let (dir, out) = failing_run(fault, &["--mode", "async", "--devices", "2"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("phase update_weights") && err.contains(name) && err.contains("signal 6"), "{err}");
+        let s = json(&dir.path().join("summary.json"));
+        assert_eq!(
+            (&s["status"], &s["failure"]["kind"], &s["failure"]["worker"]),
+            (&"failed".into(), &"crash".into(), &name.into())
+        );
+    }
+}
+
+#[test]
+fn a_member_that_never_joins_the_weight_sync_group_is_named_within_the_phase_timeout() {
+    let t = std::time::Instant::now();
+    let (dir, out) =
+        failing_run("group_init:0:hang:rollout", &["--mode", "async", "--devices", "2", "--phase-timeout", "6"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The trainer gave up after its connect timeout (half the phase timeout) and said why.
+    assert!(
+        err.contains("phase group_init") && err.contains("rollout-1 never took part in the weight-sync group"),
+        "{err}"
+    );
+    assert!(err.contains("trainer-0 gave up waiting for it"), "{err}");
+    let s = json(&dir.path().join("summary.json"));
+    assert_eq!(s["failure"]["kind"], "timeout");
+    assert_eq!(s["failure"]["worker"], "rollout-1");
+    // Within the phase timeout, plus starting and stopping the workers.
+    assert!(t.elapsed().as_secs_f64() < 6.0 + 6.0, "{:?}", t.elapsed());
+}
+
 #[test]
 fn an_engine_that_dies_mid_update_fails_the_run_naming_it() {
-    let (dir, out) = failing_run("unpack:2:crash", &["--mode", "async", "--devices", "2"]);
+    let (dir, out) =
+        failing_run("unpack:2:crash", &["--mode", "async", "--devices", "2", "--weight-transport", "host"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("phase update_weights") && err.contains("rollout-1") && err.contains("signal 6"), "{err}");
     let s = json(&dir.path().join("summary.json"));
@@ -217,6 +296,11 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
             "async.queue_groups=4 cannot hold",
         ),
         (vec!["--devices", "2", "--trainer-devices", "0"], "needs run.mode = \"async\""),
+        (
+            vec!["--weight-transport", "broadcast"],
+            "run.weight_transport = \"broadcast\" needs run.mode = \"async\" (--mode async): colocated",
+        ),
+        (vec!["--mode", "async", "--devices", "2", "--set", "sim.link_gbps=fast"], "sim.link_gbps=\"fast\" is not"),
         (
             vec!["--mode", "async", "--devices", "3", "--rollout-devices", "1-2", "--prompts", "9"],
             "multiple of the 2 rollout",

@@ -11,16 +11,14 @@
 //! 1.1 GB/s there with no modelled time (docs/perf.md), and would measure the host instead).
 
 use super::{DeviceKind, Env, Options, Target, f, finish, gbs, human, table};
-use crate::runtime::{Nccl, NcclUniqueId, Runtime, Streams, check, load_cuda, load_nccl};
+use crate::collective::{self, Group, Library};
+use crate::runtime::{Runtime, Streams, check, load_cuda, load_nccl};
 use serde_json::{Value, json};
-use std::ffi::CStr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
-/// ncclUint8: sizes are counted in bytes.
-const NCCL_UINT8: i32 = 1;
 /// The target is judged at this size and above.
 const TARGET_FROM: usize = 64 * MIB;
 const TARGET: &str = "broadcast >= 90% of the modelled link at >= 64 MiB (slowest size)";
@@ -175,15 +173,6 @@ fn wait_all(children: &mut [Child]) -> Result<Vec<std::process::ExitStatus>, Str
 
 // ---- the worker side: one rank ---------------------------------------------------------------
 
-fn nccl_check(nccl: &Nccl, what: &str, rc: i32) -> Result<(), String> {
-    if rc == 0 {
-        return Ok(());
-    }
-    // SAFETY: ncclGetLastError returns a NUL-terminated string owned by the library.
-    let why = unsafe { CStr::from_ptr((nccl.get_last_error)(std::ptr::null_mut())) };
-    Err(format!("{what} returned {rc}: {}", why.to_string_lossy()))
-}
-
 /// Rank 0 writes its id (empty: it skipped) under a temporary name, then renames it into place.
 fn publish(path: &Path, bytes: &[u8]) -> Result<(), String> {
     let tmp = path.with_extension("tmp");
@@ -191,7 +180,7 @@ fn publish(path: &Path, bytes: &[u8]) -> Result<(), String> {
 }
 
 /// Rank 1 waits for rank 0's id; None when rank 0 skipped.
-fn read_id(path: &Path) -> Result<Option<NcclUniqueId>, String> {
+fn read_id(path: &Path) -> Result<Option<Vec<u8>>, String> {
     let start = Instant::now();
     while !path.exists() {
         if start.elapsed() > Duration::from_secs(120) {
@@ -200,7 +189,7 @@ fn read_id(path: &Path) -> Result<Option<NcclUniqueId>, String> {
         std::thread::sleep(Duration::from_millis(10));
     }
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-    Ok(bytes.try_into().ok().map(|internal| NcclUniqueId { internal }))
+    Ok(Some(bytes).filter(|b| !b.is_empty()))
 }
 
 /// Why this machine cannot run the row (fewer than two devices, no NCCL), if so.
@@ -228,14 +217,11 @@ pub fn rank(rank: usize, id_file: &str, sizes: &[usize], reps: usize) -> Result<
         }
         return Ok(json!({ "rank": rank, "skipped": why }));
     }
-    let nccl = Nccl::load()?;
     // SAFETY: plain runtime call.
     check("cudaSetDevice", unsafe { (rt.set_device)(rank as i32) })?;
     let id = if rank == 0 {
-        let mut id = NcclUniqueId { internal: [0; 128] };
-        // SAFETY: writes one ncclUniqueId.
-        nccl_check(&nccl, "ncclGetUniqueId", unsafe { (nccl.get_unique_id)(&mut id) })?;
-        publish(id_path, &id.internal)?;
+        let id = collective::unique_id(Library::Nccl)?;
+        publish(id_path, &id)?;
         id
     } else {
         match read_id(id_path)? {
@@ -243,40 +229,28 @@ pub fn rank(rank: usize, id_file: &str, sizes: &[usize], reps: usize) -> Result<
             None => return Ok(json!({ "rank": rank, "skipped": "rank 0 could not run the row" })),
         }
     };
-    let mut comm = std::ptr::null_mut();
-    // SAFETY: a valid out pointer and an id from rank 0's ncclGetUniqueId.
-    nccl_check(&nccl, "ncclCommInitRank", unsafe { (nccl.comm_init_rank)(&mut comm, 2, id, rank as i32) })?;
-    let result = timed(&rt, &nccl, comm, rank, sizes, reps);
-    // SAFETY: the communicator made above, no operation pending (each was synchronized).
-    nccl_check(&nccl, "ncclCommDestroy", unsafe { (nccl.comm_destroy)(comm) })?;
+    let group = Group::join(Library::Nccl, &id, rank, 2)?;
+    let result = timed(&rt, &group, sizes, reps);
+    // Every broadcast was synchronized: nothing is pending on the communicator.
+    group.destroy()?;
     result
 }
 
-/// The timed broadcasts of one rank, on a stream of its own, into one buffer of the largest size.
-fn timed(
-    rt: &Runtime,
-    nccl: &Nccl,
-    comm: *mut libc::c_void,
-    rank: usize,
-    sizes: &[usize],
-    reps: usize,
-) -> Result<Value, String> {
-    let streams = Streams::load()?;
+/// The timed broadcasts of one rank, on the group's stream, into one buffer of the largest size.
+fn timed(rt: &Runtime, group: &Group, sizes: &[usize], reps: usize) -> Result<Value, String> {
+    let rank = group.rank;
     let largest = sizes.iter().copied().max().unwrap_or(0).max(1);
-    let (mut buf, mut stream) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let mut buf = std::ptr::null_mut();
     // SAFETY: runtime calls with valid out pointers; the buffer has `largest` bytes.
     unsafe {
         check("cudaMalloc", (rt.malloc)(&mut buf, largest))?;
         check("cudaMemset", (rt.memset)(buf, if rank == 0 { 0x5a } else { 0 }, largest))?;
-        check("cudaStreamCreate", (streams.create)(&mut stream))?;
     }
     let once = |bytes: usize| -> Result<f64, String> {
         let t = Instant::now();
-        // SAFETY: `bytes` <= the buffer's size; root 0 sends, rank 1 receives in place.
-        unsafe {
-            nccl_check(nccl, "ncclBroadcast", (nccl.broadcast)(buf, buf, bytes, NCCL_UINT8, 0, comm, stream))?;
-            check("cudaStreamSynchronize", (streams.synchronize)(stream))?;
-        }
+        // `bytes` <= the buffer's size; root 0 sends, rank 1 receives in place.
+        group.broadcast(buf as u64, bytes, 0)?;
+        group.synchronize()?;
         Ok(t.elapsed().as_nanos() as f64)
     };
     once(sizes.first().copied().unwrap_or(1))?;
@@ -286,11 +260,8 @@ fn timed(
         rows.push(json!({ "bytes": bytes, "time_ns": super::worker::median(times) }));
     }
     let intact = arrived(rt, buf, largest)?;
-    // SAFETY: the stream and buffer made above, idle.
-    unsafe {
-        check("cudaStreamDestroy", (streams.destroy)(stream))?;
-        check("cudaFree", (rt.free)(buf))?;
-    }
+    // SAFETY: the buffer made above, idle.
+    check("cudaFree", unsafe { (rt.free)(buf) })?;
     Ok(json!({ "rank": rank, "rows": rows, "contents_intact": intact }))
 }
 

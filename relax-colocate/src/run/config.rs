@@ -7,6 +7,11 @@ use serde::{Deserialize, Serialize};
 
 pub const DEFAULT_TOML: &str = include_str!("default.toml");
 
+/// tms-sim's own link model when TMS_SIM_LINK_GBPS is not set (docs/simulator.md): an H100's
+/// NVLink within a node, 50 GB/s between nodes.
+const SIM_LINK_INTRA_GBPS: f64 = 450.0;
+const SIM_LINK_INTER_GBPS: f64 = 50.0;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -44,6 +49,29 @@ pub struct RunSection {
     pub nodes: u32,
     pub ray_address: String,
     pub ray_python: String,
+    pub weight_transport: WeightTransport,
+}
+
+/// How the trainer's weights reach the rollout (docs/async.md, "Weight transports").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightTransport {
+    /// broadcast in async mode with the built-in workers, host otherwise.
+    Auto,
+    /// Through host memory: the run's shared bucket file (the fallback every worker speaks).
+    Host,
+    /// NCCL (CUDA API) or HCCL (ACL) from the first trainer to every rollout engine (async mode).
+    Broadcast,
+}
+
+impl WeightTransport {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WeightTransport::Auto => "auto",
+            WeightTransport::Host => "host",
+            WeightTransport::Broadcast => "broadcast",
+        }
+    }
 }
 
 /// How trainer and rollout share the devices (docs/async.md).
@@ -163,6 +191,7 @@ pub struct SimSection {
     pub api: String,
     pub memory: String,
     pub copy_gbps: f64,
+    pub link_gbps: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -198,9 +227,13 @@ fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<(), String
     if !table.contains_key(field) {
         return Err(format!("--set {key}: no key {field:?} in [{section}]; see --print-config for the keys"));
     }
-    // Integers given where floats are expected (lr=1) would fail to deserialize; widen them.
+    // Integers given where floats are expected (lr=1) would fail to deserialize; widen them. A
+    // number where text is expected (sim.link_gbps=2) is the text.
     let parsed = match (&table[field], parsed) {
         (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+        (toml::Value::String(_), toml::Value::Integer(_) | toml::Value::Float(_)) => {
+            toml::Value::String(value.to_string())
+        }
         (_, v) => v,
     };
     table.insert(field.to_string(), parsed);
@@ -313,6 +346,12 @@ impl Config {
                 self.memory.profile != "none",
                 "compute.model = true needs a memory profile (memory.profile): its parameter count sets the FLOPs per token",
             );
+        }
+        if let Err(e) = self.link_gbps() {
+            errors.push(e);
+        }
+        if let Err(e) = self.check_weight_transport() {
+            errors.push(e);
         }
         match parse_size(&self.memory.update_weight_buffer_size) {
             // A bucket of a few bytes turns update_weights into millions of round trips: setup
@@ -436,6 +475,48 @@ impl Config {
             ));
         }
         Ok(Some(DeviceSplit { trainer, rollout }))
+    }
+
+    /// The weight transport the run uses: `auto` resolved (broadcast in async mode with the
+    /// built-in workers, host otherwise).
+    pub fn weight_transport(&self) -> WeightTransport {
+        let builtin = self.run.trainer_cmd.trim().is_empty() && self.run.rollout_cmd.trim().is_empty();
+        match self.run.weight_transport {
+            WeightTransport::Auto if self.run.mode == Mode::Async && builtin => WeightTransport::Broadcast,
+            WeightTransport::Auto => WeightTransport::Host,
+            t => t,
+        }
+    }
+
+    /// Refuses a transport the layout cannot run.
+    fn check_weight_transport(&self) -> Result<(), String> {
+        if self.run.weight_transport == WeightTransport::Broadcast && self.run.mode == Mode::Colocate {
+            return Err("run.weight_transport = \"broadcast\" needs run.mode = \"async\" (--mode async): colocated, \
+                        the trainer and the rollout share every device, and NCCL and HCCL refuse two ranks of one \
+                        communicator on one device (colocated frameworks hand weights over by CUDA IPC there); use \
+                        --weight-transport host"
+                .into());
+        }
+        Ok(())
+    }
+
+    /// The simulator's modelled link in GB/s, within a node and between nodes (`sim.link_gbps`,
+    /// INTRA[,INTER]; empty: the simulator's own 450 and 50; 0: no modelled time).
+    pub fn link_gbps(&self) -> Result<(f64, f64), String> {
+        let v = self.sim.link_gbps.trim();
+        if v.is_empty() {
+            return Ok((SIM_LINK_INTRA_GBPS, SIM_LINK_INTER_GBPS));
+        }
+        let parse = |s: &str| s.trim().parse::<f64>().ok().filter(|g| *g >= 0.0 && g.is_finite());
+        let parts: Vec<Option<f64>> = v.split(',').map(parse).collect();
+        match parts.as_slice() {
+            [Some(a)] => Ok((*a, *a)),
+            [Some(a), Some(b)] => Ok((*a, *b)),
+            _ => Err(format!(
+                "sim.link_gbps={v:?} is not INTRA[,INTER] in GB/s (e.g. 450,50; 0: no modelled time; empty: the \
+                 simulator's own)"
+            )),
+        }
     }
 
     /// Devices in the whole run: `run.devices` on each of `run.nodes` nodes.

@@ -73,6 +73,14 @@ impl Device {
         Ok(Device { api, tms })
     }
 
+    /// "cuda" or "acl", as `open` took it.
+    pub fn api_name(&self) -> &'static str {
+        match self.api {
+            Api::Cuda(_) => "cuda",
+            Api::Acl(_) => "acl",
+        }
+    }
+
     fn fail(&self, what: &str, rc: i32) -> DevError {
         let oom = match self.api {
             Api::Cuda(_) => rc == CUDA_OOM,

@@ -5,13 +5,15 @@
 //! files (fleet/tmpfiles.rs), opens the run directory's outputs (the recorder's), and launches the
 //! fleet: each worker up to its hello (fleet/local.rs, or through Ray: fleet/ray.rs).
 
-use super::config::{self, AlgoName, Config, DeviceChoice, Launcher};
+use super::config::{self, AlgoName, Config, DeviceChoice, Launcher, WeightTransport};
 use super::fleet::Fleet;
 use super::fleet::tmpfiles::Scratch;
 use super::profile::Profile;
 use super::recorder::report::{Progress, human};
 use super::recorder::{Outputs, Recorder};
-use super::sizing::{Footprint, check_host_memory_for_sim, footprint, round_up, sim_context_bytes};
+use super::sizing::{
+    Footprint, check_host_memory_for_sim, footprint, round_up, sim_communicator_bytes, sim_context_bytes,
+};
 use super::task::{Addition, VOCAB};
 use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
 use crate::environment::{find_hook, sim_environment};
@@ -95,10 +97,31 @@ fn resolve_device(cfg: &Config) -> R<DeviceChoice> {
     Ok(device)
 }
 
+/// The broadcast transport on a real device needs the vendor's collective library here (the
+/// simulator brings both).
+fn check_collective_library(cfg: &Config, device: DeviceChoice) -> R<()> {
+    if cfg.weight_transport() != WeightTransport::Broadcast {
+        return Ok(());
+    }
+    let (lib, vendor) = match device {
+        DeviceChoice::Cuda => (c"libnccl.so.2", "install NCCL (the nvidia-nccl wheel's lib/ on LD_LIBRARY_PATH)"),
+        DeviceChoice::Npu => (c"libhccl.so", "source CANN's set_env.sh"),
+        _ => return Ok(()),
+    };
+    if can_load(lib) {
+        return Ok(());
+    }
+    Err(config_err(format!(
+        "run.weight_transport = \"broadcast\": {} cannot be loaded here; {vendor}, or use --weight-transport host",
+        lib.to_string_lossy()
+    )))
+}
+
 /// Resolves the run without side effects; every refusal the configuration earns here comes before
 /// anything is created.
 pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
     let device = resolve_device(cfg)?;
+    check_collective_library(cfg, device)?;
     let hook = find_hook(hook).map_err(setup_err)?;
     // The simulator serves both runtimes; sim.api picks the one the workers use.
     let api: &'static str = match device {
@@ -129,7 +152,12 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
     check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at)
         .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     let vars = sim_environment().map_err(setup_err)?.vars;
-    let peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
+    let mut peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
+    if cfg.weight_transport() == WeightTransport::Broadcast {
+        // Each member also holds its communicator and a bucket buffer; the root has a peer per engine.
+        let engines = cfg.mode_layout().ok().flatten().map_or(1, |s| s.rollout.len() as u64);
+        peak = peak.max(fp.trainer.max(fp.rollout) + fp.transfer + sim_communicator_bytes(api, engines));
+    }
     // Each device holds two processes, and each process's context takes device memory.
     let contexts = 2 * sim_context_bytes(api);
     if cfg.sim.memory == "auto" {
@@ -186,6 +214,10 @@ impl Plan {
             ("TMS_CONTROL_DIR".into(), scratch.ctl_dir.display().to_string()),
             ("RELAX_DEVICE_API".into(), self.api.into()),
         ];
+        // The members of a collective that joined give up on one that never comes before the
+        // runner's own wait on it ends, so that the runner can tell which one it was. CANN takes
+        // 120 to 7200 s.
+        env.push(("HCCL_CONNECT_TIMEOUT".into(), connect_timeout_s(cfg).clamp(120, 7200).to_string()));
         let Some(sim) = &self.sim else { return env };
         // Python workers (scripts/torch_worker.py) get the start-up hook that puts PyTorch on
         // the simulator with the rest of the environment.
@@ -199,8 +231,22 @@ impl Plan {
         if cfg.sim.copy_gbps > 0.0 {
             env.push(("TMS_SIM_COPY_GBPS".into(), cfg.sim.copy_gbps.to_string()));
         }
+        if !cfg.sim.link_gbps.trim().is_empty() {
+            env.push(("TMS_SIM_LINK_GBPS".into(), cfg.sim.link_gbps.trim().into()));
+        }
+        // The simulator's own names for the connect timeout, which take any number of seconds.
+        let connect = connect_timeout_s(cfg).to_string();
+        env.push(("TMS_SIM_NCCL_CONNECT_TIMEOUT".into(), connect.clone()));
+        env.push(("TMS_SIM_HCCL_CONNECT_TIMEOUT".into(), connect));
         env
     }
+}
+
+/// How long a collective's members wait for each other to join: half of run.phase_timeout_s,
+/// which leaves the runner time to hear from every member that did join before its own wait on
+/// the one that did not ends.
+fn connect_timeout_s(cfg: &Config) -> u64 {
+    ((cfg.run.phase_timeout_s / 2.0).floor() as u64).max(1)
 }
 
 /// The lines a run starts with: what it removed, what it runs where, its loggers, and (local

@@ -23,6 +23,7 @@ pub mod wire;
 pub mod worker;
 
 mod asynchronous;
+mod broadcast;
 mod cycle;
 mod fleet;
 mod launch;

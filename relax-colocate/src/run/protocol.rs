@@ -42,6 +42,12 @@ methods! {
     UpdateBegin = "update_begin": UpdateBeginParams => UpdateBeginReply;
     UpdateEnd = "update_end": Step => Ack;
     Shutdown = "shutdown": Ack => Ack;
+    // Both roles, broadcast weight transport: the group's rank 0 (the first trainer) makes the id,
+    // every member joins, then each update is broadcast from rank 0.
+    GroupId = "group_id": GroupIdParams => GroupIdReply;
+    GroupInit = "group_init": GroupInitParams => GroupInitReply;
+    BroadcastWeights = "broadcast_weights": BroadcastWeightsParams => BroadcastWeightsReply;
+    GroupDestroy = "group_destroy": Step => Ack;
     // The rollout's.
     Generate = "generate": GenerateParams => GenerateReply;
     Unpack = "unpack": BucketParams => BucketReply;
@@ -201,6 +207,57 @@ pub struct UpdateBeginReply {
     /// How many buckets the weights stream has: the trainer's answer is read, the rollout's not.
     pub buckets: Option<u64>,
     pub bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GroupIdParams {
+    /// "nccl" (the CUDA API) or "hccl" (ACL).
+    pub library: String,
+    #[serde(default)]
+    pub step: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct GroupIdReply {
+    /// The library's id (ncclUniqueId, 128 bytes; HcclRootInfo, 4108 bytes) in hex.
+    pub id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GroupInitParams {
+    pub library: String,
+    /// group_id's answer.
+    pub id: String,
+    /// 0: the root (the first trainer); 1..world: the rollout engines.
+    pub rank: u32,
+    pub world: u32,
+    #[serde(default)]
+    pub step: u64,
+}
+
+/// Not read by the runner.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct GroupInitReply {
+    /// How long the join took (waiting for the other members included).
+    pub seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BroadcastWeightsParams {
+    pub bucket_bytes: u64,
+    /// The weight version the engines hold once this update is in.
+    pub version: u64,
+    #[serde(default)]
+    pub step: u64,
+}
+
+/// What one member moved: every member reports the same bytes and buckets.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BroadcastWeightsReply {
+    pub bytes: u64,
+    pub buckets: u64,
+    /// From the first bucket's copy to the last bucket's synchronize.
+    pub seconds: f64,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

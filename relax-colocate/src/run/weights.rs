@@ -1,13 +1,21 @@
-//! The trainer's weights as both drivers move and check them: the checksums the roles report, and
-//! the host transport (`update_weights` through the run's shared bucket file: the first trainer
-//! packs each bucket once, every rollout engine unpacks it).
+//! The trainer's weights as both drivers move and check them: the checksums the roles report, the
+//! host transport (`update_weights` through the run's shared bucket file: the first trainer packs
+//! each bucket once, every rollout engine unpacks it) and the broadcast transport (NCCL or HCCL
+//! from the first trainer to every engine, in a group made once: `WeightSync`).
 
+use super::config::{Config, DeviceChoice, WeightTransport};
 use super::fleet::Fleet;
+use super::launch::Plan;
 use super::protocol::{
-    BucketParams, Checksum, Pack, Step, Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd,
+    BroadcastWeights, BroadcastWeightsParams, BucketParams, Checksum, GroupDestroy, GroupId, GroupIdParams, GroupInit,
+    GroupInitParams, Pack, Step, Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd,
 };
 use super::recorder::Recorder;
+use super::recorder::report::human;
 use super::{Cursor, FailKind, R, Role};
+use crate::collective::Library;
+use serde_json::{Value, json};
+use std::time::Instant;
 
 /// Every worker of `role`'s weights checksum, in the fleet's order.
 pub(super) fn checksums(fleet: &mut Fleet, role: Role, step: u64) -> R<Vec<String>> {
@@ -36,10 +44,19 @@ pub(super) fn expect_checksum(fleet: &mut Fleet, rec: &mut Recorder, role: Role,
     rec.check_weights(&named, expected, when)
 }
 
+/// What one update moved to each engine.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Moved {
+    pub(super) bytes: u64,
+    pub(super) buckets: u64,
+    /// Moving the bytes: the host transport's calls, the broadcast's slowest member.
+    pub(super) seconds: f64,
+}
+
 /// update_weights through the host: the trainers and the rollouts map the bucket file; per bucket
-/// the first trainer packs it and every rollout unpacks it (the trainers are replicas). Returns
-/// the bytes moved to each rollout.
-pub(super) fn host_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64) -> R<u64> {
+/// the first trainer packs it and every rollout unpacks it (the trainers are replicas).
+pub(super) fn host_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64) -> R<Moved> {
+    let t0 = Instant::now();
     let step = at.step();
     let p = UpdateBeginParams { shm: fleet.shm().to_path_buf(), bucket_bytes, step };
     let t = fleet.call_all::<UpdateBegin>(Role::Trainer, p.clone())?;
@@ -54,7 +71,7 @@ pub(super) fn host_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64) -
     }
     fleet.call_all::<UpdateEnd>(Role::Trainer, Step { step })?;
     fleet.call_all::<UpdateEnd>(Role::Rollout, Step { step })?;
-    Ok(bytes)
+    Ok(Moved { bytes, buckets, seconds: t0.elapsed().as_secs_f64() })
 }
 
 /// How many buckets the weights stream has and its bytes, as the first trainer says.
@@ -63,4 +80,162 @@ fn stream_size(fleet: &Fleet, at: &Cursor, trainers: &[UpdateBeginReply]) -> R<(
         let name = &fleet.worker(fleet.indices(Role::Trainer)[0]).name;
         at.fail(FailKind::Worker, Some(name), "malformed update_begin reply: missing field `buckets`")
     })
+}
+
+/// The group's members in rank order: the first trainer (rank 0, the root), then every engine.
+/// The other trainers are replicas holding the same weights; they stay out.
+fn members(fleet: &Fleet) -> Vec<usize> {
+    let mut m = vec![fleet.indices(Role::Trainer)[0]];
+    m.extend(fleet.indices(Role::Rollout));
+    m
+}
+
+/// update_weights by broadcast: every member is asked at once and answers when its part is done
+/// (the engines once the last bucket is in their weights), so the update takes the slowest member.
+pub(super) fn broadcast_transfer(fleet: &mut Fleet, bucket_bytes: u64, version: u64, step: u64) -> R<Moved> {
+    let members = members(fleet);
+    let p = BroadcastWeightsParams { bucket_bytes, version, step };
+    let replies = fleet.call_together::<BroadcastWeights>(&members, vec![p; members.len()], "the weight broadcast")?;
+    let root = &replies[0];
+    Ok(Moved {
+        bytes: root.bytes,
+        buckets: root.buckets,
+        seconds: replies.iter().map(|r| r.seconds).fold(0.0, f64::max),
+    })
+}
+
+/// How a driver moves the trainer's weights to the rollout engines, and what it moved.
+pub(super) struct WeightSync {
+    /// Resolved: host or broadcast.
+    transport: WeightTransport,
+    library: Library,
+    bucket_bytes: u64,
+    /// The simulator's modelled link between the group's members, GB/s (None: no model, as on a
+    /// real device or with sim.link_gbps = 0).
+    link_gbps: Option<f64>,
+    joined: bool,
+    group_setup_s: f64,
+    updates: u64,
+    moved: Moved,
+}
+
+impl WeightSync {
+    pub(super) fn new(cfg: &Config, plan: &Plan, fleet: &Fleet) -> WeightSync {
+        let (intra, inter) = cfg.link_gbps().unwrap_or((0.0, 0.0));
+        // A group across the run's nodes is as fast as the link between nodes.
+        let node = |i: usize| fleet.worker(i).rank / cfg.run.devices.max(1);
+        let nodes: Vec<u32> = members(fleet).into_iter().map(node).collect();
+        let gbps = if nodes.windows(2).all(|w| w[0] == w[1]) { intra } else { inter };
+        WeightSync {
+            transport: cfg.weight_transport(),
+            library: Library::of_api(plan.api),
+            bucket_bytes: plan.bucket_bytes,
+            link_gbps: Some(gbps).filter(|g| *g > 0.0 && plan.device == DeviceChoice::Sim),
+            joined: false,
+            group_setup_s: 0.0,
+            updates: 0,
+            moved: Moved::default(),
+        }
+    }
+
+    /// Broadcast: the first trainer makes the group's id, then every member joins, all asked
+    /// before any answer is read (each waits in its library until the others come).
+    pub(super) fn join(&mut self, fleet: &mut Fleet, rec: &mut Recorder) -> R<()> {
+        if self.transport != WeightTransport::Broadcast {
+            return Ok(());
+        }
+        let span = rec.begin("group_init");
+        let t0 = Instant::now();
+        let members = members(fleet);
+        let library = self.library.name().to_string();
+        let p = GroupIdParams { library: library.clone(), step: 0 };
+        let id = fleet.call_each::<GroupId>(&members[..1], vec![p])?.remove(0).id;
+        let world = members.len() as u32;
+        let params = (0..world)
+            .map(|rank| GroupInitParams { library: library.clone(), id: id.clone(), rank, world, step: 0 })
+            .collect();
+        fleet.call_together::<GroupInit>(&members, params, "the weight-sync group")?;
+        self.joined = true;
+        self.group_setup_s = t0.elapsed().as_secs_f64();
+        rec.end(span, fleet)
+    }
+
+    /// The trainer's weights to every engine, as version `version`; the update's bytes, buckets
+    /// and rate join the step's metrics row.
+    pub(super) fn transfer(&mut self, fleet: &mut Fleet, at: &Cursor, rec: &mut Recorder, version: u64) -> R<Moved> {
+        let moved = match self.transport {
+            WeightTransport::Broadcast => broadcast_transfer(fleet, self.bucket_bytes, version, at.step())?,
+            _ => host_transfer(fleet, at, self.bucket_bytes)?,
+        };
+        self.updates += 1;
+        self.moved.bytes += moved.bytes;
+        self.moved.buckets += moved.buckets;
+        self.moved.seconds += moved.seconds;
+        rec.add_step_metric("perf/update_weights_bytes", moved.bytes as f64);
+        rec.add_step_metric("perf/update_weights_buckets", moved.buckets as f64);
+        if let Some(rate) = gbs(&moved) {
+            rec.add_step_metric("perf/update_weights_gbps", rate);
+            if let Some(share) = self.link_share(rate) {
+                rec.add_step_metric("perf/update_weights_link_share", share);
+            }
+        }
+        if self.updates == 1 {
+            rec.note(&format!("relax-colocate run: initial weights: {}", self.describe(&moved)));
+        }
+        Ok(moved)
+    }
+
+    /// Leaves the group at the run's end, every member together.
+    pub(super) fn leave(&mut self, fleet: &mut Fleet, rec: &mut Recorder) -> R<()> {
+        if !self.joined {
+            return Ok(());
+        }
+        let span = rec.begin("group_destroy");
+        let members = members(fleet);
+        fleet.call_together::<GroupDestroy>(&members, vec![Step::default(); members.len()], "the group's destroy")?;
+        self.joined = false;
+        rec.end(span, fleet)
+    }
+
+    fn link_share(&self, rate_gbps: f64) -> Option<f64> {
+        // The modelled link is the collective's: the host transport never crosses it.
+        (self.transport == WeightTransport::Broadcast).then_some(self.link_gbps?).map(|l| rate_gbps / l)
+    }
+
+    fn name(&self) -> String {
+        match self.transport {
+            WeightTransport::Broadcast => format!("broadcast over {}", self.library.name().to_uppercase()),
+            _ => "host".into(),
+        }
+    }
+
+    /// One line on an update: bytes, buckets, time and rate against the modelled link.
+    fn describe(&self, m: &Moved) -> String {
+        let rate = gbs(m).map_or_else(|| "-".into(), |r| format!("{r:.2} GB/s"));
+        let link = match (gbs(m).and_then(|r| self.link_share(r)), self.link_gbps) {
+            (Some(share), Some(l)) => format!(", {:.0}% of the modelled {l} GB/s link", 100.0 * share),
+            _ => String::new(),
+        };
+        format!("{}: {} in {} bucket(s), {:.3} s, {rate}{link}", self.name(), human(m.bytes), m.buckets, m.seconds)
+    }
+
+    /// The summary's lines on the transport (merged into the async block).
+    pub(super) fn summary(&self) -> Value {
+        let rate = gbs(&self.moved);
+        json!({
+            "weight_transport": self.transport.as_str(),
+            "weight_sync_library": (self.transport == WeightTransport::Broadcast).then(|| self.library.name()),
+            "weight_sync_group_setup_s": self.group_setup_s,
+            "update_weights_buckets": self.moved.buckets,
+            "update_weights_transfer_s": self.moved.seconds,
+            "update_weights_gbps": rate,
+            "link_gbps": self.link_gbps.filter(|_| self.transport == WeightTransport::Broadcast),
+            "link_share": rate.and_then(|r| self.link_share(r)),
+        })
+    }
+}
+
+/// GB/s of an update, when it took measurable time.
+fn gbs(m: &Moved) -> Option<f64> {
+    (m.seconds > 0.0).then(|| m.bytes as f64 / m.seconds / 1e9)
 }

@@ -4,13 +4,14 @@
 //! weights, KV cache and logits workspace, plus the memory profile's allocations. Compute runs on
 //! the CPU, staged through memcpy, so the same code runs on a GPU, an NPU and the simulator.
 
+use super::broadcast;
 use super::device::{DevError, Device, Hasher};
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
 use super::protocol::{
-    self, Ack, BucketParams, BucketReply, Checksum, ChecksumReply, ComputeModel, Generate, GenerateParams,
-    GenerateReply, Generated, Init, InitParams, InitReply, LogProbs, LogProbsParams, LogProbsReply, Method, Model,
-    Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams,
-    UpdateBeginReply, UpdateEnd, Values, ValuesReply,
+    self, Ack, BroadcastWeights, BucketParams, BucketReply, Checksum, ChecksumReply, ComputeModel, Generate,
+    GenerateParams, GenerateReply, Generated, GroupDestroy, GroupId, GroupInit, Init, InitParams, InitReply, LogProbs,
+    LogProbsParams, LogProbsReply, Method, Model, Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply,
+    Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd, Values, ValuesReply,
 };
 use super::task::Rng;
 use super::wire;
@@ -18,9 +19,9 @@ use serde_json::Value;
 
 const CHUNK: usize = 16 << 20;
 
-type Failure = (String, String);
+pub(super) type Failure = (String, String);
 
-fn dev_err(e: DevError) -> Failure {
+pub(super) fn dev_err(e: DevError) -> Failure {
     match e {
         DevError::OutOfMemory(m) => ("oom".into(), m),
         DevError::Other(m) => ("device".into(), m),
@@ -63,6 +64,8 @@ struct Common {
     transfer: Option<Transfer>,
     hog: Vec<u64>,
     compute: Option<ComputeModel>,
+    /// The weight-sync group of the broadcast transport, once joined.
+    group: Option<crate::collective::Group>,
 }
 
 struct Transfer {
@@ -208,16 +211,8 @@ impl Common {
     /// as its index in `weight_entries`.
     fn bucket_pieces(&self, i: u64, entries: &[Buf]) -> Result<Vec<(usize, u64, u64, u64)>, Failure> {
         let t = self.transfer.as_ref().ok_or_else(|| bad("no update_begin"))?;
-        let (start, end) = (i * t.bucket_bytes, (i + 1) * t.bucket_bytes);
-        let mut pieces = Vec::new();
-        let mut at = 0u64;
-        for (idx, e) in entries.iter().enumerate() {
-            let (lo, hi) = (at.max(start), (at + e.bytes).min(end));
-            if lo < hi {
-                pieces.push((idx, lo - at, lo - start, hi - lo));
-            }
-            at += e.bytes;
-        }
+        let sizes: Vec<u64> = entries.iter().map(|e| e.bytes).collect();
+        let pieces = broadcast::bucket_pieces(&sizes, t.bucket_bytes, i);
         if pieces.is_empty() {
             return Err(bad(format!("bucket {i} is past the end of the weights")));
         }
@@ -232,11 +227,21 @@ impl Common {
         unsafe { std::slice::from_raw_parts_mut(t.map, len as usize) }
     }
 
-    /// The methods both roles answer alike.
+    /// The methods both roles answer alike (`COMMON`).
     fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
+        let api = self.dev.api_name();
         match method {
             Checksum::NAME => answer::<Checksum>(p, |_| self.checksum()),
             UpdateBegin::NAME => answer::<UpdateBegin>(p, |p| self.update_begin(p)),
+            GroupId::NAME => answer::<GroupId>(p, |p| broadcast::group_id(api, p)),
+            GroupInit::NAME => answer::<GroupInit>(p, |p| broadcast::group_init(api, p, &mut self.group)),
+            BroadcastWeights::NAME => answer::<BroadcastWeights>(p, |p| {
+                let entries: Vec<(u64, u64)> = self.weight_entries().iter().map(|e| (e.ptr, e.bytes)).collect();
+                broadcast::broadcast_weights(&self.dev, self.group.as_ref(), &entries, p)
+            }),
+            GroupDestroy::NAME => {
+                answer::<GroupDestroy>(p, |_| broadcast::group_destroy(&mut self.group).map(|()| Ack {}))
+            }
             _ => answer::<UpdateEnd>(p, |_| self.update_end()),
         }
     }
@@ -255,6 +260,10 @@ impl Common {
     /// shared by the trainer replicas.
     fn pace_trainer(&self, t0: std::time::Instant, tokens: usize, passes: f64) {
         self.pace(t0, |m| m.seconds(tokens, passes, m.train_mfu, m.trainers));
+    }
+
+    fn leave(&mut self) -> Result<Ack, Failure> {
+        broadcast::group_destroy(&mut self.group).map(|()| Ack {})
     }
 
     fn hog(&mut self, bytes: u64) -> Result<(), Failure> {
@@ -660,6 +669,7 @@ fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
         transfer: None,
         hog: Vec::new(),
         compute: ip.compute,
+        group: None,
     };
     let role = if role == "trainer" {
         let b = ip.backup;
@@ -707,14 +717,27 @@ fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
     Ok((role, InitReply { params: Some(params), device_free: Some(free), device_total: Some(total) }))
 }
 
-/// Test hook (RELAX_WORKER_FAULT=METHOD:STEP:ACTION, ACTION = crash | hang | hog): makes the
-/// failure paths of the runner testable. Never set in normal runs.
-fn fault(method: &str, p: &Value) -> Option<String> {
+/// Test hook (RELAX_WORKER_FAULT=METHOD:STEP:ACTION[:ROLE], ACTION = crash | hang | hog; ROLE
+/// limits it to the trainers or the rollouts, for methods both answer): makes the failure paths
+/// of the runner testable. Never set in normal runs.
+fn fault(role: &str, method: &str, p: &Value) -> Option<String> {
     let spec = std::env::var("RELAX_WORKER_FAULT").ok()?;
     let mut it = spec.split(':');
     let (m, step, action) = (it.next()?, it.next()?.parse::<u64>().ok()?, it.next()?);
-    (m == method && p["step"].as_u64() == Some(step)).then(|| action.to_string())
+    let for_role = it.next().is_none_or(|r| r == role);
+    (m == method && p["step"].as_u64() == Some(step) && for_role).then(|| action.to_string())
 }
+
+/// The methods `Common::handle` answers for both roles.
+const COMMON: [&str; 7] = [
+    Checksum::NAME,
+    UpdateBegin::NAME,
+    UpdateEnd::NAME,
+    GroupId::NAME,
+    GroupInit::NAME,
+    BroadcastWeights::NAME,
+    GroupDestroy::NAME,
+];
 
 pub fn main(role: &str) -> Result<(), String> {
     if role != "trainer" && role != "rollout" {
@@ -723,7 +746,7 @@ pub fn main(role: &str) -> Result<(), String> {
     let mut conn = wire::connect(role, "relax-colocate built-in")?;
     let mut state: Option<Role> = None;
     wire::serve(&mut conn, |method, p| {
-        match fault(method, p).as_deref() {
+        match fault(role, method, p).as_deref() {
             Some("crash") => std::process::abort(),
             Some("hang") => loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
@@ -746,10 +769,14 @@ pub fn main(role: &str) -> Result<(), String> {
                 Ok(reply)
             }),
             (Init::NAME, Some(_)) => Err(bad("init was already called")),
-            (Shutdown::NAME, _) => answer::<Shutdown>(p, |_| Ok(Ack {})),
+            // A group still joined is left here, so that the other members' libraries see a
+            // clean end rather than a vanished peer.
+            (Shutdown::NAME, Some(Role::Trainer(t))) => answer::<Shutdown>(p, |_| t.c.leave()),
+            (Shutdown::NAME, Some(Role::Rollout(r))) => answer::<Shutdown>(p, |_| r.c.leave()),
+            (Shutdown::NAME, None) => answer::<Shutdown>(p, |_| Ok(Ack {})),
             (_, None) => Err(bad(format!("{method} before init"))),
-            (Checksum::NAME | UpdateBegin::NAME | UpdateEnd::NAME, Some(Role::Trainer(t))) => t.c.handle(method, p),
-            (Checksum::NAME | UpdateBegin::NAME | UpdateEnd::NAME, Some(Role::Rollout(r))) => r.c.handle(method, p),
+            (m, Some(Role::Trainer(t))) if COMMON.contains(&m) => t.c.handle(method, p),
+            (m, Some(Role::Rollout(r))) if COMMON.contains(&m) => r.c.handle(method, p),
             (m, Some(Role::Trainer(t))) => t.handle(m, p),
             (m, Some(Role::Rollout(r))) => r.handle(m, p),
         }

@@ -38,9 +38,9 @@ pub(super) struct Async {
     shape: model::Shape,
     pub(super) profile: Profile,
     api: &'static str,
-    bucket_bytes: u64,
     pub(super) fleet: Fleet,
     pub(super) rec: Recorder,
+    sync: weights::WeightSync,
     /// The weights the rollout engines hold: how many updates reached them (0: the initial ones).
     version: u64,
     queue: Queue,
@@ -169,14 +169,15 @@ impl Async {
             version: 0,
         });
         let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
+        let sync = weights::WeightSync::new(cfg, &plan, &fleet);
         Async {
+            sync,
             cfg: cfg.clone(),
             at: rec.cursor(),
             task: plan.task,
             shape: plan.shape,
             profile: plan.profile,
             api: plan.api,
-            bucket_bytes: plan.bucket_bytes,
             engines: engines.collect(),
             fleet,
             rec,
@@ -263,7 +264,7 @@ impl Async {
             }
             let generating = self.engines.iter().any(|e| e.request.is_some());
             if job.is_none() && before_update.is_none() && self.step() >= steps && !generating {
-                return Ok(());
+                return self.sync.leave(&mut self.fleet, &mut self.rec);
             }
             if job.is_none() && !generating {
                 // Nothing under way and nothing to start: the queue can never fill.
@@ -305,6 +306,7 @@ impl Async {
             self.fleet.find_control_sockets(role)?;
             self.rec.end(span, &self.fleet)?;
         }
+        self.sync.join(&mut self.fleet, &mut self.rec)?;
         self.transfer_weights("on every rollout engine after the initial update_weights")
     }
 
@@ -313,10 +315,10 @@ impl Async {
         let span = self.rec.begin("update_weights");
         let t0 = Instant::now();
         let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
-        let bytes = weights::host_transfer(&mut self.fleet, &self.at, self.bucket_bytes)?;
+        let moved = self.sync.transfer(&mut self.fleet, &self.at, &mut self.rec, self.version + 1)?;
         self.rec.end(span, &self.fleet)?;
         self.totals.update_s += t0.elapsed().as_secs_f64();
-        self.totals.update_bytes += bytes;
+        self.totals.update_bytes += moved.bytes;
         weights::expect_checksum(&mut self.fleet, &mut self.rec, Role::Rollout, &sum, when)
     }
 
@@ -701,7 +703,7 @@ impl Async {
         let wall = t.started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
         let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
         let split = self.cfg.mode_layout().ok().flatten();
-        json!({
+        let mut block = json!({
             "mode": "async",
             "trainer_devices": split.as_ref().map(|s| s.trainer.clone()),
             "rollout_devices": split.as_ref().map(|s| s.rollout.clone()),
@@ -709,7 +711,6 @@ impl Async {
             "train_iters_per_update": self.cfg.asynchronous.train_iters_per_update,
             "queue_capacity_groups": self.capacity(),
             "segment_tokens": self.cfg.asynchronous.segment_tokens,
-            "weight_transport": "host",
             "samples_trained": t.samples_trained,
             "samples_per_s": per_s(t.samples_trained),
             "tokens_per_s": per_s(t.tokens_trained),
@@ -721,6 +722,10 @@ impl Async {
             "update_weights_bytes": t.update_bytes,
             "trainer_idle_ratio": if wall > 0.0 { t.trainer_idle_s / wall } else { 0.0 },
             "rollout_idle_ratio": if wall > 0.0 { t.rollout_idle_s / (wall * self.engines.len() as f64) } else { 0.0 },
-        })
+        });
+        if let (Some(block), Value::Object(sync)) = (block.as_object_mut(), self.sync.summary()) {
+            block.extend(sync);
+        }
+        block
     }
 }

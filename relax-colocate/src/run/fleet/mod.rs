@@ -8,6 +8,7 @@
 pub(super) mod local;
 pub(super) mod ray;
 mod supervise;
+mod together;
 
 pub(super) use supervise::InFlight;
 pub(super) mod tmpfiles;

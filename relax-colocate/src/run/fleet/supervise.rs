@@ -20,6 +20,13 @@ pub(in crate::run) struct InFlight {
     deadline: Instant,
 }
 
+impl InFlight {
+    /// Whether its time is up (reading it now reports the timeout).
+    pub(super) fn overdue(&self) -> bool {
+        self.deadline <= Instant::now()
+    }
+}
+
 /// How often a wait on a worker looks at the interruption flag: Ctrl-C and SIGTERM take effect
 /// within this even while a worker never answers.
 const POLL: Duration = Duration::from_millis(20);
@@ -58,13 +65,7 @@ impl Fleet {
     /// process is doing (a stopped process looks exactly like a hung one from the socket).
     fn timed_out(&self, i: usize, what: &str) -> RunError {
         let w = &self.workers[i];
-        // A process on another node cannot be looked at here; its node is what names it.
-        let state = match (w.proc.node(), process_state(w.pid)) {
-            (Some(node), _) => format!("; it runs on {node} (launcher ray)"),
-            (None, Some(s)) if s.starts_with("stopped") => format!("; its process is {s}"),
-            (None, Some(s)) => format!("; its process is {s}: the worker may be hung"),
-            (None, None) => String::new(),
-        };
+        let state = self.state_note(i);
         self.fail(
             FailKind::Timeout,
             Some(&w.name),
@@ -75,6 +76,18 @@ impl Fleet {
                 self.timeout_s
             ),
         )
+    }
+
+    /// What worker `i`'s process is doing, as a clause to append ("; its process is ...").
+    pub(super) fn state_note(&self, i: usize) -> String {
+        let w = &self.workers[i];
+        // A process on another node cannot be looked at here; its node is what names it.
+        match (w.proc.node(), process_state(w.pid)) {
+            (Some(node), _) => format!("; it runs on {node} (launcher ray)"),
+            (None, Some(s)) if s.starts_with("stopped") => format!("; its process is {s}"),
+            (None, Some(s)) => format!("; its process is {s}: the worker may be hung"),
+            (None, None) => String::new(),
+        }
     }
 
     /// Runs `call` against the control socket of each worker in `targets`, in parallel, and
@@ -170,6 +183,15 @@ impl Fleet {
     /// Waits until one of `requests` has an answer to read, or one's time is up (its `collect`
     /// then reports the timeout); returns its position. Interruptions end the wait.
     pub(in crate::run) fn wait_any(&mut self, requests: &[&InFlight]) -> R<usize> {
+        Ok(self.wait_any_until(requests, None)?.expect("no limit but the requests' own"))
+    }
+
+    /// `wait_any`, giving up at `until` (None when it passed first).
+    pub(in crate::run) fn wait_any_until(
+        &mut self,
+        requests: &[&InFlight],
+        until: Option<Instant>,
+    ) -> R<Option<usize>> {
         assert!(!requests.is_empty(), "waiting on no request");
         loop {
             if let Some(why) = interruption() {
@@ -177,7 +199,10 @@ impl Fleet {
             }
             let now = Instant::now();
             if let Some(k) = requests.iter().position(|r| r.deadline <= now) {
-                return Ok(k);
+                return Ok(Some(k));
+            }
+            if until.is_some_and(|u| u <= now) {
+                return Ok(None);
             }
             // A short look at each in turn: the first is looked at longest, which is fine for a
             // handful of workers and keeps this free of a poll set to maintain.
@@ -185,7 +210,7 @@ impl Fleet {
             for (k, r) in requests.iter().enumerate() {
                 let conn = self.workers[r.worker].conn.as_ref().expect("connected");
                 if conn.readable(slice) {
-                    return Ok(k);
+                    return Ok(Some(k));
                 }
             }
         }
@@ -278,7 +303,12 @@ impl Fleet {
             return Err(self.fail(FailKind::Worker, Some(&name), format!("answered {} to request {id}", reply.id)));
         }
         if let Some(err) = reply.error {
-            let kind = if err.kind == "oom" { FailKind::OutOfMemory } else { FailKind::Worker };
+            // "timeout": the worker waited for another past its limit (a collective's peer).
+            let kind = match err.kind.as_str() {
+                "oom" => FailKind::OutOfMemory,
+                "timeout" => FailKind::Timeout,
+                _ => FailKind::Worker,
+            };
             let msg = err.message.as_deref().unwrap_or("(no message)");
             return Err(self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", Value::from(err.kind))));
         }

@@ -80,6 +80,8 @@ pub(super) struct Recorder {
     /// memory stays flat however many steps a run has.
     step_memory: Vec<MemSample>,
     step_times: BTreeMap<String, f64>,
+    /// Numbers a driver's parts add to this step's row (the weight update's bytes and rate).
+    step_metrics: BTreeMap<String, f64>,
     steps_completed: u64,
     /// Per device: the most memory in use at any phase boundary.
     peak_used: Vec<u64>,
@@ -112,6 +114,7 @@ impl Recorder {
             names,
             step_memory: Vec::new(),
             step_times: BTreeMap::new(),
+            step_metrics: BTreeMap::new(),
             steps_completed: 0,
             peak_used: vec![0; cfg.total_devices()],
             leak_baseline: BTreeMap::new(),
@@ -154,6 +157,17 @@ impl Recorder {
     /// A new step: its phase times start from nothing.
     pub(super) fn new_step(&mut self) {
         self.step_times.clear();
+        self.step_metrics.clear();
+    }
+
+    /// A number for this step's row, under slime's name.
+    pub(super) fn add_step_metric(&mut self, key: &str, v: f64) {
+        self.step_metrics.insert(key.to_string(), v);
+    }
+
+    /// A line for the user (none under --quiet or --json).
+    pub(super) fn note(&self, msg: &str) {
+        self.progress.note(msg);
     }
 
     /// Seconds per phase in this step.
@@ -174,6 +188,11 @@ impl Recorder {
     /// The step's row, under slime's names (metrics.rs renames it for verl): to metrics.jsonl, the
     /// loggers and the progress line; the step counts as completed.
     pub(super) fn record_step(&mut self, row: &metrics::Row) {
+        let mut row = row.clone();
+        for (k, v) in &self.step_metrics {
+            row.set(k, *v);
+        }
+        let row = &row;
         let rendered = row.render(self.cfg.metrics.style);
         let _ = writeln!(self.out.metrics_file, "{}", metrics::json_line(&rendered));
         let _ = self.out.metrics_file.flush();

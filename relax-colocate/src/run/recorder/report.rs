@@ -245,8 +245,9 @@ fn print_async(a: &Value, compute: &str) {
         a["max_staleness"],
         a["partial_samples"]
     );
+    let library = a["weight_sync_library"].as_str().map(|l| format!(" ({})", l.to_uppercase())).unwrap_or_default();
     println!(
-        "       idle: trainer {:.0}%, rollout {:.0}%; {} weight updates over {}, {} in {:.2} s",
+        "       idle: trainer {:.0}%, rollout {:.0}%; {} weight updates over {}{library}, {} in {:.2} s",
         100.0 * f("trainer_idle_ratio"),
         100.0 * f("rollout_idle_ratio"),
         a["weight_updates"],
@@ -254,6 +255,17 @@ fn print_async(a: &Value, compute: &str) {
         human(a["update_weights_bytes"].as_u64().unwrap_or(0)),
         f("update_weights_s")
     );
+    if let Some(rate) = a["update_weights_gbps"].as_f64() {
+        let link = match (a["link_gbps"].as_f64(), a["link_share"].as_f64()) {
+            (Some(l), Some(share)) => format!(", {:.0}% of the modelled {l} GB/s link", 100.0 * share),
+            _ => String::new(),
+        };
+        println!(
+            "       weights moved at {rate:.2} GB/s ({} buckets in {:.2} s of transfer{link})",
+            a["update_weights_buckets"],
+            f("update_weights_transfer_s")
+        );
+    }
 }
 
 /// The phase strip's colours: one per kind of phase, strong enough to read in a thin band.
