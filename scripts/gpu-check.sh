@@ -25,11 +25,12 @@
 # program's two process groups (1-rank communicators: NCCL refuses two ranks on one GPU), our hook under torch_memory_saver's own package
 # side by side with its library), `relax-colocate run` with the built-in workers and with PyTorch workers
 # (scripts/torch_worker.py: a small transformer trained with AdamW, weights, KV cache and a
-# captured CUDA graph in tags) and `relax-colocate bench` on the device.
+# captured CUDA graph in tags), `relax-colocate run --mode async` (two GPUs or more: trainer and rollout
+# on one each, weights broadcast over NCCL) and `relax-colocate bench` on the device.
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
 prepare() {
@@ -247,6 +248,18 @@ run() {
 
   # 3. The colocated cycle (built-in workers, then PyTorch workers) and 4. the benchmark.
   check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device "$device" --steps 5 --out "$outdir/run"
+  # Async mode puts trainer and rollout on devices of their own: two at least.
+  local gpus=2
+  [ $sim = 0 ] && gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${gpus:-0}" -ge 2 ]; then
+    # Weights go over NCCL when the system's libnccl.so.2 loads, through the host otherwise.
+    local transport=auto
+    [ $sim = 0 ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2' && transport=host
+    check relax-colocate-run-async 300 "$kit/bin/relax-colocate" run --device "$device" --mode async --devices 2 \
+      --weight-transport "$transport" --steps 5 --out "$outdir/run-async"
+  else
+    skip relax-colocate-run-async "async mode needs 2 GPUs and this machine has ${gpus:-0}"
+  fi
   if [ $sim = 1 ]; then
     skip relax-colocate-run-torch "PyTorch workers on the simulator run in the test suite (cargo test), not in the kit"
   elif [ $torch_cuda = 0 ]; then

@@ -135,6 +135,7 @@ fn the_kit_passes_on_the_simulator() {
         "c-ascend-malloc-policies",
         "c-multi-device",
         "relax-colocate-run",
+        "relax-colocate-run-async",
         "relax-colocate-bench",
     ] {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
@@ -173,6 +174,7 @@ fn the_ascend_kit_passes_on_the_simulators_acl_side() {
         "acl-faults-in-every-driver-call",
         "acl-multi-device",
         "relax-colocate-run",
+        "relax-colocate-run-async",
         "relax-colocate-bench",
     ] {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");

@@ -280,6 +280,23 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
     for (args, said) in [
         (vec!["--mode", "async"], "needs at least 2 devices"),
         (
+            vec![
+                "--mode",
+                "async",
+                "--launcher",
+                "ray",
+                "--ray-address",
+                "10.0.0.1:6379",
+                "--nodes",
+                "2",
+                "--devices",
+                "1",
+                "--weight-transport",
+                "host",
+            ],
+            "moves the weights through a file on one host",
+        ),
+        (
             vec!["--mode", "async", "--devices", "2", "--trainer-devices", "0", "--rollout-devices", "0-1"],
             "overlap on device 0",
         ),

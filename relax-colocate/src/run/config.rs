@@ -497,6 +497,23 @@ impl Config {
                         --weight-transport host"
                 .into());
         }
+        // The host transport crosses through one file on one host. A local Ray cluster's nodes
+        // share this host; a real cluster's may not.
+        let remote_cluster = self.run.launcher == Launcher::Ray && self.run.ray_address.trim() != "local";
+        if self.weight_transport() == WeightTransport::Host && self.run.mode == Mode::Async && remote_cluster {
+            let node = |d: &u32| d / self.run.devices.max(1);
+            if let Ok(Some(split)) = self.mode_layout() {
+                let first = node(&split.trainer[0]);
+                if let Some(d) = split.rollout.iter().chain(&split.trainer).find(|d| node(d) != first) {
+                    return Err(format!(
+                        "run.weight_transport = \"host\" moves the weights through a file on one host, and device {d} \
+                         is on node {} while the first trainer is on node {first} of a Ray cluster whose nodes may be \
+                         other hosts: use --weight-transport broadcast, or put every device on one node",
+                        node(d)
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 

@@ -228,12 +228,22 @@ fn compute_model(cfg: &Config, fleet: &Fleet, profile: &Profile) -> Option<Compu
 /// What the phase times measure, for the summary and the table.
 pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
     let c = &cfg.compute;
+    let external = !cfg.run.trainer_cmd.trim().is_empty() || !cfg.run.rollout_cmd.trim().is_empty();
+    if !c.model && external {
+        return "measured: the external workers' own time (no modelled device time)".into();
+    }
     if !c.model {
         return "measured: the built-in policy on this machine's CPU (no modelled device time)".into();
     }
+    let caveat = if external {
+        "; external workers are asked to model it (init's `compute`: the built-in ones and \
+         scripts/torch_worker.py do), one that ignores it is measured"
+    } else {
+        ""
+    };
     format!(
         "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device at MFU {} (train) and {} (rollout), each \
-         task token standing for {}; every request lasts at least that, measured time beside it in the logs",
+         task token standing for {}; every request lasts at least that{caveat}",
         cfg.memory.profile,
         profile.params_per_device as f64 / 1e9,
         c.tflops,
