@@ -282,7 +282,7 @@ run() {
   ! grep -q "	fail	" "$results"
 }
 
-# The Ascend half: the C consumers through ACL, the colocated run and the bench on the NPU (or
+# The Ascend half: the C consumers through ACL, the colocated and async runs and the bench on the NPU (or
 # on the simulator's ACL side with --sim).
 run_npu() {
   local sim="$1" hook="$kit/lib/libtms_hook.so" device
@@ -331,6 +331,20 @@ run_npu() {
     check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device sim --set sim.api=acl --steps 5 --out "$outdir/run"
   else
     check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device npu --steps 5 --out "$outdir/run"
+  fi
+  # Async mode: trainer and rollout on an NPU each, weights broadcast over HCCL.
+  if [ "$sim" = 1 ]; then
+    check relax-colocate-run-async 300 "$kit/bin/relax-colocate" run --device sim --set sim.api=acl --mode async \
+      --devices 2 --steps 5 --out "$outdir/run-async"
+  else
+    local npus
+    npus=$(npu-smi info -l 2>/dev/null | grep -c 'NPU ID' || true)
+    if [ "${npus:-0}" -ge 2 ]; then
+      check relax-colocate-run-async 300 "$kit/bin/relax-colocate" run --device npu --mode async --devices 2 \
+        --steps 5 --out "$outdir/run-async"
+    else
+      skip relax-colocate-run-async "async mode needs 2 NPUs and this machine has ${npus:-0}"
+    fi
   fi
   if [ "$sim" = 1 ]; then
     check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device sim --api acl --quick --out "$outdir/bench"
