@@ -4,20 +4,44 @@
 //! figure here is one the run itself wrote.
 
 use crate::plot::{self, Axis, Chart, Quantity, Series, Shape};
+use crate::run::config::Config;
+use crate::run::metrics;
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
+#[derive(clap::Args)]
 pub struct Options {
+    /// Total devices, the same for both layouts [run.devices].
+    #[arg(long, default_value_t = 2)]
     pub devices: u32,
+    /// Async: the trainer's devices (default: the first half).
+    #[arg(long)]
     pub trainer_devices: Option<String>,
+    /// Async: the rollout engines' devices (default: the rest).
+    #[arg(long)]
     pub rollout_devices: Option<String>,
+    /// Trainer steps of each run.
+    #[arg(long, default_value_t = 10)]
     pub steps: u64,
+    /// Async: the staleness bound [async.max_staleness].
+    #[arg(long, default_value_t = 2)]
     pub max_staleness: i64,
+    /// Model device compute time from the memory profile (true), or measure this CPU (false)
+    /// [compute.model].
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub model_compute: bool,
+    /// Any configuration key for both runs: --set memory.profile=qwen3-4b (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub sets: Vec<String>,
+    /// Output folder.
+    #[arg(long, default_value = "runs/compare")]
     pub out: PathBuf,
+    /// libtms_hook.so to preload (default: next to this binary, or ../lib).
+    #[arg(long)]
     pub hook: Option<PathBuf>,
+    /// Print compare.json on stdout instead of the table.
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -27,6 +51,25 @@ struct Layout {
     dir: PathBuf,
     summary: Value,
     rows: Vec<Value>,
+    /// The run's effective configuration (its config.toml): the batch, and the metric names.
+    config: Config,
+}
+
+impl Layout {
+    /// Samples per step.
+    fn batch(&self) -> f64 {
+        (self.config.rollout.prompts_per_step * self.config.rollout.samples_per_prompt) as f64
+    }
+
+    /// A row's value of the metric slime calls `key`, under the run's style.
+    fn get(&self, row: &Value, key: &str) -> Option<f64> {
+        row[metrics::name(self.config.metrics.style, key)].as_f64()
+    }
+
+    /// The metric slime calls `key`, step by step.
+    fn series(&self, key: &str) -> Vec<f64> {
+        self.rows.iter().filter_map(|r| self.get(r, key)).collect()
+    }
 }
 
 fn run_layout(o: &Options, name: &'static str, mode_args: &[String]) -> Result<Layout, (u8, String)> {
@@ -61,7 +104,12 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String]) -> Result<L
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
-    Ok(Layout { name, dir, summary, rows })
+    let config_file = dir.join("config.toml");
+    let config = std::fs::read_to_string(&config_file)
+        .map_err(|e| e.to_string())
+        .and_then(|t| toml::from_str::<Config>(&t).map_err(|e| e.to_string()))
+        .map_err(|e| (1, format!("the {name} run's {}: {e}", config_file.display())))?;
+    Ok(Layout { name, dir, summary, rows, config })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -72,21 +120,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn series(rows: &[Value], key: &str) -> Vec<f64> {
-    rows.iter().filter_map(|r| r[key].as_f64()).collect()
-}
-
 /// The figures the table and compare.json show for one layout.
 fn figures(l: &Layout) -> Value {
     let s = &l.summary;
     let wall = s["wall_time_s"].as_f64().unwrap_or(f64::NAN);
-    let step_times = series(&l.rows, "perf/wall_step_time");
+    let step_times = l.series("perf/wall_step_time");
     let run_s: f64 = step_times.iter().sum();
-    let batch = samples_per_step(s);
-    let tokens: f64 = series(&l.rows, "rollout/response_len/mean").iter().map(|len| len * batch).sum();
+    let batch = l.batch();
+    let tokens: f64 = l.series("rollout/response_len/mean").iter().map(|len| len * batch).sum();
     let samples = l.rows.len() as f64 * batch;
-    let train = series(&l.rows, "perf/train_time").iter().sum::<f64>();
-    let update = series(&l.rows, "perf/update_weights_time");
+    let train = l.series("perf/train_time").iter().sum::<f64>();
+    let update = l.series("perf/update_weights_time");
     // Colocate's switch: the rollout offloaded, the trainer woken, put to sleep, the rollout onloaded.
     let switch: Vec<f64> = l
         .rows
@@ -94,13 +138,13 @@ fn figures(l: &Layout) -> Value {
         .map(|r| {
             ["rollout_offload", "wake_up", "sleep", "onload_weights", "onload_kv"]
                 .iter()
-                .filter_map(|p| r[format!("perf/{p}_time")].as_f64())
+                .filter_map(|p| l.get(r, &metrics::phase_time(p)))
                 .fold(0.0, |a, b| a + b)
         })
         .collect();
     let rollout_busy = match s.get("async") {
         Some(a) => 1.0 - a["rollout_idle_ratio"].as_f64().unwrap_or(f64::NAN),
-        None => series(&l.rows, "perf/rollout_time").iter().sum::<f64>() / run_s,
+        None => l.series(&metrics::phase_time("generate")).iter().sum::<f64>() / run_s,
     };
     json!({
         "layout": l.name,
@@ -119,14 +163,6 @@ fn figures(l: &Layout) -> Value {
         "wall_time_s": wall,
         "compute": s["compute"].clone(),
     })
-}
-
-fn samples_per_step(summary: &Value) -> f64 {
-    let cfg = summary["run_dir"].as_str().map(|d| Path::new(d).join("config.toml"));
-    let text = cfg.and_then(|p| std::fs::read_to_string(p).ok()).unwrap_or_default();
-    let table: toml::Table = text.parse().unwrap_or_default();
-    let get = |k: &str| table.get("rollout").and_then(|r| r.get(k)).and_then(toml::Value::as_integer).unwrap_or(0);
-    (get("prompts_per_step") * get("samples_per_prompt")) as f64
 }
 
 /// A line of the table: its label, the figure's key, how to show it.
@@ -170,8 +206,8 @@ fn reward_plot(layouts: &[Layout]) -> String {
                 .rows
                 .iter()
                 .filter_map(|r| {
-                    t += r["perf/wall_step_time"].as_f64()?;
-                    Some((t, r["rollout/raw_reward"].as_f64()?))
+                    t += l.get(r, "perf/wall_step_time")?;
+                    Some((t, l.get(r, "rollout/raw_reward")?))
                 })
                 .collect();
             Series { name: l.name.into(), points, shape: Shape::Line, color: plot::color(k), width: 2 }

@@ -46,7 +46,7 @@ enum Command {
     /// is modelled from the memory profile by default (compute.model), so the comparison shows the
     /// layout rather than this machine's CPU.
     #[command(after_long_help = COMPARE_HELP)]
-    Compare(Box<CompareArgs>),
+    Compare(Box<compare::Options>),
     /// Internal: a built-in worker process of `run` (trainer or rollout).
     #[command(hide = true)]
     Worker { role: String },
@@ -99,41 +99,6 @@ message says which key).
 Examples:
   relax-colocate compare --devices 4 --steps 10
   relax-colocate compare --devices 4 --trainer-devices 0 --rollout-devices 1-3 --set rollout.prompts_per_step=24";
-
-#[derive(clap::Args)]
-struct CompareArgs {
-    /// Total devices, the same for both layouts [run.devices].
-    #[arg(long, default_value_t = 2)]
-    devices: u32,
-    /// Async: the trainer's devices (default: the first half).
-    #[arg(long)]
-    trainer_devices: Option<String>,
-    /// Async: the rollout engines' devices (default: the rest).
-    #[arg(long)]
-    rollout_devices: Option<String>,
-    /// Trainer steps of each run.
-    #[arg(long, default_value_t = 10)]
-    steps: u64,
-    /// Async: the staleness bound [async.max_staleness].
-    #[arg(long, default_value_t = 2)]
-    max_staleness: i64,
-    /// Model device compute time from the memory profile (true), or measure this CPU (false)
-    /// [compute.model].
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    model_compute: bool,
-    /// Any configuration key for both runs: --set memory.profile=qwen3-4b (repeatable).
-    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-    sets: Vec<String>,
-    /// Output folder.
-    #[arg(long, default_value = "runs/compare")]
-    out: PathBuf,
-    /// libtms_hook.so to preload (default: next to this binary, or ../lib).
-    #[arg(long)]
-    hook: Option<PathBuf>,
-    /// Print compare.json on stdout instead of the table.
-    #[arg(long)]
-    json: bool,
-}
 
 #[derive(clap::Args)]
 struct BenchArgs {
@@ -499,18 +464,7 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::Compare(a) => ExitCode::from(compare::main(&compare::Options {
-            devices: a.devices,
-            trainer_devices: a.trainer_devices,
-            rollout_devices: a.rollout_devices,
-            steps: a.steps,
-            max_staleness: a.max_staleness,
-            model_compute: a.model_compute,
-            sets: a.sets,
-            out: a.out,
-            hook: a.hook,
-            json: a.json,
-        })),
+        Command::Compare(o) => ExitCode::from(compare::main(&o)),
         Command::Bench(args) => bench_main(*args),
         Command::BenchWorker { args } => match bench::worker_main(&args) {
             Ok(v) => {

@@ -334,19 +334,7 @@ impl Config {
         need(self.memory.kv_cache_gib >= 0.0, "memory.kv_cache_gib must be >= 0");
         need(self.sim.api == "cuda" || self.sim.api == "acl", "sim.api must be cuda or acl");
         need(self.sim.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0");
-        if self.compute.model {
-            let c = &self.compute;
-            need(c.tflops > 0.0 && c.tflops.is_finite(), "compute.tflops must be > 0");
-            need(
-                c.train_mfu > 0.0 && c.train_mfu <= 1.0 && c.rollout_mfu > 0.0 && c.rollout_mfu <= 1.0,
-                "compute.train_mfu and compute.rollout_mfu must be in (0, 1]",
-            );
-            need(c.token_scale > 0.0 && c.token_scale.is_finite(), "compute.token_scale must be > 0");
-            need(
-                self.memory.profile != "none",
-                "compute.model = true needs a memory profile (memory.profile): its parameter count sets the FLOPs per token",
-            );
-        }
+        errors.extend(self.compute_errors());
         if let Err(e) = self.link_gbps() {
             errors.push(e);
         }
@@ -374,6 +362,37 @@ impl Config {
         if let Err(e) = super::profile::preset(&self.memory.profile) {
             errors.push(e);
         }
+        errors.extend(self.layout_errors());
+        if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    /// compute.model's settings, when it is on.
+    fn compute_errors(&self) -> Vec<String> {
+        let c = &self.compute;
+        if !c.model {
+            return Vec::new();
+        }
+        let mfu = |m: f64| m > 0.0 && m <= 1.0;
+        [
+            (c.tflops > 0.0 && c.tflops.is_finite(), "compute.tflops must be > 0"),
+            (mfu(c.train_mfu) && mfu(c.rollout_mfu), "compute.train_mfu and compute.rollout_mfu must be in (0, 1]"),
+            (c.token_scale > 0.0 && c.token_scale.is_finite(), "compute.token_scale must be > 0"),
+            (
+                self.memory.profile != "none",
+                "compute.model = true needs a memory profile (memory.profile): its parameter count sets the FLOPs \
+                 per token",
+            ),
+        ]
+        .into_iter()
+        .filter(|(ok, _)| !ok)
+        .map(|(_, msg)| msg.to_string())
+        .collect()
+    }
+
+    /// The devices' layout: colocated prompts over every device, or async mode's device sets and
+    /// its [async] keys.
+    fn layout_errors(&self) -> Vec<String> {
+        let mut errors = Vec::new();
         match self.mode_layout() {
             Err(e) => errors.push(e),
             Ok(None) => {
@@ -391,7 +410,7 @@ impl Config {
                 if self.asynchronous.max_staleness < 0 {
                     errors.push(format!(
                         "async.max_staleness={} is below 0: 0 trains only on samples of the current weights, 1 is \
-                         one-step off-policy",
+                     one-step off-policy",
                         self.asynchronous.max_staleness
                     ));
                 }
@@ -403,13 +422,13 @@ impl Config {
                 {
                     errors.push(format!(
                         "async.queue_groups={} cannot hold one batch of {} prompt groups \
-                         (rollout.prompts_per_step); give at least that, or 0 for the default",
+                     (rollout.prompts_per_step); give at least that, or 0 for the default",
                         self.asynchronous.queue_groups, self.rollout.prompts_per_step
                     ));
                 }
             }
         }
-        if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+        errors
     }
 
     /// Async mode: which devices train and which generate (None in colocate mode), or why the

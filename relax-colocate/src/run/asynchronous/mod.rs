@@ -60,12 +60,20 @@ pub(super) struct Async {
 struct Engine {
     worker: usize,
     groups: Vec<Group>,
-    /// The request in flight, and the (group, sequence) each of its replies belongs to.
-    request: Option<(InFlight, Vec<(usize, usize)>)>,
+    /// The request in flight, and where each of its replies belongs.
+    request: Option<(InFlight, Vec<Slot>)>,
     /// When it last became idle (no request in flight).
     idle_since: Option<Instant>,
     /// The weight version its last segment ran under.
     version: u64,
+}
+
+/// Where a generated sample belongs: its group and sequence, and the `prompt_index` the reply
+/// must give it (a new group's prompt, or the position of a continued sequence).
+struct Slot {
+    group: usize,
+    seq: usize,
+    prompt_index: usize,
 }
 
 /// Over the whole run, for the summary.
@@ -382,14 +390,15 @@ impl Async {
                 for (j, s) in group.seqs.iter().enumerate().filter(|(_, s)| !s.finished) {
                     prompts.push(group.prompt.clone());
                     responses.push(s.response.clone());
-                    order.push((g, j));
+                    order.push(Slot { group: g, seq: j, prompt_index: order.len() });
                 }
             }
             (prompts, 1, responses, order)
         } else {
             let n = self.cfg.rollout.samples_per_prompt;
             let prompts = e.groups.iter().map(|g| g.prompt.clone()).collect();
-            let order = (0..e.groups.len()).flat_map(|g| (0..n).map(move |j| (g, j))).collect();
+            let slots = |g| (0..n).map(move |j| Slot { group: g, seq: j, prompt_index: g });
+            let order = (0..e.groups.len()).flat_map(slots).collect();
             (prompts, n, Vec::new(), order)
         };
         let params = GenerateParams {
@@ -459,11 +468,8 @@ impl Async {
         let max_new = self.task.max_new_tokens();
         let segment = self.segment();
         let version = self.version;
-        let fresh = order.first().is_some_and(|&(_, j)| j == 0)
-            && self.engines[k].groups.iter().all(|g| g.seqs.iter().all(|s| s.response.is_empty()));
-        for (i, (s, &(g, j))) in reply.samples.into_iter().zip(&order).enumerate() {
-            let expected_index = if fresh { g } else { i };
-            if s.prompt_index != expected_index || s.logprobs.len() != s.response.len() {
+        for (s, slot) in reply.samples.into_iter().zip(&order) {
+            if s.prompt_index != slot.prompt_index || s.logprobs.len() != s.response.len() {
                 return Err(bad("generate returned a malformed sample".into()));
             }
             if let Some(limit) = segment
@@ -475,7 +481,7 @@ impl Async {
                     s.response.len()
                 )));
             }
-            let seq = &mut self.engines[k].groups[g].seqs[j];
+            let seq = &mut self.engines[k].groups[slot.group].seqs[slot.seq];
             seq.versions.extend(std::iter::repeat_n(version, s.response.len()));
             seq.response.extend(s.response);
             seq.logprobs.extend(s.logprobs);
@@ -645,10 +651,10 @@ impl Async {
         let wall = self.window.start.elapsed().as_secs_f64();
         let now = Instant::now();
         for e in &mut self.engines {
-            if let Some(t) = e.idle_since.replace(now) {
+            // An idle engine's time so far counts in this window; the next starts now.
+            if let Some(t) = e.idle_since.as_mut() {
                 self.window.rollout_idle_s += t.elapsed().as_secs_f64();
-            } else {
-                e.idle_since = None;
+                *t = now;
             }
         }
         let mut row = metrics::Row::new(self.step());
