@@ -188,6 +188,27 @@ def modelled_s(tokens, passes, mfu, devices=1.0):
     return flops / (m["tflops"] * 1e12 * mfu * max(1.0, devices))
 
 
+def decode_s(seqs):
+    """Seconds the decode steps of `seqs` take on the modelled device, each sequence given as
+    (context tokens before its first new token, new tokens). Each task step stands for
+    `token_scale` steps of the modelled job: the longer of their FLOPs at `rollout_mfu` and their
+    reads (the weights, and every active sequence's KV cache) at `hbm_gbps`, as the built-in
+    workers charge them (ComputeModel::decode_step_seconds, docs/async.md)."""
+    m = state["compute"]
+    total = 0.0
+    for t in range(max((g for _, g in seqs), default=0)):
+        live = [c + t for c, g in seqs if t < g]
+        compute = modelled_s(len(live), 1.0, m["rollout_mfu"])
+        gbps = m.get("hbm_gbps") or 0.0
+        if gbps > 0:
+            s = m["token_scale"]
+            kv_tokens = s * (sum(live) + 0.5 * len(live))
+            reads = s * (m.get("weight_bytes", 0.0) + m.get("kv_bytes_per_token", 0.0) * kv_tokens)
+            compute = max(compute, reads / (gbps * 1e9))
+        total += compute
+    return total
+
+
 def pace(t0, seconds):
     """Modelled compute: a request that began at `t0` lasts at least `seconds`, as the built-in
     workers' do. This small model on the simulator's CPU says nothing about a device's time, and
@@ -326,11 +347,18 @@ def generate(p):
     if m:
         # Charged as an engine that keeps its cache between segments would be: the prefill only
         # when the prefixes are not cached (this worker re-prefills them every time regardless),
-        # compute-bound like the trainer's passes; decoding far below the peak.
-        prefill = 0 if p.get("prefix_cached") else (
-            n * sum(len(x) for x in p["prompts"]) + sum(len(x) for x in p.get("responses") or []))
-        generated = sum(len(x["response"]) for x in samples)
-        pace(t0, modelled_s(prefill, 1.0, m["train_mfu"]) + modelled_s(generated, 1.0, m["rollout_mfu"]))
+        # compute-bound like the trainer's passes; decoding step by step.
+        prefixes = p.get("responses") or []
+        if not prefixes:
+            prefill = n * sum(len(x) for x in p["prompts"])
+        else:
+            # A continued sequence's prefix is cached unless prefix_cached says not; a new one
+            # (no response yet) is always prefilled.
+            prefill = sum(len(x) + len(r) for x, r in zip(p["prompts"], prefixes)
+                          if not (p.get("prefix_cached") and r))
+        seqs = [(len(p["prompts"][x["prompt_index"]]) + (len(prefixes[k]) if prefixes else 0), len(x["response"]))
+                for k, x in enumerate(samples)]
+        pace(t0, modelled_s(prefill, 1.0, m["train_mfu"]) + decode_s(seqs))
     return {"samples": samples}
 
 

@@ -1,6 +1,7 @@
 //! `relax-colocate run --launcher ray` on a throwaway local Ray cluster (`--ray-address local`):
 //! 2 nodes x 2 devices run the same cycle and checks as the local launcher, each node its own
-//! simulated device node; async mode trains on one node and generates on the other; a worker killed, hung or losing its node's agent mid-run fails the run
+//! simulated device node; async mode trains on one node and generates on the other, the weights
+//! broadcast between them over the simulated NCCL; a worker killed, hung or losing its node's agent mid-run fails the run
 //! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
 //! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
 //! processes of one node, and those of chosen Ray actors (their hooked child processes).
@@ -175,6 +176,13 @@ fn async_mode_trains_on_one_node_and_generates_on_the_other() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["status"], "ok", "{summary}");
     assert_eq!(summary["async"]["weight_updates"].as_u64(), Some(3), "{summary}");
+    // The weights crossed between the nodes by NCCL broadcast, the async default, judged against
+    // the simulator's inter-node link (50 GB/s by default), not the intra-node one.
+    assert_eq!(summary["async"]["weight_transport"], "broadcast", "{summary}");
+    assert_eq!(summary["async"]["weight_sync_library"], "nccl", "{summary}");
+    assert_eq!(summary["async"]["link_gbps"].as_f64(), Some(50.0), "{summary}");
+    let rate = summary["async"]["update_weights_gbps"].as_f64().unwrap();
+    assert!(rate > 0.0 && rate <= 50.0, "a broadcast between nodes faster than their link: {rate} GB/s");
     // Every update reached the engine on the other node and was checked there.
     assert!(summary["checks"]["passed"].as_u64().unwrap() >= 6, "{summary}");
     let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();

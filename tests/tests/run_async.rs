@@ -334,8 +334,8 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
 #[test]
 fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_under_new_weights() {
     let dir = tempfile::tempdir().unwrap();
-    // A 4B model's device time on the modelled device makes generation slow enough that updates
-    // land while sequences are in flight.
+    // A 4B model's device time on the modelled device, decoding at 1% of its peak, makes
+    // generation slow enough that updates land while sequences are in flight.
     let args = [
         "--mode",
         "async",
@@ -349,6 +349,8 @@ fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_und
         "memory.scale=0.002",
         "--set",
         "compute.model=true",
+        "--set",
+        "compute.rollout_mfu=0.01",
     ];
     let out = run_cmd(dir.path(), &args).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));

@@ -104,6 +104,7 @@ pub struct ComputeSection {
     pub train_mfu: f64,
     pub rollout_mfu: f64,
     pub token_scale: f64,
+    pub hbm_gbps: f64,
 }
 
 /// Who places the workers: child processes of the runner, or Ray (docs/ray.md).
@@ -128,6 +129,8 @@ pub enum DeviceChoice {
 pub struct TaskSection {
     pub digits: u32,
     pub reward: RewardKind,
+    #[serde(default)]
+    pub max_new_tokens: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -314,6 +317,13 @@ impl Config {
         );
         need(self.run.phase_timeout_s > 0.0, "run.phase_timeout_s must be > 0");
         need((1..=6).contains(&self.task.digits), "task.digits must be 1..6");
+        let answer = self.task.digits as usize + 2;
+        need(
+            self.task.max_new_tokens == 0 || (answer..=4096).contains(&self.task.max_new_tokens),
+            &format!(
+                "task.max_new_tokens must be 0 (the longest answer) or {answer}..4096 (room for the answer and EOS)"
+            ),
+        );
         need(self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be at least 1");
         need(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt must be at least 2 (groups)");
         need(self.rollout.temperature > 0.0, "rollout.temperature must be > 0");
@@ -377,6 +387,7 @@ impl Config {
             (c.tflops > 0.0 && c.tflops.is_finite(), "compute.tflops must be > 0"),
             (mfu(c.train_mfu) && mfu(c.rollout_mfu), "compute.train_mfu and compute.rollout_mfu must be in (0, 1]"),
             (c.token_scale > 0.0 && c.token_scale.is_finite(), "compute.token_scale must be > 0"),
+            (c.hbm_gbps >= 0.0 && c.hbm_gbps.is_finite(), "compute.hbm_gbps must be >= 0 (0: no memory floor)"),
             (
                 self.memory.profile != "none",
                 "compute.model = true needs a memory profile (memory.profile): its parameter count sets the FLOPs \

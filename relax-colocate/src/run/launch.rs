@@ -129,7 +129,7 @@ pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
         DeviceChoice::Sim if cfg.sim.api == "acl" => "acl",
         _ => "cuda",
     };
-    let task = Addition { digits: cfg.task.digits };
+    let task = Addition::new(cfg.task.digits, cfg.task.max_new_tokens);
     let shape =
         model::Shape { vocab: VOCAB, context: task.prompt_len() + task.max_new_tokens() - 1, hidden: cfg.model.hidden };
     let profile = profile::build(&cfg.memory.profile, cfg.memory.tp, cfg.memory.scale, cfg.memory.kv_cache_gib)

@@ -222,6 +222,9 @@ fn compute_model(cfg: &Config, fleet: &Fleet, profile: &Profile) -> Option<Compu
         rollout_mfu: c.rollout_mfu,
         token_scale: c.token_scale,
         trainers: fleet.indices(Role::Trainer).len() as f64,
+        hbm_gbps: (c.hbm_gbps > 0.0).then_some(c.hbm_gbps),
+        weight_bytes: 2.0 * profile.params_per_device as f64,
+        kv_bytes_per_token: profile.kv_bytes_per_token as f64,
     })
 }
 
@@ -241,9 +244,14 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
     } else {
         ""
     };
+    let memory = if c.hbm_gbps > 0.0 {
+        format!(", decode steps no faster than their weight and KV reads at {} GB/s", c.hbm_gbps)
+    } else {
+        String::new()
+    };
     format!(
-        "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device at MFU {} (train) and {} (rollout), each \
-         task token standing for {}; every request lasts at least that{caveat}",
+        "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device at MFU {} (train) and {} (rollout){memory}, \
+         each task token standing for {}; every request lasts at least that{caveat}",
         cfg.memory.profile,
         profile.params_per_device as f64 / 1e9,
         c.tflops,

@@ -97,6 +97,10 @@ pub struct Profile {
     pub trainer: RoleMemory,
     pub rollout: RoleMemory,
     pub params_per_device: u64,
+    /// Bytes of K and V one token adds to the cache on one device (bf16, every layer): what a
+    /// decode step reads per token of context.
+    #[serde(default)]
+    pub kv_bytes_per_token: u64,
 }
 
 fn weight_tensors(a: &Arch, tp: u64) -> Vec<u64> {
@@ -174,6 +178,7 @@ pub fn build(name: &str, tp: u32, scale: f64, kv_cache_gib: f64) -> Result<Profi
             ],
         },
         params_per_device: params,
+        kv_bytes_per_token: 2 * a.layers * a.kv_heads.div_ceil(tp).max(1) * a.head_dim * 2,
     })
 }
 
@@ -193,6 +198,8 @@ mod tests {
         assert!((g / w - 2.0).abs() < 0.05, "{}", g / w);
         assert!((p.trainer.tag_bytes("optimizer") as f64 / w - 6.0).abs() < 0.2);
         assert_eq!(p.rollout.tags[1].1.len(), 72);
+        // 36 layers x (K + V) x 8 KV heads x 128 x 2 bytes.
+        assert_eq!(p.kv_bytes_per_token, 147_456);
         // Tensor parallelism halves the big tensors.
         let tp2 = build("qwen3-4b", 2, 1.0, 0.0).unwrap();
         assert!(tp2.params_per_device < p.params_per_device * 55 / 100);

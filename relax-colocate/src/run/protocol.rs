@@ -162,6 +162,17 @@ pub struct ComputeModel {
     pub token_scale: f64,
     /// The trainers are replicas: each takes the time of its share of the batch.
     pub trainers: f64,
+    /// The device's memory bandwidth (GB/s). Every decode step reads the weights and the KV
+    /// cache of every active sequence, so a step lasts at least those bytes over it. None: no
+    /// memory floor (decoding is charged by its FLOPs alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hbm_gbps: Option<f64>,
+    /// Bytes of weights one device reads per decode step (2 per parameter, bf16).
+    #[serde(default)]
+    pub weight_bytes: f64,
+    /// Bytes of K and V per token of context on one device.
+    #[serde(default)]
+    pub kv_bytes_per_token: f64,
 }
 
 impl ComputeModel {
@@ -170,6 +181,21 @@ impl ComputeModel {
     pub fn seconds(&self, tokens: usize, passes: f64, mfu: f64, devices: f64) -> f64 {
         let flops = tokens as f64 * self.token_scale * passes * self.forward_flops_per_token;
         flops / (self.tflops * 1e12 * mfu * devices.max(1.0))
+    }
+
+    /// Seconds of one decode step of the task over `active` sequences whose contexts hold
+    /// `context` task tokens in all. It stands for `token_scale` steps of the modelled job, each
+    /// the longer of its FLOPs at `rollout_mfu` and its reads (the weights, and each sequence's
+    /// KV cache, which grows over those steps) at the memory bandwidth: the roofline of a decode
+    /// step, which small batches spend waiting on memory.
+    pub fn decode_step_seconds(&self, active: usize, context: usize) -> f64 {
+        let compute = self.seconds(active, 1.0, self.rollout_mfu, 1.0);
+        let Some(gbps) = self.hbm_gbps.filter(|g| *g > 0.0) else { return compute };
+        let s = self.token_scale;
+        // Mid-way through the modelled steps each sequence has grown by half of them.
+        let kv_tokens = s * (context as f64 + 0.5 * active as f64);
+        let bytes = s * (self.weight_bytes + self.kv_bytes_per_token * kv_tokens);
+        compute.max(bytes / (gbps * 1e9))
     }
 }
 
@@ -294,8 +320,9 @@ pub struct GenerateParams {
     /// say which sequences finished. None: to the end (EOS or `max_new_tokens` in all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment_tokens: Option<usize>,
-    /// Partial rollouts: no weight update came since these sequences' last segment, so an engine
-    /// that keeps its cache between requests has their prefixes in it (re-prefilled otherwise).
+    /// Partial rollouts: no weight update came since the continued sequences' last segment, so an
+    /// engine that keeps its cache between requests has their prefixes in it (re-prefilled
+    /// otherwise). A sequence with an empty prefix is new: prefilled either way.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prefix_cached: bool,
 }

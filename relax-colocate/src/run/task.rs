@@ -22,15 +22,26 @@ pub enum RewardKind {
 #[derive(Debug, Clone, Copy)]
 pub struct Addition {
     pub digits: u32,
+    /// A response's token limit; 0: the longest answer and its EOS.
+    pub max_new: usize,
 }
 
 impl Addition {
+    pub fn new(digits: u32, max_new: usize) -> Addition {
+        Addition { digits, max_new }
+    }
+
     pub fn prompt_len(&self) -> usize {
         2 * self.digits as usize + 2
     }
 
-    /// Longest answer (digits + 1 for the carry) plus EOS.
+    /// Longest answer (digits + 1 for the carry) plus EOS, or the configured limit: a longer one
+    /// leaves a policy room to ramble, which gives its responses the long tail of real RL jobs.
     pub fn max_new_tokens(&self) -> usize {
+        if self.max_new > 0 { self.max_new } else { self.answer_limit() }
+    }
+
+    pub fn answer_limit(&self) -> usize {
         self.digits as usize + 2
     }
 
@@ -118,7 +129,7 @@ mod tests {
 
     #[test]
     fn prompts_answers_and_scores() {
-        let t = Addition { digits: 1 };
+        let t = Addition::new(1, 0);
         let p = t.prompt(7, 8);
         assert_eq!(p, vec![7, PLUS, 8, EQUALS]);
         assert_eq!(t.operands(&p), (7, 8));
@@ -128,10 +139,11 @@ mod tests {
         assert_eq!(t.score(&p, &[1, 4, EOS], RewardKind::Partial), (2.0 / 3.0, false));
         assert_eq!(t.score(&p, &[1, 5, EOS], RewardKind::Partial), (1.0, true));
         assert_eq!(t.score(&p, &[5, EOS], RewardKind::Partial), (0.0, false));
-        let t2 = Addition { digits: 2 };
+        let t2 = Addition::new(2, 0);
         assert_eq!(t2.prompt(7, 45), vec![0, 7, PLUS, 4, 5, EQUALS]);
         assert_eq!(t2.operands(&t2.prompt(7, 45)), (7, 45));
         assert_eq!(t2.max_new_tokens(), 4);
+        assert_eq!(Addition::new(2, 32).max_new_tokens(), 32);
     }
 
     #[test]

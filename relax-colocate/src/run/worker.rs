@@ -544,13 +544,15 @@ impl Rollout {
         }
         let segment = segment_tokens.unwrap_or(max_new).max(1);
         let t0 = std::time::Instant::now();
-        // Prefill of the prompts and prefixes (none when they are still cached), then every token
-        // generated. This engine recomputes its small cache anyway; the model charges what one
-        // that keeps it would.
-        let prefill = if prefix_cached {
-            0
+        // Prefill of the prompts and prefixes (a continued sequence's only when its cache is gone:
+        // prefix_cached says it is not; a new sequence, one with no response yet, always), then
+        // every token generated. This engine recomputes its small cache anyway; the model charges
+        // what one that keeps it would.
+        let prefill = if responses.is_empty() {
+            n * prompts.iter().map(Vec::len).sum::<usize>()
         } else {
-            n * prompts.iter().map(Vec::len).sum::<usize>() + responses.iter().map(Vec::len).sum::<usize>()
+            let cached = |r: &Vec<u32>| prefix_cached && !r.is_empty();
+            prompts.iter().zip(&responses).filter(|(_, r)| !cached(r)).map(|(p, r)| p.len() + r.len()).sum()
         };
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
@@ -582,10 +584,15 @@ impl Rollout {
         self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         let mut rng = Rng::new(seed);
         let mut logits_host = vec![0f64; batch * s.vocab];
+        // Per decode step: the sequences still generating and their context tokens, what the
+        // modelled step time depends on.
+        let mut decode_steps: Vec<(usize, usize)> = Vec::new();
         for _ in 0..segment.min(max_new) {
             if seqs.iter().all(|q| q.3) {
                 break;
             }
+            let live = seqs.iter().filter(|q| !q.3);
+            decode_steps.push(live.fold((0, 0), |(n, ctx), q| (n + 1, ctx + prompts[q.0].len() + q.1.len())));
             self.c.dev.read(as_bytes_mut(&mut kv_host), self.kv.ptr).map_err(dev_err)?;
             for (i, q) in seqs.iter().enumerate() {
                 if !q.3 {
@@ -623,9 +630,11 @@ impl Rollout {
             }
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
-        let generated: usize = seqs.iter().zip(&before).map(|(q, k)| q.1.len() - k).sum();
-        // Prefill is compute-bound like the trainer's passes; decoding reaches far less.
-        self.c.pace(t0, |m| m.seconds(prefill, 1.0, m.train_mfu, 1.0) + m.seconds(generated, 1.0, m.rollout_mfu, 1.0));
+        // Prefill is compute-bound like the trainer's passes; decoding is charged step by step.
+        self.c.pace(t0, |m| {
+            let decode: f64 = decode_steps.iter().map(|(n, ctx)| m.decode_step_seconds(*n, *ctx)).sum();
+            m.seconds(prefill, 1.0, m.train_mfu, 1.0) + decode
+        });
         let samples = seqs
             .into_iter()
             .zip(before)

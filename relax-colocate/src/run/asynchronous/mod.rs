@@ -344,45 +344,60 @@ impl Async {
         self.engines.iter().map(|e| e.groups.len()).sum()
     }
 
-    /// Gives every idle engine work: the rest of its interrupted sequences, or new prompts while
-    /// the queue has room (back-pressure) and the run needs more.
+    /// Gives every idle engine work: the rest of its interrupted sequences, and new prompts in the
+    /// places of the groups it finished while the queue has room (back-pressure) and the run
+    /// needs more. Refilling at every segment keeps an engine's batch full, as continuous
+    /// batching does, instead of waiting for its longest response before starting the next.
     fn feed_engines(&mut self) -> R<()> {
         for k in 0..self.engines.len() {
             if self.engines[k].request.is_some() {
                 continue;
             }
-            let resume = !self.engines[k].groups.is_empty();
-            // Counting the batch in training too: a group started now is trained on within
-            // capacity / batch updates, so the default capacity keeps every group within the
-            // staleness bound. With nothing else under way an engine always may start.
-            let under_way = self.generating_groups() + self.training_groups;
-            let held = self.queue.len() + under_way;
-            let room = held + self.groups_per_request <= self.capacity() || under_way == 0;
-            if !resume && (!room || self.step() >= self.cfg.run.steps) {
+            let continued = self.engines[k].groups.len();
+            let fresh = self.fresh_groups_for(continued);
+            if continued + fresh == 0 {
                 continue;
             }
-            if !resume {
-                let lim = self.task.operand_limit();
-                let n = self.cfg.rollout.samples_per_prompt;
-                let fresh = (0..self.groups_per_request).map(|_| {
-                    let prompt = self.task.prompt(self.rng.below(lim), self.rng.below(lim));
-                    Group { prompt, seqs: vec![Seq::default(); n] }
-                });
-                let fresh: Vec<Group> = fresh.collect();
-                self.engines[k].groups = fresh;
+            let lim = self.task.operand_limit();
+            let n = self.cfg.rollout.samples_per_prompt;
+            for _ in 0..fresh {
+                let prompt = self.task.prompt(self.rng.below(lim), self.rng.below(lim));
+                self.engines[k].groups.push(Group { prompt, seqs: vec![Seq::default(); n] });
             }
-            self.send_generate(k, resume)?;
+            self.send_generate(k, continued > 0)?;
         }
         Ok(())
     }
 
+    /// How many new groups an engine still generating `continued` groups may start.
+    fn fresh_groups_for(&self, continued: usize) -> usize {
+        let free = self.groups_per_request.saturating_sub(continued);
+        if free == 0 || self.step() >= self.cfg.run.steps {
+            return 0;
+        }
+        // Counting the batch in training too: a group started now is trained on within
+        // capacity / batch updates, so the default capacity keeps every group within the
+        // staleness bound. With nothing else under way an engine always may start a full batch.
+        let under_way = self.generating_groups() + self.training_groups;
+        if under_way == 0 {
+            return free;
+        }
+        let held = self.queue.len() + under_way;
+        let room = self.capacity().saturating_sub(held);
+        // A top-up smaller than the batch still pays a whole prefill round trip: only a full
+        // batch's worth starts an idle engine, any room tops up one already generating.
+        if continued == 0 && room < free { 0 } else { free.min(room) }
+    }
+
     /// One generate request for engine `k`: its groups' unfinished sequences, each continued after
-    /// the tokens it has (or, for new groups, every prompt with its group size).
-    fn send_generate(&mut self, k: usize, resume: bool) -> R<()> {
+    /// the tokens it has, and its new groups' prompts (every prompt with its group size when all
+    /// are new).
+    fn send_generate(&mut self, k: usize, continued: bool) -> R<()> {
         self.requests += 1;
         let seed = self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.requests << 8) ^ k as u64;
         let e = &self.engines[k];
-        let (prompts, n, responses, order) = if resume {
+        let (prompts, n, responses, order) = if continued {
+            // One entry per sequence; a new group's sequences start with an empty response.
             let mut prompts = Vec::new();
             let mut responses = Vec::new();
             let mut order = Vec::new();
@@ -411,7 +426,7 @@ impl Async {
             step: self.step(),
             responses,
             segment_tokens: self.segment(),
-            prefix_cached: resume && self.engines[k].version == self.version,
+            prefix_cached: continued && self.engines[k].version == self.version,
         };
         let worker = e.worker;
         let request = self.fleet.submit::<Generate>(worker, params)?;
@@ -492,10 +507,12 @@ impl Async {
         }
         let e = &mut self.engines[k];
         e.idle_since = Some(Instant::now());
-        if e.groups.iter().all(Group::finished) {
-            for g in std::mem::take(&mut e.groups) {
-                self.queue.push(g);
-            }
+        // A finished group leaves at once: the trainer may take it while the rest go on.
+        let (done, going): (Vec<Group>, Vec<Group>) =
+            std::mem::take(&mut e.groups).into_iter().partition(Group::finished);
+        e.groups = going;
+        for g in done {
+            self.queue.push(g);
         }
         Ok(())
     }
