@@ -66,3 +66,60 @@ print("worst_logprob_diff=%g" % worst)
 def test_generate_continues_prefixes_in_segments(sim):
     out = sim.ok(SCENARIO.format(scripts=str(SCRIPTS)), preload=sim.hook, extra={"OMP_NUM_THREADS": "1"})
     assert float(out["worst_logprob_diff"]) < 1e-4
+
+
+SHARES = r"""
+import os, sys
+os.environ["RELAX_ROLE"] = "trainer"
+sys.path.insert(0, {scripts!r})
+import torch
+import torch_worker as tw
+
+tw.init({{"api": "cuda", "device": 0, "shape": {{"vocab": 16, "context": 24, "hidden": 32}}, "seed": 3,
+          "memory": [], "loss": {{"clip": {{"eps_low": 0.2, "eps_high": 0.28, "dual": 3.0}}, "kl_kind": "k3",
+                                  "kl_coef": 0.1, "entropy_coef": 0.01}}, "adam": {{"lr": 1e-3}}}})
+g = torch.Generator().manual_seed(0)
+rand = lambda n, lo, hi: (torch.rand(n, generator=g) * (hi - lo) + lo).tolist()
+samples = []
+for i in range(7):  # ragged: prompts of 2 to 4 tokens, responses of 1 to 5
+    n = 1 + (i * 3) % 5
+    samples.append({{"prompt": torch.randint(1, 16, (2 + i % 3,), generator=g).tolist(),
+                     "response": torch.randint(1, 16, (n,), generator=g).tolist(),
+                     "advantages": rand(n, -1, 1), "old_logprobs": rand(n, -3, -1), "ref_logprobs": rand(n, -3, -1)}})
+params = list(tw.state["model"].parameters())
+tokens, seqs = sum(len(s["response"]) for s in samples), len(samples)
+
+
+def grads_of(parts):
+    for w in params:
+        w.grad.zero_()
+    stats = {{}}
+    for part in parts:
+        loss, st = tw.minibatch_loss(part, tokens, seqs)
+        loss.backward()
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0.0) + float(v)
+    return [w.grad.clone() for w in params], stats
+
+
+worst = 0.0
+for how in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    tw.state["loss"]["aggregation"] = how
+    whole, s1 = grads_of([samples])
+    # Two ranks' shares, as minibatch_step deals them: rank r takes samples[r::2].
+    shared, s2 = grads_of([samples[0::2], samples[1::2]])
+    worst = max(worst, max((a - b).abs().max().item() for a, b in zip(whole, shared)))
+    assert max(abs(a.abs().max().item()) for a in whole) > 0, "the loss has gradients"
+    assert all(abs(s1[k] - s2[k]) < 1e-5 for k in s1), (how, s1, s2)
+assert worst < 1e-5, worst
+print("worst_grad_diff=%g" % worst)
+"""
+
+
+def test_data_parallel_shares_add_up_to_the_whole_minibatch(sim):
+    """The trainers' data parallelism (init's `trainer_group`): each rank's share of a minibatch
+    is normalized by the whole minibatch's tokens or sequences, so the shares' gradients and
+    statistics, summed as the all-reduce sums them, are the whole minibatch's under every
+    aggregation; a rank's share is never averaged on its own."""
+    out = sim.ok(SHARES.format(scripts=str(SCRIPTS)), preload=sim.hook, extra={"OMP_NUM_THREADS": "1"})
+    assert float(out["worst_grad_diff"]) < 1e-5
