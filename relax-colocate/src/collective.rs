@@ -7,9 +7,7 @@
 //! The device must be set on the calling thread before anything here (cudaSetDevice,
 //! aclrtSetDevice): both libraries bind a communicator to the thread's device.
 
-use crate::runtime::{
-    AclStreams, Hccl, HcclRootInfo, Nccl, NcclMemStats, NcclUniqueId, Streams, load_hccl, load_nccl,
-};
+use crate::runtime::{AclStreams, Hccl, HcclRootInfo, Nccl, NcclMemStats, NcclUniqueId, Streams, load_hccl, load_nccl};
 use libc::c_void;
 use std::ffi::CStr;
 

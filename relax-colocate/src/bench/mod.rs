@@ -9,8 +9,8 @@
 
 pub mod collective;
 pub mod plot;
-pub mod upstream;
 mod suspend;
+pub mod upstream;
 pub mod worker;
 
 use crate::environment::find_hook;

@@ -54,9 +54,8 @@ pub(super) fn measure(rt: &Runtime, group: &Group) -> Result<Value, String> {
 fn op(tms: &Tms, pause: bool) -> Result<Report, String> {
     let mut r = Report::default();
     // SAFETY: the hook's C API with a NUL-terminated tag and a valid report.
-    let rc = unsafe {
-        if pause { (tms.pause)(c"nccl".as_ptr(), &mut r) } else { (tms.resume)(c"nccl".as_ptr(), &mut r) }
-    };
+    let rc =
+        unsafe { if pause { (tms.pause)(c"nccl".as_ptr(), &mut r) } else { (tms.resume)(c"nccl".as_ptr(), &mut r) } };
     check(if pause { "tms_pause_report(\"nccl\")" } else { "tms_resume_report(\"nccl\")" }, rc)?;
     Ok(r)
 }
@@ -112,7 +111,10 @@ pub(super) fn report(ranks: &[Value]) -> (Value, Option<Target>) {
     println!("{}", table(&head, lines));
     let won = |r: &Value| {
         let s = f(r, "suspendable_bytes");
-        s > 0.0 && f(r, "paused_bytes") == s && f(r, "free_rose_bytes") >= s && r["broadcast_after_resume_intact"] == true
+        s > 0.0
+            && f(r, "paused_bytes") == s
+            && f(r, "free_rose_bytes") >= s
+            && r["broadcast_after_resume_intact"] == true
     };
     let per_rank: Vec<String> = rows.iter().map(|r| human(f(r, "paused_bytes"))).collect();
     let target = (TARGET, format!("{} per rank", per_rank.join(", ")), rows.iter().all(won));

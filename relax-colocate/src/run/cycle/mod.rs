@@ -8,12 +8,12 @@ mod step;
 
 use super::config::Config;
 use super::fleet::Fleet;
+use super::fleet::WorkerStatus;
 use super::launch::Plan;
 use super::profile::Profile;
 use super::protocol::{Init, Method, SaveState, Step};
 use super::recorder::Recorder;
 use super::task::Addition;
-use super::fleet::WorkerStatus;
 use super::{Cursor, FailKind, NCCL_TAG, R, Role, RunError, learn, model, weights};
 use std::rc::Rc;
 
@@ -95,7 +95,8 @@ impl Colocate {
 
     /// Whether a trainer holds NCCL communicators now (a process group of data-parallel trainers).
     fn trainers_have_communicators(&self) -> R<bool> {
-        let trainers: Vec<&str> = self.indices(Role::Trainer).into_iter().map(|i| self.fleet.worker(i).name.as_str()).collect();
+        let trainers: Vec<&str> =
+            self.indices(Role::Trainer).into_iter().map(|i| self.fleet.worker(i).name.as_str()).collect();
         let statuses = self.fleet.statuses()?;
         let has = |w: &WorkerStatus| w.status.communicators.iter().any(|c| c.library == NCCL_TAG);
         Ok(statuses.iter().any(|w| trainers.contains(&w.name.as_str()) && has(w)))

@@ -351,8 +351,7 @@ fn memory_timeline(r: &Recorder) -> String {
     let first_step = if last_step > TIMELINE_STEPS { last_step + 1 - TIMELINE_STEPS } else { 0 };
     let stride = n.div_ceil(MAX_SAMPLES).max(1);
     let names = &r.names;
-    let Timeline { used, comm_suspended, capacity, per_worker, mut spans } =
-        timeline(&path, names, first_step, stride);
+    let Timeline { used, comm_suspended, capacity, per_worker, mut spans } = timeline(&path, names, first_step, stride);
     if spans.len() > MAX_SAMPLES {
         spans = merge_spans(spans, MAX_SAMPLES);
     }
