@@ -367,7 +367,9 @@ fn the_colocated_cycle_suspends_the_trainers_process_group() {
 }
 
 /// torch_worker.py's partial rollouts, called in-process: segments, `finished`, and sequences that
-/// continue after their prefix as if generated in one go (tests/torch-consumers/test_torch_worker.py).
+/// continue after their prefix as if generated in one go; its data-parallel trainers: the ranks'
+/// shares add up to the whole minibatch, two ranks stay replicas, and with their communicators
+/// suspended a train step fails with NCCL's error (tests/torch-consumers/test_torch_worker.py).
 #[test]
 fn the_torch_worker_continues_sequences_after_their_prefix() {
     pytest("test_torch_worker.py");
