@@ -116,8 +116,11 @@ impl Colocate {
             // Pausing every tag leaves communicators alone (a framework may sync weights over
             // them asleep); the trainer's are idle until wake_up, so their buffers sleep too.
             // slime destroys its process groups here; suspending keeps them.
-            if r.trainers_have_communicators()? {
-                r.control(Role::Trainer, true, Some(NCCL_TAG))?;
+            if r.cfg.memory.suspend_communicators && r.trainers_have_communicators()? {
+                r.control(Role::Trainer, true, Some(NCCL_TAG)).map_err(|mut e| {
+                    e.cause += "; memory.suspend_communicators = false leaves the communicators awake";
+                    e
+                })?;
                 r.comms_suspended = true;
             }
             Ok(())
