@@ -21,6 +21,13 @@ The runner puts the trainer to sleep before `update_weights` (docs/worker-protoc
 trainer packs from a host snapshot of its weights (pinned memory, outside any region) taken after
 `init` and after every `train`.
 
+Several trainers (colocate mode on several devices) are data-parallel ranks: `init`'s
+`trainer_group` makes them a torch.distributed "nccl" process group, rank 0's weights are
+broadcast to the others as DDP does at start (which also makes the communicator, before the first
+sleep), and `train` gives each rank its share of every minibatch and all-reduces the gradients, so
+the replicas stay identical. NCCL allocates its buffers outside any region; the runner suspends
+them with the trainer's other memory (tag `nccl`) and resumes them before the next request.
+
 Training is GRPO's clipped surrogate (dual clip optional) with the k1/k2/k3 KL to the reference
 in the loss, the three aggregations, minibatches, epochs, gradient clipping and AdamW. The weights
 cross to the rollout through the runner's shared file, one bucket at a time, staged in a device
@@ -38,6 +45,7 @@ ordinary PyTorch program. Needs torch and the `tms` package (the wheel, or pytho
 repository, which is found next to this script).
 """
 
+import atexit
 import hashlib
 import mmap
 import os
@@ -54,7 +62,9 @@ except ImportError:  # a source checkout: python/ beside scripts/
     sys.path.insert(1, os.path.join(os.path.dirname(here), "python"))
 import tms  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from datetime import timedelta  # noqa: E402
 
 HEADS = 4
 LAYERS = 2
@@ -138,13 +148,17 @@ def init(p):
     backup = role == "trainer"
     torch.manual_seed(p.get("seed", 0))
     state.update(role=role, device=device, loss=loss, context=context, transfer=None, pads=[],
-                 compute=p.get("compute"))
+                 compute=p.get("compute"), dp=(0, 1))
+    group = p.get("trainer_group") if role == "trainer" else None
+    if group:
+        join_trainer_group(group, device)
     with tms.region("weights", enable_cpu_backup=backup):
         model = Policy(vocab, context, hidden).to(device)
     state["model"] = model
     if role == "trainer":
         with tms.region("ref", enable_cpu_backup=True):
             ref = Policy(vocab, context, hidden).to(device)
+        replicate_from_rank0(model)
         ref.load_state_dict(model.state_dict())
         ref.requires_grad_(False)
         state["ref"] = ref
@@ -178,6 +192,38 @@ def init(p):
     torch.cuda.empty_cache()
     return {"params": sum(w.numel() for w in model.parameters()), "hook_mode": tms.hook_mode(),
             "torch": torch.__version__}
+
+
+def join_trainer_group(g, device):
+    """The trainers' data-parallel process group (docs/worker-protocol.md, `trainer_group`)."""
+    if g.get("backend") != "nccl":
+        raise rw.WorkerError("unsupported", f"trainer_group backend {g.get('backend')!r}: the torch worker runs NCCL")
+    # device_id: the communicator is made now, on this rank's device, not at the first collective.
+    dist.init_process_group("nccl", init_method=g["init_method"], rank=g["rank"], world_size=g["world"],
+                            timeout=timedelta(seconds=120), device_id=device)
+    state["dp"] = (g["rank"], g["world"])
+    # Leaving the group at exit, suspended or not, gives NCCL's memory back without its warning.
+    atexit.register(dist.destroy_process_group)
+
+
+@torch.no_grad()
+def replicate_from_rank0(model):
+    """Rank 0's weights on every rank, as DDP broadcasts them when it wraps a model."""
+    if state["dp"][1] > 1:
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0)
+
+
+def all_reduce_sum(tensors):
+    """Sums `tensors` over the trainers in place, in one collective (one bucket, as DDP's)."""
+    if state["dp"][1] == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()
 
 
 def modelled_s(tokens, passes, mfu, devices=1.0):
@@ -420,16 +466,20 @@ def kl_term(logp, ref, kind):
     return (torch.exp(-x) - 1 + x).clamp(max=K3_CLAMP)
 
 
-def aggregate(per_token, lengths, how):
+def aggregate(per_token, lengths, how, tokens, seqs):
+    """This rank's share of the minibatch's aggregate: its sum over the `tokens` tokens or `seqs`
+    sequences of the whole minibatch, so that the ranks' shares add up to the aggregate."""
     if how == "token-mean":
-        return per_token.sum() / max(1, per_token.numel())
-    seqs = per_token.split(lengths)
+        return per_token.sum() / max(1, tokens)
+    parts = per_token.split(lengths)
     if how == "seq-mean-token-sum":
-        return torch.stack([s.sum() for s in seqs]).mean()
-    return torch.stack([s.mean() for s in seqs]).mean()
+        return torch.stack([s.sum() for s in parts]).sum() / seqs
+    return torch.stack([s.mean() for s in parts]).sum() / seqs
 
 
-def minibatch_loss(samples):
+def minibatch_loss(samples, tokens, seqs):
+    """The loss and statistics of `samples`, this rank's share of a minibatch of `tokens` response
+    tokens in `seqs` sequences: summed over the ranks they are the minibatch's."""
     loss_cfg = state["loss"]
     clip = loss_cfg["clip"]
     dev = state["device"]
@@ -450,11 +500,38 @@ def minibatch_loss(samples):
     lengths = [len(s["response"]) for s in samples]
     how = loss_cfg.get("aggregation", "token-mean")
     loss = aggregate(pg + loss_cfg.get("kl_coef", 0.0) * kl - loss_cfg.get("entropy_coef", 0.0) * entropy,
-                     lengths, how)
-    stats = {"pg_loss": aggregate(pg, lengths, how), "kl": kl.mean(), "entropy": entropy.mean(),
-             "clip_frac": (clipped > unclipped).float().mean(), "dual_clip_frac": dual_hit.float().mean(),
-             "ppo_kl": (old - logp).mean()}
+                     lengths, how, tokens, seqs)
+    share = lambda x: x.float().sum() / tokens  # noqa: E731  (this rank's part of the token mean)
+    stats = {"pg_loss": aggregate(pg, lengths, how, tokens, seqs), "kl": share(kl), "entropy": share(entropy),
+             "clip_frac": share(clipped > unclipped), "dual_clip_frac": share(dual_hit),
+             "ppo_kl": share(old - logp)}
     return loss, stats
+
+
+STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "dual_clip_frac", "ppo_kl")
+
+
+def minibatch_step(model, opt, batch):
+    """One optimizer step on `batch`: this rank's share of it forward and backward, the gradients
+    summed over the ranks, clipped, AdamW. Every rank makes the same collectives in the same order,
+    an empty share included. Returns the minibatch's statistics (the ranks' shares summed)."""
+    rank, world = state["dp"]
+    mine = batch[rank::world]
+    tokens, seqs = sum(len(s["response"]) for s in batch), len(batch)
+    opt.zero_grad(set_to_none=False)  # the grads stay in their tagged pool
+    stats = torch.zeros(len(STATS), device=state["device"])
+    if mine:
+        loss, parts = minibatch_loss(mine, tokens, seqs)
+        loss.backward()
+        parts["loss"] = loss
+        stats = torch.stack([parts[k].detach().float() for k in STATS])
+    params = list(model.parameters())
+    all_reduce_sum([w.grad for w in params] + [stats])
+    norm = torch.nn.utils.clip_grad_norm_(params, state["max_grad_norm"], foreach=False)
+    opt.step()
+    out = dict(zip(STATS, stats.tolist()))
+    out["grad_norm"] = float(norm)
+    return out
 
 
 def train(p):
@@ -468,14 +545,8 @@ def train(p):
     totals, count = {}, 0
     for _ in range(max(1, p.get("epochs", 1))):
         for at in range(0, len(samples), size):
-            opt.zero_grad(set_to_none=False)  # the grads stay in their tagged pool
-            loss, stats = minibatch_loss(samples[at:at + size])
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), state["max_grad_norm"], foreach=False)
-            opt.step()
-            stats.update(loss=loss.detach(), grad_norm=norm)
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+            for k, v in minibatch_step(model, opt, samples[at:at + size]).items():
+                totals[k] = totals.get(k, 0.0) + v
             count += 1
     snapshot()
     torch.cuda.synchronize()

@@ -130,6 +130,31 @@ class PreloadMode(unittest.TestCase):
             self.assertTrue(callable(getattr(tms_obj, name)), name)
         self.assertTrue(tms_obj.enabled)
         self.assertEqual(tms_obj.hook_mode, "preload")
+        # TMS_HOOK_MODE, as torch_memory_saver's Ascend build reads it: the default mode, and a
+        # variable the hook knows (no "not a variable tms reads" warning once it runs).
+        code = textwrap.dedent(
+            """
+            import ctypes
+            from torch_memory_saver import torch_memory_saver as saver
+            print(saver.hook_mode)
+            rt = ctypes.CDLL("libcudart.so.12")
+            p = ctypes.c_void_p()
+            with saver.region(tag="py-hook-mode"):
+                assert rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(2 << 20)) == 0
+            print(saver._impl._hook_mode)
+            """
+        )
+        for mode in ("torch", "preload"):
+            out = subprocess.run(
+                [sys.executable, "-c", code], env=dict(os.environ, TMS_HOOK_MODE=mode), capture_output=True, text=True
+            )
+            self.assertEqual((out.returncode, out.stdout.split()), (0, [mode, mode]), out.stderr)
+            self.assertNotIn("TMS_HOOK_MODE", out.stderr)
+        bad = subprocess.run(
+            [sys.executable, "-c", "from torch_memory_saver import torch_memory_saver as s; s.hook_mode"],
+            env=dict(os.environ, TMS_HOOK_MODE="cuda"), capture_output=True, text=True,
+        )
+        self.assertIn("ValueError: TMS_HOOK_MODE='cuda': use 'preload' or 'torch'", bad.stderr)
 
     def test_configure_subprocess_propagates_the_preload(self):
         path = tms.library_path()

@@ -1,5 +1,6 @@
 """``TorchMemorySaver``: torch_memory_saver's object API over tms's shared Saver."""
 
+import os
 from typing import Literal, Optional
 
 from tms._saver import DEFAULT_TAG, check_region_arguments, shared
@@ -43,9 +44,21 @@ def _validate(enable_cpu_backup, enable_disk_backup, cpu_backup_backend):
         raise ValueError("cpu_backup_backend='mmap' is not supported on ROCm")
 
 
+def _default_hook_mode():
+    """Upstream's default, "preload", unless TMS_HOOK_MODE says otherwise: torch_memory_saver's
+    Ascend build (sgl-kernel-npu) takes its default from that variable, and its users set it."""
+    mode = os.environ.get("TMS_HOOK_MODE", "")
+    if mode == "":
+        return "preload"
+    if mode not in ("preload", "torch"):
+        raise ValueError(f"TMS_HOOK_MODE={mode!r}: use 'preload' or 'torch', or unset it (preload)")
+    return mode
+
+
 class TorchMemorySaver:
     """torch_memory_saver's API, argument for argument. Defaults as upstream: hook mode
-    "preload" (set ``hook_mode`` before first use for "torch"), CPU backup retention off."""
+    "preload" (``TMS_HOOK_MODE``, or ``hook_mode`` set before first use, for "torch"), CPU backup
+    retention off."""
 
     def __init__(self):
         self._impl_ctor_kwargs = {}
@@ -53,7 +66,8 @@ class TorchMemorySaver:
 
     def _ensure_initialized(self):
         if self._impl is None:
-            self._impl = _Impl(shared(self._impl_ctor_kwargs.get("hook_mode", "preload")))
+            mode = self._impl_ctor_kwargs.get("hook_mode") or _default_hook_mode()
+            self._impl = _Impl(shared(mode))
         return self._impl
 
     @property
@@ -102,7 +116,7 @@ class TorchMemorySaver:
     @property
     def hook_mode(self) -> HookMode:
         impl = self._impl
-        return impl._hook_mode if impl is not None else self._impl_ctor_kwargs.get("hook_mode", "preload")
+        return impl._hook_mode if impl is not None else self._impl_ctor_kwargs.get("hook_mode") or _default_hook_mode()
 
     @hook_mode.setter
     def hook_mode(self, hook_mode: HookMode):

@@ -7,7 +7,7 @@
 //! The device must be set on the calling thread before anything here (cudaSetDevice,
 //! aclrtSetDevice): both libraries bind a communicator to the thread's device.
 
-use crate::runtime::{AclStreams, Hccl, HcclRootInfo, Nccl, NcclUniqueId, Streams, load_hccl, load_nccl};
+use crate::runtime::{AclStreams, Hccl, HcclRootInfo, Nccl, NcclMemStats, NcclUniqueId, Streams, load_hccl, load_nccl};
 use libc::c_void;
 use std::ffi::CStr;
 
@@ -201,6 +201,17 @@ impl Group {
                 (h.broadcast)(p, bytes as u64, HCCL_UINT8, root as u32, self.comm, self.stream)
             }),
         }
+    }
+
+    /// `ncclCommMemStats(comm, stat)` (0: the bytes a suspend releases, 2: the bytes it keeps);
+    /// None for HCCL, or an NCCL older than 2.29.7 that has no such call.
+    pub fn nccl_mem_stat(&self, stat: i32) -> Option<u64> {
+        let Lib::Nccl(..) = &self.lib else { return None };
+        let f = NcclMemStats::load().ok()?;
+        let mut out = 0u64;
+        // SAFETY: this group's live communicator and a valid out pointer.
+        let rc = unsafe { (f.mem_stats)(self.comm, stat, &mut out) };
+        (rc == 0).then_some(out)
     }
 
     /// Waits for everything queued on the group's stream.

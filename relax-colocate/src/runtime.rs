@@ -60,6 +60,11 @@ api!(Nccl {
     get_last_error: c"ncclGetLastError" => fn(*mut c_void) -> *const c_char;
 });
 
+// NCCL 2.29.7+'s communicator memory statistics (absent from older NCCL, so apart from `Nccl`).
+api!(NcclMemStats {
+    mem_stats: c"ncclCommMemStats" => fn(*mut c_void, c_int, *mut u64) -> c_int;
+});
+
 /// Loads NCCL into the global scope (after the CUDA runtime), as PyTorch and vLLM load it.
 pub fn load_nccl() -> Result<(), String> {
     load_global(c"libnccl.so.2")

@@ -114,8 +114,10 @@ fn collective_row(row: &serde_json::Value, vendor: &str, stdout: &str, out: &std
     if vendor == "acl" {
         assert!(row["skipped"].as_str().is_some_and(|s| s.contains("NCCL")), "{row}");
         assert!(stdout.contains("Collective (ncclBroadcast): skipped"), "{stdout}");
+        assert!(row["communicator_suspend"]["skipped"].is_string(), "{row}");
         return;
     }
+    communicator_row(&row["communicator_suspend"], stdout);
     assert!(stdout.contains("Collective: ncclBroadcast"), "{stdout}");
     assert_eq!(
         (row["op"].as_str(), row["library"].as_str(), row["ranks"].as_u64()),
@@ -136,6 +138,24 @@ fn collective_row(row: &serde_json::Value, vendor: &str, stdout: &str, out: &std
     }
     let plot = std::fs::read_to_string(out.join("broadcast_vs_link.svg")).unwrap();
     assert!(plot.starts_with("<svg") && plot.contains("modelled link"), "{plot}");
+}
+
+/// The communicator row: on each rank of the 2-rank communicator, pausing tag `nccl` suspended
+/// the simulator's buffers, (ranks - 1) x 2 channels x 2 x NCCL_BUFFSIZE (4 MiB) = 16 MiB, which
+/// ncclCommMemStats reports as suspendable, free memory rose by them, the persistent 1 MiB stayed,
+/// and a broadcast after the resume delivered rank 0's bytes.
+fn communicator_row(row: &serde_json::Value, stdout: &str) {
+    assert!(stdout.contains("Communicator suspend: tms_pause(\"nccl\")"), "{stdout}");
+    let buffers = 2 * 2 * (4u64 << 20);
+    assert_eq!(row["bytes_won_per_rank"], serde_json::json!([buffers, buffers]), "{row}");
+    for r in row["ranks"].as_array().unwrap() {
+        assert_eq!(r["suspendable_bytes"].as_u64(), Some(buffers), "{r}");
+        assert_eq!(r["persistent_bytes"].as_u64(), Some(1 << 20), "{r}");
+        assert_eq!(r["paused_communicators"].as_u64(), Some(1), "{r}");
+        assert!(r["free_rose_bytes"].as_u64().unwrap() >= buffers, "{r}");
+        assert!(r["free_fell_on_resume_bytes"].as_u64().unwrap() >= buffers, "{r}");
+        assert_eq!(r["broadcast_after_resume_intact"], true, "{r}");
+    }
 }
 
 #[test]

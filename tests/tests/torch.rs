@@ -286,8 +286,90 @@ fn the_colocated_cycle_runs_with_pytorch_workers() {
     }
 }
 
+/// `relax-colocate run` with PyTorch workers in colocate mode on 2 simulated devices: the two
+/// trainers form a torch.distributed "nccl" process group (init's `trainer_group`), train data-
+/// parallel (each its share of a minibatch, gradients all-reduced), and sleep with their
+/// communicators suspended (tag `nccl`). What a rank wins is the simulator's buffer figure,
+/// (ranks - 1) x 2 channels x 2 x NCCL_BUFFSIZE (4 MiB) = 16 MiB, which ncclCommMemStats reports as
+/// suspendable; the 1 MiB it keeps stays. The runner's checks pass: free memory rose by every
+/// pause's bytes (the communicators' included), the replicas' weights agree at every hand-over and
+/// after every wake_up. A collective on a suspended communicator raises (test_nccl_pause.py), so a
+/// train step on one would fail the run; memory.jsonl shows none was suspended while the trainers
+/// worked.
+#[test]
+fn the_colocated_cycle_suspends_the_trainers_process_group() {
+    let Some(python) = torch_python() else { return };
+    let ws = workspace();
+    let out = tempfile::tempdir().unwrap();
+    let worker =
+        format!("env OMP_NUM_THREADS=1 {} {}", python.display(), ws.root.join("scripts/torch_worker.py").display());
+    let run = Command::new(ws.bin("relax-colocate"))
+        .current_dir(out.path())
+        .args(["run", "--device", "sim", "--quiet", "--out"])
+        .arg(out.path().join("run"))
+        .args(["--devices", "2", "--steps", "2", "--prompts", "4", "--samples", "4", "--memory-profile", "tiny"])
+        .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker])
+        .env_remove("LD_PRELOAD")
+        .env_remove("PYTHONPATH")
+        .env_remove("TMS_SIM_LIB")
+        .env_remove("NCCL_BUFFSIZE")
+        .env_remove("TMS_SIM_NCCL_CHANNELS")
+        .env_remove("TMS_SIM_NCCL_PERSISTENT_MEMORY")
+        .output()
+        .expect("run relax-colocate");
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "relax-colocate run with two torch trainers failed:\n{text}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("run/summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok", "{summary}");
+    assert_eq!(summary["steps_completed"], 2, "{summary}");
+    let buffers = 2 * 2 * (4u64 << 20);
+    let won = &summary["memory"]["communicator_bytes_suspended"];
+    assert_eq!(*won, serde_json::json!({"trainer-0": buffers, "trainer-1": buffers}), "{summary}");
+    // Per step, on each device: the rollout's offload, the trainer's sleep and its `nccl` pause
+    // (3 free-memory checks), the trainer's checksum after wake_up and the rollout's after
+    // update_weights (2); setup has the same but the wake_up: 2 x 2 x 5 + 2 x 4 = 28 (22 without
+    // the communicators' pauses).
+    assert!(summary["checks"]["passed"].as_u64().unwrap() >= 28, "{summary}");
+    let samples: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/memory.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut slept = 0;
+    for s in samples.iter().filter(|s| s["step"].as_u64() > Some(0)) {
+        for t in ["trainer-0", "trainer-1"] {
+            let (suspended, resident) = (&s["comm_suspended"][t], &s["workers"][t]["nccl"]);
+            match s["phase"].as_str().unwrap() {
+                "ref_log_probs" | "log_probs" | "actor_train" | "wake_up" => {
+                    assert_eq!(suspended.as_u64(), Some(0), "{t} worked with its communicator suspended: {s}");
+                    assert_eq!(resident.as_u64(), Some(buffers + (1 << 20)), "{s}");
+                }
+                "sleep" => {
+                    assert_eq!(suspended.as_u64(), Some(buffers), "{s}");
+                    assert_eq!(resident.as_u64(), Some(1 << 20), "only the persistent MiB stays asleep: {s}");
+                    slept += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(slept, 2 * 2, "a sleep per step and trainer");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows[0]["memory/trainer-1/nccl_suspended/sleep_bytes"].as_u64(), Some(buffers), "{}", rows[0]);
+    assert!(rows.iter().all(|r| r["train/grad_norm"].as_f64().is_some_and(f64::is_finite)), "{rows:?}");
+    let plot = std::fs::read_to_string(out.path().join("run/memory_timeline.svg")).unwrap();
+    assert!(plot.contains("communicator bytes suspended"), "the timeline's legend names them");
+}
+
 /// torch_worker.py's partial rollouts, called in-process: segments, `finished`, and sequences that
-/// continue after their prefix as if generated in one go (tests/torch-consumers/test_torch_worker.py).
+/// continue after their prefix as if generated in one go; its data-parallel trainers: the ranks'
+/// shares add up to the whole minibatch, two ranks stay replicas, and with their communicators
+/// suspended a train step fails with NCCL's error (tests/torch-consumers/test_torch_worker.py).
 #[test]
 fn the_torch_worker_continues_sequences_after_their_prefix() {
     pytest("test_torch_worker.py");

@@ -809,15 +809,16 @@ def test_sglang_cuda_graphs_under_the_cuda_graph_tag(sim, which):
 
 # --------------------------------------------------------------------------------------------
 # e. SGLang's Engine starts its scheduler under configure_subprocess(): the child preloads the
-#    library the Python package finds next to itself.
+#    library the Python package finds next to itself. With our library, `tms-ctl list` (the
+#    README quickstart's check) shows the scheduler by the TMS_NAME it inherited, tag resident.
 # --------------------------------------------------------------------------------------------
 
 SGLANG_CONFIGURE_SUBPROCESS = """
-import os, queue
+import os, queue, subprocess
 import torch.multiprocessing as mp
 
 
-def scheduler(q):
+def scheduler(q, seen):
     import torch, torch_memory_saver
     saver = torch_memory_saver.torch_memory_saver
     try:
@@ -831,6 +832,8 @@ def scheduler(q):
         maps = [line.split()[-1] for line in open("/proc/self/maps")]
         libs = sorted({{m for m in maps if ("tms_hook" in m or "torch_memory_saver" in m) and ".so" in m}})
         q.put((os.environ.get("LD_PRELOAD", ""), freed, same, libs))
+        # The scheduler stays up, its weights resident, while the parent asks tms-ctl about it.
+        seen.wait(120)
     except BaseException as e:
         q.put(("error", repr(e), False, []))
 
@@ -840,8 +843,9 @@ if __name__ == "__main__":
     print("parent_preload=%s" % os.environ.get("LD_PRELOAD", ""))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    seen = ctx.Event()
     with torch_memory_saver.configure_subprocess():
-        p = ctx.Process(target=scheduler, args=(q,))
+        p = ctx.Process(target=scheduler, args=(q, seen))
         p.start()
     while True:
         try:
@@ -850,6 +854,13 @@ if __name__ == "__main__":
         except queue.Empty:
             if not p.is_alive():
                 raise SystemExit("scheduler died: exit %s" % p.exitcode)
+    ctl = os.environ.get("CTL")
+    if ctl:
+        # What the README's quickstart asks during a job: the hooked scheduler, by its name.
+        listed = subprocess.run([ctl, "list"], capture_output=True, text=True, timeout=60)
+        print("ctl_rc=%s" % listed.returncode)
+        print("ctl_list=%s" % listed.stdout.replace("\\n", "|"))
+    seen.set()
     p.join(60)
     print("child_preload=%s" % preload)
     print("child_freed=%s" % freed)
@@ -877,15 +888,24 @@ def _wheel_layout(sim, which):
 @pytest.mark.parametrize("which", WHICH, indirect=True)
 def test_sglang_scheduler_started_under_configure_subprocess(sim, which):
     site, lib = _wheel_layout(sim, which)
-    out = sim.ok(
-        SGLANG_CONFIGURE_SUBPROCESS.format(),
-        memory="2GiB",
-        extra={"PYTHONPATH": f"{sim.sim_python}:{site}", "PYTHONDONTWRITEBYTECODE": "1"},
-        as_file=True,
-    )
+    extra = {"PYTHONPATH": f"{sim.sim_python}:{site}", "PYTHONDONTWRITEBYTECODE": "1"}
+    if which != "upstream":
+        from test_nccl_pause import _ctl_binary
+
+        # The scheduler inherits the launcher's environment, as SGLang's do: its name and the
+        # socket folder tms-ctl looks in.
+        control = sim.tmp / "control"
+        control.mkdir(mode=0o700)
+        extra.update(CTL=str(_ctl_binary(sim.hook)), TMS_CONTROL_DIR=str(control), TMS_NAME="sglang-scheduler")
+    out = sim.ok(SGLANG_CONFIGURE_SUBPROCESS.format(), memory="2GiB", extra=extra, as_file=True)
     assert out["parent_preload"] == "", out
     assert out["child_preload"].endswith(UPSTREAM_PRELOAD), out
     assert out["child_libs"] == str(lib.resolve()), out
     assert int(out["child_freed"]) >= 16 * MIB, out
     assert out["child_same"] == "True", out
     assert out["child_exit"] == "0", out
+    if which != "upstream":
+        # One row, the scheduler (the launcher is not hooked), with its tag resident.
+        assert out["ctl_rc"] == "0", out
+        rows = [r.split() for r in out["ctl_list"].split("|") if "sglang-scheduler" in r]
+        assert len(rows) == 1 and "weights" in rows[0], out

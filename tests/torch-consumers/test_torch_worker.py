@@ -3,8 +3,17 @@ docs/worker-protocol.md), called in-process on a simulated device under the hook
 stops after `segment_tokens` new tokens and says which sequences finished; a sequence sent back
 with its tokens continues after them, its new tokens' log-probs those of the whole sequence
 scored at once under the same weights (so the prefix really conditions what follows); without
-either parameter a request generates what it did before they existed."""
+either parameter a request generates what it did before they existed.
 
+Its trainers as data-parallel ranks (init's `trainer_group`): each rank's share of a minibatch
+adds up to the whole one, and two ranks in a process group stay replicas, a train step with their
+communicators suspended failing with NCCL's error."""
+
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -66,3 +75,131 @@ print("worst_logprob_diff=%g" % worst)
 def test_generate_continues_prefixes_in_segments(sim):
     out = sim.ok(SCENARIO.format(scripts=str(SCRIPTS)), preload=sim.hook, extra={"OMP_NUM_THREADS": "1"})
     assert float(out["worst_logprob_diff"]) < 1e-4
+
+
+SHARES = r"""
+import os, sys
+os.environ["RELAX_ROLE"] = "trainer"
+sys.path.insert(0, {scripts!r})
+import torch
+import torch_worker as tw
+
+tw.init({{"api": "cuda", "device": 0, "shape": {{"vocab": 16, "context": 24, "hidden": 32}}, "seed": 3,
+          "memory": [], "loss": {{"clip": {{"eps_low": 0.2, "eps_high": 0.28, "dual": 3.0}}, "kl_kind": "k3",
+                                  "kl_coef": 0.1, "entropy_coef": 0.01}}, "adam": {{"lr": 1e-3}}}})
+g = torch.Generator().manual_seed(0)
+rand = lambda n, lo, hi: (torch.rand(n, generator=g) * (hi - lo) + lo).tolist()
+samples = []
+for i in range(7):  # ragged: prompts of 2 to 4 tokens, responses of 1 to 5
+    n = 1 + (i * 3) % 5
+    samples.append({{"prompt": torch.randint(1, 16, (2 + i % 3,), generator=g).tolist(),
+                     "response": torch.randint(1, 16, (n,), generator=g).tolist(),
+                     "advantages": rand(n, -1, 1), "old_logprobs": rand(n, -3, -1), "ref_logprobs": rand(n, -3, -1)}})
+params = list(tw.state["model"].parameters())
+tokens, seqs = sum(len(s["response"]) for s in samples), len(samples)
+
+
+def grads_of(parts):
+    for w in params:
+        w.grad.zero_()
+    stats = {{}}
+    for part in parts:
+        loss, st = tw.minibatch_loss(part, tokens, seqs)
+        loss.backward()
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0.0) + float(v)
+    return [w.grad.clone() for w in params], stats
+
+
+worst = 0.0
+for how in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    tw.state["loss"]["aggregation"] = how
+    whole, s1 = grads_of([samples])
+    # Two ranks' shares, as minibatch_step deals them: rank r takes samples[r::2].
+    shared, s2 = grads_of([samples[0::2], samples[1::2]])
+    worst = max(worst, max((a - b).abs().max().item() for a, b in zip(whole, shared)))
+    assert max(abs(a.abs().max().item()) for a in whole) > 0, "the loss has gradients"
+    assert all(abs(s1[k] - s2[k]) < 1e-5 for k in s1), (how, s1, s2)
+assert worst < 1e-5, worst
+print("worst_grad_diff=%g" % worst)
+"""
+
+
+def test_data_parallel_shares_add_up_to_the_whole_minibatch(sim):
+    """The trainers' data parallelism (init's `trainer_group`): each rank's share of a minibatch
+    is normalized by the whole minibatch's tokens or sequences, so the shares' gradients and
+    statistics, summed as the all-reduce sums them, are the whole minibatch's under every
+    aggregation; a rank's share is never averaged on its own."""
+    out = sim.ok(SHARES.format(scripts=str(SCRIPTS)), preload=sim.hook, extra={"OMP_NUM_THREADS": "1"})
+    assert float(out["worst_grad_diff"]) < 1e-5
+
+
+RANK = r"""
+import json, os, sys
+os.environ["RELAX_ROLE"] = "trainer"
+sys.path.insert(0, {scripts!r})
+import torch
+import tms
+import torch_worker as tw
+
+rank = int(os.environ["RANK"])
+group = {{"backend": "nccl", "init_method": os.environ["INIT_METHOD"], "rank": rank, "world": 2}}
+# Each rank its own seed: the broadcast of rank 0's weights is what makes them replicas.
+tw.init({{"api": "cuda", "device": rank, "shape": {{"vocab": 16, "context": 24, "hidden": 32}}, "seed": 3 + rank,
+          "memory": [], "loss": {{"clip": {{"eps_low": 0.2, "eps_high": 0.28}}, "kl_coef": 0.1}},
+          "adam": {{"lr": 1e-2}}, "trainer_group": group}})
+g = torch.Generator().manual_seed(0)
+samples = []
+for i in range(5):
+    n = 1 + i % 3
+    samples.append({{"prompt": torch.randint(1, 16, (3,), generator=g).tolist(),
+                     "response": torch.randint(1, 16, (n,), generator=g).tolist(),
+                     "advantages": [(-1.0) ** i] * n, "old_logprobs": [-2.0] * n, "ref_logprobs": [-2.0] * n}})
+batch = {{"samples": samples, "minibatches": 2, "epochs": 1}}
+out = {{"start": tw.checksum({{}})["weights"]}}
+out["trained"] = (tw.train(batch)["grad_norm"], tw.checksum({{}})["weights"])
+out["paused"] = tms.pause_report("nccl")["bytes_done"]
+try:
+    tw.train(batch)
+    out["while_suspended"] = "trained"
+except Exception as e:
+    out["while_suspended"] = f"{{type(e).__name__}}: {{e}}"
+out["unchanged"] = tw.checksum({{}})["weights"]
+tms.resume_report("nccl")
+out["resumed"] = (tw.train(batch)["grad_norm"], tw.checksum({{}})["weights"])
+print("@" + json.dumps(out), flush=True)
+"""
+
+
+def test_data_parallel_trainers_stay_replicas_and_refuse_to_train_suspended(sim, tmp_path):
+    """Two torch_worker.py trainers in one process group (init's `trainer_group`, as the runner
+    sends it), each on its device: rank 0's weights reach rank 1 at init although their seeds
+    differ; after a train step both hold the same weights. With the communicators suspended
+    (tag `nccl`) a train step fails at its gradient all-reduce with NCCL's error, never a hang,
+    the weights untouched; resumed, both train again to the same weights. So a collective while
+    suspended cannot pass unnoticed: the runner must resume first, and does (test
+    the_colocated_cycle_suspends_the_trainers_process_group)."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK.format(scripts=str(SCRIPTS)))
+    port = 29500 + (os.getpid() * 17 + int(time.time())) % 20000
+    procs = []
+    for rank in range(2):
+        extra = {"RANK": str(rank), "INIT_METHOD": f"tcp://127.0.0.1:{port}", "OMP_NUM_THREADS": "1",
+                 "TMS_SIM_NCCL_CONNECT_TIMEOUT": "60"}
+        env = sim.env(devices=2, memory="2GiB", preload=sim.hook, extra=extra)
+        env["PYTHONPATH"] = ":".join([env["PYTHONPATH"], str(SCRIPTS.parent / "python")])
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        text, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, text
+        outs.append(json.loads(next(line[1:] for line in text.splitlines() if line.startswith("@"))))
+    r0, r1 = outs
+    assert r0["start"] == r1["start"], "rank 0's weights were not broadcast at init"
+    assert r0["trained"] == r1["trained"] and r0["trained"][1] != r0["start"], outs
+    assert r0["paused"] == r1["paused"] == 16 << 20, outs
+    for r in outs:
+        assert "invalid usage" in r["while_suspended"].lower(), r["while_suspended"]
+        assert r["unchanged"] == r["trained"][1], r
+    assert r0["resumed"] == r1["resumed"] and r0["resumed"][1] != r0["trained"][1], outs

@@ -80,8 +80,11 @@ pub const HOOK_VARIABLES: &[&str] = &[
     "TMS_NAME",
 ];
 
-/// `TMS_*` names that other parts of tms read (simulator, tools, scripts, tests): not typos.
+/// `TMS_*` names that other parts of tms read (simulator, tools, scripts, tests, the Python
+/// package): not typos. `TMS_HOOK_MODE` is the Ascend build of torch_memory_saver's default hook
+/// mode, which our torch_memory_saver package honours too.
 const OTHER_VARIABLES: &[&str] = &[
+    "TMS_HOOK_MODE",
     "TMS_LIBRARY",
     "TMS_HOOK",
     "TMS_PREFIX",
@@ -285,6 +288,8 @@ mod tests {
             w[0].contains("TMS_INIT_ENABLE_CPU_BAKUP") && w[0].contains("did you mean TMS_INIT_ENABLE_CPU_BACKUP?")
         );
         assert!(unknown_variables(["TMS_TORCH_VENV", "TMS_TEST_HOOK", "TMS_NAME", "TMS_LIBRARY"]).is_empty());
+        // Set by users of torch_memory_saver's Ascend build; read by our Python package.
+        assert!(unknown_variables(["TMS_HOOK_MODE"]).is_empty());
         assert!(unknown_variables(["TMS_BACKUP_STREAM"])[0].ends_with("did you mean TMS_BACKUP_STREAMS?"));
     }
 

@@ -9,6 +9,9 @@
 //! host can carry (`--sim-link-gbps`, 0.5 GB/s by default: the simulator's default of 450 GB/s,
 //! an H100's NVLink, is far above what moves between two processes on a 2-core VM, about 0.7 to
 //! 1.1 GB/s there with no modelled time (docs/perf.md), and would measure the host instead).
+//!
+//! The ranks run under the hook, which records their communicator; after the broadcasts each one
+//! measures what pausing tag `nccl` wins (suspend.rs, the communicator row).
 
 use super::{DeviceKind, Env, Options, Target, f, finish, gbs, human, table};
 use crate::collective::{self, Group, Library};
@@ -31,10 +34,12 @@ fn sizes(opts: &Options) -> Vec<usize> {
 
 /// Runs the row: prints its table and plot, returns its JSON (rows, or why it was skipped) and its
 /// target where a modelled link makes one.
-pub(super) fn run(env: &Env, device: DeviceKind, opts: &Options) -> Result<(Value, Option<Target>), String> {
+/// With it, the communicator row's JSON and target (suspend.rs).
+pub(super) fn run(env: &Env, device: DeviceKind, opts: &Options) -> Result<(Value, Vec<Target>), String> {
     if env.api != super::ApiKind::Cuda {
         println!("\nCollective (ncclBroadcast): skipped (NCCL is the CUDA API's; no HCCL row yet)");
-        return Ok((json!({ "skipped": "the collective row runs through NCCL (CUDA API); no HCCL row yet" }), None));
+        let why = "the collective row runs through NCCL (CUDA API); no HCCL row yet";
+        return Ok((json!({ "skipped": why, "communicator_suspend": { "skipped": why } }), Vec::new()));
     }
     let modelled = device == DeviceKind::Sim && opts.sim_link_gbps > 0.0;
     let link_gbps = if modelled { Some(opts.sim_link_gbps) } else { None };
@@ -43,18 +48,20 @@ pub(super) fn run(env: &Env, device: DeviceKind, opts: &Options) -> Result<(Valu
     let ranks = spawn_ranks(env, &sizes, reps, opts.sim_link_gbps)?;
     if let Some(why) = ranks.iter().find_map(|r| r["skipped"].as_str()) {
         println!("\nCollective (ncclBroadcast): skipped ({why})");
-        return Ok((json!({ "skipped": why }), None));
+        return Ok((json!({ "skipped": why, "communicator_suspend": { "skipped": why } }), Vec::new()));
     }
     let rows = combine(&ranks, link_gbps);
     print_rows(&rows, link_gbps, reps);
     super::plot::write_collective(&opts.out, &rows).map_err(|e| e.to_string())?;
     let intact = ranks[1]["contents_intact"].as_bool();
     let target = link_gbps.and_then(|_| judge(&rows));
+    let (suspend, suspend_target) = super::suspend::report(&ranks);
     let result = json!({
         "op": "broadcast", "library": "nccl", "ranks": 2, "root": 0, "reps": reps,
         "link_modelled": modelled, "link_gbps": link_gbps, "contents_intact": intact, "rows": rows,
+        "communicator_suspend": suspend,
     });
-    Ok((result, target))
+    Ok((result, target.into_iter().chain(suspend_target).collect()))
 }
 
 /// Per size: the slower rank's median, the rate it gives and its share of the modelled link.
@@ -131,7 +138,7 @@ fn spawn_ranks(env: &Env, sizes: &[usize], reps: usize, link_gbps: f64) -> Resul
     let mut children = Vec::new();
     for rank in 0..2 {
         let args = [rank.to_string(), id.display().to_string(), sizes.clone(), reps.to_string()];
-        let mut cmd = env.command(false, "broadcast", &args, sim_env)?;
+        let mut cmd = env.command(true, "broadcast", &args, sim_env)?;
         children.push(start(&mut cmd, dir.path(), rank)?);
     }
     let statuses = wait_all(&mut children)?;
@@ -230,7 +237,10 @@ pub fn rank(rank: usize, id_file: &str, sizes: &[usize], reps: usize) -> Result<
         }
     };
     let group = Group::join(Library::Nccl, &id, rank, 2)?;
-    let result = timed(&rt, &group, sizes, reps);
+    let result = timed(&rt, &group, sizes, reps).and_then(|mut r| {
+        r["suspend"] = super::suspend::measure(&rt, &group)?;
+        Ok(r)
+    });
     // Every broadcast was synchronized: nothing is pending on the communicator.
     group.destroy()?;
     result

@@ -9,6 +9,7 @@
 
 pub mod collective;
 pub mod plot;
+mod suspend;
 pub mod upstream;
 pub mod worker;
 
@@ -475,9 +476,9 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
         targets.push(no_slower("pause with backup no slower than torch_memory_saver (its time / ours)", pause_x));
         targets.push(no_slower("resume with backup no slower than torch_memory_saver (its time / ours)", resume_x));
     }
-    step(8, "a collective: ncclBroadcast between two devices against the modelled link");
-    let (collective, broadcast_target) = collective::run(&env, device, opts)?;
-    targets.extend(broadcast_target);
+    step(8, "a collective: ncclBroadcast between two devices against the modelled link; its communicator suspended");
+    let (collective, collective_targets) = collective::run(&env, device, opts)?;
+    targets.extend(collective_targets);
     print_targets(&targets);
 
     let result = json!({

@@ -185,6 +185,8 @@ pub struct MemorySection {
     pub scale: f64,
     pub kv_cache_gib: f64,
     pub backup: bool,
+    /// The trainers' sleep also suspends their NCCL communicators (tag `nccl`).
+    pub suspend_communicators: bool,
     pub update_weight_buffer_size: String,
 }
 

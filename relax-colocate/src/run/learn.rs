@@ -3,11 +3,11 @@
 //! optimizer settings, and the batch's metrics under slime's names.
 
 use super::Role;
-use super::config::{AlgoName, Config};
+use super::config::{AlgoName, Config, Launcher};
 use super::fleet::Fleet;
 use super::metrics::{self, mean};
 use super::profile::Profile;
-use super::protocol::{ComputeModel, InitParams};
+use super::protocol::{ComputeModel, InitParams, TrainerGroup};
 use super::protocol::{TrainParams, TrainReply};
 use super::task::{self, Addition};
 use super::{algo, model};
@@ -196,7 +196,9 @@ pub(super) fn init_params(
     max_batch: usize,
 ) -> Vec<InitParams> {
     let memory = if role == Role::Trainer { &profile.trainer.tags } else { &profile.rollout.tags };
-    let params = |i: usize| InitParams {
+    let group = if role == Role::Trainer { trainer_group(cfg, fleet, api) } else { None };
+    let targets = fleet.indices(role);
+    let params = |(rank, i): (usize, usize)| InitParams {
         api: api.into(),
         device: fleet.worker(i).device,
         shape,
@@ -208,8 +210,28 @@ pub(super) fn init_params(
         adam: Some(adam(cfg)),
         step: 0,
         compute: compute_model(cfg, fleet, profile),
+        trainer_group: group.as_ref().map(|(backend, init_method)| TrainerGroup {
+            backend: backend.to_string(),
+            init_method: init_method.clone(),
+            rank: rank as u32,
+            world: targets.len() as u32,
+        }),
     };
-    fleet.indices(role).into_iter().map(params).collect()
+    targets.iter().copied().enumerate().map(params).collect()
+}
+
+/// The trainers' data-parallel group, when there are several: the backend of `api` and a
+/// rendezvous on a port free here, where rank 0 (the first trainer) runs. A remote Ray cluster
+/// places rank 0 on a host the runner does not know, so its trainers stay replicas without one.
+fn trainer_group(cfg: &Config, fleet: &Fleet, api: &str) -> Option<(&'static str, String)> {
+    let remote_cluster = cfg.run.launcher == Launcher::Ray && cfg.run.ray_address.trim() != "local";
+    if fleet.indices(Role::Trainer).len() < 2 || remote_cluster {
+        return None;
+    }
+    // The port is free now; rank 0's store binds it moments later (the usual MASTER_PORT race).
+    let port = std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).ok()?.port();
+    let backend = if api == "acl" { "hccl" } else { "nccl" };
+    Some((backend, format!("tcp://127.0.0.1:{port}")))
 }
 
 /// The device time the workers model (compute.model), from the profile's parameters per device.

@@ -46,6 +46,9 @@ use std::rc::Rc;
 use task::Rng;
 
 const MIB: u64 = 1 << 20;
+/// The hook's reserved tag for the process's communicators (README, "The hook"): pausing it
+/// suspends NCCL's buffers, which pausing every tag leaves alone.
+const NCCL_TAG: &str = "nccl";
 /// The simulator's (and CUDA's usual) VMM granularity: region allocations round up to it.
 const GRANULARITY: u64 = 2 * MIB;
 

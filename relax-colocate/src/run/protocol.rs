@@ -146,6 +146,23 @@ pub struct InitParams {
     /// profile's model would take on the modelled device. None: only what it costs here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute: Option<ComputeModel>,
+    /// Trainers only, when there are several: the data-parallel process group they form. None:
+    /// a single trainer, or a layout the runner cannot give a rendezvous (a remote Ray cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainer_group: Option<TrainerGroup>,
+}
+
+/// Where the trainers meet for their data-parallel process group (torch.distributed's
+/// `init_process_group(backend, init_method, rank, world_size)`): rank 0 (the first trainer)
+/// serves the store at `init_method`, every trainer is on a device of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainerGroup {
+    /// "nccl" (CUDA) or "hccl" (Ascend).
+    pub backend: String,
+    /// `tcp://HOST:PORT`: a free port the runner picked on rank 0's host.
+    pub init_method: String,
+    pub rank: u32,
+    pub world: u32,
 }
 
 /// The device time a request models: FLOPs per token times tokens over the device's rate.

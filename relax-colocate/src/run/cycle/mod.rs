@@ -8,12 +8,13 @@ mod step;
 
 use super::config::Config;
 use super::fleet::Fleet;
+use super::fleet::WorkerStatus;
 use super::launch::Plan;
 use super::profile::Profile;
 use super::protocol::{Init, Method, SaveState, Step};
 use super::recorder::Recorder;
 use super::task::Addition;
-use super::{Cursor, FailKind, R, Role, RunError, learn, model, weights};
+use super::{Cursor, FailKind, NCCL_TAG, R, Role, RunError, learn, model, weights};
 use std::rc::Rc;
 
 pub(super) struct Colocate {
@@ -29,6 +30,8 @@ pub(super) struct Colocate {
     pub(super) rec: Recorder,
     /// The trainer's weights as it last went to sleep: what it must wake up with.
     weights_checksum: Option<String>,
+    /// The trainers' sleep suspended their NCCL communicators: wake_up resumes them.
+    comms_suspended: bool,
 }
 
 impl Colocate {
@@ -44,6 +47,7 @@ impl Colocate {
             fleet,
             rec,
             weights_checksum: None,
+            comms_suspended: false,
         }
     }
 
@@ -83,7 +87,19 @@ impl Colocate {
             return Ok(());
         }
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
+        if tag == Some(NCCL_TAG) {
+            self.rec.record_comm_suspended(&reports);
+        }
         self.rec.check_paused(&what, &reports)
+    }
+
+    /// Whether a trainer holds NCCL communicators now (a process group of data-parallel trainers).
+    fn trainers_have_communicators(&self) -> R<bool> {
+        let trainers: Vec<&str> =
+            self.indices(Role::Trainer).into_iter().map(|i| self.fleet.worker(i).name.as_str()).collect();
+        let statuses = self.fleet.statuses()?;
+        let has = |w: &WorkerStatus| w.status.communicators.iter().any(|c| c.library == NCCL_TAG);
+        Ok(statuses.iter().any(|w| trainers.contains(&w.name.as_str()) && has(w)))
     }
 
     /// Every worker of `role` must hold `expected`.
@@ -96,7 +112,18 @@ impl Colocate {
             if !r.cfg.memory.backup {
                 r.call_all::<SaveState>(Role::Trainer, Step { step: r.step() })?;
             }
-            r.control(Role::Trainer, true, None)
+            r.control(Role::Trainer, true, None)?;
+            // Pausing every tag leaves communicators alone (a framework may sync weights over
+            // them asleep); the trainer's are idle until wake_up, so their buffers sleep too.
+            // slime destroys its process groups here; suspending keeps them.
+            if r.cfg.memory.suspend_communicators && r.trainers_have_communicators()? {
+                r.control(Role::Trainer, true, Some(NCCL_TAG)).map_err(|mut e| {
+                    e.cause += "; memory.suspend_communicators = false leaves the communicators awake";
+                    e
+                })?;
+                r.comms_suspended = true;
+            }
+            Ok(())
         })
     }
 

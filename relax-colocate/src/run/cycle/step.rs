@@ -10,7 +10,7 @@ use crate::run::protocol::{
     Values,
 };
 use crate::run::task::{self, Rng};
-use crate::run::{FailKind, R, Role};
+use crate::run::{FailKind, NCCL_TAG, R, Role};
 use std::time::Instant;
 
 impl Colocate {
@@ -86,6 +86,10 @@ impl Colocate {
         self.phase("rollout_offload", |r| r.control(Role::Rollout, true, None))?;
         self.phase("wake_up", |r| {
             r.control(Role::Trainer, false, None)?;
+            // Before any request: the trainers' first collective must find its buffers back.
+            if std::mem::take(&mut r.comms_suspended) {
+                r.control(Role::Trainer, false, Some(NCCL_TAG))?;
+            }
             if !r.cfg.memory.backup {
                 r.call_all::<LoadState>(Role::Trainer, Step { step: r.step() })?;
             }

@@ -36,6 +36,14 @@ impl Recorder {
         Ok(())
     }
 
+    /// A pause of tag `nccl` suspended these communicator bytes (the reports' `bytes_done`:
+    /// ncclCommMemStats' suspendable figure of each communicator suspended), for the summary.
+    pub(in crate::run) fn record_comm_suspended(&mut self, reports: &[(String, OpReport)]) {
+        for (name, report) in reports {
+            self.comm_suspended.insert(name.clone(), report.bytes_done);
+        }
+    }
+
     /// Each worker's weights checksum (`sums`: name, checksum) is `expected`; `when` says at which
     /// point of the cycle.
     pub(in crate::run) fn check_weights(&mut self, sums: &[(String, String)], expected: &str, when: &str) -> R<()> {

@@ -185,8 +185,8 @@ pub fn statistics(values: &[f64]) -> [(&'static str, f64); 4] {
 }
 
 /// Memory at one phase boundary as flat keys: `memory/<process>/<tag>/<phase>_bytes` (resident
-/// bytes of the tag), `memory/<process>/paused/<phase>_bytes` and
-/// `memory/device<d>/used/<phase>_bytes`.
+/// bytes of the tag; `nccl`: its communicators'), `memory/<process>/paused/<phase>_bytes`,
+/// `memory/<process>/nccl_suspended/<phase>_bytes` and `memory/device<d>/used/<phase>_bytes`.
 pub fn add_memory(row: &mut Row, s: &super::MemSample) {
     let phase = &s.phase;
     for (d, used) in s.device_used.iter().enumerate() {
@@ -199,6 +199,9 @@ pub fn add_memory(row: &mut Row, s: &super::MemSample) {
     }
     for (worker, bytes) in &s.paused {
         row.set_bytes(&format!("memory/{worker}/paused/{phase}_bytes"), *bytes);
+    }
+    for (worker, bytes) in &s.comm_suspended {
+        row.set_bytes(&format!("memory/{worker}/nccl_suspended/{phase}_bytes"), *bytes);
     }
 }
 

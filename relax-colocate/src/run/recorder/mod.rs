@@ -32,10 +32,15 @@ pub struct MemSample {
     /// Per device: bytes in use (total − free).
     pub device_used: Vec<u64>,
     pub device_total: Vec<u64>,
-    /// Per worker: active (resident) bytes per tag.
+    /// Per worker: active (resident) bytes per tag; `nccl` is the device memory of its
+    /// communicators (NCCL's and HCCL's buffers, what a suspend leaves included).
     pub workers: BTreeMap<String, BTreeMap<String, u64>>,
     /// Per worker: paused bytes in all.
     pub paused: BTreeMap<String, u64>,
+    /// Per worker with NCCL communicators: the bytes of theirs that are suspended (tag `nccl`),
+    /// given back to the device rather than held by the hook. Absent from runs without any.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub comm_suspended: BTreeMap<String, u64>,
 }
 
 /// The run directory's outputs, opened before any worker starts.
@@ -87,6 +92,8 @@ pub(super) struct Recorder {
     peak_used: Vec<u64>,
     leak_baseline: BTreeMap<String, Vec<u64>>,
     checks_passed: u64,
+    /// Per worker: the communicator bytes its last pause of tag `nccl` suspended.
+    comm_suspended: BTreeMap<String, u64>,
     out: Outputs,
     progress: report::Progress,
     /// When the phase under way began (what a failure's sample spans).
@@ -119,6 +126,7 @@ impl Recorder {
             peak_used: vec![0; cfg.total_devices()],
             leak_baseline: BTreeMap::new(),
             checks_passed: 0,
+            comm_suspended: BTreeMap::new(),
             out,
             progress,
             phase_started_s: 0.0,

@@ -165,6 +165,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
             "weights_bytes_per_device": profile.rollout.tag_bytes("weights"),
             "trainer_allocations": profile.trainer.count(), "rollout_allocations": profile.rollout.count(),
             "peak_device_used": r.peak_used,
+            "communicator_bytes_suspended": r.comm_suspended,
         },
         "compute": crate::run::learn::compute_label(&r.cfg, profile),
         "wall_time_s": r.started.elapsed().as_secs_f64(),
@@ -211,10 +212,24 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
             summary["checks"]["passed"]
         );
     }
+    print_communicators(&r.comm_suspended);
     let tensorboard = if r.cfg.metrics.loggers.contains("tensorboard") { ", tensorboard/" } else { "" };
     println!(
         "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, memory_per_step.svg, reward.svg, logs/{tensorboard})",
         r.run_dir.display()
+    );
+}
+
+/// What the trainers' sleep won from their NCCL communicators (tag `nccl`), per process.
+fn print_communicators(suspended: &BTreeMap<String, u64>) {
+    if suspended.is_empty() {
+        return;
+    }
+    let each: Vec<String> = suspended.iter().map(|(name, b)| format!("{name} {}", human(*b))).collect();
+    println!(
+        "communicator bytes suspended at sleep (NCCL buffers, tag nccl): {}; {} in all",
+        each.join(", "),
+        human(suspended.values().sum())
     );
 }
 
@@ -288,6 +303,8 @@ const TIMELINE_STEPS: u64 = 30;
 /// `stride`-th sample), and every phase's span, from `first_step` on.
 struct Timeline {
     used: Vec<(f64, f64)>,
+    /// The communicator bytes suspended, all processes together.
+    comm_suspended: Vec<(f64, f64)>,
     capacity: Vec<(f64, f64)>,
     per_worker: Vec<Vec<(f64, f64)>>,
     spans: Vec<Span>,
@@ -296,6 +313,7 @@ struct Timeline {
 fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: usize) -> Timeline {
     let mut t = Timeline {
         used: Vec::new(),
+        comm_suspended: Vec::new(),
         capacity: Vec::new(),
         per_worker: vec![Vec::new(); names.len()],
         spans: Vec::new(),
@@ -308,6 +326,7 @@ fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: u
             continue;
         }
         t.used.push((s.t_s, s.device_used.iter().sum::<u64>() as f64));
+        t.comm_suspended.push((s.t_s, s.comm_suspended.values().sum::<u64>() as f64));
         t.capacity.push((s.t_s, s.device_total.iter().sum::<u64>() as f64));
         for (name, pts) in names.iter().zip(&mut t.per_worker) {
             pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
@@ -332,7 +351,7 @@ fn memory_timeline(r: &Recorder) -> String {
     let first_step = if last_step > TIMELINE_STEPS { last_step + 1 - TIMELINE_STEPS } else { 0 };
     let stride = n.div_ceil(MAX_SAMPLES).max(1);
     let names = &r.names;
-    let Timeline { used, capacity, per_worker, mut spans } = timeline(&path, names, first_step, stride);
+    let Timeline { used, comm_suspended, capacity, per_worker, mut spans } = timeline(&path, names, first_step, stride);
     if spans.len() > MAX_SAMPLES {
         spans = merge_spans(spans, MAX_SAMPLES);
     }
@@ -360,6 +379,15 @@ fn memory_timeline(r: &Recorder) -> String {
         color: RGBColor(60, 60, 60),
         width: 2,
     }];
+    if comm_suspended.iter().any(|p| p.1 > 0.0) {
+        series.push(Series {
+            name: "communicator bytes suspended (tag nccl)".into(),
+            points: comm_suspended,
+            shape: Shape::Steps,
+            color: RGBColor(230, 145, 56),
+            width: 2,
+        });
+    }
     if capacity.iter().any(|p| p.1 > 0.0) {
         series.push(Series {
             name: "capacity".into(),

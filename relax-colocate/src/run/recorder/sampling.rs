@@ -3,7 +3,7 @@
 
 use super::{MemSample, Recorder};
 use crate::run::fleet::WorkerStatus;
-use crate::run::{FailKind, MIB, R};
+use crate::run::{FailKind, MIB, NCCL_TAG, R};
 use std::collections::BTreeMap;
 use std::io::Write as _;
 
@@ -55,9 +55,17 @@ impl Recorder {
             device_total: vec![0; devices],
             workers: BTreeMap::new(),
             paused: BTreeMap::new(),
+            comm_suspended: BTreeMap::new(),
         };
         for WorkerStatus { name, rank, status: st } in statuses {
-            let tags = st.tags.iter().map(|t| (t.tag.clone(), t.bytes_active)).collect();
+            let mut tags: BTreeMap<String, u64> = st.tags.iter().map(|t| (t.tag.clone(), t.bytes_active)).collect();
+            if !st.communicators.is_empty() {
+                let (resident, suspended) = communicator_bytes(&st.communicators);
+                tags.insert(NCCL_TAG.into(), resident);
+                if st.communicators.iter().any(|c| c.library == NCCL_TAG) {
+                    s.comm_suspended.insert(name.clone(), suspended);
+                }
+            }
             s.workers.insert(name.clone(), tags);
             s.paused.insert(name, st.tags.iter().map(|t| t.bytes_paused).sum());
             if let Some(d) = st.devices.first() {
@@ -100,4 +108,16 @@ impl Recorder {
         }
         Ok(())
     }
+}
+
+/// A process's communicators: the device bytes they hold (persistent ones always, buffers unless
+/// suspended) and the bytes suspended.
+fn communicator_bytes(comms: &[tms_proto::CommInfo]) -> (u64, u64) {
+    comms.iter().fold((0, 0), |(resident, suspended), c| {
+        if c.suspended {
+            (resident + c.persistent_bytes, suspended + c.suspendable_bytes)
+        } else {
+            (resident + c.persistent_bytes + c.suspendable_bytes, suspended)
+        }
+    })
 }
