@@ -14,6 +14,7 @@ use super::protocol::{Init, Method, SaveState, Step};
 use super::recorder::Recorder;
 use super::task::Addition;
 use super::{Cursor, FailKind, R, Role, RunError, learn, model, weights};
+use weights::WeightSync;
 use std::rc::Rc;
 
 pub(super) struct Colocate {
@@ -24,7 +25,8 @@ pub(super) struct Colocate {
     shape: model::Shape,
     pub(super) profile: Profile,
     api: &'static str,
-    bucket_bytes: u64,
+    /// How update_weights moves the weights (ipc by default), and what it moved.
+    pub(super) sync: WeightSync,
     pub(super) fleet: Fleet,
     pub(super) rec: Recorder,
     /// The trainer's weights as it last went to sleep: what it must wake up with.
@@ -33,6 +35,7 @@ pub(super) struct Colocate {
 
 impl Colocate {
     pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Colocate {
+        let sync = WeightSync::new(cfg, &plan, &fleet);
         Colocate {
             cfg: cfg.clone(),
             at: rec.cursor(),
@@ -40,7 +43,7 @@ impl Colocate {
             shape: plan.shape,
             profile: plan.profile,
             api: plan.api,
-            bucket_bytes: plan.bucket_bytes,
+            sync,
             fleet,
             rec,
             weights_checksum: None,
@@ -101,7 +104,7 @@ impl Colocate {
     }
 
     fn update_weights(&mut self) -> R<()> {
-        self.phase("update_weights", |r| weights::host_transfer(&mut r.fleet, &r.at, r.bucket_bytes).map(drop))
+        self.phase("update_weights", |r| r.sync.transfer(&mut r.fleet, &r.at, &mut r.rec, r.at.step()).map(drop))
     }
 
     /// Rollout and trainer start, the trainer's initial weights reach the rollout: slime's
