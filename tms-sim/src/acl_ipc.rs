@@ -209,8 +209,12 @@ pub unsafe extern "C" fn aclrt_ipc_mem_import_by_key(dev_ptr: *mut *mut c_void, 
         if fd < 0 {
             return RT_PARAM_INVALID;
         }
-        let mapped =
-            sim().mem.write().unwrap_or_else(|e| e.into_inner()).ipc_import(fd, r.offset, r.len as usize, r.device as usize);
+        let mapped = sim().mem.write().unwrap_or_else(|e| e.into_inner()).ipc_import(
+            fd,
+            r.offset,
+            r.len as usize,
+            r.device as usize,
+        );
         // SAFETY: our own descriptor; the mapping keeps the memory reachable.
         unsafe { libc::close(fd) };
         let Ok(base) = mapped else { return RT_MEMORY_ALLOCATION };

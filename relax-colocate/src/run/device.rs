@@ -220,7 +220,8 @@ impl Device {
                 let ipc = Self::ipc_symbols(AclIpc::load)?;
                 let mut key = [0u8; ACL_IPC_KEY_LEN];
                 // SAFETY: the key buffer is the documented 65 bytes; flag 0 turns the whitelist on.
-                let rc = unsafe { (ipc.export_key)(ptr as *mut _, bytes as usize, key.as_mut_ptr().cast(), key.len(), 0) };
+                let rc =
+                    unsafe { (ipc.export_key)(ptr as *mut _, bytes as usize, key.as_mut_ptr().cast(), key.len(), 0) };
                 if rc != 0 {
                     return Err(self.fail("aclrtIpcMemGetExportKey", rc));
                 }

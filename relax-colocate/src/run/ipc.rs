@@ -40,7 +40,8 @@ pub(super) fn export(
     if slot.is_some() {
         return Err(bad("ipc_export while the last export is still open (ipc_close first)".into()));
     }
-    let bucket_bytes = Some(p.bucket_bytes).filter(|b| *b > 0).ok_or_else(|| bad("bucket_bytes must be positive".into()))?;
+    let bucket_bytes =
+        Some(p.bucket_bytes).filter(|b| *b > 0).ok_or_else(|| bad("bucket_bytes must be positive".into()))?;
     let total: u64 = sizes.iter().sum();
     let bytes = bucket_bytes.min(total).max(1);
     let ptr = dev.malloc(bytes, None, false).map_err(dev_err)?;
@@ -51,7 +52,12 @@ pub(super) fn export(
             return Err(dev_err(e));
         }
     };
-    let reply = IpcExportReply { handle: to_hex(&handle), buffer_bytes: bytes, buckets: total.div_ceil(bucket_bytes), bytes: total };
+    let reply = IpcExportReply {
+        handle: to_hex(&handle),
+        buffer_bytes: bytes,
+        buckets: total.div_ceil(bucket_bytes),
+        bytes: total,
+    };
     *slot = Some(Shared { handle, ptr, bytes, bucket_bytes, exported: true });
     Ok(reply)
 }
@@ -70,8 +76,11 @@ pub(super) fn import(dev: &Device, p: IpcImportParams, slot: &mut Option<Shared>
     Ok(Ack {})
 }
 
+/// A stretch of a bucket: (entry, offset in the entry, offset in the bucket, length).
+type Piece = (usize, u64, u64, u64);
+
 /// Bucket `i`'s pieces over entries of `sizes` bytes, checked against the shared buffer.
-fn pieces<'a>(slot: &'a Option<Shared>, sizes: &[u64], i: u64) -> Result<(&'a Shared, Vec<(usize, u64, u64, u64)>), Failure> {
+fn pieces<'a>(slot: &'a Option<Shared>, sizes: &[u64], i: u64) -> Result<(&'a Shared, Vec<Piece>), Failure> {
     let s = slot.as_ref().ok_or_else(|| bad("no ipc_export or ipc_import before this bucket".into()))?;
     let pieces = bucket_pieces(sizes, s.bucket_bytes, i);
     match pieces.last() {
@@ -85,7 +94,12 @@ fn pieces<'a>(slot: &'a Option<Shared>, sizes: &[u64], i: u64) -> Result<(&'a Sh
 
 /// The trainer: bucket `p.bucket` of its weights (the host snapshot it takes after each train,
 /// what it has while its regions sleep) into the exported buffer.
-pub(super) fn pack(dev: &Device, slot: &Option<Shared>, snapshot: &[Vec<u8>], p: BucketParams) -> Result<BucketReply, Failure> {
+pub(super) fn pack(
+    dev: &Device,
+    slot: &Option<Shared>,
+    snapshot: &[Vec<u8>],
+    p: BucketParams,
+) -> Result<BucketReply, Failure> {
     let sizes: Vec<u64> = snapshot.iter().map(|s| s.len() as u64).collect();
     let (s, pieces) = pieces(slot, &sizes, p.bucket)?;
     let mut len = 0;
@@ -98,7 +112,12 @@ pub(super) fn pack(dev: &Device, slot: &Option<Shared>, snapshot: &[Vec<u8>], p:
 
 /// The rollout: bucket `p.bucket` from the imported buffer into its weights, device to device.
 /// `entries` are its weights stream's (pointer, bytes).
-pub(super) fn copy(dev: &Device, slot: &Option<Shared>, entries: &[(u64, u64)], p: BucketParams) -> Result<BucketReply, Failure> {
+pub(super) fn copy(
+    dev: &Device,
+    slot: &Option<Shared>,
+    entries: &[(u64, u64)],
+    p: BucketParams,
+) -> Result<BucketReply, Failure> {
     let sizes: Vec<u64> = entries.iter().map(|e| e.1).collect();
     let (s, pieces) = pieces(slot, &sizes, p.bucket)?;
     let mut len = 0;

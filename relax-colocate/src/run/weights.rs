@@ -111,7 +111,8 @@ fn ipc_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64, pids: &[(usiz
     let (buckets, bytes) = (exports[0].buckets, exports[0].bytes);
     if let Some(k) = exports.iter().position(|e| (e.buckets, e.bytes) != (buckets, bytes)) {
         let name = &fleet.worker(trainers[k]).name;
-        let cause = format!("ipc_export: a weights stream of {} bytes, the first trainer's has {bytes}", exports[k].bytes);
+        let cause =
+            format!("ipc_export: a weights stream of {} bytes, the first trainer's has {bytes}", exports[k].bytes);
         return Err(at.fail(FailKind::Check, Some(name), cause));
     }
     let params = exports

@@ -5,15 +5,15 @@
 //! the CPU, staged through memcpy, so the same code runs on a GPU, an NPU and the simulator.
 
 use super::broadcast;
-use super::ipc;
 use super::device::{DevError, Device, Hasher};
+use super::ipc;
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
 use super::protocol::{
     self, Ack, BroadcastWeights, BucketParams, BucketReply, Checksum, ChecksumReply, ComputeModel, Generate,
     GenerateParams, GenerateReply, Generated, GroupDestroy, GroupId, GroupInit, Init, InitParams, InitReply, IpcClose,
-    IpcCopy, IpcExport, IpcImport, IpcPack, IpcPid, IpcPidReply, LogProbs,
-    LogProbsParams, LogProbsReply, Method, Model, Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply,
-    Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd, Values, ValuesReply,
+    IpcCopy, IpcExport, IpcImport, IpcPack, IpcPid, IpcPidReply, LogProbs, LogProbsParams, LogProbsReply, Method,
+    Model, Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams,
+    UpdateBeginReply, UpdateEnd, Values, ValuesReply,
 };
 use super::task::Rng;
 use super::wire;

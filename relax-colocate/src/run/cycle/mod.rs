@@ -14,8 +14,8 @@ use super::protocol::{Init, Method, SaveState, Step};
 use super::recorder::Recorder;
 use super::task::Addition;
 use super::{Cursor, FailKind, R, Role, RunError, learn, model, weights};
-use weights::WeightSync;
 use std::rc::Rc;
+use weights::WeightSync;
 
 pub(super) struct Colocate {
     pub(super) cfg: Config,
