@@ -284,6 +284,20 @@ pub fn load_acl() -> Result<(), String> {
 }
 
 /// Whether a vendor library can be loaded here (an RTLD_LAZY probe, closed right away).
+/// Whether `lib` loads here and exports `name`.
+pub fn has_symbol(lib: &CStr, name: &CStr) -> bool {
+    // SAFETY: dlopen/dlsym/dlclose of a library by soname.
+    unsafe {
+        let h = libc::dlopen(lib.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return false;
+        }
+        let found = !libc::dlsym(h, name.as_ptr()).is_null();
+        libc::dlclose(h);
+        found
+    }
+}
+
 pub fn can_load(lib: &CStr) -> bool {
     // SAFETY: dlopen/dlclose of a library by soname.
     unsafe {

@@ -501,4 +501,16 @@ mod tests {
         assert_eq!(serde_json::to_value(Ack {}).unwrap(), json!({}));
         assert_eq!(serde_json::to_value(TrainReply::default()).unwrap(), json!({}));
     }
+
+    #[test]
+    fn ipc_messages_carry_the_documented_fields_and_hellos_may_omit_transports() {
+        let p = IpcExportParams { bucket_bytes: 1 << 20, importers: vec![42], step: 2 };
+        assert_eq!(serde_json::to_value(p).unwrap(), json!({"bucket_bytes": 1048576, "importers": [42], "step": 2}));
+        let e = decode::<IpcExportReply>(json!({"handle": "ab", "buffer_bytes": 8, "buckets": 1})).unwrap_err();
+        assert_eq!(e, "missing field `bytes`");
+        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "pid": 7}});
+        assert!(read_hello(hello, "rollout").unwrap().transports.is_empty());
+        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "transports": ["ipc"]}});
+        assert_eq!(read_hello(hello, "rollout").unwrap().transports, ["ipc"]);
+    }
 }

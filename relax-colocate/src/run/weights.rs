@@ -204,7 +204,7 @@ impl WeightSync {
         let nodes: Vec<u32> = members(fleet).into_iter().map(node).collect();
         let gbps = if nodes.windows(2).all(|w| w[0] == w[1]) { intra } else { inter };
         WeightSync {
-            transport: cfg.weight_transport(),
+            transport: plan.transport,
             library: Library::of_api(plan.api),
             api: plan.api,
             ipc_pids: None,
