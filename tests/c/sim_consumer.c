@@ -532,7 +532,9 @@ static int unmap_in_flight(void) {
   CUcontext ctx;
   EXPECT(CUDRV(cuDevicePrimaryCtxRetain)(&ctx, 0), 0);
   EXPECT(CUDRV(cuCtxSetCurrent)(ctx), 0);
-  size_t size = 64 * MiB;
+  /* 256 MiB at the test's 1 GB/s take about 270 ms: the unmap lands mid-copy even when a loaded
+     machine oversleeps the 20 ms several times over. */
+  size_t size = 256 * MiB;
   CUdeviceptr va;
   CUmemGenericAllocationHandle h;
   EXPECT(map_new_memory(size, &va, &h), 0);
@@ -542,7 +544,7 @@ static int unmap_in_flight(void) {
   cudaStream_t s;
   EXPECT(CUDART(cudaStreamCreateWithFlags)(&s, 1), 0);
   EXPECT(CUDART(cudaMemcpyAsync)((void *)va, pinned, size, 1, s), 0);
-  usleep(20000); /* a third of the way through */
+  usleep(20000);
   EXPECT(CUDRV(cuMemUnmap)(va, size), 0);
   EXPECT(CUDART(cudaStreamSynchronize)(s), 700);
   void *p = NULL;
