@@ -187,8 +187,9 @@ struct RunArgs {
     /// Async: trainer steps between weight updates to the rollout [async.train_iters_per_update].
     #[arg(long)]
     train_iters_per_update: Option<u64>,
-    /// How weights reach the rollout: host (the shared bucket file), broadcast (NCCL/HCCL; async
-    /// mode) or auto (broadcast in async mode with the built-in workers, else host)
+    /// How weights reach the rollout: ipc (device memory handles, device to device; colocate
+    /// mode), broadcast (NCCL/HCCL; async mode), host (the shared bucket file, the fallback) or
+    /// auto (with the built-in workers ipc colocated and broadcast in async mode, else host)
     /// [run.weight_transport].
     #[arg(long, value_enum)]
     weight_transport: Option<run::config::WeightTransport>,

@@ -35,6 +35,29 @@ api!(Runtime {
     mem_get_info: c"cudaMemGetInfo" => fn(*mut usize, *mut usize) -> c_int;
 });
 
+/// `cudaIpcMemHandle_t`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CudaIpcHandle {
+    pub bytes: [u8; 64],
+}
+
+// The IPC weight transport's calls (cuda_runtime_api.h), loaded only when it is used.
+api!(CudaIpc {
+    get_mem_handle: c"cudaIpcGetMemHandle" => fn(*mut CudaIpcHandle, *mut c_void) -> c_int;
+    open_mem_handle: c"cudaIpcOpenMemHandle" => fn(*mut *mut c_void, CudaIpcHandle, u32) -> c_int;
+    close_mem_handle: c"cudaIpcCloseMemHandle" => fn(*mut c_void) -> c_int;
+});
+
+// The same on Ascend (acl_rt.h, CANN "IPC memory sharing"): a 65-byte key, a pid whitelist.
+api!(AclIpc {
+    bare_tgid: c"aclrtDeviceGetBareTgid" => fn(*mut i32) -> c_int;
+    export_key: c"aclrtIpcMemGetExportKey" => fn(*mut c_void, usize, *mut c_char, usize, u64) -> c_int;
+    set_import_pid: c"aclrtIpcMemSetImportPid" => fn(*const c_char, *mut i32, usize) -> c_int;
+    import_by_key: c"aclrtIpcMemImportByKey" => fn(*mut *mut c_void, *const c_char, u64) -> c_int;
+    close: c"aclrtIpcMemClose" => fn(*const c_char) -> c_int;
+});
+
 // What a collective needs of the CUDA runtime beyond `Runtime`: streams (and the bench's device count).
 api!(Streams {
     device_count: c"cudaGetDeviceCount" => fn(*mut c_int) -> c_int;
@@ -266,6 +289,20 @@ pub fn load_acl() -> Result<(), String> {
 }
 
 /// Whether a vendor library can be loaded here (an RTLD_LAZY probe, closed right away).
+/// Whether `lib` loads here and exports `name`.
+pub fn has_symbol(lib: &CStr, name: &CStr) -> bool {
+    // SAFETY: dlopen/dlsym/dlclose of a library by soname.
+    unsafe {
+        let h = libc::dlopen(lib.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return false;
+        }
+        let found = !libc::dlsym(h, name.as_ptr()).is_null();
+        libc::dlclose(h);
+        found
+    }
+}
+
 pub fn can_load(lib: &CStr) -> bool {
     // SAFETY: dlopen/dlclose of a library by soname.
     unsafe {

@@ -89,6 +89,11 @@ aclError aclrtFreePhysical(aclrtDrvMemHandle h);
 aclError aclrtMapMem(void *p, size_t size, size_t offset, aclrtDrvMemHandle h, uint64_t flags);
 aclError aclrtUnmapMem(void *p);
 aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, int option, size_t *g);
+aclError aclrtDeviceGetBareTgid(int32_t *pid);
+aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key, size_t len, uint64_t flags);
+aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_t num);
+aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags);
+aclError aclrtIpcMemClose(const char *key);
 
 /* CALL(f): the function f, reached the way this build of the consumer is configured:
  *  - default: a direct call through the PLT (the program or plugin is linked against the soname);

@@ -743,3 +743,49 @@ fn the_run_prints_where_its_workers_control_sockets_are() {
     let line = err.lines().find(|l| l.contains("control sockets in")).unwrap_or_else(|| panic!("{err}"));
     assert!(line.contains("`tms-ctl --dir ") && line.contains(" list`"), "{line}");
 }
+
+/// The colocated default moves the weights by IPC, as slime's `update_weights_from_tensor` does:
+/// each rollout opens the buffer the trainer on its device exports (CUDA IPC handles; Ascend IPC
+/// keys on the ACL side) and copies device to device. The runner's checks compare every rollout's
+/// weights with the trainer's checksum after each update; the summary says no byte crossed the
+/// host, where the host transport moves every byte through it.
+#[test]
+fn ipc_is_the_colocated_default_and_moves_no_byte_through_the_host() {
+    for (api, transport) in [("cuda", None), ("acl", None), ("cuda", Some("host"))] {
+        let dir = tempfile::tempdir().unwrap();
+        let sim_api = format!("sim.api={api}");
+        let mut args = vec!["--steps", "2", "--devices", "2", "--set", &sim_api];
+        args.extend(transport.iter().flat_map(|t| ["--weight-transport", t]));
+        let (_, s) = tms_e2e::runner::run_ok(dir.path(), &args);
+        let w = &s["weight_sync"];
+        assert_eq!(w["weight_transport"], transport.unwrap_or("ipc"), "{api}: {w}");
+        assert_eq!(w["weight_updates"], 3, "the initial weights and one update per step: {w}");
+        let bytes = w["update_weights_bytes"].as_u64().unwrap();
+        let through_host = if transport == Some("host") { bytes } else { 0 };
+        assert!(bytes > 0 && w["update_weights_buckets"].as_u64().unwrap() >= 3, "{w}");
+        assert_eq!(w["update_weights_host_bytes"].as_u64(), Some(through_host), "{api} {transport:?}: {w}");
+        assert!(w["update_weights_gbps"].as_f64().unwrap() > 0.0, "{w}");
+        // Every update was checked on both rollouts: the run would have failed otherwise.
+        assert!(s["checks"]["passed"].as_u64().unwrap() >= 6, "{s}");
+        for row in metrics(dir.path()) {
+            let per_update = row["perf/update_weights_bytes"].as_f64().unwrap();
+            let host = row["perf/update_weights_host_bytes"].as_f64().unwrap();
+            assert_eq!(host, if transport == Some("host") { per_update } else { 0.0 }, "{row}");
+        }
+    }
+}
+
+/// `ipc` asked of external workers that do not say in their hello that they speak it: exit 2
+/// naming the key, the worker and the transport that works.
+#[test]
+fn ipc_with_workers_that_do_not_speak_it_is_a_configuration_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = "python3 scripts/example_worker.py";
+    let args = ["--steps", "1", "--weight-transport", "ipc", "--trainer-cmd", cmd, "--rollout-cmd", cmd];
+    let out = run_cmd(dir.path(), &args).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("run.weight_transport = \"ipc\"") && err.contains("--weight-transport host"), "{err}");
+    assert!(err.contains("trainer-0") || err.contains("rollout-0"), "{err}");
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
+}

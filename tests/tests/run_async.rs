@@ -317,6 +317,10 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
             vec!["--weight-transport", "broadcast"],
             "run.weight_transport = \"broadcast\" needs run.mode = \"async\" (--mode async): colocated",
         ),
+        (
+            vec!["--mode", "async", "--devices", "2", "--weight-transport", "ipc"],
+            "run.weight_transport = \"ipc\" shares a device buffer between the trainer and the rollout on one device",
+        ),
         (vec!["--mode", "async", "--devices", "2", "--set", "sim.link_gbps=fast"], "sim.link_gbps=\"fast\" is not"),
         (
             vec!["--mode", "async", "--devices", "3", "--rollout-devices", "1-2", "--prompts", "9"],

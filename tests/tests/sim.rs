@@ -316,3 +316,57 @@ fn contexts_and_granules_cost_device_memory_as_on_a_gpu() {
     let out = run_ok(&mut node.command(&argv));
     assert!(out.contains("context does not fit ok"), "{out}");
 }
+
+/// Ascend IPC as CANN documents it ("IPC memory sharing": aclrtIpcMemGetExportKey and its
+/// companions): an importer the exporter did not whitelist is refused, a whitelisted one shares
+/// the bytes both ways, and once the exporter closes the key no one imports it. The refusals of
+/// bad arguments, region memory and a range past the allocation are checked inside the programs.
+#[test]
+fn acl_ipc_shares_memory_with_whitelisted_importers_until_the_key_is_closed() {
+    use std::io::Write;
+    let node = SimNode::new("1GiB");
+    let prog = c_program("sim_consumer", Style::Linked);
+    let spawn = |args: &[&str]| {
+        let mut argv = prog.clone();
+        argv.extend(args.iter().map(|a| a.into()));
+        node.command(&argv).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap()
+    };
+    let line = |r: &mut dyn BufRead| {
+        let mut l = String::new();
+        r.read_line(&mut l).unwrap();
+        l.trim().to_string()
+    };
+    let mut exporter = spawn(&["acl-ipc-export"]);
+    let mut ex_in = exporter.stdin.take().unwrap();
+    let mut ex_out = BufReader::new(exporter.stdout.take().unwrap());
+    let first = line(&mut ex_out);
+    let key = first.strip_prefix("KEY ").unwrap_or_else(|| panic!("no key: {first:?}")).to_string();
+    // An importer: its pid, allowed by the exporter or not; the exporter closes the key first
+    // when asked; then the import.
+    let import = |ex_in: &mut std::process::ChildStdin, ex_out: &mut dyn BufRead, allow: bool, close: bool| {
+        let mut c = spawn(&["acl-ipc-import", &key]);
+        let mut out = BufReader::new(c.stdout.take().unwrap());
+        let pid = line(&mut out).strip_prefix("PID ").unwrap().to_string();
+        if allow {
+            writeln!(ex_in, "allow {pid}").unwrap();
+            assert_eq!(line(ex_out), "ALLOWED rc=0");
+        }
+        if close {
+            writeln!(ex_in, "close").unwrap();
+            assert_eq!(line(ex_out), "CLOSED rc=0");
+        }
+        writeln!(c.stdin.as_mut().unwrap(), "go").unwrap();
+        let got = line(&mut out);
+        assert!(c.wait().unwrap().success(), "importer failed: {got}");
+        got
+    };
+    let refused = import(&mut ex_in, &mut ex_out, false, false);
+    assert_eq!(refused, "IMPORT rc=107000", "a pid off the whitelist is refused");
+    assert_eq!(import(&mut ex_in, &mut ex_out, true, false), "IMPORT rc=0 data_ok=1");
+    writeln!(ex_in, "check 9").unwrap();
+    assert_eq!(line(&mut ex_out), "CHECKED ok=1", "the importer's writes reach the exporter's memory");
+    let closed = import(&mut ex_in, &mut ex_out, true, true);
+    assert_eq!(closed, "IMPORT rc=107000", "a closed key imports no more");
+    drop(ex_in);
+    assert!(exporter.wait().unwrap().success());
+}

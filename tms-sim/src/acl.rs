@@ -68,7 +68,7 @@ fn result(r: Result<(), MemError>) -> i32 {
     r.map_or_else(code_of, |()| SUCCESS)
 }
 
-fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
+pub(crate) fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
     crate::core::sim::ACL_IN_USE.store(true, std::sync::atomic::Ordering::Relaxed);
     guard(RT_INTERNAL_ERROR, || fault::check(name, RT_MEMORY_ALLOCATION).unwrap_or_else(body))
 }
@@ -80,7 +80,7 @@ fn current() -> Result<usize, i32> {
     }
 }
 
-fn put<T>(out: *mut T, value: T) -> i32 {
+pub(crate) fn put<T>(out: *mut T, value: T) -> i32 {
     if out.is_null() {
         return INVALID_PARAM;
     }

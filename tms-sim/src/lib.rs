@@ -8,6 +8,7 @@
 //! `cudaMemGetInfo` and run out of memory together. See the README for the environment.
 
 pub mod acl;
+pub mod acl_ipc;
 pub mod core;
 pub mod cuda_driver;
 pub mod cuda_runtime;
@@ -360,6 +361,11 @@ export! {
     aclrtMapMem => acl::aclrt_map_mem;
     aclrtUnmapMem => acl::aclrt_unmap_mem;
     aclrtMemSetAccess => acl::aclrt_mem_set_access;
+    aclrtDeviceGetBareTgid => acl_ipc::aclrt_device_get_bare_tgid;
+    aclrtIpcMemGetExportKey => acl_ipc::aclrt_ipc_mem_get_export_key;
+    aclrtIpcMemSetImportPid => acl_ipc::aclrt_ipc_mem_set_import_pid;
+    aclrtIpcMemImportByKey => acl_ipc::aclrt_ipc_mem_import_by_key;
+    aclrtIpcMemClose => acl_ipc::aclrt_ipc_mem_close;
 }
 
 pub mod introspect {

@@ -56,8 +56,11 @@ pub struct RunSection {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightTransport {
-    /// broadcast in async mode with the built-in workers, host otherwise.
+    /// With the built-in workers ipc in colocate mode and broadcast in async mode; host otherwise.
     Auto,
+    /// Device memory handles (CUDA IPC, Ascend IPC keys): each rollout copies from the trainer on
+    /// its device, device to device (colocate mode).
+    Ipc,
     /// Through host memory: the run's shared bucket file (the fallback every worker speaks).
     Host,
     /// NCCL (CUDA API) or HCCL (ACL) from the first trainer to every rollout engine (async mode).
@@ -68,6 +71,7 @@ impl WeightTransport {
     pub fn as_str(self) -> &'static str {
         match self {
             WeightTransport::Auto => "auto",
+            WeightTransport::Ipc => "ipc",
             WeightTransport::Host => "host",
             WeightTransport::Broadcast => "broadcast",
         }
@@ -509,12 +513,18 @@ impl Config {
         Ok(Some(DeviceSplit { trainer, rollout }))
     }
 
-    /// The weight transport the run uses: `auto` resolved (broadcast in async mode with the
-    /// built-in workers, host otherwise).
+    /// Whether both roles run the built-in worker (no run.trainer_cmd or run.rollout_cmd).
+    pub fn builtin_workers(&self) -> bool {
+        self.run.trainer_cmd.trim().is_empty() && self.run.rollout_cmd.trim().is_empty()
+    }
+
+    /// The weight transport the run uses: `auto` resolved (with the built-in workers ipc in
+    /// colocate mode and broadcast in async mode, as slime moves weights in each; host otherwise).
     pub fn weight_transport(&self) -> WeightTransport {
-        let builtin = self.run.trainer_cmd.trim().is_empty() && self.run.rollout_cmd.trim().is_empty();
+        let builtin = self.builtin_workers();
         match self.run.weight_transport {
             WeightTransport::Auto if self.run.mode == Mode::Async && builtin => WeightTransport::Broadcast,
+            WeightTransport::Auto if builtin => WeightTransport::Ipc,
             WeightTransport::Auto => WeightTransport::Host,
             t => t,
         }
@@ -526,8 +536,17 @@ impl Config {
             return Err("run.weight_transport = \"broadcast\" needs run.mode = \"async\" (--mode async): colocated, \
                         the trainer and the rollout share every device, and NCCL and HCCL refuse two ranks of one \
                         communicator on one device (colocated frameworks hand weights over by CUDA IPC there); use \
-                        --weight-transport host"
+                        --weight-transport ipc (the colocated default) or host"
                 .into());
+        }
+        if self.run.weight_transport == WeightTransport::Ipc && self.run.mode == Mode::Async {
+            let remote = self.run.launcher == Launcher::Ray && self.run.ray_address.trim() != "local";
+            let nodes = if remote { " (and on a Ray cluster possibly on other nodes)" } else { "" };
+            return Err(format!(
+                "run.weight_transport = \"ipc\" shares a device buffer between the trainer and the rollout on one \
+                 device of one node, and async mode puts them on devices of their own{nodes}: use --weight-transport \
+                 broadcast (the async default) or host, or --mode colocate for ipc"
+            ));
         }
         // The host transport crosses through one file on one host. A local Ray cluster's nodes
         // share this host; a real cluster's may not.

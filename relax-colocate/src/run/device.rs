@@ -2,7 +2,7 @@
 //! `dlsym(RTLD_DEFAULT)` so the preloaded hook intercepts the allocations, and the tms region API
 //! for tagging them.
 
-use crate::runtime::{Acl, Runtime, Tms, load_acl, load_cuda};
+use crate::runtime::{Acl, AclIpc, CudaIpc, CudaIpcHandle, Runtime, Tms, load_acl, load_cuda};
 use std::ffi::CString;
 
 const CUDA_OOM: i32 = 2;
@@ -175,6 +175,117 @@ impl Device {
         let n = std::mem::size_of_val(dst);
         // SAFETY: as above; every bit pattern is a valid f32.
         self.read(unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) }, src)
+    }
+}
+
+/// CANN's key buffer: 64 characters and the NUL.
+const ACL_IPC_KEY_LEN: usize = 65;
+/// cudaIpcMemLazyEnablePeerAccess, the flag every framework opens with.
+const CUDA_IPC_LAZY_PEER_ACCESS: u32 = 1;
+
+/// Device memory shared with another process of the node: the IPC weight transport. The
+/// exporter's buffer must be plain memory (cudaMalloc / aclrtMalloc outside every region): the
+/// vendors export no virtual-memory (region) allocation this way.
+impl Device {
+    fn ipc_symbols<T>(load: fn() -> Result<T, String>) -> Result<T, DevError> {
+        load().map_err(|e| DevError::Other(format!("the runtime has no IPC entry point: {e}")))
+    }
+
+    /// The id the driver knows this process by, which an Ascend exporter must allow
+    /// (aclrtDeviceGetBareTgid: in a container, the host's pid); CUDA has no whitelist.
+    pub fn ipc_pid(&self) -> Result<i32, DevError> {
+        match self.api {
+            Api::Cuda(_) => Ok(std::process::id() as i32),
+            Api::Acl(_) => {
+                let ipc = Self::ipc_symbols(AclIpc::load)?;
+                let mut pid = 0;
+                // SAFETY: one out-parameter.
+                let rc = unsafe { (ipc.bare_tgid)(&mut pid) };
+                if rc != 0 { Err(self.fail("aclrtDeviceGetBareTgid", rc)) } else { Ok(pid) }
+            }
+        }
+    }
+
+    /// Exports `bytes` at `ptr` to the processes `importers` (ACL's whitelist); the handle's bytes.
+    pub fn ipc_export(&self, ptr: u64, bytes: u64, importers: &[i32]) -> Result<Vec<u8>, DevError> {
+        match self.api {
+            Api::Cuda(_) => {
+                let ipc = Self::ipc_symbols(CudaIpc::load)?;
+                let mut h = CudaIpcHandle { bytes: [0; 64] };
+                // SAFETY: a 64-byte out-parameter and a device pointer of ours.
+                let rc = unsafe { (ipc.get_mem_handle)(&mut h, ptr as *mut _) };
+                if rc != 0 { Err(self.fail("cudaIpcGetMemHandle", rc)) } else { Ok(h.bytes.to_vec()) }
+            }
+            Api::Acl(_) => {
+                let ipc = Self::ipc_symbols(AclIpc::load)?;
+                let mut key = [0u8; ACL_IPC_KEY_LEN];
+                // SAFETY: the key buffer is the documented 65 bytes; flag 0 turns the whitelist on.
+                let rc =
+                    unsafe { (ipc.export_key)(ptr as *mut _, bytes as usize, key.as_mut_ptr().cast(), key.len(), 0) };
+                if rc != 0 {
+                    return Err(self.fail("aclrtIpcMemGetExportKey", rc));
+                }
+                let mut pids = importers.to_vec();
+                // SAFETY: a NUL-terminated key and `pids.len()` pids.
+                let rc = unsafe { (ipc.set_import_pid)(key.as_ptr().cast(), pids.as_mut_ptr(), pids.len()) };
+                if rc != 0 {
+                    // SAFETY: the key just made.
+                    unsafe { (ipc.close)(key.as_ptr().cast()) };
+                    return Err(self.fail("aclrtIpcMemSetImportPid", rc));
+                }
+                Ok(key.iter().take_while(|b| **b != 0).copied().collect())
+            }
+        }
+    }
+
+    fn acl_key(handle: &[u8]) -> Result<CString, DevError> {
+        CString::new(handle).map_err(|_| DevError::Other("an IPC key has a NUL byte".into()))
+    }
+
+    /// Opens another process's export: the pointer to its first byte.
+    pub fn ipc_open(&self, handle: &[u8]) -> Result<u64, DevError> {
+        let mut p = std::ptr::null_mut();
+        let rc = match self.api {
+            Api::Cuda(_) => {
+                let ipc = Self::ipc_symbols(CudaIpc::load)?;
+                let bytes: [u8; 64] = handle
+                    .try_into()
+                    .map_err(|_| DevError::Other(format!("a CUDA IPC handle has 64 bytes, not {}", handle.len())))?;
+                // SAFETY: one out-parameter, the handle by value.
+                unsafe { (ipc.open_mem_handle)(&mut p, CudaIpcHandle { bytes }, CUDA_IPC_LAZY_PEER_ACCESS) }
+            }
+            Api::Acl(_) => {
+                let ipc = Self::ipc_symbols(AclIpc::load)?;
+                let key = Self::acl_key(handle)?;
+                // SAFETY: one out-parameter and a NUL-terminated key.
+                unsafe { (ipc.import_by_key)(&mut p, key.as_ptr(), 0) }
+            }
+        };
+        if rc != 0 { Err(self.fail("IPC open", rc)) } else { Ok(p as u64) }
+    }
+
+    /// Closes what `ipc_open` opened.
+    pub fn ipc_close(&self, ptr: u64, handle: &[u8]) -> Result<(), DevError> {
+        let rc = match self.api {
+            // SAFETY: a pointer ipc_open returned.
+            Api::Cuda(_) => unsafe { (Self::ipc_symbols(CudaIpc::load)?.close_mem_handle)(ptr as *mut _) },
+            // SAFETY: a NUL-terminated key.
+            Api::Acl(_) => unsafe { (Self::ipc_symbols(AclIpc::load)?.close)(Self::acl_key(handle)?.as_ptr()) },
+        };
+        if rc != 0 { Err(self.fail("IPC close", rc)) } else { Ok(()) }
+    }
+
+    /// Ends an export once every importer closed it (CANN asks the exporter to close its key
+    /// last; a CUDA handle needs no close). The memory is the caller's to free.
+    pub fn ipc_end_export(&self, handle: &[u8]) -> Result<(), DevError> {
+        match self.api {
+            Api::Cuda(_) => Ok(()),
+            Api::Acl(_) => {
+                // SAFETY: a NUL-terminated key.
+                let rc = unsafe { (Self::ipc_symbols(AclIpc::load)?.close)(Self::acl_key(handle)?.as_ptr()) };
+                if rc != 0 { Err(self.fail("aclrtIpcMemClose", rc)) } else { Ok(()) }
+            }
+        }
     }
 }
 

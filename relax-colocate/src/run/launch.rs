@@ -17,7 +17,7 @@ use super::sizing::{
 use super::task::{Addition, VOCAB};
 use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
 use crate::environment::{find_hook, sim_environment};
-use crate::runtime::can_load;
+use crate::runtime::{can_load, has_symbol};
 use std::path::{Path, PathBuf};
 
 fn utc_stamp() -> String {
@@ -64,6 +64,9 @@ pub(super) struct Plan {
     pub(super) shape: model::Shape,
     pub(super) profile: Profile,
     pub(super) bucket_bytes: u64,
+    /// run.weight_transport resolved for this machine (`Config::weight_transport`, then `auto`'s
+    /// ipc falls back to host on a CANN without the IPC calls).
+    pub(super) transport: WeightTransport,
     /// The size of the file one bucket of weights crosses in.
     shm_bytes: u64,
     sim: Option<SimDevice>,
@@ -117,11 +120,32 @@ fn check_collective_library(cfg: &Config, device: DeviceChoice) -> R<()> {
     )))
 }
 
+/// The IPC transport on an NPU needs CANN's IPC memory-sharing calls (the simulator and every
+/// CUDA runtime have them): `auto` falls back to host without them, an explicit ipc is refused.
+fn resolve_transport(cfg: &Config, device: DeviceChoice) -> R<WeightTransport> {
+    let t = cfg.weight_transport();
+    if t != WeightTransport::Ipc
+        || device != DeviceChoice::Npu
+        || has_symbol(c"libascendcl.so", c"aclrtIpcMemGetExportKey")
+    {
+        return Ok(t);
+    }
+    if cfg.run.weight_transport == WeightTransport::Auto {
+        return Ok(WeightTransport::Host);
+    }
+    Err(config_err(
+        "run.weight_transport = \"ipc\": this CANN's libascendcl.so has no aclrtIpcMemGetExportKey (IPC memory \
+         sharing); update CANN, or use --weight-transport host"
+            .to_string(),
+    ))
+}
+
 /// Resolves the run without side effects; every refusal the configuration earns here comes before
 /// anything is created.
 pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
     let device = resolve_device(cfg)?;
     check_collective_library(cfg, device)?;
+    let transport = resolve_transport(cfg, device)?;
     let hook = find_hook(hook).map_err(setup_err)?;
     // The simulator serves both runtimes; sim.api picks the one the workers use.
     let api: &'static str = match device {
@@ -139,7 +163,7 @@ pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
     let sim = if device == DeviceChoice::Sim { Some(plan_sim(cfg, api, &shape, bucket_bytes, &fp)?) } else { None };
     let device_label = device_label(cfg, device, api, sim.as_ref(), &fp);
     let shm_bytes = fp.transfer.max(4096);
-    Ok(Plan { device, api, hook, task, shape, profile, bucket_bytes, shm_bytes, sim, device_label })
+    Ok(Plan { device, api, hook, task, shape, profile, bucket_bytes, transport, shm_bytes, sim, device_label })
 }
 
 /// Sizes the simulated device, or refuses a run the host or the configured size cannot hold.

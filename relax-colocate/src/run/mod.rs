@@ -26,6 +26,7 @@ mod asynchronous;
 mod broadcast;
 mod cycle;
 mod fleet;
+mod ipc;
 mod launch;
 mod learn;
 mod recorder;
@@ -255,9 +256,9 @@ fn drive(c: &mut Colocate) -> R<()> {
 /// Stops the workers, writes the summary and the plots, and says how the run ended; returns the
 /// exit code.
 fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> u8 {
-    let extra = match &driver {
-        Driver::Async(a) => Some(a.summary()),
-        Driver::Colocate(_) => None,
+    let (extra, sync) = match &driver {
+        Driver::Async(a) => (Some(a.summary()), a.sync.report()),
+        Driver::Colocate(c) => (None, c.sync.report()),
     };
     let (fleet, rec, profile) = driver.parts();
     if let Err(e) = &result {
@@ -269,6 +270,7 @@ fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> 
     if let Some(block) = &extra {
         summary["async"] = block.clone();
     }
+    summary["weight_sync"] = sync;
     let _ = std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
     let _ = recorder::report::write_plots(rec);
     let code = match &result {

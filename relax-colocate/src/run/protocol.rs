@@ -48,14 +48,24 @@ methods! {
     GroupInit = "group_init": GroupInitParams => GroupInitReply;
     BroadcastWeights = "broadcast_weights": BroadcastWeightsParams => BroadcastWeightsReply;
     GroupDestroy = "group_destroy": Step => Ack;
+    // Both roles, IPC weight transport (colocate mode): per update every trainer exports a
+    // transfer buffer, the rollout on its device opens it, each bucket is packed into it by the
+    // trainer and copied out device to device by the rollout; then the rollouts close their
+    // imports and the trainers end their exports.
+    IpcClose = "ipc_close": Step => Ack;
     // The rollout's.
     Generate = "generate": GenerateParams => GenerateReply;
     Unpack = "unpack": BucketParams => BucketReply;
+    IpcPid = "ipc_pid": Step => IpcPidReply;
+    IpcImport = "ipc_import": IpcImportParams => Ack;
+    IpcCopy = "ipc_copy": BucketParams => BucketReply;
     // The trainer's.
     LogProbs = "log_probs": LogProbsParams => LogProbsReply;
     Values = "values": SamplesParams => ValuesReply;
     Train = "train": TrainParams => TrainReply;
     Pack = "pack": BucketParams => BucketReply;
+    IpcExport = "ipc_export": IpcExportParams => IpcExportReply;
+    IpcPack = "ipc_pack": BucketParams => BucketReply;
     SaveState = "save_state": Step => Ack;
     LoadState = "load_state": Step => Ack;
 }
@@ -73,6 +83,10 @@ pub struct Hello {
     /// The process the hook is loaded in (an external command may be a shell around it).
     pub pid: Option<u32>,
     pub implementation: Option<String>,
+    /// The weight transports beyond `host` (which every worker speaks) that the worker takes part
+    /// in: `ipc` (docs/worker-protocol.md). Absent: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub transports: Vec<String>,
 }
 
 /// Reads a worker's first message: a hello of this protocol for `role`.
@@ -303,6 +317,42 @@ pub struct BroadcastWeightsReply {
     pub seconds: f64,
 }
 
+/// The id an exporter must allow this rollout by (Ascend's whitelist: aclrtDeviceGetBareTgid).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct IpcPidReply {
+    pub pid: i32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IpcExportParams {
+    pub bucket_bytes: u64,
+    /// The processes that may open the export (the rollout on the trainer's device), by ipc_pid.
+    pub importers: Vec<i32>,
+    #[serde(default)]
+    pub step: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct IpcExportReply {
+    /// The transfer buffer's handle in hex: a cudaIpcMemHandle_t (64 bytes), or an Ascend key.
+    pub handle: String,
+    /// The buffer's size: one bucket, or the whole stream when it is smaller.
+    pub buffer_bytes: u64,
+    /// The weights stream: its buckets and bytes.
+    pub buckets: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IpcImportParams {
+    /// ipc_export's answer from the trainer on this rollout's device.
+    pub handle: String,
+    pub buffer_bytes: u64,
+    pub bucket_bytes: u64,
+    #[serde(default)]
+    pub step: u64,
+}
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct BucketParams {
     pub bucket: u64,
@@ -494,5 +544,17 @@ mod tests {
         );
         assert_eq!(serde_json::to_value(Ack {}).unwrap(), json!({}));
         assert_eq!(serde_json::to_value(TrainReply::default()).unwrap(), json!({}));
+    }
+
+    #[test]
+    fn ipc_messages_carry_the_documented_fields_and_hellos_may_omit_transports() {
+        let p = IpcExportParams { bucket_bytes: 1 << 20, importers: vec![42], step: 2 };
+        assert_eq!(serde_json::to_value(p).unwrap(), json!({"bucket_bytes": 1048576, "importers": [42], "step": 2}));
+        let e = decode::<IpcExportReply>(json!({"handle": "ab", "buffer_bytes": 8, "buckets": 1})).unwrap_err();
+        assert_eq!(e, "missing field `bytes`");
+        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "pid": 7}});
+        assert!(read_hello(hello, "rollout").unwrap().transports.is_empty());
+        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "transports": ["ipc"]}});
+        assert_eq!(read_hello(hello, "rollout").unwrap().transports, ["ipc"]);
     }
 }

@@ -1,14 +1,17 @@
 //! The trainer's weights as both drivers move and check them: the checksums the roles report, the
 //! host transport (`update_weights` through the run's shared bucket file: the first trainer packs
-//! each bucket once, every rollout engine unpacks it) and the broadcast transport (NCCL or HCCL
-//! from the first trainer to every engine, in a group made once: `WeightSync`).
+//! each bucket once, every rollout engine unpacks it), the IPC transport (colocate mode: each
+//! rollout copies from the device buffer the trainer on its device exports, device to device) and
+//! the broadcast transport (NCCL or HCCL from the first trainer to every engine, in a group made
+//! once): `WeightSync`.
 
 use super::config::{Config, DeviceChoice, WeightTransport};
 use super::fleet::Fleet;
 use super::launch::Plan;
 use super::protocol::{
     BroadcastWeights, BroadcastWeightsParams, BucketParams, Checksum, GroupDestroy, GroupId, GroupIdParams, GroupInit,
-    GroupInitParams, Pack, Step, Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd,
+    GroupInitParams, IpcClose, IpcCopy, IpcExport, IpcExportParams, IpcImport, IpcImportParams, IpcPack, IpcPid, Pack,
+    Step, Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd,
 };
 use super::recorder::Recorder;
 use super::recorder::report::human;
@@ -49,8 +52,11 @@ pub(super) fn expect_checksum(fleet: &mut Fleet, rec: &mut Recorder, role: Role,
 pub(super) struct Moved {
     pub(super) bytes: u64,
     pub(super) buckets: u64,
-    /// Moving the bytes: the host transport's calls, the broadcast's slowest member.
+    /// Moving the bytes: the host and IPC transports' calls, the broadcast's slowest member.
     pub(super) seconds: f64,
+    /// Of `bytes`, those staged in host memory between trainer and rollout: all of them over the
+    /// host transport, none over IPC or a broadcast.
+    pub(super) host_bytes: u64,
 }
 
 /// update_weights through the host: the trainers and the rollouts map the bucket file; per bucket
@@ -71,7 +77,74 @@ pub(super) fn host_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64) -
     }
     fleet.call_all::<UpdateEnd>(Role::Trainer, Step { step })?;
     fleet.call_all::<UpdateEnd>(Role::Rollout, Step { step })?;
-    Ok(Moved { bytes, buckets, seconds: t0.elapsed().as_secs_f64() })
+    Ok(Moved { bytes, buckets, seconds: t0.elapsed().as_secs_f64(), host_bytes: bytes })
+}
+
+/// Each trainer and the rollout on its device (colocate mode: the same rank), in the fleet's
+/// order of the trainers.
+fn device_pairs(fleet: &Fleet, at: &Cursor) -> R<Vec<(usize, usize)>> {
+    let rollouts = fleet.indices(Role::Rollout);
+    let pairs: Vec<(usize, usize)> = fleet
+        .indices(Role::Trainer)
+        .into_iter()
+        .filter_map(|t| rollouts.iter().find(|&&r| fleet.worker(r).rank == fleet.worker(t).rank).map(|&r| (t, r)))
+        .collect();
+    if pairs.len() != rollouts.len() {
+        let cause = "run.weight_transport = \"ipc\": every rollout needs a trainer on its own device (colocate mode)";
+        return Err(at.fail(FailKind::Config, None, cause));
+    }
+    Ok(pairs)
+}
+
+/// update_weights by IPC: every trainer exports a buffer to the rollout on its device (`pids`:
+/// each rollout's id for the exporter's whitelist, by fleet index), which opens it; per bucket
+/// the trainers pack it and the rollouts copy it into their weights, device to device; then the
+/// rollouts close their imports before the trainers end their exports.
+fn ipc_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64, pids: &[(usize, i32)]) -> R<Moved> {
+    let t0 = Instant::now();
+    let step = at.step();
+    let pairs = device_pairs(fleet, at)?;
+    let (trainers, rollouts): (Vec<usize>, Vec<usize>) = pairs.iter().copied().unzip();
+    let pid_of = |r: usize| pids.iter().find(|p| p.0 == r).map_or(0, |p| p.1);
+    let params = rollouts.iter().map(|&r| IpcExportParams { bucket_bytes, importers: vec![pid_of(r)], step }).collect();
+    let exports = fleet.call_each::<IpcExport>(&trainers, params)?;
+    let (buckets, bytes) = (exports[0].buckets, exports[0].bytes);
+    if let Some(k) = exports.iter().position(|e| (e.buckets, e.bytes) != (buckets, bytes)) {
+        let name = &fleet.worker(trainers[k]).name;
+        let cause =
+            format!("ipc_export: a weights stream of {} bytes, the first trainer's has {bytes}", exports[k].bytes);
+        return Err(at.fail(FailKind::Check, Some(name), cause));
+    }
+    let params = exports
+        .iter()
+        .map(|e| IpcImportParams { handle: e.handle.clone(), buffer_bytes: e.buffer_bytes, bucket_bytes, step })
+        .collect();
+    fleet.call_each::<IpcImport>(&rollouts, params)?;
+    for b in 0..buckets {
+        let q = BucketParams { bucket: b, step };
+        fleet.call_each::<IpcPack>(&trainers, vec![q; trainers.len()])?;
+        fleet.call_each::<IpcCopy>(&rollouts, vec![q; rollouts.len()])?;
+    }
+    fleet.call_each::<IpcClose>(&rollouts, vec![Step { step }; rollouts.len()])?;
+    fleet.call_each::<IpcClose>(&trainers, vec![Step { step }; trainers.len()])?;
+    Ok(Moved { bytes, buckets, seconds: t0.elapsed().as_secs_f64(), host_bytes: 0 })
+}
+
+/// The IPC transport needs workers that said so in their hello (the built-in ones do); each
+/// rollout's id for the exporters' whitelists, by fleet index.
+fn ipc_ready(fleet: &mut Fleet, at: &Cursor) -> R<Vec<(usize, i32)>> {
+    let all = [fleet.indices(Role::Trainer), fleet.indices(Role::Rollout)].concat();
+    if let Some(&i) = all.iter().find(|&&i| !fleet.worker(i).transports.iter().any(|t| t == "ipc")) {
+        let name = fleet.worker(i).name.clone();
+        let cause = format!(
+            "run.weight_transport = \"ipc\": {name} does not speak the IPC transport (its hello names no \"ipc\" in \
+             `transports`, docs/worker-protocol.md): use --weight-transport host"
+        );
+        return Err(at.fail(FailKind::Config, Some(&name), cause));
+    }
+    let rollouts = fleet.indices(Role::Rollout);
+    let replies = fleet.call_each::<IpcPid>(&rollouts, vec![Step { step: at.step() }; rollouts.len()])?;
+    Ok(rollouts.into_iter().zip(replies.into_iter().map(|r| r.pid)).collect())
 }
 
 /// How many buckets the weights stream has and its bytes, as the first trainer says.
@@ -101,14 +174,18 @@ pub(super) fn broadcast_transfer(fleet: &mut Fleet, bucket_bytes: u64, version: 
         bytes: root.bytes,
         buckets: root.buckets,
         seconds: replies.iter().map(|r| r.seconds).fold(0.0, f64::max),
+        host_bytes: 0,
     })
 }
 
 /// How a driver moves the trainer's weights to the rollout engines, and what it moved.
 pub(super) struct WeightSync {
-    /// Resolved: host or broadcast.
+    /// Resolved: ipc, host or broadcast.
     transport: WeightTransport,
     library: Library,
+    api: &'static str,
+    /// IPC: each rollout's id for the exporters' whitelists, asked at the first update.
+    ipc_pids: Option<Vec<(usize, i32)>>,
     bucket_bytes: u64,
     /// The simulator's modelled link between the group's members, GB/s (None: no model, as on a
     /// real device or with sim.link_gbps = 0).
@@ -127,8 +204,10 @@ impl WeightSync {
         let nodes: Vec<u32> = members(fleet).into_iter().map(node).collect();
         let gbps = if nodes.windows(2).all(|w| w[0] == w[1]) { intra } else { inter };
         WeightSync {
-            transport: cfg.weight_transport(),
+            transport: plan.transport,
             library: Library::of_api(plan.api),
+            api: plan.api,
+            ipc_pids: None,
             bucket_bytes: plan.bucket_bytes,
             link_gbps: Some(gbps).filter(|g| *g > 0.0 && plan.device == DeviceChoice::Sim),
             joined: false,
@@ -165,13 +244,21 @@ impl WeightSync {
     pub(super) fn transfer(&mut self, fleet: &mut Fleet, at: &Cursor, rec: &mut Recorder, version: u64) -> R<Moved> {
         let moved = match self.transport {
             WeightTransport::Broadcast => broadcast_transfer(fleet, self.bucket_bytes, version, at.step())?,
+            WeightTransport::Ipc => {
+                if self.ipc_pids.is_none() {
+                    self.ipc_pids = Some(ipc_ready(fleet, at)?);
+                }
+                ipc_transfer(fleet, at, self.bucket_bytes, self.ipc_pids.as_deref().unwrap_or_default())?
+            }
             _ => host_transfer(fleet, at, self.bucket_bytes)?,
         };
         self.updates += 1;
         self.moved.bytes += moved.bytes;
         self.moved.buckets += moved.buckets;
         self.moved.seconds += moved.seconds;
+        self.moved.host_bytes += moved.host_bytes;
         rec.add_step_metric("perf/update_weights_bytes", moved.bytes as f64);
+        rec.add_step_metric("perf/update_weights_host_bytes", moved.host_bytes as f64);
         rec.add_step_metric("perf/update_weights_buckets", moved.buckets as f64);
         if let Some(rate) = gbs(&moved) {
             rec.add_step_metric("perf/update_weights_gbps", rate);
@@ -205,7 +292,9 @@ impl WeightSync {
     fn name(&self) -> String {
         match self.transport {
             WeightTransport::Broadcast => format!("broadcast over {}", self.library.name().to_uppercase()),
-            _ => "host".into(),
+            WeightTransport::Ipc if self.api == "acl" => "ipc (Ascend IPC keys, device to device)".into(),
+            WeightTransport::Ipc => "ipc (CUDA IPC handles, device to device)".into(),
+            _ => "host (staged in host memory)".into(),
         }
     }
 
@@ -216,7 +305,14 @@ impl WeightSync {
             (Some(share), Some(l)) => format!(", {:.0}% of the modelled {l} GB/s link", 100.0 * share),
             _ => String::new(),
         };
-        format!("{}: {} in {} bucket(s), {:.3} s, {rate}{link}", self.name(), human(m.bytes), m.buckets, m.seconds)
+        format!(
+            "{}: {} in {} bucket(s), {} through the host, {:.3} s, {rate}{link}",
+            self.name(),
+            human(m.bytes),
+            m.buckets,
+            human(m.host_bytes),
+            m.seconds
+        )
     }
 
     /// The summary's lines on the transport (merged into the async block).
@@ -227,11 +323,26 @@ impl WeightSync {
             "weight_sync_library": (self.transport == WeightTransport::Broadcast).then(|| self.library.name()),
             "weight_sync_group_setup_s": self.group_setup_s,
             "update_weights_buckets": self.moved.buckets,
+            "update_weights_host_bytes": self.moved.host_bytes,
             "update_weights_transfer_s": self.moved.seconds,
             "update_weights_gbps": rate,
             "link_gbps": self.link_gbps.filter(|_| self.transport == WeightTransport::Broadcast),
             "link_share": rate.and_then(|r| self.link_share(r)),
         })
+    }
+}
+
+impl WeightSync {
+    /// The summary's `weight_sync` block, in both modes: the transport's lines (`summary`), the
+    /// updates and every byte they moved.
+    pub(super) fn report(&self) -> Value {
+        let mut v = self.summary();
+        if let Value::Object(m) = &mut v {
+            m.insert("weight_updates".into(), json!(self.updates));
+            m.insert("update_weights_bytes".into(), json!(self.moved.bytes));
+            m.insert("weight_transport_detail".into(), json!(self.name()));
+        }
+        v
     }
 }
 

@@ -6,12 +6,14 @@
 
 use super::broadcast;
 use super::device::{DevError, Device, Hasher};
+use super::ipc;
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
 use super::protocol::{
     self, Ack, BroadcastWeights, BucketParams, BucketReply, Checksum, ChecksumReply, ComputeModel, Generate,
-    GenerateParams, GenerateReply, Generated, GroupDestroy, GroupId, GroupInit, Init, InitParams, InitReply, LogProbs,
-    LogProbsParams, LogProbsReply, Method, Model, Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply,
-    Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd, Values, ValuesReply,
+    GenerateParams, GenerateReply, Generated, GroupDestroy, GroupId, GroupInit, Init, InitParams, InitReply, IpcClose,
+    IpcCopy, IpcExport, IpcImport, IpcPack, IpcPid, IpcPidReply, LogProbs, LogProbsParams, LogProbsReply, Method,
+    Model, Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams,
+    UpdateBeginReply, UpdateEnd, Values, ValuesReply,
 };
 use super::task::Rng;
 use super::wire;
@@ -66,6 +68,8 @@ struct Common {
     compute: Option<ComputeModel>,
     /// The weight-sync group of the broadcast transport, once joined.
     group: Option<crate::collective::Group>,
+    /// The IPC transport's buffer while an update is under way.
+    ipc: Option<ipc::Shared>,
 }
 
 struct Transfer {
@@ -239,6 +243,7 @@ impl Common {
                 let entries: Vec<(u64, u64)> = self.weight_entries().iter().map(|e| (e.ptr, e.bytes)).collect();
                 broadcast::broadcast_weights(&self.dev, self.group.as_ref(), &entries, p)
             }),
+            IpcClose::NAME => answer::<IpcClose>(p, |_| ipc::close(&self.dev, &mut self.ipc)),
             GroupDestroy::NAME => {
                 answer::<GroupDestroy>(p, |_| broadcast::group_destroy(&mut self.group).map(|()| Ack {}))
             }
@@ -263,6 +268,7 @@ impl Common {
     }
 
     fn leave(&mut self) -> Result<Ack, Failure> {
+        ipc::close(&self.dev, &mut self.ipc)?;
         broadcast::group_destroy(&mut self.group).map(|()| Ack {})
     }
 
@@ -374,6 +380,11 @@ impl Trainer {
             Values::NAME => answer::<Values>(p, |p| self.values(p)),
             Train::NAME => answer::<Train>(p, |p| self.train(p)),
             Pack::NAME => answer::<Pack>(p, |p| self.pack(p)),
+            IpcExport::NAME => answer::<IpcExport>(p, |p| {
+                let sizes: Vec<u64> = self.c.weight_entries().iter().map(|e| e.bytes).collect();
+                ipc::export(&self.c.dev, &sizes, p, &mut self.c.ipc)
+            }),
+            IpcPack::NAME => answer::<IpcPack>(p, |p| ipc::pack(&self.c.dev, &self.c.ipc, &self.snapshot, p)),
             protocol::SaveState::NAME => answer::<protocol::SaveState>(p, |_| self.save_state()),
             protocol::LoadState::NAME => answer::<protocol::LoadState>(p, |_| self.load_state()),
             _ => Err(("unknown_method".into(), format!("trainer has no method {method:?}"))),
@@ -498,6 +509,12 @@ impl Rollout {
         match method {
             Generate::NAME => answer::<Generate>(p, |p| self.generate(p)),
             Unpack::NAME => answer::<Unpack>(p, |p| self.unpack(p)),
+            IpcPid::NAME => answer::<IpcPid>(p, |_| Ok(IpcPidReply { pid: self.c.dev.ipc_pid().map_err(dev_err)? })),
+            IpcImport::NAME => answer::<IpcImport>(p, |p| ipc::import(&self.c.dev, p, &mut self.c.ipc)),
+            IpcCopy::NAME => answer::<IpcCopy>(p, |p| {
+                let entries: Vec<(u64, u64)> = self.c.weight_entries().iter().map(|e| (e.ptr, e.bytes)).collect();
+                ipc::copy(&self.c.dev, &self.c.ipc, &entries, p)
+            }),
             _ => Err(("unknown_method".into(), format!("rollout has no method {method:?}"))),
         }
     }
@@ -679,6 +696,7 @@ fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
         hog: Vec::new(),
         compute: ip.compute,
         group: None,
+        ipc: None,
     };
     let role = if role == "trainer" {
         let b = ip.backup;
@@ -738,7 +756,7 @@ fn fault(role: &str, method: &str, p: &Value) -> Option<String> {
 }
 
 /// The methods `Common::handle` answers for both roles.
-const COMMON: [&str; 7] = [
+const COMMON: [&str; 8] = [
     Checksum::NAME,
     UpdateBegin::NAME,
     UpdateEnd::NAME,
@@ -746,6 +764,7 @@ const COMMON: [&str; 7] = [
     GroupInit::NAME,
     BroadcastWeights::NAME,
     GroupDestroy::NAME,
+    IpcClose::NAME,
 ];
 
 pub fn main(role: &str) -> Result<(), String> {

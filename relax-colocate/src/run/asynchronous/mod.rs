@@ -40,7 +40,7 @@ pub(super) struct Async {
     api: &'static str,
     pub(super) fleet: Fleet,
     pub(super) rec: Recorder,
-    sync: weights::WeightSync,
+    pub(super) sync: weights::WeightSync,
     /// The weights the rollout engines hold: how many updates reached them (0: the initial ones).
     version: u64,
     queue: Queue,

@@ -16,6 +16,7 @@ use super::recorder::Recorder;
 use super::task::Addition;
 use super::{Cursor, FailKind, NCCL_TAG, R, Role, RunError, learn, model, weights};
 use std::rc::Rc;
+use weights::WeightSync;
 
 pub(super) struct Colocate {
     pub(super) cfg: Config,
@@ -25,7 +26,8 @@ pub(super) struct Colocate {
     shape: model::Shape,
     pub(super) profile: Profile,
     api: &'static str,
-    bucket_bytes: u64,
+    /// How update_weights moves the weights (ipc by default), and what it moved.
+    pub(super) sync: WeightSync,
     pub(super) fleet: Fleet,
     pub(super) rec: Recorder,
     /// The trainer's weights as it last went to sleep: what it must wake up with.
@@ -36,6 +38,7 @@ pub(super) struct Colocate {
 
 impl Colocate {
     pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Colocate {
+        let sync = WeightSync::new(cfg, &plan, &fleet);
         Colocate {
             cfg: cfg.clone(),
             at: rec.cursor(),
@@ -43,7 +46,7 @@ impl Colocate {
             shape: plan.shape,
             profile: plan.profile,
             api: plan.api,
-            bucket_bytes: plan.bucket_bytes,
+            sync,
             fleet,
             rec,
             weights_checksum: None,
@@ -128,7 +131,7 @@ impl Colocate {
     }
 
     fn update_weights(&mut self) -> R<()> {
-        self.phase("update_weights", |r| weights::host_transfer(&mut r.fleet, &r.at, r.bucket_bytes).map(drop))
+        self.phase("update_weights", |r| r.sync.transfer(&mut r.fleet, &r.at, &mut r.rec, r.at.step()).map(drop))
     }
 
     /// Rollout and trainer start, the trainer's initial weights reach the rollout: slime's

@@ -79,8 +79,9 @@ pub(super) fn spawn_worker(
     let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {name}: {e}")))?;
     let deadline = Instant::now() + phase_timeout(cfg);
     match hello_from_child(&mut child, &listener, role, &sock, deadline) {
-        Ok((conn, pid)) => {
-            let pid = pid.unwrap_or(child.id());
+        Ok((conn, hello)) => {
+            let pid = hello.pid.unwrap_or(child.id());
+            let transports = hello.transports;
             let proc = Proc::Local(child);
             Ok(Worker {
                 name,
@@ -90,6 +91,7 @@ pub(super) fn spawn_worker(
                 proc,
                 conn: Some(conn),
                 pid,
+                transports,
                 log,
                 control: None,
                 control_relay: None,
@@ -115,7 +117,7 @@ fn hello_from_child(
     role: Role,
     sock: &Path,
     deadline: Instant,
-) -> Result<(wire::Conn, Option<u32>), (FailKind, String)> {
+) -> Result<(wire::Conn, protocol::Hello), (FailKind, String)> {
     let setup = |cause: String| (FailKind::Setup, cause);
     let stream: UnixStream = loop {
         match listener.accept() {
@@ -142,5 +144,5 @@ fn hello_from_child(
         Err(e) => return Err(setup(format!("no hello: {e}"))),
     };
     let hello = protocol::read_hello(hello, role.as_str()).map_err(setup)?;
-    Ok((conn, hello.pid))
+    Ok((conn, hello))
 }

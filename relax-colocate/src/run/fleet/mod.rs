@@ -59,6 +59,8 @@ pub(super) struct Worker {
     /// The process that said hello (the one the hook is loaded in; an external command may be a
     /// shell around it).
     pub(super) pid: u32,
+    /// The weight transports beyond host the worker said it speaks in its hello.
+    pub(super) transports: Vec<String>,
     pub(super) log: PathBuf,
     pub(super) control: Option<PathBuf>,
     /// Launcher ray: the bridge's socket that carries control requests to the worker's own one.

@@ -263,6 +263,7 @@ fn accept_all(
             proc: Proc::Remote { node: format!("node{}", p.node), exit_file },
             conn: Some(conn),
             pid: hello.pid.unwrap_or(0),
+            transports: hello.transports,
             log: p.log,
             control: None,
             next_id: 0,

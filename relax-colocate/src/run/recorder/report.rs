@@ -199,6 +199,17 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
     );
     if let Some(a) = summary.get("async") {
         print_async(a, summary["compute"].as_str().unwrap_or(""));
+    } else if let Some(w) = summary.get("weight_sync") {
+        let rate = w["update_weights_gbps"].as_f64().map_or_else(|| "-".into(), |r| format!("{r:.2} GB/s"));
+        println!(
+            "weights: {} updates over {}: {} in {} buckets, {} through the host, {:.2} s of transfer ({rate})",
+            w["weight_updates"],
+            w["weight_transport_detail"].as_str().unwrap_or("?"),
+            human(w["update_weights_bytes"].as_u64().unwrap_or(0)),
+            w["update_weights_buckets"],
+            human(w["update_weights_host_bytes"].as_u64().unwrap_or(0)),
+            f(&w["update_weights_transfer_s"])
+        );
     }
     if r.cfg.run.checks && summary.get("async").is_some() {
         println!(
