@@ -170,7 +170,20 @@ pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
         Launcher::Ray => Some(ray_python::choose(cfg).map_err(config_err)?),
         Launcher::Local => None,
     };
-    Ok(Plan { device, api, hook, task, shape, profile, bucket_bytes, transport, shm_bytes, sim, device_label, ray_python })
+    Ok(Plan {
+        device,
+        api,
+        hook,
+        task,
+        shape,
+        profile,
+        bucket_bytes,
+        transport,
+        shm_bytes,
+        sim,
+        device_label,
+        ray_python,
+    })
 }
 
 /// Sizes the simulated device, or refuses a run the host or the configured size cannot hold.
