@@ -4,7 +4,9 @@
 //! broadcast between them over the simulated NCCL; a worker killed, hung or losing its node's agent mid-run fails the run
 //! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
 //! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
-//! processes of one node, and those of chosen Ray actors (their hooked child processes).
+//! processes of one node, and those of chosen Ray actors (their hooked child processes). Without
+//! run.ray_python the runner finds the user's own Ray (a python3 on PATH) or says where it looked;
+//! joining a cluster from another Ray version stops the run with exit 2 naming both versions.
 //!
 //! Ray comes from scripts/ray-env.sh (pinned, cached in ~/.cache/tms/ray-venv; installed here when
 //! missing). `TMS_RAY_TESTS=0` skips these tests, and says so, when that environment is absent.
@@ -41,16 +43,21 @@ fn ray_python() -> Option<&'static PathBuf> {
     .as_ref()
 }
 
-fn ray_run(python: &Path, out: &Path, args: &[&str]) -> Command {
+/// A run with `--launcher ray` on `address`, its Python left to the runner to find.
+fn ray_cmd(out: &Path, address: &str) -> Command {
     let mut c = Command::new(workspace().bin("relax-colocate"));
     c.current_dir(&workspace().root)
-        .args(["run", "--device", "sim", "--quiet", "--launcher", "ray", "--ray-address", "local", "--out"])
+        .args(["run", "--device", "sim", "--quiet", "--launcher", "ray", "--ray-address", address, "--out"])
         .arg(out)
-        .args(["--set", &format!("run.ray_python={}", python.display())])
-        .args(args)
         .env(MARK, out)
         .env_remove("LD_PRELOAD")
         .env_remove("RELAX_WORKER_FAULT");
+    c
+}
+
+fn ray_run(python: &Path, out: &Path, args: &[&str]) -> Command {
+    let mut c = ray_cmd(out, "local");
+    c.args(["--set", &format!("run.ray_python={}", python.display())]).args(args);
     c
 }
 
@@ -601,4 +608,173 @@ fn a_nodes_agent_that_dies_fails_the_run_naming_the_node_and_leaves_nothing_behi
     assert!(metrics_lines(dir.path()) >= 1, "partial metrics kept");
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+/// The pinned Ray's version (scripts/ray-requirements.txt pins it exactly).
+fn pinned_ray_version() -> String {
+    let req = std::fs::read_to_string(workspace().root.join("scripts/ray-requirements.txt")).unwrap();
+    req.lines().find_map(|l| l.trim().strip_prefix("ray==")).expect("ray==VERSION in ray-requirements.txt").into()
+}
+
+/// An executable shell script `dir/name`.
+fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+/// A run that must find its Python by itself: no explicit choice, no active environment, and a
+/// cache folder without the pinned environment.
+fn ray_cmd_finding_python(out: &Path, address: &str, path: &Path, cache: &Path) -> Command {
+    let mut c = ray_cmd(out, address);
+    c.env("PATH", path).env("XDG_CACHE_HOME", cache).env_remove("TMS_RAY_VENV").env_remove("VIRTUAL_ENV");
+    c
+}
+
+#[test]
+fn without_an_explicit_python_the_first_python3_on_path_that_imports_ray_runs_the_bridge() {
+    let Some(py) = ray_python() else { return };
+    let (dir, bin, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // The user's own Python with Ray, first on PATH (here: a python3 that runs the pinned one).
+    let user = script(bin.path(), "python3", &format!("exec {} \"$@\"", py.display()));
+    let path = std::env::join_paths([bin.path(), Path::new("/usr/bin"), Path::new("/bin")]).unwrap();
+    let out = ray_cmd_finding_python(dir.path(), "local", Path::new(&path), cache.path())
+        .args(["--nodes", "1", "--devices", "1", "--steps", "1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
+    let first = bridge.lines().next().unwrap_or_default();
+    let want = format!(
+        "relax-colocate: the bridge runs on Ray {} (Python 3.", // the pinned environment's Python
+        pinned_ray_version()
+    );
+    assert!(first.starts_with(&want), "{first:?} does not start with {want:?}");
+    let chosen = format!("from {}: the first python3 on PATH that imports ray", user.display());
+    assert!(first.ends_with(&chosen), "{first:?} does not end with {chosen:?}");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+#[test]
+fn with_no_python_that_imports_ray_the_run_stops_with_exit_2_naming_every_place_looked_at() {
+    let (dir, bin, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let no_ray = script(bin.path(), "python3", "echo \"ModuleNotFoundError: No module named 'ray'\" >&2; exit 1");
+    let out = ray_cmd_finding_python(dir.path(), "local", bin.path(), cache.path()).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let pinned = cache.path().join("tms/ray-venv/bin/python");
+    for part in [
+        "--launcher ray needs a Python that can import ray, and none was found",
+        "run.ray_python: not set",
+        "$TMS_RAY_VENV: not set",
+        "$VIRTUAL_ENV: not set",
+        &format!("{} (PATH): cannot import ray (ModuleNotFoundError: No module named 'ray')", no_ray.display()),
+        &format!("the pinned environment {}: not there", pinned.display()),
+        "pip install ray",
+        "run.ray_python",
+        "scripts/ray-env.sh",
+    ] {
+        assert!(err.contains(part), "{part:?} is not in:\n{}", text(&out));
+    }
+    // Refused before anything started.
+    assert_eq!(metrics_lines(dir.path()), 0);
+    assert!(!dir.path().join("logs/ray-bridge.log").exists());
+}
+
+/// A Ray cluster of one node with one (simulated) GPU, started by the pinned Ray as a user's
+/// cluster would be; its first stdout line is its address, and it shuts down at its stdin's EOF.
+const CLUSTER: &str = r#"
+import shutil, sys
+from ray.cluster_utils import Cluster
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False})
+print(cluster.address, flush=True)
+sys.stdin.read()
+session = cluster.head_node.get_session_dir_path()
+cluster.shutdown()
+shutil.rmtree(session, ignore_errors=True)
+"#;
+
+/// A Python whose Ray says it is `version`: the pinned one, with ray.__version__ (what Ray's
+/// version check compares with the cluster's) replaced at start-up by a sitecustomize module.
+fn python_with_ray_version(py: &Path, dir: &Path, version: &str) -> PathBuf {
+    std::fs::write(dir.join("sitecustomize.py"), format!("import ray\nray.__version__ = {version:?}\n")).unwrap();
+    script(
+        dir,
+        "python3",
+        &format!("PYTHONPATH={}${{PYTHONPATH:+:$PYTHONPATH}} exec {} \"$@\"", dir.display(), py.display()),
+    )
+}
+
+#[test]
+fn joining_a_cluster_of_another_ray_version_stops_with_exit_2_naming_both_versions() {
+    let Some(py) = ray_python() else { return };
+    let (home, good, bad, other) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let mut cluster = Command::new(py)
+        .args(["-c", CLUSTER])
+        .env(MARK, home.path())
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .env_remove("LD_PRELOAD")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut address = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(cluster.stdout.take().unwrap()), &mut address).unwrap();
+    let address = address.trim().to_string();
+    assert!(address.contains(':'), "the cluster did not start: {address:?}");
+    let pinned = pinned_ray_version();
+    // The same Ray joins and runs: the cluster is one the runner can use.
+    let out = ray_cmd(good.path(), &address)
+        .args(["--set", &format!("run.ray_python={}", py.display()), "--steps", "1"])
+        .output()
+        .unwrap();
+    let joined = out.status.success();
+    // Another Ray version is refused by Ray at connect; the runner says so with both versions.
+    let fake = python_with_ray_version(py, other.path(), "2.0.0");
+    let refused = ray_cmd(bad.path(), &address)
+        .args(["--set", &format!("run.ray_python={}", fake.display()), "--steps", "1"])
+        .output()
+        .unwrap();
+    drop(cluster.stdin.take());
+    let _ = cluster.wait();
+    assert!(joined, "{}", text(&out));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(good.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok", "{summary}");
+    // The runner asked the chosen Python for its Ray and logged the version it says it has.
+    let log = std::fs::read_to_string(bad.path().join("logs/ray-bridge.log")).unwrap();
+    let first = log.lines().next().unwrap_or_default();
+    assert!(first.starts_with("relax-colocate: the bridge runs on Ray 2.0.0 (Python "), "{log}");
+    assert!(first.ends_with(&format!("from {}: run.ray_python (explicit)", fake.display())), "{log}");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    eprintln!("the refused run's report:\n{err}");
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    let python = std::str::from_utf8(
+        &Command::new(py).args(["-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"]).output().unwrap().stdout,
+    )
+    .unwrap()
+    .trim()
+    .to_string();
+    let want = format!(
+        "the Ray cluster runs Ray {pinned} on Python {python}, and this run's Python for Ray ({}) has Ray 2.0.0 on Python {python}",
+        fake.display()
+    );
+    assert!(err.contains(&want), "{want:?} is not in:\n{}", text(&refused));
+    assert!(err.contains("--set run.ray_python="), "{}", text(&refused));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(bad.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["failure"]["kind"], "configuration", "{summary}");
+    for d in [home.path(), good.path(), bad.path()] {
+        let left = left_behind(d);
+        assert!(left.is_empty(), "processes left behind: {left:?}");
+    }
 }

@@ -20,6 +20,7 @@ package.
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,33 @@ CONTROL_MAX = 64 << 10
 
 def log(msg):
     print(f"ray-bridge: {msg}", file=sys.stderr, flush=True)
+
+
+class ConfigError(Exception):
+    """This configuration cannot run (the runner exits 2 with the message)."""
+
+
+def version_mismatch(error, python):
+    """Our message for Ray's refusal of a driver whose versions differ from the cluster's, or None
+    for any other error. Ray checks at connect (ray.init: Node.check_version_info): it reads the
+    Ray and Python versions the head stored in the GCS (key CLUSTER_METADATA) and raises a
+    RuntimeError "Version mismatch: The cluster was started with: Ray: X Python: Y ... This
+    process on ... was started with: Ray: A Python: B" (ray/_private/utils.py,
+    check_version_info; the Python check is to the patch level unless
+    RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor)."""
+    text = str(error)
+    if "Version mismatch" not in text:
+        return None
+    found = re.findall(r"Ray:\s*(\S+)\s+Python:\s*(\S+)", text)
+    fix = ("use a Python that has the cluster's Ray (and Python) version: --set run.ray_python=/path/to/python, "
+           "or activate that environment (docs/ray.md, \"Which Ray\")")
+    if len(found) < 2:
+        one_line = " ".join(text.split())
+        return f"Ray refused to join the cluster from {python}: {one_line}; {fix}"
+    (cluster_ray, cluster_py), (own_ray, own_py) = found[0], found[1]
+    return (f"the Ray cluster runs Ray {cluster_ray} on Python {cluster_py}, and this run's Python for Ray "
+            f"({python}) has Ray {own_ray} on Python {own_py}: Ray joins a cluster only from its own Ray and "
+            f"Python versions; {fix}")
 
 
 def describe_exit(code):
@@ -302,7 +330,13 @@ def connect(spec):
 
     address = spec["ray_address"]
     if address != "local":
-        ray.init(address=address, include_dashboard=False, logging_level="warning", log_to_driver=False)
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="warning", log_to_driver=False)
+        except RuntimeError as e:
+            msg = version_mismatch(e, spec.get("python") or sys.executable)
+            if msg:
+                raise ConfigError(msg) from e
+            raise
         return None
     from ray.cluster_utils import Cluster
 
@@ -623,6 +657,12 @@ def main():
         log("ready")
         while not done.wait(0.5):
             pass
+    except ConfigError as e:
+        log(f"failed: {e}")
+        with open(spec["config_error_file"] + ".tmp", "w") as f:
+            f.write(str(e))
+        os.replace(spec["config_error_file"] + ".tmp", spec["config_error_file"])
+        code = 2
     except Exception as e:  # noqa: BLE001 - reported to the runner through the log, then cleaned up
         log(f"failed: {type(e).__name__}: {e}")
         code = 1

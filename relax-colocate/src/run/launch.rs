@@ -7,6 +7,7 @@
 
 use super::config::{self, AlgoName, Config, DeviceChoice, Launcher, WeightTransport};
 use super::fleet::Fleet;
+use super::fleet::ray_python::{self, RayPython};
 use super::fleet::tmpfiles::Scratch;
 use super::profile::Profile;
 use super::recorder::report::{Progress, human};
@@ -72,6 +73,8 @@ pub(super) struct Plan {
     sim: Option<SimDevice>,
     /// The device as the run's first line and the summary name it.
     pub(super) device_label: String,
+    /// The Python that runs the Ray bridge (launcher ray).
+    ray_python: Option<RayPython>,
 }
 
 /// The simulated device: its size and the environment that puts a worker on it.
@@ -163,7 +166,24 @@ pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
     let sim = if device == DeviceChoice::Sim { Some(plan_sim(cfg, api, &shape, bucket_bytes, &fp)?) } else { None };
     let device_label = device_label(cfg, device, api, sim.as_ref(), &fp);
     let shm_bytes = fp.transfer.max(4096);
-    Ok(Plan { device, api, hook, task, shape, profile, bucket_bytes, transport, shm_bytes, sim, device_label })
+    let ray_python = match cfg.run.launcher {
+        Launcher::Ray => Some(ray_python::choose(cfg).map_err(config_err)?),
+        Launcher::Local => None,
+    };
+    Ok(Plan {
+        device,
+        api,
+        hook,
+        task,
+        shape,
+        profile,
+        bucket_bytes,
+        transport,
+        shm_bytes,
+        sim,
+        device_label,
+        ray_python,
+    })
 }
 
 /// Sizes the simulated device, or refuses a run the host or the configured size cannot hold.
@@ -297,6 +317,9 @@ fn announce(cfg: &Config, opts: &Options, plan: &Plan, out: &Outputs, scratch: &
     for line in out.loggers.describe() {
         progress.note(&format!("relax-colocate run: {line}"));
     }
+    if let Some(py) = &plan.ray_python {
+        progress.note(&format!("relax-colocate run: the Ray bridge runs on {}", py.describe()));
+    }
     // The workers' control sockets live in the run's private folder, which `tms-ctl list` does
     // not look in by default: say how to reach them while the run goes on.
     if cfg.run.launcher == Launcher::Local {
@@ -317,7 +340,7 @@ pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<(Plan, 
     let out = Outputs::open(cfg, &run_dir)?;
     let progress = announce(cfg, opts, &plan, &out, &scratch, &run_dir);
     let at = Cursor::new();
-    let fleet = Fleet::launch(cfg, plan.device, &env, scratch, &run_dir, at.clone())?;
+    let fleet = Fleet::launch(cfg, plan.ray_python.as_ref(), plan.device, &env, scratch, &run_dir, at.clone())?;
     let rec = Recorder::new(cfg, at, run_dir, plan.device_label.clone(), fleet.names(), out, progress);
     Ok((plan, fleet, rec))
 }

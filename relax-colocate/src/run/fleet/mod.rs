@@ -7,13 +7,14 @@
 
 pub(super) mod local;
 pub(super) mod ray;
+pub(super) mod ray_python;
 mod supervise;
 mod together;
 
 pub(super) use supervise::InFlight;
 pub(super) mod tmpfiles;
 
-use super::config::{Config, DeviceChoice, Launcher};
+use super::config::{Config, DeviceChoice};
 use super::{Cursor, FailKind, R, Role, RunError, wire};
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -110,6 +111,7 @@ impl Fleet {
     /// start fails the launch, and those started before it are stopped.
     pub(super) fn launch(
         cfg: &Config,
+        ray_python: Option<&ray_python::RayPython>,
         device: DeviceChoice,
         env: &[(String, String)],
         scratch: Scratch,
@@ -117,9 +119,10 @@ impl Fleet {
         at: Rc<Cursor>,
     ) -> R<Fleet> {
         let mut fleet = Fleet::new(cfg, Vec::new(), None, scratch, at);
-        let started = if cfg.run.launcher == Launcher::Ray {
+        // The plan chose a Python for Ray exactly when the launcher is Ray's.
+        let started = if let Some(python) = ray_python {
             let s = &fleet.scratch;
-            ray::start_workers(cfg, device, env, s.tmp.path(), run_dir, (&s.shm, s.shm_bytes))
+            ray::start_workers(cfg, python, device, env, s.tmp.path(), run_dir, (&s.shm, s.shm_bytes))
                 .map(|(workers, bridge)| (fleet.workers, fleet.bridge) = (workers, Some(bridge)))
         } else {
             fleet.start_local(cfg, env, run_dir)

@@ -5,12 +5,14 @@
 //! socket (the bridge's, relayed to the worker's own on its node). The phase loop is unchanged.
 
 use super::local::{listen, worker_argv, worker_vars};
+use super::ray_python::RayPython;
 use super::supervise::{describe_exit, phase_timeout};
 use super::{Proc, Worker};
 use crate::run::config::{Config, DeviceChoice};
 use crate::run::signals::interruption;
 use crate::run::{FailKind, R, Role, RunError, protocol, setup_err, tail, wire};
 use serde_json::{Value, json};
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -24,6 +26,9 @@ const BRIDGE_PY: &str = include_str!("../../../../python/tms/ray/bridge.py");
 /// loaded 2-core machine a 2-node cluster takes tens of seconds.
 const RAY_START: Duration = Duration::from_secs(300);
 
+/// The file, in the run's temp folder, where the bridge says why the configuration cannot run.
+const CONFIG_ERROR_FILE: &str = "ray-config-error";
+
 /// How long the bridge may take to stop the workers and a local cluster before it is killed.
 const BRIDGE_STOP: Duration = Duration::from_secs(60);
 
@@ -33,9 +38,23 @@ pub(super) struct Bridge {
     /// that dies takes every node's workers with it.
     stdin: Option<ChildStdin>,
     log: PathBuf,
+    /// Where the bridge says why this configuration cannot run (a Ray version the cluster
+    /// refuses), before it exits.
+    config_error: PathBuf,
 }
 
 impl Bridge {
+    /// The bridge's own end of the run: the configuration's fault (exit 2), or its failure.
+    fn failure(&mut self) -> Option<(FailKind, String)> {
+        let exited = self.exited()?;
+        match std::fs::read_to_string(&self.config_error) {
+            Ok(cause) => {
+                Some((FailKind::Config, format!("{} (the Ray bridge's log: {})", cause.trim(), self.log.display())))
+            }
+            Err(_) => Some((FailKind::Setup, exited)),
+        }
+    }
+
     /// How the bridge ended, once it has.
     pub(super) fn exited(&mut self) -> Option<String> {
         let status = self.child.try_wait().ok().flatten()?;
@@ -60,30 +79,6 @@ impl Bridge {
             unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
             let _ = self.child.wait();
         }
-    }
-}
-
-/// The Python that has Ray: run.ray_python, else scripts/ray-env.sh's environment.
-fn ray_python(cfg: &Config) -> Result<PathBuf, String> {
-    let py = if !cfg.run.ray_python.is_empty() {
-        PathBuf::from(&cfg.run.ray_python)
-    } else if let Some(v) = std::env::var_os("TMS_RAY_VENV") {
-        PathBuf::from(v).join("bin/python")
-    } else {
-        let cache = std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .unwrap_or_else(|| PathBuf::from(".cache"));
-        cache.join("tms/ray-venv/bin/python")
-    };
-    if py.is_file() {
-        Ok(py)
-    } else {
-        Err(format!(
-            "--launcher ray needs a Python with Ray, and {} is not there: create it with scripts/ray-env.sh \
-             (it installs the pinned Ray, scripts/ray-requirements.txt), or point run.ray_python at one",
-            py.display()
-        ))
     }
 }
 
@@ -159,13 +154,13 @@ fn pending_workers(cfg: &Config, env: &[(String, String)], paths: &Paths) -> R<(
 /// Starts the bridge and waits for every worker's hello through it.
 pub(super) fn start_workers(
     cfg: &Config,
+    python: &RayPython,
     device: DeviceChoice,
     env: &[(String, String)],
     tmp: &Path,
     run_dir: &Path,
     bucket: (&Path, u64),
 ) -> R<(Vec<Worker>, Bridge)> {
-    let python = ray_python(cfg).map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     let run_dir = std::fs::canonicalize(run_dir).map_err(|e| setup_err(format!("{}: {e}", run_dir.display())))?;
     let exit_dir = tmp.join("exits");
     std::fs::create_dir_all(&exit_dir).map_err(|e| setup_err(e.to_string()))?;
@@ -183,10 +178,12 @@ pub(super) fn start_workers(
         "start_timeout_s": RAY_START.as_secs_f64(),
         "phase_timeout_s": cfg.run.phase_timeout_s,
         "exit_dir": exit_dir,
+        "config_error_file": tmp.join(CONFIG_ERROR_FILE),
+        "python": python.path,
         "bucket": {"path": bucket.0, "bytes": bucket.1},
         "workers": specs,
     });
-    let mut bridge = start_bridge(&python, &spec, tmp, &paths.run_dir)?;
+    let mut bridge = start_bridge(python, &spec, tmp, &paths.run_dir)?;
     match accept_all(cfg, &mut bridge, pending, &exit_dir, &paths.sock_dir, &tmp.join("placement.json")) {
         Ok(workers) => Ok((workers, bridge)),
         Err(e) => {
@@ -196,15 +193,18 @@ pub(super) fn start_workers(
     }
 }
 
-/// Writes the spec and the bridge next to the sockets and starts it in a process group of its own.
-fn start_bridge(python: &Path, spec: &Value, tmp: &Path, run_dir: &Path) -> R<Bridge> {
+/// Writes the spec and the bridge next to the sockets and starts it in a process group of its own;
+/// its log starts with the Python chosen for it, and why.
+fn start_bridge(python: &RayPython, spec: &Value, tmp: &Path, run_dir: &Path) -> R<Bridge> {
     let spec_path = tmp.join("ray-spec.json");
     let script = tmp.join("ray_bridge.py");
     std::fs::write(&spec_path, spec.to_string()).map_err(|e| setup_err(e.to_string()))?;
     std::fs::write(&script, BRIDGE_PY).map_err(|e| setup_err(e.to_string()))?;
     let log = run_dir.join("logs").join("ray-bridge.log");
-    let file = std::fs::File::create(&log).map_err(|e| setup_err(format!("cannot create {}: {e}", log.display())))?;
-    let mut cmd = Command::new(python);
+    let mut file =
+        std::fs::File::create(&log).map_err(|e| setup_err(format!("cannot create {}: {e}", log.display())))?;
+    writeln!(file, "relax-colocate: the bridge runs on {}", python.describe()).map_err(|e| setup_err(e.to_string()))?;
+    let mut cmd = Command::new(&python.path);
     cmd.arg(&script)
         .arg(&spec_path)
         .env("RAY_USAGE_STATS_ENABLED", "0")
@@ -213,9 +213,10 @@ fn start_bridge(python: &Path, spec: &Value, tmp: &Path, run_dir: &Path) -> R<Br
         .stdout(file.try_clone().map_err(|e| setup_err(e.to_string()))?)
         .stderr(file);
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {}: {e}", python.display())))?;
+    let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {}: {e}", python.path.display())))?;
     let stdin = child.stdin.take();
-    Ok(Bridge { child, stdin, log })
+    let config_error = tmp.join(CONFIG_ERROR_FILE);
+    Ok(Bridge { child, stdin, log, config_error })
 }
 
 fn start_err(kind: FailKind, worker: Option<&str>, cause: String) -> RunError {
@@ -290,8 +291,8 @@ fn accept_remote(
         if let Ok(cause) = std::fs::read_to_string(exit_file) {
             return Err(start_err(FailKind::Crash, Some(&p.name), cause));
         }
-        if let Some(cause) = bridge.exited() {
-            return Err(start_err(FailKind::Setup, None, cause));
+        if let Some((kind, cause)) = bridge.failure() {
+            return Err(start_err(kind, None, cause));
         }
         if let Some(why) = interruption() {
             return Err(start_err(FailKind::Interrupted, None, why));
