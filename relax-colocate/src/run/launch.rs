@@ -198,9 +198,10 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
     let vars = sim_environment().map_err(setup_err)?.vars;
     let mut peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
     if cfg.weight_transport() == WeightTransport::Broadcast {
-        // Each member also holds its communicator and a bucket buffer; the root has a peer per engine.
+        // Each member also holds its communicator and two bucket buffers (one on the link while
+        // the other is copied); the root has a peer per engine.
         let engines = cfg.mode_layout().ok().flatten().map_or(1, |s| s.rollout.len() as u64);
-        peak = peak.max(fp.trainer.max(fp.rollout) + fp.transfer + sim_communicator_bytes(api, engines));
+        peak = peak.max(fp.trainer.max(fp.rollout) + 2 * fp.transfer + sim_communicator_bytes(api, engines));
     }
     // Each device holds two processes, and each process's context takes device memory.
     let contexts = 2 * sim_context_bytes(api);
