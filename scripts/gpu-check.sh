@@ -26,7 +26,7 @@
 # side by side with its library), `relax-colocate run` with the built-in workers and with PyTorch workers
 # (scripts/torch_worker.py: a small transformer trained with AdamW, weights, KV cache and a
 # captured CUDA graph in tags), `relax-colocate run --mode async` (two GPUs or more: trainer and rollout
-# on one each, weights broadcast over NCCL) and `relax-colocate bench` on the device.
+# on one each, weights broadcast over NCCL; built-in and PyTorch workers) and `relax-colocate bench`.
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
@@ -268,6 +268,14 @@ run() {
     local worker="python3 $kit/scripts/torch_worker.py"
     check relax-colocate-run-torch 420 "$kit/bin/relax-colocate" run --device "$device" --steps 10 \
       --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" --out "$outdir/run-torch"
+    # Async, the weights broadcast over torch.distributed with the NCCL PyTorch brings.
+    if [ "${gpus:-0}" -ge 2 ]; then
+      check relax-colocate-run-torch-async 420 "$kit/bin/relax-colocate" run --device "$device" --mode async \
+        --devices 2 --steps 5 --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" \
+        --out "$outdir/run-torch-async"
+    else
+      skip relax-colocate-run-torch-async "async mode needs 2 GPUs and this machine has ${gpus:-0}"
+    fi
   fi
   # Side by side with torch_memory_saver's library when the kit carries it, for this machine's
   # CUDA major (the simulator serves either).

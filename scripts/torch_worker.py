@@ -38,7 +38,10 @@ devices of its own and the rollout engines on others. The rollout does partial r
 generates at most `segment_tokens` tokens per sequence a request, and a sequence sent back with the
 tokens it has (`responses`) continues after them under the weights it holds now, its prompt and
 prefix prefilled again. With `compute.model` every request lasts at least the modelled device
-time, as the built-in workers' do.
+time, as the built-in workers' do. The weights go by broadcast there: the first trainer and the
+engines form a torch.distributed NCCL group of their own (`group_id`, `group_init`), and each
+update is broadcast from the trainer in buckets (`broadcast_weights`); the hello names the
+`broadcast` transport, so the runner's `auto` picks it.
 
 On tms-sim the kernels run on the CPU (tms-sim/python's compute layer); on a GPU this is an
 ordinary PyTorch program. Needs torch and the `tms` package (the wheel, or python/ of this
@@ -49,6 +52,7 @@ import atexit
 import hashlib
 import mmap
 import os
+import socket
 import sys
 import time
 
@@ -581,6 +585,12 @@ def bucket_pieces(i):
         total = state["snapshot"].numel()
         yield state["snapshot"], slice(lo, min(hi, total)), 0
         return
+    yield from stream_pieces(lo, hi)
+
+
+def stream_pieces(lo, hi):
+    """(weight's bytes, slice of them, offset from `lo`) for every weight of the model that bytes
+    [lo, hi) of the weights stream cover."""
     at = 0
     for t in weight_tensors(state["model"]):
         n = t.numel() * t.element_size()
@@ -623,9 +633,147 @@ def update_end(p):
     return {}
 
 
+# The broadcast weight transport (docs/async.md, docs/worker-protocol.md): the first trainer is
+# rank 0 of a weight-sync group, the rollout engines ranks 1..N, and each update is broadcast from
+# rank 0 in buckets over NCCL, as slime's and SGLang's `update_weights_from_distributed` move them.
+# The group is a ProcessGroupNCCL made on a TCP store of its own, not torch.distributed's default
+# group: the trainers may already have that one (`trainer_group`), and a process has one default.
+SYNC_TIMEOUT = timedelta(seconds=120)
+
+
+def sync_library(p):
+    if p.get("library") != "nccl":
+        raise rw.WorkerError("unsupported", f"library {p.get('library')!r}: the torch worker broadcasts over NCCL")
+
+
+def rendezvous_host():
+    """This host's address as the group's other members reach it: its name's, or the loopback
+    when the name does not resolve (every member is then on this host)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def group_id(p):
+    """Rank 0 serves the group's TCP store on a port the system gives it (no port is picked free
+    and then bound, the race verl 5043 has); the id is its address, tcp://HOST:PORT."""
+    sync_library(p)
+    if state.get("sync") or state.get("sync_store"):
+        raise rw.WorkerError("bad_request", "group_id: this worker already has a weight-sync group")
+    host = rendezvous_host()
+    store = dist.TCPStore(host, 0, is_master=True, timeout=SYNC_TIMEOUT, wait_for_workers=False)
+    state["sync_store"] = store
+    return {"id": f"tcp://{host}:{store.port}"}
+
+
+def group_init(p):
+    """Joins the weight-sync group. The communicator is made here, with every member present (the
+    runner asks them all before reading an answer), not lazily at the first update."""
+    t0 = time.monotonic()
+    sync_library(p)
+    if state.get("sync"):
+        raise rw.WorkerError("bad_request", "group_init: this worker is already in a weight-sync group")
+    rank, world, addr = p["rank"], p["world"], p["id"]
+    host, _, port = addr.removeprefix("tcp://").rpartition(":")
+    if not addr.startswith("tcp://") or not host or not port.isdigit():
+        raise rw.WorkerError("bad_request", f"group_init: id {addr!r} is not the tcp://HOST:PORT of a torch "
+                             "worker's group_id (the group's rank 0 must be a torch worker too)")
+    store = state.pop("sync_store", None)
+    if rank == 0 and store is None:
+        raise rw.WorkerError("bad_request", "group_init: rank 0 has no store (group_id first)")
+    if store is None:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=SYNC_TIMEOUT)
+    group = dist.ProcessGroupNCCL(dist.PrefixStore("relax-weight-sync", store), rank, world, SYNC_TIMEOUT)
+    probe = torch.ones(1, device=state["device"])
+    broadcast(group, probe)
+    # The store stays with the group: rank 0's serves it, and NCCL's watchdog may still use it.
+    state["sync"] = (group, store, rank)
+    atexit.register(leave_group)
+    return {"seconds": time.monotonic() - t0}
+
+
+def broadcast(group, t):
+    """`t` from rank 0 to every rank, finished on this device before it returns, so the one
+    bucket buffer can take the next bucket."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([t], opts).wait()
+    torch.cuda.current_stream().synchronize()
+
+
+@torch.no_grad()
+def broadcast_weights(p):
+    """One update: rank 0 copies each bucket of its live weights into a device buffer and
+    broadcasts it; the engines receive into theirs and copy it into their weights. Device to
+    device, no host copy; the buffer is outside any region, as the host transport's staging."""
+    if not state.get("sync"):
+        raise rw.WorkerError("bad_request", "broadcast_weights before group_init")
+    group, _, rank = state["sync"]
+    bucket = p["bucket_bytes"]
+    if bucket <= 0:
+        raise rw.WorkerError("bad_request", "bucket_bytes must be positive")
+    total = stream_bytes(state["model"])
+    buckets = -(-total // bucket)
+    buf = torch.empty(max(1, min(bucket, total)), dtype=torch.uint8, device=state["device"])
+    t0 = time.monotonic()
+    for i in range(buckets):
+        lo, hi = i * bucket, min(total, (i + 1) * bucket)
+        pieces = list(stream_pieces(lo, hi))
+        if rank == 0:
+            for src, part, off in pieces:
+                buf[off:off + part.stop - part.start].copy_(src[part])
+        broadcast(group, buf[:hi - lo])
+        if rank != 0:
+            for dst, part, off in pieces:
+                dst[part].copy_(buf[off:off + part.stop - part.start])
+    torch.cuda.synchronize()
+    seconds = time.monotonic() - t0
+    del buf
+    torch.cuda.empty_cache()
+    return {"bytes": total, "buckets": buckets, "seconds": seconds}
+
+
+def leave_group():
+    """Leaves the weight-sync group, once (group_destroy, shutdown, or the process's exit)."""
+    sync = state.pop("sync", None)
+    state.pop("sync_store", None)
+    if sync:
+        sync[0].shutdown()
+
+
+def group_destroy(p):
+    leave_group()
+    return {}
+
+
+def shutdown(p):
+    leave_group()
+
+
+def with_fault(handlers):
+    """Test hook, as the built-in workers' (docs/worker-protocol.md, "Fault injection"):
+    RELAX_WORKER_FAULT=METHOD:STEP:crash[:ROLE] aborts the process when METHOD's request of step
+    STEP arrives, to test how the runner fails a run whose worker dies mid-phase. Never set in
+    normal runs."""
+    spec = os.environ.get("RELAX_WORKER_FAULT", "").split(":")
+    if len(spec) < 3 or spec[0] not in handlers or spec[2] != "crash" or not spec[1].isdigit():
+        return handlers
+    if len(spec) > 3 and spec[3] != os.environ.get("RELAX_ROLE"):
+        return handlers
+    method, step, inner = spec[0], int(spec[1]), handlers[spec[0]]
+
+    def faulty(p):
+        if p.get("step", 0) == step:
+            os.abort()
+        return inner(p)
+    return {**handlers, method: faulty}
+
+
 if __name__ == "__main__":
-    rw.serve({
+    rw.serve(with_fault({
         "init": init, "checksum": checksum, "generate": generate, "log_probs": log_probs, "train": train,
         "values": values, "update_begin": update_begin, "pack": pack, "unpack": unpack,
-        "update_end": update_end,
-    }, implementation="torch_worker.py (torch %s)" % torch.__version__)
+        "update_end": update_end, "group_id": group_id, "group_init": group_init,
+        "broadcast_weights": broadcast_weights, "group_destroy": group_destroy, "shutdown": shutdown,
+    }), implementation="torch_worker.py (torch %s)" % torch.__version__)

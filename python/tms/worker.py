@@ -35,7 +35,7 @@ class WorkerError(Exception):
 class Connection:
     """The JSON-lines connection to the runner (RELAX_WORKER_SOCKET)."""
 
-    def __init__(self, role=None, implementation="python tms.worker"):
+    def __init__(self, role=None, implementation="python tms.worker", transports=None):
         path = os.environ.get("RELAX_WORKER_SOCKET")
         if not path:
             raise RuntimeError("RELAX_WORKER_SOCKET is not set: workers are started by relax-colocate run")
@@ -43,8 +43,10 @@ class Connection:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
         self.file = self.sock.makefile("rwb")
-        self.send({"hello": {"protocol": PROTOCOL, "role": self.role, "pid": os.getpid(),
-                             "implementation": implementation}})
+        hello = {"protocol": PROTOCOL, "role": self.role, "pid": os.getpid(), "implementation": implementation}
+        if transports:
+            hello["transports"] = list(transports)
+        self.send({"hello": hello})
 
     def send(self, obj):
         self.file.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
@@ -55,9 +57,20 @@ class Connection:
             yield json.loads(line)
 
 
-def serve(handlers, role=None, implementation="python tms.worker"):
-    """Answers requests until `shutdown` or until the runner closes the connection."""
-    conn = Connection(role, implementation)
+# The methods a weight transport beyond host needs on both roles (docs/worker-protocol.md): the
+# hello names those whose methods the handlers all have, so that `run.weight_transport = "auto"`
+# picks one only for workers that speak it.
+TRANSPORT_METHODS = {
+    "broadcast": ("group_id", "group_init", "broadcast_weights", "group_destroy"),
+}
+
+
+def serve(handlers, role=None, implementation="python tms.worker", transports=None):
+    """Answers requests until `shutdown` or until the runner closes the connection. `transports`:
+    the weight transports beyond host to name in the hello (default: those `handlers` implement)."""
+    if transports is None:
+        transports = [t for t, methods in TRANSPORT_METHODS.items() if all(m in handlers for m in methods)]
+    conn = Connection(role, implementation, transports)
     for msg in conn:
         rid, method, params = msg.get("id"), msg.get("method", ""), msg.get("params") or {}
         if method == "shutdown":

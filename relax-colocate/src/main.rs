@@ -189,7 +189,8 @@ struct RunArgs {
     train_iters_per_update: Option<u64>,
     /// How weights reach the rollout: ipc (device memory handles, device to device; colocate
     /// mode), broadcast (NCCL/HCCL; async mode), host (the shared bucket file, the fallback) or
-    /// auto (with the built-in workers ipc colocated and broadcast in async mode, else host)
+    /// auto (ipc colocated and broadcast in async mode when the workers name them in their hello,
+    /// as the built-in workers do, and the PyTorch workers for broadcast; else host)
     /// [run.weight_transport].
     #[arg(long, value_enum)]
     weight_transport: Option<run::config::WeightTransport>,

@@ -238,6 +238,8 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
     assert!(out.status.success(), "{}", text(&out));
     let s = json(&dir.path().join("example/summary.json"));
     assert_eq!(s["async"]["segment_tokens"].as_u64(), Some(1), "{s}");
+    // Its hello names no broadcast (it has no group methods), so `auto` keeps the host transport.
+    assert_eq!(s["async"]["weight_transport"], "host", "{s}");
 
     let script = dir.path().join("old_worker.py");
     let source = "import os, sys\n\

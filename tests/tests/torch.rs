@@ -375,26 +375,30 @@ fn the_torch_worker_continues_sequences_after_their_prefix() {
     pytest("test_torch_worker.py");
 }
 
-/// `relax-colocate run --mode async` with the same PyTorch workers: the trainer on device 0, the
-/// rollout engine on device 1, weights moved after every step and checked on the engine (the
-/// runner's checks), samples at most one update stale.
-fn torch_async_run(python: &std::path::Path, out: &std::path::Path, extra: &[&str]) -> serde_json::Value {
+/// `relax-colocate run --mode async` with the same PyTorch workers on `devices` simulated devices:
+/// the trainer on device 0, a rollout engine on each of the others.
+fn torch_async_cmd(python: &std::path::Path, out: &std::path::Path, devices: u32) -> Command {
     let ws = workspace();
     let worker =
         format!("env OMP_NUM_THREADS=1 {} {}", python.display(), ws.root.join("scripts/torch_worker.py").display());
-    let run = Command::new(ws.bin("relax-colocate"))
-        .current_dir(out)
+    let mut cmd = Command::new(ws.bin("relax-colocate"));
+    cmd.current_dir(out)
         .args(["run", "--device", "sim", "--quiet", "--out"])
         .arg(out.join("run"))
-        .args(["--mode", "async", "--devices", "2", "--steps", "3", "--max-staleness", "1"])
+        .args(["--mode", "async", "--devices", &devices.to_string(), "--steps", "3", "--max-staleness", "1"])
         .args(["--prompts", "4", "--samples", "4", "--memory-profile", "tiny", "--set", "task.digits=3"])
         .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker])
-        .args(extra)
         .env_remove("LD_PRELOAD")
         .env_remove("PYTHONPATH")
         .env_remove("TMS_SIM_LIB")
-        .output()
-        .expect("run relax-colocate");
+        .env_remove("RELAX_WORKER_FAULT");
+    cmd
+}
+
+/// An async run with PyTorch workers: weights moved after every step and checked on every engine
+/// (the runner's checks), samples at most one update stale.
+fn torch_async_run(python: &std::path::Path, out: &std::path::Path, devices: u32, extra: &[&str]) -> serde_json::Value {
+    let run = torch_async_cmd(python, out, devices).args(extra).output().expect("run relax-colocate");
     let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
     assert!(run.status.success(), "relax-colocate run --mode async with torch workers {extra:?} failed:\n{text}");
     let summary: serde_json::Value =
@@ -405,20 +409,27 @@ fn torch_async_run(python: &std::path::Path, out: &std::path::Path, extra: &[&st
     assert_eq!(a["samples_trained"].as_u64(), Some(3 * 16), "{a}");
     assert_eq!(a["weight_updates"].as_u64(), Some(3), "{a}");
     assert_eq!(a["dropped_stale_samples"].as_u64(), Some(0), "{a}");
-    // The initial update and every step's are checked on the engine (4), and every batch against
+    // The initial update and every step's are checked on every engine, and every batch against
     // the bound (3).
-    assert!(summary["checks"]["passed"].as_u64().unwrap() >= 7, "{summary}");
+    let engines = u64::from(devices) - 1;
+    assert!(summary["checks"]["passed"].as_u64().unwrap() >= 4 * engines + 3, "{summary}");
     let hist = a["staleness_histogram"].as_object().expect("a staleness histogram");
     assert!(hist.keys().all(|k| k.parse::<u64>().unwrap() <= 1), "{a}");
-    // Overlap: the engine generated a batch while the trainer trained on the one before.
+    // Overlap: the engines generated a batch while the trainer trained on the one before.
     assert!(hist.keys().any(|k| k != "0"), "{a}");
     summary
 }
 
-/// Partial rollouts with real PyTorch workers: generation in one-token segments, decoding slowed
-/// to a modelled device's pace (the worker sleeps out what the model says a request would take),
-/// so that the trainer finishes a step while the engine is mid-sequence; the interrupted sequences
-/// continue after their tokens under the new weights (re-prefilled) and are trained on.
+/// Partial rollouts with real PyTorch workers, the weights broadcast over torch.distributed:
+/// generation in one-token segments, decoding slowed to a modelled device's pace (the worker
+/// sleeps out what the model says a request would take), so that the trainer finishes a step
+/// while the engines are mid-sequence; the interrupted sequences continue after their tokens under
+/// the new weights (re-prefilled) and are trained on.
+///
+/// The workers say in their hello that they speak the broadcast transport, so `auto` picks it:
+/// the first trainer is rank 0 of a ProcessGroupNCCL on the simulator's libnccl.so.2, the two
+/// engines ranks 1 and 2, and every update goes from rank 0 in buckets into each engine's weights,
+/// which the runner's checks then find equal to the trainer's (training changes them every step).
 #[test]
 fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences() {
     let Some(python) = torch_python() else { return };
@@ -429,6 +440,7 @@ fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences(
     let summary = torch_async_run(
         python,
         out.path(),
+        3,
         &[
             "--set",
             "async.segment_tokens=1",
@@ -444,18 +456,57 @@ fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences(
     assert_eq!(a["segment_tokens"].as_u64(), Some(1), "{a}");
     assert!(a["partial_samples"].as_u64().unwrap() > 0, "no sequence continued across an update: {a}");
     assert!(summary["compute"].as_str().unwrap().starts_with("modelled: tiny"), "{summary}");
+    assert_eq!(a["weight_transport"], "broadcast", "{a}");
+    assert_eq!(a["weight_sync_library"], "nccl", "{a}");
+    assert!(a["update_weights_buckets"].as_u64().unwrap() >= 4, "a bucket at least per update: {a}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let bytes = |r: &serde_json::Value| r["perf/update_weights_bytes"].as_f64();
+    assert!(rows.iter().filter(|r| bytes(r).is_some()).all(|r| bytes(r) == bytes(&rows[0])), "{rows:?}");
+    assert!(bytes(&rows[0]).is_some_and(|b| b > 0.0), "{}", rows[0]);
 }
 
 /// With `async.segment_tokens = 0` the engines get whole-response requests (no `segment_tokens`,
-/// no `responses`), which is how a worker without partial rollouts runs in async mode.
+/// no `responses`), which is how a worker without partial rollouts runs in async mode; the weights
+/// go through the host transport (`--weight-transport host`), the fallback every worker speaks.
 #[test]
 fn the_async_loop_runs_with_pytorch_workers_generating_whole_responses() {
     let Some(python) = torch_python() else { return };
     let out = tempfile::tempdir().unwrap();
-    let summary = torch_async_run(python, out.path(), &["--set", "async.segment_tokens=0"]);
+    let summary =
+        torch_async_run(python, out.path(), 2, &["--set", "async.segment_tokens=0", "--weight-transport", "host"]);
     let a = &summary["async"];
     assert_eq!(a["segment_tokens"].as_u64(), Some(0), "{a}");
     assert_eq!(a["partial_samples"].as_u64(), Some(0), "{a}");
+    assert_eq!(a["weight_transport"], "host", "{a}");
+}
+
+/// A PyTorch engine that dies as an update's broadcast begins (RELAX_WORKER_FAULT, which
+/// torch_worker.py reads as the built-in workers do), with the trainer already in its broadcast:
+/// the run fails in update_weights naming that engine and its signal, every process stopped (the
+/// trainer waiting in NCCL included), and a partial summary written.
+#[test]
+fn a_pytorch_engine_that_dies_mid_broadcast_fails_the_run_naming_it() {
+    let Some(python) = torch_python() else { return };
+    let out = tempfile::tempdir().unwrap();
+    let run = torch_async_cmd(python, out.path(), 2)
+        .env("RELAX_WORKER_FAULT", "broadcast_weights:2:crash:rollout")
+        .output()
+        .expect("run relax-colocate");
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    // The abort's signal, or 128 + 6 from the shell the worker command runs in.
+    let aborted = err.contains("signal 6") || err.contains("status 134");
+    assert!(err.contains("phase update_weights") && err.contains("worker rollout-1") && aborted, "{err}");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("run/summary.json")).unwrap()).unwrap();
+    assert_eq!(s["failure"]["kind"], "crash", "{s}");
+    assert_eq!(s["failure"]["worker"], "rollout-1", "{s}");
+    assert_eq!(s["async"]["weight_transport"], "broadcast", "{s}");
+    assert!(tms_e2e::runner::survivors(&out.path().join("run")).is_empty(), "workers left behind");
 }
 
 /// `relax-colocate bench --upstream-lib`: torch_memory_saver 0.0.10's own preload library (from

@@ -56,7 +56,9 @@ pub struct RunSection {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightTransport {
-    /// With the built-in workers ipc in colocate mode and broadcast in async mode; host otherwise.
+    /// ipc in colocate mode with the built-in workers; broadcast in async mode when every member
+    /// of the weight-sync group names it in its hello (the built-in workers and
+    /// scripts/torch_worker.py do); host otherwise.
     Auto,
     /// Device memory handles (CUDA IPC, Ascend IPC keys): each rollout copies from the trainer on
     /// its device, device to device (colocate mode).
@@ -518,15 +520,28 @@ impl Config {
         self.run.trainer_cmd.trim().is_empty() && self.run.rollout_cmd.trim().is_empty()
     }
 
-    /// The weight transport the run uses: `auto` resolved (with the built-in workers ipc in
-    /// colocate mode and broadcast in async mode, as slime moves weights in each; host otherwise).
+    /// The weight transport as far as the configuration decides it: `auto` is, with the built-in
+    /// workers, ipc in colocate mode and broadcast in async mode (as slime moves weights in each),
+    /// with worker commands host in colocate mode; in async mode with worker commands it stays
+    /// `Auto` until the workers' hellos say what they speak (`resolve_weight_transport`).
     pub fn weight_transport(&self) -> WeightTransport {
         let builtin = self.builtin_workers();
         match self.run.weight_transport {
             WeightTransport::Auto if self.run.mode == Mode::Async && builtin => WeightTransport::Broadcast,
+            WeightTransport::Auto if self.run.mode == Mode::Async => WeightTransport::Auto,
             WeightTransport::Auto if builtin => WeightTransport::Ipc,
             WeightTransport::Auto => WeightTransport::Host,
             t => t,
+        }
+    }
+
+    /// The transport the run uses once the weight-sync group's members have said hello: `auto`
+    /// broadcasts when every one of them speaks it (a worker that does not say so speaks host only).
+    pub fn resolve_weight_transport(&self, members_broadcast: bool) -> Result<WeightTransport, String> {
+        match self.weight_transport() {
+            WeightTransport::Auto if members_broadcast => Ok(WeightTransport::Broadcast),
+            WeightTransport::Auto => self.check_host_on_one_host().map(|()| WeightTransport::Host),
+            t => Ok(t),
         }
     }
 
@@ -548,21 +563,30 @@ impl Config {
                  broadcast (the async default) or host, or --mode colocate for ipc"
             ));
         }
-        // The host transport crosses through one file on one host. A local Ray cluster's nodes
-        // share this host; a real cluster's may not.
+        if self.weight_transport() == WeightTransport::Host {
+            return self.check_host_on_one_host();
+        }
+        Ok(())
+    }
+
+    /// The host transport crosses through one file on one host. A local Ray cluster's nodes share
+    /// this host; a real cluster's may not.
+    fn check_host_on_one_host(&self) -> Result<(), String> {
         let remote_cluster = self.run.launcher == Launcher::Ray && self.run.ray_address.trim() != "local";
-        if self.weight_transport() == WeightTransport::Host && self.run.mode == Mode::Async && remote_cluster {
-            let node = |d: &u32| d / self.run.devices.max(1);
-            if let Ok(Some(split)) = self.mode_layout() {
-                let first = node(&split.trainer[0]);
-                if let Some(d) = split.rollout.iter().chain(&split.trainer).find(|d| node(d) != first) {
-                    return Err(format!(
-                        "run.weight_transport = \"host\" moves the weights through a file on one host, and device {d} \
-                         is on node {} while the first trainer is on node {first} of a Ray cluster whose nodes may be \
-                         other hosts: use --weight-transport broadcast, or put every device on one node",
-                        node(d)
-                    ));
-                }
+        if self.run.mode != Mode::Async || !remote_cluster {
+            return Ok(());
+        }
+        let node = |d: &u32| d / self.run.devices.max(1);
+        if let Ok(Some(split)) = self.mode_layout() {
+            let first = node(&split.trainer[0]);
+            if let Some(d) = split.rollout.iter().chain(&split.trainer).find(|d| node(d) != first) {
+                return Err(format!(
+                    "run.weight_transport = \"host\" moves the weights through a file on one host, and device {d} \
+                     is on node {} while the first trainer is on node {first} of a Ray cluster whose nodes may be \
+                     other hosts: use --weight-transport broadcast (with workers that speak it), or put every \
+                     device on one node",
+                    node(d)
+                ));
             }
         }
         Ok(())
@@ -686,6 +710,35 @@ mod tests {
         let f = dir.path().join("c.toml");
         std::fs::write(&f, c.to_toml()).unwrap();
         assert_eq!(load(Some(&f), &[]).unwrap().rollout.temperature, 0.7);
+    }
+
+    #[test]
+    fn auto_transport_waits_for_the_workers_hellos_with_a_worker_command() {
+        let at = |sets: &[&str]| load(None, &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+        let asynchronous = ["run.mode=async", "run.devices=2"];
+        assert_eq!(at(&[]).weight_transport(), WeightTransport::Ipc);
+        assert_eq!(at(&["run.trainer_cmd=w"]).weight_transport(), WeightTransport::Host);
+        assert_eq!(at(&asynchronous).weight_transport(), WeightTransport::Broadcast);
+        let external = at(&[&asynchronous[..], &["run.trainer_cmd=w", "run.rollout_cmd=w"]].concat());
+        assert_eq!(external.weight_transport(), WeightTransport::Auto);
+        assert_eq!(external.resolve_weight_transport(true), Ok(WeightTransport::Broadcast));
+        assert_eq!(external.resolve_weight_transport(false), Ok(WeightTransport::Host));
+        let host = at(&[&asynchronous[..], &["run.trainer_cmd=w", "run.weight_transport=host"]].concat());
+        assert_eq!(host.resolve_weight_transport(true), Ok(WeightTransport::Host));
+        // Workers that speak host only cannot move weights between the hosts of a real cluster.
+        let remote = [
+            "run.mode=async",
+            "run.launcher=ray",
+            "run.ray_address=10.0.0.1:6379",
+            "run.nodes=2",
+            "run.devices=1",
+            "run.trainer_cmd=w",
+            "run.rollout_cmd=w",
+        ];
+        let remote = at(&remote);
+        assert_eq!(remote.resolve_weight_transport(true), Ok(WeightTransport::Broadcast));
+        let err = remote.resolve_weight_transport(false).unwrap_err();
+        assert!(err.contains("moves the weights through a file on one host"), "{err}");
     }
 
     #[test]

@@ -103,10 +103,10 @@ fn resolve_device(cfg: &Config) -> R<DeviceChoice> {
     Ok(device)
 }
 
-/// The broadcast transport on a real device needs the vendor's collective library here (the
-/// simulator brings both).
+/// The broadcast transport of the built-in workers on a real device needs the vendor's collective
+/// library here (the simulator brings both; a worker command brings its own, as PyTorch does).
 fn check_collective_library(cfg: &Config, device: DeviceChoice) -> R<()> {
-    if cfg.weight_transport() != WeightTransport::Broadcast {
+    if cfg.weight_transport() != WeightTransport::Broadcast || !cfg.builtin_workers() {
         return Ok(());
     }
     let (lib, vendor) = match device {
@@ -197,7 +197,8 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
         .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     let vars = sim_environment().map_err(setup_err)?.vars;
     let mut peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
-    if cfg.weight_transport() == WeightTransport::Broadcast {
+    // Auto: async workers that may speak broadcast, which their hellos decide only later.
+    if matches!(cfg.weight_transport(), WeightTransport::Broadcast | WeightTransport::Auto) {
         // Each member also holds its communicator and two bucket buffers (one on the link while
         // the other is copied); the root has a peer per engine.
         let engines = cfg.mode_layout().ok().flatten().map_or(1, |s| s.rollout.len() as u64);

@@ -84,7 +84,8 @@ pub struct Hello {
     pub pid: Option<u32>,
     pub implementation: Option<String>,
     /// The weight transports beyond `host` (which every worker speaks) that the worker takes part
-    /// in: `ipc` (docs/worker-protocol.md). Absent: none.
+    /// in: `ipc`, `broadcast` (docs/worker-protocol.md). Absent: none. `run.weight_transport =
+    /// "auto"` picks a transport only when every worker it involves names it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub transports: Vec<String>,
 }

@@ -182,6 +182,8 @@ pub(super) fn broadcast_transfer(fleet: &mut Fleet, bucket_bytes: u64, version: 
 pub(super) struct WeightSync {
     /// Resolved: ipc, host or broadcast.
     transport: WeightTransport,
+    /// Why `auto` cannot fall back to host in this layout (the run fails at `join`).
+    refused: Option<String>,
     library: Library,
     api: &'static str,
     /// IPC: each rollout's id for the exporters' whitelists, asked at the first update.
@@ -203,8 +205,15 @@ impl WeightSync {
         let node = |i: usize| fleet.worker(i).rank / cfg.run.devices.max(1);
         let nodes: Vec<u32> = members(fleet).into_iter().map(node).collect();
         let gbps = if nodes.windows(2).all(|w| w[0] == w[1]) { intra } else { inter };
+        // Auto (async mode, worker commands) broadcasts when every member's hello says it can.
+        let speak = members(fleet).into_iter().all(|i| fleet.worker(i).transports.iter().any(|t| t == "broadcast"));
+        let resolved = match plan.transport {
+            WeightTransport::Auto => cfg.resolve_weight_transport(speak),
+            t => Ok(t),
+        };
         WeightSync {
-            transport: plan.transport,
+            transport: resolved.clone().unwrap_or(WeightTransport::Host),
+            refused: resolved.err(),
             library: Library::of_api(plan.api),
             api: plan.api,
             ipc_pids: None,
@@ -220,6 +229,9 @@ impl WeightSync {
     /// Broadcast: the first trainer makes the group's id, then every member joins, all asked
     /// before any answer is read (each waits in its library until the others come).
     pub(super) fn join(&mut self, fleet: &mut Fleet, rec: &mut Recorder) -> R<()> {
+        if let Some(cause) = self.refused.take() {
+            return Err(rec.cursor().fail(FailKind::Config, None, cause));
+        }
         if self.transport != WeightTransport::Broadcast {
             return Ok(());
         }

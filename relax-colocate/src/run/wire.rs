@@ -147,7 +147,7 @@ pub fn connect(role: &str, implementation: &str) -> Result<Conn, String> {
         role: role.into(),
         pid: Some(std::process::id()),
         implementation: Some(implementation.into()),
-        transports: vec!["ipc".into()],
+        transports: vec!["ipc".into(), "broadcast".into()],
     };
     conn.send(&serde_json::to_value(HelloMsg { hello }).expect("serializes")).map_err(|e| e.to_string())?;
     Ok(conn)

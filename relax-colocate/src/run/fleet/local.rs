@@ -109,8 +109,8 @@ pub(super) fn spawn_worker(
     }
 }
 
-/// Waits for the child's connection and hello: the connection and the pid it names, or how the
-/// wait failed (Crash when the child exited first).
+/// Waits for the child's connection and hello: the connection and the hello, or how the wait
+/// failed (Crash when the child exited first).
 fn hello_from_child(
     child: &mut Child,
     listener: &UnixListener,
