@@ -51,6 +51,8 @@ pub(super) struct Async {
     training_groups: usize,
     rng: Rng,
     requests: u64,
+    /// Groups started so far: the next one's place in the start order.
+    groups_started: u64,
     totals: Totals,
     /// Since the last metrics row: time the trainer waited for a batch, and the engines' idle time.
     window: Window,
@@ -195,6 +197,7 @@ impl Async {
             training_groups: 0,
             rng: Rng::new(cfg.run.seed ^ 0xDA7A),
             requests: 0,
+            groups_started: 0,
             totals: Totals::default(),
             window: Window::new(),
         }
@@ -244,8 +247,13 @@ impl Async {
         let mut pausing: Option<Span> = None;
         loop {
             if job.is_none() && before_update.is_none() && self.step() < steps {
-                let batch =
-                    self.queue.take_batch(self.cfg.rollout.prompts_per_step, self.version, self.max_staleness());
+                let first_in_flight = self.engines.iter().flat_map(|e| &e.groups).map(|g| g.started).min();
+                let batch = self.queue.take_batch(
+                    self.cfg.rollout.prompts_per_step,
+                    self.version,
+                    self.max_staleness(),
+                    first_in_flight,
+                );
                 if let Some(batch) = batch {
                     if let Some(t) = trainer_idle_since.take() {
                         self.window.trainer_idle_s += t.elapsed().as_secs_f64();
@@ -362,7 +370,9 @@ impl Async {
             let n = self.cfg.rollout.samples_per_prompt;
             for _ in 0..fresh {
                 let prompt = self.task.prompt(self.rng.below(lim), self.rng.below(lim));
-                self.engines[k].groups.push(Group { prompt, seqs: vec![Seq::default(); n] });
+                let started = self.groups_started;
+                self.groups_started += 1;
+                self.engines[k].groups.push(Group { prompt, seqs: vec![Seq::default(); n], started });
             }
             self.send_generate(k, continued > 0)?;
         }

@@ -33,6 +33,8 @@ impl Seq {
 pub(super) struct Group {
     pub(super) prompt: Vec<u32>,
     pub(super) seqs: Vec<Seq>,
+    /// Its place in the order groups were started in: batches are taken in that order.
+    pub(super) started: u64,
 }
 
 impl Group {
@@ -63,8 +65,18 @@ impl Queue {
     }
 
     /// Drops every queued group staler than `max_staleness` at weight version `now`, then takes
-    /// the first `batch` groups if that many are left.
-    pub(super) fn take_batch(&mut self, batch: usize, now: u64, max_staleness: u64) -> Option<Vec<Group>> {
+    /// the `batch` groups started first, if that many are queued and none is still being
+    /// generated. Taking groups in the order they started, not the order they finished, is what
+    /// keeps the queue's capacity a bound on staleness when engines start new groups beside
+    /// unfinished ones: a long response is waited for, never overtaken until it is too old.
+    /// `first_in_flight` is the earliest start among the groups being generated.
+    pub(super) fn take_batch(
+        &mut self,
+        batch: usize,
+        now: u64,
+        max_staleness: u64,
+        first_in_flight: Option<u64>,
+    ) -> Option<Vec<Group>> {
         let before = self.groups.len();
         let mut kept = VecDeque::with_capacity(before);
         for g in self.groups.drain(..) {
@@ -75,8 +87,10 @@ impl Queue {
                 kept.push_back(g);
             }
         }
+        kept.make_contiguous().sort_by_key(|g| g.started);
         self.groups = kept;
-        if self.groups.len() < batch {
+        let ready = self.groups.iter().take_while(|g| first_in_flight.is_none_or(|f| g.started < f)).count();
+        if ready < batch {
             return None;
         }
         Some(self.groups.drain(..batch).collect())
@@ -88,6 +102,10 @@ mod tests {
     use super::*;
 
     fn group(versions: &[&[u64]]) -> Group {
+        started(versions, 0)
+    }
+
+    fn started(versions: &[&[u64]], started: u64) -> Group {
         let seqs = versions
             .iter()
             .map(|v| Seq {
@@ -97,7 +115,7 @@ mod tests {
                 finished: true,
             })
             .collect();
-        Group { prompt: vec![0], seqs }
+        Group { prompt: vec![0], seqs, started }
     }
 
     #[test]
@@ -116,14 +134,27 @@ mod tests {
         q.push(group(&[&[2], &[2]])); // staleness 1
         q.push(group(&[&[1, 3], &[3]])); // staleness 2
         q.push(group(&[&[3], &[3]])); // staleness 0
-        assert!(q.take_batch(4, 3, 2).is_none(), "one group is too stale, three are left");
+        assert!(q.take_batch(4, 3, 2, None).is_none(), "one group is too stale, three are left");
         assert_eq!((q.dropped_groups, q.dropped_samples), (1, 2));
-        let b = q.take_batch(2, 3, 2).expect("two groups");
+        let b = q.take_batch(2, 3, 2, None).expect("two groups");
         assert_eq!(b[0].seqs[0].versions, vec![2]);
         assert_eq!(b[1].seqs[0].versions, vec![1, 3]);
         assert_eq!(q.len(), 1);
         // At version 4 the group of version 3 is 1 behind: with a bound of 0 it goes.
-        assert!(q.take_batch(1, 4, 0).is_none());
+        assert!(q.take_batch(1, 4, 0, None).is_none());
         assert_eq!((q.dropped_groups, q.dropped_samples), (2, 4));
+    }
+
+    #[test]
+    fn batches_go_in_start_order_and_wait_for_a_group_still_generating() {
+        let mut q = Queue::default();
+        q.push(started(&[&[1]], 5));
+        q.push(started(&[&[1]], 3));
+        q.push(started(&[&[1]], 4));
+        // Group 2 is still being generated: only the ones started before it may go.
+        assert!(q.take_batch(1, 1, 2, Some(2)).is_none(), "a batch overtook a group started before it");
+        let b = q.take_batch(2, 1, 2, Some(5)).expect("groups 3 and 4 started before the one in flight");
+        assert_eq!(b.iter().map(|g| g.started).collect::<Vec<_>>(), vec![3, 4]);
+        assert_eq!(q.take_batch(1, 1, 2, None).expect("nothing in flight")[0].started, 5);
     }
 }
