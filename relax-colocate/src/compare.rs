@@ -129,6 +129,10 @@ fn figures(l: &Layout) -> Value {
     let batch = l.batch();
     let tokens: f64 = l.series("rollout/response_len/mean").iter().map(|len| len * batch).sum();
     let samples = l.rows.len() as f64 * batch;
+    // After the first step: async's first step fills the pipeline (the trainer waits for the
+    // first batch's whole generation), a cost a long run pays once.
+    let steady_s: f64 = step_times.iter().skip(1).sum();
+    let steady = (l.rows.len() > 1).then(|| (l.rows.len() - 1) as f64 * batch / steady_s);
     let train = l.series("perf/train_time").iter().sum::<f64>();
     let update = l.series("perf/update_weights_time");
     // Colocate's switch: the rollout offloaded, the trainer woken, put to sleep, the rollout onloaded.
@@ -151,6 +155,7 @@ fn figures(l: &Layout) -> Value {
         "run_dir": l.dir,
         "steps": l.rows.len(),
         "samples_per_s": samples / run_s,
+        "samples_per_s_after_first_step": steady,
         "tokens_per_s": tokens / run_s,
         "step_time_median_s": median(step_times),
         "trainer_busy": train / run_s,
@@ -171,8 +176,9 @@ type TableRow = (&'static str, &'static str, fn(f64) -> String);
 fn print_table(figs: &[Value], ratio: f64) {
     let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     println!("\n{:<28} {:>14} {:>14}", "", "colocate", "async");
-    let rows: [TableRow; 10] = [
+    let rows: [TableRow; 11] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
+        ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
         ("tokens/s", "tokens_per_s", |x| format!("{x:.1}")),
         ("step time, median (s)", "step_time_median_s", |x| format!("{x:.3}")),
         ("trainer busy", "trainer_busy", |x| format!("{:.0}%", 100.0 * x)),
@@ -191,7 +197,8 @@ fn print_table(figs: &[Value], ratio: f64) {
         .map(|h| h.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" "))
         .unwrap_or_default();
     println!("{:<28} {:>14} {:>14}", "staleness (updates: samples)", "0:all", hist);
-    println!("\nasync / colocate throughput: {ratio:.2}x (samples/s)");
+    let steady = f(&figs[1], "samples_per_s_after_first_step") / f(&figs[0], "samples_per_s_after_first_step");
+    println!("\nasync / colocate throughput: {ratio:.2}x (samples/s); {steady:.2}x after step 1");
     println!("compute: {}", figs[0]["compute"].as_str().unwrap_or("?"));
 }
 
@@ -258,7 +265,13 @@ pub fn main(o: &Options) -> u8 {
     let figs: Vec<Value> = layouts.iter().map(figures).collect();
     let ratio =
         figs[1]["samples_per_s"].as_f64().unwrap_or(f64::NAN) / figs[0]["samples_per_s"].as_f64().unwrap_or(f64::NAN);
-    let report = json!({"colocate": figs[0], "async": figs[1], "async_over_colocate_samples_per_s": ratio});
+    let steady = |f: &Value| f["samples_per_s_after_first_step"].as_f64().unwrap_or(f64::NAN);
+    let report = json!({
+        "colocate": figs[0],
+        "async": figs[1],
+        "async_over_colocate_samples_per_s": ratio,
+        "async_over_colocate_after_first_step": steady(&figs[1]) / steady(&figs[0]),
+    });
     let _ = std::fs::write(o.out.join("compare.json"), serde_json::to_string_pretty(&report).expect("serializes"));
     let _ = std::fs::write(o.out.join("reward_vs_time.svg"), reward_plot(&layouts));
     if o.json {

@@ -397,6 +397,11 @@ fn compare_runs_the_same_job_in_both_layouts_and_prints_one_table() {
     let expected =
         report["async"]["samples_per_s"].as_f64().unwrap() / report["colocate"]["samples_per_s"].as_f64().unwrap();
     assert!((ratio - expected).abs() < 1e-9);
+    // The steady figure leaves out step 1, which in async mode fills the pipeline.
+    let steady = |l: &str| report[l]["samples_per_s_after_first_step"].as_f64().unwrap();
+    let after = report["async_over_colocate_after_first_step"].as_f64().unwrap();
+    assert!(steady("async") > 0.0 && (after - steady("async") / steady("colocate")).abs() < 1e-9, "{report}");
+    assert!(stdout.contains("samples/s after step 1"), "{stdout}");
     assert!(std::fs::read_to_string(dir.path().join("reward_vs_time.svg")).unwrap().contains("colocate"));
     // A key that does not exist is the run's configuration error, exit 2 with its name.
     let bad = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
