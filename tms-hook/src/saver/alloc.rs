@@ -128,11 +128,12 @@ impl Saver {
             return None;
         }
         let mut claimed = self.claim(addr)?;
-        let Some(dev) = self.loaded(claimed[0].a.vendor) else {
+        let vendor = claimed[0].a.vendor;
+        let Some(dev) = self.loaded(vendor) else {
             // Cannot happen: a tracked allocation was made through a loaded driver.
             let a = claimed.disarm().pop().expect("one entry").a;
             self.settle(addr, Some(a));
-            return Some(Err(Error::NoDriver(Vendor::Cuda)));
+            return Some(Err(Error::NoDriver(vendor)));
         };
         let released = {
             let a = &mut claimed[0].a;

@@ -286,13 +286,13 @@ impl Saver {
 mod tests {
     use super::*;
 
-    fn fake_allocation(saver: &Saver, addr: u64) {
+    fn fake_allocation(saver: &Saver, addr: u64, vendor: Vendor) {
         let a = Allocation {
             size: 1 << 20,
             rounded: 2 << 20,
             piece_len: 2 << 20,
             device: 0,
-            vendor: Vendor::Cuda,
+            vendor,
             mem_kind: crate::device::DEFAULT_KIND,
             tag: crate::region::intern("guarded"),
             backup_enabled: false,
@@ -324,7 +324,7 @@ mod tests {
         // An entry marked Busy was settled only on the normal path: a panic in between made
         // every later free, pause or resume of it wait for ever.
         let saver: &'static Saver = Box::leak(Box::new(Saver::new()));
-        fake_allocation(saver, 0x1000);
+        fake_allocation(saver, 0x1000, Vendor::Cuda);
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let (_jobs, _report) = saver.begin(None, State::Active);
             panic!("in the middle of a pause");
@@ -339,6 +339,16 @@ mod tests {
         assert!(panicked.is_err());
         assert!(within_5s(move || saver.free(0x1000)).is_some());
         assert_eq!(lock(&saver.registry).map[&0x1000].state, State::Active);
+    }
+
+    #[test]
+    fn a_free_without_its_driver_names_the_allocations_own_vendor() {
+        // The branch reported CUDA whatever the allocation's vendor.
+        let saver = Saver::new();
+        fake_allocation(&saver, 0x2000, Vendor::Acl);
+        assert_eq!(saver.free(0x2000), Some(Err(Error::NoDriver(Vendor::Acl))));
+        // Still tracked and usable: freeing it again retries.
+        assert_eq!(lock(&saver.registry).map[&0x2000].state, State::Active);
     }
 
     #[test]
