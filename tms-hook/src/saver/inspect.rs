@@ -60,17 +60,6 @@ impl Saver {
         out
     }
 
-    /// Host bytes of pinned buffers pooled by active allocations (kept for their next pause, not
-    /// handed out).
-    pub fn pooled_bytes(&self) -> u64 {
-        lock(&self.registry)
-            .map
-            .values()
-            .filter(|a| a.state == State::Active && !a.backup_retained && !a.pageable_backup)
-            .filter_map(|a| a.backup.map(|b| b.len as u64))
-            .sum()
-    }
-
     /// Per-tag counts and bytes.
     pub fn status(&self) -> Vec<TagStatus> {
         let reg = lock(&self.registry);

@@ -7,8 +7,10 @@
 //! requests alike) with each other, not with the application's allocations and frees.
 //!
 //! One idea per file: `alloc` (region allocations and frees), `pause` and `resume` (the two
-//! operations), `inspect` (status, devices, backup pointers), `pieces` (physical pieces and host
-//! buffers), `drivers` (loading each vendor's driver once), `error` (what callers get back).
+//! operations), `pipeline` (their copies to and from host backups over the copy streams), `pool`
+//! (which host buffers resumed allocations keep), `inspect` (status, devices, backup pointers),
+//! `pieces` (physical pieces and host buffers), `drivers` (each vendor's driver, loaded once),
+//! `error` (what callers get back).
 
 mod alloc;
 mod drivers;
@@ -16,6 +18,8 @@ mod error;
 mod inspect;
 mod pause;
 mod pieces;
+mod pipeline;
+mod pool;
 mod resume;
 
 pub use error::{Error, Report, TagStatus};
