@@ -28,7 +28,7 @@ use crate::config::config;
 use crate::device::{Device, MemKind, Stream, Vendor};
 use crate::region::TagId;
 use crate::registry::{Allocation, Registry, State};
-use drivers::DriverSlot;
+use drivers::Drivers;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -42,8 +42,7 @@ pub struct Saver {
     tracked: AtomicUsize,
     margin: AtomicU64,
     retain_backup: AtomicBool,
-    cuda: DriverSlot,
-    acl: DriverSlot,
+    drivers: Drivers,
     granularity: Mutex<HashMap<(Vendor, i32, MemKind), usize>>,
     streams: Mutex<HashMap<(Vendor, i32), Vec<Stream>>>,
 }
@@ -127,26 +126,19 @@ impl Saver {
             tracked: AtomicUsize::new(0),
             margin: AtomicU64::new(cfg.margin),
             retain_backup: AtomicBool::new(cfg.retain_backup),
-            cuda: DriverSlot::new(Vendor::Cuda),
-            acl: DriverSlot::new(Vendor::Acl),
+            drivers: Drivers::new(),
             granularity: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
         }
     }
 
     pub fn device(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
-        match vendor {
-            Vendor::Cuda => self.cuda.get(),
-            Vendor::Acl => self.acl.get(),
-        }
+        self.drivers.get(vendor)
     }
 
     /// A driver already loaded, without trying to load one.
     fn loaded(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
-        match vendor {
-            Vendor::Cuda => self.cuda.device.get().cloned(),
-            Vendor::Acl => self.acl.device.get().cloned(),
-        }
+        self.drivers.loaded(vendor)
     }
 
     pub fn set_margin(&self, bytes: u64) {
