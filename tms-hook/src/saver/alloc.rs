@@ -57,23 +57,7 @@ impl Saver {
             let free = dev.mem_info().map(|(free, _)| free).unwrap_or(0);
             return Err(Error::OutOfMemory { code: dev.oom_code(), needed: u64::MAX, free });
         };
-        let margin = self.margin();
-        if margin > 0 {
-            let (free, _) = dev.mem_info().map_err(Error::Driver)?;
-            // A margin near u64::MAX refuses everything; it must never wrap into a small number.
-            let needed = (rounded as u64).saturating_add(margin);
-            if free < needed {
-                // The caller sees only an out-of-memory next to free memory: say why here.
-                tracing::warn!(
-                    "tms: refused a region allocation of {} on device {device}: {} free, and the margin \
-                     (TMS_MEMORY_MARGIN_BYTES / tms-ctl set --margin) keeps {} free",
-                    tms_proto::size::format_size(rounded as u64),
-                    tms_proto::size::format_size(free),
-                    tms_proto::size::format_size(margin)
-                );
-                return Err(Error::OutOfMemory { code: dev.oom_code(), needed, free });
-            }
-        }
+        self.check_margin(dev, device, rounded)?;
         // Disk backup is staged through pinned memory like CPU backup (see disk.rs).
         let disk = flags.disk;
         let backup_enabled = flags.backup || disk;
@@ -118,6 +102,29 @@ impl Saver {
         self.tracked.fetch_add(1, Ordering::AcqRel);
         tracing::debug!("tms: {} bytes at {addr:#x} (tag {})", rounded, region::tag_name(flags.tag));
         Ok(addr)
+    }
+
+    /// Refuses an allocation of `rounded` bytes that would leave less than the margin free.
+    fn check_margin(&self, dev: &dyn Device, device: i32, rounded: usize) -> Result<(), Error> {
+        let margin = self.margin();
+        if margin == 0 {
+            return Ok(());
+        }
+        let (free, _) = dev.mem_info().map_err(Error::Driver)?;
+        // A margin near u64::MAX refuses everything; it must never wrap into a small number.
+        let needed = (rounded as u64).saturating_add(margin);
+        if free >= needed {
+            return Ok(());
+        }
+        // The caller sees only an out-of-memory next to free memory: say why here.
+        tracing::warn!(
+            "tms: refused a region allocation of {} on device {device}: {} free, and the margin \
+             (TMS_MEMORY_MARGIN_BYTES / tms-ctl set --margin) keeps {} free",
+            tms_proto::size::format_size(rounded as u64),
+            tms_proto::size::format_size(free),
+            tms_proto::size::format_size(margin)
+        );
+        Err(Error::OutOfMemory { code: dev.oom_code(), needed, free })
     }
 
     /// Frees a tracked allocation. None: not ours (the caller forwards to the real free).
