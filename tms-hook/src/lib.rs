@@ -63,8 +63,13 @@ pub fn saver() -> &'static Saver {
 
 /// A region allocation through the saver (see `Saver::malloc`). The first one also starts the
 /// control socket: the saver knows nothing of the control plane, which drives it.
-pub fn region_malloc(vendor: device::Vendor, size: usize, kind: device::MemKind) -> Result<Option<u64>, saver::Error> {
-    let result = saver().malloc(vendor, size, kind);
+pub fn region_malloc(
+    vendor: device::Vendor,
+    size: usize,
+    kind: device::MemKind,
+    flags: region::Flags,
+) -> Result<Option<u64>, saver::Error> {
+    let result = saver().malloc(vendor, size, kind, flags);
     if let Ok(Some(_)) = result {
         control::ensure_started();
     }

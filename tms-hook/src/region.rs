@@ -37,6 +37,29 @@ pub fn set_region(on: bool) {
     REGION.with(|c| c.set(flag(on)));
 }
 
+/// What the calling thread's region allocations are made under, read once where the hook
+/// intercepts the allocation and handed to the saver as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flags {
+    pub tag: TagId,
+    /// CPU backup on pause.
+    pub backup: bool,
+    /// Disk backup on pause.
+    pub disk: bool,
+    /// The "mmap" CPU backup backend (pageable host memory) rather than "pinned".
+    pub pageable: bool,
+}
+
+/// The calling thread's flags when it is in a region; None: its allocations pass through.
+pub fn flags() -> Option<Flags> {
+    in_region().then(|| Flags {
+        tag: current_tag(),
+        backup: backup_enabled(),
+        disk: disk_backup_enabled(),
+        pageable: pageable_backup(),
+    })
+}
+
 /// The backup flag of threads that never set one: `TMS_INIT_ENABLE_CPU_BACKUP`, unless changed
 /// through the control socket (`set default_backup`).
 static DEFAULT_BACKUP: AtomicU8 = AtomicU8::new(UNSET);
@@ -254,6 +277,25 @@ pub fn set_tag(tag: Option<&str>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flags_are_the_threads_own_and_only_inside_a_region() {
+        // Run on a thread of its own: the flags are thread-local and other tests set theirs.
+        std::thread::spawn(|| {
+            set_region(false);
+            assert_eq!(flags(), None);
+            set_region(true);
+            set_tag(Some("flags-test"));
+            set_backup(true);
+            set_disk_backup(false);
+            set_pageable_backup(true);
+            let f = flags().expect("in a region");
+            assert_eq!((tag_name(f.tag).as_str(), f.backup, f.disk, f.pageable), ("flags-test", true, false, true));
+            set_tag(None);
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn a_tag_goes_when_nothing_carries_it() {

@@ -165,6 +165,11 @@ impl Device for Acl {
         RT_PARAM_INVALID
     }
 
+    /// Ascend's asynchronous copies need page-locked host memory.
+    fn copies_pageable_memory(&self) -> bool {
+        false
+    }
+
     fn current_device(&self) -> DevResult<i32> {
         let dev = self.thread_device().ok_or(DeviceError { op: "aclrtGetDevice", code: 107_002 })?;
         let mut ctx: Ptr = std::ptr::null_mut();

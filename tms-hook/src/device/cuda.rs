@@ -185,6 +185,10 @@ impl Device for Cuda {
         INVALID_VALUE
     }
 
+    fn copies_pageable_memory(&self) -> bool {
+        true
+    }
+
     fn current_device(&self) -> DevResult<i32> {
         if !self.current_context().is_null() {
             let mut dev = 0;

@@ -5,6 +5,7 @@ pub mod acl;
 pub mod cuda;
 
 use std::fmt;
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Vendor {
@@ -13,10 +14,22 @@ pub enum Vendor {
 }
 
 impl Vendor {
+    /// Every vendor, in the order a caller that can use any of them tries them (torch mode asks
+    /// for CUDA first).
+    pub const ALL: [Vendor; 2] = [Vendor::Cuda, Vendor::Acl];
+
     pub fn name(self) -> &'static str {
         match self {
             Vendor::Cuda => "cuda",
             Vendor::Acl => "acl",
+        }
+    }
+
+    /// Loads this vendor's driver (the saver calls it once, on first need).
+    pub fn load(self) -> Result<Arc<dyn Device>, String> {
+        match self {
+            Vendor::Cuda => cuda::Cuda::load().map(|d| Arc::new(d) as Arc<dyn Device>),
+            Vendor::Acl => acl::Acl::load().map(|d| Arc::new(d) as Arc<dyn Device>),
         }
     }
 }
@@ -55,6 +68,11 @@ pub trait Device: Send + Sync {
     fn invalid_code(&self) -> i32;
     fn is_oom(&self, code: i32) -> bool {
         code == self.oom_code()
+    }
+    /// Whether asynchronous copies may use pageable host memory (the "mmap" backup backend).
+    /// Where they may not, backups are pinned whatever the backend asked for.
+    fn copies_pageable_memory(&self) -> bool {
+        false
     }
     /// The device the calling thread works on.
     fn current_device(&self) -> DevResult<i32>;

@@ -18,7 +18,7 @@ type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize, c_int) -> c_int;
 /// A region allocation of the physical memory `policy` asks for (huge pages first falling back
 /// to normal ones where the policy says so). None: a policy tms cannot reproduce; the caller
 /// passes the call through (untracked, never paused), and it is said once.
-pub(super) fn region_malloc(size: usize, policy: c_int) -> Option<Result<Option<u64>, Error>> {
+pub(super) fn region_malloc(size: usize, policy: c_int, flags: region::Flags) -> Option<super::RegionResult> {
     let Some((kind, fallback)) = acl::memory_for_policy(policy, size) else {
         static SAID: AtomicBool = AtomicBool::new(false);
         if !SAID.swap(true, Ordering::Relaxed) {
@@ -28,12 +28,32 @@ pub(super) fn region_malloc(size: usize, policy: c_int) -> Option<Result<Option<
         }
         return None;
     };
-    let first = crate::region_malloc(Vendor::Acl, size, kind);
+    let first = crate::region_malloc(Vendor::Acl, size, kind, flags);
     Some(match (first, fallback) {
-        (Err(e), Some(normal)) if out_of_memory(&e) => crate::region_malloc(Vendor::Acl, size, normal),
+        (Err(e), Some(normal)) if out_of_memory(&e) => crate::region_malloc(Vendor::Acl, size, normal, flags),
         (result, _) => result,
     })
 }
+
+/// Torch mode on Ascend: the runtime reached without our own symbol in between (torch mode is
+/// dlopened, so nothing is interposed). torch_npu's caching allocator asks for huge pages first
+/// (policy 0).
+pub(crate) static TORCH: super::TorchAllocator = super::TorchAllocator {
+    vendor: Vendor::Acl,
+    runtime_malloc: |size| {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the runtime's aclrtMalloc.
+        let rc = ACL_MALLOC.resolve(0).map(|f| unsafe { std::mem::transmute::<usize, MallocFn>(f)(&mut p, size, 0) });
+        if rc == Some(0) { p } else { std::ptr::null_mut() }
+    },
+    runtime_free: |ptr| {
+        if let Some(f) = ACL_FREE.resolve(0) {
+            // SAFETY: the runtime's aclrtFree.
+            unsafe { std::mem::transmute::<usize, FreeFn>(f)(ptr) };
+        }
+    },
+    region_malloc: |size, flags| region_malloc(size, 0, flags),
+};
 
 fn out_of_memory(e: &Error) -> bool {
     const RT_MEMORY_ALLOCATION: c_int = 207_001;
@@ -61,13 +81,14 @@ fn malloc(target: &'static Target, own: usize, ptr: *mut *mut c_void, size: usiz
         || real_malloc(target, own, ptr, size, policy),
         || {
             crate::control::on_hooked_call();
-            if !region::in_region() || size == 0 {
-                return real_malloc(target, own, ptr, size, policy);
-            }
+            let flags = match region::flags() {
+                Some(flags) if size != 0 => flags,
+                _ => return real_malloc(target, own, ptr, size, policy),
+            };
             if ptr.is_null() {
                 return ERROR_INVALID_PARAM;
             }
-            let Some(result) = region_malloc(size, policy) else {
+            let Some(result) = region_malloc(size, policy, flags) else {
                 return real_malloc(target, own, ptr, size, policy);
             };
             match result {

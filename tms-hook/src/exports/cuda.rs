@@ -34,6 +34,25 @@ fn real_free(ptr: *mut c_void) -> c_int {
     }
 }
 
+/// Torch mode on CUDA: the runtime reached without our own symbol in between (torch mode is
+/// dlopened, so nothing is interposed).
+pub(crate) static TORCH: super::TorchAllocator = super::TorchAllocator {
+    vendor: Vendor::Cuda,
+    runtime_malloc: |size| {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the runtime's cudaMalloc.
+        let rc = CUDA_MALLOC.resolve(0).map(|f| unsafe { std::mem::transmute::<usize, MallocFn>(f)(&mut p, size) });
+        if rc == Some(0) { p } else { std::ptr::null_mut() }
+    },
+    runtime_free: |ptr| {
+        if let Some(f) = CUDA_FREE.resolve(0) {
+            // SAFETY: the runtime's cudaFree.
+            unsafe { std::mem::transmute::<usize, FreeFn>(f)(ptr) };
+        }
+    },
+    region_malloc: |size, flags| Some(crate::region_malloc(Vendor::Cuda, size, crate::device::DEFAULT_KIND, flags)),
+};
+
 /// Inside a region: releasable memory under the thread's tag. Outside: the real `cudaMalloc`.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int {
@@ -41,13 +60,14 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
         || real_malloc(ptr, size),
         || {
             crate::control::on_hooked_call();
-            if !region::in_region() || size == 0 {
-                return real_malloc(ptr, size);
-            }
+            let flags = match region::flags() {
+                Some(flags) if size != 0 => flags,
+                _ => return real_malloc(ptr, size),
+            };
             if ptr.is_null() {
                 return ERROR_INVALID_VALUE;
             }
-            match crate::region_malloc(Vendor::Cuda, size, crate::device::DEFAULT_KIND) {
+            match crate::region_malloc(Vendor::Cuda, size, crate::device::DEFAULT_KIND, flags) {
                 Ok(Some(addr)) => {
                     // SAFETY: checked non-null; the caller passes a writable pointer.
                     unsafe { *ptr = addr as *mut c_void };

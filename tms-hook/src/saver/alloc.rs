@@ -5,7 +5,7 @@ use super::{Error, Saver, lock};
 use crate::config::config;
 use crate::device::{Device, MemKind, Vendor};
 use crate::disk;
-use crate::region;
+use crate::region::{self, Flags};
 use crate::registry::{Allocation, Piece, State};
 use std::sync::atomic::Ordering;
 
@@ -29,17 +29,17 @@ impl Saver {
         Ok(g)
     }
 
-    /// Allocates `size` bytes backed by releasable physical memory, under the calling thread's
-    /// tag and backup flag, of physical memory `kind`. `Ok(None)`: no driver, the caller should
-    /// pass the call through.
-    pub fn malloc(&self, vendor: Vendor, size: usize, kind: MemKind) -> Result<Option<u64>, Error> {
+    /// Allocates `size` bytes backed by releasable physical memory, under the tag and backup
+    /// flags of the calling thread's region (`flags`), of physical memory `kind`. `Ok(None)`: no
+    /// driver, the caller should pass the call through.
+    pub fn malloc(&self, vendor: Vendor, size: usize, kind: MemKind, flags: Flags) -> Result<Option<u64>, Error> {
         let Some(dev) = self.device(vendor) else { return Ok(None) };
         let device = dev.current_device().map_err(Error::Driver)?;
         // The calling thread may have no current context yet (the runtime makes one only in the
         // call we intercepted): the driver calls below need one. A thread that had none keeps the
         // device's primary context current afterwards, as the runtime call would have left it.
         let previous = dev.bind_thread(device).map_err(Error::Driver)?;
-        let result = self.malloc_on(dev.as_ref(), vendor, device, size, kind);
+        let result = self.malloc_on(dev.as_ref(), (vendor, device, kind), size, flags);
         dev.restore_thread(previous);
         result.map(Some)
     }
@@ -47,10 +47,9 @@ impl Saver {
     fn malloc_on(
         &self,
         dev: &dyn Device,
-        vendor: Vendor,
-        device: i32,
+        (vendor, device, kind): (Vendor, i32, MemKind),
         size: usize,
-        kind: MemKind,
+        flags: Flags,
     ) -> Result<u64, Error> {
         let granularity = self.granularity(dev, device, kind)?;
         // cudaMalloc(SIZE_MAX) is a plain out-of-memory on the hardware, never a wrapped size.
@@ -58,26 +57,10 @@ impl Saver {
             let free = dev.mem_info().map(|(free, _)| free).unwrap_or(0);
             return Err(Error::OutOfMemory { code: dev.oom_code(), needed: u64::MAX, free });
         };
-        let margin = self.margin();
-        if margin > 0 {
-            let (free, _) = dev.mem_info().map_err(Error::Driver)?;
-            // A margin near u64::MAX refuses everything; it must never wrap into a small number.
-            let needed = (rounded as u64).saturating_add(margin);
-            if free < needed {
-                // The caller sees only an out-of-memory next to free memory: say why here.
-                tracing::warn!(
-                    "tms: refused a region allocation of {} on device {device}: {} free, and the margin \
-                     (TMS_MEMORY_MARGIN_BYTES / tms-ctl set --margin) keeps {} free",
-                    tms_proto::size::format_size(rounded as u64),
-                    tms_proto::size::format_size(free),
-                    tms_proto::size::format_size(margin)
-                );
-                return Err(Error::OutOfMemory { code: dev.oom_code(), needed, free });
-            }
-        }
+        self.check_margin(dev, device, rounded)?;
         // Disk backup is staged through pinned memory like CPU backup (see disk.rs).
-        let disk = region::disk_backup_enabled();
-        let backup_enabled = region::backup_enabled() || disk;
+        let disk = flags.disk;
+        let backup_enabled = flags.backup || disk;
         // Pieces pay off only where a copy runs to overlap with; without a backup, one handle
         // keeps the number of driver calls (and their fixed costs) at a minimum.
         let piece_len = match config().physical_chunk {
@@ -92,10 +75,9 @@ impl Saver {
             device,
             vendor,
             mem_kind: kind,
-            tag: region::current_tag(),
+            tag: flags.tag,
             backup_enabled,
-            // Ascend's asynchronous copies need page-locked host memory.
-            pageable_backup: vendor == Vendor::Cuda && region::pageable_backup() && !disk,
+            pageable_backup: dev.copies_pageable_memory() && flags.pageable && !disk,
             state: State::Active,
             pieces: vec![Piece::default(); rounded.div_ceil(piece_len)],
             backup: None,
@@ -118,8 +100,31 @@ impl Saver {
         region::retain(entry.tag);
         lock(&self.registry).map.insert(addr, entry);
         self.tracked.fetch_add(1, Ordering::AcqRel);
-        tracing::debug!("tms: {} bytes at {addr:#x} (tag {})", rounded, region::tag_name(region::current_tag()));
+        tracing::debug!("tms: {} bytes at {addr:#x} (tag {})", rounded, region::tag_name(flags.tag));
         Ok(addr)
+    }
+
+    /// Refuses an allocation of `rounded` bytes that would leave less than the margin free.
+    fn check_margin(&self, dev: &dyn Device, device: i32, rounded: usize) -> Result<(), Error> {
+        let margin = self.margin();
+        if margin == 0 {
+            return Ok(());
+        }
+        let (free, _) = dev.mem_info().map_err(Error::Driver)?;
+        // A margin near u64::MAX refuses everything; it must never wrap into a small number.
+        let needed = (rounded as u64).saturating_add(margin);
+        if free >= needed {
+            return Ok(());
+        }
+        // The caller sees only an out-of-memory next to free memory: say why here.
+        tracing::warn!(
+            "tms: refused a region allocation of {} on device {device}: {} free, and the margin \
+             (TMS_MEMORY_MARGIN_BYTES / tms-ctl set --margin) keeps {} free",
+            tms_proto::size::format_size(rounded as u64),
+            tms_proto::size::format_size(free),
+            tms_proto::size::format_size(margin)
+        );
+        Err(Error::OutOfMemory { code: dev.oom_code(), needed, free })
     }
 
     /// Frees a tracked allocation. None: not ours (the caller forwards to the real free).
@@ -128,11 +133,12 @@ impl Saver {
             return None;
         }
         let mut claimed = self.claim(addr)?;
-        let Some(dev) = self.loaded(claimed[0].a.vendor) else {
+        let vendor = claimed[0].a.vendor;
+        let Some(dev) = self.loaded(vendor) else {
             // Cannot happen: a tracked allocation was made through a loaded driver.
             let a = claimed.disarm().pop().expect("one entry").a;
             self.settle(addr, Some(a));
-            return Some(Err(Error::NoDriver(Vendor::Cuda)));
+            return Some(Err(Error::NoDriver(vendor)));
         };
         let released = {
             let a = &mut claimed[0].a;

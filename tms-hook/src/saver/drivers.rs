@@ -5,27 +5,42 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-type Loader = fn() -> Result<Arc<dyn Device>, String>;
+type Loader = fn(Vendor) -> Result<Arc<dyn Device>, String>;
 
 /// How long a failed load is believed. Torch mode asks for CUDA first on every allocation; on an
 /// Ascend machine that would otherwise be one failed dlopen("libcuda.so.1") per allocation.
 const RETRY_AFTER: Duration = Duration::from_secs(10);
 
-pub(super) struct DriverSlot {
-    pub(super) device: OnceLock<Arc<dyn Device>>,
+/// One slot per vendor, in `Vendor::ALL`'s order.
+pub(super) struct Drivers(Vec<DriverSlot>);
+
+impl Drivers {
+    pub(super) fn new() -> Drivers {
+        Drivers(Vendor::ALL.into_iter().map(DriverSlot::new).collect())
+    }
+
+    fn slot(&self, vendor: Vendor) -> &DriverSlot {
+        self.0.iter().find(|s| s.vendor == vendor).expect("a slot for every vendor")
+    }
+
+    /// `vendor`'s driver, loaded on first need.
+    pub(super) fn get(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
+        self.slot(vendor).get()
+    }
+
+    /// `vendor`'s driver if it is loaded already, without trying to load it.
+    pub(super) fn loaded(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
+        self.slot(vendor).device.get().cloned()
+    }
+}
+
+struct DriverSlot {
+    device: OnceLock<Arc<dyn Device>>,
     warned: AtomicBool,
     vendor: Vendor,
     load: Loader,
     /// Nanoseconds after `epoch()` before which a failed load is not tried again (0: try).
     retry_at: AtomicU64,
-}
-
-fn load_cuda() -> Result<Arc<dyn Device>, String> {
-    crate::device::cuda::Cuda::load().map(|d| Arc::new(d) as Arc<dyn Device>)
-}
-
-fn load_acl() -> Result<Arc<dyn Device>, String> {
-    crate::device::acl::Acl::load().map(|d| Arc::new(d) as Arc<dyn Device>)
 }
 
 fn epoch() -> Instant {
@@ -38,12 +53,8 @@ fn now_ns() -> u64 {
 }
 
 impl DriverSlot {
-    pub(super) const fn new(vendor: Vendor) -> DriverSlot {
-        let load: Loader = match vendor {
-            Vendor::Cuda => load_cuda,
-            Vendor::Acl => load_acl,
-        };
-        DriverSlot::with_loader(vendor, load)
+    fn new(vendor: Vendor) -> DriverSlot {
+        DriverSlot::with_loader(vendor, Vendor::load)
     }
 
     const fn with_loader(vendor: Vendor, load: Loader) -> DriverSlot {
@@ -58,7 +69,7 @@ impl DriverSlot {
 
     /// The driver, loaded on first need. A failure is reported once and believed for a while
     /// (the runtime may still appear later, so it is not believed forever).
-    pub(super) fn get(&self) -> Option<Arc<dyn Device>> {
+    fn get(&self) -> Option<Arc<dyn Device>> {
         if let Some(d) = self.device.get() {
             return Some(d.clone());
         }
@@ -66,7 +77,7 @@ impl DriverSlot {
         if retry_at != 0 && now_ns() < retry_at {
             return None;
         }
-        match (self.load)() {
+        match (self.load)(self.vendor) {
             Ok(d) => Some(self.device.get_or_init(|| d).clone()),
             Err(e) => {
                 self.retry_at.store((now_ns() + RETRY_AFTER.as_nanos() as u64).max(1), Ordering::Relaxed);
@@ -89,7 +100,7 @@ mod tests {
 
     static ATTEMPTS: AtomicUsize = AtomicUsize::new(0);
 
-    fn missing() -> Result<Arc<dyn Device>, String> {
+    fn missing(_: Vendor) -> Result<Arc<dyn Device>, String> {
         ATTEMPTS.fetch_add(1, Ordering::Relaxed);
         Err("libcuda.so.1: cannot open shared object file".into())
     }

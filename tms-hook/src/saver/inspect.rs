@@ -13,7 +13,7 @@ impl Saver {
         let vendor = jobs.first().map(|j| j.a.vendor);
         let dev = match vendor {
             Some(v) => self.loaded(v)?,
-            None => self.loaded(Vendor::Cuda).or_else(|| self.loaded(Vendor::Acl))?,
+            None => Vendor::ALL.into_iter().find_map(|v| self.loaded(v))?,
         };
         let device = match jobs.first() {
             Some(j) => j.a.device,
@@ -39,7 +39,7 @@ impl Saver {
     /// without creating a context anywhere.
     pub fn devices(&self) -> Vec<(Vendor, i32, u64, u64)> {
         let mut wanted: Vec<(Vendor, i32)> = lock(&self.registry).map.values().map(|a| (a.vendor, a.device)).collect();
-        for v in [Vendor::Cuda, Vendor::Acl] {
+        for v in Vendor::ALL {
             if let Some(dev) = self.loaded(v)
                 && !wanted.iter().any(|w| w.0 == v)
             {
@@ -58,17 +58,6 @@ impl Saver {
             dev.restore_thread(previous);
         }
         out
-    }
-
-    /// Host bytes of pinned buffers pooled by active allocations (kept for their next pause, not
-    /// handed out).
-    pub fn pooled_bytes(&self) -> u64 {
-        lock(&self.registry)
-            .map
-            .values()
-            .filter(|a| a.state == State::Active && !a.backup_retained && !a.pageable_backup)
-            .filter_map(|a| a.backup.map(|b| b.len as u64))
-            .sum()
     }
 
     /// Per-tag counts and bytes.

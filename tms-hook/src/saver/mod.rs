@@ -7,8 +7,10 @@
 //! requests alike) with each other, not with the application's allocations and frees.
 //!
 //! One idea per file: `alloc` (region allocations and frees), `pause` and `resume` (the two
-//! operations), `inspect` (status, devices, backup pointers), `pieces` (physical pieces and host
-//! buffers), `drivers` (loading each vendor's driver once), `error` (what callers get back).
+//! operations), `pipeline` (their copies to and from host backups over the copy streams), `pool`
+//! (which host buffers resumed allocations keep), `inspect` (status, devices, backup pointers),
+//! `pieces` (physical pieces and host buffers), `drivers` (each vendor's driver, loaded once),
+//! `error` (what callers get back).
 
 mod alloc;
 mod drivers;
@@ -16,6 +18,8 @@ mod error;
 mod inspect;
 mod pause;
 mod pieces;
+mod pipeline;
+mod pool;
 mod resume;
 
 pub use error::{Error, Report, TagStatus};
@@ -24,7 +28,7 @@ use crate::config::config;
 use crate::device::{Device, MemKind, Stream, Vendor};
 use crate::region::TagId;
 use crate::registry::{Allocation, Registry, State};
-use drivers::DriverSlot;
+use drivers::Drivers;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -38,8 +42,7 @@ pub struct Saver {
     tracked: AtomicUsize,
     margin: AtomicU64,
     retain_backup: AtomicBool,
-    cuda: DriverSlot,
-    acl: DriverSlot,
+    drivers: Drivers,
     granularity: Mutex<HashMap<(Vendor, i32, MemKind), usize>>,
     streams: Mutex<HashMap<(Vendor, i32), Vec<Stream>>>,
 }
@@ -123,26 +126,19 @@ impl Saver {
             tracked: AtomicUsize::new(0),
             margin: AtomicU64::new(cfg.margin),
             retain_backup: AtomicBool::new(cfg.retain_backup),
-            cuda: DriverSlot::new(Vendor::Cuda),
-            acl: DriverSlot::new(Vendor::Acl),
+            drivers: Drivers::new(),
             granularity: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
         }
     }
 
     pub fn device(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
-        match vendor {
-            Vendor::Cuda => self.cuda.get(),
-            Vendor::Acl => self.acl.get(),
-        }
+        self.drivers.get(vendor)
     }
 
     /// A driver already loaded, without trying to load one.
     fn loaded(&self, vendor: Vendor) -> Option<Arc<dyn Device>> {
-        match vendor {
-            Vendor::Cuda => self.cuda.device.get().cloned(),
-            Vendor::Acl => self.acl.device.get().cloned(),
-        }
+        self.drivers.loaded(vendor)
     }
 
     pub fn set_margin(&self, bytes: u64) {
@@ -286,13 +282,13 @@ impl Saver {
 mod tests {
     use super::*;
 
-    fn fake_allocation(saver: &Saver, addr: u64) {
+    fn fake_allocation(saver: &Saver, addr: u64, vendor: Vendor) {
         let a = Allocation {
             size: 1 << 20,
             rounded: 2 << 20,
             piece_len: 2 << 20,
             device: 0,
-            vendor: Vendor::Cuda,
+            vendor,
             mem_kind: crate::device::DEFAULT_KIND,
             tag: crate::region::intern("guarded"),
             backup_enabled: false,
@@ -324,7 +320,7 @@ mod tests {
         // An entry marked Busy was settled only on the normal path: a panic in between made
         // every later free, pause or resume of it wait for ever.
         let saver: &'static Saver = Box::leak(Box::new(Saver::new()));
-        fake_allocation(saver, 0x1000);
+        fake_allocation(saver, 0x1000, Vendor::Cuda);
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let (_jobs, _report) = saver.begin(None, State::Active);
             panic!("in the middle of a pause");
@@ -339,6 +335,16 @@ mod tests {
         assert!(panicked.is_err());
         assert!(within_5s(move || saver.free(0x1000)).is_some());
         assert_eq!(lock(&saver.registry).map[&0x1000].state, State::Active);
+    }
+
+    #[test]
+    fn a_free_without_its_driver_names_the_allocations_own_vendor() {
+        // The branch reported CUDA whatever the allocation's vendor.
+        let saver = Saver::new();
+        fake_allocation(&saver, 0x2000, Vendor::Acl);
+        assert_eq!(saver.free(0x2000), Some(Err(Error::NoDriver(Vendor::Acl))));
+        // Still tracked and usable: freeing it again retries.
+        assert_eq!(lock(&saver.registry).map[&0x2000].state, State::Active);
     }
 
     #[test]

@@ -1,9 +1,8 @@
 //! Pause: synchronize, copy to the host backup where enabled, unmap, release.
 
-use super::pieces::{ensure_backup_buffer, free_host_buf, map_piece, piece_copy, release_piece, unmap_piece};
-use super::{Error, Job, Report, Saver, lock};
-use crate::backup::{self, CopyJob, Direction};
-use crate::config::config;
+use super::pieces::{free_host_buf, map_piece, piece_copy, release_piece, unmap_piece};
+use super::{Error, Job, Report, Saver, lock, pipeline};
+use crate::backup;
 use crate::device::{Device, Stream};
 use crate::disk;
 use crate::region;
@@ -74,41 +73,7 @@ impl Saver {
         }
         let Some(streams) = self.streams_for(dev, device).map_err(|e| Self::note(report, e)).ok() else { return };
         let started = Instant::now();
-        let units: Vec<(usize, usize)> =
-            saving.iter().flat_map(|&i| (0..jobs[i].a.pieces.len()).map(move |p| (i, p))).collect();
-        let mut failed = vec![false; jobs.len()];
-        {
-            let mut window = backup::Window::new(dev, &streams, config().backup_chunk);
-            for batch in backup::batches(units.len(), config().backup_chunk, |u| {
-                let (i, p) = units[u];
-                jobs[i].a.piece_range(p).1
-            }) {
-                let mut live = Vec::new();
-                for u in batch {
-                    let i = units[u].0;
-                    if failed[i] {
-                        continue;
-                    }
-                    // Pinning a buffer overlaps with the copies already in flight.
-                    if let Err(e) = ensure_backup_buffer(dev, &mut jobs[i].a) {
-                        // Without a backup buffer nothing of it may be released.
-                        Self::note(report, Error::Driver(e));
-                        failed[i] = true;
-                        continue;
-                    }
-                    live.push(u);
-                }
-                if live.is_empty() {
-                    continue;
-                }
-                let copies: Vec<CopyJob> =
-                    live.iter().filter_map(|&u| piece_copy(&jobs[units[u].0], units[u].1)).collect();
-                window.send(live, &copies, Direction::ToHost, |done| {
-                    Self::retire_saved(dev, jobs, &units, &mut failed, done, report)
-                });
-            }
-            window.drain(|done| Self::retire_saved(dev, jobs, &units, &mut failed, done, report));
-        }
+        let failed = pipeline::save(dev, &streams, jobs, &saving, report);
         for &i in &saving {
             if failed[i] {
                 self.roll_back_pause(dev, device, streams[0], &mut jobs[i], report);
@@ -157,37 +122,6 @@ impl Saver {
             }
         }
         !j.a.pieces.iter().any(|p| p.mapped)
-    }
-
-    /// A batch of backup copies finished: release the pieces whose contents are now on the host,
-    /// or mark their allocations failed.
-    pub(super) fn retire_saved(
-        dev: &dyn Device,
-        jobs: &mut [Job],
-        units: &[(usize, usize)],
-        failed: &mut [bool],
-        (done, result): backup::Finished,
-        report: &mut Report,
-    ) {
-        if Self::fail_batch(result, done.iter().map(|&u| units[u].0), failed, report) {
-            return;
-        }
-        for u in done {
-            let (i, p) = units[u];
-            if failed[i] {
-                continue;
-            }
-            let j = &mut jobs[i];
-            if let Err(e) = unmap_piece(dev, j.addr, &mut j.a, p) {
-                Self::note(report, Error::Driver(e));
-                failed[i] = true;
-                continue;
-            }
-            if let Err(e) = release_piece(dev, &mut j.a, p) {
-                // Unmapped but still held, contents and all: resume maps the same handle back.
-                Self::note(report, Error::Driver(e));
-            }
-        }
     }
 
     /// A backup copy of this allocation failed after some of its pieces were already released:

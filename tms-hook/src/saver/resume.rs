@@ -1,14 +1,11 @@
 //! Resume: recreate physical memory at the same addresses and restore the backups.
 
-use super::pieces::{
-    ensure_backup_buffer, free_host_buf, map_piece, missing_bytes, piece_copy, release_piece, unmap_piece,
-};
+use super::pieces::{ensure_backup_buffer, missing_bytes, release_piece, unmap_piece};
+use super::pipeline::{self, Restored};
 use super::{Claimed, Error, Job, Report, Saver, lock};
-use crate::backup::{self, Direction};
 use crate::config::config;
-use crate::device::{DevResult, Device};
+use crate::device::Device;
 use crate::disk;
-use crate::host_memory;
 use crate::region;
 use crate::registry::State;
 use std::time::Instant;
@@ -25,72 +22,19 @@ impl Saver {
         let tag = tag.map(region::lookup);
         let (jobs, mut report) = self.begin(tag, State::Paused);
         let (mut jobs, unreadable) = self.load_from_disk(jobs, &mut report);
-        let margin = if config().resume_keeps_margin { self.margin() } else { 0 };
-        for ((vendor, device), idx) in Self::groups(&mut jobs) {
-            let Some(dev) = self.loaded(vendor) else { continue };
-            let previous = match dev.bind_thread(device) {
-                Ok(p) => p,
-                Err(e) => {
-                    Self::note(&mut report, Error::Driver(e));
-                    continue;
-                }
-            };
-            let needed: u64 = idx.iter().map(|&i| &jobs[i].a).map(|a| missing_bytes(a) as u64).sum();
-            match dev.mem_info() {
-                Ok((free, _)) if needed > 0 && free < needed.saturating_add(margin) => {
-                    let needed = needed.saturating_add(margin);
-                    Self::note(&mut report, Error::OutOfMemory { code: dev.oom_code(), needed, free });
-                }
-                Err(e) => Self::note(&mut report, Error::Driver(e)),
-                Ok(_) => self.resume_group(dev.as_ref(), device, &mut jobs, &idx, &mut report),
-            }
-            dev.restore_thread(previous);
-        }
+        self.resume_groups(&mut jobs, &mut report);
         if let Some((free, _)) = self.device_memory(&jobs) {
             report.device_free_after = free;
         }
-        // The buffers stay for the next pause if retained (their snapshot is still handed out) or
-        // pooled (they are not).
         let retain = self.retain_backup();
-        let keep = retain || config().keep_pinned;
-        // Pooled buffers hold host memory while their allocations are active: at most
-        // TMS_PINNED_POOL_MAX_MB of them stay, and only while the host keeps its reserve
-        // available; the rest are freed (and pinned again next pause).
-        let pooled_here = |j: &Job| !retain && !j.a.disk && !j.a.pageable_backup && j.a.backup.is_some();
-        let candidates: u64 =
-            jobs.iter().filter(|j| j.ok && pooled_here(j)).filter_map(|j| j.a.backup).map(|b| b.len as u64).sum();
-        let mut pool_room = None;
-        if keep && candidates > 0 {
-            let host = host_memory::pool_room(candidates, config().pinned_pool_host_reserve_percent);
-            let capped = config().pinned_pool_max.map(|max| max.saturating_sub(self.pooled_bytes()));
-            pool_room = Some(capped.map_or(host, |c| c.min(host)));
-        }
         for j in jobs.iter_mut().filter(|j| j.ok) {
             j.a.backup_valid = false;
             j.a.backup_retained = retain && !j.a.disk;
             if let Some(path) = j.a.disk_file.take() {
                 disk::remove(&path);
             }
-            let fits = match (&mut pool_room, j.a.backup) {
-                (Some(room), Some(b)) if pooled_here(j) => {
-                    let ok = b.len as u64 <= *room;
-                    if ok {
-                        *room -= b.len as u64;
-                    }
-                    ok
-                }
-                _ => true,
-            };
-            // A disk-backed allocation's staging buffer goes: its contents live on disk, not here.
-            // A pageable backup goes too unless retained: the "mmap" backend is chosen to give
-            // host memory back.
-            if (!keep || !fits || j.a.disk || (j.a.pageable_backup && !j.a.backup_retained))
-                && let Some(b) = j.a.backup.take()
-                && let Some(dev) = self.loaded(j.a.vendor)
-            {
-                free_host_buf(dev.as_ref(), b);
-            }
         }
+        self.keep_or_free_buffers(&mut jobs, retain);
         self.finish(jobs, &mut report, State::Active, State::Paused);
         self.finish(unreadable, &mut report, State::Active, State::Paused);
         if name == Some(crate::comms::TAG) {
@@ -111,6 +55,32 @@ impl Saver {
             None => tracing::info!("tms: resume {}: {}", super::error::tag_label(name), report.summary("resumed")),
         }
         report
+    }
+
+    /// Resumes the jobs one (vendor, device) group at a time; a group whose device lacks the
+    /// memory is refused as a whole, touching nothing.
+    fn resume_groups(&self, jobs: &mut [Job], report: &mut Report) {
+        let margin = if config().resume_keeps_margin { self.margin() } else { 0 };
+        for ((vendor, device), idx) in Self::groups(jobs) {
+            let Some(dev) = self.loaded(vendor) else { continue };
+            let previous = match dev.bind_thread(device) {
+                Ok(p) => p,
+                Err(e) => {
+                    Self::note(report, Error::Driver(e));
+                    continue;
+                }
+            };
+            let needed: u64 = idx.iter().map(|&i| &jobs[i].a).map(|a| missing_bytes(a) as u64).sum();
+            match dev.mem_info() {
+                Ok((free, _)) if needed > 0 && free < needed.saturating_add(margin) => {
+                    let needed = needed.saturating_add(margin);
+                    Self::note(report, Error::OutOfMemory { code: dev.oom_code(), needed, free });
+                }
+                Err(e) => Self::note(report, Error::Driver(e)),
+                Ok(_) => self.resume_group(dev.as_ref(), device, jobs, &idx, report),
+            }
+            dev.restore_thread(previous);
+        }
     }
 
     /// Reads disk-backed contents back into staging buffers before a resume. Returns the jobs to
@@ -156,70 +126,7 @@ impl Saver {
     ) {
         let Some(streams) = self.streams_for(dev, device).map_err(|e| Self::note(report, e)).ok() else { return };
         let started = Instant::now();
-        // (job, piece, created here)
-        let mut units: Vec<(usize, usize, bool)> = idx
-            .iter()
-            .flat_map(|&i| (0..jobs[i].a.pieces.len()).map(move |p| (i, p, false)))
-            .filter(|&(i, p, _)| !jobs[i].a.pieces[p].mapped)
-            .collect();
-        let mut failed = vec![false; jobs.len()];
-        let mut out_of_memory = false;
-        let mut restoring = false;
-        {
-            let mut window = backup::Window::new(dev, &streams, config().backup_chunk);
-            for batch in backup::batches(units.len(), config().backup_chunk, |u| {
-                let (i, p, _) = units[u];
-                jobs[i].a.piece_range(p).1
-            }) {
-                let mut live = Vec::new();
-                let mut copies = Vec::new();
-                for u in batch {
-                    let (i, p, _) = units[u];
-                    let j = &mut jobs[i];
-                    if failed[i] {
-                        continue;
-                    }
-                    if out_of_memory && j.a.pieces[p].handle.is_none() {
-                        failed[i] = true;
-                        continue;
-                    }
-                    match map_piece(dev, device, j.addr, &mut j.a, p) {
-                        Ok(created) => {
-                            units[u].2 = created;
-                            // A piece that kept its memory kept its contents.
-                            if created
-                                && j.a.backup_valid
-                                && let Some(c) = piece_copy(j, p)
-                            {
-                                copies.push(c);
-                                live.push(u);
-                            }
-                        }
-                        Err(e) => {
-                            failed[i] = true;
-                            let err = if dev.is_oom(e.code) {
-                                out_of_memory = true;
-                                let free = dev.mem_info().map(|m| m.0).unwrap_or(0);
-                                Error::OutOfMemory { code: e.code, needed: j.a.rounded as u64, free }
-                            } else {
-                                Error::Driver(e)
-                            };
-                            Self::note(report, err);
-                        }
-                    }
-                }
-                if copies.is_empty() {
-                    continue;
-                }
-                restoring = true;
-                window.send(live, &copies, Direction::ToDevice, |(done, result)| {
-                    Self::fail_batch(result, done.iter().map(|&u| units[u].0), &mut failed, report);
-                });
-            }
-            window.drain(|(done, result)| {
-                Self::fail_batch(result, done.iter().map(|&u| units[u].0), &mut failed, report);
-            });
-        }
+        let Restored { units, failed, copied } = pipeline::restore(dev, device, &streams, jobs, idx, report);
         for &(i, p, created) in &units {
             if !failed[i] {
                 continue;
@@ -240,23 +147,8 @@ impl Saver {
         for &i in idx {
             jobs[i].ok = !failed[i];
         }
-        if restoring {
+        if copied {
             report.backup_ns += started.elapsed().as_nanos() as u64;
         }
-    }
-
-    /// A batch whose copies failed fails every allocation it carried. Returns whether it failed.
-    pub(super) fn fail_batch(
-        result: DevResult<()>,
-        jobs_in_batch: impl Iterator<Item = usize>,
-        failed: &mut [bool],
-        report: &mut Report,
-    ) -> bool {
-        let Err(e) = result else { return false };
-        Self::note(report, Error::Driver(e));
-        for i in jobs_in_batch {
-            failed[i] = true;
-        }
-        true
     }
 }
