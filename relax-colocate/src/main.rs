@@ -11,6 +11,7 @@ mod environment;
 mod plot;
 mod run;
 mod runtime;
+mod vendor;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -109,7 +110,7 @@ struct BenchArgs {
     /// The vendor API the scenarios call: the device's own by default (cuda, acl for npu).
     /// `--device sim --api acl` runs the NPU path on the simulator.
     #[arg(long, value_enum)]
-    api: Option<bench::ApiKind>,
+    api: Option<vendor::ApiKind>,
     /// Small sizes and iteration counts (about 30 s on the simulator; what CI runs).
     #[arg(long)]
     quick: bool,
@@ -396,7 +397,7 @@ fn bench_main(args: BenchArgs) -> ExitCode {
         }
     }
     if let bench::upstream::UpstreamLib::Path(_) = &upstream_lib {
-        let ascend = api == Some(bench::ApiKind::Acl) || device == bench::DeviceKind::Npu;
+        let ascend = api == Some(vendor::ApiKind::Acl) || device == bench::DeviceKind::Npu;
         let refused = match bench::upstream::resolve(&upstream_lib) {
             Err(e) => Some(e),
             Ok(_) if ascend => Some("torch_memory_saver has no Ascend backend".to_string()),

@@ -15,7 +15,8 @@
 
 use super::{DeviceKind, Env, Options, Target, f, finish, gbs, human, table};
 use crate::collective::{self, Group, Library};
-use crate::runtime::{Runtime, Streams, check, load_cuda, load_nccl};
+use crate::runtime::{Runtime, Streams, check, load_nccl};
+use crate::vendor;
 use serde_json::{Value, json};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -215,8 +216,7 @@ fn unavailable() -> Result<Option<String>, String> {
 /// communicator on device RANK, broadcasts each size REPS times from rank 0 (after one untimed
 /// broadcast) and prints the median time of each.
 pub fn rank(rank: usize, id_file: &str, sizes: &[usize], reps: usize) -> Result<Value, String> {
-    load_cuda()?;
-    let rt = Runtime::load()?;
+    let rt = vendor::cuda_runtime()?;
     let id_path = Path::new(id_file);
     if let Some(why) = unavailable()? {
         if rank == 0 {
@@ -224,8 +224,7 @@ pub fn rank(rank: usize, id_file: &str, sizes: &[usize], reps: usize) -> Result<
         }
         return Ok(json!({ "rank": rank, "skipped": why }));
     }
-    // SAFETY: plain runtime call.
-    check("cudaSetDevice", unsafe { (rt.set_device)(rank as i32) })?;
+    vendor::set_cuda_device(&rt, rank as i32)?;
     let id = if rank == 0 {
         let id = collective::unique_id(Library::Nccl)?;
         publish(id_path, &id)?;

@@ -14,6 +14,7 @@ pub mod upstream;
 pub mod worker;
 
 use crate::environment::find_hook;
+use crate::vendor::ApiKind;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
@@ -31,32 +32,6 @@ pub enum DeviceKind {
     Cuda,
     /// An Ascend NPU through CANN's ACL (libascendcl.so, found by CANN's set_env.sh).
     Npu,
-}
-
-/// The vendor API the scenarios call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ApiKind {
-    /// cudaMalloc/cudaFree and the cuMem* virtual-memory calls.
-    Cuda,
-    /// aclrtMalloc/aclrtFree and the aclrt* virtual-memory calls (Ascend CANN).
-    Acl,
-}
-
-impl ApiKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ApiKind::Cuda => "cuda",
-            ApiKind::Acl => "acl",
-        }
-    }
-
-    fn parse(s: &str) -> Option<ApiKind> {
-        match s {
-            "cuda" => Some(ApiKind::Cuda),
-            "acl" => Some(ApiKind::Acl),
-            _ => None,
-        }
-    }
 }
 
 pub struct Options {
