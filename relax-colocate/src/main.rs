@@ -145,7 +145,7 @@ struct BenchArgs {
     /// package of `python3` on PATH, if it is torch_memory_saver's own), or `none`. Two more
     /// targets are judged when it runs: pause and resume with backup no slower than it.
     #[arg(long, default_value = "auto", value_name = "PATH|auto|none")]
-    upstream_lib: bench::upstream::UpstreamLib,
+    upstream_lib: bench::UpstreamLib,
 }
 
 #[derive(clap::Args)]
@@ -396,7 +396,7 @@ fn bench_main(args: BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    if let bench::upstream::UpstreamLib::Path(_) = &upstream_lib {
+    if let bench::UpstreamLib::Path(_) = &upstream_lib {
         let ascend = api == Some(vendor::ApiKind::Acl) || device == bench::DeviceKind::Npu;
         let refused = match bench::upstream::resolve(&upstream_lib) {
             Err(e) => Some(e),

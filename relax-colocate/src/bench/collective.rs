@@ -13,10 +13,14 @@
 //! The ranks run under the hook, which records their communicator; after the broadcasts each one
 //! measures what pausing tag `nccl` wins (suspend.rs, the communicator row).
 
-use super::{DeviceKind, Env, Options, Target, f, finish, gbs, human, table};
+use super::options::{DeviceKind, Options};
+use super::scenario::{About, Bench, Results, Scenario};
+use super::spawn::{Env, finish};
+use super::table::{Target, f, gbs, human, table};
 use crate::collective::{self, Group, Library};
 use crate::runtime::{Runtime, Streams, check, load_nccl};
 use crate::vendor;
+use crate::vendor::ApiKind;
 use serde_json::{Value, json};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -33,11 +37,36 @@ fn sizes(opts: &Options) -> Vec<usize> {
     opts.broadcast_sizes.clone().unwrap_or(default)
 }
 
+/// The scenario; once run, its targets.
+#[derive(Default)]
+pub(super) struct Collective {
+    targets: Vec<Target>,
+}
+
+impl Scenario for Collective {
+    fn about(&self) -> About {
+        About {
+            key: "collective",
+            step: "a collective: ncclBroadcast between two devices against the modelled link; its communicator suspended",
+        }
+    }
+
+    fn run(&mut self, bench: &Bench) -> Result<Value, String> {
+        let (figures, targets) = run(&bench.env, bench.device, bench.opts)?;
+        self.targets = targets;
+        Ok(figures)
+    }
+
+    fn targets(&self, _results: &Results) -> Vec<Target> {
+        self.targets.clone()
+    }
+}
+
 /// Runs the row: prints its table and plot, returns its JSON (rows, or why it was skipped) and its
 /// target where a modelled link makes one.
 /// With it, the communicator row's JSON and target (suspend.rs).
-pub(super) fn run(env: &Env, device: DeviceKind, opts: &Options) -> Result<(Value, Vec<Target>), String> {
-    if env.api != super::ApiKind::Cuda {
+fn run(env: &Env, device: DeviceKind, opts: &Options) -> Result<(Value, Vec<Target>), String> {
+    if env.api != ApiKind::Cuda {
         println!("\nCollective (ncclBroadcast): skipped (NCCL is the CUDA API's; no HCCL row yet)");
         let why = "the collective row runs through NCCL (CUDA API); no HCCL row yet";
         return Ok((json!({ "skipped": why, "communicator_suspend": { "skipped": why } }), Vec::new()));
