@@ -1,6 +1,7 @@
 //! The bench's worker processes: `relax-colocate bench-worker API SCENARIO ARGS...`, with the hook
 //! preloaded or not, on the simulator a private node of one device each (unless told otherwise).
 
+use crate::environment::SimNode;
 use crate::vendor::ApiKind;
 use serde_json::Value;
 use std::path::PathBuf;
@@ -59,14 +60,15 @@ impl Env {
         }
         if let Some((libdir, dir)) = &self.sim {
             self.counter.set(self.counter.get() + 1);
-            cmd.env("LD_LIBRARY_PATH", libdir)
-                .env("TMS_SIM_DIR", dir.path())
-                .env("TMS_SIM_NODE", format!("bench-{}", self.counter.get()))
-                .env("TMS_SIM_MEMORY", &self.sim_memory)
-                .env("TMS_SIM_DEVICES", "1");
-            if self.copy_gbps > 0.0 {
-                cmd.env("TMS_SIM_COPY_GBPS", self.copy_gbps.to_string());
-            }
+            let name = format!("bench-{}", self.counter.get());
+            let node = SimNode {
+                dir: dir.path(),
+                name: &name,
+                devices: 1,
+                memory: &self.sim_memory,
+                copy_gbps: self.copy_gbps,
+            };
+            cmd.env("LD_LIBRARY_PATH", libdir).envs(node.vars());
         }
         for (k, v) in extra {
             cmd.env(k, v);
