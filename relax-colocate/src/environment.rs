@@ -2,7 +2,8 @@
 //! environment that puts it on tms-sim, as `tms-sim env` defines it: the runtime-named links on
 //! the library path, and for Python programs the start-up hook that loads the simulator before
 //! PyTorch (whose RPATH would otherwise find NVIDIA's runtime) and runs its kernels on the CPU.
-//! Asking the tool keeps one definition of it.
+//! Asking the tool keeps one definition of it. `SimNode` names the node a process joins, for the
+//! runner's workers and the bench's alike.
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -31,6 +32,33 @@ pub(crate) struct SimEnvironment {
     /// Variables to set in the launched process, folder lists already joined with this
     /// process's values.
     pub vars: Vec<(String, String)>,
+}
+
+/// A simulated node a launched process runs on (docs/simulator.md's variables).
+pub(crate) struct SimNode<'a> {
+    /// The folder the node's shared state lives in.
+    pub dir: &'a Path,
+    pub name: &'a str,
+    pub devices: u32,
+    /// Each device's capacity, in tms's size syntax.
+    pub memory: &'a str,
+    /// The modelled copy bus per direction, GB/s; 0: none (host memcpy speed).
+    pub copy_gbps: f64,
+}
+
+impl SimNode<'_> {
+    pub fn vars(&self) -> Vec<(String, String)> {
+        let mut vars = vec![
+            ("TMS_SIM_DIR".to_string(), self.dir.display().to_string()),
+            ("TMS_SIM_NODE".to_string(), self.name.to_string()),
+            ("TMS_SIM_MEMORY".to_string(), self.memory.to_string()),
+            ("TMS_SIM_DEVICES".to_string(), self.devices.to_string()),
+        ];
+        if self.copy_gbps > 0.0 {
+            vars.push(("TMS_SIM_COPY_GBPS".to_string(), self.copy_gbps.to_string()));
+        }
+        vars
+    }
 }
 
 pub(crate) fn sim_environment() -> Result<SimEnvironment, String> {

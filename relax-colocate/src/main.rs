@@ -11,6 +11,7 @@ mod environment;
 mod plot;
 mod run;
 mod runtime;
+mod vendor;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -109,7 +110,7 @@ struct BenchArgs {
     /// The vendor API the scenarios call: the device's own by default (cuda, acl for npu).
     /// `--device sim --api acl` runs the NPU path on the simulator.
     #[arg(long, value_enum)]
-    api: Option<bench::ApiKind>,
+    api: Option<vendor::ApiKind>,
     /// Small sizes and iteration counts (about 30 s on the simulator; what CI runs).
     #[arg(long)]
     quick: bool,
@@ -144,7 +145,7 @@ struct BenchArgs {
     /// package of `python3` on PATH, if it is torch_memory_saver's own), or `none`. Two more
     /// targets are judged when it runs: pause and resume with backup no slower than it.
     #[arg(long, default_value = "auto", value_name = "PATH|auto|none")]
-    upstream_lib: bench::upstream::UpstreamLib,
+    upstream_lib: bench::UpstreamLib,
 }
 
 #[derive(clap::Args)]
@@ -396,8 +397,8 @@ fn bench_main(args: BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    if let bench::upstream::UpstreamLib::Path(_) = &upstream_lib {
-        let ascend = api == Some(bench::ApiKind::Acl) || device == bench::DeviceKind::Npu;
+    if let bench::UpstreamLib::Path(_) = &upstream_lib {
+        let ascend = api == Some(vendor::ApiKind::Acl) || device == bench::DeviceKind::Npu;
         let refused = match bench::upstream::resolve(&upstream_lib) {
             Err(e) => Some(e),
             Ok(_) if ascend => Some("torch_memory_saver has no Ascend backend".to_string()),

@@ -13,9 +13,14 @@
 //! The ranks run under the hook, which records their communicator; after the broadcasts each one
 //! measures what pausing tag `nccl` wins (suspend.rs, the communicator row).
 
-use super::{DeviceKind, Env, Options, Target, f, finish, gbs, human, table};
+use super::options::{DeviceKind, Options};
+use super::scenario::{About, Bench, Results, Scenario};
+use super::spawn::{Env, finish};
+use super::table::{Target, f, gbs, human, table};
 use crate::collective::{self, Group, Library};
-use crate::runtime::{Runtime, Streams, check, load_cuda, load_nccl};
+use crate::runtime::{Runtime, Streams, check, load_nccl};
+use crate::vendor;
+use crate::vendor::ApiKind;
 use serde_json::{Value, json};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -32,11 +37,36 @@ fn sizes(opts: &Options) -> Vec<usize> {
     opts.broadcast_sizes.clone().unwrap_or(default)
 }
 
+/// The scenario; once run, its targets.
+#[derive(Default)]
+pub(super) struct Collective {
+    targets: Vec<Target>,
+}
+
+impl Scenario for Collective {
+    fn about(&self) -> About {
+        About {
+            key: "collective",
+            step: "a collective: ncclBroadcast between two devices against the modelled link; its communicator suspended",
+        }
+    }
+
+    fn run(&mut self, bench: &Bench) -> Result<Value, String> {
+        let (figures, targets) = run(&bench.env, bench.device, bench.opts)?;
+        self.targets = targets;
+        Ok(figures)
+    }
+
+    fn targets(&self, _results: &Results) -> Vec<Target> {
+        self.targets.clone()
+    }
+}
+
 /// Runs the row: prints its table and plot, returns its JSON (rows, or why it was skipped) and its
 /// target where a modelled link makes one.
 /// With it, the communicator row's JSON and target (suspend.rs).
-pub(super) fn run(env: &Env, device: DeviceKind, opts: &Options) -> Result<(Value, Vec<Target>), String> {
-    if env.api != super::ApiKind::Cuda {
+fn run(env: &Env, device: DeviceKind, opts: &Options) -> Result<(Value, Vec<Target>), String> {
+    if env.api != ApiKind::Cuda {
         println!("\nCollective (ncclBroadcast): skipped (NCCL is the CUDA API's; no HCCL row yet)");
         let why = "the collective row runs through NCCL (CUDA API); no HCCL row yet";
         return Ok((json!({ "skipped": why, "communicator_suspend": { "skipped": why } }), Vec::new()));
@@ -215,8 +245,7 @@ fn unavailable() -> Result<Option<String>, String> {
 /// communicator on device RANK, broadcasts each size REPS times from rank 0 (after one untimed
 /// broadcast) and prints the median time of each.
 pub fn rank(rank: usize, id_file: &str, sizes: &[usize], reps: usize) -> Result<Value, String> {
-    load_cuda()?;
-    let rt = Runtime::load()?;
+    let rt = vendor::cuda_runtime()?;
     let id_path = Path::new(id_file);
     if let Some(why) = unavailable()? {
         if rank == 0 {
@@ -224,8 +253,7 @@ pub fn rank(rank: usize, id_file: &str, sizes: &[usize], reps: usize) -> Result<
         }
         return Ok(json!({ "rank": rank, "skipped": why }));
     }
-    // SAFETY: plain runtime call.
-    check("cudaSetDevice", unsafe { (rt.set_device)(rank as i32) })?;
+    vendor::set_cuda_device(&rt, rank as i32)?;
     let id = if rank == 0 {
         let id = collective::unique_id(Library::Nccl)?;
         publish(id_path, &id)?;

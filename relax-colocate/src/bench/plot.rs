@@ -32,7 +32,8 @@ fn chart(title: &str, x: Axis, y: Axis, series: Vec<Series>) -> String {
     svg(&Chart { title: title.into(), width: 820, height: 460, x: Some(x), y: Some(y), series, ..Chart::default() })
 }
 
-pub fn write_all(dir: &Path, bytes_rows: &[Value], count_rows: &[Value]) -> std::io::Result<()> {
+/// Time against bytes, and the backup's throughput against the raw pinned copy.
+pub fn write_bytes(dir: &Path, bytes_rows: &[Value]) -> std::io::Result<()> {
     let with = |b: bool| move |r: &Value| r["backup"].as_bool() == Some(b);
     let by_bytes = vec![
         series(bytes_rows, with(false), "bytes", "pause_ns", 1e-9, "pause", 0),
@@ -43,15 +44,6 @@ pub fn write_all(dir: &Path, bytes_rows: &[Value], count_rows: &[Value]) -> std:
     let size = || Axis::log("allocation size", Quantity::Bytes);
     let time = || Axis::log("time", Quantity::Seconds);
     std::fs::write(dir.join("time_vs_bytes.svg"), chart("Pause/resume time vs bytes", size(), time(), by_bytes))?;
-    let all = |_: &Value| true;
-    let by_count = vec![
-        series(count_rows, all, "allocations", "pause_ns", 1e-9, "pause", 0),
-        series(count_rows, all, "allocations", "resume_ns", 1e-9, "resume", 1),
-    ];
-    std::fs::write(
-        dir.join("time_vs_count.svg"),
-        chart("Pause/resume time vs allocations", Axis::log("allocations", Quantity::Count), time(), by_count),
-    )?;
     let throughput = vec![
         series(bytes_rows, with(true), "bytes", "pause_bytes_per_s", 1.0, "pause backup", 0),
         series(bytes_rows, with(true), "bytes", "raw_d2h_bytes_per_s", 1.0, "raw D2H copy", 1),
@@ -61,6 +53,20 @@ pub fn write_all(dir: &Path, bytes_rows: &[Value], count_rows: &[Value]) -> std:
     std::fs::write(
         dir.join("throughput_vs_limit.svg"),
         chart("Backup throughput vs raw pinned copy", size(), Axis::log("throughput", Quantity::Rate), throughput),
+    )
+}
+
+/// Time against the number of allocations.
+pub fn write_count(dir: &Path, count_rows: &[Value]) -> std::io::Result<()> {
+    let all = |_: &Value| true;
+    let by_count = vec![
+        series(count_rows, all, "allocations", "pause_ns", 1e-9, "pause", 0),
+        series(count_rows, all, "allocations", "resume_ns", 1e-9, "resume", 1),
+    ];
+    let time = Axis::log("time", Quantity::Seconds);
+    std::fs::write(
+        dir.join("time_vs_count.svg"),
+        chart("Pause/resume time vs allocations", Axis::log("allocations", Quantity::Count), time, by_count),
     )
 }
 

@@ -8,7 +8,7 @@
 //! bytes must arrive. Skipped, saying why, where the hook is not loaded or NCCL predates
 //! ncclCommMemStats (2.29.7).
 
-use super::{Target, f, human, table};
+use super::table::{Target, f, human, table};
 use crate::collective::Group;
 use crate::runtime::{Report, Runtime, Tms, check};
 use serde_json::{Value, json};

@@ -2,29 +2,60 @@
 //! worker scenario (`side`, calling only the C ABI both export) preloaded once with each, on the
 //! same sizes, device and copy bus. CUDA only: torch_memory_saver has no Ascend backend.
 
-use super::{Env, MIB, f, human, table};
+use super::options::UpstreamLib;
+use super::scenario::{About, Bench, Results, Scenario};
+use super::spawn::Env;
+use super::table::{Target, f, human, table};
+use crate::vendor::ApiKind;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Which torch_memory_saver library to compare with (`--upstream-lib`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum UpstreamLib {
-    /// Look for the torch_memory_saver package of `python3` on PATH.
-    Auto,
-    /// No comparison.
-    Off,
-    Path(PathBuf),
+const MIB: usize = 1 << 20;
+
+/// The scenario: the library to compare with (or why there is none) and, once run, the ratios
+/// `compare` found.
+pub(super) struct Upstream {
+    pub lib: Option<Result<PathBuf, String>>,
+    ratios: Option<(f64, f64)>,
 }
 
-impl std::str::FromStr for UpstreamLib {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "auto" => UpstreamLib::Auto,
-            "none" | "off" => UpstreamLib::Off,
-            path => UpstreamLib::Path(PathBuf::from(path)),
-        })
+impl Upstream {
+    pub fn new(lib: Result<PathBuf, String>) -> Upstream {
+        Upstream { lib: Some(lib), ratios: None }
+    }
+}
+
+impl Scenario for Upstream {
+    fn about(&self) -> About {
+        About { key: "side_by_side", step: "torch_memory_saver's library side by side (same calls, same run)" }
+    }
+
+    fn run(&mut self, bench: &Bench) -> Result<Value, String> {
+        let lib = self.lib.take().unwrap_or_else(|| Err("already compared".into()));
+        let (side_by_side, ratios) = match bench.api {
+            ApiKind::Cuda => compare(&bench.env, lib, bench.quick()),
+            ApiKind::Acl => {
+                println!("\nSide by side with torch_memory_saver's library: skipped (it has no Ascend backend)");
+                (json!({ "skipped": "torch_memory_saver has no Ascend backend" }), None)
+            }
+        };
+        self.ratios = ratios;
+        Ok(side_by_side)
+    }
+
+    /// Judged only where torch_memory_saver's library ran beside ours.
+    fn targets(&self, _results: &Results) -> Vec<Target> {
+        let no_slower = |name: &'static str, x: f64| (name, format!("{x:.2}x"), x >= 1.0);
+        self.ratios
+            .into_iter()
+            .flat_map(|(pause_x, resume_x)| {
+                [
+                    no_slower("pause with backup no slower than torch_memory_saver (its time / ours)", pause_x),
+                    no_slower("resume with backup no slower than torch_memory_saver (its time / ours)", resume_x),
+                ]
+            })
+            .collect()
     }
 }
 
@@ -77,7 +108,7 @@ pub fn resolve(choice: &UpstreamLib) -> Result<PathBuf, String> {
 
 /// Runs the comparison; prints its table. Returns the JSON record and, when both libraries ran,
 /// the ratios (upstream time / ours) for pause and resume with backup at the largest size.
-pub(super) fn compare(env: &Env, lib: Result<PathBuf, String>, quick: bool) -> (Value, Option<(f64, f64)>) {
+fn compare(env: &Env, lib: Result<PathBuf, String>, quick: bool) -> (Value, Option<(f64, f64)>) {
     let lib = match lib {
         Ok(lib) => lib,
         Err(why) => {

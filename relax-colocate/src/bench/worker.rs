@@ -3,11 +3,11 @@
 //! the parent; the hook intercepts the same calls a framework makes (cudaMalloc/cudaFree, or
 //! aclrtMalloc/aclrtFree), and the bare virtual-memory sequences are that vendor's own.
 
-use super::ApiKind;
 use crate::runtime::{
     AccessDesc, Acl, AclBench, AclPhysicalMemProp, AllocationProp, CommonTms, Driver, Report, Runtime, Tms,
-    acl_huge_prop, check, device_access, device_prop, load_acl, load_cuda,
+    acl_huge_prop, check, device_access, device_prop,
 };
+use crate::vendor::{self, ApiKind, Opened};
 use serde_json::{Value, json};
 use std::ffi::CString;
 use std::time::Instant;
@@ -17,8 +17,6 @@ const MIB: usize = 1 << 20;
 const ACL_HUGE_FIRST: i32 = 0;
 const ACL_MEMCPY_HOST_TO_DEVICE: i32 = 1;
 const ACL_MEMCPY_DEVICE_TO_HOST: i32 = 2;
-/// aclInit's ACL_ERROR_REPEAT_INITIALIZE: harmless, another library of the process did it first.
-const ACL_REPEAT_INITIALIZE: i32 = 100_002;
 
 pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -37,28 +35,9 @@ struct Ctx {
 
 impl Ctx {
     fn new(api: ApiKind) -> Result<Ctx, String> {
-        let rt = match api {
-            ApiKind::Cuda => {
-                load_cuda()?;
-                let rt = Runtime::load()?;
-                // SAFETY: plain runtime call.
-                check("cudaSetDevice", unsafe { (rt.set_device)(0) })?;
-                Rt::Cuda(rt)
-            }
-            ApiKind::Acl => {
-                load_acl()?;
-                let (acl, bench) = (Acl::load()?, AclBench::load()?);
-                // SAFETY: aclInit accepts NULL (no config file); CANN requires a device set on
-                // the calling thread before any allocation, and this process is single-threaded.
-                unsafe {
-                    let rc = (acl.init)(std::ptr::null());
-                    if rc != ACL_REPEAT_INITIALIZE {
-                        check("aclInit", rc)?;
-                    }
-                    check("aclrtSetDevice", (acl.set_device)(0))?;
-                }
-                Rt::Acl(acl, bench)
-            }
+        let rt = match vendor::open(api, 0)? {
+            Opened::Cuda(rt) => Rt::Cuda(rt),
+            Opened::Acl(acl) => Rt::Acl(acl, AclBench::load()?),
         };
         Ok(Ctx { rt, tms: Tms::load().ok() })
     }
@@ -403,11 +382,8 @@ pub fn bytes_scan(api: ApiKind, sizes: &[usize], reps: usize) -> Result<Value, S
 /// clock around each, so the two libraries are compared on equal terms. With backup, the contents
 /// are checked after the last resume.
 pub fn side_by_side(sizes: &[usize], reps: usize) -> Result<Value, String> {
-    load_cuda()?;
-    let rt = Runtime::load()?;
+    let rt = vendor::open_cuda(0)?;
     let t = CommonTms::load().map_err(|e| format!("{e} (is a memory-saver library preloaded?)"))?;
-    // SAFETY: plain runtime call.
-    check("cudaSetDevice", unsafe { (rt.set_device)(0) })?;
     let mut rows = Vec::new();
     for &size in sizes {
         for backup in [false, true] {

@@ -2,11 +2,10 @@
 //! `dlsym(RTLD_DEFAULT)` so the preloaded hook intercepts the allocations, and the tms region API
 //! for tagging them.
 
-use crate::runtime::{Acl, AclIpc, CudaIpc, CudaIpcHandle, Runtime, Tms, load_acl, load_cuda};
+use crate::runtime::{AclIpc, CudaIpc, CudaIpcHandle, Tms};
+use crate::vendor::{self, ApiKind, Opened};
 use std::ffi::CString;
 
-const CUDA_OOM: i32 = 2;
-const ACL_OOM: i32 = 207_001;
 const ACL_HBM_MEM: i32 = 1;
 
 #[derive(Debug)]
@@ -23,49 +22,16 @@ impl std::fmt::Display for DevError {
     }
 }
 
-enum Api {
-    Cuda(Runtime),
-    Acl(Acl),
-}
-
 pub struct Device {
-    api: Api,
+    api: Opened,
     tms: Tms,
 }
 
 impl Device {
     /// `api`: "cuda" or "acl".
     pub fn open(api: &str, index: i32) -> Result<Device, String> {
-        let api = match api {
-            "cuda" => {
-                load_cuda()?;
-                let rt = Runtime::load()?;
-                // SAFETY: plain runtime call.
-                let rc = unsafe { (rt.set_device)(index) };
-                if rc != 0 {
-                    return Err(format!("cudaSetDevice({index}) returned {rc}"));
-                }
-                Api::Cuda(rt)
-            }
-            "acl" => {
-                load_acl()?;
-                let acl = Acl::load()?;
-                // SAFETY: aclInit accepts NULL (no config file); then a device for this thread.
-                unsafe {
-                    let rc = (acl.init)(std::ptr::null());
-                    // 100002: already initialized (a library in this process did it first).
-                    if rc != 0 && rc != 100_002 {
-                        return Err(format!("aclInit returned {rc}"));
-                    }
-                    let rc = (acl.set_device)(index);
-                    if rc != 0 {
-                        return Err(format!("aclrtSetDevice({index}) returned {rc}"));
-                    }
-                }
-                Api::Acl(acl)
-            }
-            other => return Err(format!("unknown device API {other:?} (cuda or acl)")),
-        };
+        let kind = ApiKind::parse(api).ok_or_else(|| format!("unknown device API {api:?} (cuda or acl)"))?;
+        let api = vendor::open(kind, index)?;
         let tms = Tms::load().map_err(|_| {
             "the tms API is missing: run this worker with LD_PRELOAD=libtms_hook.so (relax-colocate run does)"
                 .to_string()
@@ -75,17 +41,11 @@ impl Device {
 
     /// "cuda" or "acl", as `open` took it.
     pub fn api_name(&self) -> &'static str {
-        match self.api {
-            Api::Cuda(_) => "cuda",
-            Api::Acl(_) => "acl",
-        }
+        self.api.kind().as_str()
     }
 
     fn fail(&self, what: &str, rc: i32) -> DevError {
-        let oom = match self.api {
-            Api::Cuda(_) => rc == CUDA_OOM,
-            Api::Acl(_) => rc == ACL_OOM,
-        };
+        let oom = vendor::out_of_memory(self.api.kind(), rc);
         let msg = format!("{what} returned {rc}");
         if oom { DevError::OutOfMemory(format!("out of device memory: {msg}")) } else { DevError::Other(msg) }
     }
@@ -103,14 +63,14 @@ impl Device {
         // SAFETY: the allocation functions write one pointer.
         let rc = unsafe {
             match &self.api {
-                Api::Cuda(rt) => (rt.malloc)(&mut p, bytes as usize),
-                Api::Acl(acl) => (acl.malloc)(&mut p, bytes as usize, 0),
+                Opened::Cuda(rt) => (rt.malloc)(&mut p, bytes as usize),
+                Opened::Acl(acl) => (acl.malloc)(&mut p, bytes as usize, 0),
             }
         };
         // SAFETY: as above.
         unsafe { (self.tms.set_region)(false) };
         if rc != 0 {
-            return Err(self.fail(if matches!(self.api, Api::Cuda(_)) { "cudaMalloc" } else { "aclrtMalloc" }, rc));
+            return Err(self.fail(if matches!(self.api, Opened::Cuda(_)) { "cudaMalloc" } else { "aclrtMalloc" }, rc));
         }
         Ok(p as u64)
     }
@@ -119,8 +79,8 @@ impl Device {
         // SAFETY: a pointer this device returned.
         let rc = unsafe {
             match &self.api {
-                Api::Cuda(rt) => (rt.free)(ptr as *mut _),
-                Api::Acl(acl) => (acl.free)(ptr as *mut _),
+                Opened::Cuda(rt) => (rt.free)(ptr as *mut _),
+                Opened::Acl(acl) => (acl.free)(ptr as *mut _),
             }
         };
         if rc != 0 { Err(self.fail("free", rc)) } else { Ok(()) }
@@ -134,8 +94,8 @@ impl Device {
         // SAFETY: the caller passes ranges that are valid for `n` bytes on the named sides.
         let rc = unsafe {
             match &self.api {
-                Api::Cuda(rt) => (rt.memcpy)(dst as *mut _, src as *const _, n, kind),
-                Api::Acl(acl) => (acl.memcpy)(dst as *mut _, n, src as *const _, n, kind),
+                Opened::Cuda(rt) => (rt.memcpy)(dst as *mut _, src as *const _, n, kind),
+                Opened::Acl(acl) => (acl.memcpy)(dst as *mut _, n, src as *const _, n, kind),
             }
         };
         if rc != 0 { Err(self.fail("memcpy", rc)) } else { Ok(()) }
@@ -159,8 +119,8 @@ impl Device {
         // SAFETY: two out-parameters.
         let rc = unsafe {
             match &self.api {
-                Api::Cuda(rt) => (rt.mem_get_info)(&mut free, &mut total),
-                Api::Acl(acl) => (acl.get_mem_info)(ACL_HBM_MEM, &mut free, &mut total),
+                Opened::Cuda(rt) => (rt.mem_get_info)(&mut free, &mut total),
+                Opened::Acl(acl) => (acl.get_mem_info)(ACL_HBM_MEM, &mut free, &mut total),
             }
         };
         if rc != 0 { Err(self.fail("mem_get_info", rc)) } else { Ok((free as u64, total as u64)) }
@@ -195,8 +155,8 @@ impl Device {
     /// (aclrtDeviceGetBareTgid: in a container, the host's pid); CUDA has no whitelist.
     pub fn ipc_pid(&self) -> Result<i32, DevError> {
         match self.api {
-            Api::Cuda(_) => Ok(std::process::id() as i32),
-            Api::Acl(_) => {
+            Opened::Cuda(_) => Ok(std::process::id() as i32),
+            Opened::Acl(_) => {
                 let ipc = Self::ipc_symbols(AclIpc::load)?;
                 let mut pid = 0;
                 // SAFETY: one out-parameter.
@@ -209,14 +169,14 @@ impl Device {
     /// Exports `bytes` at `ptr` to the processes `importers` (ACL's whitelist); the handle's bytes.
     pub fn ipc_export(&self, ptr: u64, bytes: u64, importers: &[i32]) -> Result<Vec<u8>, DevError> {
         match self.api {
-            Api::Cuda(_) => {
+            Opened::Cuda(_) => {
                 let ipc = Self::ipc_symbols(CudaIpc::load)?;
                 let mut h = CudaIpcHandle { bytes: [0; 64] };
                 // SAFETY: a 64-byte out-parameter and a device pointer of ours.
                 let rc = unsafe { (ipc.get_mem_handle)(&mut h, ptr as *mut _) };
                 if rc != 0 { Err(self.fail("cudaIpcGetMemHandle", rc)) } else { Ok(h.bytes.to_vec()) }
             }
-            Api::Acl(_) => {
+            Opened::Acl(_) => {
                 let ipc = Self::ipc_symbols(AclIpc::load)?;
                 let mut key = [0u8; ACL_IPC_KEY_LEN];
                 // SAFETY: the key buffer is the documented 65 bytes; flag 0 turns the whitelist on.
@@ -246,7 +206,7 @@ impl Device {
     pub fn ipc_open(&self, handle: &[u8]) -> Result<u64, DevError> {
         let mut p = std::ptr::null_mut();
         let rc = match self.api {
-            Api::Cuda(_) => {
+            Opened::Cuda(_) => {
                 let ipc = Self::ipc_symbols(CudaIpc::load)?;
                 let bytes: [u8; 64] = handle
                     .try_into()
@@ -254,7 +214,7 @@ impl Device {
                 // SAFETY: one out-parameter, the handle by value.
                 unsafe { (ipc.open_mem_handle)(&mut p, CudaIpcHandle { bytes }, CUDA_IPC_LAZY_PEER_ACCESS) }
             }
-            Api::Acl(_) => {
+            Opened::Acl(_) => {
                 let ipc = Self::ipc_symbols(AclIpc::load)?;
                 let key = Self::acl_key(handle)?;
                 // SAFETY: one out-parameter and a NUL-terminated key.
@@ -268,9 +228,9 @@ impl Device {
     pub fn ipc_close(&self, ptr: u64, handle: &[u8]) -> Result<(), DevError> {
         let rc = match self.api {
             // SAFETY: a pointer ipc_open returned.
-            Api::Cuda(_) => unsafe { (Self::ipc_symbols(CudaIpc::load)?.close_mem_handle)(ptr as *mut _) },
+            Opened::Cuda(_) => unsafe { (Self::ipc_symbols(CudaIpc::load)?.close_mem_handle)(ptr as *mut _) },
             // SAFETY: a NUL-terminated key.
-            Api::Acl(_) => unsafe { (Self::ipc_symbols(AclIpc::load)?.close)(Self::acl_key(handle)?.as_ptr()) },
+            Opened::Acl(_) => unsafe { (Self::ipc_symbols(AclIpc::load)?.close)(Self::acl_key(handle)?.as_ptr()) },
         };
         if rc != 0 { Err(self.fail("IPC close", rc)) } else { Ok(()) }
     }
@@ -279,8 +239,8 @@ impl Device {
     /// last; a CUDA handle needs no close). The memory is the caller's to free.
     pub fn ipc_end_export(&self, handle: &[u8]) -> Result<(), DevError> {
         match self.api {
-            Api::Cuda(_) => Ok(()),
-            Api::Acl(_) => {
+            Opened::Cuda(_) => Ok(()),
+            Opened::Acl(_) => {
                 // SAFETY: a NUL-terminated key.
                 let rc = unsafe { (Self::ipc_symbols(AclIpc::load)?.close)(Self::acl_key(handle)?.as_ptr()) };
                 if rc != 0 { Err(self.fail("aclrtIpcMemClose", rc)) } else { Ok(()) }

@@ -17,7 +17,7 @@ use super::sizing::{
 };
 use super::task::{Addition, VOCAB};
 use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
-use crate::environment::{find_hook, sim_environment};
+use crate::environment::{SimNode, find_hook, sim_environment};
 use crate::runtime::{can_load, has_symbol};
 use std::path::{Path, PathBuf};
 
@@ -268,15 +268,16 @@ impl Plan {
         // Python workers (scripts/torch_worker.py) get the start-up hook that puts PyTorch on
         // the simulator with the rest of the environment.
         env.extend(sim.vars.iter().cloned());
-        env.extend([
-            ("TMS_SIM_DIR".into(), scratch.tmp.path().join("sim").display().to_string()),
-            ("TMS_SIM_NODE".into(), "relax".into()),
-            ("TMS_SIM_MEMORY".into(), sim.capacity.to_string()),
-            ("TMS_SIM_DEVICES".into(), cfg.run.devices.to_string()),
-        ]);
-        if cfg.sim.copy_gbps > 0.0 {
-            env.push(("TMS_SIM_COPY_GBPS".into(), cfg.sim.copy_gbps.to_string()));
-        }
+        let dir = scratch.tmp.path().join("sim");
+        let memory = sim.capacity.to_string();
+        let node = SimNode {
+            dir: &dir,
+            name: "relax",
+            devices: cfg.run.devices,
+            memory: &memory,
+            copy_gbps: cfg.sim.copy_gbps,
+        };
+        env.extend(node.vars());
         if !cfg.sim.link_gbps.trim().is_empty() {
             env.push(("TMS_SIM_LINK_GBPS".into(), cfg.sim.link_gbps.trim().into()));
         }
