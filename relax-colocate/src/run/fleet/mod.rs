@@ -253,12 +253,21 @@ impl Fleet {
                 continue;
             }
             let pid = self.workers[i].pid;
-            let found = tms_proto::list_sockets(&self.scratch.ctl_dir).into_iter().find(|s| s.pid == pid);
+            // The hook binds its socket from a thread of its own, started by the first region
+            // allocation: on a loaded machine the worker's init reply can come first.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let found = loop {
+                let found = tms_proto::list_sockets(&self.scratch.ctl_dir).into_iter().find(|s| s.pid == pid);
+                if found.is_some() || std::time::Instant::now() >= deadline {
+                    break found;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            };
             match found {
                 Some(s) => self.workers[i].control = Some(s.path),
                 None => {
                     let cause = format!(
-                        "no tms control socket for pid {pid} in {} after init: is libtms_hook.so preloaded in the \
+                        "no tms control socket for pid {pid} in {} within 5 s of init: is libtms_hook.so preloaded in the \
                          worker and did it allocate inside a region?",
                         self.scratch.ctl_dir.display()
                     );
