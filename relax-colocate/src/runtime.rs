@@ -33,6 +33,7 @@ api!(Runtime {
     free_host: c"cudaFreeHost" => fn(*mut c_void) -> c_int;
     set_device: c"cudaSetDevice" => fn(c_int) -> c_int;
     mem_get_info: c"cudaMemGetInfo" => fn(*mut usize, *mut usize) -> c_int;
+    device_synchronize: c"cudaDeviceSynchronize" => fn() -> c_int;
 });
 
 /// `cudaIpcMemHandle_t`: 64 opaque bytes, passed by value.

@@ -94,88 +94,36 @@ pub(super) fn broadcast_weights(
     let sizes: Vec<u64> = entries.iter().map(|e| e.1).collect();
     let total: u64 = sizes.iter().sum();
     let buckets = total.div_ceil(p.bucket_bytes);
-    // Outside every region: the buffers must not be paused under the library, and (as the host
-    // transport's) they are what a real framework would register with the library. Two when
-    // there are two buckets or more, so that copying one bucket overlaps the link carrying the
-    // other (the root packs the next, the engines unpack the last).
-    let size = p.bucket_bytes.min(total).max(1);
-    let mut bufs = vec![dev.malloc(size, None, false).map_err(dev_err)?];
-    if buckets > 1 {
-        match dev.malloc(size, None, false) {
-            Ok(b) => bufs.push(b),
-            Err(e) => {
-                let _ = dev.free(bufs[0]);
-                return Err(dev_err(e));
+    // Outside every region: the buffer must not be paused under the library, and (as the host
+    // transport's) it is what a real framework would register with the library. One buffer:
+    // the copies in and out of it go through cudaMemcpy on the legacy default stream, which
+    // waits for the group's (blocking) stream anyway, so a second buffer would cost a bucket of
+    // device memory without overlapping anything on CUDA.
+    let buf = dev.malloc(p.bucket_bytes.min(total).max(1), None, false).map_err(dev_err)?;
+    let t = Instant::now();
+    let moved = (0..buckets).try_for_each(|b| {
+        let pieces = bucket_pieces(&sizes, p.bucket_bytes, b);
+        let len = pieces.last().map_or(0, |&(_, _, at, n)| at + n);
+        if group.rank == 0 {
+            for &(idx, off, at, n) in &pieces {
+                dev.copy(buf + at, entries[idx].0 + off, n as usize).map_err(dev_err)?;
             }
         }
-    }
-    let t = Instant::now();
-    let pipeline = Pipeline { dev, group, entries, sizes: &sizes, bucket_bytes: p.bucket_bytes, bufs: &bufs };
-    let moved = pipeline.run(buckets);
+        group.broadcast(buf, len as usize, 0).map_err(coll_err)?;
+        group.synchronize().map_err(coll_err)?;
+        if group.rank != 0 {
+            for &(idx, off, at, n) in &pieces {
+                dev.copy(entries[idx].0 + off, buf + at, n as usize).map_err(dev_err)?;
+            }
+        }
+        Ok(())
+    });
     let seconds = t.elapsed().as_secs_f64();
-    let freed = bufs.iter().try_for_each(|b| dev.free(*b).map_err(dev_err));
+    let freed = dev.free(buf).map_err(dev_err);
     moved.and(freed)?;
     Ok(BroadcastWeightsReply { bytes: total, buckets, seconds })
 }
 
-/// One update's buckets through the group, double-buffered: bucket k travels in buffer k % 2
-/// while the root packs bucket k + 1 into the other, or an engine unpacks bucket k - 1 from it.
-/// The group's stream is synchronized once per bucket, so a buffer is reused only after the
-/// broadcast that read or wrote it has finished on this rank.
-struct Pipeline<'a> {
-    dev: &'a Device,
-    group: &'a Group,
-    entries: &'a [(u64, u64)],
-    sizes: &'a [u64],
-    bucket_bytes: u64,
-    bufs: &'a [u64],
-}
-
-impl Pipeline<'_> {
-    fn buf(&self, bucket: u64) -> u64 {
-        self.bufs[bucket as usize % self.bufs.len()]
-    }
-
-    /// Copies bucket `b` between the weights and its buffer: into it on the root, out of it on
-    /// an engine.
-    fn copy(&self, b: u64) -> Result<(), Failure> {
-        let pieces = bucket_pieces(self.sizes, self.bucket_bytes, b);
-        let buf = self.buf(b);
-        for &(idx, off, at, n) in &pieces {
-            let weights = self.entries[idx].0 + off;
-            let (dst, src) = if self.group.rank == 0 { (buf + at, weights) } else { (weights, buf + at) };
-            self.dev.copy(dst, src, n as usize).map_err(dev_err)?;
-        }
-        Ok(())
-    }
-
-    fn len(&self, b: u64) -> u64 {
-        bucket_pieces(self.sizes, self.bucket_bytes, b).last().map_or(0, |&(_, _, at, n)| at + n)
-    }
-
-    fn run(&self, buckets: u64) -> Result<(), Failure> {
-        let root = self.group.rank == 0;
-        if root && buckets > 0 {
-            self.copy(0)?;
-        }
-        for b in 0..buckets {
-            self.group.broadcast(self.buf(b), self.len(b) as usize, 0).map_err(coll_err)?;
-            if root && b + 1 < buckets {
-                self.copy(b + 1)?;
-            }
-            if !root && b > 0 {
-                self.copy(b - 1)?;
-            }
-            self.group.synchronize().map_err(coll_err)?;
-        }
-        if !root && buckets > 0 {
-            self.copy(buckets - 1)?;
-        }
-        Ok(())
-    }
-}
-
-/// Leaves the group (at the run's end, or at shutdown if the runner did not ask first).
 pub(super) fn group_destroy(current: &mut Option<Group>) -> Result<(), Failure> {
     match current.take() {
         Some(g) => g.destroy().map_err(coll_err),

@@ -109,8 +109,21 @@ impl Device {
         self.copy_raw(dst.as_mut_ptr() as u64, src, dst.len(), 2)
     }
 
+    /// Device to device, complete when it returns. CUDA's cudaMemcpy does not wait for a
+    /// device-to-device copy (CUDA Runtime API, "API synchronization behavior"); within one
+    /// process stream order covers that, but a buffer another process writes next (IPC) or a
+    /// reply that says the weights are in must not run ahead of the copy. aclrtMemcpy is
+    /// synchronous.
     pub fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), DevError> {
-        self.copy_raw(dst, src, n, 3)
+        self.copy_raw(dst, src, n, 3)?;
+        if let Opened::Cuda(rt) = &self.api {
+            // SAFETY: no arguments.
+            let rc = unsafe { (rt.device_synchronize)() };
+            if rc != 0 {
+                return Err(self.fail("cudaDeviceSynchronize", rc));
+            }
+        }
+        Ok(())
     }
 
     /// (free, total) bytes of this device.

@@ -133,8 +133,10 @@ pub(super) fn copy(
 pub(super) fn close(dev: &Device, slot: &mut Option<Shared>) -> Result<Ack, Failure> {
     let Some(s) = slot.take() else { return Ok(Ack {}) };
     if s.exported {
-        dev.ipc_end_export(&s.handle).map_err(dev_err)?;
-        dev.free(s.ptr).map_err(dev_err)?;
+        // The buffer is freed even when ending the export fails: nothing could free it later.
+        let ended = dev.ipc_end_export(&s.handle);
+        let freed = dev.free(s.ptr);
+        ended.and(freed).map_err(dev_err)?;
     } else {
         dev.ipc_close(s.ptr, &s.handle).map_err(dev_err)?;
     }

@@ -199,10 +199,9 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
     let mut peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
     // Auto: async workers that may speak broadcast, which their hellos decide only later.
     if matches!(cfg.weight_transport(), WeightTransport::Broadcast | WeightTransport::Auto) {
-        // Each member also holds its communicator and two bucket buffers (one on the link while
-        // the other is copied); the root has a peer per engine.
+        // Each member also holds its communicator and a bucket buffer; the root has a peer per engine.
         let engines = cfg.mode_layout().ok().flatten().map_or(1, |s| s.rollout.len() as u64);
-        peak = peak.max(fp.trainer.max(fp.rollout) + 2 * fp.transfer + sim_communicator_bytes(api, engines));
+        peak = peak.max(fp.trainer.max(fp.rollout) + fp.transfer + sim_communicator_bytes(api, engines));
     }
     // Each device holds two processes, and each process's context takes device memory.
     let contexts = 2 * sim_context_bytes(api);

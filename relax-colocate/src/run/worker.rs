@@ -267,9 +267,12 @@ impl Common {
         self.pace(t0, |m| m.seconds(tokens, passes, m.train_mfu, m.trainers));
     }
 
+    /// Both ends run whatever the first says: a failed IPC close must not leave the
+    /// communicator open.
     fn leave(&mut self) -> Result<Ack, Failure> {
-        ipc::close(&self.dev, &mut self.ipc)?;
-        broadcast::group_destroy(&mut self.group).map(|()| Ack {})
+        let closed = ipc::close(&self.dev, &mut self.ipc);
+        let destroyed = broadcast::group_destroy(&mut self.group);
+        closed.and(destroyed.map(|()| Ack {}))
     }
 
     fn hog(&mut self, bytes: u64) -> Result<(), Failure> {
