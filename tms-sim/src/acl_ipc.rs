@@ -15,7 +15,7 @@
 
 use crate::acl::{INVALID_PARAM, RT_MEMORY_ALLOCATION, RT_PARAM_INVALID, SUCCESS, call, put};
 use crate::core::node::process_start_time;
-use crate::core::sim::sim;
+use crate::core::sim::{ImportFailure, import_exported, sim};
 use libc::{c_char, c_void};
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -203,21 +203,11 @@ pub unsafe extern "C" fn aclrt_ipc_mem_import_by_key(dev_ptr: *mut *mut c_void, 
         if r.device as usize >= sim().devices() {
             return RT_PARAM_INVALID;
         }
-        let path = std::ffi::CString::new(format!("/proc/{}/fd/{}", r.pid, r.fd)).expect("no NUL in a path");
-        // SAFETY: opening a path; the descriptor is closed once mapped.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return RT_PARAM_INVALID;
-        }
-        let mapped = sim().mem.write().unwrap_or_else(|e| e.into_inner()).ipc_import(
-            fd,
-            r.offset,
-            r.len as usize,
-            r.device as usize,
-        );
-        // SAFETY: our own descriptor; the mapping keeps the memory reachable.
-        unsafe { libc::close(fd) };
-        let Ok(base) = mapped else { return RT_MEMORY_ALLOCATION };
+        let base = match import_exported(r.pid, r.fd, r.offset, r.len as usize, r.device as usize) {
+            Ok(base) => base,
+            Err(ImportFailure::Unreachable) => return RT_PARAM_INVALID,
+            Err(ImportFailure::Map) => return RT_MEMORY_ALLOCATION,
+        };
         tables(|t| t.imports.entry(key).or_default().push(base));
         put(dev_ptr, (base + r.delta as usize) as *mut c_void)
     })

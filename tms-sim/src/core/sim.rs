@@ -158,6 +158,29 @@ pub fn ctx_device(tokens: &'static [u8], ctx: *mut libc::c_void) -> Option<usize
     (p >= base && p < base + tokens.len()).then(|| p - base)
 }
 
+/// Why another process's exported device memory could not be mapped here.
+pub enum ImportFailure {
+    /// Its pool descriptor cannot be opened: the exporter is gone (or the handle lies).
+    Unreachable,
+    /// The mapping itself failed.
+    Map,
+}
+
+/// Maps `len` bytes at `offset` of the device pool that process `pid` holds open as `fd`, as
+/// memory of `device`: the IPC import both vendors' handles come down to.
+pub fn import_exported(pid: u32, fd: i32, offset: u64, len: usize, device: usize) -> Result<usize, ImportFailure> {
+    let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL in a path");
+    // SAFETY: opening a path; the descriptor is closed below once mapped.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(ImportFailure::Unreachable);
+    }
+    let mapped = sim().mem.write().unwrap_or_else(|e| e.into_inner()).ipc_import(fd, offset, len, device);
+    // SAFETY: our own descriptor; the mapping keeps the memory reachable.
+    unsafe { libc::close(fd) };
+    mapped.map_err(|_| ImportFailure::Map)
+}
+
 pub fn sim() -> &'static Sim {
     SIM.get_or_init(|| {
         let cfg = Config::from_env();

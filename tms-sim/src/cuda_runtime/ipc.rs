@@ -9,7 +9,7 @@
 //! refused. Opened events are host-side only: they read as complete.
 
 use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, MEMORY_ALLOCATION, SUCCESS, call, code_of, put};
-use crate::core::sim::sim;
+use crate::core::sim::{ImportFailure, import_exported, sim};
 use libc::{c_uint, c_void};
 
 /// `cudaIpcMemHandle_t` and `cudaIpcEventHandle_t`: 64 opaque bytes.
@@ -105,23 +105,10 @@ pub unsafe extern "C" fn cuda_ipc_open_mem_handle(ptr: *mut *mut c_void, handle:
         if !alive || (h.device as usize) >= sim().devices() {
             return INVALID_RESOURCE_HANDLE;
         }
-        let path = std::ffi::CString::new(format!("/proc/{}/fd/{}", h.pid, h.fd)).expect("no NUL in a path");
-        // SAFETY: opening a path; the descriptor is closed below once mapped.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return INVALID_RESOURCE_HANDLE;
-        }
-        let mapped = sim().mem.write().unwrap_or_else(|e| e.into_inner()).ipc_import(
-            fd,
-            h.offset,
-            h.len as usize,
-            h.device as usize,
-        );
-        // SAFETY: our own descriptor; the mapping keeps the memory reachable.
-        unsafe { libc::close(fd) };
-        match mapped {
+        match import_exported(h.pid, h.fd, h.offset, h.len as usize, h.device as usize) {
             Ok(addr) => put(ptr, addr as *mut c_void),
-            Err(_) => MEMORY_ALLOCATION,
+            Err(ImportFailure::Unreachable) => INVALID_RESOURCE_HANDLE,
+            Err(ImportFailure::Map) => MEMORY_ALLOCATION,
         }
     })
 }
