@@ -550,57 +550,15 @@ impl Rollout {
         } = p;
         let s = self.c.shape;
         let batch = prompts.len() * n;
-        if batch > self.max_batch {
-            return Err(bad(format!("{batch} sequences exceed the max_batch {} given at init", self.max_batch)));
-        }
-        if prompts.iter().any(|pr| pr.len() + max_new > s.context + 1 || pr.iter().any(|t| *t as usize >= s.vocab)) {
-            return Err(bad("a prompt does not fit the model's context or vocabulary"));
-        }
-        if !responses.is_empty() && responses.len() != batch {
-            return Err(bad(format!("responses has {} entries for {batch} sequences", responses.len())));
-        }
-        if responses.iter().any(|r| r.len() >= max_new || r.iter().any(|t| *t as usize >= s.vocab)) {
-            return Err(bad("a response prefix is already max_new_tokens long or leaves the vocabulary"));
-        }
+        self.check_request(&prompts, &responses, batch, max_new)?;
         let segment = segment_tokens.unwrap_or(max_new).max(1);
         let t0 = std::time::Instant::now();
-        // Prefill of the prompts and prefixes (a continued sequence's only when its cache is gone:
-        // prefix_cached says it is not; a new sequence, one with no response yet, always), then
-        // every token generated. This engine recomputes its small cache anyway; the model charges
-        // what one that keeps it would.
-        let prefill = if responses.is_empty() {
-            n * prompts.iter().map(Vec::len).sum::<usize>()
-        } else {
-            let cached = |r: &Vec<u32>| prefix_cached && !r.is_empty();
-            prompts.iter().zip(&responses).filter(|(_, r)| !cached(r)).map(|(p, r)| p.len() + r.len()).sum()
-        };
+        let prefill = prefill_tokens(&prompts, &responses, n, prefix_cached);
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
         let pol = Policy { shape: s, params: &params };
         let h = s.hidden;
-        // Prefill: the KV cache of each sequence starts as the prompt's hidden_pre.
-        let mut kv_host = vec![0f64; batch * h];
-        // A continued sequence's cache also holds its prefix, as re-prefilling it under the new
-        // weights after an interruption would (SGLang and verl drop the old cache).
-        let mut seqs: Vec<(usize, Vec<u32>, Vec<f64>, bool)> = Vec::with_capacity(batch);
-        // Per sequence: the tokens it had before this request.
-        let mut before: Vec<usize> = Vec::with_capacity(batch);
-        for (pi, pr) in prompts.iter().enumerate() {
-            let pre = pol.hidden_pre(pr);
-            for _ in 0..n {
-                let k = seqs.len();
-                let row = &mut kv_host[k * h..(k + 1) * h];
-                row.copy_from_slice(&pre);
-                let prefix = responses.get(k).map(Vec::as_slice).unwrap_or(&[]);
-                for (j, tok) in prefix.iter().enumerate() {
-                    for (a, w) in row.iter_mut().zip(pol.embed_row(pr.len() + j, *tok)) {
-                        *a += *w as f64;
-                    }
-                }
-                before.push(prefix.len());
-                seqs.push((pi, prefix.to_vec(), Vec::new(), false));
-            }
-        }
+        let (mut kv_host, mut seqs, before) = prefill_cache(&pol, &prompts, &responses, n);
         self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         let mut rng = Rng::new(seed);
         let mut logits_host = vec![0f64; batch * s.vocab];
@@ -626,21 +584,10 @@ impl Rollout {
                 if q.3 {
                     continue;
                 }
-                let scaled: Vec<f64> =
-                    logits_host[i * s.vocab..(i + 1) * s.vocab].iter().map(|z| z / temperature).collect();
-                let (logp, probs) = super::algo::log_softmax(&scaled);
-                let mut u = rng.uniform();
-                let mut tok = probs.len() - 1;
-                for (j, pj) in probs.iter().enumerate() {
-                    if u < *pj {
-                        tok = j;
-                        break;
-                    }
-                    u -= pj;
-                }
+                let (tok, logp) = sample(&logits_host[i * s.vocab..(i + 1) * s.vocab], temperature, &mut rng);
                 let pos = prompts[q.0].len() + q.1.len();
                 q.1.push(tok as u32);
-                q.2.push(logp[tok]);
+                q.2.push(logp);
                 q.3 = Some(tok as u32) == eos || q.1.len() == max_new;
                 if !q.3 {
                     for (a, w) in kv_host[i * h..(i + 1) * h].iter_mut().zip(pol.embed_row(pos, tok as u32)) {
@@ -667,6 +614,94 @@ impl Rollout {
             .collect();
         Ok(GenerateReply { samples })
     }
+
+    /// A generate request this engine can serve: within its batch, context and vocabulary.
+    fn check_request(
+        &self,
+        prompts: &[Vec<u32>],
+        responses: &[Vec<u32>],
+        batch: usize,
+        max_new: usize,
+    ) -> Result<(), Failure> {
+        let s = self.c.shape;
+        if batch > self.max_batch {
+            return Err(bad(format!("{batch} sequences exceed the max_batch {} given at init", self.max_batch)));
+        }
+        if prompts.iter().any(|pr| pr.len() + max_new > s.context + 1 || pr.iter().any(|t| *t as usize >= s.vocab)) {
+            return Err(bad("a prompt does not fit the model's context or vocabulary"));
+        }
+        if !responses.is_empty() && responses.len() != batch {
+            return Err(bad(format!("responses has {} entries for {batch} sequences", responses.len())));
+        }
+        if responses.iter().any(|r| r.len() >= max_new || r.iter().any(|t| *t as usize >= s.vocab)) {
+            return Err(bad("a response prefix is already max_new_tokens long or leaves the vocabulary"));
+        }
+        Ok(())
+    }
+}
+
+/// Tokens a request prefills: the prompts and prefixes, a continued sequence's only when its
+/// cache is gone (prefix_cached says it is not), a new sequence's (no response yet) always. This
+/// engine recomputes its small cache anyway; the model charges what one that keeps it would.
+fn prefill_tokens(prompts: &[Vec<u32>], responses: &[Vec<u32>], n: usize, prefix_cached: bool) -> usize {
+    if responses.is_empty() {
+        return n * prompts.iter().map(Vec::len).sum::<usize>();
+    }
+    let cached = |r: &Vec<u32>| prefix_cached && !r.is_empty();
+    prompts.iter().zip(responses).filter(|(_, r)| !cached(r)).map(|(p, r)| p.len() + r.len()).sum()
+}
+
+/// One sequence of a request: its prompt's index, its response so far, the log-probabilities of
+/// the tokens this request generated, and whether it has finished.
+type Sequence = (usize, Vec<u32>, Vec<f64>, bool);
+
+/// The KV cache of every sequence (the prompt's hidden_pre, plus its prefix for a continued one,
+/// as re-prefilling it under the new weights after an interruption would: SGLang and verl drop the
+/// old cache), the sequences, and the tokens each had before this request.
+fn prefill_cache(
+    pol: &Policy,
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    n: usize,
+) -> (Vec<f64>, Vec<Sequence>, Vec<usize>) {
+    let h = pol.shape.hidden;
+    let batch = prompts.len() * n;
+    let mut kv_host = vec![0f64; batch * h];
+    let mut seqs: Vec<Sequence> = Vec::with_capacity(batch);
+    let mut before: Vec<usize> = Vec::with_capacity(batch);
+    for (pi, pr) in prompts.iter().enumerate() {
+        let pre = pol.hidden_pre(pr);
+        for _ in 0..n {
+            let k = seqs.len();
+            let row = &mut kv_host[k * h..(k + 1) * h];
+            row.copy_from_slice(&pre);
+            let prefix = responses.get(k).map(Vec::as_slice).unwrap_or(&[]);
+            for (j, tok) in prefix.iter().enumerate() {
+                for (a, w) in row.iter_mut().zip(pol.embed_row(pr.len() + j, *tok)) {
+                    *a += *w as f64;
+                }
+            }
+            before.push(prefix.len());
+            seqs.push((pi, prefix.to_vec(), Vec::new(), false));
+        }
+    }
+    (kv_host, seqs, before)
+}
+
+/// Draws a token from `logits` at `temperature`: the token and its log-probability.
+fn sample(logits: &[f64], temperature: f64, rng: &mut Rng) -> (usize, f64) {
+    let scaled: Vec<f64> = logits.iter().map(|z| z / temperature).collect();
+    let (logp, probs) = super::algo::log_softmax(&scaled);
+    let mut u = rng.uniform();
+    let mut tok = probs.len() - 1;
+    for (j, pj) in probs.iter().enumerate() {
+        if u < *pj {
+            tok = j;
+            break;
+        }
+        u -= pj;
+    }
+    (tok, logp[tok])
 }
 
 fn as_bytes(v: &[f64]) -> &[u8] {
