@@ -212,12 +212,22 @@ mod tests {
         p
     }
 
+    /// These tests write stand-in Pythons and run them: a test forking its probe while another
+    /// still holds its script open for writing would make that script's exec fail with ETXTBSY,
+    /// so they take turns.
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn turn() -> std::sync::MutexGuard<'static, ()> {
+        TURN.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn places(t: &Path) -> Places {
         Places { cache: t.join("cache"), ..Places::default() }
     }
 
     #[test]
     fn the_first_python_on_path_that_imports_ray_comes_before_the_pinned_environment() {
+        let _turn = turn();
         let t = tempfile::tempdir().unwrap();
         fake_python(&t.path().join("cache/tms/ray-venv/bin"), "python", Some("2.58.1"));
         fake_python(&t.path().join("a"), "python3", None);
@@ -232,6 +242,7 @@ mod tests {
 
     #[test]
     fn the_active_virtual_environment_comes_before_path_and_explicit_choices_before_both() {
+        let _turn = turn();
         let t = tempfile::tempdir().unwrap();
         let venv = fake_python(&t.path().join("venv/bin"), "python", Some("2.50.0"));
         fake_python(&t.path().join("a"), "python3", Some("2.40.0"));
@@ -252,6 +263,7 @@ mod tests {
 
     #[test]
     fn an_explicit_python_without_ray_stops_the_run_instead_of_falling_back() {
+        let _turn = turn();
         let t = tempfile::tempdir().unwrap();
         fake_python(&t.path().join("a"), "python3", Some("2.40.0"));
         let bad = fake_python(&t.path().join("x"), "python", None);
@@ -268,6 +280,7 @@ mod tests {
 
     #[test]
     fn no_python_with_ray_anywhere_names_every_place_looked_at_and_the_fix() {
+        let _turn = turn();
         let t = tempfile::tempdir().unwrap();
         let a = fake_python(&t.path().join("a"), "python3", None);
         let mut pl = places(t.path());
@@ -289,6 +302,7 @@ mod tests {
 
     #[test]
     fn a_python_that_prints_no_version_is_not_taken_for_one_with_ray() {
+        let _turn = turn();
         let t = tempfile::tempdir().unwrap();
         let p = t.path().join("python3");
         std::fs::write(&p, "#!/bin/sh\nexit 0\n").unwrap();
