@@ -89,6 +89,7 @@ Examples:
   relax-colocate run --set memory.scale=0.01 --memory-profile qwen3-8b --device sim
   relax-colocate run --offload false                   # see the OOM the saver prevents
   relax-colocate run --mode async --devices 2 --max-staleness 2   # trainer on 0, rollout on 1, overlapped
+  relax-colocate run --mode elastic --devices 2   # as async, the trainer's device generating while it waits
   relax-colocate run --trainer-cmd 'python3 my_trainer.py' --rollout-cmd 'python3 my_engine.py'";
 
 const COMPARE_HELP: &str = "\
@@ -168,17 +169,20 @@ struct RunArgs {
     /// auto, sim, cuda or npu [run.device].
     #[arg(long, value_enum)]
     device: Option<run::config::DeviceChoice>,
-    /// colocate (trainer and rollout take turns on every device) or async (each role on devices
-    /// of its own, overlapped, samples at most --max-staleness updates old; docs/async.md) [run.mode].
+    /// colocate (trainer and rollout take turns on every device), async (each role on devices
+    /// of its own, overlapped, samples at most --max-staleness updates old; docs/async.md) or
+    /// elastic (async, and a trainer waiting for samples lends its devices to extra rollout
+    /// engines until its batch is ready; [elastic] keys) [run.mode].
     #[arg(long, value_enum)]
     mode: Option<run::config::Mode>,
     /// Devices (per node); colocate: one trainer and one rollout worker on each [run.devices].
     #[arg(long)]
     devices: Option<u32>,
-    /// Async: the trainer's devices, e.g. 0 or 0-1,4 (default: the first half) [run.trainer_devices].
+    /// Async, elastic: the trainer's devices, e.g. 0 or 0-1,4 (default: the first half)
+    /// [run.trainer_devices].
     #[arg(long)]
     trainer_devices: Option<String>,
-    /// Async: the rollout engines' devices (default: the rest) [run.rollout_devices].
+    /// Async, elastic: the rollout engines' devices (default: the rest) [run.rollout_devices].
     #[arg(long)]
     rollout_devices: Option<String>,
     /// Async: drop samples whose oldest token is more than this many weight updates old
@@ -303,15 +307,7 @@ impl RunArgs {
                 })
             }),
         );
-        add(
-            "run.mode",
-            self.mode.map(|m| {
-                q(match m {
-                    run::config::Mode::Colocate => "colocate",
-                    run::config::Mode::Async => "async",
-                })
-            }),
-        );
+        add("run.mode", self.mode.map(|m| q(m.as_str())));
         add("run.devices", self.devices.map(|x| x.to_string()));
         add("run.trainer_devices", self.trainer_devices.as_deref().map(q));
         add("run.rollout_devices", self.rollout_devices.as_deref().map(q));

@@ -4,7 +4,9 @@
 //! several engines and several trainer steps per update; the weights go by broadcast over the
 //! simulated NCCL and HCCL (the async default) or through the host; a worker that dies mid-update
 //! or never joins the weight-sync group fails the run naming it with nothing left behind; device
-//! sets and transports that cannot work exit 2 naming the key.
+//! sets and transports that cannot work exit 2 naming the key. Elastic mode lends a waiting
+//! trainer's device and gets it back with the trainer's exact bytes, never both sides on it at
+//! once, and a lent engine that keeps the device is paused from outside while the run goes on.
 
 use serde_json::Value;
 use tms_e2e::runner::*;
@@ -328,6 +330,16 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
             vec!["--mode", "async", "--devices", "3", "--rollout-devices", "1-2", "--prompts", "9"],
             "multiple of the 2 rollout",
         ),
+        (vec!["--mode", "elastic"], "run.mode = \"elastic\" needs at least 2 devices"),
+        (
+            vec!["--mode", "elastic", "--devices", "2", "--offload", "false"],
+            "set run.offload = true, or use --mode async",
+        ),
+        (
+            vec!["--mode", "elastic", "--devices", "2", "--set", "elastic.reclaim_timeout_s=0"],
+            "elastic.reclaim_timeout_s=0 must be > 0",
+        ),
+        (vec!["--mode", "elastic", "--devices", "2", "--set", "elastic.lend_after_s=-1"], "elastic.lend_after_s=-1"),
     ] {
         let out = run_cmd(dir.path(), &args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
@@ -411,4 +423,112 @@ fn compare_runs_the_same_job_in_both_layouts_and_prints_one_table() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2), "{}", text(&bad));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("algo.lrr"));
+}
+
+/// A rollout-bound job: a 4B model's decode at 1% of the modelled peak keeps the trainer waiting
+/// for samples about half the time, long past the switch, so elastic mode lends its device.
+const WAITING_TRAINER: [&str; 12] = [
+    "--mode",
+    "elastic",
+    "--devices",
+    "2",
+    "--memory-profile",
+    "qwen3-4b",
+    "--set",
+    "memory.scale=0.002",
+    "--set",
+    "compute.model=true",
+    "--set",
+    "compute.rollout_mfu=0.01",
+];
+
+fn lending_log(dir: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(dir.join("lending.jsonl")).expect("lending.jsonl");
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Active tagged bytes of `worker` in a memory.jsonl sample (communicators left out; 0 before it
+/// started).
+fn held(sample: &Value, worker: &str) -> u64 {
+    let Some(tags) = sample["workers"][worker].as_object() else { return 0 };
+    tags.iter().filter(|(t, _)| *t != "nccl").map(|(_, b)| b.as_u64().unwrap()).sum()
+}
+
+#[test]
+fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_exact_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = WAITING_TRAINER.to_vec();
+    args.extend(["--steps", "4"]);
+    let (_, summary) = run_ok(dir.path(), &args);
+    let a = &summary["async"];
+    assert_eq!(a["mode"], "elastic", "{a}");
+    let e = &a["elastic"];
+    // Setup measured a switch, and the default threshold is what it measured since.
+    assert!(e["calibration_switch_s"].as_f64().unwrap() > 0.0, "{e}");
+    assert_eq!(e["lend_after_s_source"], "measured switch", "{e}");
+    assert_eq!(e["lend_after_s"], e["switch_s"], "{e}");
+    assert!(e["lends"].as_u64().unwrap() >= 1, "the waiting trainer never lent its device: {e}");
+    assert!(e["lent_tokens"].as_u64().unwrap() > 0, "the lent engine generated nothing: {e}");
+    assert_eq!(e["forced_reclaims"], 0, "{e}");
+    // Lending turned some of the trainer's wait into generation.
+    let (idle, device_idle) =
+        (e["trainer_idle_ratio_unlent"].as_f64().unwrap(), e["trainer_device_idle_ratio"].as_f64().unwrap());
+    assert!(device_idle < idle, "{e}");
+    // Every decision is logged with its reason; lends and reclaims alternate.
+    let log = lending_log(dir.path());
+    let actions: Vec<&str> = log.iter().map(|d| d["action"].as_str().unwrap()).filter(|a| *a != "skip").collect();
+    assert!(actions.len() >= 4 && actions.chunks(2).all(|p| p == ["lend", "reclaim"]), "{actions:?}");
+    assert!(log.iter().all(|d| d["reason"].as_str().is_some_and(|r| !r.is_empty())), "{log:?}");
+    // At every lend only the engine holds the device's memory, at every reclaim only the trainer,
+    // and no phase ever had both (the run's own check, counted among its passed checks).
+    let memory = std::fs::read_to_string(dir.path().join("memory.jsonl")).unwrap();
+    let samples: Vec<Value> = memory.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (mut lends, mut reclaims) = (0, 0);
+    for s in &samples {
+        let (t, l) = (held(s, "trainer-0"), held(s, "lent-rollout-0"));
+        assert!(t == 0 || l == 0, "both sides hold device 0 after {}: {s}", s["phase"]);
+        match s["phase"].as_str().unwrap() {
+            "lend" => {
+                lends += 1;
+                assert!(t == 0 && l > 0, "{s}");
+            }
+            "reclaim" => {
+                reclaims += 1;
+                assert!(t > 0 && l == 0, "{s}");
+            }
+            _ => {}
+        }
+    }
+    assert!(lends >= 2 && lends == reclaims, "{lends} lends, {reclaims} reclaims");
+    let m = metrics(dir.path());
+    assert!(m.iter().any(|r| r["elastic/lent_time"].as_f64().unwrap() > 0.0), "no step lent");
+    assert!(
+        m.iter().all(|r| r["elastic/switch_time"].is_number() && r["elastic/trainer_device_idle_ratio"].is_number())
+    );
+    assert_eq!(summary["status"], "ok");
+}
+
+#[test]
+fn a_lent_engine_that_keeps_the_device_is_paused_from_outside_named_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = WAITING_TRAINER.to_vec();
+    args.extend(["--steps", "3", "--set", "elastic.reclaim_timeout_s=1"]);
+    // The lent engine's first generate (the lend before step 1) never answers.
+    let out = run_cmd(dir.path(), &args).env("RELAX_WORKER_FAULT", "generate:0:hang:lent-rollout-0").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("lent-rollout-0 did not finish its segment within 1 s"), "{err}");
+    let summary = json(&dir.path().join("summary.json"));
+    let e = &summary["async"]["elastic"];
+    assert_eq!(e["forced_reclaims"], 1, "{e}");
+    assert_eq!(e["retired_engines"], serde_json::json!(["lent-rollout-0"]), "{e}");
+    let log = lending_log(dir.path());
+    assert!(log.iter().any(|d| d["action"] == "forced_reclaim" && d["engine"] == "lent-rollout-0"), "{log:?}");
+    // Paused from outside: the hung engine holds none of the device, the trainer has it back
+    // (the reclaim's checksum passed), and every step ran.
+    let memory = std::fs::read_to_string(dir.path().join("memory.jsonl")).unwrap();
+    let last: Value = serde_json::from_str(memory.lines().last().unwrap()).unwrap();
+    assert_eq!(held(&last, "lent-rollout-0"), 0, "{last}");
+    assert_eq!(metrics(dir.path()).len(), 3);
+    assert!(survivors(dir.path()).is_empty(), "workers left behind");
 }

@@ -18,6 +18,7 @@ pub struct Config {
     pub run: RunSection,
     #[serde(rename = "async")]
     pub asynchronous: AsyncSection,
+    pub elastic: ElasticSection,
     pub compute: ComputeSection,
     pub task: TaskSection,
     pub rollout: RolloutSection,
@@ -89,6 +90,36 @@ pub enum Mode {
     /// The trainer and the rollout engines on separate devices, overlapped, samples at most
     /// `async.max_staleness` weight versions old.
     Async,
+    /// Async's layout, plus lending: a trainer waiting for samples sleeps and an extra rollout
+    /// engine generates on its device until the batch is ready ([elastic]).
+    Elastic,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Colocate => "colocate",
+            Mode::Async => "async",
+            Mode::Elastic => "elastic",
+        }
+    }
+
+    /// Whether trainer and rollout engines have devices of their own (async and elastic).
+    pub fn split(self) -> bool {
+        self != Mode::Colocate
+    }
+}
+
+/// Elastic mode's lending (docs/async.md, "Elastic mode").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ElasticSection {
+    /// Seconds the trainer waits for samples before lending its devices; 0: the measured switch
+    /// time (a lend and its reclaim), so the wait never exceeds what a lend costs.
+    pub lend_after_s: f64,
+    /// Seconds a lent engine has, once the trainer needs its device back, to finish its segment;
+    /// then its memory is paused from outside and it is retired.
+    pub reclaim_timeout_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -433,6 +464,9 @@ impl Config {
                         self.asynchronous.max_staleness
                     ));
                 }
+                if self.run.mode == Mode::Elastic {
+                    errors.extend(self.elastic_errors());
+                }
                 if self.asynchronous.train_iters_per_update < 1 {
                     errors.push("async.train_iters_per_update must be at least 1".into());
                 }
@@ -450,10 +484,34 @@ impl Config {
         errors
     }
 
+    /// Elastic mode's own keys.
+    fn elastic_errors(&self) -> Vec<String> {
+        let e = &self.elastic;
+        let mut errors = Vec::new();
+        if !(e.lend_after_s >= 0.0 && e.lend_after_s.is_finite()) {
+            errors.push(format!(
+                "elastic.lend_after_s={} must be >= 0 seconds (0: the measured switch time)",
+                e.lend_after_s
+            ));
+        }
+        if !(e.reclaim_timeout_s > 0.0 && e.reclaim_timeout_s.is_finite()) {
+            errors.push(format!("elastic.reclaim_timeout_s={} must be > 0 seconds", e.reclaim_timeout_s));
+        }
+        if !self.run.offload {
+            errors.push(
+                "run.mode = \"elastic\" lends a trainer's device by pausing the trainer's memory, and run.offload = \
+                 false forbids pausing: set run.offload = true, or use --mode async"
+                    .into(),
+            );
+        }
+        errors
+    }
+
     /// Async mode: which devices train and which generate (None in colocate mode), or why the
     /// device sets cannot run. Devices are numbered node-major across the run, as ranks are.
     pub fn mode_layout(&self) -> Result<Option<DeviceSplit>, String> {
         let total = self.total_devices() as u32;
+        let mode = self.run.mode.as_str();
         if self.run.mode == Mode::Colocate {
             for (key, v) in
                 [("run.trainer_devices", &self.run.trainer_devices), ("run.rollout_devices", &self.run.rollout_devices)]
@@ -462,15 +520,16 @@ impl Config {
                     continue;
                 }
                 return Err(format!(
-                    "{key}={v:?} needs run.mode = \"async\" (--mode async); colocate mode puts both roles on every device"
+                    "{key}={v:?} needs run.mode = \"async\" or \"elastic\" (--mode async); colocate mode puts both roles on \
+                     every device"
                 ));
             }
             return Ok(None);
         }
         if total < 2 {
             return Err(format!(
-                "run.mode = \"async\" needs at least 2 devices (one to train, one to generate) and the run has {total}: \
-                 --devices 2, or --mode colocate"
+                "run.mode = \"{mode}\" needs at least 2 devices (one to train, one to generate) and the run has \
+                 {total}: --devices 2, or --mode colocate"
             ));
         }
         let half = (total / 2).max(1);
@@ -508,8 +567,8 @@ impl Config {
         }
         if let Some(d) = trainer.iter().find(|d| rollout.contains(d)) {
             return Err(format!(
-                "run.trainer_devices and run.rollout_devices overlap on device {d}: async mode gives each role its own \
-                 devices (sharing one is colocate mode)"
+                "run.trainer_devices and run.rollout_devices overlap on device {d}: {mode} mode gives each role its \
+                 own devices (sharing one is colocate mode)"
             ));
         }
         Ok(Some(DeviceSplit { trainer, rollout }))
@@ -527,8 +586,8 @@ impl Config {
     pub fn weight_transport(&self) -> WeightTransport {
         let builtin = self.builtin_workers();
         match self.run.weight_transport {
-            WeightTransport::Auto if self.run.mode == Mode::Async && builtin => WeightTransport::Broadcast,
-            WeightTransport::Auto if self.run.mode == Mode::Async => WeightTransport::Auto,
+            WeightTransport::Auto if self.run.mode.split() && builtin => WeightTransport::Broadcast,
+            WeightTransport::Auto if self.run.mode.split() => WeightTransport::Auto,
             WeightTransport::Auto if builtin => WeightTransport::Ipc,
             WeightTransport::Auto => WeightTransport::Host,
             t => t,
@@ -554,7 +613,7 @@ impl Config {
                         --weight-transport ipc (the colocated default) or host"
                 .into());
         }
-        if self.run.weight_transport == WeightTransport::Ipc && self.run.mode == Mode::Async {
+        if self.run.weight_transport == WeightTransport::Ipc && self.run.mode.split() {
             let remote = self.run.launcher == Launcher::Ray && self.run.ray_address.trim() != "local";
             let nodes = if remote { " (and on a Ray cluster possibly on other nodes)" } else { "" };
             return Err(format!(
@@ -573,7 +632,7 @@ impl Config {
     /// this host; a real cluster's may not.
     fn check_host_on_one_host(&self) -> Result<(), String> {
         let remote_cluster = self.run.launcher == Launcher::Ray && self.run.ray_address.trim() != "local";
-        if self.run.mode != Mode::Async || !remote_cluster {
+        if !self.run.mode.split() || !remote_cluster {
             return Ok(());
         }
         let node = |d: &u32| d / self.run.devices.max(1);

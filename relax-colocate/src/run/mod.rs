@@ -37,7 +37,6 @@ mod weights;
 pub use recorder::{loggers, metrics};
 
 use asynchronous::Async;
-use config::Mode;
 use cycle::Colocate;
 use launch::{make_run_dir, start};
 use serde_json::{Value, json};
@@ -209,7 +208,7 @@ pub fn run(opts: &Options) -> u8 {
         Err(e) => return refuse(FailKind::Setup, &e.to_string()),
     };
     let mut driver = match start(&cfg, opts, run_dir.clone()) {
-        Ok((plan, fleet, recorder)) if cfg.run.mode == Mode::Async => {
+        Ok((plan, fleet, recorder)) if cfg.run.mode.split() => {
             Driver::Async(Box::new(Async::new(&cfg, plan, fleet, recorder)))
         }
         Ok((plan, fleet, recorder)) => Driver::Colocate(Box::new(Colocate::new(&cfg, plan, fleet, recorder))),

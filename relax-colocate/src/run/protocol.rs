@@ -141,7 +141,7 @@ pub struct Step {
     pub step: u64,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InitParams {
     pub api: String,
     pub device: u32,

@@ -62,21 +62,31 @@ pub(super) struct Moved {
 /// update_weights through the host: the trainers and the rollouts map the bucket file; per bucket
 /// the first trainer packs it and every rollout unpacks it (the trainers are replicas).
 pub(super) fn host_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64) -> R<Moved> {
+    let (trainers, rollouts) = (fleet.indices(Role::Trainer), fleet.indices(Role::Rollout));
+    host_transfer_to(fleet, at, bucket_bytes, &trainers, &rollouts)
+}
+
+/// `host_transfer` from `trainers` (the first packs) to `receivers`.
+fn host_transfer_to(
+    fleet: &mut Fleet,
+    at: &Cursor,
+    bucket_bytes: u64,
+    trainers: &[usize],
+    receivers: &[usize],
+) -> R<Moved> {
     let t0 = Instant::now();
     let step = at.step();
     let p = UpdateBeginParams { shm: fleet.shm().to_path_buf(), bucket_bytes, step };
-    let t = fleet.call_all::<UpdateBegin>(Role::Trainer, p.clone())?;
-    fleet.call_all::<UpdateBegin>(Role::Rollout, p)?;
-    let (buckets, bytes) = stream_size(fleet, at, &t)?;
-    let packer = fleet.indices(Role::Trainer)[0];
-    let rollouts = fleet.indices(Role::Rollout);
+    let t = fleet.call_each::<UpdateBegin>(trainers, vec![p.clone(); trainers.len()])?;
+    fleet.call_each::<UpdateBegin>(receivers, vec![p; receivers.len()])?;
+    let (buckets, bytes) = stream_size(fleet, at, trainers[0], &t)?;
     for b in 0..buckets {
         let q = BucketParams { bucket: b, step };
-        fleet.call_each::<Pack>(&[packer], vec![q])?;
-        fleet.call_each::<Unpack>(&rollouts, vec![q; rollouts.len()])?;
+        fleet.call_each::<Pack>(&trainers[..1], vec![q])?;
+        fleet.call_each::<Unpack>(receivers, vec![q; receivers.len()])?;
     }
-    fleet.call_all::<UpdateEnd>(Role::Trainer, Step { step })?;
-    fleet.call_all::<UpdateEnd>(Role::Rollout, Step { step })?;
+    fleet.call_each::<UpdateEnd>(trainers, vec![Step { step }; trainers.len()])?;
+    fleet.call_each::<UpdateEnd>(receivers, vec![Step { step }; receivers.len()])?;
     Ok(Moved { bytes, buckets, seconds: t0.elapsed().as_secs_f64(), host_bytes: bytes })
 }
 
@@ -101,9 +111,20 @@ fn device_pairs(fleet: &Fleet, at: &Cursor) -> R<Vec<(usize, usize)>> {
 /// the trainers pack it and the rollouts copy it into their weights, device to device; then the
 /// rollouts close their imports before the trainers end their exports.
 fn ipc_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64, pids: &[(usize, i32)]) -> R<Moved> {
+    let pairs = device_pairs(fleet, at)?;
+    ipc_transfer_pairs(fleet, at, bucket_bytes, &pairs, pids)
+}
+
+/// `ipc_transfer` between the (trainer, rollout) pairs given, each on one device.
+fn ipc_transfer_pairs(
+    fleet: &mut Fleet,
+    at: &Cursor,
+    bucket_bytes: u64,
+    pairs: &[(usize, usize)],
+    pids: &[(usize, i32)],
+) -> R<Moved> {
     let t0 = Instant::now();
     let step = at.step();
-    let pairs = device_pairs(fleet, at)?;
     let (trainers, rollouts): (Vec<usize>, Vec<usize>) = pairs.iter().copied().unzip();
     let pid_of = |r: usize| pids.iter().find(|p| p.0 == r).map_or(0, |p| p.1);
     let params = rollouts.iter().map(|&r| IpcExportParams { bucket_bytes, importers: vec![pid_of(r)], step }).collect();
@@ -134,7 +155,7 @@ fn ipc_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64, pids: &[(usiz
 /// rollout's id for the exporters' whitelists, by fleet index.
 fn ipc_ready(fleet: &mut Fleet, at: &Cursor) -> R<Vec<(usize, i32)>> {
     let all = [fleet.indices(Role::Trainer), fleet.indices(Role::Rollout)].concat();
-    if let Some(&i) = all.iter().find(|&&i| !fleet.worker(i).transports.iter().any(|t| t == "ipc")) {
+    if let Some(&i) = all.iter().find(|&&i| !speaks_ipc(fleet, i)) {
         let name = fleet.worker(i).name.clone();
         let cause = format!(
             "run.weight_transport = \"ipc\": {name} does not speak the IPC transport (its hello names no \"ipc\" in \
@@ -143,14 +164,35 @@ fn ipc_ready(fleet: &mut Fleet, at: &Cursor) -> R<Vec<(usize, i32)>> {
         return Err(at.fail(FailKind::Config, Some(&name), cause));
     }
     let rollouts = fleet.indices(Role::Rollout);
-    let replies = fleet.call_each::<IpcPid>(&rollouts, vec![Step { step: at.step() }; rollouts.len()])?;
-    Ok(rollouts.into_iter().zip(replies.into_iter().map(|r| r.pid)).collect())
+    ipc_pids(fleet, at, &rollouts)
 }
 
-/// How many buckets the weights stream has and its bytes, as the first trainer says.
-fn stream_size(fleet: &Fleet, at: &Cursor, trainers: &[UpdateBeginReply]) -> R<(u64, u64)> {
+fn speaks_ipc(fleet: &Fleet, i: usize) -> bool {
+    fleet.worker(i).transports.iter().any(|t| t == "ipc")
+}
+
+/// Each of `rollouts`' process id, for an exporter's whitelist.
+fn ipc_pids(fleet: &mut Fleet, at: &Cursor, rollouts: &[usize]) -> R<Vec<(usize, i32)>> {
+    let replies = fleet.call_each::<IpcPid>(rollouts, vec![Step { step: at.step() }; rollouts.len()])?;
+    Ok(rollouts.iter().copied().zip(replies.into_iter().map(|r| r.pid)).collect())
+}
+
+/// Elastic mode: the trainers' weights to the lent engines on their devices (`pairs`: trainer,
+/// engine), by IPC when both speak it, as a colocated hand-over is, else through the host.
+pub(super) fn lend_transfer(fleet: &mut Fleet, at: &Cursor, bucket_bytes: u64, pairs: &[(usize, usize)]) -> R<Moved> {
+    if pairs.iter().all(|&(t, r)| speaks_ipc(fleet, t) && speaks_ipc(fleet, r)) {
+        let engines: Vec<usize> = pairs.iter().map(|p| p.1).collect();
+        let pids = ipc_pids(fleet, at, &engines)?;
+        return ipc_transfer_pairs(fleet, at, bucket_bytes, pairs, &pids);
+    }
+    let (trainers, engines): (Vec<usize>, Vec<usize>) = pairs.iter().copied().unzip();
+    host_transfer_to(fleet, at, bucket_bytes, &trainers, &engines)
+}
+
+/// How many buckets the weights stream has and its bytes, as the first trainer (`packer`) says.
+fn stream_size(fleet: &Fleet, at: &Cursor, packer: usize, trainers: &[UpdateBeginReply]) -> R<(u64, u64)> {
     trainers[0].buckets.map(|b| (b, trainers[0].bytes.unwrap_or(0))).ok_or_else(|| {
-        let name = &fleet.worker(fleet.indices(Role::Trainer)[0]).name;
+        let name = &fleet.worker(packer).name;
         at.fail(FailKind::Worker, Some(name), "malformed update_begin reply: missing field `buckets`")
     })
 }
@@ -224,6 +266,11 @@ impl WeightSync {
             updates: 0,
             moved: Moved::default(),
         }
+    }
+
+    /// The update's bucket size (memory.update_weight_buffer_size).
+    pub(super) fn bucket_bytes(&self) -> u64 {
+        self.bucket_bytes
     }
 
     /// Broadcast: the first trainer makes the group's id, then every member joins, all asked

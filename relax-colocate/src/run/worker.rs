@@ -782,15 +782,16 @@ fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
     Ok((role, InitReply { params: Some(params), device_free: Some(free), device_total: Some(total) }))
 }
 
-/// Test hook (RELAX_WORKER_FAULT=METHOD:STEP:ACTION[:ROLE], ACTION = crash | hang | hog; ROLE
-/// limits it to the trainers or the rollouts, for methods both answer): makes the failure paths
-/// of the runner testable. Never set in normal runs.
+/// Test hook (RELAX_WORKER_FAULT=METHOD:STEP:ACTION[:WHO], ACTION = crash | hang | hog; WHO
+/// limits it to the trainers or the rollouts (a role), or to one worker (its TMS_NAME, e.g.
+/// lent-rollout-0)): makes the failure paths of the runner testable. Never set in normal runs.
 fn fault(role: &str, method: &str, p: &Value) -> Option<String> {
     let spec = std::env::var("RELAX_WORKER_FAULT").ok()?;
     let mut it = spec.split(':');
     let (m, step, action) = (it.next()?, it.next()?.parse::<u64>().ok()?, it.next()?);
-    let for_role = it.next().is_none_or(|r| r == role);
-    (m == method && p["step"].as_u64() == Some(step) && for_role).then(|| action.to_string())
+    let name = std::env::var("TMS_NAME").unwrap_or_default();
+    let for_me = it.next().is_none_or(|who| who == role || who == name);
+    (m == method && p["step"].as_u64() == Some(step) && for_me).then(|| action.to_string())
 }
 
 /// The methods `Common::handle` answers for both roles.

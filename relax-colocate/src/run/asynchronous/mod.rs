@@ -9,18 +9,23 @@
 //! whose oldest token is more than `async.max_staleness` versions old when the trainer reaches it
 //! is dropped and counted. One request is in flight per worker at a time; the fleet says which
 //! answered first.
+//!
+//! Elastic mode (run.mode = "elastic") is this driver with lending (lend.rs): a trainer that waits
+//! for samples past `elastic.lend_after_s` sleeps, and the lent engine on its device generates
+//! until the trainer's batch is ready.
 
+mod lend;
 mod queue;
 
-use super::config::{AlgoName, Config};
+use super::config::{AlgoName, Config, Mode};
 use super::fleet::{Fleet, InFlight};
 use super::launch::Plan;
 use super::learn::{self, Advantages, Sample, Scores};
 use super::metrics::{self, mean};
 use super::profile::Profile;
 use super::protocol::{
-    Generate, GenerateParams, GenerateReply, Init, LogProbs, LogProbsParams, LogProbsReply, Model, Pair, SamplesParams,
-    Train, TrainReply, Values, ValuesReply,
+    self, Generate, GenerateParams, GenerateReply, Init, LogProbs, LogProbsParams, LogProbsReply, Model, Pair,
+    SamplesParams, Train, TrainReply, Values, ValuesReply,
 };
 use super::recorder::{Recorder, Span};
 use super::task::{self, Addition, Rng};
@@ -56,6 +61,10 @@ pub(super) struct Async {
     totals: Totals,
     /// Since the last metrics row: time the trainer waited for a batch, and the engines' idle time.
     window: Window,
+    /// Elastic mode's lending (None in async mode).
+    lending: Option<lend::Lending>,
+    /// Unfinished groups a reclaimed lent engine left: any engine continues them, before new ones.
+    orphans: Vec<Group>,
 }
 
 /// A rollout engine and the groups it is generating.
@@ -68,6 +77,14 @@ struct Engine {
     idle_since: Option<Instant>,
     /// The weight version its last segment ran under.
     version: u64,
+    /// Elastic mode's lent engine: generates only while its trainer's device is lent.
+    lent: bool,
+    /// Whether it may generate: always for an engine of its own device; for a lent one, while lent.
+    awake: bool,
+    /// A lent engine that did not give its device back in time: paused from outside, never used again.
+    retired: bool,
+    /// It took over groups another engine began: its cache holds none of their prefixes.
+    adopted: bool,
 }
 
 /// Where a generated sample belongs: its group and sequence, and the `prompt_index` the reply
@@ -98,11 +115,16 @@ struct Window {
     start: Instant,
     trainer_idle_s: f64,
     rollout_idle_s: f64,
+    /// Elastic mode: of the trainer's idle time, what its devices spent lent (generating) and
+    /// switching (lends and reclaims).
+    lent_s: f64,
+    switch_s: f64,
+    lends: u64,
 }
 
 impl Window {
     fn new() -> Window {
-        Window { start: Instant::now(), trainer_idle_s: 0.0, rollout_idle_s: 0.0 }
+        Window { start: Instant::now(), trainer_idle_s: 0.0, rollout_idle_s: 0.0, lent_s: 0.0, switch_s: 0.0, lends: 0 }
     }
 }
 
@@ -171,13 +193,20 @@ impl Stage {
 impl Async {
     pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Async {
         let rollouts = fleet.indices(Role::Rollout);
-        let engines = rollouts.iter().map(|&worker| Engine {
+        let lent = fleet.lent_engines();
+        let engine = |(worker, lent): (usize, bool)| Engine {
             worker,
             groups: Vec::new(),
             request: None,
             idle_since: None,
             version: 0,
-        });
+            lent,
+            awake: !lent,
+            retired: false,
+            adopted: false,
+        };
+        let engines = rollouts.iter().map(|&w| (w, false)).chain(lent.iter().map(|&w| (w, true))).map(engine);
+        let lending = (cfg.run.mode == Mode::Elastic).then(|| lend::Lending::new(&fleet));
         let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
         let sync = weights::WeightSync::new(cfg, &plan, &fleet);
         Async {
@@ -200,6 +229,8 @@ impl Async {
             groups_started: 0,
             totals: Totals::default(),
             window: Window::new(),
+            lending,
+            orphans: Vec::new(),
         }
     }
 
@@ -234,7 +265,7 @@ impl Async {
         self.totals.started = Some(Instant::now());
         self.window = Window::new();
         let now = Instant::now();
-        for e in &mut self.engines {
+        for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.idle_since = Some(now);
         }
         let steps = self.cfg.run.steps;
@@ -247,20 +278,16 @@ impl Async {
         let mut pausing: Option<Span> = None;
         loop {
             if job.is_none() && before_update.is_none() && self.step() < steps {
-                let first_in_flight = self.engines.iter().flat_map(|e| &e.groups).map(|g| g.started).min();
-                let batch = self.queue.take_batch(
-                    self.cfg.rollout.prompts_per_step,
-                    self.version,
-                    self.max_staleness(),
-                    first_in_flight,
-                );
-                if let Some(batch) = batch {
+                if let Some(batch) = self.next_batch()? {
                     if let Some(t) = trainer_idle_since.take() {
                         self.window.trainer_idle_s += t.elapsed().as_secs_f64();
                     }
                     self.at.set_step(self.step() + 1);
                     self.rec.new_step();
                     job = Some(self.start_job(batch)?);
+                } else if since_update == 0 {
+                    // The trainer holds the engines' weights: its devices may generate with them.
+                    self.consider_lending(trainer_idle_since)?;
                 }
             }
             if before_update.is_none() {
@@ -284,18 +311,10 @@ impl Async {
             }
             if job.is_none() && !generating {
                 // Nothing under way and nothing to start: the queue can never fill.
-                return Err(self.fail(
-                    FailKind::Setup,
-                    None,
-                    format!(
-                        "async mode stalled: {} group(s) queued, the trainer needs {} and no engine may start more \
-                         (async.queue_groups too small?)",
-                        self.queue.len(),
-                        self.cfg.rollout.prompts_per_step
-                    ),
-                ));
+                return Err(self.stalled());
             }
-            if let Some(done) = self.wait_one(&mut job)? {
+            let until = self.lending_deadline(trainer_idle_since);
+            if let Some(done) = self.wait_one(&mut job, until)? {
                 job = None;
                 since_update += 1;
                 if since_update == per_update {
@@ -310,20 +329,79 @@ impl Async {
         }
     }
 
-    /// The engines and the trainer start; the trainer's initial weights reach every engine.
+    fn stalled(&self) -> RunError {
+        self.fail(
+            FailKind::Setup,
+            None,
+            format!(
+                "{} mode stalled: {} group(s) queued, the trainer needs {} and no engine may start more \
+                 (async.queue_groups too small?)",
+                self.cfg.run.mode.as_str(),
+                self.queue.len(),
+                self.cfg.rollout.prompts_per_step
+            ),
+        )
+    }
+
+    /// The earliest start among the groups not yet finished: being generated or left by a lent
+    /// engine.
+    fn first_in_flight(&self) -> Option<u64> {
+        let generating = self.engines.iter().flat_map(|e| &e.groups);
+        generating.chain(&self.orphans).map(|g| g.started).min()
+    }
+
+    /// The trainer's next batch, when the queue has one; in elastic mode only once its devices
+    /// are back (a lend under way is reclaimed first).
+    fn next_batch(&mut self) -> R<Option<Vec<Group>>> {
+        if self.lending.as_ref().is_some_and(lend::Lending::reclaiming) {
+            return self.try_reclaim();
+        }
+        let first_in_flight = self.first_in_flight();
+        let batch = self.queue.take_batch(
+            self.cfg.rollout.prompts_per_step,
+            self.version,
+            self.max_staleness(),
+            first_in_flight,
+        );
+        match batch {
+            Some(b) if self.lending.as_ref().is_some_and(lend::Lending::lent) => {
+                self.begin_reclaim(b);
+                self.try_reclaim()
+            }
+            b => Ok(b),
+        }
+    }
+
+    /// The engines and the trainer start; the trainer's initial weights reach every engine. In
+    /// elastic mode the lent engines start beside the regular ones and sleep before the trainers
+    /// start on their devices, and one lend and reclaim measure what switching costs.
     fn setup(&mut self) -> R<()> {
         let max_batch = self.groups_per_request * self.cfg.rollout.samples_per_prompt;
         for (role, phase) in [(Role::Rollout, "init_rollout"), (Role::Trainer, "init_trainer")] {
             let span = self.rec.begin(phase);
-            let targets = self.fleet.indices(role);
-            let params =
+            let mut targets = self.fleet.indices(role);
+            let mut params =
                 learn::init_params(&self.cfg, &self.fleet, role, self.api, self.shape, &self.profile, max_batch);
+            if role == Role::Rollout {
+                let lent = self.fleet.lent_engines();
+                let device = |i: usize| self.fleet.worker(i).device;
+                let like = params[0].clone();
+                params.extend(lent.iter().map(|&i| protocol::InitParams { device: device(i), ..like.clone() }));
+                targets.extend(lent);
+            }
             self.fleet.call_each::<Init>(&targets, params)?;
-            self.fleet.find_control_sockets(role)?;
+            self.fleet.find_control_sockets_of(&targets)?;
             self.rec.end(span, &self.fleet)?;
+            if role == Role::Rollout && self.lending.is_some() {
+                self.lent_offload()?;
+            }
         }
         self.sync.join(&mut self.fleet, &mut self.rec)?;
-        self.transfer_weights("on every rollout engine after the initial update_weights")
+        self.transfer_weights("on every rollout engine after the initial update_weights")?;
+        if self.lending.is_some() {
+            self.calibrate()?;
+        }
+        Ok(())
     }
 
     /// The trainer's weights to every engine, checked there.
@@ -348,8 +426,28 @@ impl Async {
         Ok(())
     }
 
+    /// Groups started and not finished: on the engines, and those a lent engine left.
     fn generating_groups(&self) -> usize {
-        self.engines.iter().map(|e| e.groups.len()).sum()
+        self.engines.iter().map(|e| e.groups.len()).sum::<usize>() + self.orphans.len()
+    }
+
+    /// Whether engine `k` may be given work now.
+    fn may_feed(&self, k: usize) -> bool {
+        let e = &self.engines[k];
+        let reclaiming = e.lent && self.lending.as_ref().is_some_and(lend::Lending::reclaiming);
+        e.request.is_none() && e.awake && !e.retired && !reclaiming
+    }
+
+    /// Engine `k` takes over groups a lent engine left, while it has room: they are older than
+    /// any it would start, and the trainer's batch may wait for them.
+    fn adopt_orphans(&mut self, k: usize) {
+        let room = self.groups_per_request.saturating_sub(self.engines[k].groups.len());
+        let n = room.min(self.orphans.len());
+        if n > 0 {
+            let e = &mut self.engines[k];
+            e.groups.extend(self.orphans.drain(..n));
+            e.adopted = true;
+        }
     }
 
     /// Gives every idle engine work: the rest of its interrupted sequences, and new prompts in the
@@ -358,11 +456,12 @@ impl Async {
     /// batching does, instead of waiting for its longest response before starting the next.
     fn feed_engines(&mut self) -> R<()> {
         for k in 0..self.engines.len() {
-            if self.engines[k].request.is_some() {
+            if !self.may_feed(k) {
                 continue;
             }
+            self.adopt_orphans(k);
             let continued = self.engines[k].groups.len();
-            let fresh = self.fresh_groups_for(continued);
+            let fresh = self.fresh_groups_for(continued, self.engines[k].lent);
             if continued + fresh == 0 {
                 continue;
             }
@@ -379,8 +478,9 @@ impl Async {
         Ok(())
     }
 
-    /// How many new groups an engine still generating `continued` groups may start.
-    fn fresh_groups_for(&self, continued: usize) -> usize {
+    /// How many new groups an engine still generating `continued` groups may start; a `lent` one
+    /// takes what room there is, its device otherwise idle.
+    fn fresh_groups_for(&self, continued: usize, lent: bool) -> usize {
         let free = self.groups_per_request.saturating_sub(continued);
         if free == 0 || self.step() >= self.cfg.run.steps {
             return 0;
@@ -396,7 +496,7 @@ impl Async {
         let room = self.capacity().saturating_sub(held);
         // A top-up smaller than the batch still pays a whole prefill round trip: only a full
         // batch's worth starts an idle engine, any room tops up one already generating.
-        if continued == 0 && room < free { 0 } else { free.min(room) }
+        if continued == 0 && room < free && !lent { 0 } else { free.min(room) }
     }
 
     /// One generate request for engine `k`: its groups' unfinished sequences, each continued after
@@ -436,7 +536,7 @@ impl Async {
             step: self.step(),
             responses,
             segment_tokens: self.segment(),
-            prefix_cached: continued && self.engines[k].version == self.version,
+            prefix_cached: continued && self.engines[k].version == self.version && !self.engines[k].adopted,
         };
         let worker = e.worker;
         let request = self.fleet.submit::<Generate>(worker, params)?;
@@ -446,12 +546,14 @@ impl Async {
         }
         e.request = Some((request, order));
         e.version = self.version;
+        e.adopted = false;
         Ok(())
     }
 
     /// Waits for the first answer among the engines' requests and the trainer's, and takes it in.
     /// Returns the batch the trainer finished, when that was the answer.
-    fn wait_one(&mut self, job: &mut Option<Job>) -> R<Option<Finished>> {
+    /// Gives up at `until` (a lending decision or deadline due), with nothing taken in.
+    fn wait_one(&mut self, job: &mut Option<Job>, until: Option<Instant>) -> R<Option<Finished>> {
         let k = {
             let mut waiting: Vec<&InFlight> =
                 self.engines.iter().filter_map(|e| e.request.as_ref().map(|r| &r.0)).collect();
@@ -459,7 +561,9 @@ impl Async {
             if let Some(j) = job.as_ref() {
                 waiting.extend(j.requests.iter());
             }
-            let k = self.fleet.wait_any(&waiting)?;
+            let Some(k) = self.fleet.wait_any_until(&waiting, until)? else {
+                return Ok(None);
+            };
             if k < engines { Answer::Engine(k) } else { Answer::Trainer(k - engines) }
         };
         match k {
@@ -493,6 +597,7 @@ impl Async {
         let max_new = self.task.max_new_tokens();
         let segment = self.segment();
         let version = self.version;
+        let tokens: u64 = reply.samples.iter().map(|s| s.response.len() as u64).sum();
         for (s, slot) in reply.samples.into_iter().zip(&order) {
             if s.prompt_index != slot.prompt_index || s.logprobs.len() != s.response.len() {
                 return Err(bad("generate returned a malformed sample".into()));
@@ -516,11 +621,17 @@ impl Async {
             }
         }
         let e = &mut self.engines[k];
-        e.idle_since = Some(Instant::now());
+        if !e.lent {
+            e.idle_since = Some(Instant::now());
+        }
         // A finished group leaves at once: the trainer may take it while the rest go on.
         let (done, going): (Vec<Group>, Vec<Group>) =
             std::mem::take(&mut e.groups).into_iter().partition(Group::finished);
         e.groups = going;
+        let lent = e.lent;
+        if let Some(l) = self.lending.as_mut() {
+            l.groups_finished(done.len(), lent, tokens);
+        }
         for g in done {
             self.queue.push(g);
         }
@@ -677,7 +788,7 @@ impl Async {
     fn write_row(&mut self, d: Finished) {
         let wall = self.window.start.elapsed().as_secs_f64();
         let now = Instant::now();
-        for e in &mut self.engines {
+        for e in self.engines.iter_mut().filter(|e| !e.lent) {
             // An idle engine's time so far counts in this window; the next starts now.
             if let Some(t) = e.idle_since.as_mut() {
                 self.window.rollout_idle_s += t.elapsed().as_secs_f64();
@@ -699,7 +810,10 @@ impl Async {
         if wall > 0.0 {
             row.set("perf/wait_time_ratio", trainer_idle / wall);
             row.set("trainer/idle_ratio", trainer_idle / wall);
-            row.set("rollouter/idle_ratio", rollout_idle / (wall * self.engines.len() as f64));
+            row.set("rollouter/idle_ratio", rollout_idle / (wall * self.own_engines() as f64));
+        }
+        if self.lending.is_some() {
+            self.lending_row(&mut row, wall);
         }
         let stale = d.staleness.iter().filter(|s| **s > 0).count();
         row.set("fully_async/count/stale_samples_processed", stale as f64);
@@ -730,6 +844,11 @@ impl Async {
         self.window = Window::new();
     }
 
+    /// The engines on devices of their own (not elastic mode's lent ones).
+    fn own_engines(&self) -> usize {
+        self.engines.iter().filter(|e| !e.lent).count().max(1)
+    }
+
     /// The summary's `async` block: throughput, both sides' idle shares, staleness, the updates.
     pub(super) fn summary(&self) -> Value {
         let t = &self.totals;
@@ -754,8 +873,12 @@ impl Async {
             "update_weights_s": t.update_s,
             "update_weights_bytes": t.update_bytes,
             "trainer_idle_ratio": if wall > 0.0 { t.trainer_idle_s / wall } else { 0.0 },
-            "rollout_idle_ratio": if wall > 0.0 { t.rollout_idle_s / (wall * self.engines.len() as f64) } else { 0.0 },
+            "rollout_idle_ratio": if wall > 0.0 { t.rollout_idle_s / (wall * self.own_engines() as f64) } else { 0.0 },
         });
+        if let (Some(block), Some(l)) = (block.as_object_mut(), self.lending.as_ref()) {
+            block.insert("mode".into(), json!("elastic"));
+            block.insert("elastic".into(), l.summary(&self.cfg, wall, t.trainer_idle_s));
+        }
         if let (Some(block), Value::Object(sync)) = (block.as_object_mut(), self.sync.summary()) {
             block.extend(sync);
         }

@@ -8,7 +8,6 @@ mod step;
 
 use super::config::Config;
 use super::fleet::Fleet;
-use super::fleet::WorkerStatus;
 use super::launch::Plan;
 use super::profile::Profile;
 use super::protocol::{Init, Method, SaveState, Step};
@@ -98,11 +97,7 @@ impl Colocate {
 
     /// Whether a trainer holds NCCL communicators now (a process group of data-parallel trainers).
     fn trainers_have_communicators(&self) -> R<bool> {
-        let trainers: Vec<&str> =
-            self.indices(Role::Trainer).into_iter().map(|i| self.fleet.worker(i).name.as_str()).collect();
-        let statuses = self.fleet.statuses()?;
-        let has = |w: &WorkerStatus| w.status.communicators.iter().any(|c| c.library == NCCL_TAG);
-        Ok(statuses.iter().any(|w| trainers.contains(&w.name.as_str()) && has(w)))
+        self.fleet.holds_nccl(&self.indices(Role::Trainer))
     }
 
     /// Every worker of `role` must hold `expected`.

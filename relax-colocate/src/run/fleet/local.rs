@@ -56,13 +56,13 @@ pub(in crate::run) fn worker_vars(
 /// Starts one worker under the hook, in a process group of its own, and waits for its hello.
 pub(super) fn spawn_worker(
     cfg: &Config,
-    role: Role,
-    rank: u32,
+    place: super::Placement,
     env: &[(String, String)],
     sock_dir: &Path,
     run_dir: &Path,
 ) -> Result<Worker, RunError> {
-    let name = format!("{}-{rank}", role.as_str());
+    let (role, rank) = (place.role, place.rank);
+    let name = place.name();
     let sock = sock_dir.join(format!("{name}.sock"));
     let listener = listen(&sock)?;
     let log = run_dir.join("logs").join(format!("{name}.log"));
@@ -86,6 +86,7 @@ pub(super) fn spawn_worker(
             Ok(Worker {
                 name,
                 role,
+                lent: place.lent,
                 rank,
                 device: rank,
                 proc,

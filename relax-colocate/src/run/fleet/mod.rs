@@ -14,7 +14,7 @@ mod together;
 pub(super) use supervise::InFlight;
 pub(super) mod tmpfiles;
 
-use super::config::{Config, DeviceChoice};
+use super::config::{Config, DeviceChoice, Mode};
 use super::{Cursor, FailKind, R, Role, RunError, wire};
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -51,6 +51,8 @@ impl Proc {
 pub(super) struct Worker {
     pub(super) name: String,
     pub(super) role: Role,
+    /// Elastic mode: a rollout engine on a trainer's device, awake only while the trainer lends it.
+    pub(super) lent: bool,
     /// Global rank: the device's index in the run (node-major), and the worker's metrics column.
     pub(super) rank: u32,
     /// The device index on the worker's own node.
@@ -87,18 +89,42 @@ pub(super) struct Fleet {
     at: Rc<Cursor>,
 }
 
-/// Which worker runs on which device (its rank, node-major), in start order: colocate mode puts a
-/// rollout and a trainer on every device, async mode one role per device as run.trainer_devices and
-/// run.rollout_devices say.
-pub(super) fn placements(cfg: &Config) -> Vec<(u32, Role)> {
+/// One worker's place: its device (the rank, node-major) and role, and whether it is elastic
+/// mode's lent engine on a trainer's device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Placement {
+    pub(super) rank: u32,
+    pub(super) role: Role,
+    pub(super) lent: bool,
+}
+
+impl Placement {
+    /// The worker's name: its role and rank; a lent engine says so, its device being a trainer's.
+    pub(super) fn name(&self) -> String {
+        let lent = if self.lent { "lent-" } else { "" };
+        format!("{lent}{}-{}", self.role.as_str(), self.rank)
+    }
+}
+
+/// Which worker runs on which device, in start order: colocate mode puts a rollout and a trainer
+/// on every device, async mode one role per device as run.trainer_devices and
+/// run.rollout_devices say, and elastic mode adds a lent rollout engine beside every trainer.
+pub(super) fn placements(cfg: &Config) -> Vec<Placement> {
+    let at = |rank, role, lent| Placement { rank, role, lent };
     match cfg.mode_layout() {
         Ok(Some(split)) => {
-            let mut v: Vec<(u32, Role)> = split.rollout.iter().map(|&d| (d, Role::Rollout)).collect();
-            v.extend(split.trainer.iter().map(|&d| (d, Role::Trainer)));
-            v.sort_by_key(|&(d, _)| d);
+            let lent = cfg.run.mode == Mode::Elastic;
+            let mut v: Vec<Placement> = split.rollout.iter().map(|&d| at(d, Role::Rollout, false)).collect();
+            // The lent engine starts before the trainer, as colocate's rollout does: it sleeps
+            // before the trainer takes the device's memory.
+            v.extend(split.trainer.iter().filter(|_| lent).map(|&d| at(d, Role::Rollout, true)));
+            v.extend(split.trainer.iter().map(|&d| at(d, Role::Trainer, false)));
+            v.sort_by_key(|p| p.rank);
             v
         }
-        _ => (0..cfg.total_devices() as u32).flat_map(|d| [(d, Role::Rollout), (d, Role::Trainer)]).collect(),
+        _ => (0..cfg.total_devices() as u32)
+            .flat_map(|d| [at(d, Role::Rollout, false), at(d, Role::Trainer, false)])
+            .collect(),
     }
 }
 
@@ -138,8 +164,8 @@ impl Fleet {
 
     /// Starts the workers `placements` names, in its order, as children.
     fn start_local(&mut self, cfg: &Config, env: &[(String, String)], run_dir: &Path) -> R<()> {
-        for (rank, role) in placements(cfg) {
-            let w = local::spawn_worker(cfg, role, rank, env, &self.scratch.sock_dir, run_dir)?;
+        for place in placements(cfg) {
+            let w = local::spawn_worker(cfg, place, env, &self.scratch.sock_dir, run_dir)?;
             self.workers.push(w);
         }
         Ok(())
@@ -149,9 +175,15 @@ impl Fleet {
         self.at.fail(kind, worker, cause)
     }
 
-    /// The workers of `role`, as indices into the fleet.
+    /// The workers of `role`, as indices into the fleet; elastic mode's lent engines are not
+    /// among the rollouts (they sleep but while lent, and get their weights on their own).
     pub(super) fn indices(&self, role: Role) -> Vec<usize> {
-        self.workers.iter().enumerate().filter(|(_, w)| w.role == role).map(|(i, _)| i).collect()
+        self.workers.iter().enumerate().filter(|(_, w)| w.role == role && !w.lent).map(|(i, _)| i).collect()
+    }
+
+    /// Elastic mode's lent engines, as indices into the fleet.
+    pub(super) fn lent_engines(&self) -> Vec<usize> {
+        self.workers.iter().enumerate().filter(|(_, w)| w.lent).map(|(i, _)| i).collect()
     }
 
     pub(super) fn worker(&self, i: usize) -> &Worker {
@@ -178,10 +210,20 @@ impl Fleet {
     /// and report.
     pub(super) fn control(&mut self, role: Role, pause: bool, tag: Option<&str>) -> R<Vec<(String, OpReport)>> {
         let targets = self.indices(role);
+        self.control_of(&targets, pause, tag)
+    }
+
+    /// `control` for the workers `targets` (indices into the fleet).
+    pub(super) fn control_of(
+        &mut self,
+        targets: &[usize],
+        pause: bool,
+        tag: Option<&str>,
+    ) -> R<Vec<(String, OpReport)>> {
         let verb = if pause { "pause" } else { "resume" };
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
         let owned = tag.map(String::from);
-        let results = self.control_calls(&targets, &format!("{verb} {what}"), move |path, timeout| {
+        let results = self.control_calls(targets, &format!("{verb} {what}"), move |path, timeout| {
             let answer = if pause {
                 tms_proto::pause(path, owned.as_deref(), timeout)
             } else {
@@ -219,6 +261,14 @@ impl Fleet {
         Ok(reports)
     }
 
+    /// Whether any of `targets` holds NCCL communicators now (the trainers' process group, the
+    /// weight-sync group).
+    pub(super) fn holds_nccl(&self, targets: &[usize]) -> R<bool> {
+        let names: Vec<&str> = targets.iter().map(|&i| self.workers[i].name.as_str()).collect();
+        let has = |w: &WorkerStatus| w.status.communicators.iter().any(|c| c.library == crate::run::NCCL_TAG);
+        Ok(self.statuses()?.iter().any(|w| names.contains(&w.name.as_str()) && has(w)))
+    }
+
     /// The tms status of every worker whose control socket is known.
     pub(super) fn statuses(&self) -> R<Vec<WorkerStatus>> {
         let targets: Vec<usize> = (0..self.workers.len()).filter(|&i| self.workers[i].control.is_some()).collect();
@@ -247,7 +297,12 @@ impl Fleet {
     /// Finds the control socket of each worker of `role`, after its init: the one its process
     /// created in the control folder (launcher ray: the bridge's relay).
     pub(super) fn find_control_sockets(&mut self, role: Role) -> R<()> {
-        for i in self.indices(role) {
+        self.find_control_sockets_of(&self.indices(role))
+    }
+
+    /// `find_control_sockets` for the workers `targets`.
+    pub(super) fn find_control_sockets_of(&mut self, targets: &[usize]) -> R<()> {
+        for &i in targets {
             if let Some(relay) = self.workers[i].control_relay.clone() {
                 self.workers[i].control = Some(relay);
                 continue;

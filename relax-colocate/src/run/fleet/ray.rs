@@ -99,6 +99,7 @@ pub(in crate::run) fn node_env(base: &[(String, String)], tmp: &Path, node: u32)
 struct Pending {
     name: String,
     role: Role,
+    lent: bool,
     rank: u32,
     /// Its device on its own node.
     device: u32,
@@ -139,12 +140,13 @@ fn pending_workers(cfg: &Config, env: &[(String, String)], paths: &Paths) -> R<(
     let mut pending = Vec::new();
     let mut specs = Vec::new();
     let node_envs: Vec<_> = (0..cfg.run.nodes).map(|node| node_env(env, paths.tmp, node)).collect();
-    for (rank, role) in super::placements(cfg) {
+    for place in super::placements(cfg) {
+        let (role, rank, lent) = (place.role, place.rank, place.lent);
         let (node, local) = (rank / cfg.run.devices, rank % cfg.run.devices);
-        let name = format!("{}-{rank}", role.as_str());
+        let name = place.name();
         let listener = listen(&paths.sock_dir.join(format!("{name}.sock")))?;
         let log = paths.run_dir.join("logs").join(format!("{name}.log"));
-        let p = Pending { name, role, rank, device: local, node, listener, log };
+        let p = Pending { name, role, lent, rank, device: local, node, listener, log };
         specs.push(worker_spec(paths, &node_envs[node as usize], &p));
         pending.push(p);
     }
@@ -259,6 +261,7 @@ fn accept_all(
             control_relay: Some(sock_dir.join(format!("{}.ctl", p.name))),
             name: p.name,
             role: p.role,
+            lent: p.lent,
             rank: p.rank,
             device,
             proc: Proc::Remote { node: format!("node{}", p.node), exit_file },

@@ -181,12 +181,8 @@ impl Fleet {
     }
 
     /// Waits until one of `requests` has an answer to read, or one's time is up (its `collect`
-    /// then reports the timeout); returns its position. Interruptions end the wait.
-    pub(in crate::run) fn wait_any(&mut self, requests: &[&InFlight]) -> R<usize> {
-        Ok(self.wait_any_until(requests, None)?.expect("no limit but the requests' own"))
-    }
-
-    /// `wait_any`, giving up at `until` (None when it passed first).
+    /// then reports the timeout), and returns its position; or gives up at `until` (None when it
+    /// passed first). Interruptions end the wait.
     pub(in crate::run) fn wait_any_until(
         &mut self,
         requests: &[&InFlight],

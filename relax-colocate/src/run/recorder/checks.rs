@@ -2,9 +2,9 @@
 //! a pause frees the memory it reports, and the weights a worker holds are the ones expected.
 //! The leak check is sampling.rs's.
 
-use super::Recorder;
 use super::report::human;
-use crate::run::{FailKind, R};
+use super::{MemSample, Recorder};
+use crate::run::{FailKind, NCCL_TAG, R};
 use tms_proto::OpReport;
 
 impl Recorder {
@@ -54,6 +54,45 @@ impl Recorder {
                 return Err(self.fail(FailKind::Check, Some(name), cause));
             }
             self.checks_passed += 1;
+        }
+        Ok(())
+    }
+
+    /// Elastic mode: the (trainer, lent engine) pairs that share a device, for
+    /// `check_one_holder` at every phase boundary.
+    pub(in crate::run) fn set_shared_devices(&mut self, pairs: Vec<(String, String)>) {
+        self.shared_devices = pairs;
+    }
+
+    /// On a device a trainer lends, the trainer and the lent engine never both hold their tagged
+    /// memory: one of them is asleep at every phase boundary, and the device is never over its
+    /// capacity. Communicator buffers are not tagged memory and stay out of it.
+    pub(super) fn check_one_holder(&mut self, s: &MemSample) -> R<()> {
+        if !self.cfg.run.checks || self.shared_devices.is_empty() {
+            return Ok(());
+        }
+        let held = |name: &str| -> u64 {
+            s.workers.get(name).map_or(0, |tags| tags.iter().filter(|(t, _)| *t != NCCL_TAG).map(|(_, b)| b).sum())
+        };
+        for (trainer, engine) in &self.shared_devices {
+            let (t, e) = (held(trainer), held(engine));
+            if t > 0 && e > 0 {
+                let cause = format!(
+                    "after {} both {trainer} ({}) and {engine} ({}) hold device memory on the device the trainer lends: \
+                     one of them must be asleep",
+                    s.phase,
+                    human(t),
+                    human(e)
+                );
+                return Err(self.fail(FailKind::Check, None, cause));
+            }
+            self.checks_passed += 1;
+        }
+        for (d, (used, total)) in s.device_used.iter().zip(&s.device_total).enumerate() {
+            if *total > 0 && used > total {
+                let cause = format!("after {} device {d} uses {}, over its {}", s.phase, human(*used), human(*total));
+                return Err(self.fail(FailKind::Check, None, cause));
+            }
         }
         Ok(())
     }

@@ -100,6 +100,11 @@ pub(super) struct Recorder {
     phase_started_s: f64,
     /// Where the run failed and how, for the timeline's mark.
     failure_mark: Option<(f64, String)>,
+    /// Elastic mode: each trainer and the lent engine on its device, at most one of which may
+    /// hold its tagged memory at a phase boundary.
+    shared_devices: Vec<(String, String)>,
+    /// Elastic mode: lending.jsonl, the lending decisions with their reasons.
+    lending_file: Option<std::fs::File>,
 }
 
 impl Recorder {
@@ -131,6 +136,8 @@ impl Recorder {
             progress,
             phase_started_s: 0.0,
             failure_mark: None,
+            shared_devices: Vec::new(),
+            lending_file: None,
         }
     }
 
@@ -171,6 +178,22 @@ impl Recorder {
     /// A number for this step's row, under slime's name.
     pub(super) fn add_step_metric(&mut self, key: &str, v: f64) {
         self.step_metrics.insert(key.to_string(), v);
+    }
+
+    /// Elastic mode: one lending decision, its reason and figures, to lending.jsonl, stamped with
+    /// the run's time, step and phase.
+    pub(super) fn log_decision(&mut self, mut decision: serde_json::Value) {
+        if self.lending_file.is_none() {
+            self.lending_file = std::fs::File::create(self.run_dir.join("lending.jsonl")).ok();
+        }
+        if let Some(m) = decision.as_object_mut() {
+            m.insert("t_s".into(), serde_json::json!(self.elapsed()));
+            m.insert("step".into(), serde_json::json!(self.at.step()));
+        }
+        if let Some(f) = self.lending_file.as_mut() {
+            use std::io::Write as _;
+            let _ = writeln!(f, "{decision}");
+        }
     }
 
     /// A line for the user (none under --quiet or --json).

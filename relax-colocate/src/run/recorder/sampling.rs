@@ -12,6 +12,7 @@ impl Recorder {
         let s = self.sample_of(start_s, statuses);
         let _ = writeln!(self.out.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
         self.leak_check(&s)?;
+        self.check_one_holder(&s)?;
         for (peak, used) in self.peak_used.iter_mut().zip(&s.device_used) {
             *peak = (*peak).max(*used);
         }

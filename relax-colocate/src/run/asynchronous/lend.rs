@@ -1,0 +1,441 @@
+//! Elastic mode's lending: a trainer that has waited for samples past a threshold sleeps (its
+//! memory paused with its backup, through the control plane), and the lent engine on its device
+//! wakes with the engines' weights and generates; once the trainer's batch is ready the device is
+//! reclaimed: the engine's memory paused, its unfinished groups left for the other engines, the
+//! trainer woken with exactly the bytes it slept with. An engine that does not finish its segment
+//! within `elastic.reclaim_timeout_s` is paused from outside and retired; the run goes on.
+//!
+//! The threshold defaults to the measured cost of a switch (a lend and its reclaim, measured once
+//! at setup and after every reclaim): waiting that long before lending bounds what a lend that
+//! proves too short can waste to the cost of the switch itself, as a ski-rental rule does; and a
+//! lend is skipped when the groups' completion rate says the batch will be ready sooner than a
+//! switch would take.
+
+use super::queue::Group;
+use super::{Async, Window};
+use crate::run::config::Config;
+use crate::run::fleet::Fleet;
+use crate::run::metrics::Row;
+use crate::run::protocol::{Checksum, LoadState, SaveState, Step};
+use crate::run::{NCCL_TAG, R, Role, weights};
+use serde_json::{Value, json};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+enum State {
+    /// The trainers hold their devices.
+    Home,
+    /// The trainers sleep; the lent engines generate.
+    Lent { since: Instant },
+    /// The trainer's batch is ready: the lent engines finish their segments, then sleep.
+    Reclaiming { since: Instant, batch: Vec<Group> },
+}
+
+#[derive(Default)]
+struct Stats {
+    lends: u64,
+    lend_s: f64,
+    reclaim_s: f64,
+    lent_s: f64,
+    forced: u64,
+    retired: Vec<String>,
+    lent_tokens: u64,
+    lent_groups: u64,
+    skipped: u64,
+}
+
+pub(super) struct Lending {
+    /// (trainer, lent engine) fleet indices, one pair per trainer device.
+    pairs: Vec<(usize, usize)>,
+    state: State,
+    /// The last switch measured: a lend and its reclaim, seconds.
+    switch_s: Option<f64>,
+    calibration_s: Option<f64>,
+    /// The trainers' weights checksum when they went to sleep.
+    trainer_sum: Option<String>,
+    comms_suspended: bool,
+    /// When the engines of their own devices finished their last groups (the completion rate).
+    finished_at: VecDeque<Instant>,
+    /// The idle period whose skipped lend was logged already.
+    skip_logged: Option<Instant>,
+    stats: Stats,
+    last_lend_s: f64,
+}
+
+impl Lending {
+    pub(super) fn new(fleet: &Fleet) -> Lending {
+        let trainers = fleet.indices(Role::Trainer);
+        let rank = |i: usize| fleet.worker(i).rank;
+        let pairs = fleet
+            .lent_engines()
+            .into_iter()
+            .filter_map(|e| trainers.iter().find(|&&t| rank(t) == rank(e)).map(|&t| (t, e)))
+            .collect();
+        Lending {
+            pairs,
+            state: State::Home,
+            switch_s: None,
+            calibration_s: None,
+            trainer_sum: None,
+            comms_suspended: false,
+            finished_at: VecDeque::new(),
+            skip_logged: None,
+            stats: Stats::default(),
+            last_lend_s: 0.0,
+        }
+    }
+
+    pub(super) fn reclaiming(&self) -> bool {
+        matches!(self.state, State::Reclaiming { .. })
+    }
+
+    pub(super) fn lent(&self) -> bool {
+        matches!(self.state, State::Lent { .. })
+    }
+
+    /// Seconds the trainer waits before lending: elastic.lend_after_s, or the switch measured.
+    fn threshold(&self, cfg: &Config) -> f64 {
+        match cfg.elastic.lend_after_s {
+            t if t > 0.0 => t,
+            _ => self.switch_s.unwrap_or(0.0),
+        }
+    }
+
+    /// An engine finished `groups` groups with a segment of `tokens` tokens.
+    pub(super) fn groups_finished(&mut self, groups: usize, lent: bool, tokens: u64) {
+        if lent {
+            self.stats.lent_tokens += tokens;
+            self.stats.lent_groups += groups as u64;
+            return;
+        }
+        let now = Instant::now();
+        for _ in 0..groups {
+            self.finished_at.push_back(now);
+        }
+        while self.finished_at.len() > 64 {
+            self.finished_at.pop_front();
+        }
+    }
+
+    /// Groups per second the engines of their own devices finish, over their last groups.
+    fn completion_rate(&self) -> Option<f64> {
+        let (first, last) = (self.finished_at.front()?, self.finished_at.back()?);
+        let span = last.duration_since(*first).as_secs_f64();
+        (self.finished_at.len() >= 2 && span > 0.0).then(|| (self.finished_at.len() - 1) as f64 / span)
+    }
+
+    /// The summary's `elastic` block: what lending did and cost, and the trainer devices' idle
+    /// share with and without it.
+    pub(super) fn summary(&self, cfg: &Config, wall: f64, trainer_idle_s: f64) -> Value {
+        let s = &self.stats;
+        let per = |x: f64| if s.lends > 0 { x / s.lends as f64 } else { 0.0 };
+        let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
+        json!({
+            "lend_after_s": self.threshold(cfg),
+            "lend_after_s_source": if cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "measured switch" },
+            "calibration_switch_s": self.calibration_s,
+            "switch_s": self.switch_s,
+            "reclaim_timeout_s": cfg.elastic.reclaim_timeout_s,
+            "lends": s.lends,
+            "lends_skipped": s.skipped,
+            "lend_s_mean": per(s.lend_s),
+            "reclaim_s_mean": per(s.reclaim_s),
+            "lent_s": s.lent_s,
+            "lent_tokens": s.lent_tokens,
+            "lent_groups": s.lent_groups,
+            "forced_reclaims": s.forced,
+            "retired_engines": s.retired,
+            "trainer_idle_ratio_unlent": ratio(trainer_idle_s),
+            "trainer_device_idle_ratio": ratio((trainer_idle_s - s.lent_s).max(0.0)),
+        })
+    }
+}
+
+impl Async {
+    fn lending_mut(&mut self) -> &mut Lending {
+        self.lending.as_mut().expect("elastic mode")
+    }
+
+    fn reclaim_timeout(&self) -> Duration {
+        Duration::try_from_secs_f64(self.cfg.elastic.reclaim_timeout_s).unwrap_or(Duration::from_secs(30))
+    }
+
+    /// The lent engines' slots in `engines` that may still be lent (not retired).
+    fn lent_slots(&self) -> Vec<usize> {
+        (0..self.engines.len()).filter(|&k| self.engines[k].lent && !self.engines[k].retired).collect()
+    }
+
+    /// Pause `tag` (None: every tag) in `targets`; free memory must rise by what was paused.
+    fn pause(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
+        let reports = self.fleet.control_of(targets, true, tag)?;
+        if tag == Some(NCCL_TAG) {
+            self.rec.record_comm_suspended(&reports);
+        }
+        let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
+        self.rec.check_paused(&what, &reports)
+    }
+
+    /// Every worker in `targets` holds the weights `expected`.
+    fn expect_sum(&mut self, targets: &[usize], expected: &str, when: &str) -> R<()> {
+        if !self.rec.checks_enabled() {
+            return Ok(());
+        }
+        let replies = self.fleet.call_each::<Checksum>(targets, vec![Step { step: self.step() }; targets.len()])?;
+        let named: Vec<(String, String)> = targets
+            .iter()
+            .map(|&i| self.fleet.worker(i).name.clone())
+            .zip(replies.into_iter().map(|r| r.weights))
+            .collect();
+        self.rec.check_weights(&named, expected, when)
+    }
+
+    /// Setup: the lent engines sleep before the trainers start on their devices; from here on the
+    /// recorder checks that a device's two sides never both hold their memory.
+    pub(super) fn lent_offload(&mut self) -> R<()> {
+        let span = self.rec.begin("lent_offload");
+        let engines = self.fleet.lent_engines();
+        self.pause(&engines, None)?;
+        self.rec.end(span, &self.fleet)?;
+        let pairs = self.lending_mut().pairs.clone();
+        let name = |i: usize| self.fleet.worker(i).name.clone();
+        let shared = pairs.iter().map(|&(t, e)| (name(t), name(e))).collect();
+        self.rec.set_shared_devices(shared);
+        Ok(())
+    }
+
+    /// Setup: one lend and its reclaim, which proves the path before the run depends on it and
+    /// measures the switch the default threshold waits for.
+    pub(super) fn calibrate(&mut self) -> R<()> {
+        self.lend(json!({"reason": "calibration: one lend and reclaim measure the switch"}))?;
+        self.lending_mut().state = State::Reclaiming { since: Instant::now(), batch: Vec::new() };
+        self.reclaim()?;
+        let l = self.lending_mut();
+        l.calibration_s = l.switch_s;
+        l.stats = Stats::default();
+        Ok(())
+    }
+
+    /// When the driver must look again even if no worker answers: at the end of the trainer's
+    /// wait before a lend, or at the reclaim deadline.
+    pub(super) fn lending_deadline(&self, trainer_idle_since: Option<Instant>) -> Option<Instant> {
+        let l = self.lending.as_ref()?;
+        match &l.state {
+            State::Reclaiming { since, .. } => Some(*since + self.reclaim_timeout()),
+            State::Home => {
+                let at = trainer_idle_since? + Duration::try_from_secs_f64(l.threshold(&self.cfg)).ok()?;
+                (at > Instant::now()).then_some(at)
+            }
+            State::Lent { .. } => None,
+        }
+    }
+
+    /// Seconds until the trainer's batch is ready, from the groups missing and the rate the
+    /// engines of their own devices finish them (None before there is a rate).
+    fn expected_wait(&self) -> Option<f64> {
+        let rate = self.lending.as_ref()?.completion_rate()?;
+        let missing = self.cfg.rollout.prompts_per_step.saturating_sub(self.queue.len()).max(1);
+        Some(missing as f64 / rate)
+    }
+
+    /// The trainer is waiting for its batch (since `idle_since`): lend its devices when it has
+    /// waited past the threshold, the lent engines would have work, and the batch is not expected
+    /// sooner than a switch takes.
+    pub(super) fn consider_lending(&mut self, idle_since: Option<Instant>) -> R<()> {
+        let (Some(l), Some(since)) = (self.lending.as_ref(), idle_since) else {
+            return Ok(());
+        };
+        if !matches!(l.state, State::Home) || self.lent_slots().is_empty() {
+            return Ok(());
+        }
+        let idle = since.elapsed().as_secs_f64();
+        let threshold = l.threshold(&self.cfg);
+        if idle < threshold || (self.orphans.is_empty() && self.fresh_groups_for(0, true) == 0) {
+            return Ok(());
+        }
+        let switch = l.switch_s.unwrap_or(0.0);
+        let wait = self.expected_wait();
+        if let Some(w) = wait.filter(|w| *w < switch) {
+            if l.skip_logged != Some(since) {
+                let l = self.lending_mut();
+                l.skip_logged = Some(since);
+                l.stats.skipped += 1;
+                let why = format!("the batch is expected in {w:.3} s, sooner than a switch ({switch:.3} s)");
+                self.rec.log_decision(json!({"action": "skip", "reason": why, "idle_s": idle, "expected_wait_s": w}));
+            }
+            return Ok(());
+        }
+        let reason = format!(
+            "the trainer waited {idle:.3} s, past {threshold:.3} s ({}), and its batch is {}",
+            if self.cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "the measured switch" },
+            wait.map_or_else(|| "not yet timed".into(), |w| format!("expected in {w:.3} s"))
+        );
+        self.lend(json!({"reason": reason, "idle_s": idle, "expected_wait_s": wait}))
+    }
+
+    /// The trainers sleep (their weights' checksum kept to check them at reclaim), and the lent
+    /// engines wake with the engines' weights from the trainers on their devices.
+    fn lend(&mut self, why: Value) -> R<()> {
+        let t0 = Instant::now();
+        let span = self.rec.begin("lend");
+        let slots = self.lent_slots();
+        let live: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
+        let pairs: Vec<(usize, usize)> =
+            self.lending_mut().pairs.iter().copied().filter(|(_, e)| live.contains(e)).collect();
+        let trainers = self.fleet.indices(Role::Trainer);
+        let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
+        let step = Step { step: self.step() };
+        if !self.cfg.memory.backup {
+            self.fleet.call_each::<SaveState>(&trainers, vec![step; trainers.len()])?;
+        }
+        self.pause(&trainers, None)?;
+        // As colocate's sleep: the trainers' communicators are idle until reclaim.
+        if self.cfg.memory.suspend_communicators && self.fleet.holds_nccl(&trainers)? {
+            self.pause(&trainers, Some(NCCL_TAG))?;
+            self.lending_mut().comms_suspended = true;
+        }
+        self.fleet.control_of(&live, false, Some("weights"))?;
+        let moved = weights::lend_transfer(&mut self.fleet, &self.at, self.sync.bucket_bytes(), &pairs)?;
+        self.expect_sum(&live, &sum, "on the lent engines after their weights arrived")?;
+        self.fleet.control_of(&live, false, Some("kv_cache"))?;
+        self.fleet.control_of(&live, false, Some("cuda_graph"))?;
+        self.rec.end(span, &self.fleet)?;
+        let version = self.version;
+        for &k in &slots {
+            let e = &mut self.engines[k];
+            (e.awake, e.version, e.adopted) = (true, version, true);
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        self.window.switch_s += seconds;
+        self.window.lends += 1;
+        let l = self.lending_mut();
+        l.trainer_sum = Some(sum);
+        l.state = State::Lent { since: Instant::now() };
+        l.stats.lends += 1;
+        l.stats.lend_s += seconds;
+        l.last_lend_s = seconds;
+        let mut decision = json!({"action": "lend", "seconds": seconds, "weights_bytes": moved.bytes});
+        if let (Some(d), Value::Object(w)) = (decision.as_object_mut(), why) {
+            d.extend(w);
+        }
+        self.rec.log_decision(decision);
+        Ok(())
+    }
+
+    /// The trainer's batch is ready: the lent engines stop taking work; their segments in flight
+    /// finish (within elastic.reclaim_timeout_s) before the trainers wake.
+    pub(super) fn begin_reclaim(&mut self, batch: Vec<Group>) {
+        let l = self.lending_mut();
+        if let State::Lent { since } = l.state {
+            let lent = since.elapsed().as_secs_f64();
+            l.stats.lent_s += lent;
+            self.window.lent_s += lent;
+        }
+        self.lending_mut().state = State::Reclaiming { since: Instant::now(), batch };
+    }
+
+    /// The batch the reclaim waits to hand the trainer, once its devices are back: when every lent
+    /// engine's segment is in, or at the deadline, after pausing those still generating.
+    pub(super) fn try_reclaim(&mut self) -> R<Option<Vec<Group>>> {
+        let Some(State::Reclaiming { since, .. }) = self.lending.as_ref().map(|l| &l.state) else {
+            return Ok(None);
+        };
+        let busy: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].request.is_some()).collect();
+        if !busy.is_empty() {
+            if since.elapsed() < self.reclaim_timeout() {
+                return Ok(None);
+            }
+            self.retire(&busy)?;
+        }
+        self.reclaim().map(Some)
+    }
+
+    /// Lent engines past the reclaim deadline: paused from outside through their control sockets
+    /// (their answer is never read), named, never lent again; their groups' tokens so far are kept
+    /// for the other engines.
+    fn retire(&mut self, slots: &[usize]) -> R<()> {
+        for &k in slots {
+            let worker = self.engines[k].worker;
+            let name = self.fleet.worker(worker).name.clone();
+            self.pause(&[worker], None)?;
+            let e = &mut self.engines[k];
+            e.request = None;
+            (e.retired, e.awake) = (true, false);
+            let groups = std::mem::take(&mut e.groups);
+            self.orphans.extend(groups);
+            let timeout = self.cfg.elastic.reclaim_timeout_s;
+            let why = format!(
+                "{name} did not finish its segment within {timeout} s (elastic.reclaim_timeout_s) of the reclaim: its \
+                 memory was paused from outside and it is retired; the run goes on without it"
+            );
+            eprintln!("relax-colocate run: step {}: {why}", self.step());
+            self.rec.log_decision(json!({"action": "forced_reclaim", "engine": name, "reason": why}));
+            let l = self.lending_mut();
+            l.stats.forced += 1;
+            l.stats.retired.push(name);
+        }
+        Ok(())
+    }
+
+    /// The lent engines sleep (their groups left to the others), the trainers wake and must hold
+    /// exactly the weights they slept with. Returns the batch the reclaim was for.
+    fn reclaim(&mut self) -> R<Vec<Group>> {
+        let t0 = Instant::now();
+        let span = self.rec.begin("reclaim");
+        let slots: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].awake).collect();
+        let engines: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
+        if !engines.is_empty() {
+            self.pause(&engines, None)?;
+        }
+        let mut tokens = 0;
+        for &k in &slots {
+            let e = &mut self.engines[k];
+            e.awake = false;
+            for g in std::mem::take(&mut e.groups) {
+                tokens += g.seqs.iter().map(|s| s.response.len()).sum::<usize>();
+                self.orphans.push(g);
+            }
+        }
+        self.orphans.sort_by_key(|g| g.started);
+        let trainers = self.fleet.indices(Role::Trainer);
+        self.fleet.control_of(&trainers, false, None)?;
+        if std::mem::take(&mut self.lending_mut().comms_suspended) {
+            self.fleet.control_of(&trainers, false, Some(NCCL_TAG))?;
+        }
+        if !self.cfg.memory.backup {
+            let step = Step { step: self.step() };
+            self.fleet.call_each::<LoadState>(&trainers, vec![step; trainers.len()])?;
+        }
+        let sum = self.lending_mut().trainer_sum.take().unwrap_or_default();
+        self.expect_sum(&trainers, &sum, "after the reclaim (the lent device's memory back to the trainer's bytes)")?;
+        self.rec.end(span, &self.fleet)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        self.window.switch_s += seconds;
+        let l = self.lending_mut();
+        let batch = match std::mem::replace(&mut l.state, State::Home) {
+            State::Reclaiming { batch, .. } => batch,
+            _ => Vec::new(),
+        };
+        l.stats.reclaim_s += seconds;
+        l.switch_s = Some(l.last_lend_s + seconds);
+        let orphans = self.orphans.len();
+        self.rec.log_decision(json!({
+            "action": "reclaim", "reason": "the trainer's batch is ready", "seconds": seconds,
+            "groups_left": orphans, "tokens_left": tokens,
+        }));
+        Ok(batch)
+    }
+
+    /// The step's lending figures (elastic mode).
+    pub(super) fn lending_row(&self, row: &mut Row, wall: f64) {
+        let w: &Window = &self.window;
+        row.set("elastic/lends", w.lends as f64);
+        row.set("elastic/lent_time", w.lent_s);
+        row.set("elastic/switch_time", w.switch_s);
+        if wall > 0.0 {
+            row.set("elastic/trainer_device_idle_ratio", (w.trainer_idle_s - w.lent_s).max(0.0) / wall);
+        }
+        if let Some(l) = self.lending.as_ref() {
+            row.set("elastic/lend_after_s", l.threshold(&self.cfg));
+        }
+    }
+}
