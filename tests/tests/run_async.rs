@@ -279,6 +279,10 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
     assert_eq!(s["async"]["segment_tokens"].as_u64(), Some(1), "{s}");
     // Its hello names no broadcast (it has no group methods), so `auto` keeps the host transport.
     assert_eq!(s["async"]["weight_transport"], "host", "{s}");
+    // It applies the off-policy correction's weights the runner sends, within the cap.
+    for row in metrics(&dir.path().join("example")) {
+        assert!(row["train/tis_weight_mean"].as_f64().is_some_and(|w| w > 0.0 && w <= 2.0), "{row}");
+    }
 
     let script = dir.path().join("old_worker.py");
     let source = "import os, sys\n\
