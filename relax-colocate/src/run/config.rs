@@ -517,6 +517,7 @@ impl Config {
         errors
     }
 
+    /// `run.mode` as the configuration spells it, for messages.
     fn mode_name(&self) -> String {
         serde_json::to_value(self.run.mode).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
     }
