@@ -148,9 +148,11 @@ def train(p):
     table = read_table(state["weights"])
     grads = array.array("f", bytes(state["table_bytes"]))
     tokens = sum(len(s["response"]) for s in p["samples"]) or 1
-    total, clipped, kl_sum = 0.0, 0, 0.0
+    total, clipped, kl_sum, weight_sum = 0.0, 0, 0.0, 0.0
     for s in p["samples"]:
         context = list(s["prompt"])
+        # The off-policy correction's per-token weights (docs/worker-protocol.md); none sent: 1.
+        weights = s.get("is_weights") or [1.0] * len(s["response"])
         for t, tok in enumerate(s["response"]):
             z = logits(table, context, temperature)
             probs = softmax(z)
@@ -162,10 +164,12 @@ def train(p):
             if clipped_loss > unclipped:
                 clipped += 1
                 g = -adv * ratio if lo < ratio < hi else 0.0
-                total += clipped_loss
+                total += weights[t] * clipped_loss
             else:
                 g = -adv * ratio
-                total += unclipped
+                total += weights[t] * unclipped
+            g *= weights[t]  # on the policy-gradient term only
+            weight_sum += weights[t]
             x = logp - s["ref_logprobs"][t]  # k3 and its derivative
             kl_sum += math.exp(-x) - 1 + x
             g += kl_coef * (1 - math.exp(-x))
@@ -180,7 +184,8 @@ def train(p):
         table[i] -= lr * grads[i]
     write_table(state["weights"], table)
     state["snapshot"] = table.tobytes()
-    return {"pg_loss": total / tokens, "kl": kl_sum / tokens, "clip_frac": clipped / tokens}
+    return {"pg_loss": total / tokens, "kl": kl_sum / tokens, "clip_frac": clipped / tokens,
+            "tis_weight_mean": weight_sum / tokens}
 
 
 def update_begin(p):

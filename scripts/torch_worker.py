@@ -28,8 +28,10 @@ sleep), and `train` gives each rank its share of every minibatch and all-reduces
 the replicas stay identical. NCCL allocates its buffers outside any region; the runner suspends
 them with the trainer's other memory (tag `nccl`) and resumes them before the next request.
 
-Training is GRPO's clipped surrogate (dual clip optional) with the k1/k2/k3 KL to the reference
-in the loss, the three aggregations, minibatches, epochs, gradient clipping and AdamW. The weights
+Training is GRPO's clipped surrogate (dual clip optional), each token's term weighted by the
+off-policy correction's importance weight when the runner sends one (`is_weights`; async mode's
+truncated importance sampling, docs/async.md), with the k1/k2/k3 KL to the reference in the
+loss, the three aggregations, minibatches, epochs, gradient clipping and AdamW. The weights
 cross to the rollout through the runner's shared file, one bucket at a time, staged in a device
 buffer outside any region. PPO (a value head) is not implemented: `values` is refused.
 
@@ -490,6 +492,10 @@ def minibatch_loss(samples, tokens, seqs):
     logp, full = token_logprobs(state["model"], samples)
     flat = lambda key: torch.tensor([v for s in samples for v in s[key]], device=dev, dtype=torch.float32)  # noqa: E731
     adv, old, ref = flat("advantages"), flat("old_logprobs"), flat("ref_logprobs")
+    # The off-policy correction's per-token weights (none sent: 1), a constant on the
+    # policy-gradient term only.
+    isw = torch.tensor([w for s in samples for w in (s.get("is_weights") or [1.0] * len(s["response"]))],
+                       device=dev, dtype=torch.float32)
     ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip["eps_low"], 1 + clip["eps_high"])
@@ -499,6 +505,7 @@ def minibatch_loss(samples, tokens, seqs):
     if dual:
         dual_hit = (adv < 0) & (pg > -dual * adv)
         pg = torch.where(dual_hit, -dual * adv, pg)
+    pg = pg * isw
     kl = kl_term(logp, ref, loss_cfg.get("kl_kind", "k3"))
     entropy = -(full.exp() * full).sum(-1)
     lengths = [len(s["response"]) for s in samples]
@@ -508,11 +515,30 @@ def minibatch_loss(samples, tokens, seqs):
     share = lambda x: x.float().sum() / tokens  # noqa: E731  (this rank's part of the token mean)
     stats = {"pg_loss": aggregate(pg, lengths, how, tokens, seqs), "kl": share(kl), "entropy": share(entropy),
              "clip_frac": share(clipped > unclipped), "dual_clip_frac": share(dual_hit),
-             "ppo_kl": share(old - logp)}
+             "ppo_kl": share(old - logp), "tis_weight_mean": share(isw)}
     return loss, stats
 
 
-STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "dual_clip_frac", "ppo_kl")
+STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "dual_clip_frac", "ppo_kl", "tis_weight_mean")
+
+
+def check_samples(samples):
+    """A train request's per-token lists, one entry per response token (is_weights may be left
+    out), refused naming the field as the built-in trainer does."""
+    for i, s in enumerate(samples):
+        n = len(s["response"])
+        for key in ("advantages", "old_logprobs", "ref_logprobs", "is_weights"):
+            v = s.get(key)
+            if key == "is_weights" and not v:
+                continue
+            if v is None or len(v) != n:
+                extra = " (or none, for weights of 1)" if key == "is_weights" else ""
+                raise rw.WorkerError("bad_request", f"train sample {i}: {key} has {len(v or [])} entries for a "
+                                     f"response of {n} tokens: one per token{extra}")
+        bad = [w for w in s.get("is_weights") or [] if not (w >= 0.0 and w < float("inf"))]
+        if bad:
+            raise rw.WorkerError("bad_request", f"train sample {i}: is_weights holds {bad[0]}: each weight must "
+                                 "be a finite number >= 0")
 
 
 def minibatch_step(model, opt, batch):
@@ -541,6 +567,7 @@ def minibatch_step(model, opt, batch):
 def train(p):
     t0 = time.monotonic()
     model, opt = state["model"], state["opt"]
+    check_samples(p["samples"])
     samples = [s for s in p["samples"] if s["response"]]
     if not samples:
         return {"loss": 0.0, "tokens": 0}

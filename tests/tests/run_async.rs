@@ -59,11 +59,43 @@ fn async_grpo_trains_on_its_own_device_within_the_staleness_bound_and_checks_eve
     assert!(staleness_keys(&summary).iter().all(|s| *s <= 2), "{a}");
     // Overlap: some samples were generated while the trainer trained on earlier ones.
     assert!(staleness_keys(&summary).iter().any(|s| *s >= 1), "{a}");
+    importance_weights_follow_staleness(&m, 2.0, 1);
+    let c = &summary["off_policy_correction"];
+    assert_eq!((&c["method"], c["tis_cap"].as_f64()), (&"tis".into(), Some(2.0)), "async's default: {c}");
+    assert!(c["tis_max"].as_f64().unwrap() > 1.0 && c["tis_clipfrac_mean"].as_f64().unwrap() > 0.0, "{c}");
     // Each update is checked on the engine, and each batch against the bound.
     assert!(summary["checks"]["passed"].as_u64().unwrap() >= 2 * 12, "{summary}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("async") && stdout.contains("staleness"), "{stdout}");
     assert!(survivors(dir.path()).is_empty());
+}
+
+/// The off-policy correction's numbers per step (truncated importance sampling, cap `cap`): with
+/// one trainer step per update a batch of staleness 0 came from the trainer's own weights, so
+/// every ratio is 1 and the trainer applies weights of 1; a batch of stale samples has ratios off
+/// 1 both ways, the trainer's weights within the cap and not all 1, and the tokens over the cap
+/// counted.
+fn importance_weights_follow_staleness(m: &[Value], cap: f64, steps_per_update: u64) {
+    let (mut fresh, mut stale) = (0, 0);
+    for row in m {
+        let f = |k: &str| row[k].as_f64().unwrap_or_else(|| panic!("step lacks {k}: {row}"));
+        let (max, min, clipfrac) = (f("train/tis_max"), f("train/tis_min"), f("train/tis_clipfrac"));
+        let applied = f("train/tis_weight_mean");
+        assert!(f("train/rollout_train_logprob_diff").is_finite() && f("train/tis_abs") >= 0.0, "{row}");
+        assert!(min <= f("train/tis") && f("train/tis") <= max && (0.0..=1.0).contains(&clipfrac), "{row}");
+        assert!(applied > 0.0 && applied <= cap, "weights over the cap reached the trainer: {row}");
+        assert_eq!(clipfrac > 0.0, max > cap, "{row}");
+        if steps_per_update == 1 && f("fully_async/staleness_max") == 0.0 {
+            fresh += 1;
+            let one = |x: f64| (x - 1.0).abs() < 1e-9;
+            assert!(one(max) && one(min) && clipfrac == 0.0 && one(applied), "on-policy: {row}");
+        } else if f("fully_async/staleness_mean") >= 1.0 {
+            stale += 1;
+            assert!(max > 1.0 && min < 1.0 && applied != 1.0, "stale samples weighted as fresh: {row}");
+        }
+    }
+    assert!(stale > 0, "no step trained on a wholly stale batch");
+    assert!(steps_per_update > 1 || fresh > 0, "no step trained on a batch of the current weights");
 }
 
 #[test]
@@ -109,17 +141,24 @@ fn async_ppo_with_two_engines_and_two_trainer_steps_per_update() {
         "2",
         "--steps",
         "6",
+        "--set",
+        "algo.tis_cap=1.2",
     ];
     let out = run_cmd(dir.path(), &args).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let summary = json(&dir.path().join("summary.json"));
     assert_eq!(summary["async"]["weight_updates"].as_u64(), Some(3), "{summary}");
+    assert_eq!(summary["off_policy_correction"]["tis_cap"].as_f64(), Some(1.2), "{summary}");
     assert_eq!(summary["async"]["rollout_devices"], serde_json::json!([1, 2]));
     let m = metrics(dir.path());
     assert!(m.iter().all(|r| r["rollout/values"].is_number()), "PPO rows carry the critic's values");
     // Updates after steps 2, 4 and 6 only.
     let versions: Vec<f64> = m.iter().map(|r| r["fully_async/weight_version"].as_f64().unwrap()).collect();
     assert_eq!(versions, vec![0.0, 1.0, 1.0, 2.0, 2.0, 3.0]);
+    // The second step of each update trains on samples of the weights before the first: off
+    // policy even at staleness 0, so some tokens go over the cap, and none reach the trainer so.
+    importance_weights_follow_staleness(&m, 1.2, 2);
+    assert!(m.iter().any(|r| r["train/tis_clipfrac"].as_f64().unwrap() > 0.0), "nothing over the cap of 1.2");
     assert!(dir.path().join("logs/rollout-2.log").is_file() && dir.path().join("logs/trainer-0.log").is_file());
 }
 
@@ -242,6 +281,10 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
     assert_eq!(s["async"]["segment_tokens"].as_u64(), Some(1), "{s}");
     // Its hello names no broadcast (it has no group methods), so `auto` keeps the host transport.
     assert_eq!(s["async"]["weight_transport"], "host", "{s}");
+    // It applies the off-policy correction's weights the runner sends, within the cap.
+    for row in metrics(&dir.path().join("example")) {
+        assert!(row["train/tis_weight_mean"].as_f64().is_some_and(|w| w > 0.0 && w <= 2.0), "{row}");
+    }
 
     let script = dir.path().join("old_worker.py");
     let source = "import os, sys\n\
@@ -276,6 +319,46 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
     assert_eq!(s["async"]["partial_samples"].as_u64(), Some(0), "{s}");
     // Three updates checked on the engine, two batches against the bound.
     assert!(s["checks"]["passed"].as_u64().unwrap() >= 5, "{s}");
+}
+
+/// Stale samples trained on without a correction are refused (exit 2, naming the keys and the
+/// ways out) unless the run opts out; so opted out, the trainer gets no weights (it applies 1 to
+/// every token) and the rows carry the log-prob gap but no importance ratios.
+#[test]
+fn uncorrected_stale_training_is_refused_unless_opted_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let none = ["--mode", "async", "--devices", "2", "--set", "algo.off_policy_correction=none"];
+    for (extra, said) in [
+        (vec![], "async.max_staleness = 2 and async.train_iters_per_update = 1"),
+        (vec!["--max-staleness", "0", "--train-iters-per-update", "2"], "async.train_iters_per_update = 2"),
+    ] {
+        let out = run_cmd(dir.path(), &[&none[..], &extra].concat()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        for key in ["algo.off_policy_correction = \"none\" in async mode", said, "algo.allow_uncorrected_stale = true"]
+        {
+            assert!(err.contains(key), "{extra:?}: {err}");
+        }
+    }
+    for (args, said) in [
+        (vec!["--set", "algo.tis_cap=0.5"], "algo.tis_cap=0.5 must be a number >= 1"),
+        (vec!["--set", "algo.off_policy_correction=is"], "algo.off_policy_correction: unknown variant"),
+    ] {
+        let out = run_cmd(dir.path(), &args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(2) && err.contains(said), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("metrics.jsonl").exists(), "a refused configuration started a run");
+
+    let args = [&none[..], &["--steps", "4", "--set", "algo.allow_uncorrected_stale=true"]].concat();
+    let (_, summary) = run_ok(&dir.path().join("opted-out"), &args);
+    assert_eq!(summary["off_policy_correction"]["method"], "none", "{summary}");
+    assert!(staleness_keys(&summary).iter().any(|s| *s >= 1), "nothing stale was trained on: {summary}");
+    for row in metrics(&dir.path().join("opted-out")) {
+        assert_eq!(row["train/tis_weight_mean"].as_f64(), Some(1.0), "{row}");
+        assert!(row.get("train/tis").is_none() && row.get("train/tis_clipfrac").is_none(), "{row}");
+        assert!(row["train/rollout_train_logprob_diff"].is_number(), "{row}");
+    }
 }
 
 #[test]

@@ -417,6 +417,18 @@ fn torch_async_run(python: &std::path::Path, out: &std::path::Path, devices: u32
     assert!(hist.keys().all(|k| k.parse::<u64>().unwrap() <= 1), "{a}");
     // Overlap: the engines generated a batch while the trainer trained on the one before.
     assert!(hist.keys().any(|k| k != "0"), "{a}");
+    // Async's default off-policy correction: the PyTorch trainer got each token's importance weight
+    // (its own mean of those it applied), within the cap, and the stale tokens' are not 1.
+    assert_eq!(summary["off_policy_correction"]["method"], "tis", "{summary}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let applied = |r: &serde_json::Value| r["train/tis_weight_mean"].as_f64().unwrap_or_else(|| panic!("{r}"));
+    assert!(rows.iter().all(|r| applied(r) > 0.0 && applied(r) <= 2.0 && r["train/tis"].is_number()), "{rows:?}");
+    let stale = |r: &&serde_json::Value| r["fully_async/staleness_max"].as_f64() >= Some(1.0);
+    assert!(rows.iter().filter(stale).any(|r| (applied(r) - 1.0).abs() > 1e-3), "stale tokens weighted 1: {rows:?}");
     summary
 }
 

@@ -6,8 +6,9 @@ scored at once under the same weights (so the prefix really conditions what foll
 either parameter a request generates what it did before they existed.
 
 Its trainers as data-parallel ranks (init's `trainer_group`): each rank's share of a minibatch
-adds up to the whole one, and two ranks in a process group stay replicas, a train step with their
-communicators suspended failing with NCCL's error."""
+adds up to the whole one (importance weights included; weights of 1 are none, 0 removes a token's
+policy gradient, a bad weight list is refused naming the field), and two ranks in a process group
+stay replicas, a train step with their communicators suspended failing with NCCL's error."""
 
 import json
 import os
@@ -95,6 +96,8 @@ for i in range(7):  # ragged: prompts of 2 to 4 tokens, responses of 1 to 5
     samples.append({{"prompt": torch.randint(1, 16, (2 + i % 3,), generator=g).tolist(),
                      "response": torch.randint(1, 16, (n,), generator=g).tolist(),
                      "advantages": rand(n, -1, 1), "old_logprobs": rand(n, -3, -1), "ref_logprobs": rand(n, -3, -1)}})
+    if i % 2:  # the off-policy correction's weights on some samples, none (all 1) on the others
+        samples[-1]["is_weights"] = rand(n, 0, 2)
 params = list(tw.state["model"].parameters())
 tokens, seqs = sum(len(s["response"]) for s in samples), len(samples)
 
@@ -121,6 +124,30 @@ for how in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
     assert max(abs(a.abs().max().item()) for a in whole) > 0, "the loss has gradients"
     assert all(abs(s1[k] - s2[k]) < 1e-5 for k in s1), (how, s1, s2)
 assert worst < 1e-5, worst
+
+# Weights of 1 are no weights; weights of 0 leave no policy gradient (with the KL and entropy
+# terms off, no gradient at all); a weight scales its token's term.
+tw.state["loss"]["aggregation"] = "token-mean"
+plain = [{{k: v for k, v in s.items() if k != "is_weights"}} for s in samples]
+weighted = lambda w: [dict(s, is_weights=[w] * len(s["response"])) for s in plain]  # noqa: E731
+g_plain, st_plain = grads_of([plain])
+g_ones, st_ones = grads_of([weighted(1.0)])
+assert all(torch.equal(a, b) for a, b in zip(g_plain, g_ones)) and st_ones["tis_weight_mean"] == 1.0, st_ones
+tw.state["loss"].update(kl_coef=0.0, entropy_coef=0.0)
+g_zero, st_zero = grads_of([weighted(0.0)])
+assert st_zero["pg_loss"] == 0.0 and st_zero["tis_weight_mean"] == 0.0, st_zero
+assert all(not g.any() for g in g_zero), "a weight of 0 left a gradient"
+g_one, _ = grads_of([plain])
+g_half, _ = grads_of([weighted(0.5)])
+assert all(torch.allclose(0.5 * a, b, atol=1e-7) for a, b in zip(g_one, g_half)), "a weight does not scale"
+
+# A weight list of the wrong length is a bad request naming the field, before any training.
+bad = dict(plain[0], is_weights=[1.0] * (len(plain[0]["response"]) + 1))
+try:
+    tw.train({{"samples": [plain[1], bad], "minibatches": 1}})
+    raise AssertionError("a bad is_weights was trained on")
+except tw.rw.WorkerError as e:
+    assert e.kind == "bad_request" and e.message.startswith("train sample 1: is_weights has"), e.message
 print("worst_grad_diff=%g" % worst)
 """
 

@@ -3,7 +3,7 @@
 //! optimizer settings, and the batch's metrics under slime's names.
 
 use super::Role;
-use super::config::{AlgoName, Config, Launcher};
+use super::config::{AlgoName, Config, Launcher, OffPolicyCorrection};
 use super::fleet::Fleet;
 use super::metrics::{self, mean};
 use super::profile::Profile;
@@ -93,6 +93,32 @@ fn gae(cfg: &Config, rewards: &[f64], kl_tok: &[Vec<f64>], values: &[Vec<f64>], 
     out
 }
 
+/// Beyond this log-ratio a token's importance ratio is reported as e^20, as verl bounds it: a
+/// token the trainer finds near-impossible would otherwise overflow the ratio's statistics.
+const LOG_RATIO_BOUND: f64 = 20.0;
+
+/// Each token's importance ratio exp(old_lp - rollout_lp): the trainer's current (proximal)
+/// policy over the behaviour policy that generated the token, under whatever weights the rollout
+/// held then. A token without a rollout log-prob counts as on-policy (1).
+fn is_ratios(sample: &Sample, old_lp: &[f64]) -> Vec<f64> {
+    let ratio = |(t, old): (usize, &f64)| match sample.logprobs.get(t) {
+        Some(behaviour) => (old - behaviour).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp(),
+        None => 1.0,
+    };
+    old_lp.iter().enumerate().map(ratio).collect()
+}
+
+/// The off-policy correction's per-token weights for the trainer (truncated importance
+/// sampling, min(ratio, algo.tis_cap)); none when the run has no correction.
+pub(super) fn is_weights(cfg: &Config, samples: &[Sample], scores: &Scores) -> Vec<Vec<f64>> {
+    if cfg.off_policy_correction() != OffPolicyCorrection::Tis {
+        return Vec::new();
+    }
+    let cap = cfg.algo.tis_cap;
+    let weights = samples.iter().zip(&scores.old_lp).map(|(s, old)| is_ratios(s, old));
+    weights.map(|r| r.into_iter().map(|x| x.min(cap)).collect()).collect()
+}
+
 /// The trainer's request for a batch: every sample with its per-token numbers.
 pub(super) fn train_params(
     cfg: &Config,
@@ -101,6 +127,7 @@ pub(super) fn train_params(
     adv: &Advantages,
     step: u64,
 ) -> TrainParams {
+    let mut weights = is_weights(cfg, samples, scores).into_iter();
     let samples = (0..samples.len())
         .map(|i| model::TrainSample {
             prompt: samples[i].prompt.clone(),
@@ -110,6 +137,7 @@ pub(super) fn train_params(
             ref_logprobs: scores.ref_lp[i].clone(),
             returns: adv.returns.get(i).cloned().unwrap_or_default(),
             old_values: scores.values.get(i).cloned().unwrap_or_default(),
+            is_weights: weights.next().unwrap_or_default(),
         })
         .collect();
     let a = &cfg.algo;
@@ -152,12 +180,36 @@ pub(super) fn sample_metrics(row: &mut metrics::Row, cfg: &Config, task: &Additi
     };
     row.set("train/train_rollout_logprob_abs_diff", mean(diffs()));
     row.set("rollout/logprob_abs_diff_max", diffs().fold(0.0, f64::max));
+    correction_metrics(row, cfg, o.samples, o.scores);
     row.set("train/lr-pg_0", cfg.algo.lr);
     for (k, v) in &o.train.0 {
         if let Some(x) = v {
             row.set(&metrics::train_metric(k), *x);
         }
     }
+}
+
+/// The gap between the rollout's log-probs and the trainer's, signed (verl's rollout_corr/kl,
+/// rollout minus trainer), and with the correction on, its importance ratios before truncation:
+/// mean (slime's train/tis), largest, smallest, mean |ratio - 1| (slime's tis_abs) and the share
+/// of tokens the cap truncated (slime's tis_clipfrac).
+fn correction_metrics(row: &mut metrics::Row, cfg: &Config, samples: &[Sample], scores: &Scores) {
+    let pairs = samples.iter().zip(&scores.old_lp);
+    let gap = pairs.clone().flat_map(|(s, old)| s.logprobs.iter().zip(old).map(|(r, o)| r - o));
+    row.set("train/rollout_train_logprob_diff", mean(gap));
+    if cfg.off_policy_correction() != OffPolicyCorrection::Tis {
+        return;
+    }
+    let ratios: Vec<f64> = pairs.flat_map(|(s, old)| is_ratios(s, old)).collect();
+    if ratios.is_empty() {
+        return;
+    }
+    let cap = cfg.algo.tis_cap;
+    row.set("train/tis", mean(ratios.iter().copied()));
+    row.set("train/tis_max", ratios.iter().copied().fold(f64::MIN, f64::max));
+    row.set("train/tis_min", ratios.iter().copied().fold(f64::MAX, f64::min));
+    row.set("train/tis_abs", mean(ratios.iter().map(|r| (r - 1.0).abs())));
+    row.set("train/tis_clipfrac", mean(ratios.iter().map(|r| f64::from(u8::from(*r > cap)))));
 }
 
 pub(super) fn loss_config(cfg: &Config) -> model::LossConfig {
@@ -281,4 +333,38 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
         c.rollout_mfu,
         c.token_scale
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::config;
+
+    fn scores(old_lp: Vec<Vec<f64>>) -> Scores {
+        Scores { old_lp, ref_lp: Vec::new(), entropy: Vec::new(), values: Vec::new() }
+    }
+
+    /// Each token's weight is its ratio exp(old - rollout) truncated at the cap, sent only with a
+    /// correction; the row's ratios are the untruncated ones.
+    #[test]
+    fn weights_are_the_truncated_ratios_of_trainer_over_rollout() {
+        let sets = ["run.mode=async", "run.devices=2", "algo.tis_cap=1.5"].map(String::from);
+        let cfg = config::load(None, &sets).unwrap();
+        let sample = Sample { prompt: vec![1], response: vec![2, 3, 4], logprobs: vec![-1.0, -2.0, -0.5] };
+        let sc = scores(vec![vec![-1.0, -1.0, -1.5]]);
+        let w = is_weights(&cfg, std::slice::from_ref(&sample), &sc);
+        let e = std::f64::consts::E;
+        assert_eq!(w.len(), 1);
+        let want = [1.0, 1.5, 1.0 / e];
+        assert!(w[0].iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12), "{w:?}");
+        let mut row = metrics::Row::new(1);
+        correction_metrics(&mut row, &cfg, std::slice::from_ref(&sample), &sc);
+        assert!((row.get("train/tis_max").unwrap() - e).abs() < 1e-12);
+        assert!((row.get("train/tis_clipfrac").unwrap() - 1.0 / 3.0).abs() < 1e-12);
+        // Rollout minus trainer: 0, -1, +1.
+        assert!(row.get("train/rollout_train_logprob_diff").unwrap().abs() < 1e-12);
+
+        let colocated = config::load(None, &[]).unwrap();
+        assert!(is_weights(&colocated, &[sample], &sc).is_empty(), "no correction colocated by default");
+    }
 }

@@ -198,6 +198,37 @@ pub struct TrainSample {
     pub returns: Vec<f64>,
     #[serde(default)]
     pub old_values: Vec<f64>,
+    /// The off-policy correction's per-token weights on the policy-gradient term (truncated
+    /// importance sampling; docs/async.md). Empty: every weight 1, as before the field existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub is_weights: Vec<f64>,
+}
+
+impl TrainSample {
+    /// Why the sample cannot be trained on, naming the field: every per-token list one entry per
+    /// response token (is_weights may be empty), PPO's returns and old values too.
+    pub fn check(&self, ppo: bool) -> Result<(), String> {
+        let n = self.response.len();
+        let mut lists = vec![
+            ("advantages", &self.advantages),
+            ("old_logprobs", &self.old_logprobs),
+            ("ref_logprobs", &self.ref_logprobs),
+        ];
+        if ppo {
+            lists.extend([("returns", &self.returns), ("old_values", &self.old_values)]);
+        }
+        if !self.is_weights.is_empty() {
+            lists.push(("is_weights", &self.is_weights));
+        }
+        if let Some((name, v)) = lists.iter().find(|(_, v)| v.len() != n) {
+            let empty = if *name == "is_weights" { " (or none, for weights of 1)" } else { "" };
+            return Err(format!("{name} has {} entries for a response of {n} tokens: one per token{empty}", v.len()));
+        }
+        if let Some(w) = self.is_weights.iter().find(|w| !(w.is_finite() && **w >= 0.0)) {
+            return Err(format!("is_weights holds {w}: each weight must be a finite number >= 0"));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -213,6 +244,9 @@ pub struct LossMetrics {
     pub clip_frac: f64,
     pub dual_clip_frac: f64,
     pub value_clip_frac: f64,
+    /// Mean importance weight applied per token (1 without a correction).
+    #[serde(default)]
+    pub is_weight: f64,
     pub tokens: usize,
 }
 
@@ -230,6 +264,9 @@ pub fn loss(policy: &Policy, samples: &[TrainSample], cfg: &LossConfig, mut grad
             let (logp_all, p) = algo::log_softmax(&scaled);
             let logp = logp_all[tok as usize];
             let pg = algo::policy_loss(logp, sample.old_logprobs[t], sample.advantages[t], &cfg.clip);
+            // The importance weight scales the policy-gradient term only (a constant: no
+            // gradient of its own), as slime's and verl's TIS do.
+            let isw = sample.is_weights.get(t).copied().unwrap_or(1.0);
             let (kl, dkl) = algo::kl(logp, sample.ref_logprobs[t], cfg.kl_kind);
             let (h, dh) = algo::entropy(&scaled);
             let (vl, dv, vclipped) = if cfg.value_coef > 0.0 {
@@ -237,8 +274,8 @@ pub fn loss(policy: &Policy, samples: &[TrainSample], cfg: &LossConfig, mut grad
             } else {
                 (0.0, 0.0, false)
             };
-            m.loss += w * (pg.loss + cfg.kl_coef * kl - cfg.entropy_coef * h + cfg.value_coef * vl);
-            m.pg_loss += w * pg.loss;
+            m.loss += w * (isw * pg.loss + cfg.kl_coef * kl - cfg.entropy_coef * h + cfg.value_coef * vl);
+            m.pg_loss += w * isw * pg.loss;
             m.value_loss += w * vl;
             m.kl += kl;
             m.ppo_kl += sample.old_logprobs[t] - logp;
@@ -246,9 +283,10 @@ pub fn loss(policy: &Policy, samples: &[TrainSample], cfg: &LossConfig, mut grad
             m.clip_frac += f64::from(u8::from(pg.clipped));
             m.dual_clip_frac += f64::from(u8::from(pg.dual_clipped));
             m.value_clip_frac += f64::from(u8::from(vclipped));
+            m.is_weight += isw;
             m.tokens += 1;
             if let Some(g) = grad.as_deref_mut() {
-                let dlogp = pg.grad + cfg.kl_coef * dkl;
+                let dlogp = isw * pg.grad + cfg.kl_coef * dkl;
                 let dlogits: Vec<f64> = (0..p.len())
                     .map(|j| {
                         let onehot = f64::from(u8::from(j == tok as usize));
@@ -267,6 +305,7 @@ pub fn loss(policy: &Policy, samples: &[TrainSample], cfg: &LossConfig, mut grad
     m.clip_frac /= n;
     m.dual_clip_frac /= n;
     m.value_clip_frac /= n;
+    m.is_weight /= n;
     m
 }
 
@@ -318,6 +357,8 @@ mod tests {
             ref_logprobs: scores.iter().map(|s| s.logprob + 0.1).collect(),
             returns: vec![0.5, 1.0],
             old_values: scores.iter().map(|s| s.value + 0.01).collect(),
+            // Off the defaults, so the finite differences check the weighted gradient.
+            is_weights: vec![1.7, 0.4],
         }
     }
 
@@ -371,6 +412,69 @@ mod tests {
             }
             assert!(checked > 10, "too few non-zero gradients checked");
         }
+    }
+
+    /// Loss and gradient of `samples` under `c`.
+    fn loss_and_grad(params: &[f32], samples: &[TrainSample], c: &LossConfig) -> (f64, Vec<f64>) {
+        let mut grad = vec![0.0; params.len()];
+        let m = loss(&Policy { shape: shape(), params }, samples, c, Some(&mut grad));
+        (m.loss, grad)
+    }
+
+    fn close(a: &[f64], b: &[f64]) -> bool {
+        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-12 + 1e-9 * y.abs())
+    }
+
+    /// Weights of 1 are no weights; a weight of 0 removes the token's policy-gradient term and
+    /// only that (its KL and entropy terms stay); a weight scales the term's gradient.
+    #[test]
+    fn importance_weights_scale_each_token_s_policy_gradient() {
+        let s = shape();
+        let mut params = init(&s, 5);
+        for (i, x) in params.iter_mut().enumerate() {
+            *x += ((i * 31 % 11) as f32 - 5.0) * 0.03;
+        }
+        let base = sample(&Policy { shape: s, params: &params });
+        let with = |w: Vec<f64>| vec![TrainSample { is_weights: w, ..base.clone() }];
+        let c = cfg(Aggregation::TokenMean, KlKind::K3);
+        let (plain, g_plain) = loss_and_grad(&params, &with(Vec::new()), &c);
+        let (ones, g_ones) = loss_and_grad(&params, &with(vec![1.0, 1.0]), &c);
+        assert!(plain == ones && g_plain == g_ones, "weights of 1 changed the loss: {plain} vs {ones}");
+
+        // Token 0 weighted 0 is token 0 with no advantage (a zero policy-gradient term).
+        let (zero, g_zero) = loss_and_grad(&params, &with(vec![0.0, 1.0]), &c);
+        let no_adv = TrainSample { advantages: vec![0.0, base.advantages[1]], is_weights: Vec::new(), ..base.clone() };
+        let (want, g_want) = loss_and_grad(&params, &[no_adv], &c);
+        assert!((zero - want).abs() < 1e-12 && close(&g_zero, &g_want), "{zero} vs {want}");
+        assert!(!close(&g_zero, &g_plain), "weight 0 left the gradient as it was");
+
+        // Policy-gradient term only: a weight of 2 on every token doubles loss and gradient.
+        let pg_only = LossConfig { kl_coef: 0.0, entropy_coef: 0.0, value_coef: 0.0, ..c };
+        let (one, g_one) = loss_and_grad(&params, &with(Vec::new()), &pg_only);
+        let (two, g_two) = loss_and_grad(&params, &with(vec![2.0, 2.0]), &pg_only);
+        let doubled: Vec<f64> = g_one.iter().map(|g| 2.0 * g).collect();
+        assert!((two - 2.0 * one).abs() < 1e-12 && close(&g_two, &doubled), "{two} vs 2 x {one}");
+        let m = loss(&Policy { shape: s, params: &params }, &with(vec![0.5, 1.5]), &pg_only, None);
+        assert!((m.is_weight - 1.0).abs() < 1e-12, "mean weight applied: {}", m.is_weight);
+    }
+
+    #[test]
+    fn a_sample_s_lists_must_have_one_entry_per_token() {
+        let s = shape();
+        let params = init(&s, 1);
+        let good = sample(&Policy { shape: s, params: &params });
+        assert_eq!(good.check(true), Ok(()));
+        assert_eq!(TrainSample { is_weights: Vec::new(), ..good.clone() }.check(false), Ok(()));
+        let short = TrainSample { is_weights: vec![1.0], ..good.clone() };
+        let err = short.check(false).unwrap_err();
+        assert!(err.starts_with("is_weights has 1 entries for a response of 2 tokens"), "{err}");
+        let negative = TrainSample { is_weights: vec![1.0, -0.5], ..good.clone() };
+        assert!(negative.check(false).unwrap_err().contains("is_weights holds -0.5"));
+        let err = TrainSample { advantages: vec![1.0], ..good.clone() }.check(false).unwrap_err();
+        assert!(err.starts_with("advantages has 1 entries"), "{err}");
+        // PPO's lists are checked only for PPO.
+        let no_values = TrainSample { old_values: Vec::new(), ..good };
+        assert!(no_values.check(false).is_ok() && no_values.check(true).unwrap_err().starts_with("old_values"));
     }
 
     #[test]

@@ -400,14 +400,8 @@ impl Trainer {
         let tokens: usize = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
         let minibatches = p.minibatches.max(1);
         let epochs = p.epochs.max(1);
-        for s in &samples {
-            let n = s.response.len();
-            if s.advantages.len() != n || s.old_logprobs.len() != n || s.ref_logprobs.len() != n {
-                return Err(bad("advantages, old_logprobs and ref_logprobs must match the response length"));
-            }
-            if self.loss.value_coef > 0.0 && (s.returns.len() != n || s.old_values.len() != n) {
-                return Err(bad("PPO samples need returns and old_values per token"));
-            }
+        for (i, s) in samples.iter().enumerate() {
+            s.check(self.loss.value_coef > 0.0).map_err(|e| bad(format!("train sample {i}: {e}")))?;
         }
         self.check_tokens(samples.iter().map(|s| (&s.prompt[..], &s.response[..])))?;
         let n = model::param_count(&self.c.shape);
@@ -462,6 +456,7 @@ impl Trainer {
             ("clip_frac", m.clip_frac),
             ("dual_clip_frac", m.dual_clip_frac),
             ("value_clip_frac", m.value_clip_frac),
+            ("tis_weight_mean", m.is_weight),
             ("grad_norm", grad_norm),
         ];
         let mut out: std::collections::BTreeMap<String, Option<f64>> =
@@ -487,6 +482,7 @@ fn accumulate(into: &mut model::LossMetrics, m: &model::LossMetrics) {
     into.clip_frac += m.clip_frac;
     into.dual_clip_frac += m.dual_clip_frac;
     into.value_clip_frac += m.value_clip_frac;
+    into.is_weight += m.is_weight;
     into.tokens += m.tokens;
 }
 

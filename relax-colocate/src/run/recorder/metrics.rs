@@ -51,6 +51,11 @@ pub const NAMES: &[(&str, &str)] = &[
     ("train/lr-pg_0", "actor/lr"),
     ("train/value_loss", "critic/vf_loss"),
     ("train/value_clipfrac", "critic/vf_clipfrac"),
+    ("train/tis", "rollout_corr/rollout_is_mean"),
+    ("train/tis_max", "rollout_corr/rollout_is_max"),
+    ("train/tis_min", "rollout_corr/rollout_is_min"),
+    ("train/tis_clipfrac", "rollout_corr/rollout_is_ratio_fraction_high"),
+    ("train/rollout_train_logprob_diff", "rollout_corr/kl"),
 ];
 
 /// The name `slime_name` is written under in `style`.

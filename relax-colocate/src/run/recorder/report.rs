@@ -119,10 +119,33 @@ fn metric_series(r: &Recorder, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
     out
 }
 
+/// The per-step correction metrics the summary sums up (docs/metrics.md).
+const CORRECTION_KEYS: [&str; 4] =
+    ["train/tis", "train/tis_max", "train/tis_clipfrac", "train/rollout_train_logprob_diff"];
+
+/// The run's off-policy correction and its importance ratios over the steps: mean of the steps'
+/// means, the largest, the mean share truncated; and the mean rollout - trainer log-prob gap.
+fn correction_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Value {
+    let series = |k: &str| all.get(k).map(Vec::as_slice).unwrap_or_default();
+    let avg = |k: &str| {
+        let v = series(k);
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    json!({
+        "method": r.cfg.off_policy_correction().as_str(),
+        "tis_cap": r.cfg.algo.tis_cap,
+        "tis_mean": avg("train/tis"),
+        "tis_max": series("train/tis_max").iter().copied().reduce(f64::max),
+        "tis_clipfrac_mean": avg("train/tis_clipfrac"),
+        "rollout_train_logprob_diff_mean": avg("train/rollout_train_logprob_diff"),
+    })
+}
+
 pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Profile) -> Value {
     let phase_names: Vec<&str> = STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect();
     let mut keys: Vec<String> = phase_names.iter().map(|p| super::metrics::phase_time(p)).collect();
     keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
+    keys.extend(CORRECTION_KEYS.iter().map(|k| k.to_string()));
     let all = metric_series(r, &keys);
     let series = |k: &str| -> Vec<f64> { all.get(k).cloned().unwrap_or_default() };
     let total_step: f64 = series("perf/step_time").iter().sum();
@@ -167,6 +190,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
             "peak_device_used": r.peak_used,
             "communicator_bytes_suspended": r.comm_suspended,
         },
+        "off_policy_correction": correction_summary(r, &all),
         "compute": crate::run::learn::compute_label(&r.cfg, profile),
         "wall_time_s": r.started.elapsed().as_secs_f64(),
         "run_dir": r.run_dir,
@@ -199,6 +223,7 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
     );
     if let Some(a) = summary.get("async") {
         print_async(a, summary["compute"].as_str().unwrap_or(""));
+        print_correction(&summary["off_policy_correction"]);
     } else if let Some(w) = summary.get("weight_sync") {
         let rate = w["update_weights_gbps"].as_f64().map_or_else(|| "-".into(), |r| format!("{r:.2} GB/s"));
         println!(
@@ -228,6 +253,24 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
     println!(
         "run directory: {} (metrics.jsonl, memory.jsonl, summary.json, memory_timeline.svg, memory_per_step.svg, reward.svg, logs/{tensorboard})",
         r.run_dir.display()
+    );
+}
+
+/// The off-policy correction and what its importance ratios were over the run.
+fn print_correction(c: &Value) {
+    let f = |k: &str| c[k].as_f64().unwrap_or(f64::NAN);
+    if c["method"] != "tis" {
+        println!("       off-policy correction: none");
+        return;
+    }
+    println!(
+        "       off-policy correction: tis capped at {}; importance ratio mean {:.3}, max {:.3}, {:.1}% of tokens \
+         truncated; rollout - trainer log-prob {:+.4}",
+        f("tis_cap"),
+        f("tis_mean"),
+        f("tis_max"),
+        100.0 * f("tis_clipfrac_mean"),
+        f("rollout_train_logprob_diff_mean")
     );
 }
 
