@@ -1,7 +1,7 @@
-//! `relax-colocate compare`: the same job (profile, batch, steps, total devices) run colocated and
-//! async, one after the other, with one table and one plot of the two. Each layout is an ordinary
-//! `relax-colocate run` in a child process (its run directory under the comparison's), so every
-//! figure here is one the run itself wrote.
+//! `relax-colocate compare`: the same job (profile, batch, steps, total devices) run colocated,
+//! async and elastic, one after the other, with one table and one plot of them. Each layout is an
+//! ordinary `relax-colocate run` in a child process (its run directory under the comparison's), so
+//! every figure here is one the run itself wrote.
 
 use crate::plot::{self, Axis, Chart, Quantity, Series, Shape};
 use crate::run::config::Config;
@@ -12,26 +12,29 @@ use std::process::Command;
 
 #[derive(clap::Args)]
 pub struct Options {
-    /// Total devices, the same for both layouts [run.devices].
+    /// Total devices, the same for every layout [run.devices].
     #[arg(long, default_value_t = 2)]
     pub devices: u32,
-    /// Async: the trainer's devices (default: the first half).
+    /// Async and elastic: the trainer's devices (default: the first half).
     #[arg(long)]
     pub trainer_devices: Option<String>,
-    /// Async: the rollout engines' devices (default: the rest).
+    /// Async and elastic: the rollout engines' devices (default: the rest).
     #[arg(long)]
     pub rollout_devices: Option<String>,
+    /// The layouts to run, in this order, comma-separated: colocate, async, elastic (at least two).
+    #[arg(long, value_delimiter = ',', default_value = "colocate,async,elastic")]
+    pub layouts: Vec<crate::run::config::Mode>,
     /// Trainer steps of each run.
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
-    /// Async: the staleness bound [async.max_staleness].
+    /// Async and elastic: the staleness bound [async.max_staleness].
     #[arg(long, default_value_t = 2)]
     pub max_staleness: i64,
     /// Model device compute time from the memory profile (true), or measure this CPU (false)
     /// [compute.model].
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub model_compute: bool,
-    /// Any configuration key for both runs: --set memory.profile=qwen3-4b (repeatable).
+    /// Any configuration key for every run: --set memory.profile=qwen3-4b (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub sets: Vec<String>,
     /// Output folder.
@@ -167,42 +170,87 @@ fn figures(l: &Layout) -> Value {
         "reward_last3": s["reward"]["last3_mean"].clone(),
         "wall_time_s": wall,
         "compute": s["compute"].clone(),
+        "trainer_idle": s["async"]["trainer_idle_ratio"].clone(),
+        "elastic": elastic_figures(l, &s["async"]["elastic"]),
     })
 }
 
-/// A line of the table: its label, the figure's key, how to show it.
+/// Elastic mode's lending: how often and at what cost, and the trainer devices' idle share with
+/// the time they were lent counted as work.
+fn elastic_figures(l: &Layout, e: &Value) -> Value {
+    if e.is_null() {
+        return Value::Null;
+    }
+    let f = |k: &str| e[k].as_f64().unwrap_or(f64::NAN);
+    json!({
+        "lends_per_step": f("lends") / l.rows.len().max(1) as f64,
+        "switch_s_mean": f("lend_s_mean") + f("reclaim_s_mean"),
+        "switch_saver_s_mean": f("switch_saver_s_mean"),
+        "trainer_device_idle": f("trainer_device_idle_ratio"),
+        "lent_tokens": e["lent_tokens"].clone(),
+        "forced_reclaims": e["forced_reclaims"].clone(),
+    })
+}
+
+/// A line of the table: its label, the figure's key (`elastic.KEY` inside the elastic block), how
+/// to show it.
 type TableRow = (&'static str, &'static str, fn(f64) -> String);
 
-fn print_table(figs: &[Value], ratio: f64) {
-    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
-    println!("\n{:<28} {:>14} {:>14}", "", "colocate", "async");
-    let rows: [TableRow; 11] = [
+fn figure(v: &Value, key: &str) -> f64 {
+    match key.split_once('.') {
+        Some((block, k)) => v[block][k].as_f64(),
+        None => v[key].as_f64(),
+    }
+    .unwrap_or(f64::NAN)
+}
+
+fn print_table(names: &[&str], figs: &[Value]) {
+    let pct = |x: f64| if x.is_nan() { "-".into() } else { format!("{:.0}%", 100.0 * x) };
+    let secs = |x: f64| if x.is_nan() { "-".into() } else { format!("{x:.3}") };
+    print!("\n{:<34}", "");
+    for n in names {
+        print!(" {n:>12}");
+    }
+    println!();
+    let rows: [TableRow; 17] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
         ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
         ("tokens/s", "tokens_per_s", |x| format!("{x:.1}")),
         ("step time, median (s)", "step_time_median_s", |x| format!("{x:.3}")),
-        ("trainer busy", "trainer_busy", |x| format!("{:.0}%", 100.0 * x)),
-        ("rollout busy", "rollout_busy", |x| format!("{:.0}%", 100.0 * x)),
-        ("weight update, median (s)", "update_weights_median_s", |x| format!("{x:.3}")),
-        ("sleep/wake switch, median (s)", "switch_median_s", |x| format!("{x:.3}")),
+        ("trainer busy", "trainer_busy", pct),
+        ("trainer waiting for samples", "trainer_idle", pct),
+        ("trainer devices idle (lent: busy)", "elastic.trainer_device_idle", pct),
+        ("rollout busy", "rollout_busy", pct),
+        ("weight update, median (s)", "update_weights_median_s", secs),
+        ("sleep/wake switch, median (s)", "switch_median_s", secs),
+        ("lends per step", "elastic.lends_per_step", |x| if x.is_nan() { "-".into() } else { format!("{x:.2}") }),
+        ("lend + reclaim, mean (s)", "elastic.switch_s_mean", secs),
+        ("  of which the saver's (s)", "elastic.switch_saver_s_mean", secs),
         ("reward, first 3 steps", "reward_first3", |x| format!("{x:.3}")),
         ("reward, last 3 steps", "reward_last3", |x| format!("{x:.3}")),
         ("wall time (s)", "wall_time_s", |x| format!("{x:.1}")),
+        ("lent tokens", "elastic.lent_tokens", |x| if x.is_nan() { "-".into() } else { format!("{x:.0}") }),
     ];
     for (label, key, show) in rows {
-        println!("{label:<28} {:>14} {:>14}", show(f(&figs[0], key)), show(f(&figs[1], key)));
+        print!("{label:<34}");
+        for f in figs {
+            print!(" {:>12}", show(figure(f, key)));
+        }
+        println!();
     }
-    let hist = figs[1]["staleness_histogram"]
-        .as_object()
-        .map(|h| h.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default();
-    println!("{:<28} {:>14} {:>14}", "staleness (updates: samples)", "0:all", hist);
-    let steady = f(&figs[1], "samples_per_s_after_first_step") / f(&figs[0], "samples_per_s_after_first_step");
-    println!("\nasync / colocate throughput: {ratio:.2}x (samples/s); {steady:.2}x after step 1");
+    print!("{:<34}", "staleness (updates: samples)");
+    for f in figs {
+        let hist = f["staleness_histogram"]
+            .as_object()
+            .map(|h| h.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" "))
+            .unwrap_or_else(|| "0:all".into());
+        print!(" {hist:>12}");
+    }
+    println!();
     println!("compute: {}", figs[0]["compute"].as_str().unwrap_or("?"));
 }
 
-/// Reward against wall time for both layouts (each run's step ends on its own clock).
+/// Reward against wall time for every layout (each run's step ends on its own clock).
 fn reward_plot(layouts: &[Layout]) -> String {
     let series = layouts
         .iter()
@@ -221,7 +269,7 @@ fn reward_plot(layouts: &[Layout]) -> String {
         })
         .collect();
     plot::svg(&Chart {
-        title: "Reward against time: colocate and async on the same job".into(),
+        title: format!("Reward against time: {} on the same job", names(layouts).join(", ")),
         width: 900,
         height: 420,
         x: Some(Axis::linear("time (s)", Quantity::Seconds)),
@@ -231,30 +279,68 @@ fn reward_plot(layouts: &[Layout]) -> String {
     })
 }
 
-/// Runs both layouts; returns the exit code (the failed run's when one fails: 2 for its
-/// configuration, 1 otherwise).
+fn names(layouts: &[Layout]) -> Vec<&'static str> {
+    layouts.iter().map(|l| l.name).collect()
+}
+
+/// Each layout's throughput over the others', all samples and after step 1: `X_over_Y_samples_per_s`
+/// and `X_over_Y_after_first_step`; and, when elastic ran, over the better of the others (its
+/// target).
+fn ratios(names: &[&str], figs: &[Value]) -> serde_json::Map<String, Value> {
+    let mut out = serde_json::Map::new();
+    let keys = [("samples_per_s", "samples_per_s"), ("samples_per_s_after_first_step", "after_first_step")];
+    for (i, a) in names.iter().enumerate() {
+        for (j, b) in names.iter().enumerate().filter(|(j, _)| *j < i) {
+            for (key, suffix) in keys {
+                out.insert(format!("{a}_over_{b}_{suffix}"), json!(figure(&figs[i], key) / figure(&figs[j], key)));
+            }
+        }
+    }
+    if let Some(e) = names.iter().position(|n| *n == "elastic") {
+        for (key, suffix) in keys {
+            let best = (0..figs.len()).filter(|&j| j != e).map(|j| figure(&figs[j], key)).fold(f64::NAN, f64::max);
+            out.insert(format!("elastic_over_best_other_{suffix}"), json!(figure(&figs[e], key) / best));
+        }
+    }
+    out
+}
+
+/// Runs the layouts one after the other; returns the exit code (the failed run's when one fails:
+/// 2 for its configuration, 1 otherwise).
 pub fn main(o: &Options) -> u8 {
     if o.devices < 2 {
         eprintln!(
-            "relax-colocate compare: --devices must be at least 2 (async mode puts each role on its own devices)"
+            "relax-colocate compare: --devices must be at least 2 (async and elastic modes put each role on its own \
+             devices)"
         );
+        return 2;
+    }
+    let mut modes = Vec::new();
+    for m in &o.layouts {
+        if !modes.contains(m) {
+            modes.push(*m);
+        }
+    }
+    if modes.len() < 2 {
+        eprintln!("relax-colocate compare: --layouts needs at least two of colocate, async, elastic");
         return 2;
     }
     if let Err(e) = std::fs::create_dir_all(&o.out) {
         eprintln!("relax-colocate compare: cannot create {}: {e}", o.out.display());
         return 1;
     }
-    let mut async_args =
-        vec!["--mode".to_string(), "async".into(), "--max-staleness".into(), o.max_staleness.to_string()];
-    if let Some(t) = &o.trainer_devices {
-        async_args.extend(["--trainer-devices".into(), t.clone()]);
-    }
-    if let Some(r) = &o.rollout_devices {
-        async_args.extend(["--rollout-devices".into(), r.clone()]);
-    }
     let mut layouts = Vec::new();
-    for (name, args) in [("colocate", vec!["--mode".to_string(), "colocate".into()]), ("async", async_args)] {
-        match run_layout(o, name, &args) {
+    for mode in modes {
+        let mut args = vec!["--mode".to_string(), mode.as_str().into()];
+        if mode.split() {
+            args.extend(["--max-staleness".into(), o.max_staleness.to_string()]);
+            for (flag, v) in [("--trainer-devices", &o.trainer_devices), ("--rollout-devices", &o.rollout_devices)] {
+                if let Some(v) = v {
+                    args.extend([flag.into(), v.clone()]);
+                }
+            }
+        }
+        match run_layout(o, mode.as_str(), &args) {
             Ok(l) => layouts.push(l),
             Err((code, msg)) => {
                 eprintln!("relax-colocate compare: {msg}");
@@ -262,23 +348,37 @@ pub fn main(o: &Options) -> u8 {
             }
         }
     }
+    let names = names(&layouts);
     let figs: Vec<Value> = layouts.iter().map(figures).collect();
-    let ratio =
-        figs[1]["samples_per_s"].as_f64().unwrap_or(f64::NAN) / figs[0]["samples_per_s"].as_f64().unwrap_or(f64::NAN);
-    let steady = |f: &Value| f["samples_per_s_after_first_step"].as_f64().unwrap_or(f64::NAN);
-    let report = json!({
-        "colocate": figs[0],
-        "async": figs[1],
-        "async_over_colocate_samples_per_s": ratio,
-        "async_over_colocate_after_first_step": steady(&figs[1]) / steady(&figs[0]),
-    });
+    let mut report: serde_json::Map<String, Value> =
+        names.iter().zip(&figs).map(|(n, f)| (n.to_string(), f.clone())).collect();
+    let ratios = ratios(&names, &figs);
+    report.extend(ratios.clone());
+    let report = Value::Object(report);
     let _ = std::fs::write(o.out.join("compare.json"), serde_json::to_string_pretty(&report).expect("serializes"));
     let _ = std::fs::write(o.out.join("reward_vs_time.svg"), reward_plot(&layouts));
     if o.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("serializes"));
-    } else {
-        print_table(&figs, ratio);
-        println!("written: {} (compare.json, reward_vs_time.svg, colocate/, async/)", o.out.display());
+        return 0;
     }
+    print_table(&names, &figs);
+    println!();
+    let ratio = |k: String| ratios.get(&k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    for (i, a) in names.iter().enumerate() {
+        for b in names.iter().take(i) {
+            let (all, after) =
+                (ratio(format!("{a}_over_{b}_samples_per_s")), ratio(format!("{a}_over_{b}_after_first_step")));
+            println!("{a} / {b} throughput: {all:.2}x (samples/s); {after:.2}x after step 1");
+        }
+    }
+    if names.contains(&"elastic") {
+        let (all, after) = (
+            ratio("elastic_over_best_other_samples_per_s".into()),
+            ratio("elastic_over_best_other_after_first_step".into()),
+        );
+        println!("elastic / the better of the others: {all:.2}x (samples/s); {after:.2}x after step 1");
+    }
+    let dirs: Vec<String> = names.iter().map(|n| format!("{n}/")).collect();
+    println!("written: {} (compare.json, reward_vs_time.svg, {})", o.out.display(), dirs.join(", "));
     0
 }

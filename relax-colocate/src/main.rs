@@ -41,9 +41,10 @@ enum Command {
     /// backup) against the raw pinned copy, host memory, and an ncclBroadcast between two devices
     /// against the link, through CUDA or ACL (Ascend); print tables, write JSON and SVG.
     Bench(Box<BenchArgs>),
-    /// Run the same job colocated and async (same profile, batch, steps and total devices), one
-    /// after the other, and print one table (samples/s, tokens/s, step time, each side's busy
-    /// share, weight-update time, staleness, reward) and plot reward against time. Device compute
+    /// Run the same job colocated, async and elastic (same profile, batch, steps and total
+    /// devices), one after the other, and print one table (samples/s, tokens/s, step time, each
+    /// side's busy and idle share, weight-update time, lends and their cost, staleness, reward)
+    /// and plot reward against time. Device compute
     /// is modelled from the memory profile by default (compute.model), so the comparison shows the
     /// layout rather than this machine's CPU.
     #[command(after_long_help = COMPARE_HELP)]
@@ -93,13 +94,15 @@ Examples:
   relax-colocate run --trainer-cmd 'python3 my_trainer.py' --rollout-cmd 'python3 my_engine.py'";
 
 const COMPARE_HELP: &str = "\
-Each layout is a `relax-colocate run` (its run directory is OUT/colocate and OUT/async); --set
-passes any configuration key to both. compare.json holds the table's figures, reward_vs_time.svg
-the plot. Exit codes: 0 both runs completed; 1 a run failed; 2 bad configuration (the failed run's
-message says which key).
+Each layout is a `relax-colocate run` (its run directory is OUT/colocate, OUT/async and
+OUT/elastic); --set passes any configuration key to every run. compare.json holds the table's
+figures and the throughput ratios (each layout over the others, and elastic over the better of the
+others), reward_vs_time.svg the plot. Exit codes: 0 every run completed; 1 a run failed; 2 bad
+configuration (the failed run's message says which key).
 
 Examples:
   relax-colocate compare --devices 4 --steps 10
+  relax-colocate compare --devices 4 --layouts colocate,async
   relax-colocate compare --devices 4 --trainer-devices 0 --rollout-devices 1-3 --set rollout.prompts_per_step=24";
 
 #[derive(clap::Args)]

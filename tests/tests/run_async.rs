@@ -467,7 +467,7 @@ fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_und
 }
 
 #[test]
-fn compare_runs_the_same_job_in_both_layouts_and_prints_one_table() {
+fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
         .current_dir(&tms_e2e::workspace().root)
@@ -483,7 +483,7 @@ fn compare_runs_the_same_job_in_both_layouts_and_prints_one_table() {
         assert!(stdout.contains(line), "table lacks {line}:\n{stdout}");
     }
     let report = json(&dir.path().join("compare.json"));
-    for layout in ["colocate", "async"] {
+    for layout in ["colocate", "async", "elastic"] {
         assert!(report[layout]["samples_per_s"].as_f64().unwrap() > 0.0, "{report}");
         assert_eq!(report[layout]["steps"].as_u64(), Some(3), "{report}");
         assert!(dir.path().join(layout).join("summary.json").is_file());
@@ -497,6 +497,12 @@ fn compare_runs_the_same_job_in_both_layouts_and_prints_one_table() {
     let after = report["async_over_colocate_after_first_step"].as_f64().unwrap();
     assert!(steady("async") > 0.0 && (after - steady("async") / steady("colocate")).abs() < 1e-9, "{report}");
     assert!(stdout.contains("samples/s after step 1"), "{stdout}");
+    // Elastic mode's lending figures, and its throughput over the better of the other two.
+    assert!(stdout.contains("lends per step") && stdout.contains("elastic / the better of the others"), "{stdout}");
+    assert!(report["elastic"]["elastic"]["lends_per_step"].is_number(), "{report}");
+    let best = steady("colocate").max(steady("async"));
+    let over = report["elastic_over_best_other_after_first_step"].as_f64().unwrap();
+    assert!((over - steady("elastic") / best).abs() < 1e-9, "{report}");
     assert!(std::fs::read_to_string(dir.path().join("reward_vs_time.svg")).unwrap().contains("colocate"));
     // A key that does not exist is the run's configuration error, exit 2 with its name.
     let bad = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))

@@ -42,6 +42,8 @@ struct Stats {
     lent_tokens: u64,
     lent_groups: u64,
     skipped: u64,
+    /// Of the lends' and reclaims' time, the saver's own pauses and resumes (its reports).
+    saver_s: f64,
 }
 
 pub(super) struct Lending {
@@ -128,7 +130,7 @@ impl Lending {
     /// share with and without it.
     pub(super) fn summary(&self, cfg: &Config, wall: f64, trainer_idle_s: f64) -> Value {
         let s = &self.stats;
-        let per = |x: f64| if s.lends > 0 { x / s.lends as f64 } else { 0.0 };
+        let per = |x: f64| (s.lends > 0).then(|| x / s.lends as f64);
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
         json!({
             "lend_after_s": self.threshold(cfg),
@@ -140,6 +142,7 @@ impl Lending {
             "lends_skipped": s.skipped,
             "lend_s_mean": per(s.lend_s),
             "reclaim_s_mean": per(s.reclaim_s),
+            "switch_saver_s_mean": per(s.saver_s),
             "lent_s": s.lent_s,
             "lent_tokens": s.lent_tokens,
             "lent_groups": s.lent_groups,
@@ -168,11 +171,25 @@ impl Async {
     /// Pause `tag` (None: every tag) in `targets`; free memory must rise by what was paused.
     fn pause(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
         let reports = self.fleet.control_of(targets, true, tag)?;
+        self.add_saver_time(&reports);
         if tag == Some(NCCL_TAG) {
             self.rec.record_comm_suspended(&reports);
         }
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
         self.rec.check_paused(&what, &reports)
+    }
+
+    fn resume(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
+        let reports = self.fleet.control_of(targets, false, tag)?;
+        self.add_saver_time(&reports);
+        Ok(())
+    }
+
+    /// The saver's own time for one pause or resume: its slowest worker's report (they run in
+    /// parallel).
+    fn add_saver_time(&mut self, reports: &[(String, tms_proto::OpReport)]) {
+        let ns = reports.iter().map(|(_, r)| r.counts.elapsed_ns).max().unwrap_or(0);
+        self.lending_mut().stats.saver_s += ns as f64 / 1e9;
     }
 
     /// Every worker in `targets` holds the weights `expected`.
@@ -293,11 +310,11 @@ impl Async {
             self.pause(&trainers, Some(NCCL_TAG))?;
             self.lending_mut().comms_suspended = true;
         }
-        self.fleet.control_of(&live, false, Some("weights"))?;
+        self.resume(&live, Some("weights"))?;
         let moved = weights::lend_transfer(&mut self.fleet, &self.at, self.sync.bucket_bytes(), &pairs)?;
         self.expect_sum(&live, &sum, "on the lent engines after their weights arrived")?;
-        self.fleet.control_of(&live, false, Some("kv_cache"))?;
-        self.fleet.control_of(&live, false, Some("cuda_graph"))?;
+        self.resume(&live, Some("kv_cache"))?;
+        self.resume(&live, Some("cuda_graph"))?;
         self.rec.end(span, &self.fleet)?;
         let version = self.version;
         for &k in &slots {
@@ -397,9 +414,9 @@ impl Async {
         }
         self.orphans.sort_by_key(|g| g.started);
         let trainers = self.fleet.indices(Role::Trainer);
-        self.fleet.control_of(&trainers, false, None)?;
+        self.resume(&trainers, None)?;
         if std::mem::take(&mut self.lending_mut().comms_suspended) {
-            self.fleet.control_of(&trainers, false, Some(NCCL_TAG))?;
+            self.resume(&trainers, Some(NCCL_TAG))?;
         }
         if !self.cfg.memory.backup {
             let step = Step { step: self.step() };

@@ -299,7 +299,8 @@ fn print_async(a: &Value, compute: &str) {
         .map(|h| h.iter().map(|(k, v)| format!("{k}:{v}")).collect())
         .unwrap_or_default();
     println!(
-        "async: trainer on device(s) {}, rollout on {}; {} samples trained ({:.1}/s, {:.1} tokens/s; {})",
+        "{}: trainer on device(s) {}, rollout on {}; {} samples trained ({:.1}/s, {:.1} tokens/s; {})",
+        a["mode"].as_str().unwrap_or("async"),
         devices("trainer_devices"),
         devices("rollout_devices"),
         a["samples_trained"],
@@ -335,6 +336,33 @@ fn print_async(a: &Value, compute: &str) {
             f("update_weights_transfer_s")
         );
     }
+    print_lending(&a["elastic"]);
+}
+
+/// Elastic mode: the lends, what they cost and what they gave.
+fn print_lending(e: &Value) {
+    if e.is_null() {
+        return;
+    }
+    let f = |k: &str| e[k].as_f64().unwrap_or(f64::NAN);
+    let retired = e["retired_engines"].as_array().filter(|r| !r.is_empty()).map_or(String::new(), |r| {
+        let names: Vec<&str> = r.iter().filter_map(Value::as_str).collect();
+        format!("; retired (kept the device past the reclaim timeout): {}", names.join(", "))
+    });
+    println!(
+        "       lending: {} lend(s) after the trainer waited {:.3} s ({}), each {:.3} s to lend and {:.3} s to reclaim \
+         ({:.3} s of it the saver's); lent {:.1} s, {} tokens; trainer devices idle {:.0}% (waiting {:.0}%){retired}",
+        e["lends"],
+        f("lend_after_s"),
+        e["lend_after_s_source"].as_str().unwrap_or("?"),
+        f("lend_s_mean"),
+        f("reclaim_s_mean"),
+        f("switch_saver_s_mean"),
+        f("lent_s"),
+        e["lent_tokens"],
+        100.0 * f("trainer_device_idle_ratio"),
+        100.0 * f("trainer_idle_ratio_unlent"),
+    );
 }
 
 /// The phase strip's colours: one per kind of phase, strong enough to read in a thin band.
