@@ -113,11 +113,11 @@ skip() { echo "gpu-check: $1 skipped: $2" >&2; record "$1" skip 0 "$2"; }
 
 # Points this process and its children at the kit's simulator (a private node named NAME-PID).
 use_simulator() {
-  local simdir
-  simdir=$("$kit/bin/tms-sim" lib-dir --lib "$kit/lib") || die "tms-sim lib-dir failed"
-  export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export TMS_SIM_NODE="$1-$$" TMS_SIM_DIR="$outdir/sim" TMS_SIM_MEMORY=2GiB TMS_SIM_DEVICES=1
-  mkdir -p "$TMS_SIM_DIR"
+  local vars
+  mkdir -p "$outdir/sim"
+  vars=$("$kit/bin/tms-sim" env --lib "$kit/lib" --node "$1-$$" --dir "$outdir/sim" --memory 2GiB --devices 1) ||
+    die "tms-sim env failed"
+  eval "$vars"
 }
 
 # One tag's memory on every device, paused and resumed together (each device's free memory,

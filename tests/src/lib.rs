@@ -38,6 +38,26 @@ impl Workspace {
     pub fn c_src(&self, name: &str) -> PathBuf {
         self.root.join("tests/c").join(name)
     }
+
+    /// The environment `tms-sim env --json ARGS` gives a process on the simulator (`--node`,
+    /// `--dir`, `--devices`, `--memory`, ...): the tests ask the simulator's own CLI, as
+    /// launchers do, instead of writing its variables. Folders it would prepend are set alone,
+    /// so that nothing of the test process's own library path leaks in.
+    pub fn sim_env(&self, args: &[&str]) -> Vec<(String, String)> {
+        let out = Command::new(self.bin("tms-sim"))
+            .args(["env", "--json", "--lib"])
+            .arg(&self.bin_dir)
+            .args(args)
+            .output()
+            .expect("run tms-sim env");
+        assert!(out.status.success(), "tms-sim env {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("tms-sim env --json prints JSON");
+        ["prepend", "set"]
+            .iter()
+            .flat_map(|key| doc[key].as_object().cloned().unwrap_or_default())
+            .map(|(k, v)| (k, v.as_str().expect("a string").to_string()))
+            .collect()
+    }
 }
 
 /// Builds what the tests run (once per test binary) and prepares the folders.
@@ -253,6 +273,11 @@ impl SimNode {
         size_bytes(&self.memory) + CONTEXT_BYTES
     }
 
+    pub fn with_devices(mut self, devices: u32) -> SimNode {
+        self.devices = devices;
+        self
+    }
+
     pub fn env(mut self, key: &str, value: &str) -> SimNode {
         self.extra_env.push((key.to_string(), value.to_string()));
         self
@@ -275,11 +300,11 @@ impl SimNode {
         let ws = workspace();
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]);
-        cmd.env("LD_LIBRARY_PATH", &ws.sim_dir)
-            .env("TMS_SIM_DIR", self.dir.path())
-            .env("TMS_SIM_NODE", "test")
-            .env("TMS_SIM_MEMORY", self.capacity().to_string())
-            .env("TMS_SIM_DEVICES", self.devices.to_string())
+        let (dir, memory, devices) =
+            (self.dir.path().display().to_string(), self.capacity().to_string(), self.devices.to_string());
+        let sim = ws.sim_env(&["--dir", &dir, "--node", "test", "--memory", &memory, "--devices", &devices]);
+        // Fault injection is what a test asks for (`env`), never what it inherits.
+        cmd.envs(sim)
             .env("TMS_CONTROL_DIR", self.control_dir())
             .env_remove("LD_PRELOAD")
             .env_remove("TMS_SIM_FAIL")
