@@ -5,7 +5,7 @@
 //! Asking the tool keeps one definition of it: `SimNode` holds the tool's inputs (the node a
 //! process joins, its devices and memory, the modelled copy bus and link, the connect timeout),
 //! for the runner's workers and the bench's alike, and no name of the simulator's variables is
-//! written here or anywhere else in this crate (tests/tests/sim_env.rs checks that).
+//! written here or anywhere else in this crate (tests/tests/sim.rs checks that).
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -26,6 +26,30 @@ pub(crate) fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
     candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
         format!("libtms_hook.so not found (looked at {candidates:?}); build it (cargo build) or pass --hook PATH")
     })
+}
+
+/// The worker-protocol client external Python workers import as `relax_worker`
+/// (docs/worker-protocol.md): the runner's own, carried in its binary so that a worker always
+/// speaks the protocol of the runner that started it.
+const RELAX_WORKER_PY: &str = include_str!("../python/relax_worker.py");
+
+/// Writes `relax_worker.py` into `dir` and puts `dir` first on the PYTHONPATH in `env` (else on
+/// this process's), so that the workers started with `env` import the runner's own client.
+pub(crate) fn provide_relax_worker(env: &mut Vec<(String, String)>, dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let file = dir.join("relax_worker.py");
+    std::fs::write(&file, RELAX_WORKER_PY).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    let name = "PYTHONPATH";
+    let rest = match env.iter().rposition(|(k, _)| k == name) {
+        Some(at) => Some(env.remove(at).1),
+        None => std::env::var(name).ok(),
+    };
+    let joined = match rest.filter(|r| !r.is_empty()) {
+        Some(r) => format!("{}:{r}", dir.display()),
+        None => dir.display().to_string(),
+    };
+    env.push((name.to_string(), joined));
+    Ok(())
 }
 
 pub(crate) struct SimEnvironment {

@@ -95,7 +95,6 @@ fn the_kit_is_small_and_self_contained() {
         "tests/torch-consumers/test_hook_under_torch.py",
         "tests/torch-consumers/test_nccl_pause.py",
         "scripts/torch_worker.py",
-        "scripts/relax_worker.py",
         "python/tms/__init__.py",
     ] {
         assert!(kit.join(f).exists(), "{f} missing from the kit");

@@ -15,7 +15,7 @@ use super::recorder::{Outputs, Recorder};
 use super::sizing::{Footprint, check_host_memory_for_sim, footprint, round_up, sim_communicator_bytes};
 use super::task::{Addition, VOCAB};
 use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
-use crate::environment::{SimNode, find_hook, sim_environment};
+use crate::environment::{SimNode, find_hook, provide_relax_worker, sim_environment};
 use crate::runtime::{can_load, has_symbol};
 use std::path::{Path, PathBuf};
 
@@ -265,6 +265,7 @@ impl Plan {
         if let Some(sim) = &self.sim {
             env.extend(self.sim_env(cfg, scratch, sim)?);
         }
+        provide_relax_worker(&mut env, &scratch.tmp.path().join("python"))?;
         Ok(env)
     }
 
