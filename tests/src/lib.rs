@@ -1,6 +1,6 @@
 //! Shared machinery of the end-to-end tests: build the workspace's cdylibs and binaries once,
-//! lay out runtime-named links to the simulator, compile the C consumers in their three loading
-//! styles, and give each test a private simulated node.
+//! ask `tms-sim env` for the simulator's environment, compile the C consumers in their three
+//! loading styles, and give each test a private simulated node.
 
 pub mod runner;
 
@@ -14,8 +14,6 @@ pub struct Workspace {
     pub root: PathBuf,
     /// target/debug or target/release, matching how the tests were built.
     pub bin_dir: PathBuf,
-    /// Runtime-named links (libcudart.so.12, libcuda.so.1, libascendcl.so) to libtms_sim.so.
-    pub sim_dir: PathBuf,
     /// Where compiled C artifacts go.
     pub c_out: PathBuf,
     /// Link-time stand-ins for the vendor libraries (symbol names and sonames only).
@@ -80,17 +78,11 @@ pub fn workspace() -> &'static Workspace {
         let bin_dir = target.join(if release { "release" } else { "debug" });
         let c_out = target.join("tms-e2e");
         std::fs::create_dir_all(&c_out).unwrap();
-        // The simulator's own CLI lays out its runtime-named links, as users get them.
-        let out = Command::new(bin_dir.join("tms-sim"))
-            .args(["lib-dir", "--lib"])
-            .arg(&bin_dir)
-            .output()
-            .expect("run tms-sim lib-dir");
-        assert!(out.status.success(), "tms-sim lib-dir failed: {}", String::from_utf8_lossy(&out.stderr));
-        let sim_dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+        // The simulator's runtime-named links are laid out by its own CLI, as users get them
+        // (`sim_env`).
         let stub_dir = c_out.join("stubs");
         std::fs::create_dir_all(&stub_dir).unwrap();
-        let ws = Workspace { root, bin_dir, sim_dir, c_out, stub_dir };
+        let ws = Workspace { root, bin_dir, c_out, stub_dir };
         build_stubs(&ws);
         ws
     })
