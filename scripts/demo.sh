@@ -14,9 +14,9 @@ out="${CARGO_TARGET_DIR:-$root/target}/debug"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 cc -O1 -DTMS_TEST_DLSYM -Itests/c -Iinclude -o "$scratch/hook_consumer" tests/c/hook_consumer.c tests/c/main_direct.c -ldl -lpthread
-eval "$("$out/tms-sim" env --node "demo-$$" --memory 4GiB)"
-export TMS_SIM_DIR="$scratch/sim" TMS_CONTROL_DIR="$scratch/ctl"
-mkdir -p "$TMS_SIM_DIR"
+mkdir -p "$scratch/sim"
+eval "$("$out/tms-sim" env --node "demo-$$" --memory 4GiB --dir "$scratch/sim")"
+export TMS_CONTROL_DIR="$scratch/ctl"
 echo "== 1. libtms_hook.so preloaded: 100 pause/resume cycles with CPU backup (CUDA, then Ascend)"
 LD_PRELOAD="$out/libtms_hook.so" "$scratch/hook_consumer" cycle cuda 100
 LD_PRELOAD="$out/libtms_hook.so" "$scratch/hook_consumer" cycle acl 100

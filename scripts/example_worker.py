@@ -19,11 +19,11 @@ import mmap
 import os
 import random
 import struct
-import sys
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import relax_worker as rw  # noqa: E402
+# The runner's worker-protocol client: relax-colocate puts it on this process's PYTHONPATH
+# (docs/worker-protocol.md).
+import relax_worker as rw
 
 ROWS = 4096
 state = {}

@@ -60,9 +60,9 @@ prepare() {
   cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
   mkdir -p "$dir/tests/torch-consumers"
   cp "$root"/tests/torch-consumers/{conftest.py,variants.py,torch_build.py,test_wheel.py,test_frameworks.py,test_upstream_scenarios.py,test_tms_package.py,test_hook_under_torch.py,test_device_only.py,test_npu_programs.py,test_nccl_pause.py} "$dir/tests/torch-consumers/"
-  # The PyTorch workers of relax-colocate run, and the tms package they import (found in python/
-  # beside scripts/, as in a checkout).
-  cp "$root/scripts/torch_worker.py" "$root/scripts/relax_worker.py" "$dir/scripts/"
+  # The PyTorch worker of relax-colocate run, and the tms package it imports (found in python/
+  # beside scripts/, as in a checkout); relax-colocate gives it its worker-protocol client.
+  cp "$root/scripts/torch_worker.py" "$dir/scripts/"
   cp -r "$root/python/tms" "$dir/python/"
   find "$dir/python" -name __pycache__ -prune -exec rm -rf {} +
   cp "$root/scripts/gpu-check.sh" "$root/scripts/npu-check.sh" "$dir/"
@@ -113,11 +113,11 @@ skip() { echo "gpu-check: $1 skipped: $2" >&2; record "$1" skip 0 "$2"; }
 
 # Points this process and its children at the kit's simulator (a private node named NAME-PID).
 use_simulator() {
-  local simdir
-  simdir=$("$kit/bin/tms-sim" lib-dir --lib "$kit/lib") || die "tms-sim lib-dir failed"
-  export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export TMS_SIM_NODE="$1-$$" TMS_SIM_DIR="$outdir/sim" TMS_SIM_MEMORY=2GiB TMS_SIM_DEVICES=1
-  mkdir -p "$TMS_SIM_DIR"
+  local vars
+  mkdir -p "$outdir/sim"
+  vars=$("$kit/bin/tms-sim" env --lib "$kit/lib" --node "$1-$$" --dir "$outdir/sim" --memory 2GiB --devices 1) ||
+    die "tms-sim env failed"
+  eval "$vars"
 }
 
 # One tag's memory on every device, paused and resumed together (each device's free memory,

@@ -8,10 +8,12 @@
 #   PREFIX/lib/tms-sim/python            its Python start-up hook (runs PyTorch on the simulator)
 #   PREFIX/include/tms.h, tms_sim.h
 #   PREFIX/bin/tms-ctl, tms-sim, relax-colocate
-#   PREFIX/lib/python/{tms,torch_memory_saver}, relax_worker.py
+#   PREFIX/lib/python/{tms,torch_memory_saver}
 #                                        the Python packages (PYTHONPATH=PREFIX/lib/python; the
-#                                        wheel, scripts/build-wheel.sh, installs them with pip) and
-#                                        the worker-protocol client of relax-colocate run
+#                                        wheel, scripts/build-wheel.sh, installs them with pip)
+#   PREFIX/lib/python/relax_worker.py    relax-colocate's worker-protocol client, for workers it
+#                                        does not start itself (it puts its own copy on the
+#                                        PYTHONPATH of those it does); not in the wheel
 #   PREFIX/share/tms/workers/            example_worker.py, torch_worker.py (--trainer-cmd ...)
 #   PREFIX/share/man/man1/               tms-ctl.1, tms-sim.1 (from the programs' own --help)
 #   PREFIX/lib/debug/*.debug             the binaries' debug info, split off (they keep a
@@ -76,7 +78,7 @@ mkdir -p "$prefix/share/man/man1"
 for b in tms-ctl tms-sim; do
   "$prefix/bin/$b" man >"$prefix/share/man/man1/$b.1"
 done
-install -m 0644 "$root/scripts/relax_worker.py" "$prefix/lib/python/"
+install -m 0644 "$root/relax-colocate/python/relax_worker.py" "$prefix/lib/python/"
 mkdir -p "$prefix/share/tms/workers"
 install -m 0755 "$root/scripts/example_worker.py" "$root/scripts/torch_worker.py" "$prefix/share/tms/workers/"
 # The simulator's Python start-up hook and CPU compute layer (tms-sim env puts it on PYTHONPATH).

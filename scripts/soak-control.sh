@@ -10,6 +10,6 @@ flag=(); [ "$profile" = release ] && flag=(--release)
 out="${CARGO_TARGET_DIR:-$root/target}/$profile"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
-eval "$("$out/tms-sim" env --node "soak-$$" --memory 1GiB)"
-export TMS_SIM_DIR="$scratch" TMS_CONTROL_DIR="$scratch/ctl"
+eval "$("$out/tms-sim" env --node "soak-$$" --memory 1GiB --dir "$scratch")"
+export TMS_CONTROL_DIR="$scratch/ctl"
 python3 "$root/scripts/soak-control.py" --hook "$out/libtms_hook.so" "$@"

@@ -58,9 +58,11 @@ import socket
 import sys
 import time
 
+# The runner's worker-protocol client: relax-colocate puts it on this process's PYTHONPATH
+# (docs/worker-protocol.md).
+import relax_worker as rw
+
 here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, here)
-import relax_worker as rw  # noqa: E402
 
 try:
     import tms  # noqa: F401

@@ -69,8 +69,7 @@ target="${CARGO_TARGET_DIR:-$root/target}/debug"
 site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-eval "$("$target/tms-sim" env --devices 2 --memory 16GiB --node "upstream-suite-$$")"
-export TMS_SIM_DIR="$work"
+eval "$("$target/tms-sim" env --devices 2 --memory 16GiB --node "upstream-suite-$$" --dir "$work")"
 # The suite compares float32 means of up to 10^9 elements with `==`: a GPU's reduction tree gives
 # the exact value, the CPU's float32 summation 101.000015. Sums and means add in float64 here
 # (tms-sim/python/tms_sim_torch/_wide.py); TMS_SIM_WIDE_REDUCTIONS=0 gives the CPU's numbers.

@@ -299,6 +299,54 @@ class TorchModeWithoutPreload(unittest.TestCase):
         self.assertIn("torch-mode ok", out.stdout)
 
 
+def private_tms_references(package_dir):
+    """(file, line, name) for each import or attribute of a private tms module (``tms._x``) in the
+    sources under ``package_dir``."""
+    import ast  # noqa: PLC0415
+
+    found = []
+    for folder, _, files in os.walk(package_dir):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tms":
+                    names = [f"tms.{node.attr}"]
+                for n in names:
+                    parts = n.split(".")
+                    if parts[0] == "tms" and any(p.startswith("_") for p in parts[1:]):
+                        found.append((os.path.relpath(path, package_dir), node.lineno, n))
+    return found
+
+
+class Boundaries(unittest.TestCase):
+    def test_torch_memory_saver_is_a_facade_over_public_tms(self):
+        import torch_memory_saver  # noqa: PLC0415
+
+        found = private_tms_references(os.path.dirname(torch_memory_saver.__file__))
+        self.assertEqual(found, [], "torch_memory_saver reaches into private tms modules")
+        # The check itself sees what it looks for.
+        import tempfile  # noqa: PLC0415
+
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "probe.py"), "w") as f:
+                f.write("from tms._lib import load\nimport tms\nfrom tms import saver\ntms._saver\n")
+            found = private_tms_references(d)
+        self.assertEqual(found, [("probe.py", 1, "tms._lib"), ("probe.py", 1, "tms._lib.load"), ("probe.py", 4, "tms._saver")])
+
+    def test_the_saver_package_carries_none_of_the_runners_python(self):
+        import importlib.util  # noqa: PLC0415
+
+        for name in ("tms.worker", "tms.ray.bridge"):
+            self.assertIsNone(importlib.util.find_spec(name), f"{name} belongs to relax-colocate")
+
+
 @unittest.skipUnless(has_torch_device(), "needs torch with a CUDA device (run by scripts/gpu-check.sh)")
 class WithTorch(unittest.TestCase):
     def test_tensors_pause_and_resume_in_place(self):

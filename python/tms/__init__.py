@@ -8,7 +8,8 @@ for argument. This module is the same machinery with tms's extras:
 - ``status()`` lists each tag's active and paused allocations and backup bytes;
 - ``library_path()``/``hook_mode()`` say which library serves the process, and how.
 
-Both share one library and one set of MemPools per process (``tms._saver.shared``). The hook
+Both share one library and one set of MemPools per process (``tms.saver.shared()``, the public
+core that ``torch_memory_saver`` is a facade over; docs/architecture.md). The hook
 mode is "preload" when LD_PRELOAD names the hook, else "torch" (PyTorch's pluggable allocator).
 torch is imported only when a function needs it.
 """
@@ -40,7 +41,7 @@ from ._lib import (  # noqa: F401  (re-exported)
     preload_with,
     preloaded_hook,
 )
-from ._saver import DEFAULT_TAG, shared
+from .saver import DEFAULT_TAG, shared
 
 
 __all__ = [

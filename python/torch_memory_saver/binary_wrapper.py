@@ -1,6 +1,6 @@
 """``BinaryWrapper``: the loaded hook (``cdll``) with its C API typed, and ``set_config``."""
 
-from tms._saver import HookHandle
+from tms.saver import HookHandle
 
 
 class BinaryWrapper(HookHandle):

@@ -3,7 +3,7 @@
 import os
 from typing import Literal, Optional
 
-from tms._saver import DEFAULT_TAG, check_region_arguments, shared
+from tms.saver import DEFAULT_TAG, check_region_arguments, shared
 
 from .binary_wrapper import BinaryWrapper
 from .hooks.base import HookMode
@@ -26,7 +26,7 @@ class _Impl:
 
     @property
     def _mem_pools(self):
-        return self._saver._mem_pools
+        return self._saver.mem_pools
 
     def _with_region_config(self, tag, enable_cpu_backup, cpu_backup_backend=None, enable_disk_backup=False):
         return self._saver.with_region_config(tag, enable_cpu_backup, cpu_backup_backend, enable_disk_backup)

@@ -2,8 +2,10 @@
 //! environment that puts it on tms-sim, as `tms-sim env` defines it: the runtime-named links on
 //! the library path, and for Python programs the start-up hook that loads the simulator before
 //! PyTorch (whose RPATH would otherwise find NVIDIA's runtime) and runs its kernels on the CPU.
-//! Asking the tool keeps one definition of it. `SimNode` names the node a process joins, for the
-//! runner's workers and the bench's alike.
+//! Asking the tool keeps one definition of it: `SimNode` holds the tool's inputs (the node a
+//! process joins, its devices and memory, the modelled copy bus and link, the connect timeout),
+//! for the runner's workers and the bench's alike, and no name of the simulator's variables is
+//! written here or anywhere else in this crate (tests/tests/sim.rs checks that).
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -26,45 +28,93 @@ pub(crate) fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
     })
 }
 
+/// The worker-protocol client external Python workers import as `relax_worker`
+/// (docs/worker-protocol.md): the runner's own, carried in its binary so that a worker always
+/// speaks the protocol of the runner that started it.
+const RELAX_WORKER_PY: &str = include_str!("../python/relax_worker.py");
+
+/// Writes `relax_worker.py` into `dir` and puts `dir` first on the PYTHONPATH in `env` (else on
+/// this process's), so that the workers started with `env` import the runner's own client.
+pub(crate) fn provide_relax_worker(env: &mut Vec<(String, String)>, dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let file = dir.join("relax_worker.py");
+    std::fs::write(&file, RELAX_WORKER_PY).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    let name = "PYTHONPATH";
+    let rest = match env.iter().rposition(|(k, _)| k == name) {
+        Some(at) => Some(env.remove(at).1),
+        None => std::env::var(name).ok(),
+    };
+    let joined = match rest.filter(|r| !r.is_empty()) {
+        Some(r) => format!("{}:{r}", dir.display()),
+        None => dir.display().to_string(),
+    };
+    env.push((name.to_string(), joined));
+    Ok(())
+}
+
 pub(crate) struct SimEnvironment {
-    /// The folder of runtime-named links to libtms_sim.so.
-    pub lib_dir: String,
     /// Variables to set in the launched process, folder lists already joined with this
     /// process's values.
     pub vars: Vec<(String, String)>,
+    /// Device memory a process's context takes on the simulator, on the CUDA API and on ACL.
+    pub context_bytes: (u64, u64),
 }
 
-/// A simulated node a launched process runs on (docs/simulator.md's variables).
-pub(crate) struct SimNode<'a> {
-    /// The folder the node's shared state lives in.
-    pub dir: &'a Path,
-    pub name: &'a str,
-    pub devices: u32,
-    /// Each device's capacity, in tms's size syntax.
-    pub memory: &'a str,
-    /// The modelled copy bus per direction, GB/s; 0: none (host memcpy speed).
-    pub copy_gbps: f64,
-}
-
-impl SimNode<'_> {
-    pub fn vars(&self) -> Vec<(String, String)> {
-        let mut vars = vec![
-            ("TMS_SIM_DIR".to_string(), self.dir.display().to_string()),
-            ("TMS_SIM_NODE".to_string(), self.name.to_string()),
-            ("TMS_SIM_MEMORY".to_string(), self.memory.to_string()),
-            ("TMS_SIM_DEVICES".to_string(), self.devices.to_string()),
-        ];
-        if self.copy_gbps > 0.0 {
-            vars.push(("TMS_SIM_COPY_GBPS".to_string(), self.copy_gbps.to_string()));
-        }
-        vars
+impl SimEnvironment {
+    /// What a context takes on `api` ("cuda" or "acl").
+    pub fn context_bytes(&self, api: &str) -> u64 {
+        if api == "acl" { self.context_bytes.1 } else { self.context_bytes.0 }
     }
 }
 
-pub(crate) fn sim_environment() -> Result<SimEnvironment, String> {
+/// A simulated node a launched process runs on: the inputs of `tms-sim env`, each left to the
+/// simulator's default when None (docs/simulator.md).
+#[derive(Default, Clone)]
+pub(crate) struct SimNode {
+    /// The folder the node's shared state lives in.
+    pub dir: Option<PathBuf>,
+    pub name: Option<String>,
+    pub devices: Option<u32>,
+    /// Each device's capacity, in tms's size syntax.
+    pub memory: Option<String>,
+    /// The modelled copy bus per direction, GB/s.
+    pub copy_gbps: Option<f64>,
+    /// The collectives' link, INTRA[,INTER] GB/s.
+    pub link_gbps: Option<String>,
+    /// Seconds a communicator's ranks wait for each other.
+    pub connect_timeout_s: Option<u64>,
+    /// Host pages committed when device memory is created.
+    pub commit: bool,
+}
+
+impl SimNode {
+    fn args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        let mut arg = |flag: &str, value: Option<String>| {
+            if let Some(v) = value {
+                args.extend([flag.to_string(), v]);
+            }
+        };
+        arg("--dir", self.dir.as_ref().map(|d| d.display().to_string()));
+        arg("--node", self.name.clone());
+        arg("--devices", self.devices.map(|d| d.to_string()));
+        arg("--memory", self.memory.clone());
+        arg("--copy-gbps", self.copy_gbps.map(|g| g.to_string()));
+        arg("--link-gbps", self.link_gbps.clone());
+        arg("--connect-timeout", self.connect_timeout_s.map(|s| s.to_string()));
+        if self.commit {
+            args.push("--commit".into());
+        }
+        args
+    }
+}
+
+/// The environment of a process on `node`, as `tms-sim env --json` gives it.
+pub(crate) fn sim_environment(node: &SimNode) -> Result<SimEnvironment, String> {
     let tool = exe_dir().join("tms-sim");
     let out = Command::new(&tool)
         .args(["env", "--json"])
+        .args(node.args())
         .output()
         .map_err(|e| format!("cannot run {} ({e}); build it with `cargo build -p tms-sim`", tool.display()))?;
     if !out.status.success() {
@@ -74,12 +124,8 @@ pub(crate) fn sim_environment() -> Result<SimEnvironment, String> {
         .map_err(|e| format!("{} env --json printed something else than JSON ({e})", tool.display()))?;
     let object = |key: &str| doc[key].as_object().cloned().unwrap_or_default();
     let mut vars = Vec::new();
-    let mut lib_dir = None;
     for (name, folder) in object("prepend") {
         let folder = folder.as_str().unwrap_or_default().to_string();
-        if name == "LD_LIBRARY_PATH" {
-            lib_dir = Some(folder.clone());
-        }
         let joined = match std::env::var(&name) {
             Ok(old) if !old.is_empty() => format!("{folder}:{old}"),
             _ => folder,
@@ -89,6 +135,10 @@ pub(crate) fn sim_environment() -> Result<SimEnvironment, String> {
     for (name, value) in object("set") {
         vars.push((name, value.as_str().unwrap_or_default().to_string()));
     }
-    let lib_dir = lib_dir.ok_or_else(|| format!("{} env --json named no library folder", tool.display()))?;
-    Ok(SimEnvironment { lib_dir, vars })
+    let context = |api: &str| {
+        doc["context_bytes"][api]
+            .as_u64()
+            .ok_or_else(|| format!("{} env --json gave no context size for {api}", tool.display()))
+    };
+    Ok(SimEnvironment { vars, context_bytes: (context("cuda")?, context("acl")?) })
 }

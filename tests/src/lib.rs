@@ -1,6 +1,6 @@
 //! Shared machinery of the end-to-end tests: build the workspace's cdylibs and binaries once,
-//! lay out runtime-named links to the simulator, compile the C consumers in their three loading
-//! styles, and give each test a private simulated node.
+//! ask `tms-sim env` for the simulator's environment, compile the C consumers in their three
+//! loading styles, and give each test a private simulated node.
 
 pub mod runner;
 
@@ -14,8 +14,6 @@ pub struct Workspace {
     pub root: PathBuf,
     /// target/debug or target/release, matching how the tests were built.
     pub bin_dir: PathBuf,
-    /// Runtime-named links (libcudart.so.12, libcuda.so.1, libascendcl.so) to libtms_sim.so.
-    pub sim_dir: PathBuf,
     /// Where compiled C artifacts go.
     pub c_out: PathBuf,
     /// Link-time stand-ins for the vendor libraries (symbol names and sonames only).
@@ -37,6 +35,26 @@ impl Workspace {
 
     pub fn c_src(&self, name: &str) -> PathBuf {
         self.root.join("tests/c").join(name)
+    }
+
+    /// The environment `tms-sim env --json ARGS` gives a process on the simulator (`--node`,
+    /// `--dir`, `--devices`, `--memory`, ...): the tests ask the simulator's own CLI, as
+    /// launchers do, instead of writing its variables. Folders it would prepend are set alone,
+    /// so that nothing of the test process's own library path leaks in.
+    pub fn sim_env(&self, args: &[&str]) -> Vec<(String, String)> {
+        let out = Command::new(self.bin("tms-sim"))
+            .args(["env", "--json", "--lib"])
+            .arg(&self.bin_dir)
+            .args(args)
+            .output()
+            .expect("run tms-sim env");
+        assert!(out.status.success(), "tms-sim env {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("tms-sim env --json prints JSON");
+        ["prepend", "set"]
+            .iter()
+            .flat_map(|key| doc[key].as_object().cloned().unwrap_or_default())
+            .map(|(k, v)| (k, v.as_str().expect("a string").to_string()))
+            .collect()
     }
 }
 
@@ -60,17 +78,11 @@ pub fn workspace() -> &'static Workspace {
         let bin_dir = target.join(if release { "release" } else { "debug" });
         let c_out = target.join("tms-e2e");
         std::fs::create_dir_all(&c_out).unwrap();
-        // The simulator's own CLI lays out its runtime-named links, as users get them.
-        let out = Command::new(bin_dir.join("tms-sim"))
-            .args(["lib-dir", "--lib"])
-            .arg(&bin_dir)
-            .output()
-            .expect("run tms-sim lib-dir");
-        assert!(out.status.success(), "tms-sim lib-dir failed: {}", String::from_utf8_lossy(&out.stderr));
-        let sim_dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+        // The simulator's runtime-named links are laid out by its own CLI, as users get them
+        // (`sim_env`).
         let stub_dir = c_out.join("stubs");
         std::fs::create_dir_all(&stub_dir).unwrap();
-        let ws = Workspace { root, bin_dir, sim_dir, c_out, stub_dir };
+        let ws = Workspace { root, bin_dir, c_out, stub_dir };
         build_stubs(&ws);
         ws
     })
@@ -253,6 +265,11 @@ impl SimNode {
         size_bytes(&self.memory) + CONTEXT_BYTES
     }
 
+    pub fn with_devices(mut self, devices: u32) -> SimNode {
+        self.devices = devices;
+        self
+    }
+
     pub fn env(mut self, key: &str, value: &str) -> SimNode {
         self.extra_env.push((key.to_string(), value.to_string()));
         self
@@ -275,11 +292,11 @@ impl SimNode {
         let ws = workspace();
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]);
-        cmd.env("LD_LIBRARY_PATH", &ws.sim_dir)
-            .env("TMS_SIM_DIR", self.dir.path())
-            .env("TMS_SIM_NODE", "test")
-            .env("TMS_SIM_MEMORY", self.capacity().to_string())
-            .env("TMS_SIM_DEVICES", self.devices.to_string())
+        let (dir, memory, devices) =
+            (self.dir.path().display().to_string(), self.capacity().to_string(), self.devices.to_string());
+        let sim = ws.sim_env(&["--dir", &dir, "--node", "test", "--memory", &memory, "--devices", &devices]);
+        // Fault injection is what a test asks for (`env`), never what it inherits.
+        cmd.envs(sim)
             .env("TMS_CONTROL_DIR", self.control_dir())
             .env_remove("LD_PRELOAD")
             .env_remove("TMS_SIM_FAIL")

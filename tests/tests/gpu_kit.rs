@@ -95,7 +95,6 @@ fn the_kit_is_small_and_self_contained() {
         "tests/torch-consumers/test_hook_under_torch.py",
         "tests/torch-consumers/test_nccl_pause.py",
         "scripts/torch_worker.py",
-        "scripts/relax_worker.py",
         "python/tms/__init__.py",
     ] {
         assert!(kit.join(f).exists(), "{f} missing from the kit");
@@ -195,16 +194,11 @@ fn the_gpu_run_itself_passes_with_the_simulator_as_the_gpu() {
     let out = scratch.path().join("out");
     // What `eval "$(tms-sim env)"` sets: to the kit, this is a machine with a driver and a GPU.
     let path = format!("{}:{}", python.parent().unwrap().display(), std::env::var("PATH").unwrap_or_default());
-    let env = vec![
-        ("PATH", path),
-        ("LD_LIBRARY_PATH", ws.sim_dir.display().to_string()),
-        ("TMS_SIM_LIB", ws.sim_dir.join("libcudart.so.13").display().to_string()),
-        ("PYTHONPATH", ws.root.join("tms-sim/python").display().to_string()),
-        ("TMS_SIM_NODE", format!("kit-dry-run-{}", std::process::id())),
-        ("TMS_SIM_DIR", scratch.path().display().to_string()),
-        ("TMS_SIM_MEMORY", "16GiB".to_string()),
-        ("OMP_NUM_THREADS", "1".to_string()),
-    ];
+    let node = format!("kit-dry-run-{}", std::process::id());
+    let dir = scratch.path().display().to_string();
+    let sim = ws.sim_env(&["--node", &node, "--dir", &dir, "--memory", "16GiB"]);
+    let mut env: Vec<(&str, String)> = sim.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    env.extend([("PATH", path), ("OMP_NUM_THREADS", "1".to_string())]);
     let (code, summary, md) = run_kit(&[], &out, &env, true);
     assert_eq!(code, 0, "{md}");
     assert_eq!(summary["failed"], 0, "{md}");

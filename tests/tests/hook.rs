@@ -26,7 +26,7 @@ fn pause_resume_100_cycles_keeps_bytes_and_addresses_in_every_style() {
 #[test]
 fn one_tag_on_several_devices_pauses_and_resumes_each_device_s_memory() {
     for api in ["cuda", "acl"] {
-        let node = SimNode::new("1GiB").env("TMS_SIM_DEVICES", "3");
+        let node = SimNode::new("1GiB").with_devices(3);
         let out = hooked(&node, Style::Linked, &["multi-device", api, "10"]);
         assert!(out.contains("multi-device ok: devices=3 cycles=10"), "{api}: {out}");
     }

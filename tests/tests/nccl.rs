@@ -19,7 +19,7 @@ fn consumer() -> Vec<std::path::PathBuf> {
 }
 
 fn two_devices() -> SimNode {
-    SimNode::new("1GiB").env("TMS_SIM_DEVICES", "2")
+    SimNode::new("1GiB").with_devices(2)
 }
 
 #[test]

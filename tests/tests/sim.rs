@@ -164,6 +164,146 @@ fn copy_throttle_limits_bandwidth() {
     assert!(took.as_millis() >= 60, "copies took {took:?}, faster than the 1 GB/s limit allows");
 }
 
+/// Every input a launcher decides goes through `tms-sim env`, which names the variables the
+/// simulator then reads; a value it would misread is refused with the option's name.
+#[test]
+fn cli_env_takes_every_launcher_input() {
+    let ws = workspace();
+    let env = |args: &[&str]| {
+        let json = run_ok(Command::new(ws.bin("tms-sim")).args(["env", "--json"]).args(args));
+        serde_json::from_str::<serde_json::Value>(&json).unwrap_or_else(|e| panic!("{e}: {json}"))
+    };
+    let doc = env(&[
+        "--dir",
+        "/tmp/x",
+        "--devices",
+        "2",
+        "--copy-gbps",
+        "25",
+        "--link-gbps",
+        "450,0.1",
+        "--connect-timeout",
+        "7",
+        "--commit",
+    ]);
+    let set = &doc["set"];
+    for (name, value) in [
+        ("TMS_SIM_DIR", "/tmp/x"),
+        ("TMS_SIM_DEVICES", "2"),
+        ("TMS_SIM_COPY_GBPS", "25"),
+        ("TMS_SIM_LINK_GBPS", "450,0.1"),
+        ("TMS_SIM_NCCL_CONNECT_TIMEOUT", "7"),
+        ("TMS_SIM_HCCL_CONNECT_TIMEOUT", "7"),
+        ("TMS_SIM_COMMIT", "1"),
+    ] {
+        assert_eq!(set[name], value, "{name}: {doc}");
+    }
+    // Nothing asked, nothing set beyond the library: the simulator's defaults stay in force.
+    let plain = env(&[]);
+    let names: Vec<&String> = plain["set"].as_object().unwrap().keys().collect();
+    assert_eq!(names, ["TMS_SIM_LIB"], "{plain}");
+    // A context's size is the simulator's to say, its defaults or the inherited setting.
+    assert_eq!(plain["context_bytes"]["cuda"], tms_e2e::CONTEXT_BYTES, "{plain}");
+    assert_eq!(plain["context_bytes"]["acl"], 200 * MIB, "{plain}");
+    let sized = run_ok(Command::new(ws.bin("tms-sim")).args(["env", "--json"]).env("TMS_SIM_CONTEXT_MEMORY", "64MiB"));
+    let sized: serde_json::Value = serde_json::from_str(&sized).unwrap();
+    assert_eq!(sized["context_bytes"]["acl"], 64 * MIB, "{sized}");
+    for (args, says) in [
+        (["--link-gbps", "fast"], "--link-gbps \"fast\" is not INTRA[,INTER]"),
+        (["--link-gbps", "1,2,3"], "--link-gbps \"1,2,3\" is not INTRA[,INTER]"),
+        (["--copy-gbps", "inf"], "--copy-gbps inf is not a rate"),
+    ] {
+        let bad = Command::new(ws.bin("tms-sim")).arg("env").args(args).output().unwrap();
+        assert_eq!(bad.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
+/// The places that launch processes on the simulator (relax-colocate's runner and bench, the
+/// test harness, the torch consumers' fixtures, the shell helpers) ask `tms-sim env` instead of
+/// writing its variables: a variable's name written there as a value of its own (a string
+/// literal, a shell assignment or expansion) fails here, so that a new one goes into
+/// `tms-sim env` instead. Prose that mentions a name (help text, comments) is fine.
+#[test]
+fn only_tms_sim_env_names_the_simulators_variables() {
+    let root = workspace().root.clone();
+    // Each allowance is a file and the one name it may write, with the reason.
+    let allowed: &[(&str, &str, &str)] = &[
+        // The Ray launcher gives each node of a local cluster a node of its own by renaming the
+        // one tms-sim env set (to be asked of tms-sim env per node).
+        ("relax-colocate/src/run/fleet/ray.rs", "TMS_SIM_NODE", "per-node rename"),
+        // Removes a fault-injection rule a test would otherwise inherit; it sets nothing.
+        ("tests/src/lib.rs", "TMS_SIM_FAIL", "removed, never set"),
+    ];
+    let mut files = Vec::new();
+    for dir in ["relax-colocate/src", "tests/src"] {
+        collect(&root.join(dir), &mut files);
+    }
+    for file in
+        ["tests/torch-consumers/conftest.py", "scripts/sim-env.sh", "scripts/demo.sh", "scripts/soak-control.sh"]
+    {
+        files.push(root.join(file));
+    }
+    let mut found = Vec::new();
+    for path in &files {
+        let rel = path.strip_prefix(&root).unwrap().display().to_string();
+        let text = std::fs::read_to_string(path).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") || code.starts_with('#') {
+                continue;
+            }
+            for name in written_names(line) {
+                found.push((rel.clone(), name, n + 1));
+            }
+        }
+    }
+    let stray: Vec<_> =
+        found.iter().filter(|(f, name, _)| !allowed.iter().any(|(af, an, _)| af == f && an == name)).collect();
+    assert!(
+        stray.is_empty(),
+        "simulator variables written outside tms-sim env (add an option to `tms-sim env` and pass it): {stray:?}"
+    );
+    for (file, name, why) in allowed {
+        assert!(
+            found.iter().any(|(f, n, _)| f == file && n == name),
+            "{file} no longer writes {name} ({why}): remove its allowance here"
+        );
+    }
+}
+
+/// `TMS_SIM_*` names on a line written as values of their own: "NAME", 'NAME', NAME=, $NAME, ${NAME.
+fn written_names(line: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = line;
+    while let Some(at) = rest.find("TMS_SIM_") {
+        let before = rest[..at].chars().last();
+        let tail = &rest[at..];
+        let len = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        let after = tail[len..].chars().next();
+        let quoted = matches!((before, after), (Some('"'), Some('"')) | (Some('\''), Some('\'')));
+        let shell = after == Some('=') || matches!(before, Some('$') | Some('{'));
+        // The bare prefix selects variables (conftest keeps a real device's own), naming none.
+        if (quoted || shell) && len > "TMS_SIM_".len() {
+            names.push(tail[..len].to_string());
+        }
+        rest = &tail[len..];
+    }
+    names
+}
+
+fn collect(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            collect(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
 #[test]
 fn cli_prints_env_and_node_status() {
     let ws = workspace();

@@ -79,8 +79,7 @@ fn pytest_under(python: &PathBuf, file: &str, with_wheel: bool) {
     }
     cmd.current_dir(ws.root.join("tests/torch-consumers"))
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", file])
-        .env("TMS_TEST_SIM_LIB_DIR", &ws.sim_dir)
-        .env("TMS_TEST_SIM_PYTHON", ws.root.join("tms-sim/python"))
+        .env("TMS_TEST_SIM", ws.bin("tms-sim"))
         .env("TMS_TEST_HOOK", ws.hook())
         .env("TMS_TEST_TMP", scratch.path())
         .env_remove("LD_PRELOAD");
@@ -97,11 +96,12 @@ fn pytest_on_simulator(file: &str) {
     cmd.current_dir(scratch.path())
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs"])
         .arg(&path)
-        .env("LD_LIBRARY_PATH", &ws.sim_dir)
-        .env("TMS_SIM_LIB", ws.sim_dir.join("libcudart.so.13"))
-        .env("PYTHONPATH", ws.root.join("tms-sim/python"))
-        .env("TMS_SIM_NODE", format!("torch-layer-{}", std::process::id()))
-        .env("TMS_SIM_DIR", scratch.path())
+        .envs(ws.sim_env(&[
+            "--node",
+            &format!("torch-layer-{}", std::process::id()),
+            "--dir",
+            &scratch.path().display().to_string(),
+        ]))
         .env("TMS_TEST_HOOK", ws.hook())
         // Two cores: one kernel thread each avoids oversubscription in the CPU-computed ops.
         .env("OMP_NUM_THREADS", "1")

@@ -2,8 +2,7 @@
 process on a private simulated node, with the simulator's environment (tms-sim env) and, where
 asked, a memory-saver library preloaded. The harness (tests/tests/torch.rs) sets:
 
-  TMS_TEST_SIM_LIB_DIR   folder of runtime-named links to libtms_sim.so
-  TMS_TEST_SIM_PYTHON    the simulator's Python start-up hook folder (tms-sim/python)
+  TMS_TEST_SIM           the tms-sim CLI, whose `env --json` gives each scenario's environment
   TMS_TEST_HOOK          libtms_hook.so
   TMS_TEST_TMP           a scratch folder for this run
   TMS_TEST_WHEEL         the tms-memory-saver wheel built by scripts/build-wheel.sh
@@ -12,6 +11,7 @@ On a real GPU (scripts/gpu-check.sh run) TMS_TEST_REAL_DEVICE=1 replaces the sim
 scenarios run on the machine's device, and the simulator's variables are neither needed nor set.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -32,18 +32,35 @@ def _required(name):
     return value
 
 
+def sim_env(*args):
+    """`tms-sim env --json ARGS`: what puts a process on the simulator, as the simulator's own CLI
+    says (so that no test writes its variables or library paths)."""
+    out = subprocess.run(
+        [_required("TMS_TEST_SIM"), "env", "--json", *args], capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        pytest.fail(f"tms-sim env {' '.join(args)} failed: {out.stderr}")
+    return json.loads(out.stdout)
+
+
 class SimRun:
     """Runs Python snippets on a simulated node of its own."""
 
     def __init__(self, tmp):
-        self.lib_dir = None if REAL_DEVICE else Path(_required("TMS_TEST_SIM_LIB_DIR"))
-        # On a real device: the outer PYTHONPATH, which tests put before their own folders.
-        self.sim_python = os.environ.get("PYTHONPATH", "") if REAL_DEVICE else _required("TMS_TEST_SIM_PYTHON")
         self.hook = Path(_required("TMS_TEST_HOOK"))
         self.tmp = Path(tmp)
         self.node = f"torch-{uuid.uuid4().hex[:12]}"
         # Folders put before the simulator's on PYTHONPATH (an installed wheel's site folder).
         self.python_path = []
+        if REAL_DEVICE:
+            self.lib_dir = None
+            # The outer PYTHONPATH, which tests put before their own folders.
+            self.sim_python = os.environ.get("PYTHONPATH", "")
+            return
+        # The runtime-named links and the start-up hook folder, for tests that look at them.
+        prepend = sim_env()["prepend"]
+        self.lib_dir = Path(prepend["LD_LIBRARY_PATH"])
+        self.sim_python = prepend["PYTHONPATH"]
 
     def env(self, devices=1, memory="4GiB", preload=None, extra=None):
         if REAL_DEVICE:
@@ -57,18 +74,13 @@ class SimRun:
             env.update(extra or {})
             return env
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_PRELOAD"))}
-        env.update(
-            {
-                "LD_LIBRARY_PATH": str(self.lib_dir),
-                "TMS_SIM_LIB": str(self.lib_dir / "libcudart.so.13"),
-                "TMS_SIM_NODE": self.node,
-                "TMS_SIM_DIR": str(self.tmp),
-                "TMS_SIM_DEVICES": str(devices),
-                "TMS_SIM_MEMORY": memory,
-                "PYTHONPATH": ":".join(self.python_path + [self.sim_python]),
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
+        doc = sim_env("--node", self.node, "--dir", str(self.tmp), "--devices", str(devices), "--memory", memory)
+        # Folders the simulator prepends replace the outer ones: each scenario sees only its own;
+        # on PYTHONPATH, after a test's own folders.
+        for name, folder in doc["prepend"].items():
+            env[name] = ":".join(self.python_path + [folder]) if name == "PYTHONPATH" else folder
+        env.update(doc["set"])
+        env["PYTHONUNBUFFERED"] = "1"
         if preload:
             env["LD_PRELOAD"] = str(preload)
         env.update(extra or {})

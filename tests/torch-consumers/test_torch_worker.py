@@ -17,7 +17,18 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+# torch_worker.py imports the runner's worker-protocol client (relax_worker), which the runner puts
+# on its workers' PYTHONPATH; called in-process here, it comes from the runner's sources.
+RUNNER_PYTHON = str(SCRIPTS.parent / "relax-colocate" / "python")
+
+
+@pytest.fixture
+def sim(sim):
+    sim.python_path.append(RUNNER_PYTHON)
+    return sim
 
 SCENARIO = r"""
 import os, sys

@@ -35,8 +35,6 @@ that does not answer is named instead of hanging the call (``timeout`` bounds ea
 
 The nodes need the ``tms`` package importable by their Ray workers (it is installed wherever the
 hooked processes import ``torch_memory_saver``). Ray itself is imported only when called.
-
-``relax-colocate run --launcher ray`` (docs/ray.md) uses ``tms/ray/bridge.py`` beside this file.
 """
 
 __all__ = ["status", "pause", "resume", "nodes"]

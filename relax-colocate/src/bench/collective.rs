@@ -18,6 +18,7 @@ use super::scenario::{About, Bench, Results, Scenario};
 use super::spawn::{Env, finish};
 use super::table::{Target, f, gbs, human, table};
 use crate::collective::{self, Group, Library};
+use crate::environment::SimNode;
 use crate::runtime::{Runtime, Streams, check, load_nccl};
 use crate::vendor;
 use crate::vendor::ApiKind;
@@ -159,16 +160,16 @@ fn spawn_ranks(env: &Env, sizes: &[usize], reps: usize, link_gbps: f64) -> Resul
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let id = dir.path().join("nccl-id");
     let sizes = sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
-    let link = link_gbps.to_string();
-    let sim_env: &[(&str, &str)] = if env.sim.is_some() {
-        &[("TMS_SIM_DEVICES", "2"), ("TMS_SIM_NODE", "bench-collective"), ("TMS_SIM_LINK_GBPS", &link)]
-    } else {
-        &[]
+    let node = SimNode {
+        name: Some("bench-collective".into()),
+        devices: Some(2),
+        link_gbps: Some(link_gbps.to_string()),
+        ..SimNode::default()
     };
     let mut children = Vec::new();
     for rank in 0..2 {
         let args = [rank.to_string(), id.display().to_string(), sizes.clone(), reps.to_string()];
-        let mut cmd = env.command(true, "broadcast", &args, sim_env)?;
+        let mut cmd = env.command(true, "broadcast", &args, &node, &[])?;
         children.push(start(&mut cmd, dir.path(), rank)?);
     }
     let statuses = wait_all(&mut children)?;

@@ -5,6 +5,7 @@
 use super::plot;
 use super::scenario::{About, Bench, Results, Scenario};
 use super::table::{Target, f, gbs, human, table};
+use crate::environment::SimNode;
 use crate::vendor::ApiKind;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -138,7 +139,8 @@ impl Scenario for Bytes {
         // Pages are committed at create, as on a device, so restores are not charged the simulator's
         // first-touch page faults (a device allocates physical memory in cuMemCreate).
         let args = [sizes_arg, (if q { 3 } else { 5 }).to_string()];
-        let bytes = bench.env.worker_env(true, "bytes", &args, &[("TMS_SIM_COMMIT", "1")])?;
+        let bytes =
+            bench.env.worker_with(true, "bytes", &args, &SimNode { commit: true, ..SimNode::default() }, &[])?;
         print_bytes(&bounded(&bytes));
         Ok(bytes)
     }

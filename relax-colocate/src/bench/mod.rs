@@ -19,7 +19,7 @@ mod table;
 pub mod upstream;
 pub mod worker;
 
-use crate::environment::{find_hook, sim_environment};
+use crate::environment::{SimNode, find_hook, sim_environment};
 use crate::vendor::ApiKind;
 pub use options::{DeviceKind, Options, UpstreamLib};
 use scenario::{Bench, Results, Scenario};
@@ -93,7 +93,9 @@ pub fn run(opts: &Options) -> Result<Verdict, String> {
     let hook = find_hook(opts.hook.as_deref())?;
     let upstream_lib = upstream_lib(&opts.upstream_lib, api)?;
     let sim = if device == DeviceKind::Sim {
-        Some((sim_environment()?.lib_dir, tempfile::tempdir().map_err(|e| e.to_string())?))
+        // Asked once here so that a missing tms-sim stops the bench before its first scenario.
+        sim_environment(&SimNode::default())?;
+        Some(tempfile::tempdir().map_err(|e| e.to_string())?)
     } else {
         None
     };

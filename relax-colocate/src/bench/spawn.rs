@@ -1,7 +1,7 @@
 //! The bench's worker processes: `relax-colocate bench-worker API SCENARIO ARGS...`, with the hook
 //! preloaded or not, on the simulator a private node of one device each (unless told otherwise).
 
-use crate::environment::SimNode;
+use crate::environment::{SimNode, sim_environment};
 use crate::vendor::ApiKind;
 use serde_json::Value;
 use std::path::PathBuf;
@@ -9,8 +9,8 @@ use std::process::Command;
 
 pub(super) struct Env {
     pub api: ApiKind,
-    /// On the simulator: its library folder and the folder of this run's nodes.
-    pub sim: Option<(String, tempfile::TempDir)>,
+    /// On the simulator: the folder of this run's nodes.
+    pub sim: Option<tempfile::TempDir>,
     pub hook: PathBuf,
     pub sim_memory: String,
     pub copy_gbps: f64,
@@ -18,39 +18,36 @@ pub(super) struct Env {
 }
 
 impl Env {
-    pub fn new(
-        api: ApiKind,
-        sim: Option<(String, tempfile::TempDir)>,
-        hook: PathBuf,
-        sim_memory: String,
-        copy_gbps: f64,
-    ) -> Env {
+    pub fn new(api: ApiKind, sim: Option<tempfile::TempDir>, hook: PathBuf, sim_memory: String, copy_gbps: f64) -> Env {
         Env { api, sim, hook, sim_memory, copy_gbps, counter: std::cell::Cell::new(0) }
     }
 
     /// Runs one worker scenario; `hooked` preloads the library.
     pub fn worker(&self, hooked: bool, scenario: &str, args: &[String]) -> Result<Value, String> {
-        self.worker_env(hooked, scenario, args, &[])
+        self.worker_with(hooked, scenario, args, &SimNode::default(), &[])
     }
 
-    pub fn worker_env(
+    /// Same, on the simulator with what `node` sets (see `command`), and `extra` variables.
+    pub fn worker_with(
         &self,
         hooked: bool,
         scenario: &str,
         args: &[String],
+        node: &SimNode,
         extra: &[(&str, &str)],
     ) -> Result<Value, String> {
-        let out = self.command(hooked, scenario, args, extra)?.output();
+        let out = self.command(hooked, scenario, args, node, extra)?.output();
         finish(scenario, out.map_err(|e| format!("cannot run the bench worker: {e}"))?)
     }
 
-    /// The worker process of a scenario, its environment set (on the simulator: a node of its
-    /// own with one device, unless `extra` says otherwise).
+    /// The worker process of a scenario, its environment set: on the simulator, what `node`
+    /// sets and else a node of its own with one device of the bench's size and copy bus.
     pub fn command(
         &self,
         hooked: bool,
         scenario: &str,
         args: &[String],
+        node: &SimNode,
         extra: &[(&str, &str)],
     ) -> Result<Command, String> {
         let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
@@ -58,17 +55,18 @@ impl Env {
         if hooked {
             cmd.env("LD_PRELOAD", &self.hook).env("TMS_CONTROL", "0");
         }
-        if let Some((libdir, dir)) = &self.sim {
+        if let Some(dir) = &self.sim {
             self.counter.set(self.counter.get() + 1);
-            let name = format!("bench-{}", self.counter.get());
             let node = SimNode {
-                dir: dir.path(),
-                name: &name,
-                devices: 1,
-                memory: &self.sim_memory,
-                copy_gbps: self.copy_gbps,
+                dir: Some(dir.path().to_path_buf()),
+                name: node.name.clone().or_else(|| Some(format!("bench-{}", self.counter.get()))),
+                devices: node.devices.or(Some(1)),
+                memory: node.memory.clone().or_else(|| Some(self.sim_memory.clone())),
+                // 0 has always left the simulator's own copy bus in place.
+                copy_gbps: node.copy_gbps.or(Some(self.copy_gbps).filter(|g| *g > 0.0)),
+                ..node.clone()
             };
-            cmd.env("LD_LIBRARY_PATH", libdir).envs(node.vars());
+            cmd.envs(sim_environment(&node)?.vars);
         }
         for (k, v) in extra {
             cmd.env(k, v);

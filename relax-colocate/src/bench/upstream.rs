@@ -6,6 +6,7 @@ use super::options::UpstreamLib;
 use super::scenario::{About, Bench, Results, Scenario};
 use super::spawn::Env;
 use super::table::{Target, f, human, table};
+use crate::environment::SimNode;
 use crate::vendor::ApiKind;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -122,7 +123,7 @@ fn compare(env: &Env, lib: Result<PathBuf, String>, quick: bool) -> (Value, Opti
         [sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","), (if quick { 3 } else { 5 }).to_string()];
     let ours = env.worker(true, "side", &args);
     let lib_str = lib.to_string_lossy().to_string();
-    let theirs = env.worker_env(false, "side", &args, &[("LD_PRELOAD", lib_str.as_str())]);
+    let theirs = env.worker_with(false, "side", &args, &SimNode::default(), &[("LD_PRELOAD", lib_str.as_str())]);
     let (ours, theirs) = match (ours, theirs) {
         (Ok(o), Ok(t)) => (o, t),
         (o, t) => {

@@ -12,12 +12,10 @@ use super::fleet::tmpfiles::Scratch;
 use super::profile::Profile;
 use super::recorder::report::{Progress, human};
 use super::recorder::{Outputs, Recorder};
-use super::sizing::{
-    Footprint, check_host_memory_for_sim, footprint, round_up, sim_communicator_bytes, sim_context_bytes,
-};
+use super::sizing::{Footprint, check_host_memory_for_sim, footprint, round_up, sim_communicator_bytes};
 use super::task::{Addition, VOCAB};
 use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
-use crate::environment::{SimNode, find_hook, sim_environment};
+use crate::environment::{SimNode, find_hook, provide_relax_worker, sim_environment};
 use crate::runtime::{can_load, has_symbol};
 use std::path::{Path, PathBuf};
 
@@ -77,12 +75,12 @@ pub(super) struct Plan {
     ray_python: Option<RayPython>,
 }
 
-/// The simulated device: its size and the environment that puts a worker on it.
+/// The simulated device: its size (the environment that puts a worker on it comes from
+/// `tms-sim env`, given this and the run's scratch folder).
 struct SimDevice {
     capacity: u64,
     /// What each process's context takes of it.
     contexts: u64,
-    vars: Vec<(String, String)>,
 }
 
 /// The device `run.device` names, checked against what this machine can load.
@@ -195,7 +193,8 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
     };
     check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at)
         .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
-    let vars = sim_environment().map_err(setup_err)?.vars;
+    // Asked here too so that a missing tms-sim fails the plan, before anything is made.
+    let sim_env = sim_environment(&SimNode::default()).map_err(setup_err)?;
     let mut peak = fp.trainer.max(fp.rollout).max(fp.rollout_weights + 2 * fp.transfer);
     // Auto: async workers that may speak broadcast, which their hellos decide only later.
     if matches!(cfg.weight_transport(), WeightTransport::Broadcast | WeightTransport::Auto) {
@@ -204,10 +203,10 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
         peak = peak.max(fp.trainer.max(fp.rollout) + fp.transfer + sim_communicator_bytes(api, engines));
     }
     // Each device holds two processes, and each process's context takes device memory.
-    let contexts = 2 * sim_context_bytes(api);
+    let contexts = 2 * sim_env.context_bytes(api);
     if cfg.sim.memory == "auto" {
         let capacity = round_up(peak + contexts + (fp.trainer.min(fp.rollout) / 2).min(64 * MIB), GRANULARITY);
-        return Ok(SimDevice { capacity, contexts, vars });
+        return Ok(SimDevice { capacity, contexts });
     }
     let capacity = config::parse_size(&cfg.sim.memory).map_err(config_err)?;
     // The simulator would replace a capacity under its granularity by its 16 GiB default, and a
@@ -221,7 +220,7 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
             human(contexts + GRANULARITY)
         )));
     }
-    Ok(SimDevice { capacity, contexts, vars })
+    Ok(SimDevice { capacity, contexts })
 }
 
 fn device_label(cfg: &Config, device: DeviceChoice, api: &str, sim: Option<&SimDevice>, fp: &Footprint) -> String {
@@ -252,7 +251,7 @@ fn device_label(cfg: &Config, device: DeviceChoice, api: &str, sim: Option<&SimD
 
 impl Plan {
     /// The environment every worker gets, the run's temp files being `scratch`.
-    fn worker_env(&self, cfg: &Config, scratch: &Scratch) -> Vec<(String, String)> {
+    fn worker_env(&self, cfg: &Config, scratch: &Scratch) -> Result<Vec<(String, String)>, String> {
         let mut env: Vec<(String, String)> = vec![
             ("LD_PRELOAD".into(), self.hook.display().to_string()),
             ("TMS_CONTROL".into(), "1".into()),
@@ -263,28 +262,31 @@ impl Plan {
         // runner's own wait on it ends, so that the runner can tell which one it was. CANN takes
         // 120 to 7200 s.
         env.push(("HCCL_CONNECT_TIMEOUT".into(), connect_timeout_s(cfg).clamp(120, 7200).to_string()));
-        let Some(sim) = &self.sim else { return env };
-        // Python workers (scripts/torch_worker.py) get the start-up hook that puts PyTorch on
-        // the simulator with the rest of the environment.
-        env.extend(sim.vars.iter().cloned());
-        let dir = scratch.tmp.path().join("sim");
-        let memory = sim.capacity.to_string();
-        let node = SimNode {
-            dir: &dir,
-            name: "relax",
-            devices: cfg.run.devices,
-            memory: &memory,
-            copy_gbps: cfg.sim.copy_gbps,
-        };
-        env.extend(node.vars());
-        if !cfg.sim.link_gbps.trim().is_empty() {
-            env.push(("TMS_SIM_LINK_GBPS".into(), cfg.sim.link_gbps.trim().into()));
+        if let Some(sim) = &self.sim {
+            env.extend(self.sim_env(cfg, scratch, sim)?);
         }
-        // The simulator's own names for the connect timeout, which take any number of seconds.
-        let connect = connect_timeout_s(cfg).to_string();
-        env.push(("TMS_SIM_NCCL_CONNECT_TIMEOUT".into(), connect.clone()));
-        env.push(("TMS_SIM_HCCL_CONNECT_TIMEOUT".into(), connect));
-        env
+        provide_relax_worker(&mut env, &scratch.tmp.path().join("python"))?;
+        Ok(env)
+    }
+
+    /// What puts a worker on the simulated device, as `tms-sim env` gives it.
+    fn sim_env(&self, cfg: &Config, scratch: &Scratch, sim: &SimDevice) -> Result<Vec<(String, String)>, String> {
+        // Python workers (scripts/torch_worker.py) get the start-up hook that puts PyTorch on
+        // the simulator with the rest of the environment. The simulator's connect timeout takes
+        // any number of seconds.
+        let link = cfg.sim.link_gbps.trim();
+        let node = SimNode {
+            dir: Some(scratch.tmp.path().join("sim")),
+            name: Some("relax".into()),
+            devices: Some(cfg.run.devices),
+            memory: Some(sim.capacity.to_string()),
+            // 0 has always left the simulator's own copy bus in place.
+            copy_gbps: Some(cfg.sim.copy_gbps).filter(|g| *g > 0.0),
+            link_gbps: Some(link.to_string()).filter(|l| !l.is_empty()),
+            connect_timeout_s: Some(connect_timeout_s(cfg)),
+            commit: false,
+        };
+        Ok(sim_environment(&node)?.vars)
     }
 }
 
@@ -338,7 +340,7 @@ fn announce(cfg: &Config, opts: &Options, plan: &Plan, out: &Outputs, scratch: &
 pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<(Plan, Fleet, Recorder)> {
     let plan = plan(cfg, opts.hook.as_deref())?;
     let scratch = Scratch::create(plan.shm_bytes).map_err(setup_err)?;
-    let env = plan.worker_env(cfg, &scratch);
+    let env = plan.worker_env(cfg, &scratch).map_err(setup_err)?;
     let out = Outputs::open(cfg, &run_dir)?;
     let progress = announce(cfg, opts, &plan, &out, &scratch, &run_dir);
     let at = Cursor::new();

@@ -1,7 +1,7 @@
 //! How much device memory each role takes, as the hook will charge it, and on the simulator
 //! whether the host has that much: sizing the simulated device and refusing runs that cannot fit.
 
-use super::config::{self, Config};
+use super::config::Config;
 use super::profile::Profile;
 use super::recorder::report;
 use super::{GRANULARITY, MIB, model};
@@ -38,17 +38,6 @@ pub(super) fn footprint(cfg: &Config, shape: &model::Shape, profile: &Profile, b
             + charged(profile.rollout.tags.iter().flat_map(|(_, s)| s)),
         rollout_weights: policy + charged(&weight_pads),
         transfer: round_up(bucket.min(weights_exact), 4096),
-    }
-}
-
-/// Device memory a process's context takes on tms-sim: its `TMS_SIM_CONTEXT_MEMORY`, else the
-/// simulator's defaults (300 MiB on the CUDA API, 200 MiB on ACL; docs/simulator.md).
-pub(super) fn sim_context_bytes(api: &str) -> u64 {
-    let default = if api == "acl" { 200 * MIB } else { 300 * MIB };
-    match std::env::var("TMS_SIM_CONTEXT_MEMORY") {
-        Ok(v) if v.trim() == "0" => 0,
-        Ok(v) => config::parse_size(&v).unwrap_or(default),
-        Err(_) => default,
     }
 }
 

@@ -39,6 +39,9 @@ const RUNTIME_NAMES: &[&str] = &[
         TMS_SIM_COPY_GBPS  host<->device copy rate per direction per device, GB/s (default 50; 0: no modelled time)\n  \
         TMS_SIM_PIN_GBPS   cost of allocating pinned host memory, GB/s (default: none)\n  \
         TMS_SIM_CONTEXT_MEMORY  device memory a process's context takes (default 300MiB CUDA, 200MiB ACL)\n  \
+        TMS_SIM_LINK_GBPS  collectives' link, INTRA[,INTER] GB/s within and between nodes (default 450,50; 0: no modelled time)\n  \
+        TMS_SIM_NCCL_CONNECT_TIMEOUT, TMS_SIM_HCCL_CONNECT_TIMEOUT  seconds ranks wait for each other to join\n  \
+        TMS_SIM_COMMIT     1: commit host pages when device memory is created\n  \
         TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2\n\n\
         A node's devices and capacity are fixed by the first process that attaches while no live \
         process uses it.\n\nExit codes: 0 success, 1 failure, 2 usage error."
@@ -51,25 +54,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Print shell `export` lines that point processes at the simulator.
-    Env {
-        /// Simulated node name (sets TMS_SIM_NODE).
-        #[arg(long)]
-        node: Option<String>,
-        /// Devices on the node (sets TMS_SIM_DEVICES).
-        #[arg(long)]
-        devices: Option<u32>,
-        /// Capacity of each device, e.g. 16GiB (sets TMS_SIM_MEMORY).
-        #[arg(long)]
-        memory: Option<String>,
-        /// Folder holding libtms_sim.so (default: next to this binary, or ../lib).
-        #[arg(long)]
-        lib: Option<PathBuf>,
-        /// Print a JSON object instead, for programs that launch processes on the simulator:
-        /// {"set": {NAME: VALUE}, "prepend": {NAME: FOLDER}} (prepend FOLDER to a `:`-separated
-        /// list, or set it if the variable is empty).
-        #[arg(long)]
-        json: bool,
-    },
+    Env(EnvArgs),
     /// Print the folder of runtime-named links to libtms_sim.so (created if needed).
     LibDir {
         #[arg(long)]
@@ -98,6 +83,128 @@ enum Command {
     Man,
 }
 
+/// Every input that decides a simulated process's environment: programs that launch processes on
+/// the simulator pass these instead of naming its variables themselves.
+#[derive(clap::Args)]
+struct EnvArgs {
+    /// Simulated node name (sets TMS_SIM_NODE).
+    #[arg(long)]
+    node: Option<String>,
+    /// Devices on the node (sets TMS_SIM_DEVICES).
+    #[arg(long)]
+    devices: Option<u32>,
+    /// Capacity of each device, e.g. 16GiB (sets TMS_SIM_MEMORY).
+    #[arg(long)]
+    memory: Option<String>,
+    /// Folder of the node state files (sets TMS_SIM_DIR).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Host<->device copy rate per direction per device, GB/s; 0: no modelled time (sets
+    /// TMS_SIM_COPY_GBPS).
+    #[arg(long)]
+    copy_gbps: Option<f64>,
+    /// The link collectives run over, INTRA[,INTER] GB/s within a node and between nodes; 0: no
+    /// modelled time (sets TMS_SIM_LINK_GBPS).
+    #[arg(long)]
+    link_gbps: Option<String>,
+    /// Seconds a communicator's ranks wait for each other to join, NCCL and HCCL alike (sets
+    /// TMS_SIM_NCCL_CONNECT_TIMEOUT and TMS_SIM_HCCL_CONNECT_TIMEOUT).
+    #[arg(long, value_name = "SECONDS")]
+    connect_timeout: Option<u64>,
+    /// Commit host pages when device memory is created, as a device does, so that timed copies
+    /// take no first-touch page faults (sets TMS_SIM_COMMIT=1).
+    #[arg(long)]
+    commit: bool,
+    /// Folder holding libtms_sim.so (default: next to this binary, or ../lib).
+    #[arg(long)]
+    lib: Option<PathBuf>,
+    /// Print a JSON object instead, for programs that launch processes on the simulator:
+    /// {"set": {NAME: VALUE}, "prepend": {NAME: FOLDER}, "context_bytes": {"cuda": N, "acl": N}}
+    /// (prepend FOLDER to a `:`-separated list, or set it if the variable is empty;
+    /// context_bytes: the device memory a process's context will take, by API).
+    #[arg(long)]
+    json: bool,
+}
+
+/// The variables `tms-sim env` sets and the folders it prepends, in the order it prints them.
+type Vars = Vec<(&'static str, String)>;
+
+fn environment(a: &EnvArgs) -> Result<(Vars, Vars), String> {
+    let dir = link_dir(a.lib.as_deref())?;
+    let mut prepend = vec![("LD_LIBRARY_PATH", dir.display().to_string())];
+    // PyTorch reaches its runtime through an RPATH that beats LD_LIBRARY_PATH; the Python
+    // start-up hook loads this file (soname libcudart.so.13) before torch so it stands in.
+    let mut set = vec![("TMS_SIM_LIB", dir.join("libcudart.so.13").display().to_string())];
+    if let Some(py) = python_dir() {
+        prepend.push(("PYTHONPATH", py.display().to_string()));
+    }
+    if let Some(n) = &a.node {
+        set.push(("TMS_SIM_NODE", n.clone()));
+    }
+    if let Some(d) = &a.dir {
+        set.push(("TMS_SIM_DIR", d.display().to_string()));
+    }
+    if let Some(d) = a.devices {
+        if !(1..=config::MAX_DEVICES as u32).contains(&d) {
+            return Err(format!("--devices must be 1 to {}", config::MAX_DEVICES));
+        }
+        set.push(("TMS_SIM_DEVICES", d.to_string()));
+    }
+    if let Some(m) = &a.memory {
+        config::parse_size(m).ok_or_else(|| format!("--memory {m:?} is not a size like 16GiB"))?;
+        set.push(("TMS_SIM_MEMORY", m.clone()));
+    }
+    if let Some(g) = a.copy_gbps {
+        if !(g >= 0.0 && g.is_finite()) {
+            return Err(format!("--copy-gbps {g} is not a rate of 0 GB/s or more"));
+        }
+        set.push(("TMS_SIM_COPY_GBPS", g.to_string()));
+    }
+    if let Some(l) = &a.link_gbps {
+        config::parse_link_gbps(l).ok_or_else(|| {
+            format!("--link-gbps {l:?} is not INTRA[,INTER] in GB/s (e.g. 450,50; 0: no modelled time)")
+        })?;
+        set.push(("TMS_SIM_LINK_GBPS", l.trim().to_string()));
+    }
+    if let Some(s) = a.connect_timeout {
+        set.push(("TMS_SIM_NCCL_CONNECT_TIMEOUT", s.to_string()));
+        set.push(("TMS_SIM_HCCL_CONNECT_TIMEOUT", s.to_string()));
+    }
+    if a.commit {
+        set.push(("TMS_SIM_COMMIT", "1".to_string()));
+    }
+    Ok((set, prepend))
+}
+
+fn print_environment(a: &EnvArgs) -> Result<(), String> {
+    let (set, prepend) = environment(a)?;
+    if a.json {
+        let object = |pairs: &[(&str, String)]| {
+            pairs.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str()))).collect()
+        };
+        // What a context takes is the simulator's to say (its own defaults or the inherited
+        // TMS_SIM_CONTEXT_MEMORY), so launchers sizing a device need not know either.
+        let context = config::context_bytes_from_env();
+        let doc = serde_json::json!({
+            "set": serde_json::Value::Object(object(&set)),
+            "prepend": serde_json::Value::Object(object(&prepend)),
+            "context_bytes": {
+                "cuda": context.unwrap_or(config::CUDA_CONTEXT_BYTES),
+                "acl": context.unwrap_or(config::ACL_CONTEXT_BYTES),
+            },
+        });
+        println!("{doc}");
+        return Ok(());
+    }
+    for (name, folder) in &prepend {
+        println!("export {name}={}${{{name}:+:${name}}}", shell_quote(folder));
+    }
+    for (name, value) in &set {
+        println!("export {name}={}", shell_quote(value));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -111,47 +218,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
-        Command::Env { node, devices, memory, lib, json } => {
-            let dir = link_dir(lib.as_deref())?;
-            let mut prepend = vec![("LD_LIBRARY_PATH", dir.display().to_string())];
-            // PyTorch reaches its runtime through an RPATH that beats LD_LIBRARY_PATH; the Python
-            // start-up hook loads this file (soname libcudart.so.13) before torch so it stands in.
-            let mut set = vec![("TMS_SIM_LIB", dir.join("libcudart.so.13").display().to_string())];
-            if let Some(py) = python_dir() {
-                prepend.push(("PYTHONPATH", py.display().to_string()));
-            }
-            if let Some(n) = node {
-                set.push(("TMS_SIM_NODE", n));
-            }
-            if let Some(d) = devices {
-                if !(1..=config::MAX_DEVICES as u32).contains(&d) {
-                    return Err(format!("--devices must be 1 to {}", config::MAX_DEVICES));
-                }
-                set.push(("TMS_SIM_DEVICES", d.to_string()));
-            }
-            if let Some(m) = memory {
-                config::parse_size(&m).ok_or_else(|| format!("--memory {m:?} is not a size like 16GiB"))?;
-                set.push(("TMS_SIM_MEMORY", m));
-            }
-            if json {
-                let object = |pairs: &[(&str, String)]| {
-                    pairs.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str()))).collect()
-                };
-                let doc = serde_json::json!({
-                    "set": serde_json::Value::Object(object(&set)),
-                    "prepend": serde_json::Value::Object(object(&prepend)),
-                });
-                println!("{doc}");
-                return Ok(());
-            }
-            for (name, folder) in &prepend {
-                println!("export {name}={}${{{name}:+:${name}}}", shell_quote(folder));
-            }
-            for (name, value) in &set {
-                println!("export {name}={}", shell_quote(value));
-            }
-            Ok(())
-        }
+        Command::Env(args) => print_environment(&args),
         Command::Man => {
             use clap::CommandFactory;
             clap_mangen::Man::new(Cli::command())

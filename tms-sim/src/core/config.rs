@@ -98,13 +98,7 @@ impl Config {
             copy_bytes_per_sec: gbps("TMS_SIM_COPY_GBPS", DEFAULT_COPY_GBPS),
             pin_bytes_per_sec: gbps("TMS_SIM_PIN_GBPS", 0.0),
             fail: env_str("TMS_SIM_FAIL").unwrap_or_default(),
-            context_bytes: env_str("TMS_SIM_CONTEXT_MEMORY").and_then(|v| match parse_size(&v) {
-                Some(n) => Some(n),
-                None => {
-                    warn(&format!("TMS_SIM_CONTEXT_MEMORY={v:?} is not a size (e.g. 300MiB, 0); using the defaults"));
-                    None
-                }
-            }),
+            context_bytes: context_bytes_from_env(),
             commit,
             // Committed memory keeps its page tables (no host page faults inside timed copies),
             // so it stays resident unless asked otherwise.
@@ -118,6 +112,29 @@ impl Config {
     pub fn state_file(&self) -> PathBuf {
         state_file_for(&self.dir, &self.node)
     }
+}
+
+/// `TMS_SIM_CONTEXT_MEMORY`: what a context takes on its device; None: the API's default
+/// (`CUDA_CONTEXT_BYTES`, `ACL_CONTEXT_BYTES`).
+pub fn context_bytes_from_env() -> Option<u64> {
+    let v = env_str("TMS_SIM_CONTEXT_MEMORY")?;
+    let bytes = parse_size(&v);
+    if bytes.is_none() {
+        warn(&format!("TMS_SIM_CONTEXT_MEMORY={v:?} is not a size (e.g. 300MiB, 0); using the defaults"));
+    }
+    bytes
+}
+
+/// `INTRA[,INTER]` GB/s, the syntax of `TMS_SIM_LINK_GBPS`; INTER is INTRA when only one is given.
+pub fn parse_link_gbps(text: &str) -> Option<(f64, f64)> {
+    let parse = |s: &str| s.trim().parse::<f64>().ok().filter(|g| *g >= 0.0 && g.is_finite());
+    let mut parts = text.split(',');
+    let intra = parse(parts.next()?)?;
+    let inter = match parts.next() {
+        Some(p) => parse(p)?,
+        None => intra,
+    };
+    parts.next().is_none().then_some((intra, inter))
 }
 
 /// Where node state files live: `$TMS_SIM_DIR`, else `/dev/shm`, else the temp dir.
@@ -148,20 +165,13 @@ fn env_str(name: &str) -> Option<String> {
 pub const DEFAULT_LINK_INTRA_GBPS: f64 = 450.0;
 pub const DEFAULT_LINK_INTER_GBPS: f64 = 50.0;
 
-/// `TMS_SIM_LINK_GBPS=INTRA[,INTER]` in GB/s; INTER defaults to INTRA when only one is given.
+/// `TMS_SIM_LINK_GBPS=INTRA[,INTER]` in GB/s, as bytes per second.
 fn link_rates() -> (f64, f64) {
     let defaults = (DEFAULT_LINK_INTRA_GBPS * 1e9, DEFAULT_LINK_INTER_GBPS * 1e9);
     let Some(v) = env_str("TMS_SIM_LINK_GBPS") else { return defaults };
-    let parse = |s: &str| s.trim().parse::<f64>().ok().filter(|g| *g >= 0.0 && g.is_finite()).map(|g| g * 1e9);
-    let mut parts = v.split(',');
-    let intra = parts.next().and_then(parse);
-    let inter = match parts.next() {
-        Some(p) => parse(p),
-        None => intra,
-    };
-    match (intra, inter, parts.next()) {
-        (Some(a), Some(b), None) => (a, b),
-        _ => {
+    match parse_link_gbps(&v) {
+        Some((a, b)) => (a * 1e9, b * 1e9),
+        None => {
             warn(&format!(
                 "TMS_SIM_LINK_GBPS={v:?} is not INTRA[,INTER] in GB/s (e.g. 450,50); using {DEFAULT_LINK_INTRA_GBPS},{DEFAULT_LINK_INTER_GBPS}"
             ));

@@ -1,5 +1,5 @@
 //! Launcher ray: the workers are placed by Ray and started on their nodes by one agent actor per
-//! node (python/tms/ray/bridge.py, docs/ray.md). The runner starts the bridge as one child process
+//! node (python/ray_bridge.py of this crate, docs/ray.md). The runner starts the bridge as one child process
 //! and sees, per worker, the same two Unix sockets as with local workers: the worker-protocol
 //! connection (the bridge connects to the runner's listener in the worker's place) and a control
 //! socket (the bridge's, relayed to the worker's own on its node). The phase loop is unchanged.
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 /// The bridge itself, written next to the run's sockets and run as `__main__` so that Ray ships
 /// its agent class to the nodes by value: nodes need Ray, not the tms package.
-const BRIDGE_PY: &str = include_str!("../../../../python/tms/ray/bridge.py");
+const BRIDGE_PY: &str = include_str!("../../../python/ray_bridge.py");
 
 /// How long Ray may take to start a local cluster, place the bundles and start the agents: on a
 /// loaded 2-core machine a 2-node cluster takes tens of seconds.

@@ -1,8 +1,8 @@
-"""Which device a worker started by the Ray launcher's node agent opens (tms.ray.bridge)."""
+"""Which device a worker started by the Ray launcher's node agent opens (relax-colocate/python/ray_bridge.py)."""
 
 import unittest
 
-from tms.ray.bridge import device_view
+from ray_bridge import device_view
 
 
 class DeviceFromRay(unittest.TestCase):

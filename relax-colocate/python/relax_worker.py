@@ -1,11 +1,13 @@
 """Worker side of the relax-colocate worker protocol (docs/worker-protocol.md).
 
-Dependency-free (standard library only; it loads no library). A worker started
-by `relax-colocate run --trainer-cmd ...` or `--rollout-cmd ...` imports this module (installed
-with the tms package; `scripts/relax_worker.py` in a checkout), allocates its state through
-`Device` (so the preloaded libtms_hook.so tracks it under tags) and calls `serve(handlers)`:
+Dependency-free (standard library only; it loads no library). It belongs to the runner, not to
+the tms package: the runner puts the copy it was built with on the PYTHONPATH of every worker it
+starts, and scripts/install.sh installs it as PREFIX/lib/python/relax_worker.py
+(docs/worker-protocol.md). A worker started by `relax-colocate run --trainer-cmd ...` or
+`--rollout-cmd ...` imports it, allocates its state through `Device` (so the preloaded
+libtms_hook.so tracks it under tags) and calls `serve(handlers)`:
 
-    from tms import worker as rw
+    import relax_worker as rw
     dev = rw.Device()
     def init(params): ...
     rw.serve({"init": init, "generate": generate, ...})
@@ -35,7 +37,7 @@ class WorkerError(Exception):
 class Connection:
     """The JSON-lines connection to the runner (RELAX_WORKER_SOCKET)."""
 
-    def __init__(self, role=None, implementation="python tms.worker", transports=None):
+    def __init__(self, role=None, implementation="python relax_worker", transports=None):
         path = os.environ.get("RELAX_WORKER_SOCKET")
         if not path:
             raise RuntimeError("RELAX_WORKER_SOCKET is not set: workers are started by relax-colocate run")
@@ -65,7 +67,7 @@ TRANSPORT_METHODS = {
 }
 
 
-def serve(handlers, role=None, implementation="python tms.worker", transports=None):
+def serve(handlers, role=None, implementation="python relax_worker", transports=None):
     """Answers requests until `shutdown` or until the runner closes the connection. `transports`:
     the weight transports beyond host to name in the hello (default: those `handlers` implement)."""
     if transports is None:

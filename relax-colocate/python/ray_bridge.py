@@ -1,6 +1,7 @@
 """The Ray side of `relax-colocate run --launcher ray` (docs/ray.md).
 
-The runner starts this file as one child process: ``python bridge.py SPEC.json``. It places the
+The runner carries this file in its binary (it is the runner's, not the tms package's), writes it
+into the run's temp folder and starts it as one child process: ``python ray_bridge.py SPEC.json``. It places the
 run on Ray (a placement group of one bundle per device) and starts one agent actor per node; each
 agent starts that node's workers with the environment the runner computed and carries their
 worker-protocol lines and tms control requests over Ray's own channels. Towards the runner the
@@ -14,7 +15,7 @@ a file ``<exit_dir>/<name>.exit`` naming node, pid and how it ended, written bef
 connection is closed.
 
 Run as ``__main__`` on purpose: Ray ships the agent class by value, so nodes need Ray, not this
-package.
+file.
 """
 
 import json
@@ -623,7 +624,7 @@ class Bridge:
 
 def main():
     if len(sys.argv) != 2:
-        print("usage: bridge.py SPEC.json", file=sys.stderr)
+        print("usage: ray_bridge.py SPEC.json", file=sys.stderr)
         return 2
     with open(sys.argv[1]) as f:
         spec = json.load(f)

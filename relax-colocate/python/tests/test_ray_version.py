@@ -2,7 +2,7 @@
 
 import unittest
 
-from tms.ray.bridge import version_mismatch
+from ray_bridge import version_mismatch
 
 # As ray.init raises it (ray/_private/utils.py, check_version_info, Ray 2.58.1), here with the
 # Ray version of the joining process replaced.

@@ -5,6 +5,13 @@ cached from a ``weights`` tensor could be handed to a ``kv_cache`` tensor or to 
 region, and pausing one tag would release memory a live tensor of another still uses. So every
 (tag, CPU backup, disk backup, backup backend, device) gets its own ``MemPool``, as
 torch_memory_saver keeps them, and ``disable()`` gets a fresh one each time.
+
+This is tms's public core: ``torch_memory_saver`` (upstream's API) is a facade over it and
+imports nothing else of tms but its top-level names. Public here: ``shared()`` (the process's one
+``Saver``), ``Saver`` (its ``region``, ``disable``, ``cuda_graph``, ``pause_report``,
+``resume_report``, ``status``, ``with_region_config``, ``get_cpu_backup``, the settings, and
+``handle``/``mem_pools`` for code that reaches into torch_memory_saver's ``_impl``),
+``HookHandle`` (the loaded library, typed), ``check_region_arguments`` and ``DEFAULT_TAG``.
 """
 
 import contextlib
@@ -157,6 +164,11 @@ class Saver:
     @property
     def library_path(self):
         return self.handle.path
+
+    @property
+    def mem_pools(self):
+        """The MemPools by region kind (torch_memory_saver's ``_impl._mem_pools``)."""
+        return self._mem_pools
 
     # ---- pools --------------------------------------------------------------------------------
 
