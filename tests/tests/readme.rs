@@ -99,8 +99,11 @@ fn plan(line: &str) -> Option<Plan> {
         "target/release/relax-colocate run --mode async --devices 3 --rollout-devices 1-2 --algo ppo" => {
             run(two_steps, 0, &["rollout on 1,2", "checks:"])
         }
+        "target/release/relax-colocate run --mode elastic --devices 2" => {
+            run(two_steps, 0, &["elastic: trainer on device(s) 0, rollout on 1", "lending:", "checks:"])
+        }
         "target/release/relax-colocate compare --devices 4 --steps 10" => {
-            run(two_steps, 0, &["async / colocate throughput", "samples/s"])
+            run(two_steps, 0, &["async / colocate throughput", "elastic / the better of the others", "samples/s"])
         }
         "target/release/relax-colocate run --print-config" => run(as_written, 0, &["steps", "phase_timeout_s"]),
         "target/release/relax-colocate run --metrics-style verl --logger tensorboard" => {
