@@ -73,6 +73,10 @@ impl Lending {
             .into_iter()
             .filter_map(|e| trainers.iter().find(|&&t| rank(t) == rank(e)).map(|&t| (t, e)))
             .collect();
+        Lending::of_pairs(pairs)
+    }
+
+    fn of_pairs(pairs: Vec<(usize, usize)>) -> Lending {
         Lending {
             pairs,
             state: State::Home,
@@ -454,5 +458,43 @@ impl Async {
         if let Some(l) = self.lending.as_ref() {
             row.set("elastic/lend_after_s", l.threshold(&self.cfg));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(lend_after_s: f64) -> Config {
+        let mut cfg = crate::run::config::load(None, &[]).expect("the defaults load");
+        cfg.elastic.lend_after_s = lend_after_s;
+        cfg
+    }
+
+    #[test]
+    fn the_threshold_is_the_measured_switch_unless_configured() {
+        let mut l = Lending::of_pairs(vec![(1, 0)]);
+        assert_eq!(l.threshold(&config(0.0)), 0.0, "nothing measured yet: lend at once");
+        l.switch_s = Some(0.7);
+        assert_eq!(l.threshold(&config(0.0)), 0.7);
+        assert_eq!(l.threshold(&config(2.5)), 2.5);
+    }
+
+    #[test]
+    fn the_completion_rate_counts_only_engines_of_their_own_devices() {
+        let mut l = Lending::of_pairs(Vec::new());
+        assert_eq!(l.completion_rate(), None);
+        let t0 = Instant::now();
+        l.finished_at.extend([t0, t0 + Duration::from_secs(1), t0 + Duration::from_secs(2)]);
+        assert!((l.completion_rate().unwrap() - 1.0).abs() < 1e-9);
+        // A lent engine's groups add to what lending gave, not to the rate it is judged by.
+        l.groups_finished(5, true, 40);
+        assert_eq!(l.finished_at.len(), 3);
+        assert_eq!((l.stats.lent_groups, l.stats.lent_tokens), (5, 40));
+        // The window keeps the last 64 completions.
+        for _ in 0..100 {
+            l.groups_finished(1, false, 2);
+        }
+        assert_eq!(l.finished_at.len(), 64);
     }
 }
