@@ -635,7 +635,31 @@ impl Async {
         for g in done {
             self.queue.push(g);
         }
+        if !lent && self.lending.as_ref().is_some_and(lend::Lending::lent) {
+            self.share_with_lent(k);
+        }
         Ok(())
+    }
+
+    /// Elastic mode, while lent: engine `k`, between segments, hands its oldest unfinished groups
+    /// to the lent engines until no engine holds more than its share. Decoding is bound by each
+    /// sequence's cache reads, so fewer sequences per engine decode faster; and the oldest groups
+    /// are those the trainer's batch waits for. A lent engine takes them even mid-segment: its
+    /// request's slots name only the groups it had.
+    fn share_with_lent(&mut self, k: usize) {
+        let awake: Vec<usize> =
+            (0..self.engines.len()).filter(|&j| self.engines[j].awake && !self.engines[j].retired).collect();
+        let total: usize = awake.iter().map(|&j| self.engines[j].groups.len()).sum();
+        let share = total.div_ceil(awake.len().max(1));
+        let mut lent: Vec<usize> = awake.into_iter().filter(|&j| self.engines[j].lent).collect();
+        self.engines[k].groups.sort_by_key(|g| g.started);
+        while self.engines[k].groups.len() > share {
+            lent.sort_by_key(|&j| self.engines[j].groups.len());
+            let Some(&j) = lent.first().filter(|&&j| self.engines[j].groups.len() < share) else { break };
+            let g = self.engines[k].groups.remove(0);
+            self.engines[j].groups.push(g);
+            self.engines[j].adopted = true;
+        }
     }
 
     /// The trainer's first pass over a batch begins.
