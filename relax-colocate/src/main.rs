@@ -280,93 +280,99 @@ struct RunArgs {
 impl RunArgs {
     /// The named flags, as --set assignments applied before the explicit ones.
     fn assignments(&self) -> Vec<String> {
-        fn q(s: &str) -> String {
-            format!("{s:?}")
-        }
-        let mut v = Vec::new();
-        let mut add = |k: &str, val: Option<String>| {
-            if let Some(val) = val {
-                v.push(format!("{k}={val}"));
-            }
-        };
-        add("run.steps", self.steps.map(|x| x.to_string()));
-        add(
-            "algo.name",
-            self.algo.map(|a| {
-                q(match a {
-                    run::config::AlgoName::Grpo => "grpo",
-                    run::config::AlgoName::Ppo => "ppo",
-                })
-            }),
-        );
-        add(
-            "run.device",
-            self.device.map(|d| {
-                q(match d {
-                    run::config::DeviceChoice::Auto => "auto",
-                    run::config::DeviceChoice::Sim => "sim",
-                    run::config::DeviceChoice::Cuda => "cuda",
-                    run::config::DeviceChoice::Npu => "npu",
-                })
-            }),
-        );
-        add("run.mode", self.mode.map(|m| q(m.as_str())));
-        add("run.devices", self.devices.map(|x| x.to_string()));
-        add("run.trainer_devices", self.trainer_devices.as_deref().map(q));
-        add("run.rollout_devices", self.rollout_devices.as_deref().map(q));
-        add("async.max_staleness", self.max_staleness.map(|x| x.to_string()));
-        add("async.train_iters_per_update", self.train_iters_per_update.map(|x| x.to_string()));
-        add("run.weight_transport", self.weight_transport.map(|t| q(t.as_str())));
-        add(
-            "run.launcher",
-            self.launcher.map(|l| {
-                q(match l {
-                    run::config::Launcher::Local => "local",
-                    run::config::Launcher::Ray => "ray",
-                })
-            }),
-        );
-        add("run.nodes", self.nodes.map(|x| x.to_string()));
-        add("run.ray_address", self.ray_address.as_deref().map(q));
-        add("memory.profile", self.memory_profile.as_deref().map(q));
-        add("memory.tp", self.tp.map(|x| x.to_string()));
-        add("run.offload", self.offload.map(|x| x.to_string()));
-        add("memory.backup", self.backup.map(|x| x.to_string()));
-        add("memory.update_weight_buffer_size", self.update_weight_buffer_size.as_deref().map(q));
-        add("rollout.prompts_per_step", self.prompts.map(|x| x.to_string()));
-        add("rollout.samples_per_prompt", self.samples.map(|x| x.to_string()));
-        add("algo.lr", self.lr.map(|x| format!("{x:?}")));
-        add("algo.kl_coef", self.kl_coef.map(|x| format!("{x:?}")));
-        add("algo.kl_type", self.kl_type.as_deref().map(q));
-        add("run.seed", self.seed.map(|x| x.to_string()));
-        add("run.out", self.out.as_ref().map(|p| q(&p.display().to_string())));
-        add("run.trainer_cmd", self.trainer_cmd.as_deref().map(q));
-        add("run.rollout_cmd", self.rollout_cmd.as_deref().map(q));
-        add("run.phase_timeout_s", self.phase_timeout.map(|x| format!("{x:?}")));
-        add("sim.memory", self.sim_memory.as_deref().map(q));
-        add(
-            "metrics.style",
-            self.metrics_style.map(|m| {
-                q(match m {
-                    run::metrics::Style::Slime => "slime",
-                    run::metrics::Style::Verl => "verl",
-                })
-            }),
-        );
-        if !self.loggers.is_empty() {
-            let names: Vec<&str> = self
-                .loggers
-                .iter()
-                .map(|l| match l {
-                    run::loggers::LoggerKind::Tensorboard => "tensorboard",
-                    run::loggers::LoggerKind::Wandb => "wandb",
-                })
-                .collect();
-            add("metrics.loggers", Some(q(&names.join(","))));
-        }
-        v.extend(self.sets.iter().cloned());
-        v
+        let named = self.flag_settings().into_iter().filter_map(|(key, value)| Some(format!("{key}={}", value?)));
+        named.chain(self.sets.iter().cloned()).collect()
     }
+
+    /// Each named flag's config key and, when the flag was given, its value as --set reads it:
+    /// strings quoted, floats in their round-trip form.
+    fn flag_settings(&self) -> Vec<(&'static str, Option<String>)> {
+        let text = |s: Option<&str>| s.map(quoted);
+        vec![
+            ("run.steps", self.steps.map(|x| x.to_string())),
+            ("algo.name", self.algo.map(|a| quoted(algo_name(a)))),
+            ("run.device", self.device.map(|d| quoted(device_name(d)))),
+            ("run.mode", self.mode.map(|m| quoted(m.as_str()))),
+            ("run.devices", self.devices.map(|x| x.to_string())),
+            ("run.trainer_devices", text(self.trainer_devices.as_deref())),
+            ("run.rollout_devices", text(self.rollout_devices.as_deref())),
+            ("async.max_staleness", self.max_staleness.map(|x| x.to_string())),
+            ("async.train_iters_per_update", self.train_iters_per_update.map(|x| x.to_string())),
+            ("run.weight_transport", self.weight_transport.map(|t| quoted(t.as_str()))),
+            ("run.launcher", self.launcher.map(|l| quoted(launcher_name(l)))),
+            ("run.nodes", self.nodes.map(|x| x.to_string())),
+            ("run.ray_address", text(self.ray_address.as_deref())),
+            ("memory.profile", text(self.memory_profile.as_deref())),
+            ("memory.tp", self.tp.map(|x| x.to_string())),
+            ("run.offload", self.offload.map(|x| x.to_string())),
+            ("memory.backup", self.backup.map(|x| x.to_string())),
+            ("memory.update_weight_buffer_size", text(self.update_weight_buffer_size.as_deref())),
+            ("rollout.prompts_per_step", self.prompts.map(|x| x.to_string())),
+            ("rollout.samples_per_prompt", self.samples.map(|x| x.to_string())),
+            ("algo.lr", self.lr.map(|x| format!("{x:?}"))),
+            ("algo.kl_coef", self.kl_coef.map(|x| format!("{x:?}"))),
+            ("algo.kl_type", text(self.kl_type.as_deref())),
+            ("run.seed", self.seed.map(|x| x.to_string())),
+            ("run.out", self.out.as_ref().map(|p| quoted(&p.display().to_string()))),
+            ("run.trainer_cmd", text(self.trainer_cmd.as_deref())),
+            ("run.rollout_cmd", text(self.rollout_cmd.as_deref())),
+            ("run.phase_timeout_s", self.phase_timeout.map(|x| format!("{x:?}"))),
+            ("sim.memory", text(self.sim_memory.as_deref())),
+            ("metrics.style", self.metrics_style.map(|m| quoted(style_name(m)))),
+            ("metrics.loggers", logger_list(&self.loggers)),
+        ]
+    }
+}
+
+/// A string value as --set parses it: a TOML basic string, quoted and escaped.
+fn quoted(s: &str) -> String {
+    format!("{s:?}")
+}
+
+fn algo_name(a: run::config::AlgoName) -> &'static str {
+    match a {
+        run::config::AlgoName::Grpo => "grpo",
+        run::config::AlgoName::Ppo => "ppo",
+    }
+}
+
+fn device_name(d: run::config::DeviceChoice) -> &'static str {
+    match d {
+        run::config::DeviceChoice::Auto => "auto",
+        run::config::DeviceChoice::Sim => "sim",
+        run::config::DeviceChoice::Cuda => "cuda",
+        run::config::DeviceChoice::Npu => "npu",
+    }
+}
+
+fn launcher_name(l: run::config::Launcher) -> &'static str {
+    match l {
+        run::config::Launcher::Local => "local",
+        run::config::Launcher::Ray => "ray",
+    }
+}
+
+fn style_name(m: run::metrics::Style) -> &'static str {
+    match m {
+        run::metrics::Style::Slime => "slime",
+        run::metrics::Style::Verl => "verl",
+    }
+}
+
+/// `--logger`'s values as one quoted, comma-separated list; None when none was given, so that
+/// the configured loggers stay.
+fn logger_list(loggers: &[run::loggers::LoggerKind]) -> Option<String> {
+    if loggers.is_empty() {
+        return None;
+    }
+    let names: Vec<&str> = loggers
+        .iter()
+        .map(|l| match l {
+            run::loggers::LoggerKind::Tensorboard => "tensorboard",
+            run::loggers::LoggerKind::Wandb => "wandb",
+        })
+        .collect();
+    Some(quoted(&names.join(",")))
 }
 
 /// A size such as `64MiB` or `1GiB` (tms's size syntax).

@@ -358,12 +358,38 @@ fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>,
     if targets.is_empty() {
         return Err(usage("no TARGET given (a pid, a TMS_NAME, a socket path, or --all)"));
     }
-    // Names come from the files beside the sockets; only processes without one (older hooks)
-    // are asked, all at once, so a stopped process delays a name lookup by one timeout at most
-    // and never one that does not need it.
-    let mut names: Vec<Option<Result<Option<String>, String>>> =
-        live.iter().map(|s| tms_proto::read_name(&s.path).map(Ok)).collect();
-    if targets.iter().any(|t| !t.contains('/') && t.parse::<u32>().is_err()) {
+    let names = process_names(ctx, &live, targets);
+    let mut out: Vec<SocketEntry> = Vec::new();
+    for t in targets {
+        let found = matching(t, &live, &names);
+        if found.is_empty() {
+            return Err(no_match(ctx, t, &live, &names));
+        }
+        for f in found {
+            if !out.iter().any(|o| o.path == f.path) {
+                out.push(f);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A live process's TMS_NAME as far as `resolve` knows it: None when not looked up, Some(Ok(None))
+/// when it has none, Some(Err) when asking it failed.
+type ProcessName = Option<Result<Option<String>, String>>;
+
+/// A target that is neither a socket path nor a pid: a TMS_NAME.
+fn is_name(target: &str) -> bool {
+    !target.contains('/') && target.parse::<u32>().is_err()
+}
+
+/// The names of `live`, in its order. Names come from the files beside the sockets; only
+/// processes without one (older hooks) are asked, all at once and only when a target is a name,
+/// so a stopped process delays a name lookup by one timeout at most and never one that does not
+/// need it.
+fn process_names(ctx: &Ctx, live: &[SocketEntry], targets: &[String]) -> Vec<ProcessName> {
+    let mut names: Vec<ProcessName> = live.iter().map(|s| tms_proto::read_name(&s.path).map(Ok)).collect();
+    if targets.iter().any(|t| is_name(t)) {
         let unknown: Vec<SocketEntry> =
             live.iter().zip(&names).filter(|(_, n)| n.is_none()).map(|(s, _)| s.clone()).collect();
         let timeout = ctx.timeout;
@@ -373,54 +399,50 @@ fn resolve(ctx: &Ctx, targets: &[String], all: bool) -> Result<Vec<SocketEntry>,
             *n = asked.next();
         }
     }
-    let mut out: Vec<SocketEntry> = Vec::new();
-    for t in targets {
-        let found: Vec<SocketEntry> = if t.contains('/') {
-            let path = PathBuf::from(t);
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            let (pid, start_time) = tms_proto::parse_socket_name(&name).unwrap_or((0, 0));
-            if path.exists() { vec![SocketEntry { path, pid, start_time, alive: true }] } else { vec![] }
-        } else if let Ok(pid) = t.parse::<u32>() {
-            live.iter().filter(|s| s.pid == pid).cloned().collect()
-        } else {
-            live.iter()
-                .zip(&names)
-                .filter(|(_, n)| matches!(n, Some(Ok(Some(name))) if name == t))
-                .map(|(s, _)| s.clone())
-                .collect()
-        };
-        if found.is_empty() {
-            let unnamed: Vec<String> = live
-                .iter()
-                .zip(&names)
-                .filter_map(|(s, n)| match n {
-                    Some(Err(e)) => Some(format!("pid {}: {e}", s.pid)),
-                    _ => None,
-                })
-                .collect();
-            if !t.contains('/') && t.parse::<u32>().is_err() && !unnamed.is_empty() {
-                // It may be one of those: that is a failure to reach, not a wrong name.
-                return Err(Failure {
-                    code: 1,
-                    message: format!(
-                        "no responding process is named {t:?}; the name of {} is unknown: {}",
-                        if unnamed.len() == 1 { "one process" } else { "some processes" },
-                        unnamed.join("; ")
-                    ),
-                });
-            }
-            return Err(usage(format!(
-                "no hooked process matches {t:?} in {}; `tms-ctl list` shows the running ones",
-                ctx.dir.display()
-            )));
-        }
-        for f in found {
-            if !out.iter().any(|o| o.path == f.path) {
-                out.push(f);
-            }
-        }
+    names
+}
+
+/// The processes one target names: a socket path when that file exists, else the live processes
+/// with that pid or that name.
+fn matching(t: &str, live: &[SocketEntry], names: &[ProcessName]) -> Vec<SocketEntry> {
+    if t.contains('/') {
+        let path = PathBuf::from(t);
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let (pid, start_time) = tms_proto::parse_socket_name(&name).unwrap_or((0, 0));
+        if path.exists() { vec![SocketEntry { path, pid, start_time, alive: true }] } else { vec![] }
+    } else if let Ok(pid) = t.parse::<u32>() {
+        live.iter().filter(|s| s.pid == pid).cloned().collect()
+    } else {
+        live.iter()
+            .zip(names)
+            .filter(|(_, n)| matches!(n, Some(Ok(Some(name))) if name == t))
+            .map(|(s, _)| s.clone())
+            .collect()
     }
-    Ok(out)
+}
+
+/// Why nothing matched `t`: a name may belong to a process that could not be asked (exit 1, a
+/// failure to reach); otherwise the target is wrong (a usage error).
+fn no_match(ctx: &Ctx, t: &str, live: &[SocketEntry], names: &[ProcessName]) -> Failure {
+    let unnamed: Vec<String> = live
+        .iter()
+        .zip(names)
+        .filter_map(|(s, n)| match n {
+            Some(Err(e)) => Some(format!("pid {}: {e}", s.pid)),
+            _ => None,
+        })
+        .collect();
+    if is_name(t) && !unnamed.is_empty() {
+        return Failure {
+            code: 1,
+            message: format!(
+                "no responding process is named {t:?}; the name of {} is unknown: {}",
+                if unnamed.len() == 1 { "one process" } else { "some processes" },
+                unnamed.join("; ")
+            ),
+        };
+    }
+    usage(format!("no hooked process matches {t:?} in {}; `tms-ctl list` shows the running ones", ctx.dir.display()))
 }
 
 fn human(bytes: u64) -> String {

@@ -152,77 +152,34 @@ pub fn valid_log_filter(text: &str) -> bool {
 impl Config {
     pub fn from_env() -> Config {
         let names: Vec<String> = std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()).collect();
-        let mut warnings = unknown_variables(names.iter().map(String::as_str));
-        let mut flag_or = |name: &str, default: bool, unreadable: bool, why: &str| match var(name) {
-            None => default,
-            Some(v) => parse_bool(&v).unwrap_or_else(|| {
-                warnings.push(format!(
-                    "{name}={v:?} is not a boolean (1/0, true/false, yes/no, on/off); using {}{why}",
-                    u8::from(unreadable)
-                ));
-                unreadable
-            }),
-        };
+        // Warnings keep the order in which variables are read: unknown names first.
+        let mut env = EnvReader { warnings: unknown_variables(names.iter().map(String::as_str)) };
         // Pausing without a backup loses the contents: an unreadable value keeps the backup on.
-        let init_backup = flag_or(
+        let init_backup = env.flag_or(
             "TMS_INIT_ENABLE_CPU_BACKUP",
             false,
             true,
             ", the safe choice (without a backup a pause loses the contents)",
         );
-        let mut flag = |name: &str, default: bool| flag_or(name, default, default, "");
-        let init_enable = flag("TMS_INIT_ENABLE", false);
-        let retain_backup = flag("TMS_RETAIN_CPU_BACKUP", false);
-        let keep_pinned = flag("TMS_KEEP_PINNED_BUFFERS", true);
+        let init_enable = env.flag("TMS_INIT_ENABLE", false);
+        let retain_backup = env.flag("TMS_RETAIN_CPU_BACKUP", false);
+        let keep_pinned = env.flag("TMS_KEEP_PINNED_BUFFERS", true);
         // torch_memory_saver checks the margin at allocation only; a resume that kept it too
         // would leave a waking trainer's weights unmapped where upstream's succeeds.
-        let resume_keeps_margin = flag("TMS_RESUME_KEEPS_MARGIN", false);
-        let disk_backup = flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
-        let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| flag("TMS_CONTROL", true));
-        let mut number = |name: &str, default: u64, min: u64, max: u64| match var(name) {
-            None => default,
-            Some(v) => match v.trim().parse::<u64>() {
-                Ok(n) if n > max => {
-                    warnings.push(format!("{name}={n} is above the most it takes, {max}; using {max}"));
-                    max
-                }
-                Ok(n) if n >= min => n,
-                _ => {
-                    warnings.push(format!("{name}={v:?} is not a whole number from {min} to {max}; using {default}"));
-                    default
-                }
-            },
-        };
+        let resume_keeps_margin = env.flag("TMS_RESUME_KEEPS_MARGIN", false);
+        let disk_backup = env.flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
+        let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| env.flag("TMS_CONTROL", true));
         let pinned_pool_max = var("TMS_PINNED_POOL_MAX_MB")
             .filter(|v| !v.trim().is_empty())
-            .map(|_| number("TMS_PINNED_POOL_MAX_MB", u64::MAX >> 20, 0, u64::MAX >> 20) << 20);
-        let pinned_pool_host_reserve_percent = number("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", 25, 0, 100);
-        let backup_streams = number("TMS_BACKUP_STREAMS", 4, 1, 64) as usize;
-        let backup_chunk = (number("TMS_BACKUP_CHUNK_MB", 16, 1, 4096) as usize) << 20;
-        let physical_chunk = (number("TMS_PHYSICAL_CHUNK_MB", 16, 0, 1 << 20) as usize) << 20;
-        // The same size forms as `tms-ctl set --margin` (4096, 512MiB, 2GiB, 1GB).
-        let margin = match var("TMS_MEMORY_MARGIN_BYTES") {
-            None => 0,
-            Some(v) if v.trim().is_empty() => 0,
-            Some(v) => tms_proto::size::parse_size(&v).unwrap_or_else(|e| {
-                warnings.push(format!("TMS_MEMORY_MARGIN_BYTES={v:?} cannot be read ({e}); using 0 (no margin)"));
-                0
-            }),
-        };
-        if let Some(v) = var("TMS_LOG").filter(|v| !valid_log_filter(v)) {
-            warnings.push(format!(
-                "TMS_LOG={v:?} is not a log filter (off, error, warn, info, debug, trace, or target=level,...); using warn"
-            ));
-        }
+            .map(|_| env.number("TMS_PINNED_POOL_MAX_MB", u64::MAX >> 20, 0, u64::MAX >> 20) << 20);
+        let pinned_pool_host_reserve_percent = env.number("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", 25, 0, 100);
+        let backup_streams = env.number("TMS_BACKUP_STREAMS", 4, 1, 64) as usize;
+        let backup_chunk = (env.number("TMS_BACKUP_CHUNK_MB", 16, 1, 4096) as usize) << 20;
+        let physical_chunk = (env.number("TMS_PHYSICAL_CHUNK_MB", 16, 0, 1 << 20) as usize) << 20;
+        let margin = env.margin();
+        env.check_log_filter();
         let init_tag = var("TMS_INIT_TAG").filter(|t| !t.is_empty()).unwrap_or_else(|| DEFAULT_TAG.to_string());
-        let backup_backend = match var("TMS_INIT_CPU_BACKUP_BACKEND").as_deref() {
-            None | Some("") | Some("pinned") => "pinned".to_string(),
-            Some("mmap") => "mmap".to_string(),
-            Some(other) => {
-                warnings.push(format!("TMS_INIT_CPU_BACKUP_BACKEND={other:?} is not pinned or mmap; using pinned"));
-                "pinned".to_string()
-            }
-        };
+        let backup_backend = env.backup_backend();
         Config {
             init_enable,
             init_backup,
@@ -239,7 +196,90 @@ impl Config {
             physical_chunk,
             disk_backup,
             control,
-            warnings,
+            warnings: env.warnings,
+        }
+    }
+}
+
+/// Reads variables for `Config::from_env`: a value it cannot use becomes one warning and a
+/// fallback, never an error, since the hook runs inside jobs it must not stop.
+struct EnvReader {
+    warnings: Vec<String>,
+}
+
+impl EnvReader {
+    /// A boolean: `default` when unset, `unreadable` (with `why` after the warning) when set to
+    /// something that is not a boolean.
+    fn flag_or(&mut self, name: &str, default: bool, unreadable: bool, why: &str) -> bool {
+        match var(name) {
+            None => default,
+            Some(v) => parse_bool(&v).unwrap_or_else(|| {
+                self.warnings.push(format!(
+                    "{name}={v:?} is not a boolean (1/0, true/false, yes/no, on/off); using {}{why}",
+                    u8::from(unreadable)
+                ));
+                unreadable
+            }),
+        }
+    }
+
+    /// A boolean whose unreadable values mean the default.
+    fn flag(&mut self, name: &str, default: bool) -> bool {
+        self.flag_or(name, default, default, "")
+    }
+
+    /// A whole number from `min` to `max`: one above `max` is clamped to it, anything else
+    /// unreadable means `default`.
+    fn number(&mut self, name: &str, default: u64, min: u64, max: u64) -> u64 {
+        match var(name) {
+            None => default,
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(n) if n > max => {
+                    self.warnings.push(format!("{name}={n} is above the most it takes, {max}; using {max}"));
+                    max
+                }
+                Ok(n) if n >= min => n,
+                _ => {
+                    self.warnings
+                        .push(format!("{name}={v:?} is not a whole number from {min} to {max}; using {default}"));
+                    default
+                }
+            },
+        }
+    }
+
+    /// `TMS_MEMORY_MARGIN_BYTES`, in the same size forms as `tms-ctl set --margin` (4096,
+    /// 512MiB, 2GiB, 1GB).
+    fn margin(&mut self) -> u64 {
+        match var("TMS_MEMORY_MARGIN_BYTES") {
+            None => 0,
+            Some(v) if v.trim().is_empty() => 0,
+            Some(v) => tms_proto::size::parse_size(&v).unwrap_or_else(|e| {
+                self.warnings.push(format!("TMS_MEMORY_MARGIN_BYTES={v:?} cannot be read ({e}); using 0 (no margin)"));
+                0
+            }),
+        }
+    }
+
+    /// log.rs applies `TMS_LOG`; the warning is here so that it joins the others.
+    fn check_log_filter(&mut self) {
+        if let Some(v) = var("TMS_LOG").filter(|v| !valid_log_filter(v)) {
+            self.warnings.push(format!(
+                "TMS_LOG={v:?} is not a log filter (off, error, warn, info, debug, trace, or target=level,...); using warn"
+            ));
+        }
+    }
+
+    /// `TMS_INIT_CPU_BACKUP_BACKEND`: pinned unless mmap is named.
+    fn backup_backend(&mut self) -> String {
+        match var("TMS_INIT_CPU_BACKUP_BACKEND").as_deref() {
+            None | Some("") | Some("pinned") => "pinned".to_string(),
+            Some("mmap") => "mmap".to_string(),
+            Some(other) => {
+                self.warnings
+                    .push(format!("TMS_INIT_CPU_BACKUP_BACKEND={other:?} is not pinned or mmap; using pinned"));
+                "pinned".to_string()
+            }
         }
     }
 }

@@ -423,22 +423,75 @@ fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: u
 ///
 /// Reads memory.jsonl twice (the steps first, then the drawing) rather than holding it.
 fn memory_timeline(r: &Recorder) -> String {
-    const MAX_SAMPLES: usize = 4000;
     let path = r.run_dir.join("memory.jsonl");
-    let (mut n, mut last_step) = (0usize, 0u64);
-    for s in read_lines::<MemSample>(&path) {
-        n += 1;
-        last_step = last_step.max(s.step);
-    }
-    let first_step = if last_step > TIMELINE_STEPS { last_step + 1 - TIMELINE_STEPS } else { 0 };
-    let stride = n.div_ceil(MAX_SAMPLES).max(1);
+    let window = TimelineWindow::of(&path);
     let names = &r.names;
-    let Timeline { used, comm_suspended, capacity, per_worker, mut spans } = timeline(&path, names, first_step, stride);
-    if spans.len() > MAX_SAMPLES {
-        spans = merge_spans(spans, MAX_SAMPLES);
+    let Timeline { used, comm_suspended, capacity, per_worker, mut spans } =
+        timeline(&path, names, window.first_step, window.stride);
+    if spans.len() > TIMELINE_MAX_SAMPLES {
+        spans = merge_spans(spans, TIMELINE_MAX_SAMPLES);
     }
-    let devices = r.cfg.total_devices();
-    let stacked = names
+    let stacked = process_series(names, per_worker);
+    let mut series = device_series(r.cfg.total_devices(), used, comm_suspended, capacity);
+    let mut title = window.title();
+    if let Some((t, what)) = &r.failure_mark {
+        series.push(failure_mark(&series, *t, what));
+        title = format!("{title}: {what}");
+    }
+    plot::svg(&Chart {
+        title,
+        width: 1000,
+        height: 480,
+        x: Some(Axis::linear("time", Quantity::Seconds)),
+        y: Some(Axis::linear("memory", Quantity::Bytes)),
+        stacked,
+        series,
+        spans,
+        span_legend: phase_legend(),
+        y_range: None,
+    })
+}
+
+/// Points the timeline draws at most (lines are thinned, spans merged, beyond it): a long run's
+/// every sample would make an SVG too heavy for a browser to open.
+const TIMELINE_MAX_SAMPLES: usize = 4000;
+
+/// Which part of memory.jsonl the timeline draws: its last `TIMELINE_STEPS` steps, every
+/// `stride`-th sample so that at most `TIMELINE_MAX_SAMPLES` lines are drawn.
+struct TimelineWindow {
+    first_step: u64,
+    last_step: u64,
+    stride: usize,
+}
+
+impl TimelineWindow {
+    /// A first pass over the file: only the sample count and the last step are kept.
+    fn of(path: &std::path::Path) -> TimelineWindow {
+        let (mut n, mut last_step) = (0usize, 0u64);
+        for s in read_lines::<MemSample>(path) {
+            n += 1;
+            last_step = last_step.max(s.step);
+        }
+        let first_step = if last_step > TIMELINE_STEPS { last_step + 1 - TIMELINE_STEPS } else { 0 };
+        TimelineWindow { first_step, last_step, stride: n.div_ceil(TIMELINE_MAX_SAMPLES).max(1) }
+    }
+
+    /// Says when the chart is only the end of the run, and where the whole run is drawn.
+    fn title(&self) -> String {
+        let TimelineWindow { first_step, last_step, .. } = *self;
+        if first_step > 0 {
+            format!(
+                "Device memory, steps {first_step} to {last_step} of {last_step} (the whole run: memory_per_step.svg)"
+            )
+        } else {
+            "Device memory over the run".into()
+        }
+    }
+}
+
+/// Each process's resident bytes, stacked in the order of `names`.
+fn process_series(names: &[String], per_worker: Vec<Vec<(f64, f64)>>) -> Vec<Series> {
+    names
         .iter()
         .zip(per_worker)
         .enumerate()
@@ -449,7 +502,17 @@ fn memory_timeline(r: &Recorder) -> String {
             color: color(i),
             width: 1,
         })
-        .collect();
+        .collect()
+}
+
+/// The devices' totals drawn over the stack: in use always; the communicators suspended and the
+/// capacity only when the run recorded any (a flat zero line would read as a measurement).
+fn device_series(
+    devices: usize,
+    used: Vec<(f64, f64)>,
+    comm_suspended: Vec<(f64, f64)>,
+    capacity: Vec<(f64, f64)>,
+) -> Vec<Series> {
     let mut series = vec![Series {
         name: if devices > 1 {
             format!("in use, {devices} devices (+ contexts)")
@@ -479,7 +542,12 @@ fn memory_timeline(r: &Recorder) -> String {
             width: 1,
         });
     }
-    let span_legend = [
+    series
+}
+
+/// The phase strip's legend: one entry per colour `phase_color` gives, named for what it covers.
+fn phase_legend() -> Vec<(String, RGBColor)> {
+    [
         ("generate", "generate"),
         ("offload / sleep", "sleep"),
         ("wake / onload", "wake_up"),
@@ -488,37 +556,20 @@ fn memory_timeline(r: &Recorder) -> String {
     ]
     .iter()
     .map(|(label, phase)| (format!("phase: {label}"), phase_color(phase)))
-    .collect();
-    let title = if first_step > 0 {
-        format!("Device memory, steps {first_step} to {last_step} of {last_step} (the whole run: memory_per_step.svg)")
-    } else {
-        "Device memory over the run".into()
-    };
-    let mut title = title;
-    if let Some((t, what)) = &r.failure_mark {
-        // A vertical mark from zero to the capacity at the moment the run failed.
-        let top = series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).fold(0.0, f64::max);
-        series.push(Series {
-            name: format!("run stopped: {what}"),
-            points: vec![(*t, 0.0), (*t, top)],
-            shape: Shape::Line,
-            color: RGBColor(204, 0, 0),
-            width: 3,
-        });
-        title = format!("{title}: {what}");
+    .collect()
+}
+
+/// A vertical mark from zero to the highest point drawn, at the moment the run failed: the
+/// reader sees what memory looked like when it stopped.
+fn failure_mark(series: &[Series], t: f64, what: &str) -> Series {
+    let top = series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).fold(0.0, f64::max);
+    Series {
+        name: format!("run stopped: {what}"),
+        points: vec![(t, 0.0), (t, top)],
+        shape: Shape::Line,
+        color: RGBColor(204, 0, 0),
+        width: 3,
     }
-    plot::svg(&Chart {
-        title,
-        width: 1000,
-        height: 480,
-        x: Some(Axis::linear("time", Quantity::Seconds)),
-        y: Some(Axis::linear("memory", Quantity::Bytes)),
-        stacked,
-        series,
-        spans,
-        span_legend,
-        y_range: None,
-    })
 }
 
 /// Every step of the run at a glance: per step, the devices' highest and lowest use (sampled at
