@@ -242,8 +242,10 @@ fn torch_memory_saver_own_tests_pass_with_its_package_our_hook_and_our_wheel() {
 
 /// `relax-colocate run` with real PyTorch workers (scripts/torch_worker.py, both roles): a small
 /// transformer trained with AdamW in the trainer's tags, the rollout's weights and KV cache in
-/// its own, weights handed over every step. The runner gives the workers the simulator's Python
-/// start-up hook itself; its checks compare the weights after wake_up and update_weights.
+/// its own, weights handed over every step by CUDA IPC (`--weight-transport ipc`: the trainer's
+/// cudaMalloc'd buffer, opened by the rollout, no byte through the host). The runner gives the
+/// workers the simulator's Python start-up hook itself; its checks compare the weights after
+/// wake_up and update_weights.
 #[test]
 fn the_colocated_cycle_runs_with_pytorch_workers() {
     let Some(python) = torch_python() else { return };
@@ -256,7 +258,7 @@ fn the_colocated_cycle_runs_with_pytorch_workers() {
         .args(["run", "--device", "sim", "--quiet", "--out"])
         .arg(out.path().join("run"))
         .args(["--steps", "2", "--prompts", "4", "--samples", "4", "--memory-profile", "tiny"])
-        .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker])
+        .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker, "--weight-transport", "ipc"])
         .env_remove("LD_PRELOAD")
         .env_remove("PYTHONPATH")
         .env_remove("TMS_SIM_LIB")
@@ -269,6 +271,10 @@ fn the_colocated_cycle_runs_with_pytorch_workers() {
     assert_eq!(summary["status"], "ok", "{summary}");
     assert_eq!(summary["steps_completed"], 2, "{summary}");
     assert!(summary["checks"]["passed"].as_u64().unwrap() >= 10, "{summary}");
+    let w = &summary["weight_sync"];
+    assert_eq!(w["weight_transport"], "ipc", "{w}");
+    assert_eq!(w["update_weights_host_bytes"], 0, "{w}");
+    assert!(w["update_weights_bytes"].as_u64() > Some(0), "{w}");
     // The trainer's tensors were in its tags while it trained and gone from the device asleep.
     let samples: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/memory.jsonl"))
         .unwrap()
@@ -495,10 +501,9 @@ fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences(
 /// while the trainer waits for its first batch (decoding slowed to a modelled device's pace, a
 /// batch taking over a second; `elastic.lend_after_s` small so that the lend does not depend on
 /// the machine's speed). The updates go by broadcast, the trainer's communicators suspended while
-/// it lends its device; the lend's weights go through the host transport, the fallback every
-/// worker speaks (torch_worker.py has no IPC), checked on the lent engine; the reclaim gives the
-/// trainer back its exact weights (the runner's checksum check), and the engine's extra groups
-/// leave none to go stale.
+/// it lends its device; the lend's weights go by CUDA IPC (both workers name it), checked on the
+/// lent engine; the reclaim gives the trainer back its exact weights (the runner's checksum
+/// check), and the engine's extra groups leave none to go stale.
 #[test]
 fn the_elastic_loop_runs_with_pytorch_workers_generating_whole_responses() {
     let Some(python) = torch_python() else { return };
@@ -522,7 +527,7 @@ fn the_elastic_loop_runs_with_pytorch_workers_generating_whole_responses() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let lends: Vec<_> = log.iter().filter(|d| d["action"] == "lend").collect();
-    assert!(lends.len() >= 2 && lends.iter().all(|d| d["weights_transport"] == "host"), "{log:?}");
+    assert!(lends.len() >= 2 && lends.iter().all(|d| d["weights_transport"] == "ipc"), "{log:?}");
     assert!(lends.iter().all(|d| d["weights_bytes"].as_u64() > Some(0)), "{log:?}");
     assert_eq!(log.iter().filter(|d| d["action"] == "reclaim").count(), lends.len(), "{log:?}");
     // The trainer's communicators (the weight-sync group's) slept with it while it lent its device.
