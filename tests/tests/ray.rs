@@ -204,10 +204,11 @@ fn async_mode_trains_on_one_node_and_generates_on_the_other() {
 }
 
 /// Elastic mode through Ray, 2 nodes x 1 device, on a rollout-bound job (a 4B model's decode at
-/// 1% of the modelled peak: the trainer waits for its first batch long past the switch): the lent
-/// engine is placed in the trainer's device bundle on the trainer's node, the trainer lends it its
-/// device (the engines' weights by IPC, both being built-in workers on one node) and gets it back
-/// with its exact bytes (the run's checksum check), and never do both hold the device's memory.
+/// 5% of the modelled peak: the first batch takes over a second; `elastic.lend_after_s` small so
+/// that the lend before it does not depend on the machine's speed): the lent engine is placed in
+/// the trainer's device bundle on the trainer's node, the trainer lends it its device (the
+/// engines' weights by IPC, both being built-in workers on one node) and gets it back with its
+/// exact bytes (the run's checksum check), and never do both hold the device's memory.
 #[test]
 fn elastic_mode_lends_the_trainers_device_on_its_node_to_the_engine_beside_it() {
     let Some(py) = ray_python() else { return };
@@ -228,7 +229,9 @@ fn elastic_mode_lends_the_trainers_device_on_its_node_to_the_engine_beside_it() 
         "--set",
         "compute.model=true",
         "--set",
-        "compute.rollout_mfu=0.01",
+        "compute.rollout_mfu=0.05",
+        "--set",
+        "elastic.lend_after_s=0.05",
     ];
     let out = ray_run(py, dir.path(), &args).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
