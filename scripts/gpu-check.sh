@@ -25,12 +25,15 @@
 # program's two process groups (1-rank communicators: NCCL refuses two ranks on one GPU), our hook under torch_memory_saver's own package
 # side by side with its library), `relax-colocate run` with the built-in workers and with PyTorch workers
 # (scripts/torch_worker.py: a small transformer trained with AdamW, weights, KV cache and a
-# captured CUDA graph in tags), `relax-colocate run --mode async` (two GPUs or more: trainer and rollout
-# on one each, weights broadcast over NCCL; built-in and PyTorch workers) and `relax-colocate bench`.
+# captured CUDA graph in tags; weights through the host, then by CUDA IPC), `relax-colocate run
+# --mode async` (two GPUs or more: trainer and rollout on one each, weights broadcast over NCCL;
+# built-in and PyTorch workers), `relax-colocate run --mode elastic` on the same GPUs with a
+# rollout-bound job (the waiting trainer lends its GPU to an engine and gets its exact bytes back;
+# built-in and PyTorch workers) and `relax-colocate bench`.
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
 prepare() {
@@ -118,6 +121,31 @@ use_simulator() {
   vars=$("$kit/bin/tms-sim" env --lib "$kit/lib" --node "$1-$$" --dir "$outdir/sim" --memory 2GiB --devices 1) ||
     die "tms-sim env failed"
   eval "$vars"
+}
+
+# A rollout-bound job for the built-in workers: a 4B model's decode at 1% of the modelled peak keeps
+# the trainer waiting for samples about half the time, long past the switch, so elastic mode lends.
+ROLLOUT_BOUND=(--memory-profile qwen3-4b --set memory.scale=0.002 --set compute.model=true
+  --set compute.rollout_mfu=0.01)
+
+# `relax-colocate run --mode elastic` on 2 devices as check NAME, its run directory OUT, then check
+# NAME-lent: the run lent the trainer's device at least once, no engine had to be paused from
+# outside, and the reclaims' checks (the trainer's exact bytes back) are among those that passed.
+elastic_run() {
+  local name="$1" out="$2"
+  shift 2
+  check "$name" 420 "$kit/bin/relax-colocate" run --mode elastic --devices 2 --steps 3 --out "$out" "$@"
+  [ -f "$out/summary.json" ] || return 0
+  check "$name-lent" 30 python3 -c '
+import json, sys
+s = json.load(open(sys.argv[1]))
+e = s["async"]["elastic"]
+print(json.dumps(e, indent=1))
+assert s["status"] == "ok" and s["checks"]["passed"] > 0, s.get("failure")
+assert e["lends"] >= 1, "the trainer never lent its device"
+assert e["lent_tokens"] > 0, "the lent engine generated nothing"
+assert e["forced_reclaims"] == 0, "an engine was paused from outside: %s" % e["retired_engines"]
+' "$out/summary.json"
 }
 
 # One tag's memory on every device, paused and resumed together (each device's free memory,
@@ -257,8 +285,11 @@ run() {
     [ $sim = 0 ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2' && transport=host
     check relax-colocate-run-async 300 "$kit/bin/relax-colocate" run --device "$device" --mode async --devices 2 \
       --weight-transport "$transport" --steps 5 --out "$outdir/run-async"
+    elastic_run relax-colocate-run-elastic "$outdir/run-elastic" --device "$device" --weight-transport "$transport" \
+      "${ROLLOUT_BOUND[@]}"
   else
     skip relax-colocate-run-async "async mode needs 2 GPUs and this machine has ${gpus:-0}"
+    skip relax-colocate-run-elastic "elastic mode needs 2 GPUs and this machine has ${gpus:-0}"
   fi
   if [ $sim = 1 ]; then
     skip relax-colocate-run-torch "PyTorch workers on the simulator run in the test suite (cargo test), not in the kit"
@@ -268,13 +299,23 @@ run() {
     local worker="python3 $kit/scripts/torch_worker.py"
     check relax-colocate-run-torch 420 "$kit/bin/relax-colocate" run --device "$device" --steps 10 \
       --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" --out "$outdir/run-torch"
+    # The same hand-over by CUDA IPC: the trainer's cudaMalloc'd buffer opened by the rollout.
+    check relax-colocate-run-torch-ipc 420 "$kit/bin/relax-colocate" run --device "$device" --steps 3 \
+      --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" --weight-transport ipc \
+      --out "$outdir/run-torch-ipc"
     # Async, the weights broadcast over torch.distributed with the NCCL PyTorch brings.
     if [ "${gpus:-0}" -ge 2 ]; then
       check relax-colocate-run-torch-async 420 "$kit/bin/relax-colocate" run --device "$device" --mode async \
         --devices 2 --steps 5 --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" \
         --out "$outdir/run-torch-async"
+      # The lend's weights go by CUDA IPC; decoding at the pace of a 10-TFLOPS device at 0.1% MFU
+      # keeps the trainer waiting for its batches.
+      elastic_run relax-colocate-run-torch-elastic "$outdir/run-torch-elastic" --device "$device" \
+        --memory-profile tiny --trainer-cmd "$worker" --rollout-cmd "$worker" --set compute.model=true \
+        --set compute.tflops=10 --set compute.rollout_mfu=0.001 --set elastic.lend_after_s=0.05
     else
       skip relax-colocate-run-torch-async "async mode needs 2 GPUs and this machine has ${gpus:-0}"
+      skip relax-colocate-run-torch-elastic "elastic mode needs 2 GPUs and this machine has ${gpus:-0}"
     fi
   fi
   # Side by side with torch_memory_saver's library when the kit carries it, for this machine's
@@ -344,14 +385,17 @@ run_npu() {
   if [ "$sim" = 1 ]; then
     check relax-colocate-run-async 300 "$kit/bin/relax-colocate" run --device sim --set sim.api=acl --mode async \
       --devices 2 --steps 5 --out "$outdir/run-async"
+    elastic_run relax-colocate-run-elastic "$outdir/run-elastic" --device sim --set sim.api=acl "${ROLLOUT_BOUND[@]}"
   else
     local npus
     npus=$(npu-smi info -l 2>/dev/null | grep -c 'NPU ID' || true)
     if [ "${npus:-0}" -ge 2 ]; then
       check relax-colocate-run-async 300 "$kit/bin/relax-colocate" run --device npu --mode async --devices 2 \
         --steps 5 --out "$outdir/run-async"
+      elastic_run relax-colocate-run-elastic "$outdir/run-elastic" --device npu "${ROLLOUT_BOUND[@]}"
     else
       skip relax-colocate-run-async "async mode needs 2 NPUs and this machine has ${npus:-0}"
+      skip relax-colocate-run-elastic "elastic mode needs 2 NPUs and this machine has ${npus:-0}"
     fi
   fi
   if [ "$sim" = 1 ]; then

@@ -33,7 +33,9 @@ off-policy correction's importance weight when the runner sends one (`is_weights
 truncated importance sampling, docs/async.md), with the k1/k2/k3 KL to the reference in the
 loss, the three aggregations, minibatches, epochs, gradient clipping and AdamW. The weights
 cross to the rollout through the runner's shared file, one bucket at a time, staged in a device
-buffer outside any region. PPO (a value head) is not implemented: `values` is refused.
+buffer outside any region, or with `--weight-transport ipc` (and for elastic mode's lends) through a
+device buffer of the trainer's that the rollout on its device opens by CUDA IPC handle, no host
+copy between them. PPO (a value head) is not implemented: `values` is refused.
 
 In async mode (`relax-colocate run --mode async`, docs/async.md) the same worker is the trainer on
 devices of its own and the rollout engines on others. The rollout does partial rollouts: it
@@ -51,6 +53,7 @@ repository, which is found next to this script).
 """
 
 import atexit
+import ctypes
 import hashlib
 import mmap
 import os
@@ -605,10 +608,9 @@ def update_begin(p):
     return {"buckets": -(-total // bucket), "bytes": total}
 
 
-def bucket_pieces(i):
-    """(weight's bytes, slice of them, offset in the bucket) for every weight bucket i covers, on
-    the rollout; the trainer's one piece is its snapshot."""
-    bucket = state["transfer"][2]
+def bucket_pieces(i, bucket):
+    """(weight's bytes, slice of them, offset in the bucket) for every weight bucket i (of
+    `bucket` bytes) covers, on the rollout; the trainer's one piece is its snapshot."""
     lo, hi = i * bucket, (i + 1) * bucket
     if state["role"] == "trainer":
         total = state["snapshot"].numel()
@@ -632,7 +634,7 @@ def stream_pieces(lo, hi):
 def pack(p):
     f, m, bucket, staging = state["transfer"]
     n = 0
-    for src, part, off in bucket_pieces(p["bucket"]):
+    for src, part, off in bucket_pieces(p["bucket"], bucket):
         length = part.stop - part.start
         staging[off:off + length].copy_(src[part])
         n = off + length
@@ -643,7 +645,7 @@ def pack(p):
 @torch.no_grad()
 def unpack(p):
     f, m, bucket, staging = state["transfer"]
-    pieces = list(bucket_pieces(p["bucket"]))
+    pieces = list(bucket_pieces(p["bucket"], bucket))
     n = pieces[-1][2] + (pieces[-1][1].stop - pieces[-1][1].start) if pieces else 0
     staging[:n].copy_(torch.frombuffer(bytearray(m[0:n]), dtype=torch.uint8))
     for dst, part, off in pieces:
@@ -659,6 +661,127 @@ def update_end(p):
     del staging
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    return {}
+
+
+# The IPC weight transport (docs/worker-protocol.md), as slime's colocated update_weights_from_tensor
+# moves weights: the trainer exports a device buffer of one bucket by its CUDA IPC handle, the engine
+# on its device opens it, and each bucket goes from the trainer's snapshot through the buffer into
+# the engine's weights, no host file between them. The buffer comes from cudaMalloc itself, outside
+# every region and outside torch's caching allocator: a cached block may sit inside a larger
+# segment, and a handle names the whole allocation (the importer gets its start), so only an
+# allocation of its own is named exactly by its handle. CUDA has no importer whitelist:
+# `importers` is for Ascend's, and the torch worker runs on CUDA only.
+CUDA_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]  # cudaIpcMemHandle_t
+
+
+class DeviceBytes:
+    """`n` bytes at device address `ptr`, for torch.as_tensor (the CUDA array interface)."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+def cudart():
+    """The CUDA runtime torch itself loaded: dlopen by its soname returns the loaded object."""
+    lib = state.get("cudart")
+    if lib is None:
+        lib = ctypes.CDLL("libcudart.so.%s" % torch.version.cuda.split(".")[0])
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cudaFree.argtypes = [ctypes.c_void_p]
+        lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(IpcHandle), ctypes.c_void_p]
+        lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcHandle, ctypes.c_uint]
+        lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        state["cudart"] = lib
+    return lib
+
+
+def cuda_call(what, rc):
+    if rc != 0:
+        raise rw.WorkerError("oom" if rc == 2 else "device", "%s returned CUDA error %d" % (what, rc))
+
+
+def open_ipc(method, exported):
+    ipc = state.get("ipc")
+    if not ipc or ipc["exported"] != exported:
+        first = "ipc_export" if exported else "ipc_import"
+        raise rw.WorkerError("bad_request", "%s before %s" % (method, first))
+    return ipc
+
+
+def ipc_pid(p):
+    return {"pid": os.getpid()}
+
+
+def ipc_export(p):
+    if state.get("ipc"):
+        raise rw.WorkerError("bad_request", "ipc_export while the last export is still open (ipc_close first)")
+    bucket = p.get("bucket_bytes", 0)
+    if bucket <= 0:
+        raise rw.WorkerError("bad_request", "bucket_bytes must be positive")
+    total = stream_bytes(state["model"])
+    n = max(1, min(bucket, total))
+    lib, ptr, handle = cudart(), ctypes.c_void_p(), IpcHandle()
+    cuda_call("cudaMalloc(%d)" % n, lib.cudaMalloc(ctypes.byref(ptr), n))
+    rc = lib.cudaIpcGetMemHandle(ctypes.byref(handle), ptr)
+    if rc != 0:
+        lib.cudaFree(ptr)
+        cuda_call("cudaIpcGetMemHandle", rc)
+    buf = torch.as_tensor(DeviceBytes(ptr.value, n), device=state["device"])
+    state["ipc"] = {"ptr": ptr.value, "bucket": bucket, "buf": buf, "exported": True}
+    return {"handle": bytes(handle).hex(), "buffer_bytes": n, "buckets": -(-total // bucket), "bytes": total}
+
+
+def ipc_import(p):
+    if state.get("ipc"):
+        raise rw.WorkerError("bad_request", "ipc_import while the last import is still open (ipc_close first)")
+    raw = bytes.fromhex(p.get("handle", ""))
+    n, bucket = p.get("buffer_bytes", 0), p.get("bucket_bytes", 0)
+    if len(raw) != ctypes.sizeof(IpcHandle) or n <= 0 or bucket <= 0:
+        raise rw.WorkerError("bad_request", "ipc_import needs the 64-byte handle of ipc_export, buffer_bytes and "
+                             "bucket_bytes")
+    ptr = ctypes.c_void_p()
+    cuda_call("cudaIpcOpenMemHandle", cudart().cudaIpcOpenMemHandle(
+        ctypes.byref(ptr), IpcHandle.from_buffer_copy(raw), CUDA_IPC_LAZY_ENABLE_PEER_ACCESS))
+    buf = torch.as_tensor(DeviceBytes(ptr.value, n), device=state["device"])
+    state["ipc"] = {"ptr": ptr.value, "bucket": bucket, "buf": buf, "exported": False}
+    return {}
+
+
+@torch.no_grad()
+def ipc_pack(p):
+    ipc = open_ipc("ipc_pack", True)
+    for src, part, off in bucket_pieces(p["bucket"], ipc["bucket"]):
+        ipc["buf"][off:off + part.stop - part.start].copy_(src[part])
+    torch.cuda.synchronize()
+    return {}
+
+
+@torch.no_grad()
+def ipc_copy(p):
+    ipc = open_ipc("ipc_copy", False)
+    for dst, part, off in bucket_pieces(p["bucket"], ipc["bucket"]):
+        dst[part].copy_(ipc["buf"][off:off + part.stop - part.start])
+    torch.cuda.synchronize()
+    return {}
+
+
+def ipc_close(p):
+    """The engine closes its import; the trainer (after it) frees the exported buffer."""
+    ipc = state.pop("ipc", None)
+    if ipc:
+        torch.cuda.synchronize()
+        del ipc["buf"]
+        lib = cudart()
+        if ipc["exported"]:
+            cuda_call("cudaFree", lib.cudaFree(ipc["ptr"]))
+        else:
+            cuda_call("cudaIpcCloseMemHandle", lib.cudaIpcCloseMemHandle(ipc["ptr"]))
     return {}
 
 
@@ -804,5 +927,7 @@ if __name__ == "__main__":
         "init": init, "checksum": checksum, "generate": generate, "log_probs": log_probs, "train": train,
         "values": values, "update_begin": update_begin, "pack": pack, "unpack": unpack,
         "update_end": update_end, "group_id": group_id, "group_init": group_init,
-        "broadcast_weights": broadcast_weights, "group_destroy": group_destroy, "shutdown": shutdown,
+        "broadcast_weights": broadcast_weights, "group_destroy": group_destroy, "ipc_pid": ipc_pid,
+        "ipc_export": ipc_export, "ipc_import": ipc_import, "ipc_pack": ipc_pack, "ipc_copy": ipc_copy,
+        "ipc_close": ipc_close, "shutdown": shutdown,
     }), implementation="torch_worker.py (torch %s)" % torch.__version__)

@@ -64,6 +64,7 @@ class Connection:
 # picks one only for workers that speak it.
 TRANSPORT_METHODS = {
     "broadcast": ("group_id", "group_init", "broadcast_weights", "group_destroy"),
+    "ipc": ("ipc_pid", "ipc_export", "ipc_import", "ipc_pack", "ipc_copy", "ipc_close"),
 }
 
 

@@ -3,7 +3,8 @@
 //! simulator, once as `run --sim` (the checks that need no PyTorch) and once as the GPU run itself
 //! with the simulator standing in for the driver and the PyTorch test environment for the
 //! machine's Python (the real-device code paths: the runtime search, the wheel installed into a
-//! fresh environment, the torch scenarios with TMS_TEST_REAL_DEVICE=1).
+//! fresh environment, the torch scenarios with TMS_TEST_REAL_DEVICE=1). Its elastic run, on the
+//! simulator's CUDA and ACL sides, must have lent the trainer's device at least once.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -76,6 +77,16 @@ fn results(summary: &serde_json::Value) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The kit's elastic check printed the run's elastic block: a lend happened and the engine
+/// generated (what the check asserted, read here so that a check that asserts nothing fails).
+fn elastic_lent(log: &Path) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let block: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert!(block["lends"].as_u64() >= Some(1), "{block}");
+    assert!(block["lent_tokens"].as_u64() > Some(0), "{block}");
+    assert_eq!(block["forced_reclaims"], 0, "{block}");
+}
+
 #[test]
 fn the_kit_is_small_and_self_contained() {
     let kit = kit();
@@ -135,11 +146,14 @@ fn the_kit_passes_on_the_simulator() {
         "c-multi-device",
         "relax-colocate-run",
         "relax-colocate-run-async",
+        "relax-colocate-run-elastic",
+        "relax-colocate-run-elastic-lent",
         "relax-colocate-bench",
     ] {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
     }
     assert!(md.contains("| check | result |"), "{md}");
+    elastic_lent(&out.path().join("logs/relax-colocate-run-elastic-lent.log"));
     // The kit carries torch_memory_saver's own libraries when the test environment has them
     // (prepare takes them from there): the bench then runs them side by side with ours.
     if kit().join("upstream").is_dir() {
@@ -174,10 +188,13 @@ fn the_ascend_kit_passes_on_the_simulators_acl_side() {
         "acl-multi-device",
         "relax-colocate-run",
         "relax-colocate-run-async",
+        "relax-colocate-run-elastic",
+        "relax-colocate-run-elastic-lent",
         "relax-colocate-bench",
     ] {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
     }
+    elastic_lent(&out.path().join("logs/relax-colocate-run-elastic-lent.log"));
 }
 
 #[test]
@@ -203,7 +220,13 @@ fn the_gpu_run_itself_passes_with_the_simulator_as_the_gpu() {
     assert_eq!(code, 0, "{md}");
     assert_eq!(summary["failed"], 0, "{md}");
     let got = results(&summary);
-    for name in ["torch-consumers", "c-cycles-100-with-backup", "relax-colocate-run", "relax-colocate-run-torch"] {
+    for name in [
+        "torch-consumers",
+        "c-cycles-100-with-backup",
+        "relax-colocate-run",
+        "relax-colocate-run-torch",
+        "relax-colocate-run-torch-ipc",
+    ] {
         assert!(got.iter().any(|(n, r)| n == name && r == "pass"), "{name} did not pass:\n{md}");
     }
 }

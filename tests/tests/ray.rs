@@ -1,7 +1,8 @@
 //! `relax-colocate run --launcher ray` on a throwaway local Ray cluster (`--ray-address local`):
 //! 2 nodes x 2 devices run the same cycle and checks as the local launcher, each node its own
 //! simulated device node; async mode trains on one node and generates on the other, the weights
-//! broadcast between them over the simulated NCCL; a worker killed, hung or losing its node's agent mid-run fails the run
+//! broadcast between them over the simulated NCCL, and elastic mode lends the trainer's device to
+//! the engine Ray placed beside it on its node; a worker killed, hung or losing its node's agent mid-run fails the run
 //! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
 //! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
 //! processes of one node, and those of chosen Ray actors (their hooked child processes). Without
@@ -198,6 +199,83 @@ fn async_mode_trains_on_one_node_and_generates_on_the_other() {
     assert_eq!(placed["trainer-0"]["node"], "node0", "{placed}");
     assert_eq!(placed["rollout-1"]["node"], "node1", "{placed}");
     assert!(placed.get("rollout-0").is_none() && placed.get("trainer-1").is_none(), "one role per device: {placed}");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+/// Elastic mode through Ray, 2 nodes x 1 device, on a rollout-bound job (a 4B model's decode at
+/// 5% of the modelled peak: the first batch takes over a second; `elastic.lend_after_s` small so
+/// that the lend before it does not depend on the machine's speed): the lent engine is placed in
+/// the trainer's device bundle on the trainer's node, the trainer lends it its device (the
+/// engines' weights by IPC, both being built-in workers on one node) and gets it back with its
+/// exact bytes (the run's checksum check), and never do both hold the device's memory.
+#[test]
+fn elastic_mode_lends_the_trainers_device_on_its_node_to_the_engine_beside_it() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--mode",
+        "elastic",
+        "--nodes",
+        "2",
+        "--devices",
+        "1",
+        "--steps",
+        "2",
+        "--memory-profile",
+        "qwen3-4b",
+        "--set",
+        "memory.scale=0.002",
+        "--set",
+        "compute.model=true",
+        "--set",
+        "compute.rollout_mfu=0.05",
+        "--set",
+        "elastic.lend_after_s=0.05",
+    ];
+    let out = ray_run(py, dir.path(), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(metrics_lines(dir.path()), 2);
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok", "{summary}");
+    let e = &summary["async"]["elastic"];
+    assert_eq!(summary["async"]["mode"], "elastic", "{summary}");
+    assert!(e["lends"].as_u64().unwrap() >= 1, "the waiting trainer never lent its device: {e}");
+    assert!(e["lent_tokens"].as_u64().unwrap() > 0, "the lent engine generated nothing: {e}");
+    assert_eq!(e["forced_reclaims"], 0, "{e}");
+    let log: Vec<Value> = std::fs::read_to_string(dir.path().join("lending.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let lends: Vec<&Value> = log.iter().filter(|d| d["action"] == "lend").collect();
+    assert!(lends.len() >= 2 && lends.iter().all(|d| d["weights_transport"] == "ipc"), "{log:?}");
+    assert_eq!(log.iter().filter(|d| d["action"] == "reclaim").count(), lends.len(), "{log:?}");
+    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
+    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
+    let placed: Value = serde_json::from_str(placed).unwrap();
+    let (trainer, lent) = (&placed["trainer-0"], &placed["lent-rollout-0"]);
+    assert_eq!(trainer["node"], "node0", "{placed}");
+    assert_eq!(placed["rollout-1"]["node"], "node1", "{placed}");
+    assert_eq!(
+        (&lent["node"], &lent["accelerator_id"], &lent["device"]),
+        (&trainer["node"], &trainer["accelerator_id"], &trainer["device"]),
+        "the lent engine shares the trainer's device: {placed}"
+    );
+    // Every phase's sample: the trainer or its lent engine holds the device, never both.
+    let memory = std::fs::read_to_string(dir.path().join("memory.jsonl")).unwrap();
+    let held = |s: &Value, w: &str| -> u64 {
+        let tags = s["workers"][w].as_object().cloned().unwrap_or_default();
+        tags.iter().filter(|(t, _)| *t != "nccl").map(|(_, b)| b.as_u64().unwrap()).sum()
+    };
+    let mut lent_phases = 0;
+    for s in memory.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()) {
+        let (t, l) = (held(&s, "trainer-0"), held(&s, "lent-rollout-0"));
+        assert!(t == 0 || l == 0, "both sides hold node0's device after {}: {s}", s["phase"]);
+        lent_phases += usize::from(s["phase"] == "lend" && l > 0);
+    }
+    assert_eq!(lent_phases, lends.len(), "the engine held the device after every lend");
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }

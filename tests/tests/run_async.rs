@@ -6,7 +6,8 @@
 //! or never joins the weight-sync group fails the run naming it with nothing left behind; device
 //! sets and transports that cannot work exit 2 naming the key. Elastic mode lends a waiting
 //! trainer's device and gets it back with the trainer's exact bytes, never both sides on it at
-//! once, and a lent engine that keeps the device is paused from outside while the run goes on.
+//! once, a lend drops no sample to staleness (the engines stay within the queue's capacity), and
+//! a lent engine that keeps the device is paused from outside while the run goes on.
 
 use serde_json::Value;
 use tms_e2e::runner::*;
@@ -595,6 +596,24 @@ fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_
         m.iter().all(|r| r["elastic/switch_time"].is_number() && r["elastic/trainer_device_idle_ratio"].is_number())
     );
     assert_eq!(summary["status"], "ok");
+}
+
+/// The batch a reclaim waits to hand the trainer counts among the groups under way: else, while the
+/// lent engine finishes its segment, the other engine starts a batch past async's queue capacity,
+/// whose groups go stale in the queue (a quarter of the samples dropped at max_staleness 1, whole
+/// responses, before this was counted).
+#[test]
+fn a_lend_keeps_the_engines_within_the_queue_capacity_and_drops_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = WAITING_TRAINER.to_vec();
+    let tight = ["--max-staleness", "1", "--set", "async.segment_tokens=0", "--set", "elastic.lend_after_s=0.05"];
+    args.extend(["--steps", "4", "--set", "compute.rollout_mfu=0.05"]);
+    args.extend(tight);
+    let (_, summary) = run_ok(dir.path(), &args);
+    let a = &summary["async"];
+    assert!(a["elastic"]["lends"].as_u64().unwrap() >= 1, "{a}");
+    assert_eq!(a["dropped_stale_samples"], 0, "{a}");
+    assert_eq!(a["samples_trained"].as_u64(), Some(4 * 256), "{a}");
 }
 
 #[test]

@@ -242,8 +242,10 @@ fn torch_memory_saver_own_tests_pass_with_its_package_our_hook_and_our_wheel() {
 
 /// `relax-colocate run` with real PyTorch workers (scripts/torch_worker.py, both roles): a small
 /// transformer trained with AdamW in the trainer's tags, the rollout's weights and KV cache in
-/// its own, weights handed over every step. The runner gives the workers the simulator's Python
-/// start-up hook itself; its checks compare the weights after wake_up and update_weights.
+/// its own, weights handed over every step by CUDA IPC (`--weight-transport ipc`: the trainer's
+/// cudaMalloc'd buffer, opened by the rollout, no byte through the host). The runner gives the
+/// workers the simulator's Python start-up hook itself; its checks compare the weights after
+/// wake_up and update_weights.
 #[test]
 fn the_colocated_cycle_runs_with_pytorch_workers() {
     let Some(python) = torch_python() else { return };
@@ -256,7 +258,7 @@ fn the_colocated_cycle_runs_with_pytorch_workers() {
         .args(["run", "--device", "sim", "--quiet", "--out"])
         .arg(out.path().join("run"))
         .args(["--steps", "2", "--prompts", "4", "--samples", "4", "--memory-profile", "tiny"])
-        .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker])
+        .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker, "--weight-transport", "ipc"])
         .env_remove("LD_PRELOAD")
         .env_remove("PYTHONPATH")
         .env_remove("TMS_SIM_LIB")
@@ -269,6 +271,10 @@ fn the_colocated_cycle_runs_with_pytorch_workers() {
     assert_eq!(summary["status"], "ok", "{summary}");
     assert_eq!(summary["steps_completed"], 2, "{summary}");
     assert!(summary["checks"]["passed"].as_u64().unwrap() >= 10, "{summary}");
+    let w = &summary["weight_sync"];
+    assert_eq!(w["weight_transport"], "ipc", "{w}");
+    assert_eq!(w["update_weights_host_bytes"], 0, "{w}");
+    assert!(w["update_weights_bytes"].as_u64() > Some(0), "{w}");
     // The trainer's tensors were in its tags while it trained and gone from the device asleep.
     let samples: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/memory.jsonl"))
         .unwrap()
@@ -375,9 +381,10 @@ fn the_torch_worker_continues_sequences_after_their_prefix() {
     pytest("test_torch_worker.py");
 }
 
-/// `relax-colocate run --mode async` with the same PyTorch workers on `devices` simulated devices:
-/// the trainer on device 0, a rollout engine on each of the others.
-fn torch_async_cmd(python: &std::path::Path, out: &std::path::Path, devices: u32) -> Command {
+/// `relax-colocate run --mode MODE` (async or elastic) with the same PyTorch workers on `devices`
+/// simulated devices: the trainer on device 0, a rollout engine on each of the others (elastic: and
+/// a lent one beside the trainer).
+fn torch_async_cmd(python: &std::path::Path, out: &std::path::Path, mode: &str, devices: u32) -> Command {
     let ws = workspace();
     let worker =
         format!("env OMP_NUM_THREADS=1 {} {}", python.display(), ws.root.join("scripts/torch_worker.py").display());
@@ -385,7 +392,7 @@ fn torch_async_cmd(python: &std::path::Path, out: &std::path::Path, devices: u32
     cmd.current_dir(out)
         .args(["run", "--device", "sim", "--quiet", "--out"])
         .arg(out.join("run"))
-        .args(["--mode", "async", "--devices", &devices.to_string(), "--steps", "3", "--max-staleness", "1"])
+        .args(["--mode", mode, "--devices", &devices.to_string(), "--steps", "3", "--max-staleness", "1"])
         .args(["--prompts", "4", "--samples", "4", "--memory-profile", "tiny", "--set", "task.digits=3"])
         .args(["--trainer-cmd", &worker, "--rollout-cmd", &worker])
         .env_remove("LD_PRELOAD")
@@ -395,12 +402,18 @@ fn torch_async_cmd(python: &std::path::Path, out: &std::path::Path, devices: u32
     cmd
 }
 
-/// An async run with PyTorch workers: weights moved after every step and checked on every engine
-/// (the runner's checks), samples at most one update stale.
-fn torch_async_run(python: &std::path::Path, out: &std::path::Path, devices: u32, extra: &[&str]) -> serde_json::Value {
-    let run = torch_async_cmd(python, out, devices).args(extra).output().expect("run relax-colocate");
+/// An async (or elastic) run with PyTorch workers: weights moved after every step and checked on
+/// every engine (the runner's checks), samples at most one update stale, none dropped.
+fn torch_async_run(
+    python: &std::path::Path,
+    out: &std::path::Path,
+    mode: &str,
+    devices: u32,
+    extra: &[&str],
+) -> serde_json::Value {
+    let run = torch_async_cmd(python, out, mode, devices).args(extra).output().expect("run relax-colocate");
     let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
-    assert!(run.status.success(), "relax-colocate run --mode async with torch workers {extra:?} failed:\n{text}");
+    assert!(run.status.success(), "relax-colocate run --mode {mode} with torch workers {extra:?} failed:\n{text}");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("run/summary.json")).unwrap()).unwrap();
     assert_eq!(summary["status"], "ok", "{summary}");
@@ -452,6 +465,7 @@ fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences(
     let summary = torch_async_run(
         python,
         out.path(),
+        "async",
         3,
         &[
             "--set",
@@ -482,18 +496,43 @@ fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences(
 }
 
 /// With `async.segment_tokens = 0` the engines get whole-response requests (no `segment_tokens`,
-/// no `responses`), which is how a worker without partial rollouts runs in async mode; the weights
-/// go through the host transport (`--weight-transport host`), the fallback every worker speaks.
+/// no `responses`), which is how a worker without partial rollouts runs in async mode; here in
+/// elastic mode, whose lent engine (a third PyTorch worker, on the trainer's device) generates
+/// while the trainer waits for its first batch (decoding slowed to a modelled device's pace, a
+/// batch taking over a second; `elastic.lend_after_s` small so that the lend does not depend on
+/// the machine's speed). The updates go by broadcast, the trainer's communicators suspended while
+/// it lends its device; the lend's weights go by CUDA IPC (both workers name it), checked on the
+/// lent engine; the reclaim gives the trainer back its exact weights (the runner's checksum
+/// check), and the engine's extra groups leave none to go stale.
 #[test]
-fn the_async_loop_runs_with_pytorch_workers_generating_whole_responses() {
+fn the_elastic_loop_runs_with_pytorch_workers_generating_whole_responses() {
     let Some(python) = torch_python() else { return };
     let out = tempfile::tempdir().unwrap();
-    let summary =
-        torch_async_run(python, out.path(), 2, &["--set", "async.segment_tokens=0", "--weight-transport", "host"]);
+    let modelled = ["compute.model=true", "compute.tflops=10", "compute.rollout_mfu=0.001"];
+    let mut extra = vec!["--set", "async.segment_tokens=0", "--set", "elastic.lend_after_s=0.05"];
+    extra.extend(modelled.iter().flat_map(|s| ["--set", s]));
+    let summary = torch_async_run(python, out.path(), "elastic", 2, &extra);
     let a = &summary["async"];
+    assert_eq!(a["mode"], "elastic", "{a}");
     assert_eq!(a["segment_tokens"].as_u64(), Some(0), "{a}");
     assert_eq!(a["partial_samples"].as_u64(), Some(0), "{a}");
-    assert_eq!(a["weight_transport"], "host", "{a}");
+    assert_eq!(a["weight_transport"], "broadcast", "{a}");
+    let e = &a["elastic"];
+    assert!(e["lends"].as_u64().unwrap() >= 1, "the waiting trainer never lent its device: {e}");
+    assert!(e["lent_tokens"].as_u64().unwrap() > 0, "the lent engine generated nothing: {e}");
+    assert_eq!(e["forced_reclaims"], 0, "{e}");
+    let log: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/lending.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let lends: Vec<_> = log.iter().filter(|d| d["action"] == "lend").collect();
+    assert!(lends.len() >= 2 && lends.iter().all(|d| d["weights_transport"] == "ipc"), "{log:?}");
+    assert!(lends.iter().all(|d| d["weights_bytes"].as_u64() > Some(0)), "{log:?}");
+    assert_eq!(log.iter().filter(|d| d["action"] == "reclaim").count(), lends.len(), "{log:?}");
+    // The trainer's communicators (the weight-sync group's) slept with it while it lent its device.
+    let suspended = &summary["memory"]["communicator_bytes_suspended"]["trainer-0"];
+    assert!(suspended.as_u64() > Some(0), "{summary}");
 }
 
 /// A PyTorch engine that dies as an update's broadcast begins (RELAX_WORKER_FAULT, which
@@ -504,7 +543,7 @@ fn the_async_loop_runs_with_pytorch_workers_generating_whole_responses() {
 fn a_pytorch_engine_that_dies_mid_broadcast_fails_the_run_naming_it() {
     let Some(python) = torch_python() else { return };
     let out = tempfile::tempdir().unwrap();
-    let run = torch_async_cmd(python, out.path(), 2)
+    let run = torch_async_cmd(python, out.path(), "async", 2)
         .env("RELAX_WORKER_FAULT", "broadcast_weights:2:crash:rollout")
         .output()
         .expect("run relax-colocate");

@@ -99,6 +99,14 @@ impl Lending {
         matches!(self.state, State::Lent { .. })
     }
 
+    /// Groups of the trainer's next batch, out of the queue and waiting for the reclaim.
+    pub(super) fn batch_groups(&self) -> usize {
+        match &self.state {
+            State::Reclaiming { batch, .. } => batch.len(),
+            _ => 0,
+        }
+    }
+
     /// Seconds the trainer waits before lending: elastic.lend_after_s, or the switch measured.
     fn threshold(&self, cfg: &Config) -> f64 {
         match cfg.elastic.lend_after_s {
@@ -334,7 +342,10 @@ impl Async {
         l.stats.lends += 1;
         l.stats.lend_s += seconds;
         l.last_lend_s = seconds;
-        let mut decision = json!({"action": "lend", "seconds": seconds, "weights_bytes": moved.bytes});
+        // Host when a worker of the pair lacks ipc (lend_transfer's fallback): say which it was.
+        let transport = if moved.host_bytes > 0 { "host" } else { "ipc" };
+        let mut decision =
+            json!({"action": "lend", "seconds": seconds, "weights_bytes": moved.bytes, "weights_transport": transport});
         if let (Some(d), Value::Object(w)) = (decision.as_object_mut(), why) {
             d.extend(w);
         }

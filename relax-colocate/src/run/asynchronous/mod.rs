@@ -488,7 +488,10 @@ impl Async {
         // Counting the batch in training too: a group started now is trained on within
         // capacity / batch updates, so the default capacity keeps every group within the
         // staleness bound. With nothing else under way an engine always may start a full batch.
-        let under_way = self.generating_groups() + self.training_groups;
+        // A batch waiting for the reclaim is as good as in training (else a lend lets the engines
+        // run a batch ahead of the capacity, and its groups go stale in the queue).
+        let reclaiming = self.lending.as_ref().map_or(0, lend::Lending::batch_groups);
+        let under_way = self.generating_groups() + self.training_groups + reclaiming;
         if under_way == 0 {
             return free;
         }
