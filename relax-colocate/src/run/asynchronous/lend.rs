@@ -254,7 +254,13 @@ impl Async {
                 let at = trainer_idle_since? + Duration::try_from_secs_f64(l.threshold(&self.cfg)).ok()?;
                 (at > Instant::now()).then_some(at)
             }
-            State::Lent { .. } => None,
+            // The earliest moment a lent engine's segment may count as stuck.
+            State::Lent { .. } => {
+                let now = Instant::now();
+                let in_flight = self.lent_slots().into_iter().filter(|&k| self.engines[k].request.is_some());
+                let due = in_flight.filter_map(|k| self.engines[k].sent_at).map(|t| t + self.reclaim_timeout());
+                due.filter(|at| *at > now).min()
+            }
         }
     }
 
@@ -278,7 +284,9 @@ impl Async {
         }
         let idle = since.elapsed().as_secs_f64();
         let threshold = l.threshold(&self.cfg);
-        if idle < threshold || (self.orphans.is_empty() && self.fresh_groups_for(0, true) == 0) {
+        // Work for the lent engines: groups to continue or to share, or room for new ones.
+        let work = !self.orphans.is_empty() || self.generating_groups() > 0 || self.fresh_groups_for(0, true) > 0;
+        if idle < threshold || !work {
             return Ok(());
         }
         let switch = l.switch_s.unwrap_or(0.0);
@@ -376,7 +384,7 @@ impl Async {
             if since.elapsed() < self.reclaim_timeout() {
                 return Ok(None);
             }
-            self.retire(&busy)?;
+            self.retire(&busy, "of the reclaim")?;
         }
         self.reclaim().map(Some)
     }
@@ -384,7 +392,7 @@ impl Async {
     /// Lent engines past the reclaim deadline: paused from outside through their control sockets
     /// (their answer is never read), named, never lent again; their groups' tokens so far are kept
     /// for the other engines.
-    fn retire(&mut self, slots: &[usize]) -> R<()> {
+    fn retire(&mut self, slots: &[usize], when: &str) -> R<()> {
         for &k in slots {
             let worker = self.engines[k].worker;
             let name = self.fleet.worker(worker).name.clone();
@@ -394,10 +402,11 @@ impl Async {
             (e.retired, e.awake) = (true, false);
             let groups = std::mem::take(&mut e.groups);
             self.orphans.extend(groups);
+            self.orphans.sort_by_key(|g| g.started);
             let timeout = self.cfg.elastic.reclaim_timeout_s;
             let why = format!(
-                "{name} did not finish its segment within {timeout} s (elastic.reclaim_timeout_s) of the reclaim: its \
-                 memory was paused from outside and it is retired; the run goes on without it"
+                "{name} did not finish its segment within {timeout} s (elastic.reclaim_timeout_s) {when}: its memory \
+                 was paused from outside and it is retired; the run goes on without it"
             );
             eprintln!("relax-colocate run: step {}: {why}", self.step());
             self.rec.log_decision(json!({"action": "forced_reclaim", "engine": name, "reason": why}));
@@ -406,6 +415,30 @@ impl Async {
             l.stats.retired.push(name);
         }
         Ok(())
+    }
+
+    /// While lent: a lent engine whose segment has run past elastic.reclaim_timeout_s while it
+    /// holds the oldest group under way (the one the trainer's batch waits for) is retired as a
+    /// reclaim would retire it, so that the others can finish its groups.
+    pub(super) fn retire_stuck(&mut self) -> R<()> {
+        if !self.lending.as_ref().is_some_and(Lending::lent) {
+            return Ok(());
+        }
+        let Some(oldest) = self.first_in_flight() else { return Ok(()) };
+        let timeout = self.reclaim_timeout();
+        let stuck: Vec<usize> = self
+            .lent_slots()
+            .into_iter()
+            .filter(|&k| {
+                let e = &self.engines[k];
+                let late = e.sent_at.is_some_and(|t| t.elapsed() >= timeout);
+                late && e.request.is_some() && e.groups.iter().any(|g| g.started == oldest)
+            })
+            .collect();
+        if stuck.is_empty() {
+            return Ok(());
+        }
+        self.retire(&stuck, "while it held the trainer's oldest group")
     }
 
     /// The lent engines sleep (their groups left to the others), the trainers wake and must hold

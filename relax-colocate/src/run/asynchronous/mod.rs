@@ -85,6 +85,8 @@ struct Engine {
     retired: bool,
     /// It took over groups another engine began: its cache holds none of their prefixes.
     adopted: bool,
+    /// When its request in flight was sent.
+    sent_at: Option<Instant>,
 }
 
 /// Where a generated sample belongs: its group and sequence, and the `prompt_index` the reply
@@ -204,6 +206,7 @@ impl Async {
             awake: !lent,
             retired: false,
             adopted: false,
+            sent_at: None,
         };
         let engines = rollouts.iter().map(|&w| (w, false)).chain(lent.iter().map(|&w| (w, true))).map(engine);
         let lending = (cfg.run.mode == Mode::Elastic).then(|| lend::Lending::new(&fleet));
@@ -356,6 +359,7 @@ impl Async {
         if self.lending.as_ref().is_some_and(lend::Lending::reclaiming) {
             return self.try_reclaim();
         }
+        self.retire_stuck()?;
         let first_in_flight = self.first_in_flight();
         let batch = self.queue.take_batch(
             self.cfg.rollout.prompts_per_step,
@@ -461,7 +465,12 @@ impl Async {
             }
             self.adopt_orphans(k);
             let continued = self.engines[k].groups.len();
-            let fresh = self.fresh_groups_for(continued, self.engines[k].lent);
+            // A lent engine waits for a share of the oldest groups before it starts new ones.
+            let fresh = if self.engines[k].lent && self.unshared() {
+                0
+            } else {
+                self.fresh_groups_for(continued, self.engines[k].lent)
+            };
             if continued + fresh == 0 {
                 continue;
             }
@@ -550,6 +559,7 @@ impl Async {
         e.request = Some((request, order));
         e.version = self.version;
         e.adopted = false;
+        e.sent_at = Some(Instant::now());
         Ok(())
     }
 
@@ -642,6 +652,15 @@ impl Async {
             self.share_with_lent(k);
         }
         Ok(())
+    }
+
+    /// Elastic mode: whether an engine of its own device holds more than its share of the groups
+    /// under way (the awake engines' groups over the awake engines).
+    fn unshared(&self) -> bool {
+        let awake: Vec<&Engine> = self.engines.iter().filter(|e| e.awake && !e.retired).collect();
+        let total: usize = awake.iter().map(|e| e.groups.len()).sum();
+        let share = total.div_ceil(awake.len().max(1));
+        awake.iter().any(|e| !e.lent && e.groups.len() > share)
     }
 
     /// Elastic mode, while lent: engine `k`, between segments, hands its oldest unfinished groups
