@@ -465,12 +465,7 @@ impl Async {
             }
             self.adopt_orphans(k);
             let continued = self.engines[k].groups.len();
-            // A lent engine waits for a share of the oldest groups before it starts new ones.
-            let fresh = if self.engines[k].lent && self.unshared() {
-                0
-            } else {
-                self.fresh_groups_for(continued, self.engines[k].lent)
-            };
+            let fresh = self.fresh_groups_for(continued, self.engines[k].lent);
             if continued + fresh == 0 {
                 continue;
             }
@@ -652,15 +647,6 @@ impl Async {
             self.share_with_lent(k);
         }
         Ok(())
-    }
-
-    /// Elastic mode: whether an engine of its own device holds more than its share of the groups
-    /// under way (the awake engines' groups over the awake engines).
-    fn unshared(&self) -> bool {
-        let awake: Vec<&Engine> = self.engines.iter().filter(|e| e.awake && !e.retired).collect();
-        let total: usize = awake.iter().map(|e| e.groups.len()).sum();
-        let share = total.div_ceil(awake.len().max(1));
-        awake.iter().any(|e| !e.lent && e.groups.len() > share)
     }
 
     /// Elastic mode, while lent: engine `k`, between segments, hands its oldest unfinished groups
