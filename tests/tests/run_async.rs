@@ -438,22 +438,7 @@ fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_und
     let dir = tempfile::tempdir().unwrap();
     // A 4B model's device time on the modelled device, decoding at 1% of its peak, makes
     // generation slow enough that updates land while sequences are in flight.
-    let args = [
-        "--mode",
-        "async",
-        "--devices",
-        "2",
-        "--steps",
-        "4",
-        "--memory-profile",
-        "qwen3-4b",
-        "--set",
-        "memory.scale=0.002",
-        "--set",
-        "compute.model=true",
-        "--set",
-        "compute.rollout_mfu=0.01",
-    ];
+    let args = [&["--mode", "async", "--devices", "2", "--steps", "4"][..], &ROLLOUT_BOUND].concat();
     let out = run_cmd(dir.path(), &args).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let summary = json(&dir.path().join("summary.json"));
@@ -515,13 +500,10 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("algo.lrr"));
 }
 
-/// A rollout-bound job: a 4B model's decode at 1% of the modelled peak keeps the trainer waiting
-/// for samples about half the time, long past the switch, so elastic mode lends its device.
-const WAITING_TRAINER: [&str; 12] = [
-    "--mode",
-    "elastic",
-    "--devices",
-    "2",
+/// A rollout-bound job: a 4B model's device time on the modelled device, decoding at 1% of its
+/// peak, keeps the trainer waiting for samples about half the time, long past a switch, and
+/// makes updates land while sequences are in flight.
+const ROLLOUT_BOUND: [&str; 8] = [
     "--memory-profile",
     "qwen3-4b",
     "--set",
@@ -531,6 +513,11 @@ const WAITING_TRAINER: [&str; 12] = [
     "--set",
     "compute.rollout_mfu=0.01",
 ];
+
+/// The rollout-bound job in elastic mode: the waiting trainer lends its device.
+fn waiting_trainer() -> Vec<&'static str> {
+    [&["--mode", "elastic", "--devices", "2"][..], &ROLLOUT_BOUND].concat()
+}
 
 fn lending_log(dir: &std::path::Path) -> Vec<Value> {
     let text = std::fs::read_to_string(dir.join("lending.jsonl")).expect("lending.jsonl");
@@ -547,7 +534,7 @@ fn held(sample: &Value, worker: &str) -> u64 {
 #[test]
 fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_exact_bytes() {
     let dir = tempfile::tempdir().unwrap();
-    let mut args = WAITING_TRAINER.to_vec();
+    let mut args = waiting_trainer();
     args.extend(["--steps", "4"]);
     let (_, summary) = run_ok(dir.path(), &args);
     let a = &summary["async"];
@@ -605,7 +592,7 @@ fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_
 #[test]
 fn a_lend_keeps_the_engines_within_the_queue_capacity_and_drops_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut args = WAITING_TRAINER.to_vec();
+    let mut args = waiting_trainer();
     let tight = ["--max-staleness", "1", "--set", "async.segment_tokens=0", "--set", "elastic.lend_after_s=0.05"];
     args.extend(["--steps", "4", "--set", "compute.rollout_mfu=0.05"]);
     args.extend(tight);
@@ -619,7 +606,7 @@ fn a_lend_keeps_the_engines_within_the_queue_capacity_and_drops_nothing() {
 #[test]
 fn a_lent_engine_that_keeps_the_device_is_paused_from_outside_named_and_the_run_goes_on() {
     let dir = tempfile::tempdir().unwrap();
-    let mut args = WAITING_TRAINER.to_vec();
+    let mut args = waiting_trainer();
     args.extend(["--steps", "3", "--set", "elastic.reclaim_timeout_s=1"]);
     // The lent engine's first generate (the lend before step 1) never answers.
     let out = run_cmd(dir.path(), &args).env("RELAX_WORKER_FAULT", "generate:0:hang:lent-rollout-0").output().unwrap();
