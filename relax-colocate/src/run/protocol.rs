@@ -594,7 +594,8 @@ mod tests {
         }
         // Each task step stands for token_scale modelled steps, each paying the latency.
         let scaled = ComputeModel { token_scale: 300.0, ..floored };
-        let extra = scaled.decode_step_seconds(1, 0) - ComputeModel { decode_step_ms: 0.0, ..scaled }.decode_step_seconds(1, 0);
+        let extra =
+            scaled.decode_step_seconds(1, 0) - ComputeModel { decode_step_ms: 0.0, ..scaled }.decode_step_seconds(1, 0);
         assert!((extra - 0.6).abs() < 1e-9, "{extra}");
         // Without a memory floor the latency still adds to the FLOPs.
         let flops_only = ComputeModel { hbm_gbps: None, ..floored };
