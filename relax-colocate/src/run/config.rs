@@ -824,6 +824,17 @@ mod tests {
     }
 
     #[test]
+    fn a_negative_decode_step_latency_is_refused_by_name() {
+        let sets = |ms: &str| {
+            ["compute.model=true", "memory.profile=qwen3-4b", &format!("compute.decode_step_ms={ms}")].map(String::from)
+        };
+        assert_eq!(load(None, &sets("0")).unwrap().compute.decode_step_ms, 0.0);
+        assert_eq!(load(None, &[]).unwrap().compute.decode_step_ms, 2.0);
+        let err = load(None, &sets("-1")).unwrap_err();
+        assert!(err.contains("compute.decode_step_ms must be >= 0"), "{err}");
+    }
+
+    #[test]
     fn nodes_need_the_ray_launcher_and_devices_count_across_nodes() {
         let err = load(None, &["run.nodes=2".into()]).unwrap_err();
         assert!(err.contains("--launcher ray"), "{err}");
