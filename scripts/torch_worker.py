@@ -249,9 +249,11 @@ def decode_s(seqs):
     """Seconds the decode steps of `seqs` take on the modelled device, each sequence given as
     (context tokens before its first new token, new tokens). Each task step stands for
     `token_scale` steps of the modelled job: the longer of their FLOPs at `rollout_mfu` and their
-    reads (the weights, and every active sequence's KV cache) at `hbm_gbps`, as the built-in
-    workers charge them (ComputeModel::decode_step_seconds, docs/async.md)."""
+    reads (the weights, and every active sequence's KV cache) at `hbm_gbps`, plus the fixed
+    `decode_step_ms` each of them pays, as the built-in workers charge them
+    (ComputeModel::decode_step_seconds, docs/async.md)."""
     m = state["compute"]
+    fixed = m["token_scale"] * (m.get("decode_step_ms") or 0.0) / 1e3
     total = 0.0
     for t in range(max((g for _, g in seqs), default=0)):
         live = [c + t for c, g in seqs if t < g]
@@ -262,7 +264,7 @@ def decode_s(seqs):
             kv_tokens = s * (sum(live) + 0.5 * len(live))
             reads = s * (m.get("weight_bytes", 0.0) + m.get("kv_bytes_per_token", 0.0) * kv_tokens)
             compute = max(compute, reads / (gbps * 1e9))
-        total += compute
+        total += compute + fixed
     return total
 
 

@@ -3,7 +3,8 @@ docs/worker-protocol.md), called in-process on a simulated device under the hook
 stops after `segment_tokens` new tokens and says which sequences finished; a sequence sent back
 with its tokens continues after them, its new tokens' log-probs those of the whole sequence
 scored at once under the same weights (so the prefix really conditions what follows); without
-either parameter a request generates what it did before they existed.
+either parameter a request generates what it did before they existed. Its modelled device time
+is charged as the runner's ComputeModel charges it.
 
 Its trainers as data-parallel ranks (init's `trainer_group`): each rank's share of a minibatch
 adds up to the whole one (importance weights included; weights of 1 are none, 0 removes a token's
@@ -87,6 +88,38 @@ print("worst_logprob_diff=%g" % worst)
 def test_generate_continues_prefixes_in_segments(sim):
     out = sim.ok(SCENARIO.format(scripts=str(SCRIPTS)), preload=sim.hook, extra={"OMP_NUM_THREADS": "1"})
     assert float(out["worst_logprob_diff"]) < 1e-4
+
+
+CHARGE = r"""
+import sys
+sys.path.insert(0, {scripts!r})
+import torch_worker as tw
+
+# Qwen3-4B on an H100's datasheet figures, as relax-colocate's protocol tests model it.
+block = {{"forward_flops_per_token": 8e9, "tflops": 989.0, "train_mfu": 0.4, "rollout_mfu": 0.3,
+          "token_scale": 1.0, "trainers": 1.0, "hbm_gbps": 3350.0, "weight_bytes": 8e9,
+          "kv_bytes_per_token": 147456.0, "decode_step_ms": 2.0}}
+tw.state["compute"] = dict(block)
+print("one_step=%r" % tw.decode_s([(0, 1)]))
+tw.state["compute"] = dict(block, token_scale=300.0)
+print("scaled=%r" % tw.decode_s([(4, 3), (4, 1)]))
+del block["decode_step_ms"]
+tw.state["compute"] = dict(block, token_scale=300.0)
+print("scaled_without=%r" % tw.decode_s([(4, 3), (4, 1)]))
+"""
+
+
+def test_decode_is_charged_as_the_runner_models_it(sim):
+    """torch_worker.py charges a decode step as ComputeModel::decode_step_seconds does: one
+    sequence at an empty context reads the weights and half a token of KV at `hbm_gbps`, then
+    pays `decode_step_ms` (the Rust unit test pins the same figure); each task step stands for
+    `token_scale` modelled steps, each paying it whatever the batch; a block without the key (an
+    older runner) pays the roofline alone."""
+    out = sim.ok(CHARGE.format(scripts=str(SCRIPTS)), preload=sim.hook, extra={"OMP_NUM_THREADS": "1"})
+    assert abs(float(out["one_step"]) - (8e9 / 3350e9 + 147456 * 0.5 / 3350e9 + 0.002)) < 1e-12, out
+    # Three task steps (one with two sequences, two with one), 300 modelled steps each, 2 ms each.
+    extra = float(out["scaled"]) - float(out["scaled_without"])
+    assert abs(extra - 3 * 300 * 0.002) < 1e-9, out
 
 
 SHARES = r"""

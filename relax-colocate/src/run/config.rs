@@ -142,6 +142,7 @@ pub struct ComputeSection {
     pub rollout_mfu: f64,
     pub token_scale: f64,
     pub hbm_gbps: f64,
+    pub decode_step_ms: f64,
 }
 
 /// Who places the workers: child processes of the runner, or Ray (docs/ray.md).
@@ -454,6 +455,10 @@ impl Config {
             (mfu(c.train_mfu) && mfu(c.rollout_mfu), "compute.train_mfu and compute.rollout_mfu must be in (0, 1]"),
             (c.token_scale > 0.0 && c.token_scale.is_finite(), "compute.token_scale must be > 0"),
             (c.hbm_gbps >= 0.0 && c.hbm_gbps.is_finite(), "compute.hbm_gbps must be >= 0 (0: no memory floor)"),
+            (
+                c.decode_step_ms >= 0.0 && c.decode_step_ms.is_finite(),
+                "compute.decode_step_ms must be >= 0 (0: decode steps cost their roofline alone)",
+            ),
             (
                 self.memory.profile != "none",
                 "compute.model = true needs a memory profile (memory.profile): its parameter count sets the FLOPs \
@@ -816,6 +821,17 @@ mod tests {
         let f = dir.path().join("c.toml");
         std::fs::write(&f, "[algo]\nname = \"ppo\"\nbogus = 1\n").unwrap();
         assert!(load(Some(&f), &[]).unwrap_err().contains("algo.bogus"));
+    }
+
+    #[test]
+    fn a_negative_decode_step_latency_is_refused_by_name() {
+        let sets = |ms: &str| {
+            ["compute.model=true", "memory.profile=qwen3-4b", &format!("compute.decode_step_ms={ms}")].map(String::from)
+        };
+        assert_eq!(load(None, &sets("0")).unwrap().compute.decode_step_ms, 0.0);
+        assert_eq!(load(None, &[]).unwrap().compute.decode_step_ms, 2.0);
+        let err = load(None, &sets("-1")).unwrap_err();
+        assert!(err.contains("compute.decode_step_ms must be >= 0"), "{err}");
     }
 
     #[test]

@@ -299,6 +299,7 @@ fn compute_model(cfg: &Config, fleet: &Fleet, profile: &Profile) -> Option<Compu
         hbm_gbps: (c.hbm_gbps > 0.0).then_some(c.hbm_gbps),
         weight_bytes: 2.0 * profile.params_per_device as f64,
         kv_bytes_per_token: profile.kv_bytes_per_token as f64,
+        decode_step_ms: c.decode_step_ms,
     })
 }
 
@@ -318,11 +319,14 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
     } else {
         ""
     };
-    let memory = if c.hbm_gbps > 0.0 {
+    let mut memory = if c.hbm_gbps > 0.0 {
         format!(", decode steps no faster than their weight and KV reads at {} GB/s", c.hbm_gbps)
     } else {
         String::new()
     };
+    if c.decode_step_ms > 0.0 {
+        memory += &format!(", each decode step {} ms more (launches, scheduler, sampling)", c.decode_step_ms);
+    }
     format!(
         "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device at MFU {} (train) and {} (rollout){memory}, \
          each task token standing for {}; every request lasts at least that{caveat}",

@@ -205,6 +205,11 @@ pub struct ComputeModel {
     /// Bytes of K and V per token of context on one device.
     #[serde(default)]
     pub kv_bytes_per_token: f64,
+    /// Milliseconds every decode step costs beyond its roofline: kernel launches, the engine's
+    /// scheduler, sampling, the device-to-host sync of the sampled tokens. Absent (a runner that
+    /// predates it): 0, the roofline alone.
+    #[serde(default)]
+    pub decode_step_ms: f64,
 }
 
 impl ComputeModel {
@@ -219,15 +224,17 @@ impl ComputeModel {
     /// `context` task tokens in all. It stands for `token_scale` steps of the modelled job, each
     /// the longer of its FLOPs at `rollout_mfu` and its reads (the weights, and each sequence's
     /// KV cache, which grows over those steps) at the memory bandwidth: the roofline of a decode
-    /// step, which small batches spend waiting on memory.
+    /// step, which small batches spend waiting on memory. Each modelled step then pays the fixed
+    /// `decode_step_ms` whatever its batch, which is what makes a batch's last few sequences dear.
     pub fn decode_step_seconds(&self, active: usize, context: usize) -> f64 {
-        let compute = self.seconds(active, 1.0, self.rollout_mfu, 1.0);
-        let Some(gbps) = self.hbm_gbps.filter(|g| *g > 0.0) else { return compute };
         let s = self.token_scale;
+        let fixed = s * self.decode_step_ms / 1e3;
+        let compute = self.seconds(active, 1.0, self.rollout_mfu, 1.0);
+        let Some(gbps) = self.hbm_gbps.filter(|g| *g > 0.0) else { return compute + fixed };
         // Mid-way through the modelled steps each sequence has grown by half of them.
         let kv_tokens = s * (context as f64 + 0.5 * active as f64);
         let bytes = s * (self.weight_bytes + self.kv_bytes_per_token * kv_tokens);
-        compute.max(bytes / (gbps * 1e9))
+        compute.max(bytes / (gbps * 1e9)) + fixed
     }
 }
 
@@ -557,5 +564,51 @@ mod tests {
         assert!(read_hello(hello, "rollout").unwrap().transports.is_empty());
         let hello = json!({"hello": {"protocol": 1, "role": "rollout", "transports": ["ipc"]}});
         assert_eq!(read_hello(hello, "rollout").unwrap().transports, ["ipc"]);
+    }
+
+    /// Qwen3-4B on an H100's datasheet figures, one task token for one modelled token.
+    fn h100_4b(decode_step_ms: f64) -> ComputeModel {
+        ComputeModel {
+            forward_flops_per_token: 2.0 * 4.0e9,
+            tflops: 989.0,
+            train_mfu: 0.4,
+            rollout_mfu: 0.3,
+            token_scale: 1.0,
+            trainers: 1.0,
+            hbm_gbps: Some(3350.0),
+            weight_bytes: 2.0 * 4.0e9,
+            kv_bytes_per_token: 147_456.0,
+            decode_step_ms,
+        }
+    }
+
+    #[test]
+    fn every_decode_step_pays_the_fixed_latency_on_top_of_its_roofline() {
+        let (bare, floored) = (h100_4b(0.0), h100_4b(2.0));
+        // One sequence at an empty context: the weights' 8 GB at 3,350 GB/s, then the 2 ms.
+        let weights = 8.0e9 / 3350e9;
+        assert!((bare.decode_step_seconds(1, 0) - (weights + 147_456.0 * 0.5 / 3350e9)).abs() < 1e-9);
+        for (active, context) in [(1, 0), (1, 4096), (64, 64 * 512), (4096, 4096 * 2)] {
+            let extra = floored.decode_step_seconds(active, context) - bare.decode_step_seconds(active, context);
+            assert!((extra - 0.002).abs() < 1e-9, "{active} sequences: {extra} s more, not 2 ms");
+        }
+        // Each task step stands for token_scale modelled steps, each paying the latency.
+        let scaled = ComputeModel { token_scale: 300.0, ..floored };
+        let extra =
+            scaled.decode_step_seconds(1, 0) - ComputeModel { decode_step_ms: 0.0, ..scaled }.decode_step_seconds(1, 0);
+        assert!((extra - 0.6).abs() < 1e-9, "{extra}");
+        // Without a memory floor the latency still adds to the FLOPs.
+        let flops_only = ComputeModel { hbm_gbps: None, ..floored };
+        let compute = flops_only.seconds(8, 1.0, 0.3, 1.0);
+        assert!((flops_only.decode_step_seconds(8, 0) - (compute + 0.002)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_compute_block_without_decode_step_ms_reads_as_the_roofline_alone() {
+        let mut block = serde_json::to_value(h100_4b(2.0)).unwrap();
+        assert_eq!(block["decode_step_ms"], json!(2.0));
+        block.as_object_mut().unwrap().remove("decode_step_ms");
+        let older: ComputeModel = serde_json::from_value(block).unwrap();
+        assert_eq!(older, h100_4b(0.0));
     }
 }
