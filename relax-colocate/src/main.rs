@@ -128,7 +128,7 @@ struct BenchArgs {
     #[arg(long, default_value = "64GiB")]
     sim_memory: String,
     /// Simulator: host<->device copy bandwidth per direction in GB/s, like a PCIe link
-    /// (0: unthrottled host memcpy).
+    /// (0: the simulator's own rate, 50 GB/s).
     #[arg(long, default_value_t = 25.0)]
     sim_copy_gbps: f64,
     /// Simulator: the link between the collective row's two devices in GB/s per direction
