@@ -31,7 +31,6 @@ import threading
 import time
 
 MAX_LINE = 256 << 20
-CLUSTER_MARK = "TMS_RAY_LOCAL_CLUSTER"
 CONTROL_MAX = 64 << 10
 
 
@@ -279,10 +278,10 @@ class Agent:
         return {n: describe_exit(p.returncode) for n, p in self.procs.items()}
 
 
-def end_leftovers(run_id, grace_s=3.0, settle_s=2.0):
+def end_leftovers(mark, run_id, grace_s=3.0, settle_s=2.0):
     """Ends the processes of this run's local cluster still alive after Ray's shutdown."""
     me = os.getpid()
-    needle = f"{CLUSTER_MARK}={run_id}".encode() + b"\0"
+    needle = f"{mark}={run_id}".encode() + b"\0"
 
     def ours():
         found = []
@@ -352,7 +351,7 @@ def connect(spec):
     # Every process of the throwaway cluster inherits this, so the ones Ray's shutdown misses (a
     # node's dashboard and runtime-env agents, slow to notice their raylet's end on a loaded
     # machine) can be found and ended: the cluster is ours alone.
-    os.environ[CLUSTER_MARK] = spec["run_id"]
+    os.environ[spec["cluster_mark"]] = spec["run_id"]
     cluster = Cluster(initialize_head=True, head_node_args=node_args(0))
     for k in range(1, spec["nodes"]):
         cluster.add_node(**node_args(k))
@@ -610,7 +609,7 @@ class Bridge:
                 self.cluster.shutdown()
             except Exception as e:  # noqa: BLE001
                 log(f"shutting the local cluster down failed: {e}")
-            left = end_leftovers(self.spec["run_id"])
+            left = end_leftovers(self.spec["cluster_mark"], self.spec["run_id"])
             if left:
                 log(f"processes of the local cluster that would not end: {left}")
             # Ray keeps every session's logs in its temp folder; a throwaway cluster's are kept

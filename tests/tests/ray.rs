@@ -93,7 +93,17 @@ fn left_behind(dir: &Path) -> Vec<(u32, String)> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let left = processes_with(MARK, &dir.display().to_string());
-        if left.is_empty() || Instant::now() > deadline {
+        if left.is_empty() {
+            return left;
+        }
+        if Instant::now() > deadline {
+            // What the bridge did on the way out, and who started each leftover, for the report.
+            let log = std::fs::read_to_string(dir.join("logs/ray-bridge.log")).unwrap_or_default();
+            eprintln!("the bridge's log:\n{log}");
+            for (pid, _) in &left {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                eprintln!("left behind: {stat}");
+            }
             return left;
         }
         std::thread::sleep(Duration::from_millis(200));

@@ -32,6 +32,13 @@ const CONFIG_ERROR_FILE: &str = "ray-config-error";
 /// How long the bridge may take to stop the workers and a local cluster before it is killed.
 const BRIDGE_STOP: Duration = Duration::from_secs(60);
 
+/// The variable, `NAME=<run id>`, that every process of a local cluster inherits from the bridge,
+/// so that those Ray's own shutdown misses can be found and ended: the cluster is the run's alone.
+const LOCAL_CLUSTER_MARK: &str = "TMS_RAY_LOCAL_CLUSTER";
+
+/// How long the sweep for a local cluster's leftovers watches for latecomers after its last find.
+const LEFTOVER_SETTLE: Duration = Duration::from_secs(3);
+
 pub(super) struct Bridge {
     child: Child,
     /// Held open for as long as the workers are wanted: the bridge ends at its EOF, so a runner
@@ -41,6 +48,8 @@ pub(super) struct Bridge {
     /// Where the bridge says why this configuration cannot run (a Ray version the cluster
     /// refuses), before it exits.
     config_error: PathBuf,
+    /// `TMS_RAY_LOCAL_CLUSTER=<run id>` when the bridge starts a local cluster.
+    local_cluster: Option<String>,
 }
 
 impl Bridge {
@@ -79,7 +88,65 @@ impl Bridge {
             unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
             let _ = self.child.wait();
         }
+        // The bridge ends its cluster's leftovers itself, but not when it was killed above, and a
+        // CI run found a node's DashboardAgent and RuntimeEnvAgent alive after a bridge that had
+        // exited: whatever still carries the mark is ended here, and named in the bridge's log.
+        if let Some(mark) = &self.local_cluster {
+            let ended = end_marked_processes(mark);
+            if !ended.is_empty()
+                && let Ok(mut log) = std::fs::OpenOptions::new().append(true).open(&self.log)
+            {
+                let _ = writeln!(
+                    log,
+                    "relax-colocate: ended processes of the local cluster left after the bridge: {ended:?}"
+                );
+            }
+        }
     }
+}
+
+/// Kills every live process whose environment holds `mark`, watching for latecomers until none
+/// has appeared for LEFTOVER_SETTLE (at most ten times that); returns those it found.
+fn end_marked_processes(mark: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    let started = Instant::now();
+    let mut quiet_since = Instant::now();
+    let mut ended: Vec<(u32, String)> = Vec::new();
+    while quiet_since.elapsed() < LEFTOVER_SETTLE && started.elapsed() < LEFTOVER_SETTLE * 10 {
+        for (pid, name) in marked_processes(mark, me) {
+            // SAFETY: the process carries this run's own cluster mark.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            if !ended.iter().any(|(p, _)| *p == pid) {
+                ended.push((pid, name));
+            }
+            quiet_since = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ended
+}
+
+/// Live processes (zombies excluded: they are already dead) whose environment holds `mark`.
+fn marked_processes(mark: &str, me: u32) -> Vec<(u32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let mut found = Vec::new();
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if pid == me {
+            continue;
+        }
+        let Ok(env) = std::fs::read(e.path().join("environ")) else { continue };
+        if !env.split(|b| *b == 0).any(|v| v == mark.as_bytes()) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next());
+        if state.is_some_and(|s| s != "Z" && s != "X") {
+            let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+            found.push((pid, comm.trim().to_string()));
+        }
+    }
+    found
 }
 
 /// Per-node values of the workers' environment: each node its own control folder and, on the
@@ -177,6 +244,7 @@ pub(super) fn start_workers(
         "simulated": device == DeviceChoice::Sim,
         "placement_file": tmp.join("placement.json"),
         "run_id": tmp.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        "cluster_mark": LOCAL_CLUSTER_MARK,
         "start_timeout_s": RAY_START.as_secs_f64(),
         "phase_timeout_s": cfg.run.phase_timeout_s,
         "exit_dir": exit_dir,
@@ -218,7 +286,9 @@ fn start_bridge(python: &RayPython, spec: &Value, tmp: &Path, run_dir: &Path) ->
     let mut child = cmd.spawn().map_err(|e| setup_err(format!("cannot start {}: {e}", python.path.display())))?;
     let stdin = child.stdin.take();
     let config_error = tmp.join(CONFIG_ERROR_FILE);
-    Ok(Bridge { child, stdin, log, config_error })
+    let local_cluster = (spec["ray_address"] == "local")
+        .then(|| format!("{}={}", LOCAL_CLUSTER_MARK, spec["run_id"].as_str().unwrap_or_default()));
+    Ok(Bridge { child, stdin, log, config_error, local_cluster })
 }
 
 fn start_err(kind: FailKind, worker: Option<&str>, cause: String) -> RunError {
