@@ -69,6 +69,20 @@ fn quick_bench(api: &[&str], vendor: &str, labels: &[&str]) {
         assert!(stdout.contains(label), "missing {label:?}:\n{stdout}");
     }
     assert_eq!(results["vendor"], vendor, "{results}");
+    every_measurement_is_there(&results);
+    for svg in ["time_vs_bytes.svg", "time_vs_count.svg", "throughput_vs_limit.svg"] {
+        let text = std::fs::read_to_string(out.path().join(svg)).unwrap();
+        assert!(text.starts_with("<svg") && text.contains("<polyline"), "{svg}");
+        // Log axes labelled in units (1 MiB, 10 ms), not 1e6.
+        assert!(!text.contains("1e"), "{svg}: {text}");
+    }
+    let by_bytes = std::fs::read_to_string(out.path().join("time_vs_bytes.svg")).unwrap();
+    assert!(by_bytes.contains("\n1 MiB\n") && by_bytes.contains(" ms\n"), "{by_bytes}");
+    collective_row(&results["collective"], vendor, &stdout, out.path());
+}
+
+/// Every section of results.json holds positive figures, and host memory did not grow.
+fn every_measurement_is_there(results: &serde_json::Value) {
     for side in ["direct", "hooked"] {
         let pair = &results["passthrough"][side]["malloc_free_pair_ns"];
         assert!(pair.as_f64().unwrap_or(0.0) > 0.0, "{side}: {}", results["passthrough"]);
@@ -95,15 +109,6 @@ fn quick_bench(api: &[&str], vendor: &str, labels: &[&str]) {
     // Host memory does not grow across pause/resume cycles (a retained-buffer or registry leak
     // would show here).
     assert!(results["memory"]["rss_growth"].as_i64().unwrap() <= 1 << 20, "{}", results["memory"]);
-    for svg in ["time_vs_bytes.svg", "time_vs_count.svg", "throughput_vs_limit.svg"] {
-        let text = std::fs::read_to_string(out.path().join(svg)).unwrap();
-        assert!(text.starts_with("<svg") && text.contains("<polyline"), "{svg}");
-        // Log axes labelled in units (1 MiB, 10 ms), not 1e6.
-        assert!(!text.contains("1e"), "{svg}: {text}");
-    }
-    let by_bytes = std::fs::read_to_string(out.path().join("time_vs_bytes.svg")).unwrap();
-    assert!(by_bytes.contains("\n1 MiB\n") && by_bytes.contains(" ms\n"), "{by_bytes}");
-    collective_row(&results["collective"], vendor, &stdout, out.path());
 }
 
 /// Through CUDA: one row per size given (--broadcast-sizes), each with its bytes, a positive time

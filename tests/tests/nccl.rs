@@ -35,58 +35,65 @@ fn pausing_tag_nccl_suspends_communicators_on_each_device_and_resume_brings_them
     assert!(out.contains("ncclCommResume"), "the collective's error names the way out: {out}");
 }
 
+/// The consumer in `wait` mode: it answers one line per command on its standard input.
+struct Waiting {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Waiting {
+    fn start(mut cmd: std::process::Command) -> Waiting {
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut w = Waiting { child, stdin, stdout };
+        let mut ready = String::new();
+        w.stdout.read_line(&mut ready).unwrap();
+        assert_eq!(ready.trim(), "ready");
+        w
+    }
+
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    }
+
+    fn quit(mut self) {
+        writeln!(self.stdin, "quit").unwrap();
+        assert!(self.child.wait().unwrap().success());
+    }
+}
+
+fn waiting_argv() -> Vec<std::path::PathBuf> {
+    let mut argv = consumer();
+    argv.push("wait".into());
+    argv
+}
+
 #[test]
 fn without_the_hook_the_same_program_runs_and_pause_is_not_there() {
     // The consumer needs the hook's API for the cycle; here only that NCCL itself works
     // unhooked and hooked alike: setup and one all-reduce, then quit.
     let node = two_devices();
-    let mut argv = consumer();
-    argv.push("wait".into());
+    let argv = waiting_argv();
     for hooked in [false, true] {
-        let mut cmd = if hooked { node.hooked(&argv) } else { node.command(&argv) };
-        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "hooked={hooked}");
-        writeln!(stdin, "go").unwrap();
-        line.clear();
-        stdout.read_line(&mut line).unwrap();
+        let mut w = Waiting::start(if hooked { node.hooked(&argv) } else { node.command(&argv) });
+        let line = w.ask("go");
         assert!(line.contains("all_reduce=0"), "hooked={hooked}: {line}");
-        writeln!(stdin, "quit").unwrap();
-        assert!(child.wait().unwrap().success());
+        w.quit();
     }
 }
 
-#[test]
-fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
-    let node = two_devices().env("TMS_CONTROL", "1").env("TMS_NAME", "trainer-rank0");
-    let mut argv = consumer();
-    argv.push("wait".into());
-    let mut child = node.hooked(&argv).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut ready = String::new();
-    stdout.read_line(&mut ready).unwrap();
-    assert_eq!(ready.trim(), "ready");
-    let mut ask = |cmd: &str| {
-        writeln!(stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        line.trim().to_string()
-    };
-    assert_eq!(ask("ready?").split_whitespace().last(), Some("all_reduce=0"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !tms_proto::list_sockets(&node.control_dir()).iter().any(|s| s.pid == child.id()) {
-        assert!(Instant::now() < deadline, "no control socket");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let before = ask("look");
-    let (free0, free1) = (field(&before, "free0"), field(&before, "free1"));
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap()
+}
 
-    let status = run_ok(&mut node.ctl(&["status", "trainer-rank0", "--json"]));
-    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+/// Before any pause: two communicators, each with its suspendable and persistent bytes.
+fn status_shows_two_live_communicators(node: &SimNode) {
+    let status = json(&run_ok(&mut node.ctl(&["status", "trainer-rank0", "--json"])));
     let comms = status[0]["status"]["communicators"].as_array().cloned().unwrap_or_default();
     assert_eq!(comms.len(), 2, "{status}");
     for c in &comms {
@@ -94,13 +101,14 @@ fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
         assert_eq!(c["persistent_bytes"], MIB, "{status}");
         assert_eq!(c["suspended"], false, "{status}");
     }
-
     let listed = run_ok(&mut node.ctl(&["list", "--json"]));
     assert!(listed.contains("\"suspended\": 0,\n") && listed.contains("\"count\": 2,"), "{listed}");
+}
 
+/// Two pauses of tag nccl: the first frees each device's 16 MiB, the second changes nothing.
+fn pause_twice(node: &SimNode, w: &mut Waiting, free: (u64, u64)) {
     for round in 0..2 {
-        let paused = run_ok(&mut node.ctl(&["pause", "trainer-rank0", "--tag", "nccl", "--json"]));
-        let paused: serde_json::Value = serde_json::from_str(&paused).unwrap();
+        let paused = json(&run_ok(&mut node.ctl(&["pause", "trainer-rank0", "--tag", "nccl", "--json"])));
         let report = &paused[0]["report"];
         if round == 0 {
             assert_eq!(report["allocations_done"], 2, "{paused}");
@@ -108,17 +116,19 @@ fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
         } else {
             assert_eq!(report["allocations_skipped"], 2, "a second pause changes nothing: {paused}");
         }
-        let now = ask("look");
-        assert_eq!(field(&now, "free0"), free0 + 16 * MIB, "{now}");
-        assert_eq!(field(&now, "free1"), free1 + 16 * MIB, "{now}");
+        let now = w.ask("look");
+        assert_eq!(field(&now, "free0"), free.0 + 16 * MIB, "{now}");
+        assert_eq!(field(&now, "free1"), free.1 + 16 * MIB, "{now}");
         assert!(now.ends_with("all_reduce=5"), "a collective while suspended is ncclInvalidUsage: {now}");
     }
+}
+
+/// While suspended: status says so per communicator, and list adds them up per process.
+fn status_and_list_show_them_suspended(node: &SimNode, pid: u32) {
     let human = run_ok(&mut node.ctl(&["status", "trainer-rank0"]));
     assert_eq!(human.matches("suspended (tag nccl)").count(), 2, "{human}");
-    // list adds them up per process, in JSON and in its table.
-    let listed = run_ok(&mut node.ctl(&["list", "--json"]));
-    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
-    let row = listed.as_array().unwrap().iter().find(|r| r["pid"] == child.id()).cloned().unwrap_or_default();
+    let listed = json(&run_ok(&mut node.ctl(&["list", "--json"])));
+    let row = listed.as_array().unwrap().iter().find(|r| r["pid"] == pid).cloned().unwrap_or_default();
     assert_eq!(
         row["communicators"],
         serde_json::json!([{
@@ -132,31 +142,49 @@ fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
         table.contains("2 nccl communicator(s): suspendable 32.0 MiB, suspended 2 (32.0 MiB), persistent 2.0 MiB"),
         "{table}"
     );
+}
 
+/// Two resumes: the first brings the buffers back and the all-reduce is correct again.
+fn resume_twice(node: &SimNode, w: &mut Waiting, free: (u64, u64)) {
     for round in 0..2 {
-        let resumed = run_ok(&mut node.ctl(&["resume", "trainer-rank0", "--tag", "nccl", "--json"]));
-        let resumed: serde_json::Value = serde_json::from_str(&resumed).unwrap();
+        let resumed = json(&run_ok(&mut node.ctl(&["resume", "trainer-rank0", "--tag", "nccl", "--json"])));
         let want = if round == 0 { "allocations_done" } else { "allocations_skipped" };
         assert_eq!(resumed[0]["report"][want], 2, "{resumed}");
-        // The look runs an all-reduce, correct again, and the buffers are back on each device.
-        let now = ask("look");
+        let now = w.ask("look");
         assert!(now.ends_with("all_reduce=0"), "{now}");
-        assert_eq!((field(&now, "free0"), field(&now, "free1")), (free0, free1), "{now}");
+        assert_eq!((field(&now, "free0"), field(&now, "free1")), free, "{now}");
     }
+}
+
+#[test]
+fn tms_ctl_pauses_and_resumes_tag_nccl_and_status_shows_each_communicator() {
+    let node = two_devices().env("TMS_CONTROL", "1").env("TMS_NAME", "trainer-rank0");
+    let mut w = Waiting::start(node.hooked(&waiting_argv()));
+    let pid = w.child.id();
+    assert_eq!(w.ask("ready?").split_whitespace().last(), Some("all_reduce=0"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !tms_proto::list_sockets(&node.control_dir()).iter().any(|s| s.pid == pid) {
+        assert!(Instant::now() < deadline, "no control socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = w.ask("look");
+    let free = (field(&before, "free0"), field(&before, "free1"));
+    status_shows_two_live_communicators(&node);
+    pause_twice(&node, &mut w, free);
+    status_and_list_show_them_suspended(&node, pid);
+    resume_twice(&node, &mut w, free);
 
     // Destroyed while suspended: everything comes back and status forgets them.
     run_ok(&mut node.ctl(&["pause", "trainer-rank0", "--tag", "nccl"]));
-    let destroyed = ask("destroy");
+    let destroyed = w.ask("destroy");
     assert!(destroyed.starts_with("destroyed=0,0"), "{destroyed}");
-    assert_eq!(field(&destroyed, "free0"), free0 + 17 * MIB, "{destroyed}");
-    assert_eq!(field(&destroyed, "free1"), free1 + 17 * MIB, "{destroyed}");
+    assert_eq!(field(&destroyed, "free0"), free.0 + 17 * MIB, "{destroyed}");
+    assert_eq!(field(&destroyed, "free1"), free.1 + 17 * MIB, "{destroyed}");
     let status = run_ok(&mut node.ctl(&["status", "trainer-rank0", "--json"]));
     assert!(!status.contains("communicators"), "{status}");
     let table = run_ok(&mut node.ctl(&["list"]));
     assert!(!table.contains("communicator"), "{table}");
     let resumed = run_ok(&mut node.ctl(&["resume", "trainer-rank0", "--tag", "nccl", "--json"]));
     assert!(resumed.contains("\"allocations_done\": 0"), "{resumed}");
-
-    writeln!(stdin, "quit").unwrap();
-    assert!(child.wait().unwrap().success());
+    w.quit();
 }

@@ -543,21 +543,8 @@ fn command_json(cmd: &Command) -> Value {
     serde_json::json!({ "argv": argv, "env": env })
 }
 
-#[test]
-fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_actor() {
-    let Some(py) = ray_python() else { return };
-    // Node 1's device holds three processes (two engines and the loner), each with a context
-    // (CONTEXT_BYTES) and 8 MiB.
-    let (n0, n1) = (SimNode::new("1GiB"), SimNode::new("1GiB"));
-    let mut argv = c_program("hook_consumer", Style::Linked);
-    argv.extend(["serve".into(), "cuda".into()]);
-    let spec =
-        serde_json::json!({ "node0": command_json(&n0.hooked(&argv)), "node1": command_json(&n1.hooked(&argv)) });
-    // A hooked process on node 1 that no actor started: choosing by actor leaves it alone.
-    let mut loner = Served::start_with(&n1, "cuda", &[("TMS_NAME", "loner")]);
-    assert_eq!(loner.ask("alloc 8"), "rc=0");
-    assert_eq!(loner.ask("fill"), "rc=0");
-    let r = run_driver(py, ACTOR_DRIVER, &[n0.control_dir(), n1.control_dir(), spec.to_string().into()]);
+/// The driver's pause and status by actor (see ACTOR_DRIVER): exactly A's and C's children paused.
+fn actors_paused_and_their_status(r: &Value) {
     let child = |k: &str| r["pids"][k][1].clone();
     let actor_pid = |k: &str| r["pids"][k][0].clone();
     let rows = |key: &str| r[key].as_array().unwrap().clone();
@@ -601,6 +588,13 @@ fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_
     let lone = row_of("status_node1", "loner");
     assert_eq!((paused_bytes(&lone), active_bytes(&lone)), (0, 8 * MIB), "{r}");
     assert!(lone.get("actor_id").is_none(), "{r}");
+}
+
+/// The driver's error rows (an actor without hooked children, a target no process has, a dead or
+/// unknown actor, bad arguments), then the resume with every engine's contents intact.
+fn rows_that_name_what_was_wrong(r: &Value) {
+    let child = |k: &str| r["pids"][k][1].clone();
+    let rows = |key: &str| r[key].as_array().unwrap().clone();
     // Without children, A's own (unhooked) worker process is all of it: an error row naming A.
     let own = rows("own_only");
     assert_eq!(own.len(), 1, "{r}");
@@ -634,6 +628,25 @@ fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_
     assert!(bad["int"].as_str().unwrap_or_default().starts_with("TypeError: actors:"), "{r}");
     assert!(bad["name"].as_str().unwrap_or_default().starts_with("ValueError: actors: 'engine-a'"), "{r}");
     assert!(bad["both"].as_str().unwrap_or_default().starts_with("ValueError: give nodes or actors"), "{r}");
+}
+
+#[test]
+fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_actor() {
+    let Some(py) = ray_python() else { return };
+    // Node 1's device holds three processes (two engines and the loner), each with a context
+    // (CONTEXT_BYTES) and 8 MiB.
+    let (n0, n1) = (SimNode::new("1GiB"), SimNode::new("1GiB"));
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["serve".into(), "cuda".into()]);
+    let spec =
+        serde_json::json!({ "node0": command_json(&n0.hooked(&argv)), "node1": command_json(&n1.hooked(&argv)) });
+    // A hooked process on node 1 that no actor started: choosing by actor leaves it alone.
+    let mut loner = Served::start_with(&n1, "cuda", &[("TMS_NAME", "loner")]);
+    assert_eq!(loner.ask("alloc 8"), "rc=0");
+    assert_eq!(loner.ask("fill"), "rc=0");
+    let r = run_driver(py, ACTOR_DRIVER, &[n0.control_dir(), n1.control_dir(), spec.to_string().into()]);
+    actors_paused_and_their_status(&r);
+    rows_that_name_what_was_wrong(&r);
     assert_eq!(loner.ask("verify"), "rc=0");
     loner.quit();
 }
