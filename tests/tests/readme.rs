@@ -45,24 +45,17 @@ fn configuration_only(line: &str) -> String {
 }
 
 fn plan(line: &str) -> Option<Plan> {
-    use Plan::*;
-    let run = |edit, rc, says| Some(Run { edit, rc, says });
+    if let Some(by) = run_elsewhere(line) {
+        return Some(Plan::Elsewhere(by));
+    }
+    let run = |edit, rc, says| Some(Plan::Run { edit, rc, says });
     match line {
         "cargo build --release && target/release/relax-colocate run" => {
             run(two_steps, 0, &["checks:", "passed", "run directory:"])
         }
-        "cargo test --workspace" => Some(Elsewhere(".ci/run (this test is part of it)")),
         "cargo build --release" => run(as_written, 0, &[]),
         "LD_PRELOAD=$PWD/target/release/libtms_hook.so TMS_INIT_ENABLE=1 TMS_INIT_ENABLE_CPU_BACKUP=1 python train.py" => {
             run(as_written, 0, &["train.py: 8 MiB paused and resumed with its contents"])
-        }
-        "scripts/build-wheel.sh dist/"
-        | "pip uninstall -y torch_memory_saver && pip install dist/tms_memory_saver-*.whl" => {
-            Some(Elsewhere("torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver"))
-        }
-        // The quickstart's check: the path printed is the wheel's preload hook in site-packages.
-        "python -m tms library" => {
-            Some(Elsewhere("torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver (test_wheel.py)"))
         }
         "TMS_NAME=trainer-rank0 LD_PRELOAD=.../libtms_hook.so TMS_INIT_ENABLE=1 python train.py &" => run(
             // `...` is where the user installed it; the test waits for the process to serve.
@@ -110,42 +103,56 @@ fn plan(line: &str) -> Option<Plan> {
             run(two_steps, 0, &["checks:", "passed"])
         }
         "W=\"python3 scripts/torch_worker.py\"" => run(as_written, 0, &[]),
-        "relax-colocate run --memory-profile tiny --steps 30 --trainer-cmd \"$W\" --rollout-cmd \"$W\"" => {
-            Some(Elsewhere("torch::the_colocated_cycle_runs_with_pytorch_workers (PyTorch from scripts/torch-env.sh)"))
-        }
-        "relax-colocate run --mode async --devices 2 --memory-profile tiny --trainer-cmd \"$W\" --rollout-cmd \"$W\"" => {
-            Some(Elsewhere("torch::the_async_loop_runs_with_pytorch_workers_* (PyTorch from scripts/torch-env.sh)"))
-        }
-        "target/release/relax-colocate bench --device sim --quick" => {
-            Some(Elsewhere("bench::quick_bench_prints_every_table_and_writes_results"))
-        }
         // No GPU here: the error must say so and what to use instead.
         "target/release/relax-colocate bench --device cuda" => {
             run(as_written, 1, &["libcuda.so.1 cannot be loaded", "--device sim"])
         }
         "scripts/ray-env.sh" => run(as_written, 0, &["ray-venv/bin/python"]),
-        "target/release/relax-colocate run --launcher ray --ray-address local --nodes 2 --devices 2" => {
-            Some(Elsewhere(
-                "ray::two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_checks (2 steps)",
-            ))
-        }
         // No NPU here: the error says what to do.
         "target/release/relax-colocate bench --device npu" => {
             run(as_written, 1, &["libascendcl.so cannot be loaded", "--device sim --api acl"])
         }
-        "target/release/relax-colocate bench --device sim --api acl --quick" => {
-            Some(Elsewhere("bench::quick_bench_through_acl_prints_every_table_and_writes_results"))
-        }
-        "scripts/gpu-check.sh prepare kit/" | "kit/gpu-check.sh run kit/ out/" => {
-            Some(Elsewhere("gpu_kit::the_kit_is_small_and_self_contained, gpu_kit::the_kit_passes_on_the_simulator"))
-        }
         "eval \"$(scripts/sim-env.sh --node mynode --memory 16GiB)\"" => run(as_written, 0, &[]),
         "./my_cuda_program" => run(as_written, 0, &["my_cuda_program: 16.0 GiB total"]),
-        "python -c 'import torch; print(torch.cuda.mem_get_info())'" => {
-            Some(Elsewhere("torch::pytorch_runs_on_the_simulator (PyTorch from scripts/torch-env.sh)"))
-        }
         "target/debug/tms-sim status --node mynode" => run(as_written, 0, &["mynode"]),
         "target/debug/tms-sim surface" => run(as_written, 0, &["cudaMalloc"]),
+        _ => None,
+    }
+}
+
+/// The lines another test or CI step runs, and which.
+fn run_elsewhere(line: &str) -> Option<&'static str> {
+    match line {
+        "cargo test --workspace" => Some(".ci/run (this test is part of it)"),
+        "scripts/build-wheel.sh dist/"
+        | "pip uninstall -y torch_memory_saver && pip install dist/tms_memory_saver-*.whl" => {
+            Some("torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver")
+        }
+        // The quickstart's check: the path printed is the wheel's preload hook in site-packages.
+        "python -m tms library" => {
+            Some("torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver (test_wheel.py)")
+        }
+        "relax-colocate run --memory-profile tiny --steps 30 --trainer-cmd \"$W\" --rollout-cmd \"$W\"" => {
+            Some("torch::the_colocated_cycle_runs_with_pytorch_workers (PyTorch from scripts/torch-env.sh)")
+        }
+        "relax-colocate run --mode async --devices 2 --memory-profile tiny --trainer-cmd \"$W\" --rollout-cmd \"$W\"" => {
+            Some("torch::the_async_loop_runs_with_pytorch_workers_* (PyTorch from scripts/torch-env.sh)")
+        }
+        "target/release/relax-colocate bench --device sim --quick" => {
+            Some("bench::quick_bench_prints_every_table_and_writes_results")
+        }
+        "target/release/relax-colocate run --launcher ray --ray-address local --nodes 2 --devices 2" => {
+            Some("ray::two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_checks (2 steps)")
+        }
+        "target/release/relax-colocate bench --device sim --api acl --quick" => {
+            Some("bench::quick_bench_through_acl_prints_every_table_and_writes_results")
+        }
+        "scripts/gpu-check.sh prepare kit/" | "kit/gpu-check.sh run kit/ out/" => {
+            Some("gpu_kit::the_kit_is_small_and_self_contained, gpu_kit::the_kit_passes_on_the_simulator")
+        }
+        "python -c 'import torch; print(torch.cuda.mem_get_info())'" => {
+            Some("torch::pytorch_runs_on_the_simulator (PyTorch from scripts/torch-env.sh)")
+        }
         _ => None,
     }
 }
