@@ -630,6 +630,12 @@ static int default_stream_async(void) {
   EXPECT(CUDART(cudaMemcpyAsync)(registered, dev2, 4096, 2, non_blocking), 0);
   EXPECT(CUDART(cudaStreamSynchronize)(non_blocking), 0); /* returns with the gate closed */
   EXPECT(registered[0], 0xAB);                               /* read before the queued memset */
+  cudaStream_t drv;
+  EXPECT(CUDRV(cuStreamCreate)(&drv, 2), 1); /* CU_STREAM_NON_BLOCKING is the only flag */
+  EXPECT(CUDRV(cuStreamCreate)(&drv, 1), 0); /* as the hook makes its copy streams */
+  EXPECT(CUDRV(cuMemcpyDtoHAsync_v2)(registered, (CUdeviceptr)dev2, 4096, drv), 0);
+  EXPECT(CUDRV(cuStreamSynchronize)(drv), 0); /* the driver's flag holds too */
+  EXPECT(CUDRV(cuStreamDestroy_v2)(drv), 0);
   EXPECT(CUDART(cudaMemcpyAsync)(pinned, dev2, size, 2, blocking), 0);
   EXPECT(CUDART(cudaStreamQuery)(blocking), 600);
   EXPECT(gate_open(&g, 0), 0);
