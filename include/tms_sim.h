@@ -61,9 +61,9 @@ int tms_sim_mem_attr(const void *ptr);
  * `usec` microseconds and then writes `value` over [dst, dst + bytes) of device memory, as a
  * training step or a collective still running when someone pauses. The range is checked when the
  * work runs: memory unmapped meanwhile is an illegal address (700), reported by the stream's next
- * synchronize. On the default stream (NULL) it runs before the call returns. Returns 0, 1 for an
- * unknown stream or a bad range (not device memory), 700 for an unmapped range on the default
- * stream. */
+ * synchronize. On the default stream (NULL) too it is queued (on the legacy stream, after the
+ * blocking streams' work). Returns 0, or 1 for an unknown stream or a bad range (not device
+ * memory). */
 int tms_sim_launch_kernel(void *stream, void *dst, size_t bytes, int value, unsigned usec);
 
 #ifdef __cplusplus

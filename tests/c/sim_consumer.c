@@ -524,6 +524,181 @@ static int copies_land_late(void) {
   return 0;
 }
 
+/* A gate on the legacy default stream: a host function that holds the stream until the test
+ * opens it. It gives up after 10 s and says so: a call that waited for the stream instead of
+ * returning (the gate opens only after it returns) shows as a timed-out gate, not as a hang. */
+struct gate {
+  int open, timed_out;
+};
+
+static void gate_wait(void *arg) {
+  struct gate *g = arg;
+  for (int i = 0; i < 10000 && !__atomic_load_n(&g->open, __ATOMIC_ACQUIRE); i++) usleep(1000);
+  if (!__atomic_load_n(&g->open, __ATOMIC_ACQUIRE)) __atomic_store_n(&g->timed_out, 1, __ATOMIC_RELEASE);
+}
+
+static int gate_close(struct gate *g, cudaStream_t s) {
+  g->open = g->timed_out = 0;
+  EXPECT(CUDART(cudaLaunchHostFunc)(s, gate_wait, g), 0);
+  return 0;
+}
+
+/* Opens the gate and waits for the stream; the calls made meanwhile must not have waited. */
+static int gate_open(struct gate *g, cudaStream_t s) {
+  EXPECT(CUDART(cudaStreamQuery)(s), 600); /* cudaErrorNotReady: the gate still holds it */
+  __atomic_store_n(&g->open, 1, __ATOMIC_RELEASE);
+  EXPECT(CUDART(cudaStreamSynchronize)(s), 0);
+  EXPECT(__atomic_load_n(&g->timed_out, __ATOMIC_ACQUIRE), 0);
+  return 0;
+}
+
+static int all_zero(const unsigned char *h, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (h[i]) return 0;
+  return 1;
+}
+
+/* The legacy default stream is asynchronous, as on a GPU (CUDA Runtime API, "API synchronization
+ * behavior"): copies between device and page-locked memory, device-to-device copies and memsets
+ * queued on stream 0 (and CU_STREAM_LEGACY, cudaStreamPerThread) return before they run; pageable
+ * copies return once the source may be reused (to the device) or the bytes landed (to the host).
+ * Run with TMS_SIM_COPY_GBPS=1. */
+static int default_stream_async(void) {
+  size_t size = 64 * MiB;
+  unsigned char *dev, *dev2, *pinned, *pageable, *registered;
+  EXPECT(CUDART(cudaMalloc)((void **)&dev, size), 0);
+  EXPECT(CUDART(cudaMalloc)((void **)&dev2, size), 0);
+  EXPECT(CUDART(cudaMallocHost)((void **)&pinned, size), 0);
+  pageable = malloc(size);
+  registered = malloc(size);
+  EXPECT(pageable != NULL && registered != NULL, 1);
+  EXPECT(CUDART(cudaHostRegister)(registered, size, 0), 0);
+  fill(pageable, size, 5);
+  EXPECT(CUDART(cudaMemcpy)(dev, pageable, size, 1), 0);
+  struct gate g;
+
+  /* A pinned D2H copy with nothing before it: it returns while the copy engine runs (64 MiB at
+     1 GB/s take about 67 ms), and the bytes are all there after the synchronize. */
+  memset(pinned, 0, size);
+  EXPECT(CUDART(cudaMemcpyAsync)(pinned, dev, size, 2, 0), 0);
+  EXPECT(CUDART(cudaStreamQuery)(0), 600);
+  EXPECT(pinned[size - 1], 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(0), 0);
+  EXPECT(CUDART(cudaStreamQuery)(0), 0);
+  EXPECT(check(pinned, size, 5), 1);
+
+  /* Behind a closed gate, every non-pageable kind is queued and lands in stream order. */
+  memset(pinned, 0, size);
+  memset(registered, 0, size);
+  EXPECT(gate_close(&g, 0), 0);
+  EXPECT(CUDART(cudaMemcpyAsync)(dev2, dev, size, 3, 0), 0);               /* device to device */
+  EXPECT(CUDART(cudaMemcpyAsync)(pinned, dev2, size, 2, (cudaStream_t)1), 0); /* legacy, by name */
+  EXPECT(CUDRV(cuMemcpyDtoHAsync_v2)(registered, (CUdeviceptr)dev2, size, 0), 0); /* driver API */
+  cudaEvent_t ev;
+  EXPECT(CUDART(cudaEventCreate)(&ev), 0);
+  EXPECT(CUDART(cudaEventRecord)(ev, 0), 0);
+  EXPECT(CUDART(cudaEventQuery)(ev), 600);
+  EXPECT(all_zero(pinned, size), 1);
+  EXPECT(all_zero(registered, size), 1);
+  EXPECT(gate_open(&g, 0), 0);
+  EXPECT(CUDART(cudaEventQuery)(ev), 0);
+  EXPECT(check(pinned, size, 5), 1);
+  EXPECT(check(registered, size, 5), 1);
+
+  /* A memset and a pinned H2D copy queue too; cudaDeviceSynchronize waits for them. */
+  EXPECT(gate_close(&g, 0), 0);
+  EXPECT(CUDART(cudaMemsetAsync)(dev2, 0xAB, size, 0), 0);
+  fill(pinned, size, 7);
+  EXPECT(CUDART(cudaMemcpyAsync)(dev, pinned, size / 2, 1, (cudaStream_t)2), 0); /* per-thread */
+  EXPECT(CUDRV(cuMemcpyHtoDAsync_v2)((CUdeviceptr)dev + size / 2, pinned + size / 2, size / 2, 0), 0);
+  EXPECT(CUDART(cudaStreamQuery)(0), 600);
+  __atomic_store_n(&g.open, 1, __ATOMIC_RELEASE);
+  EXPECT(CUDART(cudaDeviceSynchronize)(), 0);
+  EXPECT(g.timed_out, 0);
+  EXPECT(CUDART(cudaMemcpy)(pageable, dev2, size, 2), 0);
+  for (size_t i = 0; i < size; i++) EXPECT(pageable[i], 0xAB);
+  EXPECT(CUDART(cudaMemcpy)(pageable, dev, size, 2), 0);
+  EXPECT(check(pageable, size, 7), 1);
+
+  /* A blocking stream waits for the legacy stream's earlier work; a non-blocking one does not. */
+  cudaStream_t blocking, non_blocking;
+  EXPECT(CUDART(cudaStreamCreate)(&blocking), 0);
+  EXPECT(CUDART(cudaStreamCreateWithFlags)(&non_blocking, 1), 0);
+  memset(pinned, 0, size);
+  EXPECT(gate_close(&g, 0), 0);
+  EXPECT(CUDART(cudaMemsetAsync)(dev2, 0x5A, size, 0), 0);
+  EXPECT(CUDART(cudaMemcpyAsync)(registered, dev2, 4096, 2, non_blocking), 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(non_blocking), 0); /* returns with the gate closed */
+  EXPECT(registered[0], 0xAB);                               /* read before the queued memset */
+  cudaStream_t drv;
+  EXPECT(CUDRV(cuStreamCreate)(&drv, 2), 1); /* CU_STREAM_NON_BLOCKING is the only flag */
+  EXPECT(CUDRV(cuStreamCreate)(&drv, 1), 0); /* as the hook makes its copy streams */
+  EXPECT(CUDRV(cuMemcpyDtoHAsync_v2)(registered, (CUdeviceptr)dev2, 4096, drv), 0);
+  EXPECT(CUDRV(cuStreamSynchronize)(drv), 0); /* the driver's flag holds too */
+  EXPECT(CUDRV(cuStreamDestroy_v2)(drv), 0);
+  EXPECT(CUDART(cudaMemcpyAsync)(pinned, dev2, size, 2, blocking), 0);
+  EXPECT(CUDART(cudaStreamQuery)(blocking), 600);
+  EXPECT(gate_open(&g, 0), 0);
+  EXPECT(CUDART(cudaStreamSynchronize)(blocking), 0);
+  for (size_t i = 0; i < size; i++) EXPECT(pinned[i], 0x5A);
+  EXPECT(CUDART(cudaStreamDestroy)(blocking), 0);
+  EXPECT(CUDART(cudaStreamDestroy)(non_blocking), 0);
+
+  /* Pageable memory keeps CUDA's documented behaviour, in stream order: to the host the call
+     returns once the bytes landed, from the host once the source may be reused. */
+  fill(pinned, size, 9);
+  EXPECT(CUDART(cudaMemcpyAsync)(dev, pinned, size, 1, 0), 0);   /* queued first */
+  memset(pageable, 0, size);
+  EXPECT(CUDART(cudaMemcpyAsync)(pageable, dev, size, 2, 0), 0); /* after it, landed on return */
+  EXPECT(CUDART(cudaStreamQuery)(0), 0);
+  EXPECT(check(pageable, size, 9), 1);
+  fill(pageable, size, 13);
+  EXPECT(CUDART(cudaMemcpyAsync)(dev2, pageable, size, 1, 0), 0);
+  memset(pageable, 0, size); /* the source may be reused at once */
+  EXPECT(CUDART(cudaMemcpy)(pageable, dev2, size, 2), 0);
+  EXPECT(check(pageable, size, 13), 1);
+
+  EXPECT(CUDART(cudaEventDestroy)(ev), 0);
+  EXPECT(CUDART(cudaHostUnregister)(registered), 0);
+  free(registered);
+  free(pageable);
+  EXPECT(CUDART(cudaFreeHost)(pinned), 0);
+  EXPECT(CUDART(cudaFree)(dev2), 0);
+  EXPECT(CUDART(cudaFree)(dev), 0);
+  printf("default stream async ok\n");
+  return 0;
+}
+
+/* Work queued on the legacy default stream meets memory unmapped after it was queued: the fault
+ * comes when the stream runs it, reported by the next synchronize and sticky (700), as on any
+ * other stream. `what`: "copy" or "memset". */
+static int default_stream_fault(const char *what) {
+  EXPECT(CUDRV(cuInit)(0), 0);
+  CUcontext ctx;
+  EXPECT(CUDRV(cuDevicePrimaryCtxRetain)(&ctx, 0), 0);
+  EXPECT(CUDRV(cuCtxSetCurrent)(ctx), 0);
+  size_t size = 2 * MiB;
+  CUdeviceptr va;
+  CUmemGenericAllocationHandle h;
+  EXPECT(map_new_memory(size, &va, &h), 0);
+  unsigned char *pinned;
+  EXPECT(CUDART(cudaMallocHost)((void **)&pinned, size), 0);
+  struct gate g;
+  EXPECT(gate_close(&g, 0), 0);
+  if (!strcmp(what, "copy"))
+    EXPECT(CUDART(cudaMemcpyAsync)((void *)va, pinned, size, 1, 0), 0);
+  else
+    EXPECT(CUDART(cudaMemsetAsync)((void *)va, 1, size, 0), 0);
+  EXPECT(CUDRV(cuMemUnmap)(va, size), 0); /* the memory saver's pause, without a synchronize */
+  __atomic_store_n(&g.open, 1, __ATOMIC_RELEASE);
+  EXPECT(CUDART(cudaStreamSynchronize)(0), 700);
+  EXPECT(g.timed_out, 0);
+  void *p = NULL;
+  EXPECT(CUDART(cudaMalloc)(&p, 1 * MiB), 700); /* sticky: the context is dead */
+  printf("default stream fault ok\n");
+  return 0;
+}
+
 /* Run with TMS_SIM_COPY_GBPS=1. Unmapping memory that a queued copy is still writing is allowed,
  * and the copy faults: its stream reports 700 and the context is dead (sticky), as on a GPU. This
  * is why pause must synchronize before it unmaps. */
@@ -808,6 +983,8 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "creates") && argc == 3) return creates(atol(argv[2]));
   if (!strcmp(m, "streams")) return streams();
   if (!strcmp(m, "copies-land-late")) return copies_land_late();
+  if (!strcmp(m, "default-stream-async")) return default_stream_async();
+  if (!strcmp(m, "default-stream-fault") && argc == 3) return default_stream_fault(argv[2]);
   if (!strcmp(m, "accounting") && argc == 3) return accounting(atol(argv[2]));
   if (!strcmp(m, "context-does-not-fit")) return context_does_not_fit();
   if (!strcmp(m, "touch-device") && argc == 3) return touch_device(argv[2]);

@@ -407,6 +407,33 @@ fn async_copies_land_over_their_modelled_time() {
 }
 
 #[test]
+fn the_legacy_default_stream_is_asynchronous_as_on_a_gpu() {
+    // The simulator ran every copy and memset on stream 0 in the caller, so a program that read
+    // pinned memory after cudaMemcpyAsync(..., 0) without a synchronize passed here and read
+    // stale bytes on a GPU. Pageable copies must still have landed (or be reusable) on return.
+    for style in STYLES {
+        let node = SimNode::new("1GiB").env("TMS_SIM_COPY_GBPS", "1");
+        let mut argv = c_program("sim_consumer", style);
+        argv.push("default-stream-async".into());
+        let out = run_ok(&mut node.command(&argv));
+        assert!(out.contains("default stream async ok"), "{style:?}: {out}");
+    }
+}
+
+#[test]
+fn work_queued_on_the_default_stream_faults_on_memory_unmapped_after_it_was_queued() {
+    // Queued, the copy or memset meets the range when the stream reaches it: 700 at the next
+    // synchronize and sticky, as on any other stream (run at once, it met mapped memory).
+    for what in ["copy", "memset"] {
+        let node = SimNode::new("256MiB");
+        let mut argv = c_program("sim_consumer", Style::Linked);
+        argv.extend(["default-stream-fault".into(), what.into()]);
+        let out = run_ok(&mut node.command(&argv));
+        assert!(out.contains("default stream fault ok"), "{what}: {out}");
+    }
+}
+
+#[test]
 fn unmapping_under_a_running_copy_faults_the_copy() {
     // The forgiving simulator made cuMemUnmap wait for the copy, hiding a pause that unmaps
     // before it synchronizes.

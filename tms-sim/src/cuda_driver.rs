@@ -321,19 +321,25 @@ pub unsafe extern "C" fn cu_mem_free(ptr: c_ulonglong) -> i32 {
     })
 }
 
-fn copy(name: &str, dst: usize, src: usize, n: usize, kind: CopyKind, stream: usize) -> i32 {
+/// A synchronous copy (`stream` None) or an asynchronous one on `stream`.
+fn copy(name: &str, dst: usize, src: usize, n: usize, kind: CopyKind, stream: Option<usize>) -> i32 {
     call(name, || match current() {
-        Ok(_) => sim().copy(dst, src, n, kind, stream, code_of).err().unwrap_or(SUCCESS),
+        Ok(_) => match stream {
+            Some(s) => sim().copy_async(dst, src, n, kind, s, code_of),
+            None => sim().copy(dst, src, n, kind, 0, code_of),
+        }
+        .err()
+        .unwrap_or(SUCCESS),
         Err(e) => e,
     })
 }
 
 pub unsafe extern "C" fn cu_memcpy_dtoh(dst: *mut c_void, src: c_ulonglong, n: usize) -> i32 {
-    copy("cuMemcpyDtoH_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, 0)
+    copy("cuMemcpyDtoH_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, None)
 }
 
 pub unsafe extern "C" fn cu_memcpy_htod(dst: c_ulonglong, src: *const c_void, n: usize) -> i32 {
-    copy("cuMemcpyHtoD_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, 0)
+    copy("cuMemcpyHtoD_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, None)
 }
 
 pub unsafe extern "C" fn cu_memcpy_dtoh_async(
@@ -342,7 +348,7 @@ pub unsafe extern "C" fn cu_memcpy_dtoh_async(
     n: usize,
     stream: *mut c_void,
 ) -> i32 {
-    copy("cuMemcpyDtoHAsync_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, stream as usize)
+    copy("cuMemcpyDtoHAsync_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, Some(stream as usize))
 }
 
 pub unsafe extern "C" fn cu_memcpy_htod_async(
@@ -351,13 +357,13 @@ pub unsafe extern "C" fn cu_memcpy_htod_async(
     n: usize,
     stream: *mut c_void,
 ) -> i32 {
-    copy("cuMemcpyHtoDAsync_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, stream as usize)
+    copy("cuMemcpyHtoDAsync_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, Some(stream as usize))
 }
 
 pub unsafe extern "C" fn cu_memset_d8(dst: c_ulonglong, value: u8, n: usize) -> i32 {
     call("cuMemsetD8_v2", || match current() {
         Ok(_) => {
-            sim().streams.settle_default();
+            sim().streams.settle_for(0);
             result(sim().memset(dst as usize, value, n))
         }
         Err(e) => e,
@@ -385,13 +391,20 @@ pub unsafe extern "C" fn cu_mem_free_host(ptr: *mut c_void) -> i32 {
     call("cuMemFreeHost", || result(sim().host_free(ptr as usize)))
 }
 
-pub unsafe extern "C" fn cu_stream_create(stream: *mut *mut c_void, _flags: c_uint) -> i32 {
+/// CU_STREAM_NON_BLOCKING, the one flag besides the default.
+const STREAM_NON_BLOCKING: c_uint = 0x1;
+
+pub unsafe extern "C" fn cu_stream_create(stream: *mut *mut c_void, flags: c_uint) -> i32 {
     call("cuStreamCreate", || {
         let dev = match current() {
             Ok(d) => d,
             Err(e) => return e,
         };
-        match sim().streams.create(dev) {
+        if stream.is_null() || flags & !STREAM_NON_BLOCKING != 0 {
+            return INVALID_VALUE;
+        }
+        // A non-blocking stream neither waits for the legacy stream nor is waited for by it.
+        match sim().streams.create_with(dev, flags, 0) {
             Some(h) => put(stream, h as *mut c_void),
             None => OUT_OF_MEMORY,
         }

@@ -494,7 +494,8 @@ pub mod introspect {
                     Err(e) => crate::cuda_runtime::code_of(e),
                 }
             });
-            s.streams.submit(stream, job).unwrap_or(1)
+            // On the default stream too it is queued, as a kernel does not block the host.
+            s.streams.submit_async(stream, None, job).unwrap_or(1)
         })
     }
 

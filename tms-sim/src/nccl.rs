@@ -841,22 +841,15 @@ pub unsafe extern "C" fn group_end() -> c_int {
                 None => batches.push((comm, stream, vec![op])),
             }
         }
-        // Work on the default stream runs as it is queued, which for one process driving
-        // several devices would wait on ranks not queued yet: such batches run side by side
-        // and the call returns when all are done, as the synchronous stream's work would.
-        let submit = |comm: Arc<NcclComm>, stream: usize, ops: Vec<Op>| {
-            comm.core().and_then(|core| core.submit(stream, ops, crate::cuda_runtime::code_of).map_err(fail))
-        };
-        let (now, queued): (Vec<_>, Vec<_>) =
-            batches.into_iter().partition(|(_, s, _)| crate::core::streams::is_null(*s));
-        let mut results: Vec<Result<(), c_int>> = queued.into_iter().map(|(c, s, o)| submit(c, s, o)).collect();
-        if now.len() == 1 {
-            results.extend(now.into_iter().map(|(c, s, o)| submit(c, s, o)));
-        } else {
-            let threads: Vec<_> =
-                now.into_iter().map(|(c, s, o)| std::thread::spawn(move || submit(c, s, o))).collect();
-            results.extend(threads.into_iter().map(|t| t.join().unwrap_or(Err(INTERNAL_ERROR))));
-        }
+        // Every batch is queued, on the default stream too (each device's legacy queue), so a
+        // process driving several devices queues them one after another and none waits for a
+        // rank not queued yet.
+        let results: Vec<Result<(), c_int>> = batches
+            .into_iter()
+            .map(|(comm, stream, ops)| {
+                comm.core().and_then(|core| core.submit(stream, ops, crate::cuda_runtime::code_of).map_err(fail))
+            })
+            .collect();
         if let Some(Err(c)) = results.into_iter().find(|r| r.is_err())
             && code == SUCCESS
         {

@@ -7,7 +7,8 @@ copying: the view's address, same dtype, sizes, strides and storage offset (an *
 implementation to run instead) gets a CUDA-key kernel registered through `torch.library`:
 
     1. synchronize the current stream of the operands' device (async copies queued on it land
-       first, as they would before a kernel on a GPU);
+       first, as they would before a kernel on a GPU; on the default stream, whose copies and
+       collectives are queued too, `tms_sim_host_view` waits for them);
     2. replace every CUDA tensor argument by its alias (tensors sharing a storage share one alias
        storage, so in-place ops, out= variants and overlapping views behave as on the device);
     3. run the same operator on the aliases (it dispatches to the CPU kernel);
@@ -95,16 +96,20 @@ def _runtime():
 
 _rt = None
 _stream_sync = None
+_peek_error = None
 _host_view = None
 _host_view_end = None
 
 
 def _init_runtime(rt):
-    global _rt, _stream_sync, _host_view, _host_view_end
+    global _rt, _stream_sync, _peek_error, _host_view, _host_view_end
     _rt = rt
     _stream_sync = rt.cudaStreamSynchronize
     _stream_sync.argtypes = [ctypes.c_void_p]
     _stream_sync.restype = ctypes.c_int
+    _peek_error = rt.cudaPeekAtLastError
+    _peek_error.argtypes = []
+    _peek_error.restype = ctypes.c_int
     _host_view = rt.tms_sim_host_view
     _host_view.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     _host_view.restype = ctypes.c_void_p
@@ -117,13 +122,21 @@ def _init_runtime(rt):
 
 def _sync(dev_index):
     s = _raw_stream(dev_index)
-    if s > 2:  # 0, 1 and 2 are the default stream, which the simulator runs synchronously
-        if _graphs.runtime.capturing(s):
-            # Nothing computes while the stream captures: the kernel records the op instead.
-            raise _graphs.Capturing(s, dev_index)
-        rc = _stream_sync(s)
-        if rc:
-            raise RuntimeError(f"CUDA error {rc}: reported by the current stream before a CPU-computed op")
+    if s <= 2:
+        # The default stream (0, 1, 2): its queued copies, memsets and collectives land before
+        # the op reads, as `tms_sim_host_view` waits for that queue. Their errors stay for the
+        # program's own synchronize, as a kernel launch leaves them on a GPU, but a sticky fault
+        # (700: the context is dead) fails the launch; peeking changes no error state.
+        if _peek_error() == 700:
+            raise RuntimeError("CUDA error 700 (an illegal memory access was encountered): the context "
+                               "has a sticky fault; reported before a CPU-computed op on the default stream")
+        return
+    if _graphs.runtime.capturing(s):
+        # Nothing computes while the stream captures: the kernel records the op instead.
+        raise _graphs.Capturing(s, dev_index)
+    rc = _stream_sync(s)
+    if rc:
+        raise RuntimeError(f"CUDA error {rc}: reported by the current stream before a CPU-computed op")
 
 
 def _view(ptr, nbytes):

@@ -457,8 +457,9 @@ impl Sim {
         }
     }
 
-    /// Synchronous copy (stream 0) or a copy queued on a stream. Errors found before queuing are
-    /// returned at once; errors while running are reported by the stream's next synchronize.
+    /// A copy run in the caller (stream 0: the synchronous APIs, and asynchronous ones that
+    /// `copy_async` does not queue), or queued on a created stream. Errors found before queuing
+    /// are returned at once; errors while running are reported by the stream's next synchronize.
     pub fn copy(
         &'static self,
         dst: usize,
@@ -469,7 +470,7 @@ impl Sim {
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
         if crate::core::streams::is_null(stream) {
-            self.streams.settle_default();
+            self.streams.settle_for(stream);
             return self.copy_now(dst, src, n, kind).map_err(async_code);
         }
         if !self.streams.exists(stream) {
@@ -493,6 +494,78 @@ impl Sim {
             }
             Err(_) => Err(async_code(MemError::Invalid)),
         }
+    }
+
+    /// An asynchronous copy (`cudaMemcpyAsync`, `cuMemcpy*Async`). On the legacy default stream
+    /// it is queued there, returning before its bytes land, when it involves no pageable host
+    /// memory: device to device, or between device and page-locked host memory. The others keep
+    /// what CUDA documents for them ("API synchronization behavior"): from pageable memory the
+    /// call returns once the source may be reused, to pageable memory once the copy completed,
+    /// host to host fully synchronously; the simulator runs them in the caller after the
+    /// stream's queued work, which satisfies all three.
+    pub fn copy_async(
+        &'static self,
+        dst: usize,
+        src: usize,
+        n: usize,
+        kind: CopyKind,
+        stream: usize,
+        async_code: fn(MemError) -> i32,
+    ) -> Result<(), i32> {
+        if !crate::core::streams::is_null(stream) || !self.queues_on_device(dst, src, n, kind) {
+            return self.copy(dst, src, n, kind, stream, async_code);
+        }
+        let job = Box::new(move || match self.copy_now(dst, src, n, kind) {
+            Ok(()) => 0,
+            Err(e) => async_code(e),
+        });
+        self.streams.submit_async(stream, None, job).map(|_| ()).map_err(|_| async_code(MemError::Invalid))
+    }
+
+    /// Whether a valid copy touches only device and page-locked host memory, with at least one
+    /// side on a device (what a copy engine runs without the host). An invalid one is not: the
+    /// synchronous path reports its error at once, as before.
+    fn queues_on_device(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> bool {
+        if n == 0 {
+            return false;
+        }
+        let Ok(plan) = self.plan_copy(&self.read(), dst, src, n, kind) else { return false };
+        match (plan.dst_on_device, plan.src_on_device) {
+            (true, true) => true,
+            (true, false) => self.page_locked(src, n),
+            (false, true) => self.page_locked(dst, n),
+            (false, false) => false,
+        }
+    }
+
+    /// Whether `[p, p + n)` lies in one page-locked range (allocated or registered).
+    fn page_locked(&self, p: usize, n: usize) -> bool {
+        let ranges = self.host_ranges();
+        ranges
+            .range(..=p)
+            .next_back()
+            .is_some_and(|(&start, r)| p.checked_add(n).is_some_and(|end| end <= start + r.len))
+    }
+
+    /// An asynchronous memset (`cudaMemsetAsync`) on the legacy default stream: queued there, as
+    /// on a GPU. A pointer that is not device memory is refused at once (1); a range unmapped by
+    /// the time it runs faults then (700 at the next synchronize, sticky).
+    pub fn memset_on_default(
+        &'static self,
+        dst: usize,
+        value: u8,
+        n: usize,
+        stream: usize,
+        async_code: fn(MemError) -> i32,
+    ) -> Result<(), i32> {
+        if dst == 0 || self.read().device_of(dst).is_none() {
+            return Err(async_code(MemError::Invalid));
+        }
+        let job = Box::new(move || match self.memset(dst, value, n) {
+            Ok(()) => 0,
+            Err(e) => async_code(e),
+        });
+        self.streams.submit_async(stream, None, job).map(|_| ()).map_err(|_| async_code(MemError::Invalid))
     }
 
     /// A kernel reading device memory (a collective's send buffer): the range must be device

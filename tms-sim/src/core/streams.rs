@@ -11,7 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 type Job = Box<dyn FnOnce() -> i32 + Send>;
 
 /// The default stream under its three names: 0, `cudaStreamLegacy` (1), `cudaStreamPerThread`
-/// (2). The simulator runs its work synchronously.
+/// (2). Its queued work runs on a queue per device (see `Streams::legacy`).
 pub fn is_null(handle: usize) -> bool {
     handle <= 2
 }
@@ -120,11 +120,13 @@ impl Event {
 pub struct Streams {
     live: Mutex<HashMap<usize, Arc<Stream>>>,
     events: Mutex<HashMap<usize, Arc<Event>>>,
-    /// The default stream's own queue, for the work that must not block the host (collectives,
-    /// event records and waits). Other work on the default stream runs as it is queued, after
-    /// this queue has drained, so the stream's order holds. On a GPU none of it blocks the host:
-    /// PyTorch issues synchronous collectives on its current stream, then records an event and
-    /// polls it, and a collective that ran on the host would hang it whenever a peer is lost.
+    /// The default stream's queue per device, for the work that does not block the host on a
+    /// GPU: collectives, event records and waits, host functions, copies that involve no
+    /// pageable host memory, memsets (`submit_async`). What still runs in the caller (pageable
+    /// copies, the synchronous APIs, the CPU layer's kernels) runs after this queue has drained,
+    /// so the stream's order holds. PyTorch depends on the host going on: it issues synchronous
+    /// collectives on its current stream, then records an event and polls it, and a collective
+    /// that ran on the host would hang it whenever a peer is lost.
     legacy: Mutex<HashMap<usize, Arc<Stream>>>,
 }
 
@@ -168,12 +170,44 @@ impl Streams {
     /// when it ran now, else 0.
     pub fn submit(&self, handle: usize, job: Job) -> Result<i32, UnknownStream> {
         if is_null(handle) {
-            self.legacy_barrier(handle);
-            self.settle_default();
+            self.settle_for(handle);
             return Ok(job());
         }
         let stream = self.get(handle)?;
+        let job = self.after_legacy(&stream, job);
         enqueue(&stream, job)
+    }
+
+    /// The other half of the legacy stream's rule: work on a blocking stream waits for what was
+    /// queued on its device's legacy stream before it (CUDA Driver API, "Stream synchronization
+    /// behavior"). Only work queued earlier is waited for, on both sides, so the two waits never
+    /// form a cycle.
+    fn after_legacy(&self, stream: &Stream, job: Job) -> Job {
+        if stream.flags & NON_BLOCKING != 0 {
+            return job;
+        }
+        let Some(legacy) = self.legacy.lock().unwrap_or_else(|e| e.into_inner()).get(&stream.device).cloned() else {
+            return job;
+        };
+        let target = {
+            let p = legacy.progress.0.lock().unwrap_or_else(|e| e.into_inner());
+            if p.done >= p.submitted {
+                return job;
+            }
+            p.submitted
+        };
+        Box::new(move || {
+            wait_until(&legacy, target);
+            job()
+        })
+    }
+
+    /// Before work of the default stream runs in the caller (a synchronous copy or memset, a
+    /// pageable copy): what the stream follows has run, the blocking streams' queued work and the
+    /// default stream's own queue. Their errors stay for their own synchronize.
+    pub fn settle_for(&self, handle: usize) {
+        self.legacy_barrier(handle);
+        self.settle_default();
     }
 
     /// An action on the legacy default stream first waits for all work queued on the blocking
@@ -264,11 +298,7 @@ impl Streams {
         } else {
             Box::new(move || {
                 for (stream, target) in &before {
-                    let (lock, cv) = &*stream.progress;
-                    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-                    while p.done < *target {
-                        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-                    }
+                    wait_until(stream, *target);
                 }
                 job()
             })
@@ -436,6 +466,16 @@ fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>
         })
         .ok()?;
     Some(tx)
+}
+
+/// Waits until `stream` has run its first `target` jobs, leaving their errors to its own
+/// synchronize.
+fn wait_until(stream: &Stream, target: u64) {
+    let (lock, cv) = &*stream.progress;
+    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+    while p.done < target {
+        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+    }
 }
 
 fn wait(stream: &Stream) -> i32 {

@@ -101,14 +101,17 @@ pub unsafe extern "C" fn cuda_memcpy_async(
     call("cudaMemcpyAsync", || {
         enter!();
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
-        sim().copy(dst as usize, src as usize, count, kind, stream as usize, code_of).err().unwrap_or(SUCCESS)
+        sim().copy_async(dst as usize, src as usize, count, kind, stream as usize, code_of).err().unwrap_or(SUCCESS)
     })
 }
 
+/// Runs in the caller after the default stream's queued work. CUDA lets a memset of device
+/// memory return early ("API synchronization behavior"); returning after it is the reading no
+/// caller can be hurt by.
 pub unsafe extern "C" fn cuda_memset(dst: *mut c_void, value: c_int, count: usize) -> i32 {
     call("cudaMemset", || {
         enter!();
-        sim().streams.settle_default();
+        sim().streams.settle_for(0);
         result(sim().memset(dst as usize, value as u8, count))
     })
 }
@@ -118,8 +121,7 @@ pub unsafe extern "C" fn cuda_memset_async(dst: *mut c_void, value: c_int, count
         enter!();
         let (dst, value, stream) = (dst as usize, value as u8, stream as usize);
         if crate::core::streams::is_null(stream) {
-            sim().streams.settle_default();
-            return result(sim().memset(dst, value, count));
+            return sim().memset_on_default(dst, value, count, stream, code_of).err().unwrap_or(SUCCESS);
         }
         if sim().graphs.record(stream, || crate::core::graphs::Node::Memset { dst, value, n: count }) {
             return SUCCESS;
@@ -256,6 +258,7 @@ fn copy_2d(
     height: usize,
     kind: c_int,
     stream: usize,
+    is_async: bool,
 ) -> i32 {
     call(name, || {
         enter!();
@@ -264,7 +267,13 @@ fn copy_2d(
             return INVALID_VALUE;
         }
         for row in 0..height {
-            if let Err(code) = sim().copy(dst + row * dpitch, src + row * spitch, width, kind, stream, code_of) {
+            let (d, s) = (dst + row * dpitch, src + row * spitch);
+            let copied = if is_async {
+                sim().copy_async(d, s, width, kind, stream, code_of)
+            } else {
+                sim().copy(d, s, width, kind, 0, code_of)
+            };
+            if let Err(code) = copied {
                 return code;
             }
         }
@@ -281,7 +290,7 @@ pub unsafe extern "C" fn cuda_memcpy_2d(
     height: usize,
     kind: c_int,
 ) -> i32 {
-    copy_2d("cudaMemcpy2D", dst as usize, dpitch, src as usize, spitch, width, height, kind, 0)
+    copy_2d("cudaMemcpy2D", dst as usize, dpitch, src as usize, spitch, width, height, kind, 0, false)
 }
 
 pub unsafe extern "C" fn cuda_memcpy_2d_async(
@@ -294,5 +303,5 @@ pub unsafe extern "C" fn cuda_memcpy_2d_async(
     kind: c_int,
     stream: *mut c_void,
 ) -> i32 {
-    copy_2d("cudaMemcpy2DAsync", dst as usize, dpitch, src as usize, spitch, width, height, kind, stream as usize)
+    copy_2d("cudaMemcpy2DAsync", dst as usize, dpitch, src as usize, spitch, width, height, kind, stream as usize, true)
 }

@@ -136,7 +136,8 @@ pub unsafe extern "C" fn cuda_launch_host_func(
             unsafe { f(job.1 as *mut c_void) };
             0
         };
-        sim().streams.submit(stream as usize, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
+        // On the default stream too it is queued: the host goes on, as on a GPU.
+        sim().streams.submit_async(stream as usize, None, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
     })
 }
 
@@ -167,7 +168,7 @@ pub unsafe extern "C" fn cuda_stream_add_callback(
             unsafe { f(handle as *mut c_void, SUCCESS, job.1 as *mut c_void) };
             0
         };
-        sim().streams.submit(handle, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
+        sim().streams.submit_async(handle, None, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
     })
 }
 
