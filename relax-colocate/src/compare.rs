@@ -305,6 +305,65 @@ fn ratios(names: &[&str], figs: &[Value]) -> serde_json::Map<String, Value> {
     out
 }
 
+/// Throughput gaps under this share are called a tie: one run on a shared machine moves by that much
+/// (docs/perf.md measured the same elastic job at 1.28x and 1.13x of colocate in two runs).
+const TIE_MARGIN: f64 = 0.05;
+
+/// Runs shorter than this are mostly start-up (async fills its pipeline in step 1, elastic
+/// calibrates its switch): the verdict says so.
+const STEPS_TO_JUDGE: u64 = 5;
+
+/// Which layout the job should use: the highest throughput after step 1 (all steps when there is
+/// only one), the runner-up and the margin, and whether the margin and the run's length make it
+/// a clear answer.
+fn verdict(names: &[&str], figs: &[Value], steps: u64) -> Value {
+    let key = if steps > 1 { "samples_per_s_after_first_step" } else { "samples_per_s" };
+    let mut ranked: Vec<(&str, f64)> = names.iter().zip(figs).map(|(n, f)| (*n, figure(f, key))).collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let ((best, top), (runner_up, next)) = (ranked[0], ranked[1]);
+    let margin = top / next - 1.0;
+    let tie = margin.is_nan() || margin < TIE_MARGIN;
+    let short = steps < STEPS_TO_JUDGE;
+    json!({
+        "layout": best,
+        "runner_up": runner_up,
+        "by": key,
+        "margin": margin,
+        "tie": tie,
+        "short_run": short,
+        "clear": !tie && !short,
+    })
+}
+
+/// The verdict in words, with what would make it firmer.
+fn verdict_line(v: &Value, max_staleness: i64) -> String {
+    let (best, other) = (v["layout"].as_str().unwrap_or("?"), v["runner_up"].as_str().unwrap_or("?"));
+    let margin = v["margin"].as_f64().unwrap_or(f64::NAN);
+    let by = if v["by"] == "samples_per_s" { "samples/s" } else { "samples/s after step 1" };
+    let mut line = if v["tie"] == true {
+        format!(
+            "for this job: no clear winner: {best} and {other} are within {:.0}% ({:.2}x in {by}); repeat the \
+             comparison or run more --steps before choosing",
+            TIE_MARGIN * 100.0,
+            1.0 + margin
+        )
+    } else {
+        format!("for this job: {best}, {:.2}x the next ({other}) in {by}", 1.0 + margin)
+    };
+    if v["short_run"] == true {
+        line.push_str(&format!(
+            "; a run of fewer than {STEPS_TO_JUDGE} steps is mostly start-up, use --steps {STEPS_TO_JUDGE} or more"
+        ));
+    }
+    if best != "colocate" {
+        line.push_str(&format!(
+            "; {best} trains on samples up to {max_staleness} weight version(s) stale: check reward against wall \
+             time (reward_vs_time.svg) too"
+        ));
+    }
+    line
+}
+
 /// Runs the layouts one after the other; returns the exit code (the failed run's when one fails:
 /// 2 for its configuration, 1 otherwise).
 pub fn main(o: &Options) -> u8 {
@@ -354,6 +413,8 @@ pub fn main(o: &Options) -> u8 {
         names.iter().zip(&figs).map(|(n, f)| (n.to_string(), f.clone())).collect();
     let ratios = ratios(&names, &figs);
     report.extend(ratios.clone());
+    let verdict = verdict(&names, &figs, o.steps);
+    report.insert("verdict".into(), verdict.clone());
     let report = Value::Object(report);
     let _ = std::fs::write(o.out.join("compare.json"), serde_json::to_string_pretty(&report).expect("serializes"));
     let _ = std::fs::write(o.out.join("reward_vs_time.svg"), reward_plot(&layouts));
@@ -378,7 +439,47 @@ pub fn main(o: &Options) -> u8 {
         );
         println!("elastic / the better of the others: {all:.2}x (samples/s); {after:.2}x after step 1");
     }
+    println!("{}", verdict_line(&verdict, o.max_staleness));
     let dirs: Vec<String> = names.iter().map(|n| format!("{n}/")).collect();
     println!("written: {} (compare.json, reward_vs_time.svg, {})", o.out.display(), dirs.join(", "));
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figs(after: &[f64]) -> Vec<Value> {
+        after.iter().map(|a| json!({"samples_per_s": 1.0, "samples_per_s_after_first_step": a})).collect()
+    }
+
+    #[test]
+    fn the_verdict_names_the_fastest_layout_after_step_1_and_its_margin() {
+        let v = verdict(&["colocate", "async", "elastic"], &figs(&[3.0, 2.5, 3.6]), 10);
+        assert_eq!((v["layout"].as_str(), v["runner_up"].as_str()), (Some("elastic"), Some("colocate")));
+        assert!((v["margin"].as_f64().unwrap() - 0.2).abs() < 1e-9, "{v}");
+        assert_eq!((v["tie"].as_bool(), v["clear"].as_bool()), (Some(false), Some(true)));
+        let line = verdict_line(&v, 2);
+        assert!(line.starts_with("for this job: elastic, 1.20x the next (colocate)"), "{line}");
+        assert!(line.contains("up to 2 weight version(s) stale"), "{line}");
+    }
+
+    #[test]
+    fn a_gap_under_the_tie_margin_or_a_short_run_is_not_a_clear_answer() {
+        let v = verdict(&["colocate", "async"], &figs(&[3.0, 3.1]), 10);
+        assert_eq!(
+            (v["layout"].as_str(), v["tie"].as_bool(), v["clear"].as_bool()),
+            (Some("async"), Some(true), Some(false))
+        );
+        assert!(verdict_line(&v, 2).contains("no clear winner: async and colocate are within 5%"));
+        let v = verdict(&["colocate", "async"], &figs(&[3.0, 1.0]), 3);
+        assert_eq!(
+            (v["layout"].as_str(), v["short_run"].as_bool(), v["clear"].as_bool()),
+            (Some("colocate"), Some(true), Some(false))
+        );
+        let line = verdict_line(&v, 2);
+        assert!(line.contains("use --steps 5 or more") && !line.contains("stale"), "{line}");
+        // One step: judged on all samples, step 1 being all there is.
+        assert_eq!(verdict(&["colocate", "async"], &figs(&[3.0, 1.0]), 1)["by"], "samples_per_s");
+    }
 }

@@ -490,6 +490,12 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     let over = report["elastic_over_best_other_after_first_step"].as_f64().unwrap();
     assert!((over - steady("elastic") / best).abs() < 1e-9, "{report}");
     assert!(std::fs::read_to_string(dir.path().join("reward_vs_time.svg")).unwrap().contains("colocate"));
+    // The verdict: the fastest after step 1, named on stdout; 3 steps are too few to be sure.
+    let verdict = &report["verdict"];
+    let best = ["colocate", "async", "elastic"].into_iter().max_by(|a, b| steady(a).total_cmp(&steady(b))).unwrap();
+    assert_eq!(verdict["layout"], best, "{report}");
+    assert_eq!((verdict["short_run"].as_bool(), verdict["clear"].as_bool()), (Some(true), Some(false)), "{report}");
+    assert!(stdout.contains("for this job: ") && stdout.contains("use --steps 5 or more"), "{stdout}");
     // A key that does not exist is the run's configuration error, exit 2 with its name.
     let bad = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
         .args(["compare", "--steps", "1", "--set", "algo.lrr=1", "--out"])
