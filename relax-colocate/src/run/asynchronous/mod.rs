@@ -135,6 +135,9 @@ struct Job {
     samples: Vec<Sample>,
     staleness: Vec<u64>,
     spans: Vec<u64>,
+    /// The modelled tokens per task token of the batch (compute.token_scale_final): each sample's
+    /// by the weight versions that generated it, weighted by its tokens. None: init's.
+    token_scale: Option<f64>,
     stage: Stage,
     span: Option<Span>,
     requests: Vec<InFlight>,
@@ -154,6 +157,7 @@ struct Finished {
     train: TrainReply,
     staleness: Vec<u64>,
     spans: Vec<u64>,
+    token_scale: Option<f64>,
 }
 
 /// Which kind of request answered, by its position among those waited on.
@@ -544,6 +548,7 @@ impl Async {
             responses,
             segment_tokens: self.segment(),
             prefix_cached: continued && self.engines[k].version == self.version && !self.engines[k].adopted,
+            token_scale: self.cfg.token_scale_at(self.version as f64),
         };
         let worker = e.worker;
         let request = self.fleet.submit::<Generate>(worker, params)?;
@@ -674,9 +679,12 @@ impl Async {
     fn start_job(&mut self, groups: Vec<Group>) -> R<Job> {
         let now = self.version;
         let mut samples = Vec::new();
-        let (mut staleness, mut spans) = (Vec::new(), Vec::new());
+        let (mut staleness, mut spans, mut scaled) = (Vec::new(), Vec::new(), Vec::new());
         for g in &groups {
             for s in &g.seqs {
+                let versions = s.versions.iter().map(|v| *v as f64);
+                let version = versions.clone().sum::<f64>() / s.versions.len().max(1) as f64;
+                scaled.push((g.prompt.len() + s.response.len(), version));
                 samples.push(Sample {
                     prompt: g.prompt.clone(),
                     response: s.response.clone(),
@@ -702,6 +710,7 @@ impl Async {
             samples,
             staleness,
             spans,
+            token_scale: learn::batch_token_scale(&self.cfg, &scaled),
             stage: Stage::RefLogProbs,
             span: None,
             requests: Vec::new(),
@@ -722,19 +731,25 @@ impl Async {
     /// Sends the job's current stage to every trainer (replicas get the same request).
     fn submit_stage(&mut self, job: &mut Job) -> R<()> {
         job.span = Some(self.rec.begin(job.stage.phase()));
-        let step = self.step();
+        let (step, token_scale) = (self.step(), job.token_scale);
         let mut requests = Vec::new();
         for i in self.fleet.indices(Role::Trainer) {
             let r = match job.stage {
                 Stage::RefLogProbs | Stage::LogProbs => {
                     let model = if job.stage == Stage::RefLogProbs { Model::Ref } else { Model::Actor };
-                    self.fleet.submit::<LogProbs>(i, LogProbsParams { model, samples: Self::pairs(job), step })?
+                    self.fleet
+                        .submit::<LogProbs>(i, LogProbsParams { model, samples: Self::pairs(job), step, token_scale })?
                 }
-                Stage::Values => self.fleet.submit::<Values>(i, SamplesParams { samples: Self::pairs(job), step })?,
+                Stage::Values => {
+                    self.fleet.submit::<Values>(i, SamplesParams { samples: Self::pairs(job), step, token_scale })?
+                }
                 Stage::Train => {
                     let scores = job_scores(job);
                     let adv = job.adv.as_ref().expect("advantages before train");
-                    self.fleet.submit::<Train>(i, learn::train_params(&self.cfg, &job.samples, &scores, adv, step))?
+                    self.fleet.submit::<Train>(
+                        i,
+                        learn::train_params(&self.cfg, &job.samples, &scores, adv, step, token_scale),
+                    )?
                 }
             };
             requests.push(r);
@@ -812,6 +827,7 @@ impl Async {
             train: job.train.take().unwrap_or_default(),
             staleness: std::mem::take(&mut job.staleness),
             spans: std::mem::take(&mut job.spans),
+            token_scale: job.token_scale,
         }
     }
 
@@ -846,6 +862,9 @@ impl Async {
         }
         if self.lending.is_some() {
             self.lending_row(&mut row, wall);
+        }
+        if let Some(scale) = d.token_scale {
+            row.set("compute/token_scale", scale);
         }
         let stale = d.staleness.iter().filter(|s| **s > 0).count();
         row.set("fully_async/count/stale_samples_processed", stale as f64);
