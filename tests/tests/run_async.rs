@@ -599,6 +599,9 @@ fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_
     let (idle, device_idle) =
         (e["trainer_idle_ratio_unlent"].as_f64().unwrap(), e["trainer_device_idle_ratio"].as_f64().unwrap());
     assert!(device_idle < idle, "{e}");
+    // A lent device with no request counts as idle: within the time it was lent.
+    let lent_idle = e["lent_engine_idle_s"].as_f64().unwrap();
+    assert!((0.0..=e["lent_s"].as_f64().unwrap()).contains(&lent_idle), "{e}");
     // Every decision is logged with its reason; lends and reclaims alternate.
     let log = lending_log(dir.path());
     let actions: Vec<&str> = log.iter().map(|d| d["action"].as_str().unwrap()).filter(|a| *a != "skip").collect();
@@ -627,9 +630,11 @@ fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_
     assert!(lends >= 2 && lends == reclaims, "{lends} lends, {reclaims} reclaims");
     let m = metrics(dir.path());
     assert!(m.iter().any(|r| r["elastic/lent_time"].as_f64().unwrap() > 0.0), "no step lent");
-    assert!(
-        m.iter().all(|r| r["elastic/switch_time"].is_number() && r["elastic/trainer_device_idle_ratio"].is_number())
-    );
+    assert!(m.iter().all(|r| {
+        ["elastic/switch_time", "elastic/trainer_device_idle_ratio", "elastic/lent_idle_time"]
+            .iter()
+            .all(|k| r[*k].is_number())
+    }));
     assert_eq!(summary["status"], "ok");
 }
 

@@ -120,13 +120,23 @@ struct Window {
     /// Elastic mode: of the trainer's idle time, what its devices spent lent (generating) and
     /// switching (lends and reclaims).
     lent_s: f64,
+    /// Elastic mode: seconds the lent engines, awake and lent, had no request (all of them).
+    lent_idle_s: f64,
     switch_s: f64,
     lends: u64,
 }
 
 impl Window {
     fn new() -> Window {
-        Window { start: Instant::now(), trainer_idle_s: 0.0, rollout_idle_s: 0.0, lent_s: 0.0, switch_s: 0.0, lends: 0 }
+        Window {
+            start: Instant::now(),
+            trainer_idle_s: 0.0,
+            rollout_idle_s: 0.0,
+            lent_s: 0.0,
+            lent_idle_s: 0.0,
+            switch_s: 0.0,
+            lends: 0,
+        }
     }
 }
 
@@ -554,7 +564,12 @@ impl Async {
         let request = self.fleet.submit::<Generate>(worker, params)?;
         let e = &mut self.engines[k];
         if let Some(t) = e.idle_since.take() {
-            self.window.rollout_idle_s += t.elapsed().as_secs_f64();
+            let idle = t.elapsed().as_secs_f64();
+            if e.lent {
+                self.window.lent_idle_s += idle;
+            } else {
+                self.window.rollout_idle_s += idle;
+            }
         }
         e.request = Some((request, order));
         e.version = self.version;
@@ -633,8 +648,10 @@ impl Async {
                 return Err(bad("generate returned an empty response".into()));
             }
         }
+        // A lent engine idles only while lent: once the reclaim begins it takes no more work.
+        let lent_now = self.lending.as_ref().is_some_and(lend::Lending::lent);
         let e = &mut self.engines[k];
-        if !e.lent {
+        if !e.lent || lent_now {
             e.idle_since = Some(Instant::now());
         }
         // A finished group leaves at once: the trainer may take it while the rest go on.
@@ -836,11 +853,16 @@ impl Async {
     fn write_row(&mut self, d: Finished) {
         let wall = self.window.start.elapsed().as_secs_f64();
         let now = Instant::now();
-        for e in self.engines.iter_mut().filter(|e| !e.lent) {
+        for e in self.engines.iter_mut() {
             // An idle engine's time so far counts in this window; the next starts now.
             if let Some(t) = e.idle_since.as_mut() {
-                self.window.rollout_idle_s += t.elapsed().as_secs_f64();
+                let idle = now.duration_since(*t).as_secs_f64();
                 *t = now;
+                if e.lent {
+                    self.window.lent_idle_s += idle;
+                } else {
+                    self.window.rollout_idle_s += idle;
+                }
             }
         }
         let mut row = metrics::Row::new(self.step());
@@ -892,6 +914,10 @@ impl Async {
         tot.partial_samples += partial as u64;
         tot.trainer_idle_s += trainer_idle;
         tot.rollout_idle_s += rollout_idle;
+        let lent_idle = self.window.lent_idle_s;
+        if let Some(l) = self.lending.as_mut() {
+            l.add_lent_idle(lent_idle);
+        }
         self.window = Window::new();
     }
 
