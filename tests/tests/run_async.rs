@@ -501,6 +501,20 @@ fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated
 }
 
 #[test]
+fn once_the_trainer_has_its_last_batch_no_engine_starts_another_segment() {
+    // A rollout-bound job with responses of up to 8 tokens in 2-token segments: groups are still
+    // under way when the last batch goes to the trainer, and finishing them would take more
+    // segments that nobody trains on.
+    let dir = tempfile::tempdir().unwrap();
+    let job = ["--mode", "async", "--devices", "2", "--steps", "3", "--set", "task.max_new_tokens=24"];
+    let (_, summary) = run_ok(dir.path(), &[&job[..], &ROLLOUT_BOUND].concat());
+    let a = &summary["async"];
+    // One engine, so at most its one segment in flight then.
+    let after = a["generate_replies_after_last_batch"].as_u64().unwrap();
+    assert!(after <= 1, "{after} generate replies after the last batch: the engine went on generating: {a}");
+}
+
+#[test]
 fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))

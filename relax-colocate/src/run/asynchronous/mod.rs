@@ -110,6 +110,9 @@ struct Totals {
     update_bytes: u64,
     trainer_idle_s: f64,
     rollout_idle_s: f64,
+    /// Generate replies that came after the trainer took its last batch: the segments then in
+    /// flight, none started since.
+    replies_after_last_batch: u64,
     started: Option<Instant>,
 }
 
@@ -473,6 +476,12 @@ impl Async {
     /// needs more. Refilling at every segment keeps an engine's batch full, as continuous
     /// batching does, instead of waiting for its longest response before starting the next.
     fn feed_engines(&mut self) -> R<()> {
+        // The trainer has taken its last batch: whatever the engines would still generate, nobody
+        // trains on, and it would hold the run's end (and its wall time) until every group under
+        // way had finished.
+        if self.step() >= self.cfg.run.steps {
+            return Ok(());
+        }
         for k in 0..self.engines.len() {
             if !self.may_feed(k) {
                 continue;
@@ -617,6 +626,9 @@ impl Async {
         self.at.set_phase("generate");
         let reply: GenerateReply = self.fleet.collect::<Generate>(request)?;
         self.at.set_phase(&phase);
+        if self.step() >= self.cfg.run.steps {
+            self.totals.replies_after_last_batch += 1;
+        }
         let at = self.at.clone();
         let bad = |cause: String| at.fail(FailKind::Worker, Some(&name), cause);
         if reply.samples.len() != order.len() {
@@ -946,6 +958,7 @@ impl Async {
             "dropped_stale_samples": self.queue.dropped_samples,
             "staleness_histogram": t.staleness.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "partial_samples": t.partial_samples,
+            "generate_replies_after_last_batch": t.replies_after_last_batch,
             "weight_updates": t.updates,
             "update_weights_s": t.update_s,
             "update_weights_bytes": t.update_bytes,
