@@ -188,6 +188,7 @@ fn elastic_figures(l: &Layout, e: &Value) -> Value {
         "switch_saver_s_mean": f("switch_saver_s_mean"),
         "trainer_device_idle": f("trainer_device_idle_ratio"),
         "lent_tokens": e["lent_tokens"].clone(),
+        "lent_engine_idle_s": e["lent_engine_idle_s"].clone(),
         "forced_reclaims": e["forced_reclaims"].clone(),
     })
 }
@@ -219,7 +220,7 @@ fn print_table(names: &[&str], figs: &[Value]) {
         ("step time, median (s)", "step_time_median_s", |x| format!("{x:.3}")),
         ("trainer busy", "trainer_busy", pct),
         ("trainer waiting for samples", "trainer_idle", pct),
-        ("trainer devices idle (lent: busy)", "elastic.trainer_device_idle", pct),
+        ("trainer devices idle", "elastic.trainer_device_idle", pct),
         ("rollout busy", "rollout_busy", pct),
         ("weight update, median (s)", "update_weights_median_s", secs),
         ("sleep/wake switch, median (s)", "switch_median_s", secs),

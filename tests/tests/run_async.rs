@@ -7,7 +7,9 @@
 //! sets and transports that cannot work exit 2 naming the key. Elastic mode lends a waiting
 //! trainer's device and gets it back with the trainer's exact bytes, never both sides on it at
 //! once, a lend drops no sample to staleness (the engines stay within the queue's capacity), and
-//! a lent engine that keeps the device is paused from outside while the run goes on.
+//! a lent engine that keeps the device is paused from outside while the run goes on. Responses
+//! that grow over the run (compute.token_scale_final) cost each step by the weight version that
+//! generated it, colocated and async alike.
 
 use serde_json::Value;
 use tms_e2e::runner::*;
@@ -453,6 +455,66 @@ fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_und
 }
 
 #[test]
+fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated_it_in_every_mode() {
+    // Each task token stands for 1 modelled token at step 1 and 100 at step 3; every modelled
+    // decode step pays 10 ms, so one task decode step at step 3 lasts at least 1 s.
+    let job = [
+        "--steps",
+        "3",
+        "--devices",
+        "2",
+        "--memory-profile",
+        "qwen3-4b",
+        "--set",
+        "memory.scale=0.002",
+        "--set",
+        "compute.model=true",
+        "--set",
+        "rollout.prompts_per_step=8",
+        "--set",
+        "compute.token_scale=1",
+        "--set",
+        "compute.token_scale_final=100",
+        "--set",
+        "compute.decode_step_ms=10",
+    ];
+    // Staleness 0: every sample of step k comes from version k - 1, as colocated.
+    for mode in [&["--mode", "colocate"][..], &["--mode", "async", "--max-staleness", "0"]] {
+        let dir = tempfile::tempdir().unwrap();
+        run_ok(dir.path(), &[mode, &job[..]].concat());
+        let m = metrics(dir.path());
+        let scales: Vec<f64> = m.iter().map(|r| r["compute/token_scale"].as_f64().unwrap()).collect();
+        assert_eq!(scales, vec![1.0, 50.5, 100.0], "{mode:?}");
+        let last = &m[2];
+        // The trainer's reference pass over the last batch: at least its response tokens x 100
+        // through a 4B model's forward pass (2 x 4e9 FLOPs) at 989 TFLOPS x MFU 0.4 (prompts
+        // left out, so a lower bound).
+        let tokens = 64.0 * last["rollout/response_len/mean"].as_f64().unwrap();
+        let floor = tokens * 100.0 * 8e9 / (989e12 * 0.4);
+        let pass = last["perf/ref_log_probs_time"].as_f64().unwrap();
+        assert!(pass >= floor, "{mode:?}: ref_log_probs {pass} s < {floor} s at 100 modelled tokens per token");
+        if mode[1] == "colocate" {
+            let generate = last["perf/rollout_time"].as_f64().unwrap();
+            assert!(generate >= 1.0, "step 3 generated in {generate} s: under one decode step at 100 x 10 ms");
+        }
+    }
+}
+
+#[test]
+fn once_the_trainer_has_its_last_batch_no_engine_starts_another_segment() {
+    // A rollout-bound job with responses of up to 8 tokens in 2-token segments: groups are still
+    // under way when the last batch goes to the trainer, and finishing them would take more
+    // segments that nobody trains on.
+    let dir = tempfile::tempdir().unwrap();
+    let job = ["--mode", "async", "--devices", "2", "--steps", "3", "--set", "task.max_new_tokens=24"];
+    let (_, summary) = run_ok(dir.path(), &[&job[..], &ROLLOUT_BOUND].concat());
+    let a = &summary["async"];
+    // One engine, so at most its one segment in flight then.
+    let after = a["generate_replies_after_last_batch"].as_u64().unwrap();
+    assert!(after <= 1, "{after} generate replies after the last batch: the engine went on generating: {a}");
+}
+
+#[test]
 fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
@@ -557,6 +619,9 @@ fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_
     let (idle, device_idle) =
         (e["trainer_idle_ratio_unlent"].as_f64().unwrap(), e["trainer_device_idle_ratio"].as_f64().unwrap());
     assert!(device_idle < idle, "{e}");
+    // A lent device with no request counts as idle: within the time it was lent.
+    let lent_idle = e["lent_engine_idle_s"].as_f64().unwrap();
+    assert!((0.0..=e["lent_s"].as_f64().unwrap()).contains(&lent_idle), "{e}");
     // Every decision is logged with its reason; lends and reclaims alternate.
     let log = lending_log(dir.path());
     let actions: Vec<&str> = log.iter().map(|d| d["action"].as_str().unwrap()).filter(|a| *a != "skip").collect();
@@ -585,9 +650,11 @@ fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_
     assert!(lends >= 2 && lends == reclaims, "{lends} lends, {reclaims} reclaims");
     let m = metrics(dir.path());
     assert!(m.iter().any(|r| r["elastic/lent_time"].as_f64().unwrap() > 0.0), "no step lent");
-    assert!(
-        m.iter().all(|r| r["elastic/switch_time"].is_number() && r["elastic/trainer_device_idle_ratio"].is_number())
-    );
+    assert!(m.iter().all(|r| {
+        ["elastic/switch_time", "elastic/trainer_device_idle_ratio", "elastic/lent_idle_time"]
+            .iter()
+            .all(|k| r[*k].is_number())
+    }));
     assert_eq!(summary["status"], "ok");
 }
 

@@ -141,6 +141,9 @@ pub struct ComputeSection {
     pub train_mfu: f64,
     pub rollout_mfu: f64,
     pub token_scale: f64,
+    /// The modelled tokens per task token of the last step's samples: responses grow linearly
+    /// from token_scale over the run, as RL responses lengthen while the policy learns. 0: constant.
+    pub token_scale_final: f64,
     pub hbm_gbps: f64,
     pub decode_step_ms: f64,
 }
@@ -454,6 +457,10 @@ impl Config {
             (c.tflops > 0.0 && c.tflops.is_finite(), "compute.tflops must be > 0"),
             (mfu(c.train_mfu) && mfu(c.rollout_mfu), "compute.train_mfu and compute.rollout_mfu must be in (0, 1]"),
             (c.token_scale > 0.0 && c.token_scale.is_finite(), "compute.token_scale must be > 0"),
+            (
+                c.token_scale_final >= 0.0 && c.token_scale_final.is_finite(),
+                "compute.token_scale_final must be >= 0 (0: every step at compute.token_scale)",
+            ),
             (c.hbm_gbps >= 0.0 && c.hbm_gbps.is_finite(), "compute.hbm_gbps must be >= 0 (0: no memory floor)"),
             (
                 c.decode_step_ms >= 0.0 && c.decode_step_ms.is_finite(),
@@ -537,6 +544,21 @@ impl Config {
             );
         }
         errors
+    }
+
+    /// The modelled tokens per task token of what weight version `version` generates (it may be
+    /// a mean over a sample's tokens), when responses grow over the run (compute.token_scale_final):
+    /// linear from compute.token_scale at version 0 (step 1's samples) to token_scale_final at
+    /// version steps - 1 (the last step's), held there. None without growth or without
+    /// compute.model: every request at init's compute.token_scale, as before the knob.
+    pub fn token_scale_at(&self, version: f64) -> Option<f64> {
+        let c = &self.compute;
+        if !c.model || c.token_scale_final <= 0.0 {
+            return None;
+        }
+        let last = self.run.steps.saturating_sub(1).max(1) as f64;
+        let at = (version / last).clamp(0.0, 1.0);
+        Some(c.token_scale + (c.token_scale_final - c.token_scale) * at)
     }
 
     /// The off-policy correction the run applies: `auto` resolved by the layout. Colocated, the
@@ -832,6 +854,29 @@ mod tests {
         assert_eq!(load(None, &[]).unwrap().compute.decode_step_ms, 2.0);
         let err = load(None, &sets("-1")).unwrap_err();
         assert!(err.contains("compute.decode_step_ms must be >= 0"), "{err}");
+    }
+
+    #[test]
+    fn token_scale_grows_linearly_over_the_versions_and_bad_finals_are_refused_by_name() {
+        let sets = |fin: &str| {
+            ["compute.model=true", "memory.profile=qwen3-4b", "run.steps=5", "compute.token_scale=100"]
+                .into_iter()
+                .map(String::from)
+                .chain([format!("compute.token_scale_final={fin}")])
+                .collect::<Vec<_>>()
+        };
+        let c = load(None, &sets("500")).unwrap();
+        // Version 0 makes step 1's samples, version 4 the last step's (of 5); later ones hold.
+        let at: Vec<_> = [0.0, 1.0, 2.5, 4.0, 9.0].iter().map(|v| c.token_scale_at(*v).unwrap()).collect();
+        assert_eq!(at, vec![100.0, 200.0, 350.0, 500.0, 500.0]);
+        assert_eq!(load(None, &sets("0")).unwrap().token_scale_at(3.0), None, "0: no growth");
+        let mut off = sets("500");
+        off[0] = "compute.model=false".into();
+        assert_eq!(load(None, &off).unwrap().token_scale_at(3.0), None, "nothing is modelled");
+        for bad in ["-1", "nan", "inf"] {
+            let err = load(None, &sets(bad)).unwrap_err();
+            assert!(err.contains("compute.token_scale_final must be >= 0"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -119,6 +119,18 @@ pub(super) fn is_weights(cfg: &Config, samples: &[Sample], scores: &Scores) -> V
     weights.map(|r| r.into_iter().map(|x| x.min(cap)).collect()).collect()
 }
 
+/// The modelled tokens per task token of a batch whose samples hold (tokens, mean weight version
+/// that generated them): each sample's scale weighted by its tokens, which is what the trainer's
+/// passes over them cost (linear in tokens). None: no growth (compute.token_scale_final = 0).
+pub(super) fn batch_token_scale(cfg: &Config, samples: &[(usize, f64)]) -> Option<f64> {
+    let tokens: usize = samples.iter().map(|(t, _)| t).sum();
+    let mut weighted = 0.0;
+    for (t, version) in samples {
+        weighted += *t as f64 * cfg.token_scale_at(*version)?;
+    }
+    Some(weighted / tokens.max(1) as f64)
+}
+
 /// The trainer's request for a batch: every sample with its per-token numbers.
 pub(super) fn train_params(
     cfg: &Config,
@@ -126,6 +138,7 @@ pub(super) fn train_params(
     scores: &Scores,
     adv: &Advantages,
     step: u64,
+    token_scale: Option<f64>,
 ) -> TrainParams {
     let mut weights = is_weights(cfg, samples, scores).into_iter();
     let samples = (0..samples.len())
@@ -141,7 +154,7 @@ pub(super) fn train_params(
         })
         .collect();
     let a = &cfg.algo;
-    TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step }
+    TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step, token_scale }
 }
 
 /// The batch's rollout and training metrics: rewards, pass rates, lengths, log-probs, KL,

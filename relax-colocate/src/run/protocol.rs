@@ -213,6 +213,11 @@ pub struct ComputeModel {
 }
 
 impl ComputeModel {
+    /// The model for a request that says its own `token_scale` (responses grown over the run).
+    pub fn scaled(&self, token_scale: Option<f64>) -> ComputeModel {
+        ComputeModel { token_scale: token_scale.unwrap_or(self.token_scale), ..*self }
+    }
+
     /// Seconds for `tokens` task tokens through `passes` forward-pass equivalents (a forward pass
     /// is 1, training 3: forward and backward) at `mfu`, on one of `devices` sharing the work.
     pub fn seconds(&self, tokens: usize, passes: f64, mfu: f64, devices: f64) -> f64 {
@@ -400,6 +405,11 @@ pub struct GenerateParams {
     /// otherwise). A sequence with an empty prefix is new: prefilled either way.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prefix_cached: bool,
+    /// Modelled compute with responses that grow over the run (compute.token_scale_final): the
+    /// modelled tokens per task token of this request's samples, in place of init's
+    /// `compute.token_scale`. None: init's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_scale: Option<f64>,
 }
 
 fn one() -> f64 {
@@ -445,6 +455,11 @@ pub struct LogProbsParams {
     pub samples: Vec<Pair>,
     #[serde(default)]
     pub step: u64,
+    /// Modelled compute with responses that grow over the run (compute.token_scale_final): the
+    /// modelled tokens per task token of this request's samples, in place of init's
+    /// `compute.token_scale`. None: init's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_scale: Option<f64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -452,6 +467,11 @@ pub struct SamplesParams {
     pub samples: Vec<Pair>,
     #[serde(default)]
     pub step: u64,
+    /// Modelled compute with responses that grow over the run (compute.token_scale_final): the
+    /// modelled tokens per task token of this request's samples, in place of init's
+    /// `compute.token_scale`. None: init's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_scale: Option<f64>,
 }
 
 /// Per sequence, per response token.
@@ -475,6 +495,11 @@ pub struct TrainParams {
     pub epochs: usize,
     #[serde(default)]
     pub step: u64,
+    /// Modelled compute with responses that grow over the run (compute.token_scale_final): the
+    /// modelled tokens per task token of this request's samples, in place of init's
+    /// `compute.token_scale`. None: init's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_scale: Option<f64>,
 }
 
 fn one_usize() -> usize {
@@ -544,12 +569,19 @@ mod tests {
 
     #[test]
     fn params_go_out_as_the_documented_fields() {
-        let p =
-            LogProbsParams { model: Model::Ref, samples: vec![Pair { prompt: vec![1], response: vec![2] }], step: 3 };
+        let p = LogProbsParams {
+            model: Model::Ref,
+            samples: vec![Pair { prompt: vec![1], response: vec![2] }],
+            step: 3,
+            token_scale: None,
+        };
         assert_eq!(
             serde_json::to_value(p).unwrap(),
             json!({"model": "ref", "samples": [{"prompt": [1], "response": [2]}], "step": 3})
         );
+        // Growth over the run (compute.token_scale_final) says the request's own scale.
+        let p = SamplesParams { samples: Vec::new(), step: 4, token_scale: Some(650.0) };
+        assert_eq!(serde_json::to_value(p).unwrap(), json!({"samples": [], "step": 4, "token_scale": 650.0}));
         assert_eq!(serde_json::to_value(Ack {}).unwrap(), json!({}));
         assert_eq!(serde_json::to_value(TrainReply::default()).unwrap(), json!({}));
     }

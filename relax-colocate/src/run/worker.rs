@@ -253,9 +253,10 @@ impl Common {
 
     /// Modelled compute: a request that began at `t0` lasts at least what `modelled` says the
     /// device would take (nothing without a compute model).
-    fn pace(&self, t0: std::time::Instant, modelled: impl FnOnce(&ComputeModel) -> f64) {
+    /// `token_scale`: the request's own, when responses grow over the run.
+    fn pace(&self, t0: std::time::Instant, token_scale: Option<f64>, modelled: impl FnOnce(&ComputeModel) -> f64) {
         let Some(m) = &self.compute else { return };
-        let modelled = std::time::Duration::from_secs_f64(modelled(m));
+        let modelled = std::time::Duration::from_secs_f64(modelled(&m.scaled(token_scale)));
         if let Some(rest) = modelled.checked_sub(t0.elapsed()) {
             std::thread::sleep(rest);
         }
@@ -263,8 +264,8 @@ impl Common {
 
     /// The trainer's passes: `tokens` through `passes` forward-pass equivalents, the batch
     /// shared by the trainer replicas.
-    fn pace_trainer(&self, t0: std::time::Instant, tokens: usize, passes: f64) {
-        self.pace(t0, |m| m.seconds(tokens, passes, m.train_mfu, m.trainers));
+    fn pace_trainer(&self, t0: std::time::Instant, token_scale: Option<f64>, tokens: usize, passes: f64) {
+        self.pace(t0, token_scale, |m| m.seconds(tokens, passes, m.train_mfu, m.trainers));
     }
 
     /// Both ends run whatever the first says: a failed IPC close must not leave the
@@ -337,7 +338,7 @@ impl Trainer {
     fn log_probs(&self, p: LogProbsParams) -> Result<LogProbsReply, Failure> {
         let t0 = std::time::Instant::now();
         let scores = self.token_scores(p.model, &p.samples)?;
-        self.c.pace_trainer(t0, pair_tokens(&p.samples), 1.0);
+        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), 1.0);
         let pick = |f: fn(&model::TokenScore) -> f64| scores.iter().map(|s| s.iter().map(f).collect()).collect();
         Ok(LogProbsReply { logprobs: pick(|s| s.logprob), entropy: pick(|s| s.entropy) })
     }
@@ -345,7 +346,7 @@ impl Trainer {
     fn values(&self, p: SamplesParams) -> Result<ValuesReply, Failure> {
         let t0 = std::time::Instant::now();
         let scores = self.token_scores(Model::Actor, &p.samples)?;
-        self.c.pace_trainer(t0, pair_tokens(&p.samples), 1.0);
+        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), 1.0);
         Ok(ValuesReply { values: scores.iter().map(|s| s.iter().map(|t| t.value).collect()).collect() })
     }
 
@@ -443,7 +444,7 @@ impl Trainer {
             self.c.dev.write(pad.buf.ptr, &stamp[..(pad.buf.bytes as usize).min(8)]).map_err(dev_err)?;
         }
         self.take_snapshot()?;
-        self.c.pace_trainer(t0, tokens * epochs, 3.0);
+        self.c.pace_trainer(t0, p.token_scale, tokens * epochs, 3.0);
         let k = updates as f64;
         let m = &metrics;
         let means = [
@@ -542,6 +543,7 @@ impl Rollout {
             responses,
             segment_tokens,
             prefix_cached,
+            token_scale,
             ..
         } = p;
         let s = self.c.shape;
@@ -594,7 +596,7 @@ impl Rollout {
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
         // Prefill is compute-bound like the trainer's passes; decoding is charged step by step.
-        self.c.pace(t0, |m| {
+        self.c.pace(t0, token_scale, |m| {
             let decode: f64 = decode_steps.iter().map(|(n, ctx)| m.decode_step_seconds(*n, *ctx)).sum();
             m.seconds(prefill, 1.0, m.train_mfu, 1.0) + decode
         });

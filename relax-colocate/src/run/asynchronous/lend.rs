@@ -37,6 +37,8 @@ struct Stats {
     lend_s: f64,
     reclaim_s: f64,
     lent_s: f64,
+    /// Seconds the lent engines had no request while lent, all of them together.
+    lent_idle_s: f64,
     forced: u64,
     retired: Vec<String>,
     lent_tokens: u64,
@@ -131,6 +133,16 @@ impl Lending {
         }
     }
 
+    pub(super) fn add_lent_idle(&mut self, seconds: f64) {
+        self.stats.lent_idle_s += seconds;
+    }
+
+    /// Of `lent_idle_s` engine-seconds, what one trainer device spent lent and idle: a device per
+    /// lent engine.
+    fn per_device(&self, lent_idle_s: f64) -> f64 {
+        lent_idle_s / self.pairs.len().max(1) as f64
+    }
+
     /// Groups per second the engines of their own devices finish, over their last groups.
     fn completion_rate(&self) -> Option<f64> {
         let (first, last) = (self.finished_at.front()?, self.finished_at.back()?);
@@ -156,12 +168,13 @@ impl Lending {
             "reclaim_s_mean": per(s.reclaim_s),
             "switch_saver_s_mean": per(s.saver_s),
             "lent_s": s.lent_s,
+            "lent_engine_idle_s": self.per_device(s.lent_idle_s),
             "lent_tokens": s.lent_tokens,
             "lent_groups": s.lent_groups,
             "forced_reclaims": s.forced,
             "retired_engines": s.retired,
             "trainer_idle_ratio_unlent": ratio(trainer_idle_s),
-            "trainer_device_idle_ratio": ratio((trainer_idle_s - s.lent_s).max(0.0)),
+            "trainer_device_idle_ratio": ratio((trainer_idle_s - s.lent_s).max(0.0) + self.per_device(s.lent_idle_s)),
         })
     }
 }
@@ -336,10 +349,12 @@ impl Async {
         self.resume(&live, Some("kv_cache"))?;
         self.resume(&live, Some("cuda_graph"))?;
         self.rec.end(span, &self.fleet)?;
-        let version = self.version;
+        let (version, now) = (self.version, Instant::now());
         for &k in &slots {
             let e = &mut self.engines[k];
             (e.awake, e.version, e.adopted) = (true, version, true);
+            // Idle until its first request (the lent engines' share of the work, while lent).
+            e.idle_since = Some(now);
         }
         let seconds = t0.elapsed().as_secs_f64();
         self.window.switch_s += seconds;
@@ -364,6 +379,7 @@ impl Async {
     /// The trainer's batch is ready: the lent engines stop taking work; their segments in flight
     /// finish (within elastic.reclaim_timeout_s) before the trainers wake.
     pub(super) fn begin_reclaim(&mut self, batch: Vec<Group>) {
+        self.close_lent_idle();
         let l = self.lending_mut();
         if let State::Lent { since } = l.state {
             let lent = since.elapsed().as_secs_f64();
@@ -371,6 +387,16 @@ impl Async {
             self.window.lent_s += lent;
         }
         self.lending_mut().state = State::Reclaiming { since: Instant::now(), batch };
+    }
+
+    /// The lent engines take no more work from here (a reclaim, a retirement): their idle time
+    /// while lent ends.
+    fn close_lent_idle(&mut self) {
+        for k in self.lent_slots() {
+            if let Some(t) = self.engines[k].idle_since.take() {
+                self.window.lent_idle_s += t.elapsed().as_secs_f64();
+            }
+        }
     }
 
     /// The batch the reclaim waits to hand the trainer, once its devices are back: when every lent
@@ -399,6 +425,9 @@ impl Async {
             self.pause(&[worker], None)?;
             let e = &mut self.engines[k];
             e.request = None;
+            if let Some(t) = e.idle_since.take() {
+                self.window.lent_idle_s += t.elapsed().as_secs_f64();
+            }
             (e.retired, e.awake) = (true, false);
             let groups = std::mem::take(&mut e.groups);
             self.orphans.extend(groups);
@@ -444,6 +473,8 @@ impl Async {
     /// The lent engines sleep (their groups left to the others), the trainers wake and must hold
     /// exactly the weights they slept with. Returns the batch the reclaim was for.
     fn reclaim(&mut self) -> R<Vec<Group>> {
+        // Calibration's reclaim comes without begin_reclaim.
+        self.close_lent_idle();
         let t0 = Instant::now();
         let span = self.rec.begin("reclaim");
         let slots: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].awake).collect();
@@ -496,12 +527,13 @@ impl Async {
         row.set("elastic/lends", w.lends as f64);
         row.set("elastic/lent_time", w.lent_s);
         row.set("elastic/switch_time", w.switch_s);
+        let Some(l) = self.lending.as_ref() else { return };
+        let lent_idle = l.per_device(w.lent_idle_s);
+        row.set("elastic/lent_idle_time", lent_idle);
         if wall > 0.0 {
-            row.set("elastic/trainer_device_idle_ratio", (w.trainer_idle_s - w.lent_s).max(0.0) / wall);
+            row.set("elastic/trainer_device_idle_ratio", ((w.trainer_idle_s - w.lent_s).max(0.0) + lent_idle) / wall);
         }
-        if let Some(l) = self.lending.as_ref() {
-            row.set("elastic/lend_after_s", l.threshold(&self.cfg));
-        }
+        row.set("elastic/lend_after_s", l.threshold(&self.cfg));
     }
 }
 

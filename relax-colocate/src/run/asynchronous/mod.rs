@@ -110,6 +110,9 @@ struct Totals {
     update_bytes: u64,
     trainer_idle_s: f64,
     rollout_idle_s: f64,
+    /// Generate replies that came after the trainer took its last batch: the segments then in
+    /// flight, none started since.
+    replies_after_last_batch: u64,
     started: Option<Instant>,
 }
 
@@ -120,13 +123,23 @@ struct Window {
     /// Elastic mode: of the trainer's idle time, what its devices spent lent (generating) and
     /// switching (lends and reclaims).
     lent_s: f64,
+    /// Elastic mode: seconds the lent engines, awake and lent, had no request (all of them).
+    lent_idle_s: f64,
     switch_s: f64,
     lends: u64,
 }
 
 impl Window {
     fn new() -> Window {
-        Window { start: Instant::now(), trainer_idle_s: 0.0, rollout_idle_s: 0.0, lent_s: 0.0, switch_s: 0.0, lends: 0 }
+        Window {
+            start: Instant::now(),
+            trainer_idle_s: 0.0,
+            rollout_idle_s: 0.0,
+            lent_s: 0.0,
+            lent_idle_s: 0.0,
+            switch_s: 0.0,
+            lends: 0,
+        }
     }
 }
 
@@ -135,6 +148,9 @@ struct Job {
     samples: Vec<Sample>,
     staleness: Vec<u64>,
     spans: Vec<u64>,
+    /// The modelled tokens per task token of the batch (compute.token_scale_final): each sample's
+    /// by the weight versions that generated it, weighted by its tokens. None: init's.
+    token_scale: Option<f64>,
     stage: Stage,
     span: Option<Span>,
     requests: Vec<InFlight>,
@@ -154,6 +170,7 @@ struct Finished {
     train: TrainReply,
     staleness: Vec<u64>,
     spans: Vec<u64>,
+    token_scale: Option<f64>,
 }
 
 /// Which kind of request answered, by its position among those waited on.
@@ -459,6 +476,12 @@ impl Async {
     /// needs more. Refilling at every segment keeps an engine's batch full, as continuous
     /// batching does, instead of waiting for its longest response before starting the next.
     fn feed_engines(&mut self) -> R<()> {
+        // The trainer has taken its last batch: whatever the engines would still generate, nobody
+        // trains on, and it would hold the run's end (and its wall time) until every group under
+        // way had finished.
+        if self.step() >= self.cfg.run.steps {
+            return Ok(());
+        }
         for k in 0..self.engines.len() {
             if !self.may_feed(k) {
                 continue;
@@ -544,12 +567,18 @@ impl Async {
             responses,
             segment_tokens: self.segment(),
             prefix_cached: continued && self.engines[k].version == self.version && !self.engines[k].adopted,
+            token_scale: self.cfg.token_scale_at(self.version as f64),
         };
         let worker = e.worker;
         let request = self.fleet.submit::<Generate>(worker, params)?;
         let e = &mut self.engines[k];
         if let Some(t) = e.idle_since.take() {
-            self.window.rollout_idle_s += t.elapsed().as_secs_f64();
+            let idle = t.elapsed().as_secs_f64();
+            if e.lent {
+                self.window.lent_idle_s += idle;
+            } else {
+                self.window.rollout_idle_s += idle;
+            }
         }
         e.request = Some((request, order));
         e.version = self.version;
@@ -597,6 +626,9 @@ impl Async {
         self.at.set_phase("generate");
         let reply: GenerateReply = self.fleet.collect::<Generate>(request)?;
         self.at.set_phase(&phase);
+        if self.step() >= self.cfg.run.steps {
+            self.totals.replies_after_last_batch += 1;
+        }
         let at = self.at.clone();
         let bad = |cause: String| at.fail(FailKind::Worker, Some(&name), cause);
         if reply.samples.len() != order.len() {
@@ -628,8 +660,10 @@ impl Async {
                 return Err(bad("generate returned an empty response".into()));
             }
         }
+        // A lent engine idles only while lent: once the reclaim begins it takes no more work.
+        let lent_now = self.lending.as_ref().is_some_and(lend::Lending::lent);
         let e = &mut self.engines[k];
-        if !e.lent {
+        if !e.lent || lent_now {
             e.idle_since = Some(Instant::now());
         }
         // A finished group leaves at once: the trainer may take it while the rest go on.
@@ -674,9 +708,12 @@ impl Async {
     fn start_job(&mut self, groups: Vec<Group>) -> R<Job> {
         let now = self.version;
         let mut samples = Vec::new();
-        let (mut staleness, mut spans) = (Vec::new(), Vec::new());
+        let (mut staleness, mut spans, mut scaled) = (Vec::new(), Vec::new(), Vec::new());
         for g in &groups {
             for s in &g.seqs {
+                let versions = s.versions.iter().map(|v| *v as f64);
+                let version = versions.clone().sum::<f64>() / s.versions.len().max(1) as f64;
+                scaled.push((g.prompt.len() + s.response.len(), version));
                 samples.push(Sample {
                     prompt: g.prompt.clone(),
                     response: s.response.clone(),
@@ -702,6 +739,7 @@ impl Async {
             samples,
             staleness,
             spans,
+            token_scale: learn::batch_token_scale(&self.cfg, &scaled),
             stage: Stage::RefLogProbs,
             span: None,
             requests: Vec::new(),
@@ -722,19 +760,25 @@ impl Async {
     /// Sends the job's current stage to every trainer (replicas get the same request).
     fn submit_stage(&mut self, job: &mut Job) -> R<()> {
         job.span = Some(self.rec.begin(job.stage.phase()));
-        let step = self.step();
+        let (step, token_scale) = (self.step(), job.token_scale);
         let mut requests = Vec::new();
         for i in self.fleet.indices(Role::Trainer) {
             let r = match job.stage {
                 Stage::RefLogProbs | Stage::LogProbs => {
                     let model = if job.stage == Stage::RefLogProbs { Model::Ref } else { Model::Actor };
-                    self.fleet.submit::<LogProbs>(i, LogProbsParams { model, samples: Self::pairs(job), step })?
+                    self.fleet
+                        .submit::<LogProbs>(i, LogProbsParams { model, samples: Self::pairs(job), step, token_scale })?
                 }
-                Stage::Values => self.fleet.submit::<Values>(i, SamplesParams { samples: Self::pairs(job), step })?,
+                Stage::Values => {
+                    self.fleet.submit::<Values>(i, SamplesParams { samples: Self::pairs(job), step, token_scale })?
+                }
                 Stage::Train => {
                     let scores = job_scores(job);
                     let adv = job.adv.as_ref().expect("advantages before train");
-                    self.fleet.submit::<Train>(i, learn::train_params(&self.cfg, &job.samples, &scores, adv, step))?
+                    self.fleet.submit::<Train>(
+                        i,
+                        learn::train_params(&self.cfg, &job.samples, &scores, adv, step, token_scale),
+                    )?
                 }
             };
             requests.push(r);
@@ -812,6 +856,7 @@ impl Async {
             train: job.train.take().unwrap_or_default(),
             staleness: std::mem::take(&mut job.staleness),
             spans: std::mem::take(&mut job.spans),
+            token_scale: job.token_scale,
         }
     }
 
@@ -820,11 +865,16 @@ impl Async {
     fn write_row(&mut self, d: Finished) {
         let wall = self.window.start.elapsed().as_secs_f64();
         let now = Instant::now();
-        for e in self.engines.iter_mut().filter(|e| !e.lent) {
+        for e in self.engines.iter_mut() {
             // An idle engine's time so far counts in this window; the next starts now.
             if let Some(t) = e.idle_since.as_mut() {
-                self.window.rollout_idle_s += t.elapsed().as_secs_f64();
+                let idle = now.duration_since(*t).as_secs_f64();
                 *t = now;
+                if e.lent {
+                    self.window.lent_idle_s += idle;
+                } else {
+                    self.window.rollout_idle_s += idle;
+                }
             }
         }
         let mut row = metrics::Row::new(self.step());
@@ -846,6 +896,9 @@ impl Async {
         }
         if self.lending.is_some() {
             self.lending_row(&mut row, wall);
+        }
+        if let Some(scale) = d.token_scale {
+            row.set("compute/token_scale", scale);
         }
         let stale = d.staleness.iter().filter(|s| **s > 0).count();
         row.set("fully_async/count/stale_samples_processed", stale as f64);
@@ -873,6 +926,10 @@ impl Async {
         tot.partial_samples += partial as u64;
         tot.trainer_idle_s += trainer_idle;
         tot.rollout_idle_s += rollout_idle;
+        let lent_idle = self.window.lent_idle_s;
+        if let Some(l) = self.lending.as_mut() {
+            l.add_lent_idle(lent_idle);
+        }
         self.window = Window::new();
     }
 
@@ -901,6 +958,7 @@ impl Async {
             "dropped_stale_samples": self.queue.dropped_samples,
             "staleness_histogram": t.staleness.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "partial_samples": t.partial_samples,
+            "generate_replies_after_last_batch": t.replies_after_last_batch,
             "weight_updates": t.updates,
             "update_weights_s": t.update_s,
             "update_weights_bytes": t.update_bytes,

@@ -37,6 +37,9 @@ impl Colocate {
             row.set("perf/wait_time_ratio", (step_time - train_time) / step_time);
         }
         row.set("perf/wall_step_time", d.wall_s);
+        if let Some(scale) = self.token_scale() {
+            row.set("compute/token_scale", scale);
+        }
 
         learn::sample_metrics(
             &mut row,

@@ -43,6 +43,12 @@ impl Colocate {
         (0..self.cfg.rollout.prompts_per_step).map(|_| self.task.prompt(rng.below(lim), rng.below(lim))).collect()
     }
 
+    /// The modelled tokens per task token of this step's samples, which the weights of the
+    /// previous step generate (compute.token_scale_final); None: init's.
+    pub(super) fn token_scale(&self) -> Option<f64> {
+        self.cfg.token_scale_at(self.step().saturating_sub(1) as f64)
+    }
+
     /// Each rollout takes a contiguous shard of the prompts, so groups stay contiguous.
     fn generate(&mut self, prompts: &[Vec<u32>]) -> R<Vec<Sample>> {
         let rollouts = self.indices(Role::Rollout);
@@ -60,6 +66,7 @@ impl Colocate {
                 responses: Vec::new(),
                 segment_tokens: None,
                 prefix_cached: false,
+                token_scale: self.token_scale(),
             })
             .collect();
         let replies = self.call_each::<Generate>(&rollouts, params)?;
@@ -104,7 +111,7 @@ impl Colocate {
         let pairs: Vec<Pair> =
             samples.iter().map(|s| Pair { prompt: s.prompt.clone(), response: s.response.clone() }).collect();
         let log_probs = |r: &mut Colocate, model: Model| {
-            let p = LogProbsParams { model, samples: pairs.clone(), step: r.step() };
+            let p = LogProbsParams { model, samples: pairs.clone(), step: r.step(), token_scale: r.token_scale() };
             r.call_all::<LogProbs>(Role::Trainer, p).map(first)
         };
         let reference = self.phase("ref_log_probs", |r| log_probs(r, Model::Ref))?;
@@ -113,7 +120,7 @@ impl Colocate {
             return Err(self.fail(FailKind::Worker, None, "log_probs returned the wrong number of sequences"));
         }
         let values = if self.cfg.algo.name == AlgoName::Ppo {
-            let p = SamplesParams { samples: pairs.clone(), step: self.step() };
+            let p = SamplesParams { samples: pairs.clone(), step: self.step(), token_scale: self.token_scale() };
             self.phase("values", |r| r.call_all::<Values>(Role::Trainer, p).map(first))?.values
         } else {
             Vec::new()
@@ -122,7 +129,7 @@ impl Colocate {
     }
 
     fn train(&mut self, samples: &[Sample], scores: &Scores, adv: &Advantages) -> R<TrainReply> {
-        let p = learn::train_params(&self.cfg, samples, scores, adv, self.step());
+        let p = learn::train_params(&self.cfg, samples, scores, adv, self.step(), self.token_scale());
         self.call_all::<Train>(Role::Trainer, p).map(first)
     }
 }

@@ -351,7 +351,7 @@ fn print_lending(e: &Value) {
     });
     println!(
         "       lending: {} lend(s) after the trainer waited {:.3} s ({}), each {:.3} s to lend and {:.3} s to reclaim \
-         ({:.3} s of it the saver's); lent {:.1} s, {} tokens; trainer devices idle {:.0}% (waiting {:.0}%){retired}",
+         ({:.3} s of it the saver's); lent {:.1} s ({:.1} s of it idle), {} tokens; trainer devices idle {:.0}% (waiting {:.0}%){retired}",
         e["lends"],
         f("lend_after_s"),
         e["lend_after_s_source"].as_str().unwrap_or("?"),
@@ -359,6 +359,7 @@ fn print_lending(e: &Value) {
         f("reclaim_s_mean"),
         f("switch_saver_s_mean"),
         f("lent_s"),
+        f("lent_engine_idle_s"),
         e["lent_tokens"],
         100.0 * f("trainer_device_idle_ratio"),
         100.0 * f("trainer_idle_ratio_unlent"),
