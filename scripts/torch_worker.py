@@ -237,11 +237,23 @@ def all_reduce_sum(tensors):
         at += t.numel()
 
 
+def token_scale():
+    """Modelled tokens per task token for the request being served: its own `token_scale`
+    (compute.token_scale_final grows it over the run, by the weight version that generated the
+    samples) or, from a runner that sends none, init's."""
+    return state.get("request_token_scale") or state["compute"]["token_scale"]
+
+
+def serve_scale(p):
+    """Takes the request's own `token_scale` (absent: init's) for its modelled compute."""
+    state["request_token_scale"] = p.get("token_scale")
+
+
 def modelled_s(tokens, passes, mfu, devices=1.0):
     """Seconds `tokens` task tokens through `passes` forward-pass equivalents take on the modelled
     device at `mfu`, shared by `devices` replicas (compute.model, docs/async.md)."""
     m = state["compute"]
-    flops = tokens * m["token_scale"] * passes * m["forward_flops_per_token"]
+    flops = tokens * token_scale() * passes * m["forward_flops_per_token"]
     return flops / (m["tflops"] * 1e12 * mfu * max(1.0, devices))
 
 
@@ -253,14 +265,14 @@ def decode_s(seqs):
     `decode_step_ms` each of them pays, as the built-in workers charge them
     (ComputeModel::decode_step_seconds, docs/async.md)."""
     m = state["compute"]
-    fixed = m["token_scale"] * (m.get("decode_step_ms") or 0.0) / 1e3
+    fixed = token_scale() * (m.get("decode_step_ms") or 0.0) / 1e3
     total = 0.0
     for t in range(max((g for _, g in seqs), default=0)):
         live = [c + t for c, g in seqs if t < g]
         compute = modelled_s(len(live), 1.0, m["rollout_mfu"])
         gbps = m.get("hbm_gbps") or 0.0
         if gbps > 0:
-            s = m["token_scale"]
+            s = token_scale()
             kv_tokens = s * (sum(live) + 0.5 * len(live))
             reads = s * (m.get("weight_bytes", 0.0) + m.get("kv_bytes_per_token", 0.0) * kv_tokens)
             compute = max(compute, reads / (gbps * 1e9))
@@ -360,6 +372,7 @@ def generate(p):
     held now (the cache of the interrupted segment was computed under older ones); at most
     `segment_tokens` new tokens per sequence; the reply carries the new tokens only, and
     `finished` once EOS, `max_new_tokens` in all or the context's end is reached."""
+    serve_scale(p)
     t0 = time.monotonic()
     model, kv, dev = state["model"], state["kv"], state["device"]
     gen = torch.Generator(device=dev)
@@ -456,6 +469,7 @@ def split(flat, samples):
 
 @torch.no_grad()
 def log_probs(p):
+    serve_scale(p)
     t0 = time.monotonic()
     model = state["ref"] if p.get("model") == "ref" else state["model"]
     samples = [s for s in p["samples"] if s["response"]]
@@ -572,6 +586,7 @@ def minibatch_step(model, opt, batch):
 
 
 def train(p):
+    serve_scale(p)
     t0 = time.monotonic()
     model, opt = state["model"], state["opt"]
     check_samples(p["samples"])

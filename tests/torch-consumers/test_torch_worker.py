@@ -103,6 +103,12 @@ tw.state["compute"] = dict(block)
 print("one_step=%r" % tw.decode_s([(0, 1)]))
 tw.state["compute"] = dict(block, token_scale=300.0)
 print("scaled=%r" % tw.decode_s([(4, 3), (4, 1)]))
+# A request's own token_scale (compute.token_scale_final) charges as init's would at that scale.
+tw.serve_scale({{"token_scale": 600.0}})
+print("request_scaled=%r" % tw.decode_s([(4, 3), (4, 1)]))
+tw.serve_scale({{}})
+tw.state["compute"] = dict(block, token_scale=600.0)
+print("init_scaled=%r" % tw.decode_s([(4, 3), (4, 1)]))
 del block["decode_step_ms"]
 tw.state["compute"] = dict(block, token_scale=300.0)
 print("scaled_without=%r" % tw.decode_s([(4, 3), (4, 1)]))
@@ -120,6 +126,7 @@ def test_decode_is_charged_as_the_runner_models_it(sim):
     # Three task steps (one with two sequences, two with one), 300 modelled steps each, 2 ms each.
     extra = float(out["scaled"]) - float(out["scaled_without"])
     assert abs(extra - 3 * 300 * 0.002) < 1e-9, out
+    assert float(out["request_scaled"]) == float(out["init_scaled"]) > float(out["scaled"]), out
 
 
 SHARES = r"""
