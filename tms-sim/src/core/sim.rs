@@ -480,10 +480,7 @@ impl Sim {
         if self.graphs.record(stream, || crate::core::graphs::Node::Copy { dst, src, n, kind }) {
             return Ok(());
         }
-        let job = Box::new(move || match self.copy_now(dst, src, n, kind) {
-            Ok(()) => 0,
-            Err(e) => async_code(e),
-        });
+        let job = self.copy_job(dst, src, n, kind, async_code);
         match self.streams.submit(stream, job) {
             Ok(code) => {
                 if code == 0 {
@@ -494,6 +491,21 @@ impl Sim {
             }
             Err(_) => Err(async_code(MemError::Invalid)),
         }
+    }
+
+    /// The copy as a stream's job: its error becomes the API's code, reported by the stream.
+    fn copy_job(
+        &'static self,
+        dst: usize,
+        src: usize,
+        n: usize,
+        kind: CopyKind,
+        async_code: fn(MemError) -> i32,
+    ) -> crate::core::streams::Job {
+        Box::new(move || match self.copy_now(dst, src, n, kind) {
+            Ok(()) => 0,
+            Err(e) => async_code(e),
+        })
     }
 
     /// An asynchronous copy (`cudaMemcpyAsync`, `cuMemcpy*Async`). On the legacy default stream
@@ -515,10 +527,7 @@ impl Sim {
         if !crate::core::streams::is_null(stream) || !self.queues_on_device(dst, src, n, kind) {
             return self.copy(dst, src, n, kind, stream, async_code);
         }
-        let job = Box::new(move || match self.copy_now(dst, src, n, kind) {
-            Ok(()) => 0,
-            Err(e) => async_code(e),
-        });
+        let job = self.copy_job(dst, src, n, kind, async_code);
         self.streams.submit_async(stream, None, job).map(|_| ()).map_err(|_| async_code(MemError::Invalid))
     }
 

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-type Job = Box<dyn FnOnce() -> i32 + Send>;
+pub type Job = Box<dyn FnOnce() -> i32 + Send>;
 
 /// The default stream under its three names: 0, `cudaStreamLegacy` (1), `cudaStreamPerThread`
 /// (2). Its queued work runs on a queue per device (see `Streams::legacy`).
