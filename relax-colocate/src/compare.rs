@@ -34,6 +34,11 @@ pub struct Options {
     /// [compute.model].
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub model_compute: bool,
+    /// A TOML job file for every run (`run --config`), e.g. jobs/long-tail.toml; this command's
+    /// own flags (--steps, --devices, the device split, --max-staleness) and every --set win over
+    /// its keys.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Any configuration key for every run: --set memory.profile=qwen3-4b (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub sets: Vec<String>,
@@ -83,9 +88,11 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String]) -> Result<L
         .arg("--out")
         .arg(&dir)
         .args(mode_args);
-    if o.model_compute {
-        cmd.args(["--set", "compute.model=true"]);
+    if let Some(file) = &o.config {
+        cmd.arg("--config").arg(file);
     }
+    // Said either way: a job file's compute.model must not outvote this command's flag.
+    cmd.args(["--set", &format!("compute.model={}", o.model_compute)]);
     for s in &o.sets {
         cmd.args(["--set", s]);
     }
@@ -384,6 +391,17 @@ pub fn main(o: &Options) -> u8 {
     if modes.len() < 2 {
         eprintln!("relax-colocate compare: --layouts needs at least two of colocate, async, elastic");
         return 2;
+    }
+    // Read once here, so that a wrong path is not reported as the first layout's failure; each
+    // run checks the keys against its own layout.
+    if let Some(file) = &o.config {
+        let parsed = std::fs::read_to_string(file)
+            .map_err(|e| e.to_string())
+            .and_then(|t| t.parse::<toml::Table>().map(drop).map_err(|e| e.to_string()));
+        if let Err(e) = parsed {
+            eprintln!("relax-colocate compare: --config {}: {e} (a TOML job file, see jobs/)", file.display());
+            return 2;
+        }
     }
     if let Err(e) = std::fs::create_dir_all(&o.out) {
         eprintln!("relax-colocate compare: cannot create {}: {e}", o.out.display());

@@ -124,6 +124,10 @@ fn plan(line: &str) -> Option<Plan> {
 fn run_elsewhere(line: &str) -> Option<&'static str> {
     match line {
         "cargo test --workspace" => Some(".ci/run (this test is part of it)"),
+        // The modelled job takes minutes; the test runs the same file for one step on this CPU.
+        "target/release/relax-colocate compare --devices 4 --steps 8 --config jobs/long-tail.toml" => {
+            Some("run_async::compare_takes_a_job_file_for_every_layout_and_its_own_flags_win")
+        }
         "scripts/build-wheel.sh dist/"
         | "pip uninstall -y torch_memory_saver && pip install dist/tms_memory_saver-*.whl" => {
             Some("torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver")

@@ -568,6 +568,44 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("algo.lrr"));
 }
 
+#[test]
+fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
+    // The shipped long-tail job, shrunk to a step of 2 prompts on this CPU's time: what matters
+    // here is that every layout ran the file's job, not how fast.
+    let dir = tempfile::tempdir().unwrap();
+    let compare = |config: &str, out: &std::path::Path| {
+        std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
+            .current_dir(&tms_e2e::workspace().root)
+            .args(["compare", "--devices", "2", "--steps", "1", "--layouts", "colocate,async", "--config", config])
+            .args(["--model-compute", "false", "--set", "rollout.prompts_per_step=2", "--set", "run.device=\"sim\""])
+            .arg("--out")
+            .arg(out)
+            .env_remove("LD_PRELOAD")
+            .output()
+            .unwrap()
+    };
+    let out = compare("jobs/long-tail.toml", dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    for (layout, mode) in [("colocate", "colocate"), ("async", "async")] {
+        let config: toml::Table =
+            std::fs::read_to_string(dir.path().join(layout).join("config.toml")).unwrap().parse().unwrap();
+        // The file's keys reached the run; compare's --steps, its layout and every --set won.
+        assert_eq!(config["task"]["max_new_tokens"].as_integer(), Some(96), "{layout}: {config}");
+        assert_eq!(config["compute"]["token_scale"].as_float(), Some(40.0), "{layout}: {config}");
+        assert_eq!(config["memory"]["profile"].as_str(), Some("qwen3-4b"), "{layout}: {config}");
+        assert_eq!(config["compute"]["model"].as_bool(), Some(false), "{layout}: {config}");
+        assert_eq!(config["rollout"]["prompts_per_step"].as_integer(), Some(2), "{layout}: {config}");
+        assert_eq!(config["run"]["steps"].as_integer(), Some(1), "{layout}: {config}");
+        assert_eq!(config["run"]["mode"].as_str(), Some(mode), "{layout}: {config}");
+    }
+    // A job file that is not there is compare's own error, before any layout runs.
+    let missing = compare("jobs/no-such-job.toml", &dir.path().join("missing"));
+    assert_eq!(missing.status.code(), Some(2), "{}", text(&missing));
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(err.contains("--config jobs/no-such-job.toml") && !err.contains("running the"), "{err}");
+    assert!(!dir.path().join("missing").join("colocate").exists());
+}
+
 /// A rollout-bound job: a 4B model's device time on the modelled device, decoding at 1% of its
 /// peak, keeps the trainer waiting for samples about half the time, long past a switch, and
 /// makes updates land while sequences are in flight.
