@@ -372,15 +372,10 @@ fn verdict_line(v: &Value, max_staleness: i64) -> String {
     line
 }
 
-/// Runs the layouts one after the other; returns the exit code (the failed run's when one fails:
-/// 2 for its configuration, 1 otherwise).
-pub fn main(o: &Options) -> u8 {
+/// The layouts to run, each once and in the order given, or the message for exit 2.
+fn checked_layouts(o: &Options) -> Result<Vec<crate::run::config::Mode>, String> {
     if o.devices < 2 {
-        eprintln!(
-            "relax-colocate compare: --devices must be at least 2 (async and elastic modes put each role on its own \
-             devices)"
-        );
-        return 2;
+        return Err("--devices must be at least 2 (async and elastic modes put each role on its own devices)".into());
     }
     let mut modes = Vec::new();
     for m in &o.layouts {
@@ -389,8 +384,7 @@ pub fn main(o: &Options) -> u8 {
         }
     }
     if modes.len() < 2 {
-        eprintln!("relax-colocate compare: --layouts needs at least two of colocate, async, elastic");
-        return 2;
+        return Err("--layouts needs at least two of colocate, async, elastic".into());
     }
     // Read once here, so that a wrong path is not reported as the first layout's failure; each
     // run checks the keys against its own layout.
@@ -399,10 +393,22 @@ pub fn main(o: &Options) -> u8 {
             .map_err(|e| e.to_string())
             .and_then(|t| t.parse::<toml::Table>().map(drop).map_err(|e| e.to_string()));
         if let Err(e) = parsed {
-            eprintln!("relax-colocate compare: --config {}: {e} (a TOML job file, see jobs/)", file.display());
-            return 2;
+            return Err(format!("--config {}: {e} (a TOML job file, see jobs/)", file.display()));
         }
     }
+    Ok(modes)
+}
+
+/// Runs the layouts one after the other; returns the exit code (the failed run's when one fails:
+/// 2 for its configuration, 1 otherwise).
+pub fn main(o: &Options) -> u8 {
+    let modes = match checked_layouts(o) {
+        Ok(m) => m,
+        Err(msg) => {
+            eprintln!("relax-colocate compare: {msg}");
+            return 2;
+        }
+    };
     if let Err(e) = std::fs::create_dir_all(&o.out) {
         eprintln!("relax-colocate compare: cannot create {}: {e}", o.out.display());
         return 1;
