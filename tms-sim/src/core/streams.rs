@@ -4,6 +4,7 @@
 //! pipeline is measured on. Errors are sticky per stream and reported by the next synchronize.
 //! An event completes when the work queued before its record has run.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -97,10 +98,15 @@ impl Event {
 
     /// Waits until record `generation` has completed.
     fn wait_for(&self, generation: u64) {
-        let mut st = self.lock();
-        while st.completed < generation {
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        if self.lock().completed >= generation {
+            return;
         }
+        crate::core::gil::released(|| {
+            let mut st = self.lock();
+            while st.completed < generation {
+                st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+        });
     }
 
     /// Waits for the latest record.
@@ -251,11 +257,7 @@ impl Streams {
     /// layer's kernels) comes after what was queued there before.
     pub fn settle_default(&self) {
         for s in self.legacy_queues() {
-            let (lock, cv) = &*s.progress;
-            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-            while p.done < p.submitted {
-                p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-            }
+            settle(&s, None);
         }
     }
 
@@ -346,11 +348,7 @@ impl Streams {
         let mut all: Vec<Arc<Stream>> = self.live().values().cloned().collect();
         all.extend(self.legacy_queues());
         for s in &all {
-            let (lock, cv) = &*s.progress;
-            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-            while p.done < p.submitted {
-                p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-            }
+            settle(s, None);
         }
     }
 
@@ -448,13 +446,43 @@ fn enqueue(stream: &Stream, job: Job) -> Result<i32, UnknownStream> {
     }
 }
 
+thread_local! {
+    /// Whether this thread is a stream's worker (its jobs must not wait for queues: they are one).
+    static ON_WORKER: Cell<bool> = const { Cell::new(false) };
+    /// The error a host function reported for the job it runs in (`fail_current_job`).
+    static JOB_ERROR: Cell<i32> = const { Cell::new(0) };
+}
+
+/// Whether the calling thread runs a stream's queued work.
+pub fn on_worker() -> bool {
+    ON_WORKER.with(|w| w.get())
+}
+
+/// A host function running on a stream's worker reports that the work it stands for failed with
+/// `code`: the stream's next synchronize returns it (the first error since the last one wins), as
+/// a failed kernel's error is reported on a GPU. False when the caller is not a stream's worker.
+pub fn fail_current_job(code: i32) -> bool {
+    if !on_worker() || code == 0 {
+        return false;
+    }
+    JOB_ERROR.with(|e| {
+        if e.get() == 0 {
+            e.set(code);
+        }
+    });
+    true
+}
+
 fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>> {
     let (tx, rx) = channel::<Job>();
     std::thread::Builder::new()
         .name("tms-sim-stream".into())
         .spawn(move || {
+            ON_WORKER.with(|w| w.set(true));
             for job in rx {
                 let code = job();
+                let code = if code != 0 { code } else { JOB_ERROR.with(|e| e.take()) };
+                JOB_ERROR.with(|e| e.set(0));
                 let (lock, cv) = &*progress;
                 let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
                 p.done += 1;
@@ -468,21 +496,29 @@ fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>
     Some(tx)
 }
 
+/// Waits until `stream` has run its first `target` jobs (None: all it has been given), leaving
+/// their errors to its own synchronize. A wait that blocks lets go of the Python GIL (see `gil`).
+fn settle(stream: &Stream, target: Option<u64>) {
+    let (lock, cv) = &*stream.progress;
+    let idle = |p: &Progress| p.done >= target.unwrap_or(p.submitted);
+    if idle(&lock.lock().unwrap_or_else(|e| e.into_inner())) {
+        return;
+    }
+    crate::core::gil::released(|| {
+        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while !idle(&p) {
+            p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    });
+}
+
 /// Waits until `stream` has run its first `target` jobs, leaving their errors to its own
 /// synchronize.
 fn wait_until(stream: &Stream, target: u64) {
-    let (lock, cv) = &*stream.progress;
-    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-    while p.done < target {
-        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-    }
+    settle(stream, Some(target));
 }
 
 fn wait(stream: &Stream) -> i32 {
-    let (lock, cv) = &*stream.progress;
-    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-    while p.done < p.submitted {
-        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-    }
-    std::mem::take(&mut p.error)
+    settle(stream, None);
+    std::mem::take(&mut stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).error)
 }
