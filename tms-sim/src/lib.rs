@@ -449,7 +449,9 @@ pub mod introspect {
         // kernel it queued runs on a stream's worker, in the stream's order already (and a wait
         // for the queues from there could wait for itself).
         let view = std::panic::catch_unwind(|| {
-            if !crate::core::streams::on_worker() {
+            if crate::core::streams::on_worker() {
+                crate::core::streams::VIEWS.enter();
+            } else {
                 sim().streams.settle_default();
             }
             sim().host_view(ptr as usize, len)

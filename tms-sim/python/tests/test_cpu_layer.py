@@ -736,3 +736,19 @@ def test_a_synchronize_that_keeps_the_gil_does_not_deadlock(queued):
         faulthandler.cancel_dump_traceback_later()
     assert not gate.forced
     assert y.tolist() == [1.0, 3.0, 5.0, 7.0]
+
+
+def test_memory_saver_pause_waits_for_queued_kernels(tms_torch_mode, queued):
+    # The hook's pause synchronizes before it backs up and unmaps: a kernel still queued on the
+    # region's memory writes first, and its result survives pause and resume.
+    tms = tms_torch_mode
+    with tms.region("cpu-layer-queued", enable_cpu_backup=True):
+        w = torch.ones(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    gate = _Gate(torch.cuda.current_stream())
+    w.mul_(3)  # queued behind the gate
+    threading.Timer(0.1, gate.open).start()  # opened while pause waits
+    tms.pause("cpu-layer-queued")
+    tms.resume("cpu-layer-queued")
+    assert not gate.forced
+    same(w, torch.full((1 << 16,), 3.0))

@@ -451,6 +451,84 @@ thread_local! {
     static ON_WORKER: Cell<bool> = const { Cell::new(false) };
     /// The error a host function reported for the job it runs in (`fail_current_job`).
     static JOB_ERROR: Cell<i32> = const { Cell::new(0) };
+    /// Whether the running job holds host views (`VIEWS`) until it ends.
+    static JOB_VIEWS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Host views of device memory held by queued work: the CPU layer's kernels run on a stream's
+/// worker and compute on `tms_sim_host_view`s without any lock of the simulator, so whatever takes
+/// memory away (unmap, free, revoking access) first waits for the jobs that hold views, and jobs
+/// take no new ones meanwhile. On a GPU a kernel still running on a range being unmapped faults;
+/// here it completes first (a kernel that starts after the unmap gets no view: 700 on its stream),
+/// where the process would otherwise fault on the view's bytes. Copies have their own lock.
+pub static VIEWS: ViewGate = ViewGate { state: Mutex::new(GateState { readers: 0, closing: 0 }), cv: Condvar::new() };
+
+pub struct ViewGate {
+    state: Mutex<GateState>,
+    cv: Condvar,
+}
+
+struct GateState {
+    /// Jobs holding views.
+    readers: usize,
+    /// Threads taking memory away.
+    closing: usize,
+}
+
+/// Memory may be taken away while this lives (`ViewGate::close`).
+pub struct Closed(&'static ViewGate);
+
+impl Drop for Closed {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.closing -= 1;
+        self.0.cv.notify_all();
+    }
+}
+
+impl ViewGate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A job on a stream's worker takes a host view: it holds the gate until it ends (a job that
+    /// already holds it takes more views at once, so two takers cannot wait for each other).
+    pub fn enter(&'static self) {
+        if !on_worker() || JOB_VIEWS.with(|v| v.get()) {
+            return;
+        }
+        let mut st = self.lock();
+        while st.closing > 0 {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.readers += 1;
+        JOB_VIEWS.with(|v| v.set(true));
+    }
+
+    fn leave_job(&self) {
+        if JOB_VIEWS.with(|v| v.replace(false)) {
+            let mut st = self.lock();
+            st.readers -= 1;
+            self.cv.notify_all();
+        }
+    }
+
+    /// Waits until no job holds a view (letting go of the GIL, which those jobs need); none
+    /// takes one until the result is dropped.
+    pub fn close(&'static self) -> Closed {
+        let mut st = self.lock();
+        st.closing += 1;
+        if st.readers > 0 {
+            drop(st);
+            crate::core::gil::released(|| {
+                let mut st = self.lock();
+                while st.readers > 0 {
+                    st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            });
+        }
+        Closed(self)
+    }
 }
 
 /// Whether the calling thread runs a stream's queued work.
@@ -481,6 +559,7 @@ fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>
             ON_WORKER.with(|w| w.set(true));
             for job in rx {
                 let code = job();
+                VIEWS.leave_job();
                 let code = if code != 0 { code } else { JOB_ERROR.with(|e| e.take()) };
                 JOB_ERROR.with(|e| e.set(0));
                 let (lock, cv) = &*progress;
