@@ -468,6 +468,14 @@ pub mod introspect {
         guard(1, || if crate::core::streams::fail_current_job(code) { 0 } else { 1 })
     }
 
+    /// The CPU layer queues Python kernels on this process's streams (see tms_sim.h): waits
+    /// release the GIL from now on. Returns 0.
+    #[unsafe(no_mangle)]
+    pub extern "C" fn tms_sim_python_on_streams() -> i32 {
+        crate::core::gil::python_runs_on_streams();
+        0
+    }
+
     /// The end of a host view's use (see tms_sim.h): 0, or 1 when the range is not device memory
     /// mapped with access.
     #[unsafe(no_mangle)]

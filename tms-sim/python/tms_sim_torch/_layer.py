@@ -773,10 +773,14 @@ _drain_registered = False
 
 
 def _drain_at_exit_once():
+    """Kernels are queued from now on: drain them at exit, and let the simulator's waits release
+    the GIL, which a queued kernel needs (a caller synchronizing with it held would wait forever)."""
     global _drain_registered
     if not _drain_registered:
         _drain_registered = True
         atexit.register(_drain_at_exit)
+    if _rt is not None:
+        _rt.tms_sim_python_on_streams()
 
 
 def register():

@@ -7,12 +7,25 @@
 //! "Releasing the GIL from extension code": `PyEval_SaveThread` releases the GIL the thread holds,
 //! `PyEval_RestoreThread` takes it back; `PyGILState_Check` tells whether the thread holds it).
 //!
+//! Only a process whose streams run Python does this (`python_runs_on_streams`, which the layer
+//! calls when it first queues kernels): elsewhere a caller that kept the GIL around a wait keeps
+//! it, whatever its reasons, as on a GPU.
+//!
 //! Python is found at run time (`dlsym(RTLD_DEFAULT)`): nothing is linked, and a process without
 //! Python, or whose interpreter is not initialised (`Py_IsInitialized`, false from the start of
 //! finalization on), waits exactly as before.
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static PYTHON_ON_STREAMS: AtomicBool = AtomicBool::new(false);
+
+/// From now on this process's streams may run Python (kernels the CPU layer queued): waits let
+/// go of the GIL. For the rest of the process: work queued before a switch back still needs it.
+pub fn python_runs_on_streams() {
+    PYTHON_ON_STREAMS.store(true, Ordering::Relaxed);
+}
 
 struct Python {
     is_initialized: unsafe extern "C" fn() -> i32,
@@ -52,6 +65,9 @@ fn python() -> Option<&'static Python> {
 /// it; takes it back afterwards. Callers hold no lock of their own across this call, so taking
 /// the GIL back cannot wait on a thread that waits for them.
 pub fn released<R>(wait: impl FnOnce() -> R) -> R {
+    if !PYTHON_ON_STREAMS.load(Ordering::Relaxed) {
+        return wait();
+    }
     let saved = python().and_then(|py| {
         // SAFETY: both may be called from any thread at any time (CPython C API); SaveThread only
         // when this thread holds the GIL, as checked.
