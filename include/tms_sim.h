@@ -44,6 +44,19 @@ int tms_sim_range_accessible(const void *ptr, size_t len);
  * so a stale view corrupts instead of faulting: ask again for every use. */
 void *tms_sim_host_view(const void *ptr, size_t len);
 
+/* Called by a host function (cudaLaunchHostFunc) while a stream runs it: the work it stands for
+ * failed with `code` (e.g. 719, cudaErrorLaunchFailure, for a CPU-computed kernel that raised).
+ * The stream's next synchronize returns it, as a failed kernel's error surfaces on a GPU; the
+ * first error since the last synchronize wins. Returns 0, or 1 when the caller is not a host
+ * function running on a stream (a graph replayed in the calling thread, any other thread). */
+int tms_sim_host_func_error(int code);
+
+/* The caller will queue host functions that run Python (tms_sim_torch's asynchronous kernels):
+ * from now on, for the rest of the process, every simulator wait for queued work releases the
+ * Python GIL while it blocks when the waiting thread holds it, so that a queued kernel can take it.
+ * Without this call waits never touch the GIL. Returns 0. */
+int tms_sim_python_on_streams(void);
+
 /* The end of a use of tms_sim_host_view's bytes for device range [ptr, ptr + len): the pages leave
  * the process's resident set (VmRSS), as device memory is not in a process's RSS on a GPU; the
  * bytes are kept and the next view faults them back in. The simulator does the same after each of

@@ -445,14 +445,35 @@ pub mod introspect {
     /// Where the host reaches the bytes of a device range (see tms_sim.h), or NULL.
     #[unsafe(no_mangle)]
     pub unsafe extern "C" fn tms_sim_host_view(ptr: *const libc::c_void, len: usize) -> *mut libc::c_void {
-        // The CPU layer computes a default-stream kernel now: after what is queued there.
+        // The CPU layer computes a default-stream kernel now: after what is queued there. A
+        // kernel it queued runs on a stream's worker, in the stream's order already (and a wait
+        // for the queues from there could wait for itself).
         let view = std::panic::catch_unwind(|| {
-            sim().streams.settle_default();
+            if crate::core::streams::on_worker() {
+                crate::core::streams::VIEWS.enter();
+            } else {
+                sim().streams.settle_default();
+            }
             sim().host_view(ptr as usize, len)
         })
         .ok()
         .flatten();
         view.map_or(std::ptr::null_mut(), |p| p as *mut libc::c_void)
+    }
+
+    /// A host function reports that the work it runs for failed (see tms_sim.h): 0, or 1 when
+    /// the caller is not a host function running on a stream.
+    #[unsafe(no_mangle)]
+    pub unsafe extern "C" fn tms_sim_host_func_error(code: libc::c_int) -> i32 {
+        guard(1, || if crate::core::streams::fail_current_job(code) { 0 } else { 1 })
+    }
+
+    /// The CPU layer queues Python kernels on this process's streams (see tms_sim.h): waits
+    /// release the GIL from now on. Returns 0.
+    #[unsafe(no_mangle)]
+    pub extern "C" fn tms_sim_python_on_streams() -> i32 {
+        crate::core::gil::python_runs_on_streams();
+        0
     }
 
     /// The end of a host view's use (see tms_sim.h): 0, or 1 when the range is not device memory

@@ -20,6 +20,8 @@ or, equivalently, with the simulator preloaded:
 Without the simulator (or without torch) every test is skipped.
 """
 
+import ctypes
+import faulthandler
 import os
 import subprocess
 import sys
@@ -566,3 +568,187 @@ def test_memory_saver_pause_resume(tms_torch_mode):
     assert (w * 2).sum().item() == expected
     view.add_(1)
     same(w[:4], torch.tensor([0.0, 4.0, 6.0, 10.0]))
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels are asynchronous to the host, as on a GPU.
+
+_HostFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _runtime_fn(name, argtypes, lib=None):
+    from tms_sim_torch import _layer
+
+    fn = getattr(lib or _layer._rt, name)
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@pytest.fixture
+def queued():
+    """The layer queues kernels on their streams for the test (`tms_sim_torch.set_async`)."""
+    was = tms_sim_torch.set_async(True)
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        tms_sim_torch.set_async(was)
+
+
+class _Gate:
+    """Holds `stream` until opened, as a long kernel would: a host function that waits for an
+    event. A watchdog opens it after `watchdog` seconds, so a layer that blocks the caller on the
+    held stream fails the test (`forced`) instead of hanging it."""
+
+    def __init__(self, stream, watchdog=30.0):
+        self.event = threading.Event()
+        self.forced = False
+        self._fn = _HostFn(lambda _: self.event.wait())  # kept alive until the stream ran it
+        launch = _runtime_fn("cudaLaunchHostFunc", [ctypes.c_void_p, _HostFn, ctypes.c_void_p])
+        assert launch(stream.cuda_stream, self._fn, None) == 0
+        self._timer = threading.Timer(watchdog, self._force)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _force(self):
+        self.forced = True
+        self.event.set()
+
+    def open(self):
+        self._timer.cancel()
+        self.event.set()
+
+
+def test_kernels_on_the_default_stream_do_not_block_the_host(queued):
+    x = torch.arange(6, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    assert stream.cuda_stream == 0
+    gate = _Gate(stream)
+    y = x * 2  # each returns at once: the stream computes them after the gate, in order
+    y.add_(1)  # in place, on a result not computed yet
+    z = (y + x).sum()  # reads both in the stream's order
+    w = torch.empty(0, device="cuda")
+    torch.mul(x, 3, out=w)  # out= resized at the call, written when the stream gets there
+    h = y[::2].float().neg()  # a view of a queued result, a dtype copy, a new result
+    still_held = not stream.query()
+    gate.open()
+    assert not gate.forced, "a PyTorch op blocked the host while the default stream was held"
+    assert still_held, "the default stream ran ahead of the held host function"
+    torch.cuda.synchronize()
+    cx = torch.arange(6, dtype=torch.float32)
+    same(y, cx * 2 + 1)
+    same(z, (cx * 2 + 1 + cx).sum())
+    same(w, cx * 3)
+    same(h, (cx * 2 + 1)[::2].neg())
+
+
+def test_a_freed_block_reused_while_a_queued_kernel_still_reads_it(queued):
+    # The caching allocator hands a block freed on a stream to the next allocation on the same
+    # stream at once, as on a GPU: stream order makes the reader run before the new writer.
+    x = torch.arange(1024, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    gate = _Gate(torch.cuda.current_stream())
+    t = x + 1
+    u = t * 2  # reads t when the stream gets there
+    t_ptr = t.data_ptr()
+    del t
+    v = torch.full_like(x, 100.0)  # t's block, written after u read it
+    gate.open()
+    assert not gate.forced
+    torch.cuda.synchronize()
+    assert v.data_ptr() == t_ptr, "the test needs the allocator to reuse the freed block"
+    cx = torch.arange(1024, dtype=torch.float32)
+    same(u, (cx + 1) * 2)
+    same(v, torch.full_like(cx, 100.0))
+
+
+def test_a_kernel_on_a_created_stream_waits_for_its_event(queued):
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    gate = _Gate(main)
+    a = x + 1  # on the default stream, behind the gate
+    ev = torch.cuda.Event()
+    ev.record(main)
+    with torch.cuda.stream(side):
+        side.wait_event(ev)
+        b = a * 10  # queued on `side`, after the event
+        a.record_stream(side)
+    held = (main.query(), side.query())
+    gate.open()
+    assert not gate.forced
+    assert held == (False, False), held
+    side.synchronize()
+    same(b, (torch.arange(8, dtype=torch.float32) + 1) * 10)
+
+
+def test_data_dependent_ops_compute_after_the_queued_kernels(queued):
+    x = torch.arange(6, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    gate = _Gate(torch.cuda.current_stream())
+    y = x - 2  # queued: [-2, -1, 0, 1, 2, 3]
+    threading.Timer(0.1, gate.open).start()  # opened while the caller waits in nonzero
+    nz = y.nonzero()  # its result's size depends on the data: computed in the caller, after y
+    assert not gate.forced
+    cy = torch.arange(6, dtype=torch.float32) - 2
+    same(nz, cy.nonzero())
+    assert nz.flatten().tolist() == [0, 1, 3, 4, 5]
+    same(y[y > 0], torch.tensor([1.0, 2.0, 3.0]))
+    assert (y * 2).sum().item() == 6.0
+
+
+def test_a_failing_queued_kernel_is_reported_at_the_next_synchronize(queued):
+    x = torch.arange(3, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="size mismatch|shapes cannot be multiplied"):
+        x.reshape(3, 1) @ x.reshape(3, 1)  # a shape error is still raised at the call
+    idx = torch.tensor([5], device="cuda")
+    y = x.index_select(0, idx)  # its sizes are fine; the index is out of range when it runs
+    assert y.shape == (1,)
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        torch.cuda.synchronize()  # the stream's error: 719, cudaErrorLaunchFailure
+    with pytest.raises(RuntimeError, match="index out of range"):
+        x + 1  # the next op raises the kernel's own error, once
+    torch.cuda.synchronize()
+    same(x + 1, torch.arange(3, dtype=torch.float32) + 1)
+
+
+def test_a_synchronize_that_keeps_the_gil_does_not_deadlock(queued):
+    # A C caller that blocks in a synchronize without releasing the GIL (ctypes.PyDLL keeps it,
+    # as C++ code may) while the stream's next kernel needs the GIL to run its Python: the
+    # simulator lets go of the GIL while it waits. faulthandler's watchdog (a C thread) ends the
+    # run with a traceback rather than hanging it if it does not.
+    from tms_sim_torch import _layer
+
+    keeps_gil = ctypes.PyDLL(_layer._rt._name, mode=os.RTLD_NOLOAD)
+    sync = _runtime_fn("cudaStreamSynchronize", [ctypes.c_void_p], keeps_gil)
+    x = torch.arange(4, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    gate = _Gate(torch.cuda.current_stream())
+    y = x * 2 + 1
+    threading.Timer(0.05, gate.open).start()  # runs once the GIL is free
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        assert sync(None) == 0
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert not gate.forced
+    assert y.tolist() == [1.0, 3.0, 5.0, 7.0]
+
+
+def test_memory_saver_pause_waits_for_queued_kernels(tms_torch_mode, queued):
+    # The hook's pause synchronizes before it backs up and unmaps: a kernel still queued on the
+    # region's memory writes first, and its result survives pause and resume.
+    tms = tms_torch_mode
+    with tms.region("cpu-layer-queued", enable_cpu_backup=True):
+        w = torch.ones(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    gate = _Gate(torch.cuda.current_stream())
+    w.mul_(3)  # queued behind the gate
+    threading.Timer(0.1, gate.open).start()  # opened while pause waits
+    tms.pause("cpu-layer-queued")
+    tms.resume("cpu-layer-queued")
+    assert not gate.forced
+    same(w, torch.full((1 << 16,), 3.0))

@@ -285,6 +285,7 @@ def test_replay_on_paused_memory_reports_at_the_next_op():
         raise _layer.LayerError("CUDA error 700 (an illegal memory access was encountered): test")
 
     x.fill_(5.0)
+    torch.cuda.synchronize()  # a queued fill (TMS_SIM_TORCH_ASYNC=1) must not meet the patched view
     _layer._view = refuse
     try:
         g.replay()

@@ -13,7 +13,7 @@ the simulated device. See `_layer` for how, and README.md next to this package f
 import os
 import threading
 
-__all__ = ["install", "installed", "on_simulator"]
+__all__ = ["install", "installed", "on_simulator", "set_async"]
 
 _lock = threading.Lock()
 _state = {"installed": False, "error": None}
@@ -53,3 +53,12 @@ def install(force=False):
         _layer.register()
         _state["installed"] = True
         return True
+
+
+def set_async(on=True):
+    """Whether the layer's kernels are queued on their streams, asynchronous to the host as on a
+    GPU (True), or computed in the calling thread (False, the default; `TMS_SIM_TORCH_ASYNC=1`
+    starts with True). Returns the previous setting. See `_layer` and docs/simulator.md."""
+    from . import _layer
+
+    return _layer.set_async(on)

@@ -105,6 +105,9 @@ class Runtime:
         self.launch_host_func = lib.cudaLaunchHostFunc
         self.launch_host_func.argtypes = [ctypes.c_void_p, _HostFn, ctypes.c_void_p]
         self.launch_host_func.restype = ctypes.c_int
+        self.host_func_error = lib.tms_sim_host_func_error
+        self.host_func_error.argtypes = [ctypes.c_int]
+        self.host_func_error.restype = ctypes.c_int
         self.user_object_create = getattr(lib, "cudaUserObjectCreate", None)
         self.retain_user_object = getattr(lib, "cudaGraphRetainUserObject", None)
         if self.user_object_create is not None and self.retain_user_object is not None:
@@ -171,7 +174,7 @@ _captures = {}  # capture id -> _Owner
 _owners = {}  # owner key -> _Owner
 _keys = itertools.count(1)
 _closing = False
-pending = None  # (exception, op name): a node failed at replay; raised by the next op
+pending = None  # (exception, op name, what failed): a node failed; raised by the next op
 _skip = False  # a node of the current replay failed: its later nodes do nothing
 
 
@@ -196,8 +199,9 @@ def _owner(cid):
 
 
 def _add_node(stream, node):
-    """Registers `node` and queues it as a host function on the capturing `stream`."""
-    info = runtime.capture(stream)
+    """Registers `node` and queues it as a host function on `stream` (capturing: a graph node;
+    else a one-shot node the stream runs once)."""
+    info = None if node.once else runtime.capture(stream)
     cid, graph = info if info is not None else (None, None)
     with _lock:
         key = next(_keys)
@@ -214,9 +218,10 @@ def _add_node(stream, node):
             _nodes.pop(key, None)
             if owner is not None and key in owner.nodes:
                 owner.nodes.remove(key)
+        when = "when the stream reaches it" if node.once else "at replay"
         raise CaptureError(
-            f"CUDA error {rc}: the capturing stream refused the host function that computes {node.name} "
-            "at replay (tms_sim_torch)"
+            f"CUDA error {rc}: the stream refused the host function that computes {node.name} {when} "
+            "(tms_sim_torch)"
         )
 
 
@@ -278,11 +283,18 @@ def install_torch_hooks():
 
 
 def _host_entry(key):
-    """The host function of every node (called by the runtime at replay)."""
+    """The host function of every node (called by the runtime at replay, or by the stream a
+    one-shot node was queued on)."""
     global pending, _skip
+    node = _nodes.get(key)
+    if node is not None and node.once:
+        with _lock:
+            _nodes.pop(key, None)
+        if not _closing:
+            _run_once(node)
+        return
     if _closing or _skip:
         return
-    node = _nodes.get(key)
     if node is None:
         return
     try:
@@ -290,7 +302,7 @@ def _host_entry(key):
     except BaseException as e:  # noqa: BLE001 - never unwind into the runtime
         _skip = True
         if pending is None:
-            pending = (e, node.name)
+            pending = (e, node.name, "a CUDA graph replay")
         try:
             sys.stderr.write(
                 f"tms_sim_torch: a CUDA graph node ({node.name}) failed at replay: {type(e).__name__}: {e}\n"
@@ -300,16 +312,41 @@ def _host_entry(key):
             pass
 
 
+def _run_once(node):
+    """Runs a one-shot node (a kernel queued on a stream outside capture). A failure is the
+    stream's error at its next synchronize (as a failed kernel's is on a GPU) and the next op the
+    layer computes raises the Python exception."""
+    global pending
+    try:
+        node()
+    except BaseException as e:  # noqa: BLE001 - never unwind into the runtime
+        if pending is None:
+            pending = (e, node.name, "a kernel queued on a stream")
+        code = 700 if "CUDA error 700" in str(e) else LAUNCH_FAILURE
+        try:
+            runtime.host_func_error(code)
+            sys.stderr.write(
+                f"tms_sim_torch: a queued CUDA kernel ({node.name}) failed: {type(e).__name__}: {e}\n"
+                f"  (the stream's next synchronize returns CUDA error {code}; the next op computed raises this "
+                "error)\n"
+            )
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+LAUNCH_FAILURE = 719  # cudaErrorLaunchFailure: a kernel failed while it ran
+
+
 def raise_pending():
-    """Raises (once) the error a graph node met at replay."""
+    """Raises (once) the error a graph node met at replay or a queued kernel met when it ran."""
     global pending, _skip
     p = pending
     if p is None:
         return
     pending = None
     _skip = False
-    e, name = p
-    raise RuntimeError(f"a CUDA graph replay failed in {name} (tms_sim_torch): {type(e).__name__}: {e}") from e
+    e, name, what = p
+    raise RuntimeError(f"{what} failed in {name} (tms_sim_torch): {type(e).__name__}: {e}") from e
 
 
 def stats():
@@ -492,7 +529,7 @@ def _out_variant(op):
 class _Node:
     """One captured op: re-run at each replay on CPU aliases of the captured memory."""
 
-    __slots__ = ("name", "fn", "out_op", "args", "kwargs", "gen", "snaps", "sizes", "outputs")
+    __slots__ = ("name", "fn", "out_op", "args", "kwargs", "gen", "snaps", "sizes", "outputs", "once")
 
     def __call__(self):
         from . import _layer
@@ -552,9 +589,11 @@ class _Node:
             dst.copy_(r)
 
 
-def capture(op, spec, fn, args, kwargs, stop):
+def capture(op, spec, fn, args, kwargs, stop, once=False):
     """The CUDA kernel of `op` while its stream captures (`stop`: the `Capturing` raised): records
-    a host node computing it at replay and returns the results' CUDA tensors (not yet computed)."""
+    a host node computing it at replay and returns the results' CUDA tensors (not yet computed).
+    With `once`, outside capture: the node is queued on `stop.stream` and runs once, when the
+    stream reaches it (the layer's asynchronous kernels)."""
     from . import _layer
 
     name = str(op)
@@ -659,6 +698,7 @@ def capture(op, spec, fn, args, kwargs, stop):
         return m
 
     result = back(mres, ())
+    del back  # the recursive closure is a reference cycle that would keep the operands alive
 
     node = _Node()
     node.name = name
@@ -675,6 +715,7 @@ def capture(op, spec, fn, args, kwargs, stop):
             sizes[ptr] = n
     node.sizes = sizes
     node.outputs = outputs
+    node.once = once
     _add_node(stop.stream, node)
     return result
 

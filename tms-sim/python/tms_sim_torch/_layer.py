@@ -26,8 +26,23 @@ there is one; the others keep their CUDA kernel, whose launch fails and raises.
 While the op's stream captures a CUDA graph, nothing is computed: the kernel determines the
 results' layout without computing, allocates them, and records the computation as a host-function
 node that each `graph.replay()` runs on the captured memory (see `_graphs`).
+
+Kernels are asynchronous to the host, as on a GPU: outside capture, an op whose results' layout its
+meta kernel gives is handled the same way, with a one-shot host function (`cudaLaunchHostFunc`)
+queued on the op's current stream (the default stream included): the call returns at once with
+results allocated from the caching allocator, and the stream computes them in its order, after the
+work queued before. What cannot be queued computes in the caller as in steps 1-4 above, after the
+stream's queued work: ops whose results' sizes depend on the data (`nonzero`, `unique`, boolean
+masks: a GPU synchronizes for them too), ops returning numbers, random ops (they draw from the CPU
+generators in program order, see "Random numbers"), decompositions, ops without a meta kernel,
+and operands the meta kernel refuses (their error is raised by the CPU kernel, at the call). A
+queued kernel that fails makes the stream's next synchronize return 719 (cudaErrorLaunchFailure),
+or 700 for memory unmapped meanwhile, and the next op the layer computes raises its Python error.
+Queuing is off by default (see docs/simulator.md for why): `TMS_SIM_TORCH_ASYNC=1` or
+`set_async(True)` turns it on.
 """
 
+import atexit
 import collections
 import ctypes
 import os
@@ -43,6 +58,7 @@ _CPU = torch.device("cpu")
 _Tensor = torch.Tensor
 _construct_storage = torch._C._construct_storage_from_data_pointer
 _raw_stream = torch._C._cuda_getCurrentRawStream
+_current_device = torch._C._cuda_getDevice
 _empty_cpu = torch.empty
 _empty_strided = torch.empty_strided
 _set_conj = torch._C._set_conj
@@ -50,6 +66,7 @@ _set_neg = torch._C._set_neg
 _memmove = ctypes.memmove
 _STRIDED = torch.strided
 _CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_ASYNC = os.environ.get("TMS_SIM_TORCH_ASYNC", "0") == "1"
 _NOTE = "(raised by the CPU kernel that tms_sim_torch runs for this CUDA op on the simulated device)"
 
 # Ops with a CUDA kernel that launch nothing on a GPU (allocation, metadata, host-side queries,
@@ -99,10 +116,11 @@ _stream_sync = None
 _peek_error = None
 _host_view = None
 _host_view_end = None
+_accessible = None
 
 
 def _init_runtime(rt):
-    global _rt, _stream_sync, _peek_error, _host_view, _host_view_end
+    global _rt, _stream_sync, _peek_error, _host_view, _host_view_end, _accessible
     _rt = rt
     _stream_sync = rt.cudaStreamSynchronize
     _stream_sync.argtypes = [ctypes.c_void_p]
@@ -116,6 +134,9 @@ def _init_runtime(rt):
     _host_view_end = rt.tms_sim_host_view_end
     _host_view_end.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     _host_view_end.restype = ctypes.c_int
+    _accessible = rt.tms_sim_range_accessible
+    _accessible.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _accessible.restype = ctypes.c_int
     _graphs.init(rt)
     _graphs.install_torch_hooks()
 
@@ -390,6 +411,8 @@ def _make_kernel(op, spec, impl=None, cpu=None):
     written = tuple(s for s in spec if s[4])
     has_written = any(s[4] for s in spec)
     numbers_ok = torch._C._should_allow_numbers_as_tensors(op._schema.name.split("::")[-1])
+    # None: may be queued (its meta kernel is looked up at the first call); False: never.
+    queueable = None if impl is None and cpu is None and _maybe_queueable(op, spec) else False
 
     def convert(call, args, kwargs, resizable=False):
         args = list(args)
@@ -435,8 +458,16 @@ def _make_kernel(op, spec, impl=None, cpu=None):
         return args, gen_slot
 
     def kernel(*args, **kwargs):
+        nonlocal queueable
         if _graphs.pending is not None:
             _graphs.raise_pending()
+        if _ASYNC and queueable is not False:
+            if queueable is None:
+                queueable = _graphs._has_meta(_graphs._qualname(op))
+            if queueable:
+                r = _queue(op, spec, fn, args, kwargs)
+                if r is not _SYNC:
+                    return r
         call = _Call()
         ckwargs = dict(kwargs) if kwargs else {}
         try:
@@ -482,6 +513,89 @@ def _make_kernel(op, spec, impl=None, cpu=None):
 
     kernel.__name__ = f"tms_sim_cpu_{op.__name__}"
     return kernel
+
+
+_SYNC = object()  # `_queue`: compute in the caller
+
+
+def set_async(on):
+    """Queues kernels on their streams (True) or computes them in the caller (False, the
+    default); returns the previous setting. Work already queued stays queued."""
+    global _ASYNC
+    was, _ASYNC = _ASYNC, bool(on)
+    if on and not was:
+        _drain_at_exit_once()
+    return was
+
+
+class _Launch:
+    """Where a queued kernel goes (what `_graphs.capture` reads of a `Capturing`)."""
+
+    __slots__ = ("stream", "device_index")
+
+    def __init__(self, stream, device_index):
+        self.stream = stream
+        self.device_index = device_index
+
+
+def _maybe_queueable(op, spec):
+    """Whether `op` may be queued, or always computes in the caller: ops returning numbers, random
+    ops (their draws stay in program order) and ops whose results' sizes depend on the data."""
+    if _graphs._returns_numbers(op) or any(s[2] == "G" for s in spec):
+        return False
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    return not _graphs._DATA_DEPENDENT.search(_graphs._qualname(op))
+
+
+def _cuda_operands(spec, args, kwargs):
+    """The CUDA tensors among an op's arguments, and the device a CUDA device argument names."""
+    tensors = []
+    device = None
+    for i, name, kind, kwonly, _, _ in spec:
+        if not kwonly and i < len(args):
+            v = args[i]
+        elif name in kwargs:
+            v = kwargs[name]
+        else:
+            continue
+        if kind == "T":
+            if isinstance(v, _Tensor) and v.is_cuda:
+                tensors.append(v)
+        elif kind == "L":
+            tensors.extend(x for x in v if isinstance(x, _Tensor) and x.is_cuda)
+        elif kind == "D" and v is not None and device is None:
+            d = torch.device(v) if not isinstance(v, torch.device) else v
+            if d.type == "cuda":
+                device = d.index if d.index is not None else torch.cuda.current_device()
+    return tensors, device
+
+
+def _queue(op, spec, fn, args, kwargs):
+    """Queues `op` on its current stream (see the module's docstring): its results, or `_SYNC`
+    when it must compute in the caller."""
+    tensors, index = _cuda_operands(spec, args, kwargs)
+    if tensors:
+        index = tensors[0].device.index
+    elif index is None:
+        return _SYNC
+    stream = _raw_stream(index)
+    if _graphs.runtime.capturing(stream):
+        return _SYNC  # recorded by the capture path
+    for t in tensors:
+        st = t.untyped_storage()
+        n = st.nbytes()
+        if n and _accessible(st.data_ptr(), n) != 1:
+            return _SYNC  # paused or freed memory: the caller's path raises at the call
+    try:
+        if index == _current_device():
+            return _graphs.capture(op, spec, fn, args, kwargs, _Launch(stream, index), once=True)
+        # The default stream is per device, and the runtime queues on the calling thread's device:
+        # torch sets no device guard around a Python kernel.
+        with torch.cuda.device(index):
+            return _graphs.capture(op, spec, fn, args, kwargs, _Launch(stream, index), once=True)
+    except Exception:  # noqa: BLE001 - the caller's path computes it, or raises the op's own error
+        return _SYNC
 
 
 def _run(fn, args, kwargs, gen_slot):
@@ -566,6 +680,8 @@ def _copy_kernel(dst, src, non_blocking=False):
             return _copy_op.redispatch(_CPU_KEYSET, dst, src, non_blocking)
         if _graphs.pending is not None:
             _graphs.raise_pending()
+        if _ASYNC and _queue(_copy_op, _copy_spec, _copy_op, (dst, src, non_blocking), {}) is not _SYNC:
+            return dst
         call = _Call()
         try:
             stop = None
@@ -639,6 +755,34 @@ def plan():
 _lib = None
 
 
+def _drain_at_exit():
+    """Kernels still queued at exit run before the interpreter finalizes (they run Python; torch
+    would otherwise lose their results only, but a host function entering a finalizing
+    interpreter ends its thread). Runs before `_graphs`' exit handler (registered earlier)."""
+    try:
+        for i in range(torch.cuda.device_count()):
+            try:
+                torch.cuda.synchronize(i)
+            except Exception:  # noqa: BLE001 - the program's errors were its own to check
+                pass
+    except Exception:  # noqa: BLE001
+        pass
+
+
+_drain_registered = False
+
+
+def _drain_at_exit_once():
+    """Kernels are queued from now on: drain them at exit, and let the simulator's waits release
+    the GIL, which a queued kernel needs (a caller synchronizing with it held would wait forever)."""
+    global _drain_registered
+    if not _drain_registered:
+        _drain_registered = True
+        atexit.register(_drain_at_exit)
+    if _rt is not None:
+        _rt.tms_sim_python_on_streams()
+
+
 def register():
     """Registers the CUDA kernels (once: see `install`); returns how many ops it covers."""
     global _lib
@@ -666,6 +810,8 @@ def register():
             lib.impl(short, fn, "CUDA")
         lib.impl("copy_", _copy_kernel, "CUDA")
     _lib = lib
+    if _ASYNC:
+        _drain_at_exit_once()
     # cuDNN would be chosen for batch norm, RNNs, grid sampling and CTC loss on CUDA tensors; its
     # library cannot run on the simulator. Without it torch takes its native kernels, which this
     # layer computes on the CPU.

@@ -30,7 +30,8 @@ const RUNTIME_NAMES: &[&str] = &[
         prints the environment that does this; `eval \"$(tms-sim env)\"` applies it to a shell. \
         PyTorch's CUDA wheels run unchanged under it: the Python start-up hook it puts on \
         PYTHONPATH loads the simulator before torch and then installs a CPU compute layer that runs \
-        torch's kernels on the CPU in the simulated device memory (TMS_SIM_TORCH_LAYER=0: off).\n\n\
+        torch's kernels on the CPU in the simulated device memory (TMS_SIM_TORCH_LAYER=0: off; \
+        TMS_SIM_TORCH_ASYNC=1: its kernels are queued on their streams, asynchronous to the host).\n\n\
         Environment read by the simulator:\n  \
         TMS_SIM_NODE       node name; processes naming the same node share its devices (default: default)\n  \
         TMS_SIM_DIR        folder for node state files (default: /dev/shm, else the temp dir)\n  \

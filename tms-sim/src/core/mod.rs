@@ -6,6 +6,7 @@
 pub mod collectives;
 pub mod config;
 pub mod fault;
+pub mod gil;
 pub mod graphs;
 pub mod memory;
 pub mod node;

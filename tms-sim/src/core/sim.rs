@@ -310,6 +310,7 @@ impl Sim {
     pub fn plain_free(&self, addr: usize) -> MemResult<()> {
         // Freeing waits for queued work, as the real runtimes do.
         self.streams.synchronize_all(None);
+        let _no_view = crate::core::streams::VIEWS.close();
         let _no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
         let (freed, requested) = self.write().plain_free(addr)?;
         self.give_back_host(&freed);
@@ -341,6 +342,7 @@ impl Sim {
     /// Closes an IPC import; like every call that takes memory away, it waits for the copy piece
     /// under way.
     pub fn ipc_close(&self, addr: usize) -> MemResult<()> {
+        let _no_view = crate::core::streams::VIEWS.close();
         let _no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
         self.write().ipc_close(addr)
     }
@@ -358,6 +360,7 @@ impl Sim {
     }
 
     pub fn unmap(&self, addr: usize, len: Option<usize>) -> MemResult<()> {
+        let _no_view = crate::core::streams::VIEWS.close();
         let no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
         let freed = self.write().unmap(addr, len)?;
         drop(no_copy);
@@ -367,6 +370,7 @@ impl Sim {
 
     pub fn set_access(&self, addr: usize, len: usize, prot: libc::c_int) -> MemResult<()> {
         let revoking = prot != libc::PROT_READ | libc::PROT_WRITE;
+        let _no_view = revoking.then(|| crate::core::streams::VIEWS.close());
         let no_copy = revoking.then(|| self.copying.write().unwrap_or_else(|e| e.into_inner()));
         let work = self.write().set_access(addr, len, prot)?;
         drop(no_copy);

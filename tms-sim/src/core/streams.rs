@@ -4,6 +4,7 @@
 //! pipeline is measured on. Errors are sticky per stream and reported by the next synchronize.
 //! An event completes when the work queued before its record has run.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -97,10 +98,15 @@ impl Event {
 
     /// Waits until record `generation` has completed.
     fn wait_for(&self, generation: u64) {
-        let mut st = self.lock();
-        while st.completed < generation {
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        if self.lock().completed >= generation {
+            return;
         }
+        crate::core::gil::released(|| {
+            let mut st = self.lock();
+            while st.completed < generation {
+                st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+        });
     }
 
     /// Waits for the latest record.
@@ -251,11 +257,7 @@ impl Streams {
     /// layer's kernels) comes after what was queued there before.
     pub fn settle_default(&self) {
         for s in self.legacy_queues() {
-            let (lock, cv) = &*s.progress;
-            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-            while p.done < p.submitted {
-                p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-            }
+            settle(&s, None);
         }
     }
 
@@ -346,11 +348,7 @@ impl Streams {
         let mut all: Vec<Arc<Stream>> = self.live().values().cloned().collect();
         all.extend(self.legacy_queues());
         for s in &all {
-            let (lock, cv) = &*s.progress;
-            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-            while p.done < p.submitted {
-                p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-            }
+            settle(s, None);
         }
     }
 
@@ -448,13 +446,122 @@ fn enqueue(stream: &Stream, job: Job) -> Result<i32, UnknownStream> {
     }
 }
 
+thread_local! {
+    /// Whether this thread is a stream's worker (its jobs must not wait for queues: they are one).
+    static ON_WORKER: Cell<bool> = const { Cell::new(false) };
+    /// The error a host function reported for the job it runs in (`fail_current_job`).
+    static JOB_ERROR: Cell<i32> = const { Cell::new(0) };
+    /// Whether the running job holds host views (`VIEWS`) until it ends.
+    static JOB_VIEWS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Host views of device memory held by queued work: the CPU layer's kernels run on a stream's
+/// worker and compute on `tms_sim_host_view`s without any lock of the simulator, so whatever takes
+/// memory away (unmap, free, revoking access) first waits for the jobs that hold views, and jobs
+/// take no new ones meanwhile. On a GPU a kernel still running on a range being unmapped faults;
+/// here it completes first (a kernel that starts after the unmap gets no view: 700 on its stream),
+/// where the process would otherwise fault on the view's bytes. Copies have their own lock.
+pub static VIEWS: ViewGate = ViewGate { state: Mutex::new(GateState { readers: 0, closing: 0 }), cv: Condvar::new() };
+
+pub struct ViewGate {
+    state: Mutex<GateState>,
+    cv: Condvar,
+}
+
+struct GateState {
+    /// Jobs holding views.
+    readers: usize,
+    /// Threads taking memory away.
+    closing: usize,
+}
+
+/// Memory may be taken away while this lives (`ViewGate::close`).
+pub struct Closed(&'static ViewGate);
+
+impl Drop for Closed {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.closing -= 1;
+        self.0.cv.notify_all();
+    }
+}
+
+impl ViewGate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A job on a stream's worker takes a host view: it holds the gate until it ends (a job that
+    /// already holds it takes more views at once, so two takers cannot wait for each other).
+    pub fn enter(&'static self) {
+        if !on_worker() || JOB_VIEWS.with(|v| v.get()) {
+            return;
+        }
+        let mut st = self.lock();
+        while st.closing > 0 {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.readers += 1;
+        JOB_VIEWS.with(|v| v.set(true));
+    }
+
+    fn leave_job(&self) {
+        if JOB_VIEWS.with(|v| v.replace(false)) {
+            let mut st = self.lock();
+            st.readers -= 1;
+            self.cv.notify_all();
+        }
+    }
+
+    /// Waits until no job holds a view (letting go of the GIL, which those jobs need); none
+    /// takes one until the result is dropped.
+    pub fn close(&'static self) -> Closed {
+        let mut st = self.lock();
+        st.closing += 1;
+        if st.readers > 0 {
+            drop(st);
+            crate::core::gil::released(|| {
+                let mut st = self.lock();
+                while st.readers > 0 {
+                    st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            });
+        }
+        Closed(self)
+    }
+}
+
+/// Whether the calling thread runs a stream's queued work.
+pub fn on_worker() -> bool {
+    ON_WORKER.with(|w| w.get())
+}
+
+/// A host function running on a stream's worker reports that the work it stands for failed with
+/// `code`: the stream's next synchronize returns it (the first error since the last one wins), as
+/// a failed kernel's error is reported on a GPU. False when the caller is not a stream's worker.
+pub fn fail_current_job(code: i32) -> bool {
+    if !on_worker() || code == 0 {
+        return false;
+    }
+    JOB_ERROR.with(|e| {
+        if e.get() == 0 {
+            e.set(code);
+        }
+    });
+    true
+}
+
 fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>> {
     let (tx, rx) = channel::<Job>();
     std::thread::Builder::new()
         .name("tms-sim-stream".into())
         .spawn(move || {
+            ON_WORKER.with(|w| w.set(true));
             for job in rx {
                 let code = job();
+                VIEWS.leave_job();
+                let code = if code != 0 { code } else { JOB_ERROR.with(|e| e.take()) };
+                JOB_ERROR.with(|e| e.set(0));
                 let (lock, cv) = &*progress;
                 let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
                 p.done += 1;
@@ -468,21 +575,29 @@ fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>
     Some(tx)
 }
 
+/// Waits until `stream` has run its first `target` jobs (None: all it has been given), leaving
+/// their errors to its own synchronize. A wait that blocks lets go of the Python GIL (see `gil`).
+fn settle(stream: &Stream, target: Option<u64>) {
+    let (lock, cv) = &*stream.progress;
+    let idle = |p: &Progress| p.done >= target.unwrap_or(p.submitted);
+    if idle(&lock.lock().unwrap_or_else(|e| e.into_inner())) {
+        return;
+    }
+    crate::core::gil::released(|| {
+        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while !idle(&p) {
+            p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    });
+}
+
 /// Waits until `stream` has run its first `target` jobs, leaving their errors to its own
 /// synchronize.
 fn wait_until(stream: &Stream, target: u64) {
-    let (lock, cv) = &*stream.progress;
-    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-    while p.done < target {
-        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-    }
+    settle(stream, Some(target));
 }
 
 fn wait(stream: &Stream) -> i32 {
-    let (lock, cv) = &*stream.progress;
-    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-    while p.done < p.submitted {
-        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-    }
-    std::mem::take(&mut p.error)
+    settle(stream, None);
+    std::mem::take(&mut stream.progress.0.lock().unwrap_or_else(|e| e.into_inner()).error)
 }

@@ -6,7 +6,9 @@
 //! same bytes, and the memory stays charged to the exporter. As on a GPU, memory made with the
 //! virtual-memory calls (cuMemCreate: every region allocation of the hook) has no IPC handle, a
 //! handle cannot be opened in the process that made it, and a handle of a process that exited is
-//! refused. Opened events are host-side only: they read as complete.
+//! refused. Opened events are host-side only: they read as complete. So an event's handle is
+//! handed out once the event's latest record has completed: the importer's wait on it (how
+//! torch.multiprocessing orders a consumer after the producer's queued kernels) then holds.
 
 use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, MEMORY_ALLOCATION, SUCCESS, call, code_of, put};
 use crate::core::sim::{ImportFailure, import_exported, sim};
@@ -132,6 +134,7 @@ pub unsafe extern "C" fn cuda_ipc_get_event_handle(handle: *mut IpcHandle, event
         if ev.flags & (INTERPROCESS | DISABLE_TIMING) != INTERPROCESS | DISABLE_TIMING {
             return INVALID_RESOURCE_HANDLE;
         }
+        ev.synchronize();
         let mut b = [0u8; 64];
         b[..8].copy_from_slice(EVENT_MAGIC);
         b[8..12].copy_from_slice(&std::process::id().to_le_bytes());

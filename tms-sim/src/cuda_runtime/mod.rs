@@ -158,6 +158,7 @@ const ERRORS: &[(i32, &std::ffi::CStr, &std::ffi::CStr)] = &[
     (705, c"cudaErrorPeerAccessNotEnabled", c"peer access has not been enabled"),
     (712, c"cudaErrorHostMemoryAlreadyRegistered", c"part or all of the requested memory range is already mapped"),
     (713, c"cudaErrorHostMemoryNotRegistered", c"pointer does not correspond to a registered memory region"),
+    (719, c"cudaErrorLaunchFailure", c"unspecified launch failure"),
     (900, c"cudaErrorStreamCaptureUnsupported", c"operation not permitted when stream is capturing"),
     (901, c"cudaErrorStreamCaptureInvalidated", c"operation failed due to a previous error during capture"),
     (801, c"cudaErrorNotSupported", c"operation not supported (by tms-sim: see docs/simulator.md)"),
