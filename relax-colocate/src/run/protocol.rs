@@ -402,7 +402,7 @@ pub struct GenerateParams {
     pub segment_tokens: Option<usize>,
     /// Partial rollouts: no weight update came since the continued sequences' last segment, so an
     /// engine that keeps its cache between requests has their prefixes in it (re-prefilled
-    /// otherwise). A sequence with an empty prefix is new: prefilled either way.
+    /// otherwise). A sequence with an empty prefix and no `progress` is new: prefilled either way.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prefix_cached: bool,
     /// Modelled compute with responses that grow over the run (compute.token_scale_final): the

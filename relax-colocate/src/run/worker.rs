@@ -553,14 +553,10 @@ impl Rollout {
         let s = self.c.shape;
         let batch = prompts.len() * n;
         self.check_request(&prompts, &responses, batch, max_new)?;
-        check_budget(segment_s, &progress, batch)?;
-        if !sequence_seeds.is_empty() && sequence_seeds.len() != batch {
-            let e = format!("sequence_seeds has {} entries for {batch} sequences", sequence_seeds.len());
-            return Err(bad(e));
-        }
+        check_partial(segment_s, &progress, &sequence_seeds, batch)?;
         let segment = segment_tokens.unwrap_or(max_new).max(1);
         let t0 = std::time::Instant::now();
-        let prefill = prefill_tokens(&prompts, &responses, n, prefix_cached);
+        let prefill = prefill_tokens(&prompts, &responses, &progress, n, prefix_cached);
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
         let pol = Policy { shape: s, params: &params };
@@ -645,14 +641,16 @@ impl Rollout {
     }
 }
 
-/// A budget the request may carry: positive seconds, and carried steps one per sequence, each a
-/// finite count >= 0.
-fn check_budget(segment_s: Option<f64>, progress: &[f64], batch: usize) -> Result<(), Failure> {
+/// What a segmented request may carry: a budget of positive seconds; carried steps and seeds one
+/// per sequence, each step count finite and >= 0.
+fn check_partial(segment_s: Option<f64>, progress: &[f64], seeds: &[u64], batch: usize) -> Result<(), Failure> {
     if segment_s.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
         return Err(bad(format!("segment_s must be a positive number of seconds, not {}", segment_s.unwrap_or(0.0))));
     }
-    if !progress.is_empty() && progress.len() != batch {
-        return Err(bad(format!("progress has {} entries for {batch} sequences", progress.len())));
+    for (name, n) in [("progress", progress.len()), ("sequence_seeds", seeds.len())] {
+        if n != 0 && n != batch {
+            return Err(bad(format!("{name} has {n} entries for {batch} sequences")));
+        }
     }
     if let Some(p) = progress.iter().find(|p| !(**p >= 0.0 && p.is_finite())) {
         return Err(bad(format!("progress {p} is not a count of modelled decode steps (finite, >= 0)")));
@@ -711,14 +709,22 @@ impl Sampling<'_> {
 }
 
 /// Tokens a request prefills: the prompts and prefixes, a continued sequence's only when its
-/// cache is gone (prefix_cached says it is not), a new sequence's (no response yet) always. This
-/// engine recomputes its small cache anyway; the model charges what one that keeps it would.
-fn prefill_tokens(prompts: &[Vec<u32>], responses: &[Vec<u32>], n: usize, prefix_cached: bool) -> usize {
+/// cache is gone (prefix_cached says it is not), a new sequence's (no response yet, and no steps
+/// towards its first token: one with steps was prefilled by the segment that made them) always.
+/// This engine recomputes its small cache anyway; the model charges what one that keeps it would.
+fn prefill_tokens(
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    progress: &[f64],
+    n: usize,
+    prefix_cached: bool,
+) -> usize {
     if responses.is_empty() {
         return n * prompts.iter().map(Vec::len).sum::<usize>();
     }
-    let cached = |r: &Vec<u32>| prefix_cached && !r.is_empty();
-    prompts.iter().zip(responses).filter(|(_, r)| !cached(r)).map(|(p, r)| p.len() + r.len()).sum()
+    let begun = |k: usize| !responses[k].is_empty() || progress.get(k).is_some_and(|p| *p > 0.0);
+    let cached = |k: usize| prefix_cached && begun(k);
+    (0..responses.len()).filter(|k| !cached(*k)).map(|k| prompts[k].len() + responses[k].len()).sum()
 }
 
 /// One sequence of a request: its prompt's index, its response so far, the log-probabilities of
@@ -924,4 +930,23 @@ pub fn main(role: &str) -> Result<(), String> {
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sequence_with_steps_towards_its_first_token_is_not_prefilled_again() {
+        let prompts = vec![vec![1, 2, 3], vec![4, 5], vec![6]];
+        let responses = vec![vec![7], vec![], vec![]];
+        // Cached: only the new sequence (no tokens, no steps) is prefilled; the second sequence's
+        // steps came from a segment that prefilled its prompt.
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, true), 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, true), 2 + 1);
+        // After an update every continued sequence is prefilled again, with its prefix.
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, false), 4 + 2 + 1);
+        // A fresh request: every prompt, n times.
+        assert_eq!(prefill_tokens(&prompts, &[], &[], 2, true), 2 * 6);
+    }
 }
