@@ -55,6 +55,7 @@ repository, which is found next to this script).
 import atexit
 import ctypes
 import hashlib
+import math
 import mmap
 import os
 import socket
@@ -371,7 +372,11 @@ def generate(p):
     `responses` prefix continues after it, the prompt and prefix prefilled again under the weights
     held now (the cache of the interrupted segment was computed under older ones); at most
     `segment_tokens` new tokens per sequence; the reply carries the new tokens only, and
-    `finished` once EOS, `max_new_tokens` in all or the context's end is reached."""
+    `finished` once EOS, `max_new_tokens` in all or the context's end is reached. With modelled
+    compute, `segment_s` ends the segment once that much modelled decoding is spent, mid-token if
+    need be: the tokens past the cut are dropped and each unfinished sample says its `progress`
+    (paced_decode). It ignores `sequence_seeds` (docs/worker-protocol.md allows it) and samples
+    from `seed`."""
     serve_scale(p)
     t0 = time.monotonic()
     model, kv, dev = state["model"], state["kv"], state["device"]
@@ -425,13 +430,51 @@ def generate(p):
             prefill = n * sum(len(x) for x in p["prompts"])
         else:
             # A continued sequence's prefix is cached unless prefix_cached says not; a new one
-            # (no response yet) is always prefilled.
-            prefill = sum(len(x) + len(r) for x, r in zip(p["prompts"], prefixes)
-                          if not (p.get("prefix_cached") and r))
+            # (no response yet, no steps towards its first token) is always prefilled.
+            steps = p.get("progress") or [0.0] * len(prefixes)
+            prefill = sum(len(x) + len(r) for x, r, d in zip(p["prompts"], prefixes, steps)
+                          if not (p.get("prefix_cached") and (r or d > 0)))
         seqs = [(len(p["prompts"][x["prompt_index"]]) + (len(prefixes[k]) if prefixes else 0), len(x["response"]))
                 for k, x in enumerate(samples)]
-        pace(t0, modelled_s(prefill, 1.0, m["train_mfu"]) + decode_s(seqs))
+        spent, kept, carried = paced_decode(seqs, p.get("progress") or [], p.get("segment_s"))
+        for x, k, steps in zip(samples, kept, carried):
+            if k < len(x["response"]):
+                x.update(response=x["response"][:k], logprobs=x["logprobs"][:k], finished=False)
+            if not x["finished"] and steps > 0:
+                x["progress"] = steps
+        pace(t0, modelled_s(prefill, 1.0, m["train_mfu"]) + spent)
     return {"samples": samples}
+
+
+def paced_decode(seqs, progress, budget):
+    """The modelled decode of a request, as the built-in rollout's Pacer runs it
+    (relax-colocate/src/run/pacer.rs): `seqs` as decode_s takes them (context before the first new
+    token, new tokens generated), `progress` the modelled steps each already did towards its next
+    token (empty: none). Every live sequence advances by the same steps, and a token completes when
+    its sequence's steps reach token_scale(); with a `budget` (modelled seconds, async.segment_s)
+    the decode ends once it is spent. Returns the seconds charged, the tokens each sequence
+    completed, and the steps each carries towards its next."""
+    scale = token_scale()
+    done = [float(x) for x in progress] if progress else [0.0] * len(seqs)
+    if len(done) != len(seqs) or any(not (x >= 0 and math.isfinite(x)) for x in done):
+        raise rw.WorkerError("bad_request", f"progress {progress} is not one count >= 0 per sequence")
+    kept, spent = [0] * len(seqs), 0.0
+    while True:
+        live = [i for i, (_, g) in enumerate(seqs) if kept[i] < g]
+        if not live:
+            return spent, kept, done
+        per_step = decode_s([(seqs[i][0] + kept[i], 1) for i in live]) / scale
+        need = min(max(scale - done[i], 0.0) for i in live)
+        if budget and per_step > 0 and (budget - spent) / per_step < need - 1e-9 * scale:
+            steps = max(budget - spent, 0.0) / per_step
+            for i in live:
+                done[i] += steps
+            return spent + steps * per_step, kept, done
+        spent += need * per_step
+        for i in live:
+            done[i] += need
+            if scale - done[i] <= 1e-9 * scale:
+                done[i], kept[i] = 0.0, kept[i] + 1
 
 
 def batch_of(samples):

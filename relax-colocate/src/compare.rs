@@ -178,6 +178,8 @@ fn figures(l: &Layout) -> Value {
         "wall_time_s": wall,
         "compute": s["compute"].clone(),
         "trainer_idle": s["async"]["trainer_idle_ratio"].clone(),
+        "trainer_wait": s["async"]["trainer_wait_ratio"].clone(),
+        "flush_s_mean": s["async"]["flush_s_mean"].clone(),
         "elastic": elastic_figures(l, &s["async"]["elastic"]),
     })
 }
@@ -220,13 +222,15 @@ fn print_table(names: &[&str], figs: &[Value]) {
         print!(" {n:>12}");
     }
     println!();
-    let rows: [TableRow; 17] = [
+    let rows: [TableRow; 19] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
         ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
         ("tokens/s", "tokens_per_s", |x| format!("{x:.1}")),
         ("step time, median (s)", "step_time_median_s", |x| format!("{x:.3}")),
         ("trainer busy", "trainer_busy", pct),
-        ("trainer waiting for samples", "trainer_idle", pct),
+        ("trainer idle (wait + flush)", "trainer_idle", pct),
+        ("  of which waiting for samples", "trainer_wait", pct),
+        ("update flush, mean (s)", "flush_s_mean", secs),
         ("trainer devices idle", "elastic.trainer_device_idle", pct),
         ("rollout busy", "rollout_busy", pct),
         ("weight update, median (s)", "update_weights_median_s", secs),

@@ -9,7 +9,9 @@
 //! once, a lend drops no sample to staleness (the engines stay within the queue's capacity), and
 //! a lent engine that keeps the device is paused from outside while the run goes on. Responses
 //! that grow over the run (compute.token_scale_final) cost each step by the weight version that
-//! generated it, colocated and async alike.
+//! generated it, colocated and async alike. A budget of modelled decoding per segment
+//! (async.segment_s) ends segments mid-token without changing a sequence's tokens, each update's
+//! flush counts as the trainer's idle time, and a malformed carried progress is named.
 
 use serde_json::Value;
 use tms_e2e::runner::*;
@@ -314,6 +316,31 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
     assert!(err.contains("rollout-1") && err.contains("set async.segment_tokens=0"), "{err}");
     assert!(survivors(&dir.path().join("old")).is_empty(), "workers left behind");
 
+    // A reply whose carried progress is no count of decode steps is the worker's error, named.
+    let script = dir.path().join("bad_progress.py");
+    let source = "import os, sys\n\
+                  sys.path.insert(0, os.path.join(os.getcwd(), 'scripts'))\n\
+                  import example_worker as ew, relax_worker as rw\n\
+                  names = ['init', 'checksum', 'generate', 'log_probs', 'train', 'update_begin', 'pack', 'unpack', \
+                  'update_end']\n\
+                  handlers = {n: getattr(ew, n) for n in names}\n\
+                  def negative(p):\n    \
+                      r = ew.generate(p)\n    \
+                      for s in r['samples']:\n        \
+                          s['progress'] = -1.5\n    \
+                      return r\n\
+                  handlers['generate'] = negative\n\
+                  rw.serve(handlers, implementation='bad progress')\n";
+    std::fs::write(&script, source).unwrap();
+    let bad = format!("python3 {}", script.display());
+    let mut args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example]);
+    args.extend(["--rollout-cmd", &bad]);
+    let out = run_cmd(&dir.path().join("bad"), &args).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rollout-1") && err.contains("field `progress` = -1.5"), "{err}");
+    assert!(survivors(&dir.path().join("bad")).is_empty(), "workers left behind");
+
     let mut args = with(&["--set", "async.segment_tokens=0", "--trainer-cmd", example]);
     args.extend(["--rollout-cmd", &old]);
     let out = run_cmd(&dir.path().join("whole"), &args).output().unwrap();
@@ -412,6 +439,8 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
             "run.weight_transport = \"ipc\" shares a device buffer between the trainer and the rollout on one device",
         ),
         (vec!["--mode", "async", "--devices", "2", "--set", "sim.link_gbps=fast"], "sim.link_gbps=\"fast\" is not"),
+        (vec!["--mode", "async", "--devices", "2", "--set", "async.segment_s=-1"], "async.segment_s=-1 must be >= 0"),
+        (vec!["--mode", "elastic", "--devices", "2", "--set", "async.segment_s=inf"], "async.segment_s=inf must be"),
         (
             vec!["--mode", "async", "--devices", "3", "--rollout-devices", "1-2", "--prompts", "9"],
             "multiple of the 2 rollout",
@@ -439,8 +468,12 @@ fn device_sets_that_cannot_work_exit_2_naming_the_key() {
 fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_under_new_weights() {
     let dir = tempfile::tempdir().unwrap();
     // A 4B model's device time on the modelled device, decoding at 1% of its peak, makes
-    // generation slow enough that updates land while sequences are in flight.
-    let args = [&["--mode", "async", "--devices", "2", "--steps", "4"][..], &ROLLOUT_BOUND].concat();
+    // generation slow enough that updates land while sequences are in flight. Segments of 2
+    // tokens, no time budget: a segment outlasts the trainer's step, so sequences have tokens of
+    // the old weights when an update lands (under the default budget a token still under way
+    // then is sampled, whole, by the new ones).
+    let segments = ["--set", "async.segment_s=0"];
+    let args = [&["--mode", "async", "--devices", "2", "--steps", "4"][..], &ROLLOUT_BOUND, &segments].concat();
     let out = run_cmd(dir.path(), &args).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let summary = json(&dir.path().join("summary.json"));
@@ -450,8 +483,49 @@ fn with_modelled_compute_updates_interrupt_generation_and_sequences_continue_und
     let m = metrics(dir.path());
     assert!(m.iter().any(|r| r["partial/max_partial_span"].as_f64().unwrap() >= 1.0), "no sample spanned an update");
     assert!(m.iter().all(|r| r["perf/pause_generation_time"].is_number()), "each update waits for the segments");
+    // The trainer's devices wait through each update's flush: its idle share counts it beside
+    // the wait for a batch, which keeps its own name.
+    for r in &m {
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("no {k}: {r}"));
+        assert!(f("perf/flush_time") > 0.0 && f("perf/flush_time") <= f("perf/step_time"), "{r}");
+        let counted = f("perf/wait_time_ratio") + f("trainer/flush_ratio");
+        assert!((f("trainer/idle_ratio") - counted).abs() < 1e-9, "idle is not waiting plus flush: {r}");
+    }
+    let share = |k: &str| a[k].as_f64().unwrap_or_else(|| panic!("no {k}: {a}"));
+    assert!(share("flush_ratio") > 0.0 && share("flush_s_mean") > 0.0, "{a}");
+    assert!((share("trainer_idle_ratio") - share("trainer_wait_ratio") - share("flush_ratio")).abs() < 1e-9, "{a}");
     // The continued sequences are well formed: the checks (weights on every engine, the bound) held.
     assert_eq!(summary["status"], "ok");
+}
+
+/// A budget of modelled decoding far under one task token's time (async.segment_s): segments end
+/// part-way through tokens, and each sequence, continued from the steps it had done, samples the
+/// same tokens as without the budget (its seed and position decide each draw, not the segment):
+/// step 1's batch, all of the initial weights, is the same in every rollout figure.
+#[test]
+fn a_segment_budget_ends_segments_mid_token_and_the_sequences_keep_their_tokens() {
+    let job = [
+        &["--mode", "async", "--devices", "2", "--steps", "1", "--prompts", "4", "--samples", "4"][..],
+        &ROLLOUT_BOUND,
+    ]
+    .concat();
+    let run = |budget: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let set = format!("async.segment_s={budget}");
+        let (_, s) = run_ok(dir.path(), &[&job[..], &["--set", &set]].concat());
+        (metrics(dir.path()).remove(0), s["async"].clone())
+    };
+    let (whole, w) = run("0");
+    let (split, s) = run("0.01");
+    assert_eq!((w["segment_s"].clone(), w["segments_ended_mid_token"].as_u64()), (Value::Null, Some(0)), "{w}");
+    assert_eq!(s["segment_s"].as_f64(), Some(0.01), "{s}");
+    assert!(s["segments_ended_mid_token"].as_u64().unwrap() > 0, "no segment ended mid-token: {s}");
+    let rollout: Vec<(&String, &Value)> =
+        whole.as_object().unwrap().iter().filter(|(k, _)| k.starts_with("rollout/")).collect();
+    assert!(rollout.len() >= 8, "{whole}");
+    for (k, v) in rollout {
+        assert_eq!(&split[k], v, "{k} differs with the budget: the split sequences sampled other tokens");
+    }
 }
 
 #[test]
@@ -657,6 +731,9 @@ fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_
     let (idle, device_idle) =
         (e["trainer_idle_ratio_unlent"].as_f64().unwrap(), e["trainer_device_idle_ratio"].as_f64().unwrap());
     assert!(device_idle < idle, "{e}");
+    // The updates' flushes count as the devices' idle time; the share without them stays shown.
+    let without = e["trainer_device_idle_ratio_without_flush"].as_f64().unwrap();
+    assert!((device_idle - without - a["flush_ratio"].as_f64().unwrap()).abs() < 1e-9, "{a}");
     // A lent device with no request counts as idle: within the time it was lent.
     let lent_idle = e["lent_engine_idle_s"].as_f64().unwrap();
     assert!((0.0..=e["lent_s"].as_f64().unwrap()).contains(&lent_idle), "{e}");

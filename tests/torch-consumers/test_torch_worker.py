@@ -4,7 +4,8 @@ stops after `segment_tokens` new tokens and says which sequences finished; a seq
 with its tokens continues after them, its new tokens' log-probs those of the whole sequence
 scored at once under the same weights (so the prefix really conditions what follows); without
 either parameter a request generates what it did before they existed. Its modelled device time
-is charged as the runner's ComputeModel charges it.
+is charged as the runner's ComputeModel charges it, and a budget of modelled decoding
+(`segment_s`) cuts a segment mid-token, the steps done carried in `progress`.
 
 Its trainers as data-parallel ranks (init's `trainer_group`): each rank's share of a minibatch
 adds up to the whole one (importance weights included; weights of 1 are none, 0 removes a token's
@@ -127,6 +128,49 @@ def test_decode_is_charged_as_the_runner_models_it(sim):
     extra = float(out["scaled"]) - float(out["scaled_without"])
     assert abs(extra - 3 * 300 * 0.002) < 1e-9, out
     assert float(out["request_scaled"]) == float(out["init_scaled"]) > float(out["scaled"]), out
+
+
+BUDGET = r"""
+import json, os, sys
+os.environ["RELAX_ROLE"] = "rollout"
+sys.path.insert(0, {scripts!r})
+import torch_worker as tw
+
+tw.init({{"api": "cuda", "device": 0, "shape": {{"vocab": 16, "context": 24, "hidden": 32}}, "seed": 3,
+          "memory": [], "max_batch": 4}})
+tw.state["compute"] = {{"forward_flops_per_token": 8e9, "tflops": 989.0, "train_mfu": 0.4, "rollout_mfu": 0.3,
+                        "token_scale": 10.0, "trainers": 1.0, "hbm_gbps": 3350.0, "weight_bytes": 8e9,
+                        "kv_bytes_per_token": 147456.0, "decode_step_ms": 2.0}}
+prompts = [[1, 2, 3, 4], [5, 6, 7]]
+base = {{"prompts": prompts, "n": 2, "max_new_tokens": 8, "temperature": 1.0, "seed": 11, "segment_tokens": 3}}
+free = tw.generate(base)["samples"]
+# The first task step of the four fresh sequences, then the second at their grown contexts.
+first = tw.decode_s([(4, 1), (4, 1), (3, 1), (3, 1)])
+second = tw.decode_s([(5, 1), (5, 1), (4, 1), (4, 1)])
+cut = tw.generate(dict(base, segment_s=first + 0.5 * second))["samples"]
+print("cut=%s" % json.dumps(cut))
+print("free=%s" % json.dumps(free))
+print("want_progress=%r" % (10.0 * 0.5))
+# A sequence 5 steps into its next token pays for the other 5 only.
+whole = tw.paced_decode([(4, 2)], [], None)[0]
+carried = tw.paced_decode([(4, 2)], [5.0], None)[0]
+print("saved=%r" % (whole - carried))
+print("half_step=%r" % (0.5 * tw.decode_s([(4, 1)])))
+"""
+
+
+def test_a_segment_budget_cuts_mid_token_and_carries_the_steps(sim):
+    """With modelled compute, `segment_s` ends a request part-way through a token: each sequence
+    keeps the tokens the budget paid for (a prefix of what it generated without one) and says the
+    modelled steps it did towards the next, which a later request's `progress` does not charge
+    again."""
+    out = sim.ok(BUDGET.format(scripts=str(SCRIPTS)), preload=sim.hook, extra={"OMP_NUM_THREADS": "1"})
+    cut, free = json.loads(out["cut"]), json.loads(out["free"])
+    assert [len(s["response"]) for s in free] == [3] * 4, free
+    for c, f in zip(cut, free):
+        assert c["response"] == f["response"][:1] and c["logprobs"] == f["logprobs"][:1], (c, f)
+        assert not c["finished"] and abs(c["progress"] - float(out["want_progress"])) < 1e-6, c
+    assert abs(float(out["saved"]) - float(out["half_step"])) < 1e-12, out
 
 
 SHARES = r"""

@@ -130,6 +130,10 @@ pub struct AsyncSection {
     pub train_iters_per_update: u64,
     pub queue_groups: u64,
     pub segment_tokens: u64,
+    /// With compute.model: the modelled seconds of decoding a segment may take; it ends when they
+    /// are spent, part-way through a task token if need be, the sequences keeping their progress.
+    /// 0: segments bounded by segment_tokens alone.
+    pub segment_s: f64,
 }
 
 /// Modelled device compute time (docs/async.md, "Modelled compute").
@@ -506,6 +510,13 @@ impl Config {
                 if self.run.mode == Mode::Elastic {
                     errors.extend(self.elastic_errors());
                 }
+                let budget = self.asynchronous.segment_s;
+                if !(budget >= 0.0 && budget.is_finite()) {
+                    errors.push(format!(
+                        "async.segment_s={budget} must be >= 0 modelled seconds (0: segments bounded by \
+                         async.segment_tokens alone)"
+                    ));
+                }
                 if self.asynchronous.train_iters_per_update < 1 {
                     errors.push("async.train_iters_per_update must be at least 1".into());
                 }
@@ -544,6 +555,12 @@ impl Config {
             );
         }
         errors
+    }
+
+    /// The modelled seconds of decoding a segment may take (async.segment_s): only with
+    /// compute.model, which alone gives decoding a modelled cost.
+    pub fn segment_budget(&self) -> Option<f64> {
+        Some(self.asynchronous.segment_s).filter(|b| *b > 0.0 && self.compute.model)
     }
 
     /// The modelled tokens per task token of what weight version `version` generates (it may be
@@ -854,6 +871,27 @@ mod tests {
         assert_eq!(load(None, &[]).unwrap().compute.decode_step_ms, 2.0);
         let err = load(None, &sets("-1")).unwrap_err();
         assert!(err.contains("compute.decode_step_ms must be >= 0"), "{err}");
+    }
+
+    #[test]
+    fn the_segment_budget_applies_only_to_modelled_compute_and_bad_ones_are_refused_by_name() {
+        let sets = |model: &str, b: &str| {
+            [
+                "run.mode=async",
+                "run.devices=2",
+                "memory.profile=qwen3-4b",
+                &format!("compute.model={model}"),
+                &format!("async.segment_s={b}"),
+            ]
+            .map(String::from)
+        };
+        assert_eq!(load(None, &sets("true", "0.5")).unwrap().segment_budget(), Some(0.5));
+        assert_eq!(load(None, &sets("true", "0")).unwrap().segment_budget(), None, "0: off");
+        assert_eq!(load(None, &sets("false", "0.5")).unwrap().segment_budget(), None, "nothing modelled");
+        for bad in ["-1", "nan", "inf"] {
+            let err = load(None, &sets("true", bad)).unwrap_err();
+            assert!(err.contains("async.segment_s=") && err.contains("must be >= 0"), "{bad}: {err}");
+        }
     }
 
     #[test]

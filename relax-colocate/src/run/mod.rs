@@ -29,6 +29,7 @@ mod fleet;
 mod ipc;
 mod launch;
 mod learn;
+mod pacer;
 mod recorder;
 mod signals;
 mod sizing;

@@ -402,7 +402,7 @@ pub struct GenerateParams {
     pub segment_tokens: Option<usize>,
     /// Partial rollouts: no weight update came since the continued sequences' last segment, so an
     /// engine that keeps its cache between requests has their prefixes in it (re-prefilled
-    /// otherwise). A sequence with an empty prefix is new: prefilled either way.
+    /// otherwise). A sequence with an empty prefix and no `progress` is new: prefilled either way.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prefix_cached: bool,
     /// Modelled compute with responses that grow over the run (compute.token_scale_final): the
@@ -410,6 +410,22 @@ pub struct GenerateParams {
     /// `compute.token_scale`. None: init's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_scale: Option<f64>,
+    /// Partial rollouts under modelled compute (async.segment_s): the modelled seconds of decoding
+    /// this request may take; the segment ends when they are spent, even part-way through a task
+    /// token. None: no budget (a worker that does not model compute ignores it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment_s: Option<f64>,
+    /// With `segment_s`: the modelled decode steps each continued sequence already did towards its
+    /// next task token in earlier segments, one entry per sequence as `responses` (it needs
+    /// `token_scale` steps in all). Empty: none began one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub progress: Vec<f64>,
+    /// Partial rollouts: a seed per sequence (reply order); the draw of a sequence's k-th response
+    /// token depends on its seed and k alone, so its tokens do not depend on how it was split into
+    /// segments, nor on the engines that ran them (given the same weights). Empty: one stream
+    /// from `seed` for the whole request.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sequence_seeds: Vec<u64>,
 }
 
 fn one() -> f64 {
@@ -428,9 +444,17 @@ pub struct Generated {
     /// The tokens this request generated (after the `responses` prefix it was given, if any).
     pub response: Vec<u32>,
     pub logprobs: Vec<f64>,
-    /// False when the sequence stopped at `segment_tokens` and has more to generate.
+    /// False when the sequence stopped at `segment_tokens` or `segment_s` and has more to generate.
     #[serde(default = "yes")]
     pub finished: bool,
+    /// With `segment_s`, an unfinished sequence: the modelled decode steps done towards its next
+    /// task token when the budget ran out, for the request that continues it. Absent: 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub progress: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// A sequence to score: its prompt and response tokens.
@@ -557,6 +581,40 @@ mod tests {
         assert!(e.starts_with("field `buckets`"), "{e}");
         let e = decode::<TrainReply>(json!({"loss": 0.5, "kl": "low"})).unwrap_err();
         assert!(e.starts_with("field `kl`"), "{e}");
+    }
+
+    #[test]
+    fn a_segment_budget_goes_out_only_when_set_and_carried_progress_reads_back_typed() {
+        let p = GenerateParams {
+            prompts: vec![vec![1]],
+            n: 1,
+            max_new_tokens: 4,
+            temperature: 1.0,
+            eos: None,
+            seed: 0,
+            step: 1,
+            responses: vec![vec![2]],
+            segment_tokens: Some(2),
+            prefix_cached: true,
+            token_scale: None,
+            segment_s: Some(0.5),
+            progress: vec![120.0],
+            sequence_seeds: vec![9],
+        };
+        let v = serde_json::to_value(p).unwrap();
+        assert_eq!(
+            (&v["segment_s"], &v["progress"], &v["sequence_seeds"]),
+            (&json!(0.5), &json!([120.0]), &json!([9]))
+        );
+        let sample = |progress: Value| json!({"samples": [{"prompt_index": 0, "response": [], "logprobs": [], "finished": false, "progress": progress}]});
+        assert_eq!(decode::<GenerateReply>(sample(json!(37.5))).unwrap().samples[0].progress, 37.5);
+        let older = json!({"samples": [{"prompt_index": 0, "response": [3], "logprobs": [-0.1]}]});
+        assert_eq!(decode::<GenerateReply>(older).unwrap().samples[0].progress, 0.0, "absent: none carried");
+        let e = decode::<GenerateReply>(sample(json!("half"))).unwrap_err();
+        assert!(e.starts_with("field `samples`: invalid type: string \"half\""), "{e}");
+        // A finished sequence carries nothing, and says nothing.
+        let done = Generated { prompt_index: 0, response: vec![1], logprobs: vec![0.0], finished: true, progress: 0.0 };
+        assert!(serde_json::to_value(done).unwrap().get("progress").is_none());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use super::broadcast;
 use super::device::{DevError, Device, Hasher};
 use super::ipc;
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
+use super::pacer::Pacer;
 use super::protocol::{
     self, Ack, BroadcastWeights, BucketParams, BucketReply, Checksum, ChecksumReply, ComputeModel, Generate,
     GenerateParams, GenerateReply, Generated, GroupDestroy, GroupId, GroupInit, Init, InitParams, InitReply, IpcClose,
@@ -544,70 +545,72 @@ impl Rollout {
             segment_tokens,
             prefix_cached,
             token_scale,
+            segment_s,
+            progress,
+            sequence_seeds,
             ..
         } = p;
         let s = self.c.shape;
         let batch = prompts.len() * n;
         self.check_request(&prompts, &responses, batch, max_new)?;
+        check_partial(segment_s, &progress, &sequence_seeds, batch)?;
         let segment = segment_tokens.unwrap_or(max_new).max(1);
         let t0 = std::time::Instant::now();
-        let prefill = prefill_tokens(&prompts, &responses, n, prefix_cached);
+        let prefill = prefill_tokens(&prompts, &responses, &progress, n, prefix_cached);
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
         let pol = Policy { shape: s, params: &params };
-        let h = s.hidden;
         let (mut kv_host, mut seqs, before) = prefill_cache(&pol, &prompts, &responses, n);
         self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         let mut rng = Rng::new(seed);
         let mut logits_host = vec![0f64; batch * s.vocab];
-        // Per decode step: the sequences still generating and their context tokens, what the
-        // modelled step time depends on.
-        let mut decode_steps: Vec<(usize, usize)> = Vec::new();
-        for _ in 0..segment.min(max_new) {
-            if seqs.iter().all(|q| q.3) {
+        // Decoding in modelled steps: without a compute model a task token is one free step, so
+        // every live sequence samples at each step, as the budget (which only a model gives a
+        // cost to) never binds.
+        let model = self.c.compute.map(|m| m.scaled(token_scale));
+        let mut pacer = Pacer::new(model.map_or(1.0, |m| m.token_scale), model.and(segment_s));
+        let mut done = if model.is_some() && !progress.is_empty() { progress } else { vec![0.0; batch] };
+        let mut emitted = vec![0usize; batch];
+        loop {
+            let live: Vec<bool> = seqs.iter().zip(&emitted).map(|(q, e)| !q.3 && *e < segment).collect();
+            let (active, context) = seqs
+                .iter()
+                .zip(&live)
+                .filter(|(_, l)| **l)
+                .fold((0, 0), |(a, c), (q, _)| (a + 1, c + prompts[q.0].len() + q.1.len()));
+            if active == 0 {
                 break;
             }
-            let live = seqs.iter().filter(|q| !q.3);
-            decode_steps.push(live.fold((0, 0), |(n, ctx), q| (n + 1, ctx + prompts[q.0].len() + q.1.len())));
+            let step_s = model.map_or(0.0, |m| m.decode_step_seconds(active, context));
+            let Some(now) = pacer.advance(&mut done, &live, step_s) else { break };
             self.c.dev.read(as_bytes_mut(&mut kv_host), self.kv.ptr).map_err(dev_err)?;
-            for (i, q) in seqs.iter().enumerate() {
-                if !q.3 {
-                    let e = pol.head(&kv_host[i * h..(i + 1) * h]);
-                    logits_host[i * s.vocab..(i + 1) * s.vocab].copy_from_slice(&e.logits);
-                }
-            }
-            self.c.dev.write(self.workspace.ptr, as_bytes(&logits_host)).map_err(dev_err)?;
-            self.c.dev.read(as_bytes_mut(&mut logits_host), self.workspace.ptr).map_err(dev_err)?;
-            for (i, q) in seqs.iter_mut().enumerate() {
-                if q.3 {
-                    continue;
-                }
-                let (tok, logp) = sample(&logits_host[i * s.vocab..(i + 1) * s.vocab], temperature, &mut rng);
-                let pos = prompts[q.0].len() + q.1.len();
-                q.1.push(tok as u32);
-                q.2.push(logp);
-                q.3 = Some(tok as u32) == eos || q.1.len() == max_new;
-                if !q.3 {
-                    for (a, w) in kv_host[i * h..(i + 1) * h].iter_mut().zip(pol.embed_row(pos, tok as u32)) {
-                        *a += *w as f64;
-                    }
-                }
+            let sample_now =
+                Sampling { pol: &pol, prompts: &prompts, temperature, eos, max_new, seeds: &sequence_seeds };
+            sample_now.step(&now, &mut kv_host, &mut logits_host, &mut seqs, &mut rng, |logits| {
+                self.c.dev.write(self.workspace.ptr, as_bytes(logits)).map_err(dev_err)?;
+                self.c.dev.read(as_bytes_mut(logits), self.workspace.ptr).map_err(dev_err)
+            })?;
+            for &i in &now {
+                emitted[i] += 1;
             }
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
         // Prefill is compute-bound like the trainer's passes; decoding is charged step by step.
-        self.c.pace(t0, token_scale, |m| {
-            let decode: f64 = decode_steps.iter().map(|(n, ctx)| m.decode_step_seconds(*n, *ctx)).sum();
-            m.seconds(prefill, 1.0, m.train_mfu, 1.0) + decode
-        });
+        let decode_s = pacer.spent;
+        self.c.pace(t0, token_scale, |m| m.seconds(prefill, 1.0, m.train_mfu, 1.0) + decode_s);
         let samples = seqs
             .into_iter()
             .zip(before)
-            .map(|((prompt_index, response, logprobs, finished), k)| Generated {
-                prompt_index,
-                response: response[k..].to_vec(),
-                logprobs,
-                finished: finished || response.len() >= max_new,
+            .zip(done)
+            .map(|(((prompt_index, response, logprobs, finished), k), steps)| {
+                let finished = finished || response.len() >= max_new;
+                Generated {
+                    prompt_index,
+                    response: response[k..].to_vec(),
+                    logprobs,
+                    finished,
+                    progress: if finished { 0.0 } else { steps },
+                }
             })
             .collect();
         Ok(GenerateReply { samples })
@@ -638,15 +641,90 @@ impl Rollout {
     }
 }
 
+/// What a segmented request may carry: a budget of positive seconds; carried steps and seeds one
+/// per sequence, each step count finite and >= 0.
+fn check_partial(segment_s: Option<f64>, progress: &[f64], seeds: &[u64], batch: usize) -> Result<(), Failure> {
+    if segment_s.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
+        return Err(bad(format!("segment_s must be a positive number of seconds, not {}", segment_s.unwrap_or(0.0))));
+    }
+    for (name, n) in [("progress", progress.len()), ("sequence_seeds", seeds.len())] {
+        if n != 0 && n != batch {
+            return Err(bad(format!("{name} has {n} entries for {batch} sequences")));
+        }
+    }
+    if let Some(p) = progress.iter().find(|p| !(**p >= 0.0 && p.is_finite())) {
+        return Err(bad(format!("progress {p} is not a count of modelled decode steps (finite, >= 0)")));
+    }
+    Ok(())
+}
+
+/// What sampling a decode step needs besides the engine's buffers.
+struct Sampling<'a> {
+    pol: &'a Policy<'a>,
+    prompts: &'a [Vec<u32>],
+    temperature: f64,
+    eos: Option<u32>,
+    max_new: usize,
+    /// Per sequence, when the request gives them: its own stream, keyed by token position.
+    seeds: &'a [u64],
+}
+
+impl Sampling<'_> {
+    /// The sequences `now` complete a token: their logits (through the engine's workspace, by
+    /// `stage`), a token each in order, their caches grown by it.
+    fn step(
+        &self,
+        now: &[usize],
+        kv_host: &mut [f64],
+        logits_host: &mut [f64],
+        seqs: &mut [Sequence],
+        rng: &mut Rng,
+        stage: impl FnOnce(&mut [f64]) -> Result<(), Failure>,
+    ) -> Result<(), Failure> {
+        let (h, vocab) = (self.pol.shape.hidden, self.pol.shape.vocab);
+        for &i in now {
+            let e = self.pol.head(&kv_host[i * h..(i + 1) * h]);
+            logits_host[i * vocab..(i + 1) * vocab].copy_from_slice(&e.logits);
+        }
+        stage(logits_host)?;
+        for &i in now {
+            let q = &mut seqs[i];
+            let logits = &logits_host[i * vocab..(i + 1) * vocab];
+            let (tok, logp) = match self.seeds.get(i) {
+                Some(seed) => sample(logits, self.temperature, &mut token_rng(*seed, q.1.len())),
+                None => sample(logits, self.temperature, rng),
+            };
+            let pos = self.prompts[q.0].len() + q.1.len();
+            q.1.push(tok as u32);
+            q.2.push(logp);
+            q.3 = Some(tok as u32) == self.eos || q.1.len() == self.max_new;
+            if !q.3 {
+                for (a, w) in kv_host[i * h..(i + 1) * h].iter_mut().zip(self.pol.embed_row(pos, tok as u32)) {
+                    *a += *w as f64;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Tokens a request prefills: the prompts and prefixes, a continued sequence's only when its
-/// cache is gone (prefix_cached says it is not), a new sequence's (no response yet) always. This
-/// engine recomputes its small cache anyway; the model charges what one that keeps it would.
-fn prefill_tokens(prompts: &[Vec<u32>], responses: &[Vec<u32>], n: usize, prefix_cached: bool) -> usize {
+/// cache is gone (prefix_cached says it is not), a new sequence's (no response yet, and no steps
+/// towards its first token: one with steps was prefilled by the segment that made them) always.
+/// This engine recomputes its small cache anyway; the model charges what one that keeps it would.
+fn prefill_tokens(
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    progress: &[f64],
+    n: usize,
+    prefix_cached: bool,
+) -> usize {
     if responses.is_empty() {
         return n * prompts.iter().map(Vec::len).sum::<usize>();
     }
-    let cached = |r: &Vec<u32>| prefix_cached && !r.is_empty();
-    prompts.iter().zip(responses).filter(|(_, r)| !cached(r)).map(|(p, r)| p.len() + r.len()).sum()
+    let begun = |k: usize| !responses[k].is_empty() || progress.get(k).is_some_and(|p| *p > 0.0);
+    let cached = |k: usize| prefix_cached && begun(k);
+    (0..responses.len()).filter(|k| !cached(*k)).map(|k| prompts[k].len() + responses[k].len()).sum()
 }
 
 /// One sequence of a request: its prompt's index, its response so far, the log-probabilities of
@@ -684,6 +762,11 @@ fn prefill_cache(
         }
     }
     (kv_host, seqs, before)
+}
+
+/// The stream a sequence of seed `seed` draws its `position`-th response token from.
+fn token_rng(seed: u64, position: usize) -> Rng {
+    Rng::new(Rng::new(seed ^ (position as u64).rotate_left(32)).next_u64())
 }
 
 /// Draws a token from `logits` at `temperature`: the token and its log-probability.
@@ -847,4 +930,23 @@ pub fn main(role: &str) -> Result<(), String> {
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sequence_with_steps_towards_its_first_token_is_not_prefilled_again() {
+        let prompts = vec![vec![1, 2, 3], vec![4, 5], vec![6]];
+        let responses = vec![vec![7], vec![], vec![]];
+        // Cached: only the new sequence (no tokens, no steps) is prefilled; the second sequence's
+        // steps came from a segment that prefilled its prompt.
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, true), 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, true), 2 + 1);
+        // After an update every continued sequence is prefilled again, with its prefix.
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, false), 4 + 2 + 1);
+        // A fresh request: every prompt, n times.
+        assert_eq!(prefill_tokens(&prompts, &[], &[], 2, true), 2 * 6);
+    }
 }

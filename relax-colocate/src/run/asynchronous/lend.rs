@@ -151,11 +151,14 @@ impl Lending {
     }
 
     /// The summary's `elastic` block: what lending did and cost, and the trainer devices' idle
-    /// share with and without it.
-    pub(super) fn summary(&self, cfg: &Config, wall: f64, trainer_idle_s: f64) -> Value {
+    /// share with and without it. `trainer_idle_s`: the trainer's waits for a batch; `flush_s`:
+    /// the updates' flushes, when its devices wait for the engines' segments (never lent then).
+    pub(super) fn summary(&self, cfg: &Config, wall: f64, trainer_idle_s: f64, flush_s: f64) -> Value {
         let s = &self.stats;
         let per = |x: f64| (s.lends > 0).then(|| x / s.lends as f64);
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
+        // Waiting, less the time lent, plus the time lent with nothing to generate.
+        let unlent = (trainer_idle_s - s.lent_s).max(0.0) + self.per_device(s.lent_idle_s);
         json!({
             "lend_after_s": self.threshold(cfg),
             "lend_after_s_source": if cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "measured switch" },
@@ -173,8 +176,9 @@ impl Lending {
             "lent_groups": s.lent_groups,
             "forced_reclaims": s.forced,
             "retired_engines": s.retired,
-            "trainer_idle_ratio_unlent": ratio(trainer_idle_s),
-            "trainer_device_idle_ratio": ratio((trainer_idle_s - s.lent_s).max(0.0) + self.per_device(s.lent_idle_s)),
+            "trainer_idle_ratio_unlent": ratio(trainer_idle_s + flush_s),
+            "trainer_device_idle_ratio": ratio(unlent + flush_s),
+            "trainer_device_idle_ratio_without_flush": ratio(unlent),
         })
     }
 }
@@ -531,7 +535,9 @@ impl Async {
         let lent_idle = l.per_device(w.lent_idle_s);
         row.set("elastic/lent_idle_time", lent_idle);
         if wall > 0.0 {
-            row.set("elastic/trainer_device_idle_ratio", ((w.trainer_idle_s - w.lent_s).max(0.0) + lent_idle) / wall);
+            let unlent = (w.trainer_idle_s - w.lent_s).max(0.0) + lent_idle;
+            row.set("elastic/trainer_device_idle_ratio", (unlent + w.flush_s) / wall);
+            row.set("elastic/trainer_device_idle_ratio_without_flush", unlent / wall);
         }
         row.set("elastic/lend_after_s", l.threshold(&self.cfg));
     }

@@ -109,10 +109,16 @@ struct Totals {
     update_s: f64,
     update_bytes: u64,
     trainer_idle_s: f64,
+    /// The flushes that ended a written step's window (the rows' `perf/flush_time`).
+    flush_total_s: f64,
     rollout_idle_s: f64,
     /// Generate replies that came after the trainer took its last batch: the segments then in
     /// flight, none started since.
     replies_after_last_batch: u64,
+    /// Segments async.segment_s ended part-way through a token of at least one sequence.
+    segments_mid_token: u64,
+    /// Each update's flush: the trainer's step done, the engines finishing their segments.
+    flush_s: Vec<f64>,
     started: Option<Instant>,
 }
 
@@ -120,6 +126,8 @@ struct Window {
     start: Instant,
     trainer_idle_s: f64,
     rollout_idle_s: f64,
+    /// The update's flush (Relax's pause): the trainer's devices wait for the engines' segments.
+    flush_s: f64,
     /// Elastic mode: of the trainer's idle time, what its devices spent lent (generating) and
     /// switching (lends and reclaims).
     lent_s: f64,
@@ -135,6 +143,7 @@ impl Window {
             start: Instant::now(),
             trainer_idle_s: 0.0,
             rollout_idle_s: 0.0,
+            flush_s: 0.0,
             lent_s: 0.0,
             lent_idle_s: 0.0,
             switch_s: 0.0,
@@ -279,6 +288,12 @@ impl Async {
         Some(self.cfg.asynchronous.segment_tokens as usize).filter(|s| *s > 0)
     }
 
+    /// Whether generation runs in segments (of tokens, of modelled time, or both), or each
+    /// request runs its sequences to the end.
+    fn partial(&self) -> bool {
+        self.segment().is_some() || self.cfg.segment_budget().is_some()
+    }
+
     /// The whole run: setup, then trainer steps until run.steps, the engines generating meanwhile.
     pub(super) fn run(&mut self) -> R<()> {
         self.setup()?;
@@ -295,7 +310,7 @@ impl Async {
         let mut since_update = 0;
         // A finished step whose row waits for the weight update it triggered.
         let mut before_update: Option<Finished> = None;
-        let mut pausing: Option<Span> = None;
+        let mut pausing: Option<(Span, Instant)> = None;
         loop {
             if job.is_none() && before_update.is_none() && self.step() < steps {
                 if let Some(batch) = self.next_batch()? {
@@ -316,8 +331,11 @@ impl Async {
             // An update waits for the segments in flight (Relax's pause and flush); then nothing
             // else is under way.
             if before_update.is_some() && self.engines.iter().all(|e| e.request.is_none()) {
-                if let Some(span) = pausing.take() {
+                if let Some((span, t0)) = pausing.take() {
                     self.rec.end(span, &self.fleet)?;
+                    let flush = t0.elapsed().as_secs_f64();
+                    self.window.flush_s += flush;
+                    self.totals.flush_s.push(flush);
                 }
                 self.update_weights()?;
                 let done = before_update.take().expect("checked");
@@ -340,7 +358,7 @@ impl Async {
                 if since_update == per_update {
                     since_update = 0;
                     before_update = Some(done);
-                    pausing = Some(self.rec.begin("pause_generation"));
+                    pausing = Some((self.rec.begin("pause_generation"), Instant::now()));
                 } else {
                     self.write_row(done);
                     trainer_idle_since = Some(Instant::now());
@@ -536,26 +554,40 @@ impl Async {
         self.requests += 1;
         let seed = self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.requests << 8) ^ k as u64;
         let e = &self.engines[k];
-        let (prompts, n, responses, order) = if continued {
+        let (prompts, n, responses, order, progress) = if continued {
             // One entry per sequence; a new group's sequences start with an empty response.
             let mut prompts = Vec::new();
             let mut responses = Vec::new();
             let mut order = Vec::new();
+            let mut progress = Vec::new();
             for (g, group) in e.groups.iter().enumerate() {
                 for (j, s) in group.seqs.iter().enumerate().filter(|(_, s)| !s.finished) {
                     prompts.push(group.prompt.clone());
                     responses.push(s.response.clone());
+                    progress.push(s.progress);
                     order.push(Slot { group: g, seq: j, prompt_index: order.len() });
                 }
             }
-            (prompts, 1, responses, order)
+            (prompts, 1, responses, order, progress)
         } else {
             let n = self.cfg.rollout.samples_per_prompt;
             let prompts = e.groups.iter().map(|g| g.prompt.clone()).collect();
             let slots = |g| (0..n).map(move |j| Slot { group: g, seq: j, prompt_index: g });
             let order = (0..e.groups.len()).flat_map(slots).collect();
-            (prompts, n, Vec::new(), order)
+            (prompts, n, Vec::new(), order, Vec::new())
         };
+        let budget = self.cfg.segment_budget();
+        // Carried steps go only with a budget (nothing else ends a segment mid-token), and only
+        // when some sequence has any.
+        let progress = if budget.is_some() && progress.iter().any(|p| *p > 0.0) { progress } else { Vec::new() };
+        // A sequence's own seed, from where it stands in the run: its tokens are the same however
+        // segments split it and whichever engines continue it.
+        let base = self.cfg.run.seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let seeds = order.iter().map(|o| {
+            let started = e.groups[o.group].started;
+            Rng::new(base ^ (started << 20) ^ o.seq as u64).next_u64()
+        });
+        let sequence_seeds = seeds.collect();
         let params = GenerateParams {
             prompts,
             n,
@@ -568,6 +600,9 @@ impl Async {
             segment_tokens: self.segment(),
             prefix_cached: continued && self.engines[k].version == self.version && !self.engines[k].adopted,
             token_scale: self.cfg.token_scale_at(self.version as f64),
+            segment_s: budget,
+            progress,
+            sequence_seeds,
         };
         let worker = e.worker;
         let request = self.fleet.submit::<Generate>(worker, params)?;
@@ -636,7 +671,9 @@ impl Async {
         }
         let max_new = self.task.max_new_tokens();
         let segment = self.segment();
+        let partial = self.partial();
         let version = self.version;
+        let mut mid_token = false;
         let tokens: u64 = reply.samples.iter().map(|s| s.response.len() as u64).sum();
         for (s, slot) in reply.samples.into_iter().zip(&order) {
             if s.prompt_index != slot.prompt_index || s.logprobs.len() != s.response.len() {
@@ -651,15 +688,25 @@ impl Async {
                     s.response.len()
                 )));
             }
+            if !(s.progress >= 0.0 && s.progress.is_finite()) {
+                return Err(bad(format!(
+                    "generate returned field `progress` = {} for a sequence: it must be the modelled decode steps \
+                     done towards its next token (finite, >= 0)",
+                    s.progress
+                )));
+            }
             let seq = &mut self.engines[k].groups[slot.group].seqs[slot.seq];
             seq.versions.extend(std::iter::repeat_n(version, s.response.len()));
             seq.response.extend(s.response);
             seq.logprobs.extend(s.logprobs);
-            seq.finished = s.finished || seq.response.len() >= max_new || segment.is_none();
+            seq.finished = s.finished || seq.response.len() >= max_new || !partial;
+            seq.progress = if seq.finished { 0.0 } else { s.progress };
+            mid_token |= seq.progress > 0.0;
             if seq.response.is_empty() && seq.finished {
                 return Err(bad("generate returned an empty response".into()));
             }
         }
+        self.totals.segments_mid_token += u64::from(mid_token);
         // A lent engine idles only while lent: once the reclaim begins it takes no more work.
         let lent_now = self.lending.as_ref().is_some_and(lend::Lending::lent);
         let e = &mut self.engines[k];
@@ -885,13 +932,17 @@ impl Async {
             row.set(&metrics::phase_time(k), *v);
         }
         let (trainer_idle, rollout_idle) = (self.window.trainer_idle_s, self.window.rollout_idle_s);
+        let flush = self.window.flush_s;
         row.set("perf/train_time", train_time);
         row.set("perf/train_wait_time", trainer_idle);
+        row.set("perf/flush_time", flush);
         row.set("perf/step_time", wall);
         row.set("perf/wall_step_time", wall);
         if wall > 0.0 {
             row.set("perf/wait_time_ratio", trainer_idle / wall);
-            row.set("trainer/idle_ratio", trainer_idle / wall);
+            // The flush idles the trainer's devices as surely as waiting for a batch does.
+            row.set("trainer/idle_ratio", (trainer_idle + flush) / wall);
+            row.set("trainer/flush_ratio", flush / wall);
             row.set("rollouter/idle_ratio", rollout_idle / (wall * self.own_engines() as f64));
         }
         if self.lending.is_some() {
@@ -925,6 +976,7 @@ impl Async {
         }
         tot.partial_samples += partial as u64;
         tot.trainer_idle_s += trainer_idle;
+        tot.flush_total_s += flush;
         tot.rollout_idle_s += rollout_idle;
         let lent_idle = self.window.lent_idle_s;
         if let Some(l) = self.lending.as_mut() {
@@ -943,6 +995,7 @@ impl Async {
         let t = &self.totals;
         let wall = t.started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
         let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
+        let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
         let split = self.cfg.mode_layout().ok().flatten();
         let mut block = json!({
             "mode": "async",
@@ -962,12 +1015,18 @@ impl Async {
             "weight_updates": t.updates,
             "update_weights_s": t.update_s,
             "update_weights_bytes": t.update_bytes,
-            "trainer_idle_ratio": if wall > 0.0 { t.trainer_idle_s / wall } else { 0.0 },
+            "segment_s": self.cfg.segment_budget(),
+            "segments_ended_mid_token": t.segments_mid_token,
+            "trainer_idle_ratio": ratio(t.trainer_idle_s + t.flush_total_s),
+            "trainer_wait_ratio": ratio(t.trainer_idle_s),
+            "flush_ratio": ratio(t.flush_total_s),
+            "flush_s_mean": (!t.flush_s.is_empty()).then(|| t.flush_s.iter().sum::<f64>() / t.flush_s.len() as f64),
+            "flush_s_max": t.flush_s.iter().copied().reduce(f64::max),
             "rollout_idle_ratio": if wall > 0.0 { t.rollout_idle_s / (wall * self.own_engines() as f64) } else { 0.0 },
         });
         if let (Some(block), Some(l)) = (block.as_object_mut(), self.lending.as_ref()) {
             block.insert("mode".into(), json!("elastic"));
-            block.insert("elastic".into(), l.summary(&self.cfg, wall, t.trainer_idle_s));
+            block.insert("elastic".into(), l.summary(&self.cfg, wall, t.trainer_idle_s, t.flush_total_s));
         }
         if let (Some(block), Value::Object(sync)) = (block.as_object_mut(), self.sync.summary()) {
             block.extend(sync);

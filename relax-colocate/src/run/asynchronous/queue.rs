@@ -12,6 +12,9 @@ pub(super) struct Seq {
     pub(super) logprobs: Vec<f64>,
     pub(super) versions: Vec<u64>,
     pub(super) finished: bool,
+    /// Modelled decode steps done towards its next token (async.segment_s ended a segment
+    /// part-way through one): the next request, on whichever engine, continues from there.
+    pub(super) progress: f64,
 }
 
 impl Seq {
@@ -113,6 +116,7 @@ mod tests {
                 logprobs: vec![-0.1; v.len()],
                 versions: v.to_vec(),
                 finished: true,
+                progress: 0.0,
             })
             .collect();
         Group { prompt: vec![0], seqs, started }

@@ -67,6 +67,9 @@ impl Colocate {
                 segment_tokens: None,
                 prefix_cached: false,
                 token_scale: self.token_scale(),
+                segment_s: None,
+                progress: Vec::new(),
+                sequence_seeds: Vec::new(),
             })
             .collect();
         let replies = self.call_each::<Generate>(&rollouts, params)?;

@@ -317,8 +317,11 @@ fn print_async(a: &Value, compute: &str) {
     );
     let library = a["weight_sync_library"].as_str().map(|l| format!(" ({})", l.to_uppercase())).unwrap_or_default();
     println!(
-        "       idle: trainer {:.0}%, rollout {:.0}%; {} weight updates over {}{library}, {} in {:.2} s",
+        "       idle: trainer {:.0}% (waiting {:.0}%, update flush {:.0}%), rollout {:.0}%; {} weight updates over \
+         {}{library}, {} in {:.2} s",
         100.0 * f("trainer_idle_ratio"),
+        100.0 * f("trainer_wait_ratio"),
+        100.0 * f("flush_ratio"),
         100.0 * f("rollout_idle_ratio"),
         a["weight_updates"],
         a["weight_transport"].as_str().unwrap_or("?"),
@@ -351,7 +354,8 @@ fn print_lending(e: &Value) {
     });
     println!(
         "       lending: {} lend(s) after the trainer waited {:.3} s ({}), each {:.3} s to lend and {:.3} s to reclaim \
-         ({:.3} s of it the saver's); lent {:.1} s ({:.1} s of it idle), {} tokens; trainer devices idle {:.0}% (waiting {:.0}%){retired}",
+         ({:.3} s of it the saver's); lent {:.1} s ({:.1} s of it idle), {} tokens; trainer devices idle {:.0}% (idle unlent, flush \
+         included, {:.0}%){retired}",
         e["lends"],
         f("lend_after_s"),
         e["lend_after_s_source"].as_str().unwrap_or("?"),
