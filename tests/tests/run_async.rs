@@ -256,6 +256,24 @@ fn an_engine_that_dies_mid_update_fails_the_run_naming_it() {
     assert_eq!(s["failure"]["kind"], "crash");
 }
 
+/// A worker command: scripts/example_worker.py with its `generate` replaced by `body` (a Python
+/// function body over the request `p`, the example's module as `ew`, indented by four spaces).
+fn example_worker_with_generate(dir: &std::path::Path, name: &str, body: &str) -> String {
+    let script = dir.join(format!("{name}.py"));
+    let source = format!(
+        "import os, sys\n\
+         sys.path.insert(0, os.path.join(os.getcwd(), 'scripts'))\n\
+         import example_worker as ew, relax_worker as rw\n\
+         names = ['init', 'checksum', 'generate', 'log_probs', 'train', 'update_begin', 'pack', 'unpack', 'update_end']\n\
+         handlers = {{n: getattr(ew, n) for n in names}}\n\
+         def generate(p):\n    {body}\
+         handlers['generate'] = generate\n\
+         rw.serve(handlers, implementation='{name}')\n"
+    );
+    std::fs::write(&script, source).unwrap();
+    format!("python3 {}", script.display())
+}
+
 /// External Python workers in async mode: scripts/example_worker.py does partial rollouts; a
 /// worker that predates them (it ignores `responses` and `segment_tokens`, as a worker ignores
 /// params it does not know) returns whole responses, which fails a segmented run with a message
@@ -291,23 +309,12 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
         assert!(row["train/tis_weight_mean"].as_f64().is_some_and(|w| w > 0.0 && w <= 2.0), "{row}");
     }
 
-    let script = dir.path().join("old_worker.py");
-    let source = "import os, sys\n\
-                  sys.path.insert(0, os.path.join(os.getcwd(), 'scripts'))\n\
-                  import example_worker as ew, relax_worker as rw\n\
-                  names = ['init', 'checksum', 'generate', 'log_probs', 'train', 'update_begin', 'pack', 'unpack', \
-                  'update_end']\n\
-                  handlers = {n: getattr(ew, n) for n in names}\n\
-                  def whole(p):\n    \
-                      p = {k: v for k, v in p.items() if k not in ('responses', 'segment_tokens')}\n    \
-                      r = ew.generate(p)\n    \
-                      for s in r['samples']:\n        \
-                          del s['finished']\n    \
-                      return r\n\
-                  handlers['generate'] = whole\n\
-                  rw.serve(handlers, implementation='old')\n";
-    std::fs::write(&script, source).unwrap();
-    let old = format!("python3 {}", script.display());
+    let whole = "p = {k: v for k, v in p.items() if k not in ('responses', 'segment_tokens')}\n    \
+                 r = ew.generate(p)\n    \
+                 for s in r['samples']:\n        \
+                     del s['finished']\n    \
+                 return r\n";
+    let old = example_worker_with_generate(dir.path(), "old", whole);
     let mut args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example]);
     args.extend(["--rollout-cmd", &old]);
     let out = run_cmd(&dir.path().join("old"), &args).output().unwrap();
@@ -317,22 +324,11 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
     assert!(survivors(&dir.path().join("old")).is_empty(), "workers left behind");
 
     // A reply whose carried progress is no count of decode steps is the worker's error, named.
-    let script = dir.path().join("bad_progress.py");
-    let source = "import os, sys\n\
-                  sys.path.insert(0, os.path.join(os.getcwd(), 'scripts'))\n\
-                  import example_worker as ew, relax_worker as rw\n\
-                  names = ['init', 'checksum', 'generate', 'log_probs', 'train', 'update_begin', 'pack', 'unpack', \
-                  'update_end']\n\
-                  handlers = {n: getattr(ew, n) for n in names}\n\
-                  def negative(p):\n    \
-                      r = ew.generate(p)\n    \
-                      for s in r['samples']:\n        \
-                          s['progress'] = -1.5\n    \
-                      return r\n\
-                  handlers['generate'] = negative\n\
-                  rw.serve(handlers, implementation='bad progress')\n";
-    std::fs::write(&script, source).unwrap();
-    let bad = format!("python3 {}", script.display());
+    let negative = "r = ew.generate(p)\n    \
+                    for s in r['samples']:\n        \
+                        s['progress'] = -1.5\n    \
+                    return r\n";
+    let bad = example_worker_with_generate(dir.path(), "bad_progress", negative);
     let mut args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example]);
     args.extend(["--rollout-cmd", &bad]);
     let out = run_cmd(&dir.path().join("bad"), &args).output().unwrap();

@@ -598,22 +598,7 @@ impl Rollout {
         // Prefill is compute-bound like the trainer's passes; decoding is charged step by step.
         let decode_s = pacer.spent;
         self.c.pace(t0, token_scale, |m| m.seconds(prefill, 1.0, m.train_mfu, 1.0) + decode_s);
-        let samples = seqs
-            .into_iter()
-            .zip(before)
-            .zip(done)
-            .map(|(((prompt_index, response, logprobs, finished), k), steps)| {
-                let finished = finished || response.len() >= max_new;
-                Generated {
-                    prompt_index,
-                    response: response[k..].to_vec(),
-                    logprobs,
-                    finished,
-                    progress: if finished { 0.0 } else { steps },
-                }
-            })
-            .collect();
-        Ok(GenerateReply { samples })
+        Ok(GenerateReply { samples: generated(seqs, &before, &done, max_new) })
     }
 
     /// A generate request this engine can serve: within its batch, context and vocabulary.
@@ -730,6 +715,25 @@ fn prefill_tokens(
 /// One sequence of a request: its prompt's index, its response so far, the log-probabilities of
 /// the tokens this request generated, and whether it has finished.
 type Sequence = (usize, Vec<u32>, Vec<f64>, bool);
+
+/// The reply's samples: each sequence's new tokens (after the `before` it came with), and for one
+/// still unfinished the modelled steps it has done towards its next token.
+fn generated(seqs: Vec<Sequence>, before: &[usize], done: &[f64], max_new: usize) -> Vec<Generated> {
+    seqs.into_iter()
+        .zip(before)
+        .zip(done)
+        .map(|(((prompt_index, response, logprobs, finished), &k), &steps)| {
+            let finished = finished || response.len() >= max_new;
+            Generated {
+                prompt_index,
+                response: response[k..].to_vec(),
+                logprobs,
+                finished,
+                progress: if finished { 0.0 } else { steps },
+            }
+        })
+        .collect()
+}
 
 /// The KV cache of every sequence (the prompt's hidden_pre, plus its prefix for a continued one,
 /// as re-prefilling it under the new weights after an interruption would: SGLang and verl drop the
