@@ -315,13 +315,17 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
                      del s['finished']\n    \
                  return r\n";
     let old = example_worker_with_generate(dir.path(), "old", whole);
-    let mut args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example]);
-    args.extend(["--rollout-cmd", &old]);
-    let out = run_cmd(&dir.path().join("old"), &args).output().unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("rollout-1") && err.contains("set async.segment_tokens=0"), "{err}");
-    assert!(survivors(&dir.path().join("old")).is_empty(), "workers left behind");
+    // A segmented run with `rollout` as its engine fails naming it and `says`, leaving nothing.
+    let fails = |name: &str, rollout: &str, says: &str| {
+        let mut args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example]);
+        args.extend(["--rollout-cmd", rollout]);
+        let out = run_cmd(&dir.path().join(name), &args).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("rollout-1") && err.contains(says), "{err}");
+        assert!(survivors(&dir.path().join(name)).is_empty(), "{name}: workers left behind");
+    };
+    fails("old", &old, "set async.segment_tokens=0");
 
     // A reply whose carried progress is no count of decode steps is the worker's error, named.
     let negative = "r = ew.generate(p)\n    \
@@ -329,13 +333,7 @@ fn external_workers_in_async_mode_with_and_without_partial_rollouts() {
                         s['progress'] = -1.5\n    \
                     return r\n";
     let bad = example_worker_with_generate(dir.path(), "bad_progress", negative);
-    let mut args = with(&["--set", "async.segment_tokens=1", "--trainer-cmd", example]);
-    args.extend(["--rollout-cmd", &bad]);
-    let out = run_cmd(&dir.path().join("bad"), &args).output().unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("rollout-1") && err.contains("field `progress` = -1.5"), "{err}");
-    assert!(survivors(&dir.path().join("bad")).is_empty(), "workers left behind");
+    fails("bad", &bad, "field `progress` = -1.5");
 
     let mut args = with(&["--set", "async.segment_tokens=0", "--trainer-cmd", example]);
     args.extend(["--rollout-cmd", &old]);
