@@ -98,15 +98,7 @@ impl Event {
 
     /// Waits until record `generation` has completed.
     fn wait_for(&self, generation: u64) {
-        if self.lock().completed >= generation {
-            return;
-        }
-        crate::core::gil::released(|| {
-            let mut st = self.lock();
-            while st.completed < generation {
-                st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-            }
-        });
+        block_until(&self.state, &self.cv, |st| st.completed >= generation);
     }
 
     /// Waits for the latest record.
@@ -516,17 +508,8 @@ impl ViewGate {
     /// Waits until no job holds a view (letting go of the GIL, which those jobs need); none
     /// takes one until the result is dropped.
     pub fn close(&'static self) -> Closed {
-        let mut st = self.lock();
-        st.closing += 1;
-        if st.readers > 0 {
-            drop(st);
-            crate::core::gil::released(|| {
-                let mut st = self.lock();
-                while st.readers > 0 {
-                    st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
-            });
-        }
+        self.lock().closing += 1;
+        block_until(&self.state, &self.cv, |st| st.readers == 0);
         Closed(self)
     }
 }
@@ -579,14 +562,20 @@ fn start_worker(progress: Arc<(Mutex<Progress>, Condvar)>) -> Option<Sender<Job>
 /// their errors to its own synchronize. A wait that blocks lets go of the Python GIL (see `gil`).
 fn settle(stream: &Stream, target: Option<u64>) {
     let (lock, cv) = &*stream.progress;
-    let idle = |p: &Progress| p.done >= target.unwrap_or(p.submitted);
-    if idle(&lock.lock().unwrap_or_else(|e| e.into_inner())) {
+    block_until(lock, cv, |p| p.done >= target.unwrap_or(p.submitted));
+}
+
+/// Blocks until `ready` holds for the state `lock` guards, woken by `cv`. Every wait of the
+/// simulator for queued work goes through here: one that has to block lets go of the Python GIL
+/// (see `gil`), one that does not touches nothing.
+fn block_until<T>(lock: &Mutex<T>, cv: &Condvar, ready: impl Fn(&T) -> bool) {
+    if ready(&lock.lock().unwrap_or_else(|e| e.into_inner())) {
         return;
     }
     crate::core::gil::released(|| {
-        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-        while !idle(&p) {
-            p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while !ready(&st) {
+            st = cv.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     });
 }
