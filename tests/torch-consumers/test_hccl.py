@@ -356,7 +356,14 @@ def test_hccl_communicators_are_measured_under_the_hook_and_cannot_be_paused(sim
         mib = 1 << 20
         # HcclCommInitAll: 2 x HCCL_BUFFSIZE (16 MB) per device; the config's 4 MB on device 1.
         assert out["taken"] == [32 * mib, 32 * mib + 8 * mib], out
-        rc, stdout, stderr = ctl_json("status", name, "--json")
+        # The hook serves its control socket from a thread of its own, which may start after the
+        # script's "ready": look until it is there (as a launcher would), at most 10 s.
+        deadline = time.monotonic() + 10
+        while True:
+            rc, stdout, stderr = ctl_json("status", name, "--json")
+            if rc == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert rc == 0, stderr
         comms = json.loads(stdout)[0]["status"]["communicators"]
         seen = sorted((c["handle"], c["library"], c["device"], c["persistent_bytes"], c["suspendable_bytes"]) for c in comms)
