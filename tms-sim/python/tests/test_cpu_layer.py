@@ -752,3 +752,40 @@ def test_memory_saver_pause_waits_for_queued_kernels(tms_torch_mode, queued):
     tms.resume("cpu-layer-queued")
     assert not gate.forced
     same(w, torch.full((1 << 16,), 3.0))
+
+
+def test_remembered_result_layouts_follow_every_argument_that_shapes_them(queued):
+    # Queuing runs an op's meta kernel once per layout of its operands and remembers the results'
+    # layout (`_layouts`). A key that missed an argument would give a later call the layout of
+    # an earlier one: every pair below differs in one thing that changes the result's layout.
+    from tms_sim_torch import _layouts
+
+    xi = torch.arange(12, device="cuda").reshape(3, 4)
+    xf = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    img = torch.arange(16, dtype=torch.float32, device="cuda").reshape(1, 1, 4, 4)
+    cxi, cxf, cimg = xi.cpu(), xf.cpu(), img.cpu()
+    hits_before = _layouts.stats()[0]
+    for _ in range(2):  # the second round reads what the first remembered
+        same(xi + 1, cxi + 1)  # int64
+        same(xi + 1.5, cxi + 1.5)  # a float scalar promotes: float32
+        same(xi + True, cxi + True)
+        same(xf * 2, cxf * 2)
+        same(xf.t() * 2, cxf.t() * 2)  # same sizes and dtype, other strides
+        same(xf[:2] * 2, cxf[:2] * 2)
+        same(xf.sum(0), cxf.sum(0))  # an int's value shapes a reduction
+        same(xf.sum(1), cxf.sum(1))
+        same(torch.nn.functional.pad(xf, (1, 1)), torch.nn.functional.pad(cxf, (1, 1)))
+        same(torch.nn.functional.pad(xf, (2, 0)), torch.nn.functional.pad(cxf, (2, 0)))
+        up2 = torch.nn.functional.interpolate(img, scale_factor=2.0)  # a float's value shapes it
+        up3 = torch.nn.functional.interpolate(img, scale_factor=3.0)
+        same(up2, torch.nn.functional.interpolate(cimg, scale_factor=2.0))
+        same(up3, torch.nn.functional.interpolate(cimg, scale_factor=3.0))
+        y = xf.clone()
+        assert y.add_(1) is y  # an in-place op returns its operand
+        out = torch.empty(0, device="cuda")
+        torch.mul(xf, 3, out=out)  # resized at every call: never remembered
+        same(out, cxf * 3)
+        same(xf, cxf)
+        same(y, cxf + 1)
+    torch.cuda.synchronize()
+    assert _layouts.stats()[0] - hits_before >= 15, "the second round ran the meta kernels again"

@@ -52,6 +52,8 @@ import threading
 
 import torch
 
+from . import _layouts
+
 _CPU = torch.device("cpu")
 _META = torch.device("meta")
 _Tensor = torch.Tensor
@@ -372,13 +374,7 @@ atexit.register(_at_exit)
 # Capture.
 
 
-class _Slot:
-    """Stands, in a node's argument template, for the CUDA operand recorded as `snaps[index]`."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index):
-        self.index = index
+_Slot = _layouts.Slot
 
 
 def _snap(t):
@@ -415,7 +411,7 @@ class _Mirrors:
     def __init__(self, device):
         self.device = device
         self.storages = {}  # storage key -> (stand-in storage, CUDA tensor owning it)
-        self.by_cdata = {}  # stand-in storage _cdata -> CUDA tensor of that storage
+        self.owner_slots = {}  # stand-in storage _cdata -> slot of the first operand with it
         self.tensors = {}  # id(stand-in) -> (stand-in, slot index)
 
     def tensor(self, t, index):
@@ -429,7 +425,7 @@ class _Mirrors:
             else:
                 ms = torch.zeros(n, dtype=torch.uint8).untyped_storage()
             ent = self.storages[key] = (ms, t)
-            self.by_cdata[ms._cdata] = t
+            self.owner_slots[ms._cdata] = index
         m = _empty_cpu(0, dtype=t.dtype, device=self.device).set_(ent[0], t.storage_offset(), t.size(), t.stride())
         if t.is_conj():
             _set_conj(m, True)
@@ -663,42 +659,30 @@ def capture(op, spec, fn, args, kwargs, stop, once=False):
         if w:
             written.append((where, key, out))
 
-    # Results without computing: the op on stand-ins.
-    mirrors, mres = _outputs(op, name, qual, targs, tkwargs, operands, gen, devices)
-    for where, key, out in written:
-        store = targs if where == "a" else tkwargs
-        v = store[key]
-        for s in v if isinstance(v, list) else (v,):
-            if isinstance(s, _Slot):
-                _follow(operands[s.index], mirrors, s.index, out, name)
-
+    # Results without computing: the op on stand-ins, or the plan an earlier run on the same
+    # layouts gave (`_layouts`).
+    snaps = [_snap(t) for t in operands]
+    plan_key = _layouts.key(op, targs, tkwargs, snaps) if gen is None else None
+    plan = _layouts.lookup(plan_key)
+    if plan is None:
+        mirrors, mres = _outputs(op, name, qual, targs, tkwargs, operands, gen, devices)
+        resized = False
+        for where, key, out in written:
+            store = targs if where == "a" else tkwargs
+            v = store[key]
+            for s in v if isinstance(v, list) else (v,):
+                if isinstance(s, _Slot):
+                    resized |= _follow(operands[s.index], mirrors, s.index, out, name)
+        try:
+            plan = _layouts.plan_of(mres, mirrors.tensors, mirrors.owner_slots)
+        except _layouts.NotStrided as e:
+            raise CaptureError(f"{name} gives a {e} result, which tms_sim_torch cannot capture") from None
+        if not resized:
+            _layouts.remember(plan_key, plan)
+        else:
+            snaps = [_snap(t) for t in operands]
     outputs = []
-
-    def back(m, path):
-        if isinstance(m, _Tensor):
-            ent = mirrors.tensors.get(id(m))
-            if ent is not None and ent[0] is m:
-                return operands[ent[1]]
-            if m.layout is not _STRIDED:
-                raise CaptureError(f"{name} gives a {m.layout} result, which tms_sim_torch cannot capture")
-            owner = mirrors.by_cdata.get(m.untyped_storage()._cdata)
-            if owner is not None:  # a view of an operand
-                v = _empty_strided((0,), (1,), dtype=m.dtype, device=device)
-                v = v.set_(owner.untyped_storage(), m.storage_offset(), m.size(), m.stride())
-                if m.is_conj():
-                    _set_conj(v, True)
-                if m.is_neg():
-                    _set_neg(v, True)
-                return v
-            t = _empty_strided(m.size(), m.stride(), dtype=m.dtype, device=device)
-            outputs.append((path, _snap(t)))
-            return t
-        if isinstance(m, (tuple, list)):
-            return type(m)(back(x, path + (i,)) for i, x in enumerate(m))
-        return m
-
-    result = back(mres, ())
-    del back  # the recursive closure is a reference cycle that would keep the operands alive
+    result = _layouts.materialize(plan, operands, device, lambda path, t: outputs.append((path, _snap(t))))
 
     node = _Node()
     node.name = name
@@ -707,7 +691,7 @@ def capture(op, spec, fn, args, kwargs, stop, once=False):
     node.args = targs
     node.kwargs = tkwargs
     node.gen = gen
-    node.snaps = [_snap(t) for t in operands]
+    node.snaps = snaps
     sizes = {}
     for s in node.snaps + [snap for _, snap in outputs]:
         ptr, n = s[0], s[1]
@@ -775,24 +759,24 @@ def _outputs(op, name, qual, targs, tkwargs, operands, gen, devices):
 def _follow(t, mirrors, index, out, name):
     """Gives written CUDA operand `t` the sizes, strides and offset the op gave its stand-in (an
     out= tensor the op resizes), with memory as `resize_` gives it on a GPU (values are not
-    kept: the op overwrites them at replay)."""
+    kept: the op overwrites them at replay). Whether it changed `t`."""
     m = None
     for s, i in mirrors.tensors.values():
         if i == index:
             m = s
             break
     if m is None or (m.size() == t.size() and m.stride() == t.stride() and m.storage_offset() == t.storage_offset()):
-        return
+        return False
     if not out:
         raise CaptureError(f"{name} resizes an in-place operand, which tms_sim_torch cannot capture")
     if not t.untyped_storage().nbytes():
         fresh = _empty_strided(m.size(), m.stride(), dtype=t.dtype, device=t.device)
         t.set_(fresh.untyped_storage(), 0, fresh.size(), fresh.stride())
-        return
+        return True
     if m.is_contiguous() and m.storage_offset() == 0:
         if t.size() != m.size() or not t.is_contiguous() or t.storage_offset():
             t.resize_(0).resize_(m.size())
-        return
+        return True
     need = m.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(m.size(), m.stride())) if m.numel() else 0
     st = t.untyped_storage()
     have = st.nbytes() // t.element_size()
@@ -800,3 +784,4 @@ def _follow(t, mirrors, index, out, name):
     if need > have:
         t.resize_(need)
     t.as_strided_(m.size(), m.stride(), m.storage_offset())
+    return True
