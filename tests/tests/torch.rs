@@ -461,8 +461,8 @@ fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences(
     let out = tempfile::tempdir().unwrap();
     // On a 10-TFLOPS device at 0.02% MFU a decoded token of the tiny profile takes 100 ms: a
     // batch's generation (16 sequences of up to 5 tokens) lasts seconds, several times a trainer
-    // step here even with the CPU layer queuing kernels (TMS_SIM_TORCH_ASYNC=1), whose trainer
-    // steps take twice as long.
+    // step here with the CPU layer queuing kernels (its default; TMS_SIM_TORCH_ASYNC=0 computes
+    // them in the caller), whose trainer steps take twice as long.
     let summary = torch_async_run(
         python,
         out.path(),

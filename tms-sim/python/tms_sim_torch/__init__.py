@@ -57,8 +57,8 @@ def install(force=False):
 
 def set_async(on=True):
     """Whether the layer's kernels are queued on their streams, asynchronous to the host as on a
-    GPU (True), or computed in the calling thread (False, the default; `TMS_SIM_TORCH_ASYNC=1`
-    starts with True). Returns the previous setting. See `_layer` and docs/simulator.md."""
+    GPU (True, the default), or computed in the calling thread (False; `TMS_SIM_TORCH_ASYNC=0`
+    starts with False). Returns the previous setting. See `_layer` and docs/simulator.md."""
     from . import _layer
 
     return _layer.set_async(on)

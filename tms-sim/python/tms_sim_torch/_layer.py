@@ -38,8 +38,8 @@ generators in program order, see "Random numbers"), decompositions, ops without 
 and operands the meta kernel refuses (their error is raised by the CPU kernel, at the call). A
 queued kernel that fails makes the stream's next synchronize return 719 (cudaErrorLaunchFailure),
 or 700 for memory unmapped meanwhile, and the next op the layer computes raises its Python error.
-Queuing is off by default (see docs/simulator.md for why): `TMS_SIM_TORCH_ASYNC=1` or
-`set_async(True)` turns it on.
+Queuing is on by default; `TMS_SIM_TORCH_ASYNC=0` or `set_async(False)` computes every op in the
+caller instead (see docs/simulator.md for when that helps).
 """
 
 import atexit
@@ -66,7 +66,7 @@ _set_neg = torch._C._set_neg
 _memmove = ctypes.memmove
 _STRIDED = torch.strided
 _CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-_ASYNC = os.environ.get("TMS_SIM_TORCH_ASYNC", "0") == "1"
+_ASYNC = os.environ.get("TMS_SIM_TORCH_ASYNC", "1") != "0"
 _NOTE = "(raised by the CPU kernel that tms_sim_torch runs for this CUDA op on the simulated device)"
 
 # Ops with a CUDA kernel that launch nothing on a GPU (allocation, metadata, host-side queries,
@@ -519,8 +519,8 @@ _SYNC = object()  # `_queue`: compute in the caller
 
 
 def set_async(on):
-    """Queues kernels on their streams (True) or computes them in the caller (False, the
-    default); returns the previous setting. Work already queued stays queued."""
+    """Queues kernels on their streams (True, the default) or computes them in the caller
+    (False); returns the previous setting. Work already queued stays queued."""
     global _ASYNC
     was, _ASYNC = _ASYNC, bool(on)
     if on and not was:

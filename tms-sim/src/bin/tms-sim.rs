@@ -31,7 +31,7 @@ const RUNTIME_NAMES: &[&str] = &[
         PyTorch's CUDA wheels run unchanged under it: the Python start-up hook it puts on \
         PYTHONPATH loads the simulator before torch and then installs a CPU compute layer that runs \
         torch's kernels on the CPU in the simulated device memory (TMS_SIM_TORCH_LAYER=0: off; \
-        TMS_SIM_TORCH_ASYNC=1: its kernels are queued on their streams, asynchronous to the host).\n\n\
+        its kernels are queued on their streams, asynchronous to the host; TMS_SIM_TORCH_ASYNC=0: computed in the caller).\n\n\
         Environment read by the simulator:\n  \
         TMS_SIM_NODE       node name; processes naming the same node share its devices (default: default)\n  \
         TMS_SIM_DIR        folder for node state files (default: /dev/shm, else the temp dir)\n  \
