@@ -809,3 +809,23 @@ fn a_lent_engine_that_keeps_the_device_is_paused_from_outside_named_and_the_run_
     assert_eq!(metrics(dir.path()).len(), 3);
     assert!(survivors(dir.path()).is_empty(), "workers left behind");
 }
+
+/// With two trainer steps per update the trainer is a step ahead of the engines every other
+/// wait: it lends then too, the lent engine gets the trainer's weights (checked against the
+/// trainer's checksum by the run), and its tokens count as the published version, so no sample
+/// passes the staleness bound and none is dropped.
+#[test]
+fn a_trainer_ahead_of_the_engines_weights_lends_its_device_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = waiting_trainer();
+    args.extend(["--steps", "4", "--train-iters-per-update", "2", "--set", "elastic.lend_after_s=0.05"]);
+    let (_, summary) = run_ok(dir.path(), &args);
+    let a = &summary["async"];
+    let lends: Vec<Value> = lending_log(dir.path()).into_iter().filter(|d| d["action"] == "lend").collect();
+    let ahead = lends.iter().filter(|d| d["trainer_steps_unpublished"] == 1).count();
+    assert!(ahead >= 1, "no lend while the trainer was a step ahead: {lends:?}");
+    assert!(a["elastic"]["lent_tokens"].as_u64().unwrap() > 0, "{a}");
+    assert_eq!(a["dropped_stale_samples"], 0, "{a}");
+    assert!(staleness_keys(&summary).iter().all(|&s| s <= a["max_staleness"].as_u64().unwrap()), "{a}");
+    assert_eq!(summary["status"], "ok");
+}

@@ -1,6 +1,6 @@
 //! Elastic mode's lending: a trainer that has waited for samples past a threshold sleeps (its
 //! memory paused with its backup, through the control plane), and the lent engine on its device
-//! wakes with the engines' weights and generates; once the trainer's batch is ready the device is
+//! wakes with the trainer's weights and generates; once the trainer's batch is ready the device is
 //! reclaimed: the engine's memory paused, its unfinished groups left for the other engines, the
 //! trainer woken with exactly the bytes it slept with. An engine that does not finish its segment
 //! within `elastic.reclaim_timeout_s` is paused from outside and retired; the run goes on.
@@ -291,8 +291,12 @@ impl Async {
 
     /// The trainer is waiting for its batch (since `idle_since`): lend its devices when it has
     /// waited past the threshold, the lent engines would have work, and the batch is not expected
-    /// sooner than a switch takes.
-    pub(super) fn consider_lending(&mut self, idle_since: Option<Instant>) -> R<()> {
+    /// sooner than a switch takes. `unpublished`: the trainer's steps since the last update
+    /// (async.train_iters_per_update above 1). The lent engines then get the trainer's weights,
+    /// newer than the engines' by those steps, and their tokens count as the engines' version:
+    /// older than they are, so the staleness bound still holds for them; the off-policy correction
+    /// reads the log-probs the lent engine computed, whatever weights it had.
+    pub(super) fn consider_lending(&mut self, idle_since: Option<Instant>, unpublished: u64) -> R<()> {
         let (Some(l), Some(since)) = (self.lending.as_ref(), idle_since) else {
             return Ok(());
         };
@@ -323,7 +327,12 @@ impl Async {
             if self.cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "the measured switch" },
             wait.map_or_else(|| "not yet timed".into(), |w| format!("expected in {w:.3} s"))
         );
-        self.lend(json!({"reason": reason, "idle_s": idle, "expected_wait_s": wait}))
+        self.lend(json!({
+            "reason": reason,
+            "idle_s": idle,
+            "expected_wait_s": wait,
+            "trainer_steps_unpublished": unpublished,
+        }))
     }
 
     /// The trainers sleep (their weights' checksum kept to check them at reclaim), and the lent

@@ -320,9 +320,8 @@ impl Async {
                     self.at.set_step(self.step() + 1);
                     self.rec.new_step();
                     job = Some(self.start_job(batch)?);
-                } else if since_update == 0 {
-                    // The trainer holds the engines' weights: its devices may generate with them.
-                    self.consider_lending(trainer_idle_since)?;
+                } else {
+                    self.consider_lending(trainer_idle_since, since_update)?;
                 }
             }
             if before_update.is_none() {
