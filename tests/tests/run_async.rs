@@ -829,3 +829,139 @@ fn a_trainer_ahead_of_the_engines_weights_lends_its_device_too() {
     assert!(staleness_keys(&summary).iter().all(|&s| s <= a["max_staleness"].as_u64().unwrap()), "{a}");
     assert_eq!(summary["status"], "ok");
 }
+
+/// A trainer-bound job: the same model, its passes at 8% of the peak and decoding at the default
+/// 30%, with one version of staleness: the engines fill the queue to its capacity early in each
+/// step and then have nothing they may start while the trainer trains.
+const TRAINER_BOUND: [&str; 13] = [
+    "--mode",
+    "elastic",
+    "--devices",
+    "2",
+    "--steps",
+    "3",
+    "--max-staleness",
+    "1",
+    "--memory-profile",
+    "qwen3-4b",
+    "--set",
+    "memory.scale=0.002",
+    "--set",
+];
+
+fn trainer_bound(lend_rollout: bool) -> Vec<String> {
+    let mut args: Vec<String> = TRAINER_BOUND.iter().map(|s| s.to_string()).collect();
+    args.extend(["compute.model=true", "--set", "compute.train_mfu=0.08", "--set"].map(String::from));
+    args.push(format!("elastic.lend_rollout={lend_rollout}"));
+    args
+}
+
+/// Each row's modelled train seconds per trained token, and the replicas that shared it.
+fn train_shares(dir: &std::path::Path) -> Vec<(f64, f64)> {
+    let rows = metrics(dir);
+    let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {r}"));
+    // The pacing is real: the stage lasts at least what it was paced at.
+    assert!(rows.iter().all(|r| f(r, "perf/actor_train_time") >= f(r, "train/modelled_s")), "{rows:?}");
+    rows.iter().map(|r| (f(r, "train/modelled_s") / f(r, "train/tokens"), f(r, "train/replicas"))).collect()
+}
+
+#[test]
+fn lend_rollout_lends_the_idle_engines_device_to_a_trainer_bound_step_and_gives_it_back() {
+    let (off, on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let args = trainer_bound(true);
+    let (_, summary) = run_ok(on.path(), &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(summary["status"], "ok");
+    let r = &summary["async"]["elastic"]["rollout_lend"];
+    assert!(r["calibration_switch_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["lends"].as_u64().unwrap() >= 1, "the idle engines never lent their device: {r}");
+    assert!(r["state_bytes_mean"].as_u64().unwrap() > 0, "{r}");
+    // Their lent time counts as work on the engines' devices.
+    let (unlent, device) =
+        (r["rollout_idle_ratio_unlent"].as_f64().unwrap(), r["rollout_device_idle_ratio"].as_f64().unwrap());
+    assert!(device < unlent, "{r}");
+    // Every decision is logged with its reason; a lend says what it expected to save, more than
+    // the switch; lends and reclaims alternate.
+    let log = lending_log(on.path());
+    assert!(log.iter().all(|d| d["reason"].as_str().is_some_and(|r| !r.is_empty())), "{log:?}");
+    let reverse: Vec<&Value> =
+        log.iter().filter(|d| d["action"].as_str().is_some_and(|a| a.ends_with("_rollout"))).collect();
+    assert!(reverse.iter().any(|d| d["action"] == "skip_rollout"), "step 1 has no train stage to go by: {log:?}");
+    let switches: Vec<&str> =
+        reverse.iter().map(|d| d["action"].as_str().unwrap()).filter(|a| *a != "skip_rollout").collect();
+    assert!(switches.chunks(2).all(|p| p == ["lend_rollout", "reclaim_rollout"]), "{switches:?}");
+    for d in reverse.iter().filter(|d| d["action"] == "lend_rollout" && d["step"].as_u64() > Some(0)) {
+        assert!(d["expected_gain_s"].as_f64().unwrap() > d["switch_s"].as_f64().unwrap(), "{d}");
+    }
+    // The device's two sides never both hold it; at a lend only the lent trainer does, at a
+    // reclaim only the engine, with every byte it held when it started.
+    let memory = std::fs::read_to_string(on.path().join("memory.jsonl")).unwrap();
+    let samples: Vec<Value> = memory.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let started = samples.iter().find(|s| s["phase"] == "init_rollout").map(|s| held(s, "rollout-1")).unwrap();
+    let (mut lends, mut reclaims) = (0, 0);
+    for s in &samples {
+        let (t, e) = (held(s, "lent-trainer-1"), held(s, "rollout-1"));
+        assert!(t == 0 || e == 0, "both sides hold device 1 after {}: {s}", s["phase"]);
+        match s["phase"].as_str().unwrap() {
+            "lend_rollout" => {
+                lends += 1;
+                assert!(t > 0 && e == 0, "{s}");
+            }
+            "reclaim_rollout" => {
+                reclaims += 1;
+                assert!(t == 0 && e == started, "{s}");
+            }
+            _ => {}
+        }
+    }
+    assert!(lends >= 2 && lends == reclaims, "{lends} lends, {reclaims} reclaims");
+    // The lent step's train stage is paced at half the batch per replica; without the key every
+    // step is paced at the whole batch.
+    let args = trainer_bound(false);
+    run_ok(off.path(), &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let alone: Vec<(f64, f64)> = train_shares(off.path());
+    assert!(alone.iter().all(|(_, n)| *n == 1.0), "{alone:?}");
+    let per_token = alone.iter().map(|(s, _)| s).sum::<f64>() / alone.len() as f64;
+    let lent: Vec<f64> = train_shares(on.path()).into_iter().filter(|(_, n)| *n == 2.0).map(|(s, _)| s).collect();
+    assert!(!lent.is_empty(), "no step trained with the lent trainer");
+    for s in lent {
+        let ratio = s / per_token;
+        assert!(
+            (0.4..0.6).contains(&ratio),
+            "a lent step's modelled train seconds per token are {ratio:.3} of alone's"
+        );
+    }
+    let m = metrics(on.path());
+    assert!(m.iter().any(|r| r["elastic/rollout_lent_time"].as_f64().unwrap() > 0.0), "{m:?}");
+    assert!(m.iter().all(|r| r["elastic/rollout_device_idle_ratio"].is_number()));
+}
+
+#[test]
+fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_load_state_exits_2_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = "elastic.lend_rollout=true";
+    for (args, said) in [
+        (
+            vec!["--set", key],
+            "elastic.lend_rollout = true lends the rollout engines' devices to the trainer, which only elastic mode does",
+        ),
+        (vec!["--mode", "async", "--devices", "2", "--set", key], "run.mode = \"async\": use --mode elastic"),
+        (
+            vec!["--mode", "elastic", "--devices", "2", "--set", key, "--set", "run.trainer_cmd=python3 trainer.py"],
+            "which an external trainer (run.trainer_cmd) does not answer",
+        ),
+        (
+            vec!["--mode", "elastic", "--devices", "2", "--set", key, "--launcher", "ray"],
+            "elastic.lend_rollout = true needs run.launcher = \"local\"",
+        ),
+        (
+            vec!["--mode", "elastic", "--devices", "2", "--set", "elastic.lend_rollout=sometimes"],
+            "elastic.lend_rollout",
+        ),
+    ] {
+        let out = run_cmd(dir.path(), &args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("metrics.jsonl").exists(), "a configuration error started a run");
+}

@@ -120,6 +120,10 @@ pub struct ElasticSection {
     /// Seconds a lent engine has, once the trainer needs its device back, to finish its segment;
     /// then its memory is paused from outside and it is retired.
     pub reclaim_timeout_s: f64,
+    /// The reverse: a lent trainer beside every rollout engine takes part in a trainer step
+    /// while the engines have nothing they may start (a trainer-bound job).
+    #[serde(default)]
+    pub lend_rollout: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -486,6 +490,13 @@ impl Config {
     /// its [async] keys.
     fn layout_errors(&self) -> Vec<String> {
         let mut errors = Vec::new();
+        if self.elastic.lend_rollout && self.run.mode != Mode::Elastic {
+            errors.push(format!(
+                "elastic.lend_rollout = true lends the rollout engines' devices to the trainer, which only elastic \
+                 mode does, and run.mode = \"{}\": use --mode elastic, or elastic.lend_rollout = false",
+                self.run.mode.as_str()
+            ));
+        }
         match self.mode_layout() {
             Err(e) => errors.push(e),
             Ok(None) => {
@@ -546,6 +557,21 @@ impl Config {
         }
         if !(e.reclaim_timeout_s > 0.0 && e.reclaim_timeout_s.is_finite()) {
             errors.push(format!("elastic.reclaim_timeout_s={} must be > 0 seconds", e.reclaim_timeout_s));
+        }
+        if e.lend_rollout && !self.run.trainer_cmd.trim().is_empty() {
+            errors.push(
+                "elastic.lend_rollout = true starts lent trainers that load the trainer's state with export_state and \
+                 import_state, which an external trainer (run.trainer_cmd) does not answer: use the built-in trainer, \
+                 or elastic.lend_rollout = false"
+                    .into(),
+            );
+        }
+        if e.lend_rollout && self.run.launcher != Launcher::Local {
+            errors.push(
+                "elastic.lend_rollout = true needs run.launcher = \"local\": a lent trainer reads the trainer's state \
+                 from a file in the run directory, which Ray's workers may not share"
+                    .into(),
+            );
         }
         if !self.run.offload {
             errors.push(

@@ -154,7 +154,7 @@ pub(super) fn train_params(
         })
         .collect();
     let a = &cfg.algo;
-    TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step, token_scale }
+    TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step, token_scale, replicas: None }
 }
 
 /// The batch's rollout and training metrics: rewards, pass rates, lengths, log-probs, KL,

@@ -68,6 +68,18 @@ methods! {
     IpcPack = "ipc_pack": BucketParams => BucketReply;
     SaveState = "save_state": Step => Ack;
     LoadState = "load_state": Step => Ack;
+    // Elastic mode's reverse lend: the trainer writes its whole state to a file in the run
+    // directory (through the host, as a checkpoint) and a lent trainer reads it.
+    ExportState = "export_state": StateFile => Ack;
+    ImportState = "import_state": StateFile => Ack;
+}
+
+/// Where `export_state` writes the trainer's state and `import_state` reads it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StateFile {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub step: u64,
 }
 
 /// The worker's first message, `{"hello": {...}}`.
@@ -524,6 +536,11 @@ pub struct TrainParams {
     /// `compute.token_scale`. None: init's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_scale: Option<f64>,
+    /// The replicas sharing this train request (elastic mode's reverse lend adds lent trainers),
+    /// in place of init's `compute.trainers`: each is paced at its share of the batch. None:
+    /// init's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<f64>,
 }
 
 fn one_usize() -> usize {

@@ -284,6 +284,9 @@ impl Common {
     }
 }
 
+/// The first bytes of an `export_state` file.
+const STATE_MAGIC: &[u8; 16] = b"tms-trainer-st1\n";
+
 struct Trainer {
     c: Common,
     grads: Vec<Buf>,
@@ -379,6 +382,58 @@ impl Trainer {
         Ok(Ack {})
     }
 
+    /// Elastic mode's reverse lend: everything train() reads (the weights, the gradients'
+    /// buffers, Adam's moments, the reference, the profile's memory, the optimizer's step count)
+    /// to `path`, through the host as a checkpoint would go.
+    fn export_state(&self, p: &protocol::StateFile) -> Result<Ack, Failure> {
+        use std::io::Write as _;
+        let io = |e: std::io::Error| bad(format!("export_state {}: {e}", p.path.display()));
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&p.path).map_err(io)?);
+        let bufs = self.all_state();
+        f.write_all(STATE_MAGIC).map_err(io)?;
+        f.write_all(&self.optimizer_steps.to_le_bytes()).map_err(io)?;
+        f.write_all(&(bufs.len() as u64).to_le_bytes()).map_err(io)?;
+        for b in bufs {
+            f.write_all(&b.bytes.to_le_bytes()).map_err(io)?;
+            f.write_all(&read_all(&self.c.dev, b)?).map_err(io)?;
+        }
+        f.flush().map_err(io)?;
+        Ok(Ack {})
+    }
+
+    /// A lent trainer takes the state `export_state` wrote: after it, its train() computes what
+    /// the trainer's does, byte for byte.
+    fn import_state(&mut self, p: &protocol::StateFile) -> Result<Ack, Failure> {
+        use std::io::Read as _;
+        let io = |e: std::io::Error| bad(format!("import_state {}: {e}", p.path.display()));
+        let mut f = std::io::BufReader::new(std::fs::File::open(&p.path).map_err(io)?);
+        let mut magic = [0u8; STATE_MAGIC.len()];
+        f.read_exact(&mut magic).map_err(io)?;
+        let word = |f: &mut std::io::BufReader<std::fs::File>| -> Result<u64, Failure> {
+            let mut w = [0u8; 8];
+            f.read_exact(&mut w).map_err(io)?;
+            Ok(u64::from_le_bytes(w))
+        };
+        let steps = word(&mut f)?;
+        let bufs = self.all_state();
+        let layout = "import_state: the file is not the state of a trainer of this layout (shape, memory profile)";
+        if magic != *STATE_MAGIC || word(&mut f)? != bufs.len() as u64 {
+            return Err(bad(layout));
+        }
+        let mut data = Vec::new();
+        for b in bufs {
+            if word(&mut f)? != b.bytes {
+                return Err(bad(layout));
+            }
+            data.resize(b.bytes as usize, 0);
+            f.read_exact(&mut data).map_err(io)?;
+            self.c.dev.write(b.ptr, &data).map_err(dev_err)?;
+        }
+        self.optimizer_steps = steps;
+        self.take_snapshot()?;
+        Ok(Ack {})
+    }
+
     fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
         match method {
             LogProbs::NAME => answer::<LogProbs>(p, |p| self.log_probs(p)),
@@ -392,6 +447,8 @@ impl Trainer {
             IpcPack::NAME => answer::<IpcPack>(p, |p| ipc::pack(&self.c.dev, &self.c.ipc, &self.snapshot, p)),
             protocol::SaveState::NAME => answer::<protocol::SaveState>(p, |_| self.save_state()),
             protocol::LoadState::NAME => answer::<protocol::LoadState>(p, |_| self.load_state()),
+            protocol::ExportState::NAME => answer::<protocol::ExportState>(p, |p| self.export_state(&p)),
+            protocol::ImportState::NAME => answer::<protocol::ImportState>(p, |p| self.import_state(&p)),
             _ => Err(("unknown_method".into(), format!("trainer has no method {method:?}"))),
         }
     }
@@ -445,7 +502,10 @@ impl Trainer {
             self.c.dev.write(pad.buf.ptr, &stamp[..(pad.buf.bytes as usize).min(8)]).map_err(dev_err)?;
         }
         self.take_snapshot()?;
-        self.c.pace_trainer(t0, p.token_scale, tokens * epochs, 3.0);
+        let replicas = p.replicas;
+        let share = |m: &ComputeModel| m.seconds(tokens * epochs, 3.0, m.train_mfu, replicas.unwrap_or(m.trainers));
+        let modelled = self.c.compute.map(|m| share(&m.scaled(p.token_scale)));
+        self.c.pace(t0, p.token_scale, share);
         let k = updates as f64;
         let m = &metrics;
         let means = [
@@ -465,6 +525,12 @@ impl Trainer {
             means.into_iter().map(|(name, sum)| (name.to_string(), Some(sum / k))).collect();
         out.insert("optimizer_steps".into(), Some(k));
         out.insert("tokens".into(), Some(m.tokens as f64));
+        // Modelled compute: what the request was paced at, and over how many replicas (elastic's
+        // lent trainers add to init's).
+        if let (Some(m), Some(s)) = (self.c.compute, modelled) {
+            out.insert("replicas".into(), Some(replicas.unwrap_or(m.trainers)));
+            out.insert("modelled_s".into(), Some(s));
+        }
         Ok(TrainReply(out))
     }
 }

@@ -183,6 +183,12 @@ impl Lending {
     }
 }
 
+/// The saver's own time for one pause or resume: its slowest worker's report (they run in
+/// parallel).
+fn saver_seconds(reports: &[(String, tms_proto::OpReport)]) -> f64 {
+    reports.iter().map(|(_, r)| r.counts.elapsed_ns).max().unwrap_or(0) as f64 / 1e9
+}
+
 impl Async {
     fn lending_mut(&mut self) -> &mut Lending {
         self.lending.as_mut().expect("elastic mode")
@@ -199,30 +205,36 @@ impl Async {
 
     /// Pause `tag` (None: every tag) in `targets`; free memory must rise by what was paused.
     fn pause(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
+        let saver = self.pause_timed(targets, tag)?;
+        self.lending_mut().stats.saver_s += saver;
+        Ok(())
+    }
+
+    fn resume(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
+        let saver = self.resume_timed(targets, tag)?;
+        self.lending_mut().stats.saver_s += saver;
+        Ok(())
+    }
+
+    /// `pause`, returning the saver's own seconds for it.
+    pub(super) fn pause_timed(&mut self, targets: &[usize], tag: Option<&str>) -> R<f64> {
         let reports = self.fleet.control_of(targets, true, tag)?;
-        self.add_saver_time(&reports);
         if tag == Some(NCCL_TAG) {
             self.rec.record_comm_suspended(&reports);
         }
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
-        self.rec.check_paused(&what, &reports)
+        self.rec.check_paused(&what, &reports)?;
+        Ok(saver_seconds(&reports))
     }
 
-    fn resume(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
+    /// `resume`, returning the saver's own seconds for it.
+    pub(super) fn resume_timed(&mut self, targets: &[usize], tag: Option<&str>) -> R<f64> {
         let reports = self.fleet.control_of(targets, false, tag)?;
-        self.add_saver_time(&reports);
-        Ok(())
-    }
-
-    /// The saver's own time for one pause or resume: its slowest worker's report (they run in
-    /// parallel).
-    fn add_saver_time(&mut self, reports: &[(String, tms_proto::OpReport)]) {
-        let ns = reports.iter().map(|(_, r)| r.counts.elapsed_ns).max().unwrap_or(0);
-        self.lending_mut().stats.saver_s += ns as f64 / 1e9;
+        Ok(saver_seconds(&reports))
     }
 
     /// Every worker in `targets` holds the weights `expected`.
-    fn expect_sum(&mut self, targets: &[usize], expected: &str, when: &str) -> R<()> {
+    pub(super) fn expect_sum(&mut self, targets: &[usize], expected: &str, when: &str) -> R<()> {
         if !self.rec.checks_enabled() {
             return Ok(());
         }
@@ -245,7 +257,7 @@ impl Async {
         let pairs = self.lending_mut().pairs.clone();
         let name = |i: usize| self.fleet.worker(i).name.clone();
         let shared = pairs.iter().map(|&(t, e)| (name(t), name(e))).collect();
-        self.rec.set_shared_devices(shared);
+        self.rec.add_shared_devices(shared);
         Ok(())
     }
 

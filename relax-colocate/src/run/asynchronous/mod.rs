@@ -19,6 +19,7 @@
 
 mod feed;
 mod lend;
+mod lend_rollout;
 mod queue;
 mod step;
 
@@ -66,6 +67,8 @@ pub(super) struct Async {
     window: Window,
     /// Elastic mode's lending (None in async mode).
     lending: Option<lend::Lending>,
+    /// elastic.lend_rollout: the reverse, the engines' devices lent to the trainer.
+    rollout_lending: Option<lend_rollout::RolloutLending>,
     /// Unfinished groups a reclaimed lent engine left: any engine continues them, before new ones.
     orphans: Vec<Group>,
 }
@@ -130,6 +133,11 @@ struct Window {
     lent_idle_s: f64,
     switch_s: f64,
     lends: u64,
+    /// elastic.lend_rollout: the engines' devices' lends, their switches (lends and reclaims),
+    /// and the seconds they trained, each device counted.
+    rollout_lends: u64,
+    rollout_switch_s: f64,
+    rollout_lent_s: f64,
 }
 
 impl Window {
@@ -143,6 +151,9 @@ impl Window {
             lent_idle_s: 0.0,
             switch_s: 0.0,
             lends: 0,
+            rollout_lends: 0,
+            rollout_switch_s: 0.0,
+            rollout_lent_s: 0.0,
         }
     }
 }
@@ -171,6 +182,8 @@ impl Async {
         };
         let engines = rollouts.iter().map(|&w| (w, false)).chain(lent.iter().map(|&w| (w, true))).map(engine);
         let lending = (cfg.run.mode == Mode::Elastic).then(|| lend::Lending::new(&fleet));
+        let rollout_lending = (cfg.run.mode == Mode::Elastic && cfg.elastic.lend_rollout)
+            .then(|| lend_rollout::RolloutLending::new(&fleet));
         let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
         let sync = weights::WeightSync::new(cfg, &plan, &fleet);
         Async {
@@ -194,6 +207,7 @@ impl Async {
             totals: Totals::default(),
             window: Window::new(),
             lending,
+            rollout_lending,
             orphans: Vec::new(),
         }
     }
@@ -254,7 +268,7 @@ impl Async {
                     }
                     self.at.set_step(self.step() + 1);
                     self.rec.new_step();
-                    job = Some(self.start_job(batch)?);
+                    job = Some(self.start_job(batch, since_update + 1 == per_update)?);
                 } else {
                     self.consider_lending(trainer_idle_since, since_update)?;
                 }
@@ -350,6 +364,9 @@ impl Async {
     /// start on their devices, and one lend and reclaim measure what switching costs.
     fn setup(&mut self) -> R<()> {
         let max_batch = self.groups_per_request * self.cfg.rollout.samples_per_prompt;
+        if self.rollout_lending.is_some() {
+            self.lent_trainers_setup(max_batch)?;
+        }
         for (role, phase) in [(Role::Rollout, "init_rollout"), (Role::Trainer, "init_trainer")] {
             let span = self.rec.begin(phase);
             let mut targets = self.fleet.indices(role);
@@ -370,6 +387,9 @@ impl Async {
             }
         }
         self.sync.join(&mut self.fleet, &mut self.rec)?;
+        if self.rollout_lending.is_some() {
+            self.calibrate_rollout_lend()?;
+        }
         self.transfer_weights("on every rollout engine after the initial update_weights")?;
         if self.lending.is_some() {
             self.calibrate()?;
@@ -469,7 +489,11 @@ impl Async {
         });
         if let (Some(block), Some(l)) = (block.as_object_mut(), self.lending.as_ref()) {
             block.insert("mode".into(), json!("elastic"));
-            block.insert("elastic".into(), l.summary(&self.cfg, wall, t.trainer_idle_s, t.flush_total_s));
+            let mut e = l.summary(&self.cfg, wall, t.trainer_idle_s, t.flush_total_s);
+            if let (Some(e), Some(r)) = (e.as_object_mut(), self.rollout_lending.as_ref()) {
+                e.insert("rollout_lend".into(), r.summary(wall, t.rollout_idle_s, self.own_engines()));
+            }
+            block.insert("elastic".into(), e);
         }
         if let (Some(block), Value::Object(sync)) = (block.as_object_mut(), self.sync.summary()) {
             block.extend(sync);

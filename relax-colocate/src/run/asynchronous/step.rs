@@ -9,7 +9,8 @@ use crate::run::fleet::InFlight;
 use crate::run::learn::{self, Advantages, Sample, Scores};
 use crate::run::metrics::{self, mean};
 use crate::run::protocol::{
-    LogProbs, LogProbsParams, LogProbsReply, Model, Pair, SamplesParams, Train, TrainReply, Values, ValuesReply,
+    LogProbs, LogProbsParams, LogProbsReply, Model, Pair, SamplesParams, Train, TrainParams, TrainReply, Values,
+    ValuesReply,
 };
 use crate::run::recorder::Span;
 use crate::run::{FailKind, R, Role};
@@ -31,6 +32,10 @@ pub(super) struct Job {
     pub(super) values: Option<ValuesReply>,
     pub(super) adv: Option<Advantages>,
     pub(super) train: Option<TrainReply>,
+    /// The step ends with a weight update (elastic.lend_rollout lends only then).
+    pub(super) publishes: bool,
+    /// The trainers (and lent trainers) the train stage went to.
+    pub(super) replicas: usize,
 }
 
 /// A trained batch, for its metrics row.
@@ -77,7 +82,7 @@ impl Stage {
 
 impl Async {
     /// The trainer's first pass over a batch begins.
-    pub(super) fn start_job(&mut self, groups: Vec<Group>) -> R<Job> {
+    pub(super) fn start_job(&mut self, groups: Vec<Group>, publishes: bool) -> R<Job> {
         let now = self.version;
         let mut samples = Vec::new();
         let (mut staleness, mut spans, mut scaled) = (Vec::new(), Vec::new(), Vec::new());
@@ -120,6 +125,8 @@ impl Async {
             values: None,
             adv: None,
             train: None,
+            publishes,
+            replicas: 0,
         };
         self.submit_stage(&mut job)?;
         Ok(job)
@@ -131,10 +138,18 @@ impl Async {
 
     /// Sends the job's current stage to every trainer (replicas get the same request).
     pub(super) fn submit_stage(&mut self, job: &mut Job) -> R<()> {
+        let mut targets = self.fleet.indices(Role::Trainer);
+        if job.stage == Stage::Train && self.rollout_lending.is_some() {
+            self.consider_lending_rollout(job.publishes)?;
+            targets.extend(self.rollout_lending.as_ref().map(|l| l.lent_trainers()).unwrap_or_default());
+        }
+        // With elastic.lend_rollout every train request says its replicas, lent or not.
+        let replicas = self.rollout_lending.is_some().then_some(targets.len() as f64);
+        job.replicas = targets.len();
         job.span = Some(self.rec.begin(job.stage.phase()));
         let (step, token_scale) = (self.step(), job.token_scale);
         let mut requests = Vec::new();
-        for i in self.fleet.indices(Role::Trainer) {
+        for i in targets {
             let r = match job.stage {
                 Stage::RefLogProbs | Stage::LogProbs => {
                     let model = if job.stage == Stage::RefLogProbs { Model::Ref } else { Model::Actor };
@@ -147,10 +162,8 @@ impl Async {
                 Stage::Train => {
                     let scores = job_scores(job);
                     let adv = job.adv.as_ref().expect("advantages before train");
-                    self.fleet.submit::<Train>(
-                        i,
-                        learn::train_params(&self.cfg, &job.samples, &scores, adv, step, token_scale),
-                    )?
+                    let params = learn::train_params(&self.cfg, &job.samples, &scores, adv, step, token_scale);
+                    self.fleet.submit::<Train>(i, TrainParams { replicas, ..params })?
                 }
             };
             requests.push(r);
@@ -188,6 +201,11 @@ impl Async {
         }
         let span = job.span.take().expect("a stage under way");
         self.rec.end(span, &self.fleet)?;
+        if job.stage == Stage::Train {
+            let seconds = self.rec.step_times().get("actor_train").copied().unwrap_or(0.0);
+            self.train_stage_done(seconds, job.replicas);
+            self.reclaim_rollout()?;
+        }
         job.stage = match job.stage {
             Stage::RefLogProbs => Stage::LogProbs,
             Stage::LogProbs if self.cfg.algo.name == AlgoName::Ppo => Stage::Values,
@@ -272,6 +290,9 @@ impl Async {
         }
         if self.lending.is_some() {
             self.lending_row(&mut row, wall);
+        }
+        if self.rollout_lending.is_some() {
+            self.rollout_lending_row(&mut row, wall, rollout_idle);
         }
         if let Some(scale) = d.token_scale {
             row.set("compute/token_scale", scale);

@@ -119,6 +119,10 @@ pub(super) fn placements(cfg: &Config) -> Vec<Placement> {
             // before the trainer takes the device's memory.
             v.extend(split.trainer.iter().filter(|_| lent).map(|&d| at(d, Role::Rollout, true)));
             v.extend(split.trainer.iter().map(|&d| at(d, Role::Trainer, false)));
+            // elastic.lend_rollout: a lent trainer beside every engine, started (and put to
+            // sleep) before it for the same reason.
+            let lend_rollout = lent && cfg.elastic.lend_rollout;
+            v.extend(split.rollout.iter().filter(|_| lend_rollout).map(|&d| at(d, Role::Trainer, true)));
             v.sort_by_key(|p| p.rank);
             v
         }
@@ -183,7 +187,16 @@ impl Fleet {
 
     /// Elastic mode's lent engines, as indices into the fleet.
     pub(super) fn lent_engines(&self) -> Vec<usize> {
-        self.workers.iter().enumerate().filter(|(_, w)| w.lent).map(|(i, _)| i).collect()
+        self.lent(Role::Rollout)
+    }
+
+    /// elastic.lend_rollout's lent trainers (one on every rollout device), as indices into the fleet.
+    pub(super) fn lent_trainers(&self) -> Vec<usize> {
+        self.lent(Role::Trainer)
+    }
+
+    fn lent(&self, role: Role) -> Vec<usize> {
+        self.workers.iter().enumerate().filter(|(_, w)| w.lent && w.role == role).map(|(i, _)| i).collect()
     }
 
     pub(super) fn worker(&self, i: usize) -> &Worker {

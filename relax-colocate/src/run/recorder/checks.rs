@@ -58,13 +58,14 @@ impl Recorder {
         Ok(())
     }
 
-    /// Elastic mode: the (trainer, lent engine) pairs that share a device, for
+    /// Elastic mode: pairs of workers that share a device (a trainer and the lent engine on its
+    /// device; with elastic.lend_rollout also a lent trainer and the engine it sits beside), for
     /// `check_one_holder` at every phase boundary.
-    pub(in crate::run) fn set_shared_devices(&mut self, pairs: Vec<(String, String)>) {
-        self.shared_devices = pairs;
+    pub(in crate::run) fn add_shared_devices(&mut self, pairs: Vec<(String, String)>) {
+        self.shared_devices.extend(pairs);
     }
 
-    /// On a device a trainer lends, the trainer and the lent engine never both hold their tagged
+    /// On a device one side lends, its worker and the lent one never both hold their tagged
     /// memory: one of them is asleep at every phase boundary, and the device is never over its
     /// capacity. Communicator buffers are not tagged memory and stay out of it.
     pub(super) fn check_one_holder(&mut self, s: &MemSample) -> R<()> {
@@ -78,8 +79,8 @@ impl Recorder {
             let (t, e) = (held(trainer), held(engine));
             if t > 0 && e > 0 {
                 let cause = format!(
-                    "after {} both {trainer} ({}) and {engine} ({}) hold device memory on the device the trainer lends: \
-                     one of them must be asleep",
+                    "after {} both {trainer} ({}) and {engine} ({}) hold device memory on the device they share: one of \
+                     them must be asleep",
                     s.phase,
                     human(t),
                     human(e)

@@ -141,6 +141,11 @@ impl Recorder {
         }
     }
 
+    /// The run directory.
+    pub(super) fn run_dir(&self) -> &std::path::Path {
+        &self.run_dir
+    }
+
     /// Where the run is, shared with the fleet and the driver.
     pub(super) fn cursor(&self) -> Rc<Cursor> {
         self.at.clone()
