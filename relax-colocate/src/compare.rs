@@ -191,6 +191,7 @@ fn elastic_figures(l: &Layout, e: &Value) -> Value {
         return Value::Null;
     }
     let f = |k: &str| e[k].as_f64().unwrap_or(f64::NAN);
+    let r = |k: &str| e["rollout_lend"][k].as_f64().unwrap_or(f64::NAN);
     json!({
         "lends_per_step": f("lends") / l.rows.len().max(1) as f64,
         "switch_s_mean": f("lend_s_mean") + f("reclaim_s_mean"),
@@ -199,6 +200,9 @@ fn elastic_figures(l: &Layout, e: &Value) -> Value {
         "lent_tokens": e["lent_tokens"].clone(),
         "lent_engine_idle_s": e["lent_engine_idle_s"].clone(),
         "forced_reclaims": e["forced_reclaims"].clone(),
+        // elastic.lend_rollout: the engines' devices lent to the trainer (absent: not asked for).
+        "rollout_lends_per_step": r("lends") / l.rows.len().max(1) as f64,
+        "rollout_device_idle": r("rollout_device_idle_ratio"),
     })
 }
 
@@ -222,7 +226,7 @@ fn print_table(names: &[&str], figs: &[Value]) {
         print!(" {n:>12}");
     }
     println!();
-    let rows: [TableRow; 19] = [
+    let rows: [TableRow; 21] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
         ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
         ("tokens/s", "tokens_per_s", |x| format!("{x:.1}")),
@@ -233,11 +237,15 @@ fn print_table(names: &[&str], figs: &[Value]) {
         ("update flush, mean (s)", "flush_s_mean", secs),
         ("trainer devices idle", "elastic.trainer_device_idle", pct),
         ("rollout busy", "rollout_busy", pct),
+        ("rollout devices idle (lent = work)", "elastic.rollout_device_idle", pct),
         ("weight update, median (s)", "update_weights_median_s", secs),
         ("sleep/wake switch, median (s)", "switch_median_s", secs),
         ("lends per step", "elastic.lends_per_step", |x| if x.is_nan() { "-".into() } else { format!("{x:.2}") }),
         ("lend + reclaim, mean (s)", "elastic.switch_s_mean", secs),
         ("  of which the saver's (s)", "elastic.switch_saver_s_mean", secs),
+        ("rollout lends per step", "elastic.rollout_lends_per_step", |x| {
+            if x.is_nan() { "-".into() } else { format!("{x:.2}") }
+        }),
         ("reward, first 3 steps", "reward_first3", |x| format!("{x:.3}")),
         ("reward, last 3 steps", "reward_last3", |x| format!("{x:.3}")),
         ("wall time (s)", "wall_time_s", |x| format!("{x:.1}")),

@@ -54,6 +54,10 @@ impl RolloutLending {
             .into_iter()
             .filter_map(|t| engines.iter().find(|&&e| rank(e) == rank(t)).map(|&e| (t, e)))
             .collect();
+        RolloutLending::of_pairs(pairs)
+    }
+
+    fn of_pairs(pairs: Vec<(usize, usize)>) -> RolloutLending {
         RolloutLending {
             pairs,
             lent: None,
@@ -301,5 +305,22 @@ impl Async {
             let idle = (rollout_idle - w.rollout_lent_s).max(0.0);
             row.set("elastic/rollout_device_idle_ratio", idle / (wall * self.own_engines() as f64));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lending(lent: usize) -> RolloutLending {
+        RolloutLending::of_pairs((0..lent).map(|i| (10 + i, i)).collect())
+    }
+
+    #[test]
+    fn the_saving_is_the_share_the_lent_trainers_take_off_the_stage() {
+        assert_eq!(lending(1).gain(10.0, 1), 5.0, "one trainer, one lent: half the stage");
+        assert!((lending(2).gain(9.0, 1) - 6.0).abs() < 1e-12, "one trainer, two lent: two thirds");
+        assert!((lending(2).gain(8.0, 2) - 4.0).abs() < 1e-12);
+        assert_eq!(lending(0).gain(8.0, 2), 0.0, "nothing lent, nothing saved");
     }
 }

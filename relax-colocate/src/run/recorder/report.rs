@@ -368,6 +368,29 @@ fn print_lending(e: &Value) {
         100.0 * f("trainer_device_idle_ratio"),
         100.0 * f("trainer_idle_ratio_unlent"),
     );
+    print_rollout_lending(&e["rollout_lend"]);
+}
+
+/// elastic.lend_rollout: the engines' devices lent to the trainer's train stage.
+fn print_rollout_lending(r: &Value) {
+    if r.is_null() {
+        return;
+    }
+    let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "       lent to the trainer: {} lend(s) of the rollout devices ({} skipped), each {:.3} s to lend and {:.3} s to \
+         reclaim ({:.3} s of it the saver's; the trainer's state {:.1} MiB through the host); {:.1} device-s trained; \
+         rollout devices idle {:.0}% (lent time as idle, {:.0}%)",
+        r["lends"],
+        r["lends_skipped"],
+        f("lend_s_mean"),
+        f("reclaim_s_mean"),
+        f("switch_saver_s_mean"),
+        f("state_bytes_mean") / (1024.0 * 1024.0),
+        f("lent_device_s"),
+        100.0 * f("rollout_device_idle_ratio"),
+        100.0 * f("rollout_idle_ratio_unlent"),
+    );
 }
 
 /// The phase strip's colours: one per kind of phase, strong enough to read in a thin band.
