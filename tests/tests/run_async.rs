@@ -7,7 +7,9 @@
 //! sets and transports that cannot work exit 2 naming the key. Elastic mode lends a waiting
 //! trainer's device and gets it back with the trainer's exact bytes, never both sides on it at
 //! once, a lend drops no sample to staleness (the engines stay within the queue's capacity), and
-//! a lent engine that keeps the device is paused from outside while the run goes on. Responses
+//! a lent engine that keeps the device is paused from outside while the run goes on; with
+//! elastic.lend_rollout a trainer-bound step's train stage goes to a lent trainer on the idle
+//! engine's device too, paced at its share, and the engine gets its device back. Responses
 //! that grow over the run (compute.token_scale_final) cost each step by the weight version that
 //! generated it, colocated and async alike. A budget of modelled decoding per segment
 //! (async.segment_s) ends segments mid-token without changing a sequence's tokens, each update's
