@@ -31,12 +31,23 @@ struct Stats {
     state_bytes: u64,
 }
 
+/// What a lend leaves for its reclaim.
+struct Lent {
+    /// When the lent trainers were ready.
+    since: Instant,
+    /// Whether the engines' communicators were suspended.
+    comms: bool,
+    /// Each engine's tagged memory when it went to sleep.
+    engines_held: Vec<(String, Held)>,
+}
+
+/// A worker's tagged device memory (communicators left out): per tag, its allocations and bytes.
+type Held = Vec<(String, u64, u64)>;
+
 pub(super) struct RolloutLending {
     /// (lent trainer, engine) fleet indices, one pair per rollout device.
     pairs: Vec<(usize, usize)>,
-    /// While lent: when the lent trainers were ready, and whether the engines' communicators
-    /// were suspended.
-    lent: Option<(Instant, bool)>,
+    lent: Option<Lent>,
     switch_s: Option<f64>,
     calibration_s: Option<f64>,
     last_lend_s: f64,
@@ -217,6 +228,7 @@ impl Async {
         let file = StateFile { path: self.rec.run_dir().join("trainer-state.bin"), step: self.step() };
         self.fleet.call_each::<ExportState>(&[trainer], vec![file.clone()])?;
         let state_bytes = std::fs::metadata(&file.path).map(|m| m.len()).unwrap_or(0);
+        let engines_held = self.held(&engines)?;
         let mut saver = self.pause_timed(&engines, None)?;
         let comms = self.cfg.memory.suspend_communicators && self.fleet.holds_nccl(&engines)?;
         if comms {
@@ -235,7 +247,7 @@ impl Async {
         self.window.rollout_switch_s += seconds;
         self.window.rollout_lends += 1;
         let l = self.rl();
-        l.lent = Some((Instant::now(), comms));
+        l.lent = Some(Lent { since: Instant::now(), comms, engines_held });
         l.last_lend_s = seconds;
         (l.stats.lends, l.stats.lend_s, l.stats.saver_s) =
             (l.stats.lends + 1, l.stats.lend_s + seconds, l.stats.saver_s + saver);
@@ -251,7 +263,10 @@ impl Async {
     /// The train stage is done: the lent trainers must hold the trainers' weights; they sleep and
     /// the engines wake, before the weight update reaches them.
     pub(super) fn reclaim_rollout(&mut self) -> R<()> {
-        let Some((since, comms)) = self.rollout_lending.as_mut().and_then(|l| l.lent.take()) else { return Ok(()) };
+        let Some(Lent { since, comms, engines_held }) = self.rollout_lending.as_mut().and_then(|l| l.lent.take())
+        else {
+            return Ok(());
+        };
         let lent_s = since.elapsed().as_secs_f64();
         let t0 = Instant::now();
         let span = self.rec.begin("reclaim_rollout");
@@ -264,6 +279,7 @@ impl Async {
         if comms {
             saver += self.resume_timed(&engines, Some(NCCL_TAG))?;
         }
+        self.expect_held(&engines, &engines_held)?;
         self.rec.end(span, &self.fleet)?;
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.awake = true;
@@ -282,6 +298,37 @@ impl Async {
             "reason": "the train stage is done: the engines get their devices back before the weight update",
             "seconds": seconds, "lent_s": lent_s,
         }));
+        Ok(())
+    }
+
+    /// The tagged device memory of each of `targets`, from its control socket.
+    fn held(&self, targets: &[usize]) -> R<Vec<(String, Held)>> {
+        let names: Vec<&str> = targets.iter().map(|&i| self.fleet.worker(i).name.as_str()).collect();
+        let statuses = self.fleet.statuses()?;
+        let held = |s: &tms_proto::Status| -> Held {
+            let tags = s.tags.iter().filter(|t| t.tag != NCCL_TAG);
+            tags.map(|t| (t.tag.clone(), t.allocations_active, t.bytes_active)).collect()
+        };
+        let ours = statuses.into_iter().filter(|w| names.contains(&w.name.as_str()));
+        Ok(ours.map(|w| (w.name, held(&w.status))).collect())
+    }
+
+    /// The engines woke with every allocation and byte of device memory they slept with. (Their
+    /// contents are the update's to check: the built-in engine keeps no host backup.)
+    fn expect_held(&mut self, engines: &[usize], before: &[(String, Held)]) -> R<()> {
+        if !self.rec.checks_enabled() {
+            return Ok(());
+        }
+        for ((name, now), (_, then)) in self.held(engines)?.into_iter().zip(before) {
+            if now != *then {
+                let cause = format!(
+                    "{name} woke from the reverse lend holding {now:?} (tag, allocations, bytes), not the {then:?} it \
+                     slept with"
+                );
+                return Err(self.fail(crate::run::FailKind::Check, Some(&name), cause));
+            }
+            self.rec.count_check();
+        }
         Ok(())
     }
 
