@@ -290,11 +290,16 @@ def pace(t0, seconds):
         time.sleep(rest)
 
 
-def pace_trainer(t0, tokens, passes):
-    """The trainer's passes, the batch shared by the trainer replicas."""
+def pace_trainer(t0, tokens, passes, replicas=None):
+    """The trainer's passes, the batch shared by the trainer replicas (`replicas`: a train
+    request's own count, elastic mode's reverse lend adding lent trainers; None: init's).
+    Returns the modelled seconds it was paced at (None without modelled compute)."""
     m = state["compute"]
-    if m:
-        pace(t0, modelled_s(tokens, passes, m["train_mfu"], m["trainers"]))
+    if not m:
+        return None
+    seconds = modelled_s(tokens, passes, m["train_mfu"], replicas or m["trainers"])
+    pace(t0, seconds)
+    return seconds
 
 
 def capture_sampling_head(batch, vocab):
@@ -648,10 +653,61 @@ def train(p):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     epochs = max(1, p.get("epochs", 1))
-    pace_trainer(t0, epochs * sum(len(s["prompt"]) + len(s["response"]) for s in samples), 3.0)
+    replicas = p.get("replicas")
+    paced = pace_trainer(t0, epochs * sum(len(s["prompt"]) + len(s["response"]) for s in samples), 3.0, replicas)
     metrics = {k: v / count for k, v in totals.items()}
     metrics["tokens"] = sum(len(s["response"]) for s in samples)
+    if paced is not None:
+        metrics.update(replicas=replicas or state["compute"]["trainers"], modelled_s=paced)
     return metrics
+
+
+def trainer_state():
+    """Everything `train` reads, by name: the actor, the reference, the gradient buffers, AdamW's
+    moments and step counts, the profile's memory. Tensors in place, so a lent trainer loads into
+    the memory its regions made (a new tensor would be outside every tag, and not sleep)."""
+    model, opt = state["model"], state["opt"]
+    out = {f"model.{k}": v for k, v in model.state_dict(keep_vars=True).items()}
+    out.update({f"ref.{k}": v for k, v in state["ref"].state_dict(keep_vars=True).items()})
+    for i, w in enumerate(model.parameters()):
+        out[f"grad.{i}"] = w.grad
+        for k, v in opt.state[w].items():
+            out[f"opt.{i}.{k}"] = v
+    out.update({f"pad.{i}": t for i, t in enumerate(state["pads"])})
+    return out
+
+
+def export_state(p):
+    """elastic.lend_rollout: the trainer's whole state to the file `path` (docs/worker-protocol.md),
+    as a checkpoint through the host."""
+    if state["dp"][1] > 1:
+        raise rw.WorkerError(
+            "unsupported",
+            f"this trainer is one of {state['dp'][1]} data-parallel ranks whose update is all-reduced; a lent "
+            "trainer outside their group would sum the batch in another order and could not hold their weights "
+            "byte for byte: lend rollout devices with one trainer device, or elastic.lend_rollout = false")
+    torch.cuda.synchronize()
+    torch.save({k: v.detach().cpu() for k, v in trainer_state().items()}, p["path"])
+    return {}
+
+
+def import_state(p):
+    """A lent trainer takes the state `export_state` wrote, into its own tensors."""
+    saved = torch.load(p["path"], map_location="cpu", weights_only=True)
+    mine = trainer_state()
+    if saved.keys() != mine.keys():
+        missing, extra = sorted(mine.keys() - saved.keys()), sorted(saved.keys() - mine.keys())
+        raise rw.WorkerError("internal", f"state file {p['path']}: missing {missing[:4]}, unexpected {extra[:4]}")
+    with torch.no_grad():
+        for k, t in mine.items():
+            src = saved[k]
+            if src.shape != t.shape or src.dtype != t.dtype:
+                raise rw.WorkerError("internal", f"state file {p['path']}: {k} is {tuple(src.shape)} {src.dtype}, "
+                                     f"this trainer's {tuple(t.shape)} {t.dtype}")
+            t.copy_(src)
+    snapshot()
+    torch.cuda.synchronize()
+    return {}
 
 
 def values(p):
@@ -989,5 +1045,5 @@ if __name__ == "__main__":
         "update_end": update_end, "group_id": group_id, "group_init": group_init,
         "broadcast_weights": broadcast_weights, "group_destroy": group_destroy, "ipc_pid": ipc_pid,
         "ipc_export": ipc_export, "ipc_import": ipc_import, "ipc_pack": ipc_pack, "ipc_copy": ipc_copy,
-        "ipc_close": ipc_close, "shutdown": shutdown,
+        "ipc_close": ipc_close, "export_state": export_state, "import_state": import_state, "shutdown": shutdown,
     }), implementation="torch_worker.py (torch %s)" % torch.__version__)

@@ -938,7 +938,7 @@ fn lend_rollout_lends_the_idle_engines_device_to_a_trainer_bound_step_and_gives_
 }
 
 #[test]
-fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_load_state_exits_2_naming_the_key() {
+fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_transfer_state_exits_2_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let key = "elastic.lend_rollout=true";
     for (args, said) in [
@@ -947,10 +947,6 @@ fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_load_state_ex
             "elastic.lend_rollout = true lends the rollout engines' devices to the trainer, which only elastic mode does",
         ),
         (vec!["--mode", "async", "--devices", "2", "--set", key], "run.mode = \"async\": use --mode elastic"),
-        (
-            vec!["--mode", "elastic", "--devices", "2", "--set", key, "--set", "run.trainer_cmd=python3 trainer.py"],
-            "which an external trainer (run.trainer_cmd) does not answer",
-        ),
         (
             vec!["--mode", "elastic", "--devices", "2", "--set", key, "--launcher", "ray"],
             "elastic.lend_rollout = true needs run.launcher = \"local\"",
@@ -966,4 +962,16 @@ fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_load_state_ex
         assert!(err.contains(said), "{args:?}: {err}");
     }
     assert!(!dir.path().join("metrics.jsonl").exists(), "a configuration error started a run");
+    // A trainer that does not answer export_state (the example worker predates it) fails the
+    // first lend, at setup, with exit 2 naming the key and the worker, before any step.
+    let example = dir.path().join("example");
+    let mut args = vec!["--mode", "elastic", "--devices", "2", "--steps", "1", "--set", key];
+    args.extend(["--prompts", "4", "--samples", "4", "--set", "task.digits=3"]);
+    args.extend(["--trainer-cmd", "python3 scripts/example_worker.py"]);
+    let out = run_cmd(&example, &args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let said = "elastic.lend_rollout = true needs every trainer to answer export_state and import_state";
+    assert!(err.contains(said) && err.contains("trainer-0"), "{err}");
+    assert_eq!(json(&example.join("summary.json"))["steps_completed"], 0);
 }

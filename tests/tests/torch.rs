@@ -536,6 +536,45 @@ fn the_elastic_loop_runs_with_pytorch_workers_generating_whole_responses() {
     assert!(suspended.as_u64() > Some(0), "{summary}");
 }
 
+/// Elastic mode's reverse lend with PyTorch workers: a trainer-bound job (the trainer paced at
+/// 0.1% of a 10-TFLOPS device, decoding at 5%), so that at step 2's train stage the engine has
+/// filled the queue and may start nothing. The engine sleeps, a lent PyTorch trainer on its
+/// device wakes and loads the trainer's state from its `torch.save` file (the actor, the
+/// reference, the gradient buffers, AdamW's moments and step counts), both train the step at half
+/// the batch each, and the runner's checks find the lent trainer's weights equal to the
+/// trainer's after the load and again after the step: AdamW on both computed the same update
+/// byte for byte, which a state transfer that missed a moment or a step count would break.
+#[test]
+fn the_reverse_lend_gives_a_lent_pytorch_trainer_the_trainers_exact_state() {
+    let Some(python) = torch_python() else { return };
+    let out = tempfile::tempdir().unwrap();
+    let modelled = ["compute.model=true", "compute.tflops=10", "compute.train_mfu=0.001", "compute.rollout_mfu=0.05"];
+    let mut extra = vec!["--set", "elastic.lend_rollout=true"];
+    extra.extend(modelled.iter().flat_map(|s| ["--set", s]));
+    let summary = torch_async_run(python, out.path(), "elastic", 2, &extra);
+    let r = &summary["async"]["elastic"]["rollout_lend"];
+    assert!(r["lends"].as_u64().unwrap() >= 1, "the idle engine never lent its device: {r}");
+    assert!(r["state_bytes_mean"].as_u64().unwrap() > 0, "{r}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let replicas: Vec<f64> =
+        rows.iter().map(|r| r["train/replicas"].as_f64().unwrap_or_else(|| panic!("{r}"))).collect();
+    assert_eq!(replicas[0], 1.0, "step 1 has no train stage to go by: {replicas:?}");
+    assert!(replicas.contains(&2.0), "no step trained with the lent PyTorch trainer: {replicas:?}");
+    // Every lend loaded the trainer's exact weights and every lent step ended with the same
+    // weights on both (the runner's checks: a mismatch fails the run, which passed).
+    let log: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/lending.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let lends = log.iter().filter(|d| d["action"] == "lend_rollout").count();
+    assert_eq!(log.iter().filter(|d| d["action"] == "reclaim_rollout").count(), lends, "{log:?}");
+}
+
 /// A PyTorch engine that dies as an update's broadcast begins (RELAX_WORKER_FAULT, which
 /// torch_worker.py reads as the built-in workers do), with the trainer already in its broadcast:
 /// the run fails in update_weights naming that engine and its signal, every process stopped (the

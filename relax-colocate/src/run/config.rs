@@ -558,14 +558,6 @@ impl Config {
         if !(e.reclaim_timeout_s > 0.0 && e.reclaim_timeout_s.is_finite()) {
             errors.push(format!("elastic.reclaim_timeout_s={} must be > 0 seconds", e.reclaim_timeout_s));
         }
-        if e.lend_rollout && !self.run.trainer_cmd.trim().is_empty() {
-            errors.push(
-                "elastic.lend_rollout = true starts lent trainers that load the trainer's state with export_state and \
-                 import_state, which an external trainer (run.trainer_cmd) does not answer: use the built-in trainer, \
-                 or elastic.lend_rollout = false"
-                    .into(),
-            );
-        }
         if e.lend_rollout && self.run.launcher != Launcher::Local {
             errors.push(
                 "elastic.lend_rollout = true needs run.launcher = \"local\": a lent trainer reads the trainer's state \

@@ -15,7 +15,7 @@
 use super::{Async, Window};
 use crate::run::metrics::Row;
 use crate::run::protocol::{ExportState, ImportState, Init, StateFile};
-use crate::run::{NCCL_TAG, R, Role, learn, weights};
+use crate::run::{FailKind, NCCL_TAG, R, Role, RunError, learn, weights};
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -154,7 +154,8 @@ impl Async {
     /// Setup, before the initial weights reach the engines: one lend and its reclaim prove the
     /// path and measure the switch the decision weighs a step's saving against.
     pub(super) fn calibrate_rollout_lend(&mut self) -> R<()> {
-        self.lend_rollout(json!({"reason": "calibration: one lend and reclaim measure the switch"}))?;
+        let lend = self.lend_rollout(json!({"reason": "calibration: one lend and reclaim measure the switch"}));
+        lend.map_err(cannot_transfer_state)?;
         self.reclaim_rollout()?;
         let l = self.rl();
         l.calibration_s = l.switch_s;
@@ -370,4 +371,23 @@ mod tests {
         assert!((lending(2).gain(8.0, 2) - 4.0).abs() < 1e-12);
         assert_eq!(lending(0).gain(8.0, 2), 0.0, "nothing lent, nothing saved");
     }
+}
+
+/// A trainer that does not answer export_state or import_state (an external one that predates
+/// them, or one that refuses, as scripts/torch_worker.py does in a data-parallel group) fails the
+/// first lend, at setup: a configuration this run cannot serve, said with the key to change.
+fn cannot_transfer_state(mut e: RunError) -> RunError {
+    let refused = ["\"unknown_method\"", "\"unsupported\""].iter().any(|k| e.cause.contains(k));
+    let state_method = e.cause.starts_with("export_state failed") || e.cause.starts_with("import_state failed");
+    if refused && state_method {
+        e.kind = FailKind::Config;
+        e.cause = format!(
+            "elastic.lend_rollout = true needs every trainer to answer export_state and import_state \
+             (docs/worker-protocol.md), and {} did not: {}; use a trainer that does (the built-in one, \
+             scripts/torch_worker.py with one trainer device), or elastic.lend_rollout = false",
+            e.worker.as_deref().unwrap_or("a trainer"),
+            e.cause
+        );
+    }
+    e
 }

@@ -381,7 +381,9 @@ impl Fleet {
                 return;
             }
             if !told && start.elapsed() > Duration::from_secs(1) {
-                eprintln!("relax-colocate run: waiting for the workers to stop (Ctrl-C again kills them now)");
+                // "again" only after the Ctrl-C that ended the run: a run that ended by itself had none.
+                let again = if signals_before > 0 { " again" } else { "" };
+                eprintln!("relax-colocate run: waiting for the workers to stop (Ctrl-C{again} kills them now)");
                 told = true;
             }
             std::thread::sleep(Duration::from_millis(20));
