@@ -2,7 +2,8 @@
 //! 2 nodes x 2 devices run the same cycle and checks as the local launcher, each node its own
 //! simulated device node; async mode trains on one node and generates on the other, the weights
 //! broadcast between them over the simulated NCCL, and elastic mode lends the trainer's device to
-//! the engine Ray placed beside it on its node; a worker killed, hung or losing its node's agent mid-run fails the run
+//! the engine Ray placed beside it on its node (and, with elastic.lend_rollout, an engine's device
+//! to the lent trainer beside it); a worker killed, hung or losing its node's agent mid-run fails the run
 //! naming node and worker, and nothing is left behind (workers, the bridge, the cluster's
 //! processes), not even when the runner itself is killed; `tms.ray` pauses and resumes the
 //! processes of one node, and those of chosen Ray actors (their hooked child processes). Without
@@ -209,6 +210,54 @@ fn async_mode_trains_on_one_node_and_generates_on_the_other() {
     assert_eq!(placed["trainer-0"]["node"], "node0", "{placed}");
     assert_eq!(placed["rollout-1"]["node"], "node1", "{placed}");
     assert!(placed.get("rollout-0").is_none() && placed.get("trainer-1").is_none(), "one role per device: {placed}");
+    let left = left_behind(dir.path());
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+/// elastic.lend_rollout through the runner's own local Ray cluster, 2 nodes x 1 device, on a
+/// trainer-bound job (the trainer's passes at 8% of the modelled peak, one version of staleness:
+/// the engine fills the queue early in each step): Ray places the lent trainer in the engine's
+/// device bundle on the engine's node, the engine lends it its device for step 2's train stage
+/// (the trainer's state through a file in the run directory, which the local cluster's nodes
+/// share), and gets it back before the update; the run's checks find the lent trainer's weights
+/// equal to the trainer's after the load and after the step, and the device never held by both.
+#[test]
+fn the_reverse_lend_places_the_lent_trainer_beside_the_engine_on_its_node() {
+    let Some(py) = ray_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = vec!["--mode", "elastic", "--nodes", "2", "--devices", "1", "--steps", "3", "--max-staleness", "1"];
+    args.extend(["--memory-profile", "qwen3-4b", "--set", "memory.scale=0.002", "--set", "compute.model=true"]);
+    args.extend(["--set", "compute.train_mfu=0.08", "--set", "elastic.lend_rollout=true"]);
+    let out = ray_run(py, dir.path(), &args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "ok", "{summary}");
+    let r = &summary["async"]["elastic"]["rollout_lend"];
+    assert!(r["lends"].as_u64().unwrap() >= 1, "the idle engine never lent its device: {r}");
+    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
+    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
+    let placed: Value = serde_json::from_str(placed).unwrap();
+    let (engine, lent) = (&placed["rollout-1"], &placed["lent-trainer-1"]);
+    assert_eq!(engine["node"], "node1", "{placed}");
+    assert_eq!(
+        (&lent["node"], &lent["accelerator_id"], &lent["device"]),
+        (&engine["node"], &engine["accelerator_id"], &engine["device"]),
+        "the lent trainer shares the engine's device: {placed}"
+    );
+    let memory = std::fs::read_to_string(dir.path().join("memory.jsonl")).unwrap();
+    let held = |s: &Value, w: &str| -> u64 {
+        let tags = s["workers"][w].as_object().cloned().unwrap_or_default();
+        tags.iter().filter(|(t, _)| *t != "nccl").map(|(_, b)| b.as_u64().unwrap()).sum()
+    };
+    let mut lent_phases = 0;
+    for s in memory.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()) {
+        let (e, t) = (held(&s, "rollout-1"), held(&s, "lent-trainer-1"));
+        assert!(e == 0 || t == 0, "both sides hold node1's device after {}: {s}", s["phase"]);
+        lent_phases += usize::from(s["phase"] == "lend_rollout" && t > 0);
+    }
+    // The lends of the run and setup's calibration.
+    assert_eq!(lent_phases as u64, r["lends"].as_u64().unwrap() + 1, "the lent trainer held the device at every lend");
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }

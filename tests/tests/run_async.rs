@@ -939,6 +939,7 @@ fn lend_rollout_lends_the_idle_engines_device_to_a_trainer_bound_step_and_gives_
 
 #[test]
 fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_transfer_state_exits_2_naming_the_key() {
+    const REMOTE_RAY: &str = "run.ray_address=10.0.0.1:6379";
     let dir = tempfile::tempdir().unwrap();
     let key = "elastic.lend_rollout=true";
     for (args, said) in [
@@ -948,8 +949,8 @@ fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_transfer_stat
         ),
         (vec!["--mode", "async", "--devices", "2", "--set", key], "run.mode = \"async\": use --mode elastic"),
         (
-            vec!["--mode", "elastic", "--devices", "2", "--set", key, "--launcher", "ray"],
-            "elastic.lend_rollout = true needs run.launcher = \"local\"",
+            vec!["--mode", "elastic", "--devices", "2", "--set", key, "--launcher", "ray", "--set", REMOTE_RAY],
+            "elastic.lend_rollout = true needs the run directory on every worker's host",
         ),
         (
             vec!["--mode", "elastic", "--devices", "2", "--set", "elastic.lend_rollout=sometimes"],

@@ -558,12 +558,16 @@ impl Config {
         if !(e.reclaim_timeout_s > 0.0 && e.reclaim_timeout_s.is_finite()) {
             errors.push(format!("elastic.reclaim_timeout_s={} must be > 0 seconds", e.reclaim_timeout_s));
         }
-        if e.lend_rollout && self.run.launcher != Launcher::Local {
-            errors.push(
-                "elastic.lend_rollout = true needs run.launcher = \"local\": a lent trainer reads the trainer's state \
-                 from a file in the run directory, which Ray's workers may not share"
-                    .into(),
-            );
+        // The runner's own local Ray cluster runs every node on this host, beside the run directory.
+        let remote_cluster = self.run.launcher == Launcher::Ray && self.run.ray_address.trim() != "local";
+        if e.lend_rollout && remote_cluster {
+            errors.push(format!(
+                "elastic.lend_rollout = true needs the run directory on every worker's host: a lent trainer reads \
+                 the trainer's state from a file there, and run.ray_address = {:?} is a Ray cluster whose nodes may \
+                 be other hosts: use run.ray_address = \"local\" (the runner's own cluster, on this host), \
+                 --launcher local, or elastic.lend_rollout = false",
+                self.run.ray_address
+            ));
         }
         if !self.run.offload {
             errors.push(
