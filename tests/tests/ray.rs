@@ -161,8 +161,7 @@ fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_ch
     }
     // Every worker opens the device Ray gave its bundle: on the simulator, the node's device
     // numbered by Ray's id (each node of the local cluster numbers its 2 GPUs 0 and 1).
-    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
-    let placed: Value = serde_json::from_str(placed).unwrap();
+    let placed = placement(dir.path());
     for node in 0..2u64 {
         let mut ids = Vec::new();
         for rank in [2 * node, 2 * node + 1] {
@@ -204,14 +203,47 @@ fn async_mode_trains_on_one_node_and_generates_on_the_other() {
     assert!(rate > 0.0 && rate <= 50.0, "a broadcast between nodes faster than their link: {rate} GB/s");
     // Every update reached the engine on the other node and was checked there.
     assert!(summary["checks"]["passed"].as_u64().unwrap() >= 6, "{summary}");
-    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
-    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
-    let placed: Value = serde_json::from_str(placed).unwrap();
+    let placed = placement(dir.path());
     assert_eq!(placed["trainer-0"]["node"], "node0", "{placed}");
     assert_eq!(placed["rollout-1"]["node"], "node1", "{placed}");
     assert!(placed.get("rollout-0").is_none() && placed.get("trainer-1").is_none(), "one role per device: {placed}");
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
+}
+
+/// What the bridge says Ray placed: each worker's node, device and accelerator id.
+fn placement(dir: &Path) -> Value {
+    let bridge = std::fs::read_to_string(dir.join("logs/ray-bridge.log")).unwrap();
+    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
+    serde_json::from_str(placed).unwrap()
+}
+
+/// Worker `lent` was placed on `owner`'s device of `owner`'s node.
+fn assert_same_device(placed: &Value, owner: &str, lent: &str) {
+    let (o, l) = (&placed[owner], &placed[lent]);
+    assert_eq!(
+        (&l["node"], &l["accelerator_id"], &l["device"]),
+        (&o["node"], &o["accelerator_id"], &o["device"]),
+        "{lent} shares {owner}'s device: {placed}"
+    );
+}
+
+/// Every phase's memory sample: `owner` or `lent` holds their device's tagged memory (the
+/// communicators left out), never both. Returns how many `lend_phase` samples found `lent`
+/// holding it.
+fn phases_lent(dir: &Path, owner: &str, lent: &str, lend_phase: &str) -> usize {
+    let memory = std::fs::read_to_string(dir.join("memory.jsonl")).unwrap();
+    let held = |s: &Value, w: &str| -> u64 {
+        let tags = s["workers"][w].as_object().cloned().unwrap_or_default();
+        tags.iter().filter(|(t, _)| *t != "nccl").map(|(_, b)| b.as_u64().unwrap()).sum()
+    };
+    let mut lent_phases = 0;
+    for s in memory.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()) {
+        let (o, l) = (held(&s, owner), held(&s, lent));
+        assert!(o == 0 || l == 0, "both {owner} and {lent} hold their device after {}: {s}", s["phase"]);
+        lent_phases += usize::from(s["phase"] == lend_phase && l > 0);
+    }
+    lent_phases
 }
 
 /// elastic.lend_rollout through the runner's own local Ray cluster, 2 nodes x 1 device, on a
@@ -235,27 +267,10 @@ fn the_reverse_lend_places_the_lent_trainer_beside_the_engine_on_its_node() {
     assert_eq!(summary["status"], "ok", "{summary}");
     let r = &summary["async"]["elastic"]["rollout_lend"];
     assert!(r["lends"].as_u64().unwrap() >= 1, "the idle engine never lent its device: {r}");
-    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
-    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
-    let placed: Value = serde_json::from_str(placed).unwrap();
-    let (engine, lent) = (&placed["rollout-1"], &placed["lent-trainer-1"]);
-    assert_eq!(engine["node"], "node1", "{placed}");
-    assert_eq!(
-        (&lent["node"], &lent["accelerator_id"], &lent["device"]),
-        (&engine["node"], &engine["accelerator_id"], &engine["device"]),
-        "the lent trainer shares the engine's device: {placed}"
-    );
-    let memory = std::fs::read_to_string(dir.path().join("memory.jsonl")).unwrap();
-    let held = |s: &Value, w: &str| -> u64 {
-        let tags = s["workers"][w].as_object().cloned().unwrap_or_default();
-        tags.iter().filter(|(t, _)| *t != "nccl").map(|(_, b)| b.as_u64().unwrap()).sum()
-    };
-    let mut lent_phases = 0;
-    for s in memory.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()) {
-        let (e, t) = (held(&s, "rollout-1"), held(&s, "lent-trainer-1"));
-        assert!(e == 0 || t == 0, "both sides hold node1's device after {}: {s}", s["phase"]);
-        lent_phases += usize::from(s["phase"] == "lend_rollout" && t > 0);
-    }
+    let placed = placement(dir.path());
+    assert_eq!(placed["rollout-1"]["node"], "node1", "{placed}");
+    assert_same_device(&placed, "rollout-1", "lent-trainer-1");
+    let lent_phases = phases_lent(dir.path(), "rollout-1", "lent-trainer-1", "lend_rollout");
     // The lends of the run and setup's calibration.
     assert_eq!(lent_phases as u64, r["lends"].as_u64().unwrap() + 1, "the lent trainer held the device at every lend");
     let left = left_behind(dir.path());
@@ -311,29 +326,11 @@ fn elastic_mode_lends_the_trainers_device_on_its_node_to_the_engine_beside_it() 
     let lends: Vec<&Value> = log.iter().filter(|d| d["action"] == "lend").collect();
     assert!(lends.len() >= 2 && lends.iter().all(|d| d["weights_transport"] == "ipc"), "{log:?}");
     assert_eq!(log.iter().filter(|d| d["action"] == "reclaim").count(), lends.len(), "{log:?}");
-    let bridge = std::fs::read_to_string(dir.path().join("logs/ray-bridge.log")).unwrap();
-    let placed = bridge.lines().find_map(|l| l.strip_prefix("ray-bridge: devices from Ray: ")).expect(&bridge);
-    let placed: Value = serde_json::from_str(placed).unwrap();
-    let (trainer, lent) = (&placed["trainer-0"], &placed["lent-rollout-0"]);
-    assert_eq!(trainer["node"], "node0", "{placed}");
+    let placed = placement(dir.path());
+    assert_eq!(placed["trainer-0"]["node"], "node0", "{placed}");
     assert_eq!(placed["rollout-1"]["node"], "node1", "{placed}");
-    assert_eq!(
-        (&lent["node"], &lent["accelerator_id"], &lent["device"]),
-        (&trainer["node"], &trainer["accelerator_id"], &trainer["device"]),
-        "the lent engine shares the trainer's device: {placed}"
-    );
-    // Every phase's sample: the trainer or its lent engine holds the device, never both.
-    let memory = std::fs::read_to_string(dir.path().join("memory.jsonl")).unwrap();
-    let held = |s: &Value, w: &str| -> u64 {
-        let tags = s["workers"][w].as_object().cloned().unwrap_or_default();
-        tags.iter().filter(|(t, _)| *t != "nccl").map(|(_, b)| b.as_u64().unwrap()).sum()
-    };
-    let mut lent_phases = 0;
-    for s in memory.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()) {
-        let (t, l) = (held(&s, "trainer-0"), held(&s, "lent-rollout-0"));
-        assert!(t == 0 || l == 0, "both sides hold node0's device after {}: {s}", s["phase"]);
-        lent_phases += usize::from(s["phase"] == "lend" && l > 0);
-    }
+    assert_same_device(&placed, "trainer-0", "lent-rollout-0");
+    let lent_phases = phases_lent(dir.path(), "trainer-0", "lent-rollout-0", "lend");
     assert_eq!(lent_phases, lends.len(), "the engine held the device after every lend");
     let left = left_behind(dir.path());
     assert!(left.is_empty(), "processes left behind: {left:?}");
