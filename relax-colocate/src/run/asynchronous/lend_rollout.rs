@@ -356,23 +356,6 @@ impl Async {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn lending(lent: usize) -> RolloutLending {
-        RolloutLending::of_pairs((0..lent).map(|i| (10 + i, i)).collect())
-    }
-
-    #[test]
-    fn the_saving_is_the_share_the_lent_trainers_take_off_the_stage() {
-        assert_eq!(lending(1).gain(10.0, 1), 5.0, "one trainer, one lent: half the stage");
-        assert!((lending(2).gain(9.0, 1) - 6.0).abs() < 1e-12, "one trainer, two lent: two thirds");
-        assert!((lending(2).gain(8.0, 2) - 4.0).abs() < 1e-12);
-        assert_eq!(lending(0).gain(8.0, 2), 0.0, "nothing lent, nothing saved");
-    }
-}
-
 /// A trainer that does not answer export_state or import_state (an external one that predates
 /// them, or one that refuses, as scripts/torch_worker.py does in a data-parallel group) fails the
 /// first lend, at setup: a configuration this run cannot serve, said with the key to change.
@@ -390,4 +373,21 @@ fn cannot_transfer_state(mut e: RunError) -> RunError {
         );
     }
     e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lending(lent: usize) -> RolloutLending {
+        RolloutLending::of_pairs((0..lent).map(|i| (10 + i, i)).collect())
+    }
+
+    #[test]
+    fn the_saving_is_the_share_the_lent_trainers_take_off_the_stage() {
+        assert_eq!(lending(1).gain(10.0, 1), 5.0, "one trainer, one lent: half the stage");
+        assert!((lending(2).gain(9.0, 1) - 6.0).abs() < 1e-12, "one trainer, two lent: two thirds");
+        assert!((lending(2).gain(8.0, 2) - 4.0).abs() < 1e-12);
+        assert_eq!(lending(0).gain(8.0, 2), 0.0, "nothing lent, nothing saved");
+    }
 }

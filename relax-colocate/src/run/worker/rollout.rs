@@ -1,0 +1,316 @@
+//! The built-in rollout engine: generation through its KV cache and logits workspace, in
+//! segments bounded in tokens or modelled time, and the weights it receives.
+
+use super::*;
+
+pub(super) struct Rollout {
+    pub(super) c: Common,
+    /// hidden_pre of every sequence in flight, f64 (the KV cache of this policy).
+    pub(super) kv: Buf,
+    /// Logits of every sequence at the current token (the graph workspace).
+    pub(super) workspace: Buf,
+    pub(super) max_batch: usize,
+}
+
+impl Rollout {
+    pub(super) fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
+        match method {
+            Generate::NAME => answer::<Generate>(p, |p| self.generate(p)),
+            Unpack::NAME => answer::<Unpack>(p, |p| self.unpack(p)),
+            IpcPid::NAME => answer::<IpcPid>(p, |_| Ok(IpcPidReply { pid: self.c.dev.ipc_pid().map_err(dev_err)? })),
+            IpcImport::NAME => answer::<IpcImport>(p, |p| ipc::import(&self.c.dev, p, &mut self.c.ipc)),
+            IpcCopy::NAME => answer::<IpcCopy>(p, |p| {
+                let entries: Vec<(u64, u64)> = self.c.weight_entries().iter().map(|e| (e.ptr, e.bytes)).collect();
+                ipc::copy(&self.c.dev, &self.c.ipc, &entries, p)
+            }),
+            _ => Err(("unknown_method".into(), format!("rollout has no method {method:?}"))),
+        }
+    }
+
+    fn unpack(&mut self, p: BucketParams) -> Result<BucketReply, Failure> {
+        let entries = self.c.weight_entries();
+        let pieces = self.c.bucket_pieces(p.bucket, &entries)?;
+        let len = pieces.last().map(|(_, _, boff, n)| boff + n).unwrap_or(0);
+        let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
+        let shm = self.c.shm(len);
+        self.c.dev.write(dbuf, shm).map_err(dev_err)?;
+        for (idx, off, boff, n) in pieces {
+            self.c.dev.copy(entries[idx].ptr + off, dbuf + boff, n as usize).map_err(dev_err)?;
+        }
+        Ok(BucketReply { bytes: Some(len) })
+    }
+
+    fn generate(&mut self, p: GenerateParams) -> Result<GenerateReply, Failure> {
+        let GenerateParams {
+            prompts,
+            n,
+            max_new_tokens: max_new,
+            temperature,
+            eos,
+            seed,
+            responses,
+            segment_tokens,
+            prefix_cached,
+            token_scale,
+            segment_s,
+            progress,
+            sequence_seeds,
+            ..
+        } = p;
+        let s = self.c.shape;
+        let batch = prompts.len() * n;
+        self.check_request(&prompts, &responses, batch, max_new)?;
+        check_partial(segment_s, &progress, &sequence_seeds, batch)?;
+        let segment = segment_tokens.unwrap_or(max_new).max(1);
+        let t0 = std::time::Instant::now();
+        let prefill = prefill_tokens(&prompts, &responses, &progress, n, prefix_cached);
+        // Weights come from device memory every time: that is what update_weights wrote.
+        let params = self.c.read_params(&self.c.weights)?;
+        let pol = Policy { shape: s, params: &params };
+        let (mut kv_host, mut seqs, before) = prefill_cache(&pol, &prompts, &responses, n);
+        self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
+        let mut rng = Rng::new(seed);
+        let mut logits_host = vec![0f64; batch * s.vocab];
+        // Decoding in modelled steps: without a compute model a task token is one free step, so
+        // every live sequence samples at each step, as the budget (which only a model gives a
+        // cost to) never binds.
+        let model = self.c.compute.map(|m| m.scaled(token_scale));
+        let mut pacer = Pacer::new(model.map_or(1.0, |m| m.token_scale), model.and(segment_s));
+        let mut done = if model.is_some() && !progress.is_empty() { progress } else { vec![0.0; batch] };
+        let mut emitted = vec![0usize; batch];
+        loop {
+            let live: Vec<bool> = seqs.iter().zip(&emitted).map(|(q, e)| !q.3 && *e < segment).collect();
+            let (active, context) = seqs
+                .iter()
+                .zip(&live)
+                .filter(|(_, l)| **l)
+                .fold((0, 0), |(a, c), (q, _)| (a + 1, c + prompts[q.0].len() + q.1.len()));
+            if active == 0 {
+                break;
+            }
+            let step_s = model.map_or(0.0, |m| m.decode_step_seconds(active, context));
+            let Some(now) = pacer.advance(&mut done, &live, step_s) else { break };
+            self.c.dev.read(as_bytes_mut(&mut kv_host), self.kv.ptr).map_err(dev_err)?;
+            let sample_now =
+                Sampling { pol: &pol, prompts: &prompts, temperature, eos, max_new, seeds: &sequence_seeds };
+            sample_now.step(&now, &mut kv_host, &mut logits_host, &mut seqs, &mut rng, |logits| {
+                self.c.dev.write(self.workspace.ptr, as_bytes(logits)).map_err(dev_err)?;
+                self.c.dev.read(as_bytes_mut(logits), self.workspace.ptr).map_err(dev_err)
+            })?;
+            for &i in &now {
+                emitted[i] += 1;
+            }
+            self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
+        }
+        // Prefill is compute-bound like the trainer's passes; decoding is charged step by step.
+        let decode_s = pacer.spent;
+        self.c.pace(t0, token_scale, |m| m.seconds(prefill, 1.0, m.train_mfu, 1.0) + decode_s);
+        Ok(GenerateReply { samples: generated(seqs, &before, &done, max_new) })
+    }
+
+    /// A generate request this engine can serve: within its batch, context and vocabulary.
+    fn check_request(
+        &self,
+        prompts: &[Vec<u32>],
+        responses: &[Vec<u32>],
+        batch: usize,
+        max_new: usize,
+    ) -> Result<(), Failure> {
+        let s = self.c.shape;
+        if batch > self.max_batch {
+            return Err(bad(format!("{batch} sequences exceed the max_batch {} given at init", self.max_batch)));
+        }
+        if prompts.iter().any(|pr| pr.len() + max_new > s.context + 1 || pr.iter().any(|t| *t as usize >= s.vocab)) {
+            return Err(bad("a prompt does not fit the model's context or vocabulary"));
+        }
+        if !responses.is_empty() && responses.len() != batch {
+            return Err(bad(format!("responses has {} entries for {batch} sequences", responses.len())));
+        }
+        if responses.iter().any(|r| r.len() >= max_new || r.iter().any(|t| *t as usize >= s.vocab)) {
+            return Err(bad("a response prefix is already max_new_tokens long or leaves the vocabulary"));
+        }
+        Ok(())
+    }
+}
+
+/// What a segmented request may carry: a budget of positive seconds; carried steps and seeds one
+/// per sequence, each step count finite and >= 0.
+fn check_partial(segment_s: Option<f64>, progress: &[f64], seeds: &[u64], batch: usize) -> Result<(), Failure> {
+    if segment_s.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
+        return Err(bad(format!("segment_s must be a positive number of seconds, not {}", segment_s.unwrap_or(0.0))));
+    }
+    for (name, n) in [("progress", progress.len()), ("sequence_seeds", seeds.len())] {
+        if n != 0 && n != batch {
+            return Err(bad(format!("{name} has {n} entries for {batch} sequences")));
+        }
+    }
+    if let Some(p) = progress.iter().find(|p| !(**p >= 0.0 && p.is_finite())) {
+        return Err(bad(format!("progress {p} is not a count of modelled decode steps (finite, >= 0)")));
+    }
+    Ok(())
+}
+
+/// What sampling a decode step needs besides the engine's buffers.
+struct Sampling<'a> {
+    pol: &'a Policy<'a>,
+    prompts: &'a [Vec<u32>],
+    temperature: f64,
+    eos: Option<u32>,
+    max_new: usize,
+    /// Per sequence, when the request gives them: its own stream, keyed by token position.
+    seeds: &'a [u64],
+}
+
+impl Sampling<'_> {
+    /// The sequences `now` complete a token: their logits (through the engine's workspace, by
+    /// `stage`), a token each in order, their caches grown by it.
+    fn step(
+        &self,
+        now: &[usize],
+        kv_host: &mut [f64],
+        logits_host: &mut [f64],
+        seqs: &mut [Sequence],
+        rng: &mut Rng,
+        stage: impl FnOnce(&mut [f64]) -> Result<(), Failure>,
+    ) -> Result<(), Failure> {
+        let (h, vocab) = (self.pol.shape.hidden, self.pol.shape.vocab);
+        for &i in now {
+            let e = self.pol.head(&kv_host[i * h..(i + 1) * h]);
+            logits_host[i * vocab..(i + 1) * vocab].copy_from_slice(&e.logits);
+        }
+        stage(logits_host)?;
+        for &i in now {
+            let q = &mut seqs[i];
+            let logits = &logits_host[i * vocab..(i + 1) * vocab];
+            let (tok, logp) = match self.seeds.get(i) {
+                Some(seed) => sample(logits, self.temperature, &mut token_rng(*seed, q.1.len())),
+                None => sample(logits, self.temperature, rng),
+            };
+            let pos = self.prompts[q.0].len() + q.1.len();
+            q.1.push(tok as u32);
+            q.2.push(logp);
+            q.3 = Some(tok as u32) == self.eos || q.1.len() == self.max_new;
+            if !q.3 {
+                for (a, w) in kv_host[i * h..(i + 1) * h].iter_mut().zip(self.pol.embed_row(pos, tok as u32)) {
+                    *a += *w as f64;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Tokens a request prefills: the prompts and prefixes, a continued sequence's only when its
+/// cache is gone (prefix_cached says it is not), a new sequence's (no response yet, and no steps
+/// towards its first token: one with steps was prefilled by the segment that made them) always.
+/// This engine recomputes its small cache anyway; the model charges what one that keeps it would.
+fn prefill_tokens(
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    progress: &[f64],
+    n: usize,
+    prefix_cached: bool,
+) -> usize {
+    if responses.is_empty() {
+        return n * prompts.iter().map(Vec::len).sum::<usize>();
+    }
+    let begun = |k: usize| !responses[k].is_empty() || progress.get(k).is_some_and(|p| *p > 0.0);
+    let cached = |k: usize| prefix_cached && begun(k);
+    (0..responses.len()).filter(|k| !cached(*k)).map(|k| prompts[k].len() + responses[k].len()).sum()
+}
+
+/// One sequence of a request: its prompt's index, its response so far, the log-probabilities of
+/// the tokens this request generated, and whether it has finished.
+type Sequence = (usize, Vec<u32>, Vec<f64>, bool);
+
+/// The reply's samples: each sequence's new tokens (after the `before` it came with), and for one
+/// still unfinished the modelled steps it has done towards its next token.
+fn generated(seqs: Vec<Sequence>, before: &[usize], done: &[f64], max_new: usize) -> Vec<Generated> {
+    seqs.into_iter()
+        .zip(before)
+        .zip(done)
+        .map(|(((prompt_index, response, logprobs, finished), &k), &steps)| {
+            let finished = finished || response.len() >= max_new;
+            Generated {
+                prompt_index,
+                response: response[k..].to_vec(),
+                logprobs,
+                finished,
+                progress: if finished { 0.0 } else { steps },
+            }
+        })
+        .collect()
+}
+
+/// The KV cache of every sequence (the prompt's hidden_pre, plus its prefix for a continued one,
+/// as re-prefilling it under the new weights after an interruption would: SGLang and verl drop the
+/// old cache), the sequences, and the tokens each had before this request.
+fn prefill_cache(
+    pol: &Policy,
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    n: usize,
+) -> (Vec<f64>, Vec<Sequence>, Vec<usize>) {
+    let h = pol.shape.hidden;
+    let batch = prompts.len() * n;
+    let mut kv_host = vec![0f64; batch * h];
+    let mut seqs: Vec<Sequence> = Vec::with_capacity(batch);
+    let mut before: Vec<usize> = Vec::with_capacity(batch);
+    for (pi, pr) in prompts.iter().enumerate() {
+        let pre = pol.hidden_pre(pr);
+        for _ in 0..n {
+            let k = seqs.len();
+            let row = &mut kv_host[k * h..(k + 1) * h];
+            row.copy_from_slice(&pre);
+            let prefix = responses.get(k).map(Vec::as_slice).unwrap_or(&[]);
+            for (j, tok) in prefix.iter().enumerate() {
+                for (a, w) in row.iter_mut().zip(pol.embed_row(pr.len() + j, *tok)) {
+                    *a += *w as f64;
+                }
+            }
+            before.push(prefix.len());
+            seqs.push((pi, prefix.to_vec(), Vec::new(), false));
+        }
+    }
+    (kv_host, seqs, before)
+}
+
+/// The stream a sequence of seed `seed` draws its `position`-th response token from.
+fn token_rng(seed: u64, position: usize) -> Rng {
+    Rng::new(Rng::new(seed ^ (position as u64).rotate_left(32)).next_u64())
+}
+
+/// Draws a token from `logits` at `temperature`: the token and its log-probability.
+fn sample(logits: &[f64], temperature: f64, rng: &mut Rng) -> (usize, f64) {
+    let scaled: Vec<f64> = logits.iter().map(|z| z / temperature).collect();
+    let (logp, probs) = crate::run::algo::log_softmax(&scaled);
+    let mut u = rng.uniform();
+    let mut tok = probs.len() - 1;
+    for (j, pj) in probs.iter().enumerate() {
+        if u < *pj {
+            tok = j;
+            break;
+        }
+        u -= pj;
+    }
+    (tok, logp[tok])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sequence_with_steps_towards_its_first_token_is_not_prefilled_again() {
+        let prompts = vec![vec![1, 2, 3], vec![4, 5], vec![6]];
+        let responses = vec![vec![7], vec![], vec![]];
+        // Cached: only the new sequence (no tokens, no steps) is prefilled; the second sequence's
+        // steps came from a segment that prefilled its prompt.
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, true), 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, true), 2 + 1);
+        // After an update every continued sequence is prefilled again, with its prefix.
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, false), 4 + 2 + 1);
+        // A fresh request: every prompt, n times.
+        assert_eq!(prefill_tokens(&prompts, &[], &[], 2, true), 2 * 6);
+    }
+}
