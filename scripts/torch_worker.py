@@ -434,11 +434,13 @@ def generate(p):
         if not prefixes:
             prefill = n * sum(len(x) for x in p["prompts"])
         else:
-            # A continued sequence's prefix is cached unless prefix_cached says not; a new one
-            # (no response yet, no steps towards its first token) is always prefilled.
+            # A continued sequence's prefix is cached when `cached` (one flag per sequence, given
+            # when they differ) or else prefix_cached says so; a new one (no response yet, no
+            # steps towards its first token) is always prefilled.
             steps = p.get("progress") or [0.0] * len(prefixes)
-            prefill = sum(len(x) + len(r) for x, r, d in zip(p["prompts"], prefixes, steps)
-                          if not (p.get("prefix_cached") and (r or d > 0)))
+            held = p.get("cached") or [bool(p.get("prefix_cached"))] * len(prefixes)
+            prefill = sum(len(x) + len(r) for x, r, d, c in zip(p["prompts"], prefixes, steps, held)
+                          if not (c and (r or d > 0)))
         seqs = [(len(p["prompts"][x["prompt_index"]]) + (len(prefixes[k]) if prefixes else 0), len(x["response"]))
                 for k, x in enumerate(samples)]
         spent, kept, carried = paced_decode(seqs, p.get("progress") or [], p.get("segment_s"))

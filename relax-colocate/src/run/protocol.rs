@@ -417,6 +417,12 @@ pub struct GenerateParams {
     /// otherwise). A sequence with an empty prefix and no `progress` is new: prefilled either way.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prefix_cached: bool,
+    /// Partial rollouts: for each continued sequence (in `responses`' order), whether this engine
+    /// holds its prefix, when that differs between them (groups moved between engines: a lent
+    /// engine's share, an orphan); it decides in place of `prefix_cached`, which is then false,
+    /// so a worker that predates it charges every prefix. Empty: `prefix_cached` for all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cached: Vec<bool>,
     /// Modelled compute with responses that grow over the run (compute.token_scale_final): the
     /// modelled tokens per task token of this request's samples, in place of init's
     /// `compute.token_scale`. None: init's.
@@ -613,6 +619,7 @@ mod tests {
             responses: vec![vec![2]],
             segment_tokens: Some(2),
             prefix_cached: true,
+            cached: Vec::new(),
             token_scale: None,
             segment_s: Some(0.5),
             progress: vec![120.0],

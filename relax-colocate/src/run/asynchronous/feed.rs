@@ -37,9 +37,7 @@ impl Async {
         let room = self.groups_per_request.saturating_sub(self.engines[k].groups.len());
         let n = room.min(self.orphans.len());
         if n > 0 {
-            let e = &mut self.engines[k];
-            e.groups.extend(self.orphans.drain(..n));
-            e.adopted = true;
+            self.engines[k].groups.extend(self.orphans.drain(..n).map(|g| Group { moved: true, ..g }));
         }
     }
 
@@ -70,7 +68,7 @@ impl Async {
                 let prompt = self.task.prompt(self.rng.below(lim), self.rng.below(lim));
                 let started = self.groups_started;
                 self.groups_started += 1;
-                self.engines[k].groups.push(Group { prompt, seqs: vec![Seq::default(); n], started });
+                self.engines[k].groups.push(Group { prompt, seqs: vec![Seq::default(); n], started, moved: false });
             }
             self.send_generate(k, continued > 0)?;
         }
@@ -108,6 +106,10 @@ impl Async {
         self.requests += 1;
         let seed = self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.requests << 8) ^ k as u64;
         let e = &self.engines[k];
+        // The engine's cache holds a sequence's prefix when no update came since its last segment,
+        // the engine kept its cache (a lent engine wakes with none), and the group stayed on it.
+        let same_cache = e.version == self.version && !e.adopted;
+        let mut cached = Vec::new();
         let (prompts, n, responses, order, progress) = if continued {
             // One entry per sequence; a new group's sequences start with an empty response.
             let mut prompts = Vec::new();
@@ -119,6 +121,7 @@ impl Async {
                     prompts.push(group.prompt.clone());
                     responses.push(s.response.clone());
                     progress.push(s.progress);
+                    cached.push(same_cache && !group.moved);
                     order.push(Slot { group: g, seq: j, prompt_index: order.len() });
                 }
             }
@@ -152,7 +155,10 @@ impl Async {
             step: self.step(),
             responses,
             segment_tokens: self.segment(),
-            prefix_cached: continued && self.engines[k].version == self.version && !self.engines[k].adopted,
+            // Every prefix cached, or none: the request-wide flag. Some: each sequence's, with the
+            // flag false, so that a worker that predates `cached` charges every prefix.
+            prefix_cached: continued && cached.iter().all(|c| *c),
+            cached: if cached.iter().all(|c| *c) || cached.iter().all(|c| !*c) { Vec::new() } else { cached },
             token_scale: self.cfg.token_scale_at(self.version as f64),
             segment_s: budget,
             progress,
@@ -172,6 +178,9 @@ impl Async {
         e.request = Some((request, order));
         e.version = self.version;
         e.adopted = false;
+        for g in &mut e.groups {
+            g.moved = false;
+        }
         e.sent_at = Some(Instant::now());
         Ok(())
     }
@@ -271,8 +280,7 @@ impl Async {
             lent.sort_by_key(|&j| self.engines[j].groups.len());
             let Some(&j) = lent.first().filter(|&&j| self.engines[j].groups.len() < share) else { break };
             let g = self.engines[k].groups.remove(0);
-            self.engines[j].groups.push(g);
-            self.engines[j].adopted = true;
+            self.engines[j].groups.push(Group { moved: true, ..g });
         }
     }
 }

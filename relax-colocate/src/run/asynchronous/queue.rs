@@ -38,6 +38,9 @@ pub(super) struct Group {
     pub(super) seqs: Vec<Seq>,
     /// Its place in the order groups were started in: batches are taken in that order.
     pub(super) started: u64,
+    /// Moved to another engine since its last segment (a lent engine's share, a reclaimed or
+    /// retired engine's orphan): the engine holding it now has none of its prefixes cached.
+    pub(super) moved: bool,
 }
 
 impl Group {
@@ -119,7 +122,7 @@ mod tests {
                 progress: 0.0,
             })
             .collect();
-        Group { prompt: vec![0], seqs, started }
+        Group { prompt: vec![0], seqs, started, moved: false }
     }
 
     #[test]

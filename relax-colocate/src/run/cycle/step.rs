@@ -66,6 +66,7 @@ impl Colocate {
                 responses: Vec::new(),
                 segment_tokens: None,
                 prefix_cached: false,
+                cached: Vec::new(),
                 token_scale: self.token_scale(),
                 segment_s: None,
                 progress: Vec::new(),

@@ -51,6 +51,7 @@ impl Rollout {
             responses,
             segment_tokens,
             prefix_cached,
+            cached,
             token_scale,
             segment_s,
             progress,
@@ -63,7 +64,7 @@ impl Rollout {
         check_partial(segment_s, &progress, &sequence_seeds, batch)?;
         let segment = segment_tokens.unwrap_or(max_new).max(1);
         let t0 = std::time::Instant::now();
-        let prefill = prefill_tokens(&prompts, &responses, &progress, n, prefix_cached);
+        let prefill = prefill_tokens(&prompts, &responses, &progress, n, Cached { all: prefix_cached, each: &cached });
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
         let pol = Policy { shape: s, params: &params };
@@ -200,22 +201,25 @@ impl Sampling<'_> {
     }
 }
 
+/// Which continued sequences' prefixes the engine holds: `each` (the request's `cached`) when
+/// given, else `all` (its `prefix_cached`) for every one.
+#[derive(Clone, Copy)]
+struct Cached<'a> {
+    all: bool,
+    each: &'a [bool],
+}
+
 /// Tokens a request prefills: the prompts and prefixes, a continued sequence's only when its
-/// cache is gone (prefix_cached says it is not), a new sequence's (no response yet, and no steps
+/// cache is gone (`cached` says it is not), a new sequence's (no response yet, and no steps
 /// towards its first token: one with steps was prefilled by the segment that made them) always.
 /// This engine recomputes its small cache anyway; the model charges what one that keeps it would.
-fn prefill_tokens(
-    prompts: &[Vec<u32>],
-    responses: &[Vec<u32>],
-    progress: &[f64],
-    n: usize,
-    prefix_cached: bool,
-) -> usize {
+fn prefill_tokens(prompts: &[Vec<u32>], responses: &[Vec<u32>], progress: &[f64], n: usize, held: Cached) -> usize {
     if responses.is_empty() {
         return n * prompts.iter().map(Vec::len).sum::<usize>();
     }
     let begun = |k: usize| !responses[k].is_empty() || progress.get(k).is_some_and(|p| *p > 0.0);
-    let cached = |k: usize| prefix_cached && begun(k);
+    let kept = |k: usize| if held.each.is_empty() { held.all } else { held.each.get(k).copied().unwrap_or(false) };
+    let cached = |k: usize| kept(k) && begun(k);
     (0..responses.len()).filter(|k| !cached(*k)).map(|k| prompts[k].len() + responses[k].len()).sum()
 }
 
@@ -300,17 +304,34 @@ fn sample(logits: &[f64], temperature: f64, rng: &mut Rng) -> (usize, f64) {
 mod tests {
     use super::*;
 
+    const ALL: Cached = Cached { all: true, each: &[] };
+    const NONE: Cached = Cached { all: false, each: &[] };
+
     #[test]
     fn a_sequence_with_steps_towards_its_first_token_is_not_prefilled_again() {
         let prompts = vec![vec![1, 2, 3], vec![4, 5], vec![6]];
         let responses = vec![vec![7], vec![], vec![]];
         // Cached: only the new sequence (no tokens, no steps) is prefilled; the second sequence's
         // steps came from a segment that prefilled its prompt.
-        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, true), 1);
-        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, true), 2 + 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, ALL), 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, ALL), 2 + 1);
         // After an update every continued sequence is prefilled again, with its prefix.
-        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, false), 4 + 2 + 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, NONE), 4 + 2 + 1);
         // A fresh request: every prompt, n times.
-        assert_eq!(prefill_tokens(&prompts, &[], &[], 2, true), 2 * 6);
+        assert_eq!(prefill_tokens(&prompts, &[], &[], 2, ALL), 2 * 6);
+    }
+
+    #[test]
+    fn only_the_sequences_whose_prefix_moved_to_this_engine_are_prefilled_again() {
+        let prompts = vec![vec![1, 2, 3], vec![4, 5], vec![6]];
+        let responses = vec![vec![7], vec![8, 9], vec![10]];
+        // The second sequence's group came from another engine: its prompt and prefix only. The
+        // request-wide flag is false then (a worker that predates `cached` prefills all three).
+        let each = [true, false, true];
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, Cached { all: false, each: &each }), 2 + 2);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, NONE), 4 + 4 + 2);
+        // A new sequence is prefilled whatever its flag says.
+        let fresh = vec![vec![7], vec![], vec![10]];
+        assert_eq!(prefill_tokens(&prompts, &fresh, &[], 1, Cached { all: false, each: &[true, true, true] }), 2);
     }
 }
