@@ -6,6 +6,7 @@ use super::queue::{Group, Seq};
 use super::{Async, lend};
 use crate::run::FailKind;
 use crate::run::R;
+use crate::run::fleet::InFlight;
 use crate::run::protocol::{Generate, GenerateParams, GenerateReply};
 use crate::run::task::{self, Rng};
 use std::time::Instant;
@@ -164,8 +165,14 @@ impl Async {
             progress,
             sequence_seeds,
         };
-        let worker = e.worker;
-        let request = self.fleet.submit::<Generate>(worker, params)?;
+        let request = self.fleet.submit::<Generate>(e.worker, params)?;
+        self.mark_sent(k, request, order);
+        Ok(())
+    }
+
+    /// Engine `k` has a request in flight: its idle time ends, and its cache now holds every
+    /// group it generates, under the current weights.
+    fn mark_sent(&mut self, k: usize, request: InFlight, order: Vec<Slot>) {
         let e = &mut self.engines[k];
         if let Some(t) = e.idle_since.take() {
             let idle = t.elapsed().as_secs_f64();
@@ -182,7 +189,6 @@ impl Async {
             g.moved = false;
         }
         e.sent_at = Some(Instant::now());
-        Ok(())
     }
 
     /// Engine `k`'s segment: its tokens join their sequences under the current version; finished
