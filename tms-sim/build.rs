@@ -25,12 +25,37 @@ fn main() {
     build_nccl_name(Path::new(&out));
 }
 
+/// The C compiler for the target being built, found as the `cc` crate finds it (`CC_<target>`,
+/// then `TARGET_CC` or `CC`): these objects are loaded into the target's processes, so a cross
+/// build (aarch64 on an x86_64 machine) must not make them with the host's compiler.
+/// cargo-zigbuild sets `CC_<target>` to its own; a plain cross `cargo build` falls back to
+/// Debian's cross compiler name (`aarch64-linux-gnu-gcc`).
+fn c_compiler() -> String {
+    let target = std::env::var("TARGET").expect("cargo sets TARGET");
+    let host = std::env::var("HOST").expect("cargo sets HOST");
+    let cross = target != host;
+    let general = if cross { "TARGET_CC" } else { "CC" };
+    let keys = [format!("CC_{target}"), format!("CC_{}", target.replace('-', "_")), general.to_string()];
+    for key in &keys {
+        println!("cargo:rerun-if-env-changed={key}");
+    }
+    if let Some(cc) = keys.iter().find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty())) {
+        return cc;
+    }
+    if cross {
+        let arch = target.split('-').next().unwrap_or_default();
+        format!("{arch}-linux-gnu-gcc")
+    } else {
+        "cc".into()
+    }
+}
+
 /// The same for NCCL: PyTorch's libtorch_cuda.so has `NEEDED libnccl.so.2` behind an RPATH
 /// that names the nvidia-nccl wheel. An object with that soname and no functions (NCCL's names
 /// are unversioned, so its references bind to the simulator, first in the global scope),
 /// loaded before torch, stands in. `tms-sim lib-dir` writes it to `tms-sim-lib/nccl/`.
 fn build_nccl_name(out: &Path) {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let cc = c_compiler();
     std::fs::write(out.join("nccl.c"), "const char tms_sim_nccl_name[] = \"libnccl.so.2: tms-sim's NCCL name\";\n")
         .unwrap_or_else(|e| panic!("write nccl.c in OUT_DIR: {e}"));
     let status = Command::new(&cc)
@@ -54,7 +79,7 @@ fn build_nccl_name(out: &Path) {
 }
 
 fn build_cuda12_name(out: &Path) {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let cc = c_compiler();
     let write = |name: &str, text: &str| {
         std::fs::write(out.join(name), text).unwrap_or_else(|e| panic!("write {name} in OUT_DIR: {e}"));
     };

@@ -443,16 +443,28 @@ pub fn parse_socket_name(name: &str) -> Option<(u32, u64)> {
     Some((pid.parse().ok()?, start.parse().ok()?))
 }
 
-/// Field 22 of /proc/PID/stat: start time in clock ticks since boot.
+/// The stat line of process `pid`, read from its main thread's `/proc/PID/task/PID/stat`: on
+/// Linux its state and start time are the process's (proc(5)), and unlike `/proc/PID/stat` no
+/// user-mode emulator rewrites it. qemu-user answers a process's reads of its own
+/// `/proc/self/stat` and `/proc/PID/stat` with a made-up line (state `0`, a start time of its
+/// own), so a hooked aarch64 process under qemu-aarch64 would name its socket with a start time
+/// that every other process, reading the kernel's, takes for a dead one.
+fn stat_line(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/stat"))
+        .or_else(|_| std::fs::read_to_string(format!("/proc/{pid}/stat")))
+        .ok()
+}
+
+/// Field 22 of the process's stat line: start time in clock ticks since boot.
 pub fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = stat_line(pid)?;
     let after_comm = &stat[stat.rfind(')')? + 2..];
     after_comm.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// The state letter of /proc/PID/stat (R, S, D, T stopped, t traced, Z zombie, ...).
+/// The state letter of the process's stat line (R, S, D, T stopped, t traced, Z zombie, ...).
 pub fn process_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = stat_line(pid)?;
     stat.get(stat.rfind(')')? + 2..)?.chars().next()
 }
 
@@ -473,7 +485,7 @@ pub fn read_name(socket: &Path) -> Option<Option<String>> {
 /// Whether `pid` has exited but not been reaped yet (a zombie, state Z, or dying, X): it serves
 /// nothing, and its socket is as stale as a dead process's.
 pub fn process_exited(pid: u32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
+    let Some(stat) = stat_line(pid) else { return true };
     let state = stat.rfind(')').and_then(|i| stat.get(i + 2..i + 3));
     matches!(state, Some("Z" | "X" | "x"))
 }

@@ -46,7 +46,13 @@ impl UserObject {
     }
 
     pub fn release(&self, n: usize) {
-        let before = self.refs.fetch_sub(n.min(self.refs.load(Ordering::Acquire)), Ordering::AcqRel);
+        // One atomic step from the count seen to the count left, so that two releases racing to
+        // zero (or one after it) cannot both see themselves as the last and destroy twice.
+        let Ok(before) =
+            self.refs.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| (r > 0).then(|| r.saturating_sub(n)))
+        else {
+            return;
+        };
         if before <= n && self.destroy != 0 {
             // SAFETY: the destructor the caller registered, with its pointer, called once.
             let f: HostFn = unsafe { std::mem::transmute(self.destroy) };
@@ -211,4 +217,36 @@ pub fn launch(exec: &Exec, stream: usize) -> Result<(), LaunchError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    unsafe extern "C" fn count_destroy(counter: *mut libc::c_void) {
+        // SAFETY: the tests pass a pointer to a live AtomicUsize.
+        unsafe { &*(counter as *const AtomicUsize) }.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// cudaUserObjectRelease: the destructor runs once, when the last reference goes, however
+    /// the releases race; releases past zero do nothing.
+    #[test]
+    fn a_user_object_is_destroyed_exactly_once_when_releases_race() {
+        for _ in 0..200 {
+            let destroyed = Box::leak(Box::new(AtomicUsize::new(0)));
+            let obj = UserObject::new(destroyed as *const AtomicUsize as usize, count_destroy as *const () as usize, 4);
+            let threads: Vec<_> = (0..4)
+                .map(|_| {
+                    let obj = Arc::clone(&obj);
+                    std::thread::spawn(move || obj.release(1))
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert_eq!(destroyed.load(Ordering::SeqCst), 1);
+            obj.release(1);
+            assert_eq!(destroyed.load(Ordering::SeqCst), 1, "a release after the last must not destroy again");
+        }
+    }
 }

@@ -17,7 +17,18 @@
 use crate::core::config::GRANULARITY;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-pub const PAGE: usize = 4096;
+/// The host's page size, read once: mappings of the device pool start at multiples of it, so
+/// every pool range and plain allocation is a whole number of pages. Kunpeng (aarch64) kernels
+/// often run 64 KiB pages, where a 4 KiB-aligned file offset makes `mmap` fail with EINVAL
+/// (mmap(2): "offset must be a multiple of the page size as returned by sysconf(_SC_PAGE_SIZE)").
+pub fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if n > 0 && (n as usize).is_power_of_two() { n as usize } else { 4096 }
+    })
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemError {
@@ -146,8 +157,9 @@ pub fn forget_mirror_pages(view: usize, len: usize) {
         return;
     }
     // Mirrors start and end on page boundaries, so widening to whole pages stays inside one.
-    let start = view & !(PAGE - 1);
-    let end = round_up(view + len, PAGE);
+    let page = page_size();
+    let start = view & !(page - 1);
+    let end = round_up(view + len, page);
     // SAFETY: advice on a mirror range (see above); it changes no byte of device memory.
     unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
 }
@@ -235,6 +247,9 @@ pub struct DeviceBytes {
 
 pub struct Memory {
     pool: Pool,
+    /// The host page size every plain allocation is rounded to (`page_size()`), so that each
+    /// pool range starts where a mapping of the memfd may start.
+    page: usize,
     /// Commit pages at create (TMS_SIM_COMMIT).
     pub commit: bool,
     next_handle: u64,
@@ -317,8 +332,13 @@ pub fn round_up(n: usize, to: usize) -> usize {
 
 impl Memory {
     pub fn new() -> MemResult<Memory> {
+        Memory::with_page(page_size())
+    }
+
+    fn with_page(page: usize) -> MemResult<Memory> {
         Ok(Memory {
             pool: Pool::new()?,
+            page,
             commit: false,
             next_handle: 0x7e57_0000_0001,
             handles: HashMap::new(),
@@ -560,7 +580,9 @@ impl Memory {
 
     // ---- plain allocations ------------------------------------------------------------------
 
-    pub fn plain_alloc(&mut self, device: usize, len: usize, requested: usize) -> MemResult<usize> {
+    /// A plain allocation of `requested` bytes (at least one whole host page).
+    pub fn plain_alloc(&mut self, device: usize, requested: usize) -> MemResult<usize> {
+        let len = round_up(requested.max(1), self.page);
         let offset = self.pool.alloc(len as u64)?;
         if self.commit {
             PageWork::Commit { fd: self.pool.fd, offset, len: len as u64 }.run();
@@ -703,5 +725,33 @@ impl Memory {
             cursor = mstart + m.len;
         }
         Ok(device.map(|device| DeviceBytes { device, mirror: r.mirror + (addr - rstart) }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With 64 KiB pages (Kunpeng kernels), every plain allocation's range of the device pool
+    /// must start on a 64 KiB boundary, or mapping it fails; the arithmetic follows the page size
+    /// it is given, whatever this machine's is (64 KiB multiples map on 4 KiB kernels too).
+    #[test]
+    fn plain_allocations_start_on_page_boundaries_of_the_page_size_given() {
+        for page in [4096, 16384, 65536] {
+            let mut mem = Memory::with_page(page).unwrap();
+            let mut live = Vec::new();
+            for requested in [1, 256, 4097, page - 1, page + 1, 3 * page] {
+                let addr = mem.plain_alloc(0, requested).unwrap();
+                let p = &mem.plain[&addr];
+                assert_eq!(p.offset % page as u64, 0, "page {page}, {requested} bytes: offset {}", p.offset);
+                assert_eq!(p.len, round_up(requested, page));
+                assert_eq!(p.requested, requested);
+                live.push(addr);
+            }
+            // Freed ranges are reused at page boundaries too.
+            mem.plain_free(live[1]).unwrap();
+            let again = mem.plain_alloc(0, 100).unwrap();
+            assert_eq!(mem.plain[&again].offset % page as u64, 0);
+        }
     }
 }

@@ -265,6 +265,7 @@ fn init_state(state: &NodeState, cfg: &Config) {
     }
     for slot in &state.slots {
         slot.pid.store(0, Ordering::Relaxed);
+        slot.start_time.store(0, Ordering::Relaxed);
         for u in &slot.used {
             u.store(0, Ordering::Relaxed);
         }
@@ -311,6 +312,10 @@ fn reclaim_dead(state: &NodeState) -> usize {
             let n = u.swap(0, Ordering::AcqRel);
             saturating_sub(&state.used[d], n);
         }
+        // A free slot's start time is 0 ("unknown"): the next owner publishes its pid before its
+        // start time, and a process that reads the new pid in between must not pair it with the
+        // dead owner's start time and reclaim a live process's slot.
+        slot.start_time.store(0, Ordering::Release);
         slot.pid.store(0, Ordering::Release);
         reclaimed += 1;
     }
@@ -345,10 +350,8 @@ fn is_alive(pid: u32, start_time: u64) -> bool {
     }
 }
 
-/// Field 22 of /proc/PID/stat: start time in clock ticks since boot; with the pid it names a
-/// process uniquely.
+/// Start time in clock ticks since boot; with the pid it names a process uniquely (read as the
+/// control sockets read it, so that processes under qemu-user agree with the others).
 pub fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after_comm = &stat[stat.rfind(')')? + 2..];
-    after_comm.split_whitespace().nth(19)?.parse().ok()
+    tms_proto::process_start_time(pid)
 }

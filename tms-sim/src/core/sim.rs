@@ -3,7 +3,7 @@
 
 use crate::core::config::{Config, warn};
 use crate::core::fault;
-use crate::core::memory::{Freed, MemError, MemResult, Memory, PAGE, round_up};
+use crate::core::memory::{Freed, MemError, MemResult, Memory, page_size, round_up};
 use crate::core::node::Node;
 use crate::core::streams::Streams;
 use crate::core::timing::{self, TO_DEVICE, TO_HOST};
@@ -304,7 +304,7 @@ impl Sim {
     pub fn plain_alloc(&self, dev: usize, size: usize) -> MemResult<usize> {
         let size = size.max(1);
         self.charge_plain(dev, size)?;
-        self.write().plain_alloc(dev, round_up(size, PAGE), size).inspect_err(|_| self.uncharge_plain(dev, size))
+        self.write().plain_alloc(dev, size).inspect_err(|_| self.uncharge_plain(dev, size))
     }
 
     pub fn plain_free(&self, addr: usize) -> MemResult<()> {
@@ -658,7 +658,7 @@ impl Sim {
     }
 
     pub fn host_alloc(&self, size: usize, flags: u32) -> MemResult<usize> {
-        let len = round_up(size.max(1), PAGE);
+        let len = round_up(size.max(1), page_size());
         // SAFETY: a fresh anonymous mapping, populated up front the way pinning faults pages in.
         let p = unsafe {
             libc::mmap(
