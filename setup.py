@@ -54,10 +54,16 @@ class BuildPyWithStartupCheck(build_py):
 
 
 options = {"bdist_wheel": {"py_limited_api": "cp38"}}
-# Only a build linked against glibc 2.17 (cargo-zigbuild's x86_64-unknown-linux-gnu.2.17) may
-# claim manylinux2014; scripts/build-wheel.sh checks the symbol versions before it says so.
-if os.environ.get("CARGO_BUILD_TARGET", "").endswith(".2.17"):
-    options["bdist_wheel"]["plat_name"] = "manylinux2014_x86_64"
+# Only a build linked against glibc 2.17 (cargo-zigbuild's <arch>-unknown-linux-gnu.2.17) may
+# claim manylinux2014, for the architecture it was built for (torch_memory_saver ships
+# manylinux2014_x86_64 and manylinux2014_aarch64); scripts/build-wheel.sh checks every ELF file's
+# machine and symbol versions before it says so.
+_target = os.environ.get("CARGO_BUILD_TARGET", "")
+if _target.endswith("-unknown-linux-gnu.2.17"):
+    _arch = _target.split("-", 1)[0]
+    if _arch not in ("x86_64", "aarch64"):
+        raise SystemExit(f"setup.py: no manylinux2014 platform tag for CARGO_BUILD_TARGET={_target}")
+    options["bdist_wheel"]["plat_name"] = f"manylinux2014_{_arch}"
 
 setup(
     rust_extensions=[

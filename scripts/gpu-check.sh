@@ -2,9 +2,12 @@
 # The hardware kit: proves tms on a real GPU in one command, on a machine with no Rust toolchain
 # and no network (NVIDIA driver, CUDA 12 or 13 runtime, Python 3 with PyTorch and pytest, gcc).
 #
-#   scripts/gpu-check.sh prepare DIR          on the build machine: release build, stripped, plus
+#   scripts/gpu-check.sh prepare [--arch x86_64|aarch64] DIR
+#                                             on the build machine: release build, stripped, plus
 #                                             the wheel, C test sources and Python tests, into DIR
-#                                             (about 15 MiB; carry it to the GPU machine)
+#                                             (about 15 MiB; carry it to the GPU machine), for
+#                                             the GPU machine's architecture (default: this one's;
+#                                             aarch64 for Grace and Kunpeng hosts)
 #   DIR/gpu-check.sh run DIR OUTDIR           on the GPU machine: every check, each with a timeout;
 #                                             writes OUTDIR/summary.md, OUTDIR/summary.json, logs/
 #   DIR/gpu-check.sh run --sim DIR OUTDIR     the same kit on the simulator (what CI runs), for the
@@ -33,11 +36,24 @@
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
+host_arch() { case "$(uname -m)" in arm64|aarch64) echo aarch64 ;; *) uname -m ;; esac; }
 
 prepare() {
-  local dir="$1" root
+  local arch dir root
+  arch="$(host_arch)"
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --arch) [ $# -ge 2 ] || { usage >&2; exit 2; }; arch="$2"; shift 2 ;;
+      --arch=*) arch="${1#--arch=}"; shift ;;
+      -*) die "unknown option $1 for prepare" ;;
+      *) break ;;
+    esac
+  done
+  [ $# -eq 1 ] || { usage >&2; exit 2; }
+  case "$arch" in x86_64|aarch64) ;; *) die "--arch must be x86_64 or aarch64 (not '$arch')" ;; esac
+  dir="$1"
   root="$(cd "$(dirname "$0")/.." && pwd)"
   [ -f "$root/Cargo.toml" ] || die "prepare runs from a checkout (scripts/gpu-check.sh)"
   command -v cargo >/dev/null || die "prepare needs the Rust toolchain (cargo)"
@@ -47,19 +63,21 @@ prepare() {
   rm -rf "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests" "$dir/scripts" "$dir/python"
   mkdir -p "$dir/bin" "$dir/lib" "$dir/wheel" "$dir/src" "$dir/tests" "$dir/scripts" "$dir/python"
   # Everything is linked against glibc 2.17 with the wheel's tools (cargo-zigbuild): the GPU
-  # machine's glibc may be older than this one's.
-  echo "gpu-check: building the wheel" >&2
-  "$root/scripts/build-wheel.sh" "$dir/wheel" >/dev/null
-  echo "gpu-check: building the binaries (release, glibc 2.17)" >&2
+  # machine's glibc may be older than this one's. build-wheel.sh adds the Rust target if needed.
+  echo "gpu-check: building the $arch wheel" >&2
+  "$root/scripts/build-wheel.sh" --arch "$arch" "$dir/wheel" >/dev/null
+  echo "gpu-check: building the $arch binaries (release, glibc 2.17)" >&2
   local venv="${TMS_BUILD_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tms/build-venv}"
   local target="${TMS_WHEEL_TARGET_DIR:-${CARGO_TARGET_DIR:-$root/target}/wheel}"
-  (cd "$root" && PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$target" "$venv/bin/cargo-zigbuild" zigbuild --release \
-    --quiet --target x86_64-unknown-linux-gnu.2.17 -p tms-hook -p tms-sim -p tms-ctl -p relax-colocate)
-  local out="$target/x86_64-unknown-linux-gnu/release"
+  # Without debug info (most of the size; the exported symbols stay), as the wheel is built: the
+  # hook is then a cache hit, and no host strip has to read another architecture's files.
+  (cd "$root" && PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$target" CARGO_PROFILE_RELEASE_DEBUG=0 \
+    CARGO_PROFILE_RELEASE_STRIP=debuginfo "$venv/bin/cargo-zigbuild" zigbuild --release --quiet \
+    --target "$arch-unknown-linux-gnu.2.17" -p tms-hook -p tms-sim -p tms-ctl -p relax-colocate)
+  local out="$target/$arch-unknown-linux-gnu/release"
   for b in tms-ctl tms-sim relax-colocate; do cp "$out/$b" "$dir/bin/"; done
   for l in libtms_hook.so libtms_sim.so; do cp "$out/$l" "$dir/lib/"; done
-  # Debug info is most of the size; the exported symbols stay.
-  strip --strip-debug "$dir"/bin/* "$dir"/lib/*
+  echo "$arch" >"$dir/ARCH"
   cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
   mkdir -p "$dir/tests/torch-consumers"
   cp "$root"/tests/torch-consumers/{conftest.py,variants.py,torch_build.py,test_wheel.py,test_frameworks.py,test_upstream_scenarios.py,test_tms_package.py,test_hook_under_torch.py,test_device_only.py,test_npu_programs.py,test_nccl_pause.py} "$dir/tests/torch-consumers/"
@@ -73,7 +91,7 @@ prepare() {
   # not installed for this), so the bench runs them side by side with ours on the GPU.
   rm -rf "$dir/upstream"
   local tpy
-  if tpy="$("$root/scripts/torch-env.sh" --check >/dev/null 2>&1 && "$root/scripts/torch-env.sh" 2>/dev/null)"; then
+  if [ "$arch" = "$(host_arch)" ] && tpy="$("$root/scripts/torch-env.sh" --check >/dev/null 2>&1 && "$root/scripts/torch-env.sh" 2>/dev/null)"; then
     local tsite
     tsite="$("$tpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     if ls "$tsite"/torch_memory_saver_hook_mode_preload_cu1[23].abi3.so >/dev/null 2>&1; then
@@ -210,6 +228,10 @@ run() {
   for f in bin/relax-colocate lib/libtms_hook.so src/hook_consumer.c; do
     [ -e "$kit/$f" ] || die "$kit/$f is missing: not a kit made by gpu-check.sh prepare"
   done
+  local kit_arch
+  kit_arch="$(cat "$kit/ARCH" 2>/dev/null || echo x86_64)"
+  [ "$kit_arch" = "$(host_arch)" ] ||
+    die "this kit is for $kit_arch and this machine is $(host_arch): make one with scripts/gpu-check.sh prepare --arch $(host_arch) DIR"
   command -v cc >/dev/null || die "a C compiler (cc) is needed"
   command -v python3 >/dev/null || die "python3 is needed"
   local hook="$kit/lib/libtms_hook.so" cudart device
@@ -453,7 +475,7 @@ PY
 }
 
 case "${1:-}" in
-  prepare) [ $# -eq 2 ] || { usage >&2; exit 2; }; prepare "$2" ;;
+  prepare) shift; prepare "$@" ;;
   run) shift; run "$@" ;;
   -h|--help|"") usage; [ -n "${1:-}" ] || exit 2 ;;
   *) echo "gpu-check: unknown command $1" >&2; usage >&2; exit 2 ;;

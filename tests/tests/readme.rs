@@ -151,6 +151,12 @@ fn run_elsewhere(line: &str) -> Option<&'static str> {
         "target/release/relax-colocate bench --device sim --api acl --quick" => {
             Some("bench::quick_bench_through_acl_prints_every_table_and_writes_results")
         }
+        "scripts/build-wheel.sh --arch aarch64 dist/" | "scripts/npu-check.sh prepare --arch aarch64 kit/" => Some(
+            "aarch64::the_aarch64_wheel_and_kit_hold_aarch64_programs_only_with_upstreams_file_names \
+             (npu-check.sh prepare --arch aarch64 builds the wheel; the other aarch64 tests run the kit under qemu)",
+        ),
+        // On an NPU host; here the same kit runs on the simulator's ACL side.
+        "kit/npu-check.sh run kit/ out/" => Some("gpu_kit::the_ascend_kit_passes_on_the_simulators_acl_side"),
         "scripts/gpu-check.sh prepare kit/" | "kit/gpu-check.sh run kit/ out/" => {
             Some("gpu_kit::the_kit_is_small_and_self_contained, gpu_kit::the_kit_passes_on_the_simulator")
         }
