@@ -80,13 +80,18 @@ fn external_pause_frees_memory_another_process_uses_and_resume_restores_it() {
     let pid = trainer.pid().to_string();
     let resumed = run_ok(&mut node.ctl(&["resume", &pid]));
     assert!(resumed.contains("resumed 1 allocations, 600.0 MiB"), "{resumed}");
+    // The change itself, which rounding each side to a tenth of a GiB can hide on a large device.
+    assert!(resumed.contains("(-600.0 MiB)"), "{resumed}");
     assert_eq!(trainer.ask("verify"), "rc=0");
     // Its pinned buffer stays pooled for the next pause, and the host memory it holds is shown.
     let (code, status) = json(node.ctl(&["status", &pid, "--json"]));
     assert_eq!(code, 0);
     assert_eq!(status[0]["status"]["pooled_backup_bytes"], 600 * MIB, "{status}");
     let human = run_ok(&mut node.ctl(&["status", &pid]));
-    assert!(human.contains("pinned buffers pooled 600.0 MiB"), "{human}");
+    assert!(
+        human.contains("pinned buffers pooled 600.0 MiB (kept by resumed allocations for their next pause"),
+        "{human}"
+    );
     trainer.quit();
     rollout.quit();
 }
@@ -109,6 +114,22 @@ fn unknown_targets_and_bad_usage_exit_2() {
     assert!(help.contains("Exit codes") && help.contains("TARGET"), "{help}");
     let completions = run_ok(&mut node.ctl(&["completions", "bash"]));
     assert!(completions.contains("tms-ctl"));
+}
+
+#[test]
+fn a_socket_folder_named_with_dir_that_is_not_there_exits_2_naming_it() {
+    let node = SimNode::new("1GiB");
+    let missing = node.dir.path().join("no-such-folder");
+    for args in [vec!["list"], vec!["status"], vec!["pause", "--all"]] {
+        let out = node.ctl(&[&["--dir", missing.to_str().unwrap()][..], &args].concat()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("no-such-folder") && err.contains("does not exist"), "{args:?}: {err}");
+    }
+    // The default folder (here TMS_CONTROL_DIR) appears with the first hooked process: before
+    // that there is simply nothing to list.
+    let out = node.ctl(&["list"]).env("TMS_CONTROL_DIR", &missing).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// Operations never report success for nothing: a tag no process carries, the empty tag and a

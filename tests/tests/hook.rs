@@ -125,6 +125,20 @@ fn pooled_pinned_buffers_stay_under_their_cap() {
 }
 
 #[test]
+fn an_unreadable_pinned_pool_cap_means_no_cap_and_says_so() {
+    // It used to say "using 17592186044415": the sentinel behind "no limit".
+    let node =
+        SimNode::new("256MiB").env("TMS_PINNED_POOL_MAX_MB", "lots").env("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", "0");
+    let mut argv = c_program("hook_consumer", Style::Linked);
+    argv.extend(["pool-cap".into(), "cuda".into(), "12".into()]);
+    let out = node.hooked(&argv).output().unwrap();
+    assert_ok(&out, "pool-cap with TMS_PINNED_POOL_MAX_MB=lots");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("TMS_PINNED_POOL_MAX_MB=\"lots\" is not a whole number of MiB; using no limit"), "{err}");
+    assert!(!err.contains("17592186044415"), "{err}");
+}
+
+#[test]
 fn pooled_pinned_buffers_go_when_the_host_runs_short_of_memory() {
     // A reserve of all the host's memory can never be met: every buffer is freed at resume, as
     // it must be on a machine whose memory a resume's buffers would exhaust. With no reserve

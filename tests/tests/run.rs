@@ -21,6 +21,12 @@ fn grpo_run_learns_times_every_phase_checks_and_writes_its_outputs() {
     for row in ["generate", "sleep", "update_weights", "wake_up", "actor_train", "train_wait", "step"] {
         assert!(stdout.lines().any(|l| l.starts_with(row)), "phase table lacks {row}:\n{stdout}");
     }
+    // The totals under the table say what they add up.
+    assert!(
+        stdout.contains("train_wait = the rest of each step (generation, sleep and wake, weight update)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("(mean of the first and last 3 steps)"), "{stdout}");
     let m = metrics(dir.path());
     assert_eq!(m.len(), 14);
     for step in &m {
@@ -80,6 +86,11 @@ fn grpo_run_learns_times_every_phase_checks_and_writes_its_outputs() {
     assert!(timeline.contains("memory (MiB)") && timeline.contains("time (s)"), "{timeline}");
     assert!(timeline.contains("trainer-0") && timeline.contains("capacity") && timeline.contains("phase: generate"));
     assert!(dir.path().join("logs/trainer-0.log").is_file() && dir.path().join("logs/rollout-0.log").is_file());
+    // A successful run's worker logs say what each hook did (they used to be empty).
+    for worker in ["trainer-0", "rollout-0"] {
+        let log = std::fs::read_to_string(dir.path().join(format!("logs/{worker}.log"))).unwrap();
+        assert!(log.contains("tms: pause") && log.contains("tms: resume"), "{worker}: {log}");
+    }
     assert!(survivors(dir.path()).is_empty());
 }
 
@@ -726,6 +737,38 @@ fn wandb_logger_runs_offline_or_names_the_install() {
     assert_eq!(runs.len(), 1, "no offline wandb run in {}", dir.path().display());
 }
 
+/// A run this machine cannot start (a device it lacks) is refused before anything is made: no
+/// run folder left behind, no "partial results" of a run that never began.
+#[test]
+fn a_device_this_machine_lacks_is_refused_before_the_run_folder_exists() {
+    // SAFETY: probing for the driver; the handle is closed at once.
+    let has_cuda = unsafe {
+        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        !h.is_null() && libc::dlclose(h) == 0
+    };
+    if has_cuda {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("never");
+    for json in [false, true] {
+        let mut cmd = Command::new(workspace().bin("relax-colocate"));
+        cmd.current_dir(&workspace().root).args(["run", "--device", "cuda", "--out"]).arg(&out_dir);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.env_remove("LD_PRELOAD").env_remove("LD_LIBRARY_PATH").output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("libcuda.so.1") && !err.contains("partial results"), "{err}");
+        assert!(!out_dir.exists(), "a run folder was left: {}", out_dir.display());
+        if json {
+            let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(doc["failure"]["kind"], "configuration", "{doc}");
+        }
+    }
+}
+
 /// `tms-ctl list` during a run must be able to find its workers: the run says where they serve.
 #[test]
 fn the_run_prints_where_its_workers_control_sockets_are() {
@@ -742,6 +785,10 @@ fn the_run_prints_where_its_workers_control_sockets_are() {
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err.lines().find(|l| l.contains("control sockets in")).unwrap_or_else(|| panic!("{err}"));
     assert!(line.contains("`tms-ctl --dir ") && line.contains(" list`"), "{line}");
+    // One step has no before and after (it used to print "0.063 -> 0.063").
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let reward = stdout.lines().find(|l| l.starts_with("reward ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(reward.ends_with("(one step: nothing to compare it with)") && !reward.contains("->"), "{reward}");
 }
 
 /// The colocated default moves the weights by IPC, as slime's `update_weights_from_tensor` does:

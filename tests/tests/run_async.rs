@@ -708,6 +708,21 @@ fn held(sample: &Value, worker: &str) -> u64 {
 }
 
 #[test]
+fn an_elastic_run_that_never_lends_says_so_instead_of_printing_nan() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, summary) = run_ok(
+        dir.path(),
+        &["--mode", "elastic", "--devices", "2", "--steps", "2", "--set", "elastic.lend_after_s=1000000"],
+    );
+    assert_eq!(summary["async"]["elastic"]["lends"], 0, "{summary}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("lending: none (a lend needs the trainer to have waited 1000000.000 s"), "{stdout}");
+    assert!(!stdout.contains("NaN"), "{stdout}");
+    // Two steps: the first against the last, not an average shared by both ends.
+    assert!(stdout.contains("(mean of the first and last 1 step)"), "{stdout}");
+}
+
+#[test]
 fn elastic_lends_the_waiting_trainers_device_and_gets_it_back_with_the_trainers_exact_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let mut args = waiting_trainer();

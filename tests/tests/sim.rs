@@ -339,6 +339,33 @@ fn cli_prints_env_and_node_status() {
 }
 
 #[test]
+fn status_counts_a_killed_process_memory_as_free_not_used() {
+    let ws = workspace();
+    let node = SimNode::new("1GiB");
+    let (mut a, line) = hold(&node, "cuda", 100);
+    assert_eq!(field(&line, "rc"), 0, "{line}");
+    let pid = a.id();
+    a.kill().unwrap();
+    a.wait().unwrap();
+    let status = |json: bool| {
+        let mut cmd = Command::new(ws.bin("tms-sim"));
+        cmd.args(["status", "--node", "test"]).env("TMS_SIM_DIR", node.dir.path());
+        if json {
+            cmd.arg("--json");
+        }
+        run_ok(&mut cmd)
+    };
+    let doc: serde_json::Value = serde_json::from_str(&status(true)).unwrap();
+    let held = 100 * MIB + tms_e2e::CONTEXT_BYTES;
+    assert_eq!(doc["used"][0], 0, "{doc}");
+    assert_eq!(doc["held_by_exited"][0], held, "{doc}");
+    let row = doc["processes"].as_array().unwrap().iter().find(|p| p["pid"] == pid).cloned().unwrap();
+    assert_eq!((row["alive"].clone(), row["used"][0].clone()), (false.into(), held.into()), "{doc}");
+    let text = status(false);
+    assert!(text.contains("exited processes (alive: no) are not counted as used"), "{text}");
+}
+
+#[test]
 fn docs_list_the_runtime_surface_as_exported() {
     let ws = workspace();
     let out = Command::new(ws.bin("tms-sim")).args(["surface", "--markdown"]).output().expect("run tms-sim surface");

@@ -149,6 +149,8 @@ fn main() -> ExitCode {
 
 struct Ctx {
     dir: PathBuf,
+    /// The folder was named with --dir (a missing one is then an error, not an empty machine).
+    named_dir: bool,
     timeout: Duration,
     json: bool,
 }
@@ -159,6 +161,7 @@ fn run(cli: &Cli) -> Result<u8, Failure> {
         return Err(usage("--timeout must be a number of seconds above 0 and at most 86400 (a day)"));
     }
     let ctx = Ctx {
+        named_dir: cli.dir.is_some(),
         dir: cli.dir.clone().unwrap_or_else(tms_proto::socket_dir),
         timeout: Duration::from_secs_f64(cli.timeout),
         json: cli.json,
@@ -258,7 +261,16 @@ fn roff_escape(text: &str) -> String {
 fn alive(ctx: &Ctx) -> Result<Vec<SocketEntry>, Failure> {
     match tms_proto::check_socket_dir(&ctx.dir) {
         Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        // The default folder appears with the first hooked process: none yet is no process. A
+        // folder named with --dir that is not there is a mistake (a typo, another machine's path).
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !ctx.named_dir => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(usage(format!(
+                "the socket folder {} (--dir) does not exist; a run prints the folder its processes use, \
+                 and without --dir tms-ctl looks in $TMS_CONTROL_DIR, $XDG_RUNTIME_DIR/tms or /tmp/tms-$UID",
+                ctx.dir.display()
+            )));
+        }
         Err(e) => {
             return Err(usage(format!(
                 "refusing the socket folder: {e}. Hooked processes do not serve a socket there either \
@@ -618,7 +630,8 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                         println!("  {} device {}: {} free of {}", d.vendor, d.device, human(d.free), human(d.total));
                     }
                     println!(
-                        "  margin {}, retain backup {}, default backup {}, pinned buffers pooled {}",
+                        "  margin {}, retain backup {}, default backup {}, pinned buffers pooled {} (kept by resumed \
+                         allocations for their next pause; paused contents are each tag's \"backup\" below)",
                         human(st.margin_bytes),
                         st.retain_backup,
                         st.default_backup,
@@ -715,14 +728,13 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> 
             let mut line = format!("{}: ", label(row.pid, row.name.as_deref()));
             if let Some(r) = &row.report {
                 line.push_str(&format!(
-                    "{verb} {} allocations, {} in {:.1} ms (skipped {}, failed {}); device free {} -> {}",
+                    "{verb} {} allocations, {} in {:.1} ms (skipped {}, failed {}); device free {}",
                     r.allocations_done,
                     human(r.bytes_done),
                     r.elapsed_ns as f64 / 1e6,
                     r.allocations_skipped,
                     r.allocations_failed,
-                    human(r.device_free_before),
-                    human(r.device_free_after)
+                    tms_proto::size::format_change(r.device_free_before, r.device_free_after)
                 ));
             }
             if let Some(e) = &row.error {

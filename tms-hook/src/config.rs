@@ -169,9 +169,7 @@ impl Config {
         let resume_keeps_margin = env.flag("TMS_RESUME_KEEPS_MARGIN", false);
         let disk_backup = env.flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
         let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| env.flag("TMS_CONTROL", true));
-        let pinned_pool_max = var("TMS_PINNED_POOL_MAX_MB")
-            .filter(|v| !v.trim().is_empty())
-            .map(|_| env.number("TMS_PINNED_POOL_MAX_MB", u64::MAX >> 20, 0, u64::MAX >> 20) << 20);
+        let pinned_pool_max = env.pinned_pool_max();
         let pinned_pool_host_reserve_percent = env.number("TMS_PINNED_POOL_HOST_RESERVE_PERCENT", 25, 0, 100);
         let backup_streams = env.number("TMS_BACKUP_STREAMS", 4, 1, 64) as usize;
         let backup_chunk = (env.number("TMS_BACKUP_CHUNK_MB", 16, 1, 4096) as usize) << 20;
@@ -245,6 +243,19 @@ impl EnvReader {
                     default
                 }
             },
+        }
+    }
+
+    /// `TMS_PINNED_POOL_MAX_MB` in bytes; unset, empty or unreadable: no limit (None), said so.
+    fn pinned_pool_max(&mut self) -> Option<u64> {
+        const NAME: &str = "TMS_PINNED_POOL_MAX_MB";
+        let v = var(NAME).filter(|v| !v.trim().is_empty())?;
+        match v.trim().parse::<u64>() {
+            Ok(mb) => Some(mb.min(u64::MAX >> 20) << 20),
+            Err(_) => {
+                self.warnings.push(format!("{NAME}={v:?} is not a whole number of MiB; using no limit"));
+                None
+            }
         }
     }
 

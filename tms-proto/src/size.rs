@@ -35,6 +35,18 @@ pub fn format_size(bytes: u64) -> String {
     ByteSize::b(bytes).display().iec().to_string()
 }
 
+/// `before -> after` of a quantity that moved, with the change itself when there was one
+/// (`72.3 GiB -> 72.3 GiB (+24.0 MiB)`): each side alone is rounded to a tenth of its unit, which
+/// on a large device hides a change of tens of MiB.
+pub fn format_change(before: u64, after: u64) -> String {
+    let change = match after.cmp(&before) {
+        std::cmp::Ordering::Equal => return format!("{} -> {}", format_size(before), format_size(after)),
+        std::cmp::Ordering::Greater => format!("+{}", format_size(after - before)),
+        std::cmp::Ordering::Less => format!("-{}", format_size(before - after)),
+    };
+    format!("{} -> {} ({change})", format_size(before), format_size(after))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,6 +61,14 @@ mod tests {
         assert_eq!(parse_size("16G"), Ok(16 << 30));
         assert_eq!(parse_size("2M"), Ok(2 << 20));
         assert_eq!(parse_size("18446744073709551615"), Ok(u64::MAX));
+    }
+
+    #[test]
+    fn a_change_smaller_than_the_rounding_is_still_shown() {
+        let g = 72 * (1u64 << 30) + (3 << 29) / 5;
+        assert_eq!(format_change(g, g + (24 << 20)), "72.3 GiB -> 72.3 GiB (+24.0 MiB)");
+        assert_eq!(format_change(1 << 30, 0), "1.0 GiB -> 0 B (-1.0 GiB)");
+        assert_eq!(format_change(4096, 4096), "4.0 KiB -> 4.0 KiB");
     }
 
     #[test]

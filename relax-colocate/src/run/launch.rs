@@ -258,6 +258,11 @@ impl Plan {
             ("TMS_CONTROL_DIR".into(), scratch.ctl_dir.display().to_string()),
             ("RELAX_DEVICE_API".into(), self.api.into()),
         ];
+        // Each worker's log (logs/<worker>.log) says what its hook did: every pause and resume
+        // with its bytes and timing, not only the warnings. A TMS_LOG of the user's wins.
+        if std::env::var_os("TMS_LOG").is_none() {
+            env.push(("TMS_LOG".into(), "info".into()));
+        }
         // The members of a collective that joined give up on one that never comes before the
         // runner's own wait on it ends, so that the runner can tell which one it was. CANN takes
         // 120 to 7200 s.
@@ -337,8 +342,7 @@ fn announce(cfg: &Config, opts: &Options, plan: &Plan, out: &Outputs, scratch: &
 
 /// Acts on the plan: files, outputs, then the workers; returns the plan with the fleet and the
 /// recorder a driver runs over.
-pub(super) fn start(cfg: &Config, opts: &Options, run_dir: PathBuf) -> R<(Plan, Fleet, Recorder)> {
-    let plan = plan(cfg, opts.hook.as_deref())?;
+pub(super) fn start(cfg: &Config, opts: &Options, plan: Plan, run_dir: PathBuf) -> R<(Plan, Fleet, Recorder)> {
     let scratch = Scratch::create(plan.shm_bytes).map_err(setup_err)?;
     let env = plan.worker_env(cfg, &scratch).map_err(setup_err)?;
     let out = Outputs::open(cfg, &run_dir)?;

@@ -39,7 +39,7 @@ pub use recorder::{loggers, metrics};
 
 use asynchronous::Async;
 use cycle::Colocate;
-use launch::{make_run_dir, start};
+use launch::{make_run_dir, plan, start};
 use serde_json::{Value, json};
 use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
@@ -203,12 +203,18 @@ pub fn run(opts: &Options) -> u8 {
     if let Err(e) = loggers::preflight(&kinds, &cfg.metrics.python) {
         return refuse(FailKind::Config, &e.to_string());
     }
+    // A device this machine lacks, a device too small: refused before the run folder exists, so
+    // nothing is left behind for a run that never started.
+    let planned = match plan(&cfg, opts.hook.as_deref()) {
+        Ok(p) => p,
+        Err(e) => return refuse(e.kind, &e.cause),
+    };
     signals::install();
     let run_dir = match make_run_dir(&cfg) {
         Ok(d) => d,
         Err(e) => return refuse(FailKind::Setup, &e.to_string()),
     };
-    let mut driver = match start(&cfg, opts, run_dir.clone()) {
+    let mut driver = match start(&cfg, opts, planned, run_dir.clone()) {
         Ok((plan, fleet, recorder)) if cfg.run.mode.split() => {
             Driver::Async(Box::new(Async::new(&cfg, plan, fleet, recorder)))
         }

@@ -91,16 +91,15 @@ impl Report {
 
     /// One line for people: what was done, skipped and failed, how long, and device free memory.
     pub fn summary(&self, verb: &str) -> String {
-        use tms_proto::size::format_size;
+        use tms_proto::size::{format_change, format_size};
         format!(
-            "{verb} {} allocation(s), {} in {:.1} ms (skipped {}, failed {}); device free {} -> {}",
+            "{verb} {} allocation(s), {} in {:.1} ms (skipped {}, failed {}); device free {}",
             self.allocations_done,
             format_size(self.bytes_done),
             self.elapsed_ns as f64 / 1e6,
             self.allocations_skipped,
             self.allocations_failed,
-            format_size(self.device_free_before),
-            format_size(self.device_free_after)
+            format_change(self.device_free_before, self.device_free_after)
         )
     }
 }

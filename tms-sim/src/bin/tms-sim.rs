@@ -260,6 +260,12 @@ fn run(cli: Cli) -> Result<(), String> {
                 let used: Vec<String> = p.used.iter().map(|u| human(*u)).collect();
                 println!("{:<10} {:<6} {}", p.pid, if p.alive { "yes" } else { "no" }, used.join(" "));
             }
+            if report.held_by_exited.iter().any(|&b| b > 0) {
+                println!(
+                    "\nexited processes (alive: no) are not counted as used: a device frees their memory \
+                     at once, and the node file hands it back when the next process attaches"
+                );
+            }
             Ok(())
         }
     }

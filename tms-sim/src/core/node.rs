@@ -209,11 +209,16 @@ pub fn inspect(path: &Path) -> std::io::Result<NodeReport> {
             used: (0..devices).map(|d| slot.used[d].load(Ordering::Relaxed)).collect(),
         });
     }
+    // A device frees a dead process's memory at once; the node file catches up only when the
+    // next process attaches or allocates, so what the dead still hold is shown apart, not as used.
+    let held_by_dead = |d: usize| processes.iter().filter(|p| !p.alive).map(|p| p.used[d]).sum::<u64>();
+    let recorded: Vec<u64> = (0..devices).map(|d| state.used[d].load(Ordering::Relaxed)).collect();
     let report = NodeReport {
         path: path.display().to_string(),
         devices: devices as u32,
         capacity: state.capacity.load(Ordering::Relaxed),
-        used: (0..devices).map(|d| state.used[d].load(Ordering::Relaxed)).collect(),
+        used: recorded.iter().enumerate().map(|(d, u)| u.saturating_sub(held_by_dead(d))).collect(),
+        held_by_exited: (0..devices).map(held_by_dead).collect(),
         processes,
     };
     // SAFETY: unmapping the mapping made above; `state` is not used afterwards.
@@ -226,7 +231,11 @@ pub struct NodeReport {
     pub path: String,
     pub devices: u32,
     pub capacity: u64,
+    /// Per device, what live processes use.
     pub used: Vec<u64>,
+    /// Per device, what exited processes still have recorded: free on a device, and handed back
+    /// in the node file when the next process attaches or allocates.
+    pub held_by_exited: Vec<u64>,
     pub processes: Vec<ProcessReport>,
 }
 

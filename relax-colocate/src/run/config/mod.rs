@@ -358,6 +358,36 @@ fn with_key(root: &toml::Table, msg: &str) -> String {
     }
 }
 
+/// Whether the configuration file sets `[section] key`.
+fn file_sets_key(file: Option<&std::path::Path>, section: &str, key: &str) -> Result<bool, String> {
+    let Some(path) = file else { return Ok(false) };
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(user.get(section).and_then(toml::Value::as_table).is_some_and(|t| t.contains_key(key)))
+}
+
+/// `--trainer-devices 0 --rollout-devices 1` name two devices: with no device count given, the
+/// run has as many per node as the lists reach (a malformed list is left to the checks, which
+/// name it).
+fn devices_from_lists(root: &mut toml::Table) {
+    let Some(run) = root.get_mut("run").and_then(toml::Value::as_table_mut) else { return };
+    let highest = ["trainer_devices", "rollout_devices"]
+        .iter()
+        .filter_map(|k| run.get(*k).and_then(toml::Value::as_str))
+        .filter(|list| !list.trim().is_empty())
+        .flat_map(|list| list.split([',', '-']).map(|n| n.trim().parse::<u32>().ok()).collect::<Vec<_>>())
+        .collect::<Option<Vec<u32>>>()
+        .and_then(|v| v.into_iter().max());
+    let nodes = run.get("nodes").and_then(toml::Value::as_integer).map_or(1, |n| n.max(1) as u64);
+    let devices = run.get("devices").and_then(toml::Value::as_integer).unwrap_or(1);
+    if let Some(h) = highest {
+        let needed = (u64::from(h) + 1).div_ceil(nodes) as i64;
+        if needed > devices {
+            run.insert("devices".into(), toml::Value::Integer(needed));
+        }
+    }
+}
+
 /// The default configuration, overlaid with `file` (if any), then with each `--set`.
 pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, String> {
     let mut root: toml::Table = DEFAULT_TOML.parse().map_err(|e| format!("built-in defaults: {e}"))?;
@@ -366,8 +396,13 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
         let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
         merge(&mut root, user, "").map_err(|e| format!("{}: {e}", path.display()))?;
     }
+    let mut devices_given = file_sets_key(file, "run", "devices")?;
     for s in sets {
         apply_override(&mut root, s)?;
+        devices_given |= s.split_once('=').is_some_and(|(k, _)| k.trim() == "run.devices");
+    }
+    if !devices_given {
+        devices_from_lists(&mut root);
     }
     let cfg: Config =
         toml::Value::Table(root.clone()).try_into().map_err(|e: toml::de::Error| with_key(&root, e.message()))?;
@@ -581,6 +616,25 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn device_lists_give_the_device_count_when_none_is_given() {
+        let lists = [
+            "run.mode=\"async\"".to_string(),
+            "run.trainer_devices=\"0\"".into(),
+            "run.rollout_devices=\"1-2\"".into(),
+        ];
+        assert_eq!(load(None, &lists).unwrap().total_devices(), 3);
+        let two_nodes = [&lists[..], &["run.nodes=2".into(), "run.launcher=\"ray\"".into()]].concat();
+        assert_eq!(load(None, &two_nodes).map(|c| c.run.devices), Ok(2));
+        // A count given is the user's: lists past it are still refused, naming the flag to raise.
+        let given = [&lists[..], &["run.devices=2".into()]].concat();
+        assert!(load(None, &given).unwrap_err().contains("raise --devices"), "{:?}", load(None, &given));
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "[run]\ndevices = 2\n").unwrap();
+        assert!(load(Some(&f), &lists).is_err());
+    }
 
     #[test]
     fn defaults_parse_and_validate() {

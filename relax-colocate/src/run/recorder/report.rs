@@ -163,12 +163,13 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
     }
     let rewards = series("rollout/raw_reward");
     let pass = series("passrate/pass@1");
+    let k = before_after_window(rewards.len());
     let head = |v: &[f64]| -> f64 {
-        let k = v.len().min(3);
+        let k = k.min(v.len());
         if k == 0 { f64::NAN } else { v[..k].iter().sum::<f64>() / k as f64 }
     };
     let last = |v: &[f64]| -> f64 {
-        let k = v.len().min(3);
+        let k = k.min(v.len());
         if k == 0 { f64::NAN } else { v[v.len() - k..].iter().sum::<f64>() / k as f64 }
     };
     json!({
@@ -179,8 +180,8 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         "steps_completed": r.steps_completed,
         "steps_requested": r.cfg.run.steps,
         "phases": phases,
-        "reward": {"first3_mean": head(&rewards), "last3_mean": last(&rewards)},
-        "pass_rate": {"first3_mean": head(&pass), "last3_mean": last(&pass)},
+        "reward": {"first3_mean": head(&rewards), "last3_mean": last(&rewards), "window_steps": k},
+        "pass_rate": {"first3_mean": head(&pass), "last3_mean": last(&pass), "window_steps": k},
         "checks": {"enabled": r.cfg.run.checks, "passed": r.checks_passed},
         "memory": {
             "profile": r.cfg.memory.profile, "trainer_bytes_per_device": profile.trainer.bytes(),
@@ -197,13 +198,21 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
     })
 }
 
+/// Steps averaged at each end for "reward before -> after": three, fewer on runs under six steps
+/// so that the two ends never share a step (a one-step run has only the one).
+fn before_after_window(steps: usize) -> usize {
+    if steps >= 6 { 3 } else { (steps / 2).max(steps.min(1)) }
+}
+
 pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
     println!("\nPhase times over {} steps ({})", summary["steps_completed"], r.device_label);
     println!("{:<16} {:>10} {:>10} {:>8}", "phase", "median s", "p90 s", "share");
+    let mut totals = false;
     for p in summary["phases"].as_array().into_iter().flatten() {
         let name = p["phase"].as_str().unwrap_or("");
         if name == "train" {
             println!("{}", "-".repeat(47));
+            totals = true;
         }
         println!(
             "{:<16} {:>10.4} {:>10.4} {:>7.1}%",
@@ -213,14 +222,36 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
             100.0 * p["share_of_step"].as_f64().unwrap_or(0.0)
         );
     }
+    if totals {
+        // slime's step = train + train_wait (perf/train_time, perf/train_wait_time).
+        println!(
+            "{}",
+            if summary.get("async").is_some() {
+                "train = the trainer's compute; train_wait = the trainer waiting for its next batch"
+            } else {
+                "train = the trainer's compute phases; train_wait = the rest of each step (generation, sleep and wake, \
+                 weight update)"
+            }
+        );
+    }
     let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
-    println!(
-        "\nreward {:.3} -> {:.3}, pass rate {:.2} -> {:.2} (mean of the first and last 3 steps)",
-        f(&summary["reward"]["first3_mean"]),
-        f(&summary["reward"]["last3_mean"]),
-        f(&summary["pass_rate"]["first3_mean"]),
-        f(&summary["pass_rate"]["last3_mean"])
-    );
+    let (reward, pass) = (&summary["reward"], &summary["pass_rate"]);
+    match reward["window_steps"].as_u64().unwrap_or(0) {
+        0 => println!("\nreward -, pass rate - (no step completed)"),
+        1 if summary["steps_completed"].as_u64() == Some(1) => println!(
+            "\nreward {:.3}, pass rate {:.2} (one step: nothing to compare it with)",
+            f(&reward["first3_mean"]),
+            f(&pass["first3_mean"])
+        ),
+        k => println!(
+            "\nreward {:.3} -> {:.3}, pass rate {:.2} -> {:.2} (mean of the first and last {k} step{})",
+            f(&reward["first3_mean"]),
+            f(&reward["last3_mean"]),
+            f(&pass["first3_mean"]),
+            f(&pass["last3_mean"]),
+            if k == 1 { "" } else { "s" }
+        ),
+    }
     if let Some(a) = summary.get("async") {
         print_async(a, summary["compute"].as_str().unwrap_or(""));
         print_correction(&summary["off_policy_correction"]);
@@ -352,6 +383,18 @@ fn print_lending(e: &Value) {
         let names: Vec<&str> = r.iter().filter_map(Value::as_str).collect();
         format!("; retired (kept the device past the reclaim timeout): {}", names.join(", "))
     });
+    // No lend: no mean cost to print (it used to read "NaN s").
+    if e["lends"].as_u64() == Some(0) {
+        println!(
+            "       lending: none (a lend needs the trainer to have waited {:.3} s, {}); trainer devices idle \
+             {:.0}%{retired}",
+            f("lend_after_s"),
+            e["lend_after_s_source"].as_str().unwrap_or("?"),
+            100.0 * f("trainer_device_idle_ratio"),
+        );
+        print_rollout_lending(&e["rollout_lend"]);
+        return;
+    }
     println!(
         "       lending: {} lend(s) after the trainer waited {:.3} s ({}), each {:.3} s to lend and {:.3} s to reclaim \
          ({:.3} s of it the saver's); lent {:.1} s ({:.1} s of it idle), {} tokens; trainer devices idle {:.0}% (idle unlent, flush \
@@ -377,6 +420,14 @@ fn print_rollout_lending(r: &Value) {
         return;
     }
     let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    if r["lends"].as_u64() == Some(0) {
+        println!(
+            "       lent to the trainer: none ({} skipped); rollout devices idle {:.0}%",
+            r["lends_skipped"],
+            100.0 * f("rollout_device_idle_ratio"),
+        );
+        return;
+    }
     println!(
         "       lent to the trainer: {} lend(s) of the rollout devices ({} skipped), each {:.3} s to lend and {:.3} s to \
          reclaim ({:.3} s of it the saver's; the trainer's state {:.1} MiB through the host); {:.1} device-s trained; \
@@ -709,4 +760,18 @@ pub(in crate::run) fn write_plots(r: &Recorder) -> std::io::Result<()> {
     std::fs::write(r.run_dir.join("memory_timeline.svg"), memory_timeline(r))?;
     std::fs::write(r.run_dir.join("memory_per_step.svg"), memory_per_step(r))?;
     std::fs::write(r.run_dir.join("reward.svg"), reward_curve(r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::before_after_window;
+
+    #[test]
+    fn the_before_and_after_windows_never_share_a_step() {
+        let got: Vec<usize> = (0..9).map(before_after_window).collect();
+        assert_eq!(got, [0, 1, 1, 1, 2, 2, 3, 3, 3]);
+        for steps in 2..40 {
+            assert!(2 * before_after_window(steps) <= steps, "{steps}");
+        }
+    }
 }
