@@ -29,6 +29,7 @@ extern "C" {
 #define TMS_ERR_NO_DRIVER 4      /* no CUDA or Ascend driver could be loaded */
 #define TMS_ERR_INTERNAL 5       /* a bug in tms, caught before it reached the caller */
 #define TMS_ERR_IO 6             /* a disk backup file could not be read; it stays paused with it */
+#define TMS_ERR_CORRUPT 7        /* TMS_VERIFY_RESTORE: a resume did not bring back the paused bytes */
 
 /* What a pause or resume did. Allocations already in the target state are "skipped"; allocations
  * the operation could not complete are "failed" and stay as they were (a paused allocation keeps
@@ -118,6 +119,14 @@ int tms_status(tms_tag_status *out, size_t capacity, size_t *count);
 /* Free retained backup buffers of active allocations; *bytes_freed may be NULL. */
 int tms_release_cpu_backups(uint64_t *bytes_freed);
 uint64_t tms_get_memory_margin_bytes(void);
+/* Restore verification (default TMS_VERIFY_RESTORE, off): pauses made while it is on take a
+ * checksum of every backup, and the next resume checks the backup and reads the restored bytes
+ * back, copying once more where a copy went wrong; what still differs fails the resume with
+ * TMS_ERR_CORRUPT (the memory stays mapped). Costs a host pass at pause and a device-to-host read
+ * of every restored byte at resume. Writes into a paused allocation's backup (through
+ * tms_get_cpu_backup_pointer) count as corruption. */
+void tms_set_verify_restore(bool on);
+bool tms_get_verify_restore(void);
 /* Static text for a TMS_ERR_* code. */
 const char *tms_strerror(int code);
 const char *tms_version(void);

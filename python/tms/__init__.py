@@ -28,6 +28,7 @@ if _tms_install_check is not None:
     _tms_install_check.refuse_import(os.path.dirname(__file__))
 
 from ._lib import (  # noqa: F401  (re-exported)
+    TMS_ERR_CORRUPT,
     TMS_ERR_DRIVER,
     TMS_ERR_INTERNAL,
     TMS_ERR_INVALID,
@@ -58,6 +59,7 @@ __all__ = [
     "configure_subprocess",
     "set_memory_margin_bytes",
     "set_retain_cpu_backup",
+    "set_verify_restore",
     "set_disk_backup_dir",
     "library_path",
     "hook_mode",
@@ -144,6 +146,14 @@ def set_memory_margin_bytes(value):
 def set_retain_cpu_backup(value):
     """Keep the CPU backup readable after resume (default off, as torch_memory_saver)."""
     shared().retain_cpu_backup = value
+
+
+def set_verify_restore(value):
+    """Check every restore byte for byte (default TMS_VERIFY_RESTORE, off): pauses made while it
+    is on take checksums of their backups, and the next resume compares the restored bytes with
+    them and raises TmsError (code TMS_ERR_CORRUPT) naming the allocation, tag and offset where
+    they differ. A debugging mode: it reads every restored byte back."""
+    shared().verify_restore = value
 
 
 def set_disk_backup_dir(path):

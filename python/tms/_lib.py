@@ -34,6 +34,7 @@ TMS_ERR_DRIVER = 3
 TMS_ERR_NO_DRIVER = 4
 TMS_ERR_INTERNAL = 5
 TMS_ERR_IO = 6
+TMS_ERR_CORRUPT = 7
 
 ERRORS = {
     TMS_ERR_INVALID: "invalid argument",
@@ -42,6 +43,7 @@ ERRORS = {
     TMS_ERR_NO_DRIVER: "no CUDA or Ascend driver could be loaded",
     TMS_ERR_INTERNAL: "internal error in tms",
     TMS_ERR_IO: "a disk backup could not be read or written",
+    TMS_ERR_CORRUPT: "a resume did not bring back the bytes the pause saved (restore verification)",
 }
 
 
@@ -120,6 +122,8 @@ TORCH_MEMORY_SAVER_API = {
 # tms's own functions (include/tms.h).
 TMS_API = {
     "tms_get_memory_margin_bytes": ([], _c_uint64),
+    "tms_set_verify_restore": ([_c_bool], None),
+    "tms_get_verify_restore": ([], _c_bool),
     "tms_pause_report": ([_c_char_p, ctypes.POINTER(Report)], _c_int),
     "tms_resume_report": ([_c_char_p, ctypes.POINTER(Report)], _c_int),
     "tms_status": ([ctypes.POINTER(TagStatus), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)], _c_int),

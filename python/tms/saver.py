@@ -346,6 +346,14 @@ class Saver:
     def retain_cpu_backup(self, value):
         self.cdll.tms_set_retain_cpu_backup(bool(value))
 
+    @property
+    def verify_restore(self):
+        return bool(self.cdll.tms_get_verify_restore())
+
+    @verify_restore.setter
+    def verify_restore(self, value):
+        self.cdll.tms_set_verify_restore(bool(value))
+
     def set_disk_backup_dir(self, path):
         os.makedirs(path, exist_ok=True)
         self.cdll.tms_set_disk_backup_dir(os.fsencode(path))

@@ -1120,6 +1120,68 @@ static int multi_device(long cycles) {
   return 0;
 }
 
+/* Restore verification (tms_set_verify_restore; TMS_VERIFY_RESTORE=1 is the same from the start):
+ * a clean cycle checks out; a backup written while paused (through tms_get_cpu_backup_pointer)
+ * fails the resume with TMS_ERR_CORRUPT, the memory mapped with the written byte; on the
+ * simulator, a restore copy that flips a byte (a `corrupt` fault rule) is made again and the
+ * contents come back, one that flips every time fails with TMS_ERR_CORRUPT, and with
+ * verification off the same bad copy passes unnoticed (what the option is for). */
+static int verify_restore(void) {
+  const size_t n = 3 * MiB + 4096;
+  void *p;
+  tms_report r;
+  TMS(tms_set_verify_restore)(true);
+  EXPECT(TMS(tms_get_verify_restore)(), 1);
+  region("verify", 1);
+  EXPECT(dev_malloc(&p, n), 0);
+  no_region();
+  dev_fill(p, n, 7);
+  uint64_t sum = dev_checksum(p, n);
+
+  EXPECT(TMS(tms_pause_report)("verify", &r), 0);
+  EXPECT(TMS(tms_resume_report)("verify", &r), 0);
+  EXPECT(dev_checksum(p, n), sum);
+
+  EXPECT(TMS(tms_pause_report)("verify", &r), 0);
+  uint8_t *b = TMS(tms_get_cpu_backup_pointer)((const uint8_t *)p + 2 * MiB + 10, 1);
+  EXPECT(b != NULL, 1);
+  *b ^= 0xff;
+  EXPECT(TMS(tms_resume_report)("verify", &r), 7); /* TMS_ERR_CORRUPT */
+  EXPECT(r.allocations_done, 1);
+  EXPECT(dev_checksum(p, n) != sum, 1);
+  dev_fill(p, n, 7);
+
+  if (on_simulator()) {
+    const char *copy = use_acl ? "aclrtMemcpyAsync" : "cuMemcpyHtoDAsync_v2";
+    char spec[96];
+    EXPECT(TMS(tms_pause_report)("verify", &r), 0);
+    snprintf(spec, sizeof spec, "%s:1:corrupt", copy);
+    sim_faults(spec);
+    EXPECT(TMS(tms_resume_report)("verify", &r), 0);
+    sim_faults("");
+    EXPECT(dev_checksum(p, n), sum);
+
+    EXPECT(TMS(tms_pause_report)("verify", &r), 0);
+    snprintf(spec, sizeof spec, "%s:1+:corrupt", copy);
+    sim_faults(spec);
+    EXPECT(TMS(tms_resume_report)("verify", &r), 7);
+    sim_faults("");
+    EXPECT(dev_checksum(p, n) != sum, 1);
+    dev_fill(p, n, 7);
+
+    TMS(tms_set_verify_restore)(false);
+    EXPECT(TMS(tms_pause_report)("verify", &r), 0);
+    snprintf(spec, sizeof spec, "%s:1:corrupt", copy);
+    sim_faults(spec);
+    EXPECT(TMS(tms_resume_report)("verify", &r), 0);
+    sim_faults("");
+    EXPECT(dev_checksum(p, n) != sum, 1);
+  }
+  EXPECT(dev_free(p), 0);
+  printf("verify ok\n");
+  return 0;
+}
+
 int tms_test_main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s MODE cuda|acl [ARGS]\n", argv[0]);
@@ -1151,6 +1213,7 @@ int tms_test_main(int argc, char **argv) {
   if (!strcmp(m, "pool-cap")) return pool_cap(argc > 3 ? atol(argv[3]) : 4);
   if (!strcmp(m, "tag-churn")) return tag_churn(argc > 3 ? atol(argv[3]) : 100000);
   if (!strcmp(m, "disk-backup")) return disk_backup(argc > 3 ? argv[3] : "/tmp");
+  if (!strcmp(m, "verify")) return verify_restore();
   fprintf(stderr, "unknown mode %s\n", m);
   return 2;
 }

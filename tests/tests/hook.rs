@@ -399,6 +399,36 @@ fn disk_backup_keeps_contents_in_a_file_and_survives_an_unreadable_one() {
 }
 
 #[test]
+fn restore_verification_catches_a_written_backup_and_a_bad_copy_naming_allocation_tag_and_offset() {
+    for api in ["cuda", "acl"] {
+        let node = SimNode::new("1GiB");
+        let mut argv = c_program("hook_consumer", Style::Linked);
+        argv.extend(["verify".into(), api.into()]);
+        let out = node.hooked(&argv).env("TMS_LOG", "warn").output().unwrap();
+        assert_ok(&out, &format!("verify {api}"));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("verify ok"), "{api}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        // The byte written at 2 MiB + 10: its 1 MiB chunk is named.
+        assert!(
+            err.contains("restore verification failed for allocation")
+                && err.contains("tag verify")
+                && err.contains("the host backup changed while paused")
+                && err.contains("at offset 2097152"),
+            "{api}: {err}"
+        );
+        // A corrupt copy flips the byte in the middle of what it wrote: found to the byte and
+        // copied again once; named when every copy is bad (on Ascend the read-back goes through
+        // the same aclrtMemcpyAsync, so it is bad too and the first difference lies elsewhere).
+        let middle = (3 << 20) / 2 + 2048;
+        assert!(
+            err.contains(&format!("came back different from its backup at offset {middle}; copying it again")),
+            "{api}: {err}"
+        );
+        assert!(err.contains("differ from the backup after two copies, first byte at offset "), "{api}: {err}");
+    }
+}
+
+#[test]
 fn pause_waits_for_a_kernel_still_running_on_another_stream() {
     // A simulated kernel writes the allocation 0.3 s after pause is called: a pause that does not
     // synchronize the device backs up the old bytes and unmaps memory under the kernel (700).

@@ -22,6 +22,7 @@ fn entry(tag: u32) -> Allocation {
         backup: None,
         backup_valid: false,
         backup_retained: false,
+        backup_sums: None,
         disk: false,
         disk_file: None,
         doomed: false,

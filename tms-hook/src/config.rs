@@ -34,6 +34,9 @@ pub struct Config {
     pub pinned_pool_host_reserve_percent: u64,
     /// Resume refuses unless the margin stays free too (`TMS_RESUME_KEEPS_MARGIN`, default off).
     pub resume_keeps_margin: bool,
+    /// Pauses take checksums of their backups and resumes check the restored bytes
+    /// (`TMS_VERIFY_RESTORE`, default off: it reads every restored byte back).
+    pub verify_restore: bool,
     /// `TMS_BACKUP_STREAMS`: concurrent copy streams per device for backup/restore.
     pub backup_streams: usize,
     /// `TMS_BACKUP_CHUNK_MB`: size of one backup copy.
@@ -70,6 +73,7 @@ pub const HOOK_VARIABLES: &[&str] = &[
     "TMS_PINNED_POOL_HOST_RESERVE_PERCENT",
     "TMS_MEMORY_MARGIN_BYTES",
     "TMS_RESUME_KEEPS_MARGIN",
+    "TMS_VERIFY_RESTORE",
     "TMS_BACKUP_STREAMS",
     "TMS_BACKUP_CHUNK_MB",
     "TMS_PHYSICAL_CHUNK_MB",
@@ -167,6 +171,7 @@ impl Config {
         // torch_memory_saver checks the margin at allocation only; a resume that kept it too
         // would leave a waking trainer's weights unmapped where upstream's succeeds.
         let resume_keeps_margin = env.flag("TMS_RESUME_KEEPS_MARGIN", false);
+        let verify_restore = env.flag("TMS_VERIFY_RESTORE", false);
         let disk_backup = env.flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
         let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| env.flag("TMS_CONTROL", true));
         let pinned_pool_max = env.pinned_pool_max();
@@ -187,6 +192,7 @@ impl Config {
             keep_pinned,
             margin,
             resume_keeps_margin,
+            verify_restore,
             pinned_pool_max,
             pinned_pool_host_reserve_percent,
             backup_streams,

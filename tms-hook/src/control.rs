@@ -317,6 +317,7 @@ pub fn proto_error(e: &Error) -> ProtoError {
         Error::NoDriver(_) => ErrorCode::NoDriver,
         Error::Invalid(_) => ErrorCode::BadRequest,
         Error::Disk(_) => ErrorCode::Internal,
+        Error::Corrupt { .. } => ErrorCode::Corrupt,
     };
     ProtoError::new(code, e.to_string())
 }

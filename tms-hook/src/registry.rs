@@ -58,6 +58,9 @@ pub struct Allocation {
     /// The backup holds the contents of every piece whose memory was released (it was paused
     /// with backup).
     pub backup_valid: bool,
+    /// Checksums of the backup, taken by a pause made with verification on
+    /// (`TMS_VERIFY_RESTORE`) and checked by the next resume.
+    pub backup_sums: Option<Vec<u64>>,
     /// Resumed while retention was on: the backup (the last pause's snapshot) is still handed
     /// out (`tms_get_cpu_backup_pointer`) until the next pause, as torch_memory_saver decides at
     /// resume time.
@@ -131,6 +134,7 @@ mod tests {
             backup: None,
             backup_valid: false,
             backup_retained: false,
+            backup_sums: None,
             disk: false,
             disk_file: None,
             doomed: false,

@@ -157,6 +157,9 @@ codes! {
     TMS_ERR_INTERNAL = 5,
     /// A disk backup file could not be read; the allocation stays paused with it.
     TMS_ERR_IO = 6,
+    /// A resume checked with `TMS_VERIFY_RESTORE` did not bring back the bytes the pause saved;
+    /// the memory is mapped with what it got.
+    TMS_ERR_CORRUPT = 7,
 }
 
 #[cfg(test)]
@@ -177,6 +180,6 @@ mod tests {
         assert_eq!((t.c_name, t.size), ("tms_tag_status", 48));
         assert_eq!((t.fields[0].c_type, t.fields[0].ctypes), ("const char *", "c_char_p"));
         assert_eq!(CODES.first(), Some(&("TMS_OK", TMS_OK)));
-        assert_eq!(CODES.last(), Some(&("TMS_ERR_IO", 6)));
+        assert_eq!(CODES.last(), Some(&("TMS_ERR_CORRUPT", 7)));
     }
 }

@@ -70,6 +70,8 @@ pub enum ErrorCode {
     Internal,
     /// A pause or resume named a tag that no allocation of the process carries.
     UnknownTag,
+    /// A resume checked with TMS_VERIFY_RESTORE did not bring back the bytes the pause saved.
+    Corrupt,
 }
 
 impl ErrorCode {
@@ -87,6 +89,7 @@ impl ErrorCode {
             ErrorCode::NoDriver => "no_driver",
             ErrorCode::Internal => "internal",
             ErrorCode::UnknownTag => "unknown_tag",
+            ErrorCode::Corrupt => "corrupt",
         }
     }
 }

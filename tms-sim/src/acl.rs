@@ -290,7 +290,8 @@ fn memcpy(
             return INVALID_PARAM;
         }
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_PARAM };
-        sim().copy(dst as usize, src as usize, count, kind, stream, code_of).err().unwrap_or(SUCCESS)
+        let copied = sim().copy(dst as usize, src as usize, count, kind, stream, code_of);
+        sim().finish_copy(name, copied, dst as usize, count, stream)
     })
 }
 

@@ -324,12 +324,13 @@ pub unsafe extern "C" fn cu_mem_free(ptr: c_ulonglong) -> i32 {
 /// A synchronous copy (`stream` None) or an asynchronous one on `stream`.
 fn copy(name: &str, dst: usize, src: usize, n: usize, kind: CopyKind, stream: Option<usize>) -> i32 {
     call(name, || match current() {
-        Ok(_) => match stream {
-            Some(s) => sim().copy_async(dst, src, n, kind, s, code_of),
-            None => sim().copy(dst, src, n, kind, 0, code_of),
+        Ok(_) => {
+            let copied = match stream {
+                Some(s) => sim().copy_async(dst, src, n, kind, s, code_of),
+                None => sim().copy(dst, src, n, kind, 0, code_of),
+            };
+            sim().finish_copy(name, copied, dst, n, stream.unwrap_or(0))
         }
-        .err()
-        .unwrap_or(SUCCESS),
         Err(e) => e,
     })
 }

@@ -5,8 +5,8 @@ use super::{api, opt_str};
 use crate::{region, saver};
 use libc::c_char;
 use tms_proto::abi::{
-    Report as CReport, TMS_ERR_DRIVER, TMS_ERR_INTERNAL, TMS_ERR_INVALID, TMS_ERR_IO, TMS_ERR_NO_DRIVER,
-    TMS_ERR_OUT_OF_MEMORY, TMS_OK, TagStatus as CTagStatus,
+    Report as CReport, TMS_ERR_CORRUPT, TMS_ERR_DRIVER, TMS_ERR_INTERNAL, TMS_ERR_INVALID, TMS_ERR_IO,
+    TMS_ERR_NO_DRIVER, TMS_ERR_OUT_OF_MEMORY, TMS_OK, TagStatus as CTagStatus,
 };
 
 fn operation(tag: *const c_char, out: *mut CReport, pause: bool) -> i32 {
@@ -111,6 +111,17 @@ pub extern "C" fn tms_get_memory_margin_bytes() -> u64 {
     api(|| saver().margin(), 0)
 }
 
+/// Pauses made while this is on take checksums; resumes check the restored bytes against them.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_set_verify_restore(on: bool) {
+    api(|| saver().set_verify_restore(on), ())
+}
+
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn tms_get_verify_restore() -> bool {
+    api(|| saver().verify_restore(), false)
+}
+
 /// A static description of a TMS_ERR_* code.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_strerror(code: i32) -> *const c_char {
@@ -122,6 +133,7 @@ pub extern "C" fn tms_strerror(code: i32) -> *const c_char {
         TMS_ERR_NO_DRIVER => c"no CUDA or Ascend driver could be loaded",
         TMS_ERR_INTERNAL => c"internal error in tms (a bug: please report it)",
         TMS_ERR_IO => c"a disk backup file could not be read; the allocation stays paused with its file",
+        TMS_ERR_CORRUPT => c"a resume did not bring back the bytes the pause saved (TMS_VERIFY_RESTORE; the log names the allocation, tag and offset)",
         _ => c"unknown tms error code",
     }
     .as_ptr()

@@ -83,6 +83,7 @@ impl Saver {
             backup: None,
             backup_valid: false,
             backup_retained: false,
+            backup_sums: None,
             disk,
             disk_file: None,
             doomed: false,

@@ -17,6 +17,9 @@ pub enum Error {
     Invalid(&'static str),
     /// A disk backup file could not be read (the allocation stays paused with its file).
     Disk(String),
+    /// A restore checked with `TMS_VERIFY_RESTORE` did not bring the paused bytes back: `what`
+    /// went wrong, first at `offset` into the allocation at `addr` (mapped, with what it got).
+    Corrupt { addr: u64, size: u64, tag: String, offset: u64, what: &'static str },
 }
 
 impl Error {
@@ -28,6 +31,7 @@ impl Error {
             Error::NoDriver(_) => (abi::TMS_ERR_NO_DRIVER, 0),
             Error::Invalid(_) => (abi::TMS_ERR_INVALID, 0),
             Error::Disk(_) => (abi::TMS_ERR_IO, 0),
+            Error::Corrupt { .. } => (abi::TMS_ERR_CORRUPT, 0),
         }
     }
 
@@ -36,7 +40,7 @@ impl Error {
         match self {
             Error::Driver(e) => e.code,
             Error::OutOfMemory { code, .. } => *code,
-            Error::NoDriver(_) | Error::Invalid(_) | Error::Disk(_) => invalid,
+            Error::NoDriver(_) | Error::Invalid(_) | Error::Disk(_) | Error::Corrupt { .. } => invalid,
         }
     }
 }
@@ -51,6 +55,11 @@ impl std::fmt::Display for Error {
             Error::NoDriver(v) => write!(f, "no {} driver could be loaded", v.name()),
             Error::Invalid(what) => write!(f, "invalid argument: {what}"),
             Error::Disk(what) => write!(f, "disk backup unreadable: {what}"),
+            Error::Corrupt { addr, size, tag, offset, what } => write!(
+                f,
+                "restore verification failed for allocation {addr:#x} ({size} bytes, tag {tag}): {what} at offset \
+                 {offset}; its contents are not what the pause saved"
+            ),
         }
     }
 }

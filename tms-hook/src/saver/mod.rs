@@ -8,7 +8,8 @@
 //!
 //! One idea per file: `alloc` (region allocations and frees), `pause` and `resume` (the two
 //! operations), `pipeline` (their copies to and from host backups over the copy streams), `pool`
-//! (which host buffers resumed allocations keep), `inspect` (status, devices, backup pointers),
+//! (which host buffers resumed allocations keep), `verify` (restores checked against the pause's
+//! checksums), `inspect` (status, devices, backup pointers),
 //! `pieces` (physical pieces and host buffers), `drivers` (each vendor's driver, loaded once),
 //! `error` (what callers get back).
 
@@ -21,6 +22,7 @@ mod pieces;
 mod pipeline;
 mod pool;
 mod resume;
+mod verify;
 
 pub use error::{Error, Report, TagStatus};
 
@@ -42,6 +44,7 @@ pub struct Saver {
     tracked: AtomicUsize,
     margin: AtomicU64,
     retain_backup: AtomicBool,
+    verify_restore: AtomicBool,
     drivers: Drivers,
     granularity: Mutex<HashMap<(Vendor, i32, MemKind), usize>>,
     streams: Mutex<HashMap<(Vendor, i32), Vec<Stream>>>,
@@ -126,6 +129,7 @@ impl Saver {
             tracked: AtomicUsize::new(0),
             margin: AtomicU64::new(cfg.margin),
             retain_backup: AtomicBool::new(cfg.retain_backup),
+            verify_restore: AtomicBool::new(cfg.verify_restore),
             drivers: Drivers::new(),
             granularity: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
@@ -155,6 +159,16 @@ impl Saver {
 
     pub fn retain_backup(&self) -> bool {
         self.retain_backup.load(Ordering::Relaxed)
+    }
+
+    /// Pauses made while this is on take checksums of their backups, and the next resume checks
+    /// the restored bytes against them (`verify`).
+    pub fn set_verify_restore(&self, on: bool) {
+        self.verify_restore.store(on, Ordering::Relaxed);
+    }
+
+    pub fn verify_restore(&self) -> bool {
+        self.verify_restore.load(Ordering::Relaxed)
     }
 
     pub fn tracked(&self) -> usize {
@@ -298,6 +312,7 @@ mod tests {
             backup: None,
             backup_valid: false,
             backup_retained: false,
+            backup_sums: None,
             disk: false,
             disk_file: None,
             doomed: false,

@@ -78,6 +78,7 @@ impl Saver {
             if failed[i] {
                 self.roll_back_pause(dev, device, streams[0], &mut jobs[i], report);
             } else {
+                self.take_checksums(&mut jobs[i]);
                 jobs[i].a.backup_valid = true;
                 jobs[i].ok = true;
                 report.backup_bytes += jobs[i].a.size as u64;

@@ -43,7 +43,8 @@ const RUNTIME_NAMES: &[&str] = &[
         TMS_SIM_LINK_GBPS  collectives' link, INTRA[,INTER] GB/s within and between nodes (default 450,50; 0: no modelled time)\n  \
         TMS_SIM_NCCL_CONNECT_TIMEOUT, TMS_SIM_HCCL_CONNECT_TIMEOUT  seconds ranks wait for each other to join\n  \
         TMS_SIM_COMMIT     1: commit host pages when device memory is created\n  \
-        TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2\n\n\
+        TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2;\n                     \
+        NAME:N[+]:corrupt flips a byte a copy wrote (cuMemcpyHtoDAsync_v2:1:corrupt)\n\n\
         A node's devices and capacity are fixed by the first process that attaches while no live \
         process uses it.\n\nExit codes: 0 success, 1 failure, 2 usage error."
 )]

@@ -5,6 +5,11 @@
 //! `cuMemCreate:3:2` (the third cuMemCreate returns 2) or `aclrtMapMem:1+` (every aclrtMapMem
 //! fails with the API's out-of-memory code). Calls are counted per process from the moment the
 //! rules are set.
+//!
+//! `NAME:N[+]:corrupt` names a copy function instead (`cuMemcpyHtoDAsync_v2`, `cudaMemcpy`,
+//! `aclrtMemcpyAsync`, ...): that call succeeds, and once its bytes have landed one byte of its
+//! destination is flipped, as a bad restore would leave it (torch_memory_saver issue 71 reports
+//! weights corrupted after a pause/resume with backup). Such a rule never fails the call.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,6 +20,8 @@ pub struct Rule {
     pub nth: u64,
     pub and_after: bool,
     pub code: Option<i32>,
+    /// Corrupts what the call copies instead of failing it.
+    pub corrupt: bool,
     calls: u64,
 }
 
@@ -37,11 +44,14 @@ pub fn parse(spec: &str) -> Result<Vec<Rule>, String> {
             .ok()
             .filter(|n| *n >= 1)
             .ok_or_else(|| format!("fault rule {part:?}: call number must be 1 or more"))?;
+        let corrupt = fields.get(2) == Some(&"corrupt");
         let code = match fields.get(2) {
-            Some(c) => Some(c.parse::<i32>().map_err(|_| format!("fault rule {part:?}: bad code {c:?}"))?),
-            None => None,
+            Some(c) if !corrupt => Some(
+                c.parse::<i32>().map_err(|_| format!("fault rule {part:?}: bad code {c:?} (a number or corrupt)"))?,
+            ),
+            _ => None,
         };
-        rules.push(Rule { name: fields[0].to_string(), nth, and_after, code, calls: 0 });
+        rules.push(Rule { name: fields[0].to_string(), nth, and_after, code, corrupt, calls: 0 });
     }
     Ok(rules)
 }
@@ -58,11 +68,21 @@ pub fn check(name: &str, default_code: i32) -> Option<i32> {
     if !ACTIVE.load(Ordering::Acquire) {
         return None;
     }
+    hit(name, false).map(|rule| rule.code.unwrap_or(default_code))
+}
+
+/// Counts a copy made by `name`; whether a `corrupt` rule says to corrupt its bytes.
+pub fn corrupts(name: &str) -> bool {
+    ACTIVE.load(Ordering::Acquire) && hit(name, true).is_some()
+}
+
+/// Counts a call against the first rule of its kind for `name`; the rule if this call is hit.
+fn hit(name: &str, corrupt: bool) -> Option<Rule> {
     let mut guard = RULES.lock().unwrap_or_else(|e| e.into_inner());
-    let rule = guard.iter_mut().find(|r| r.name == name)?;
+    let rule = guard.iter_mut().find(|r| r.name == name && r.corrupt == corrupt)?;
     rule.calls += 1;
     let hit = rule.calls == rule.nth || (rule.and_after && rule.calls > rule.nth);
-    hit.then(|| rule.code.unwrap_or(default_code))
+    hit.then(|| rule.clone())
 }
 
 #[cfg(test)]
@@ -79,6 +99,8 @@ mod tests {
         assert!(parse("cuMemCreate:0").is_err());
         assert!(parse("cuMemCreate:x").is_err());
         assert!(parse("cuMemCreate:1:oops").is_err());
+        let c = parse("cuMemcpyHtoDAsync_v2:2+:corrupt").unwrap();
+        assert_eq!((c[0].nth, c[0].and_after, c[0].code, c[0].corrupt), (2, true, None, true));
         assert!(parse("").unwrap().is_empty());
     }
 }

@@ -497,6 +497,35 @@ impl Sim {
         }
     }
 
+    /// What a copy function `name` returns for the copy it queued or made (`copied`): the API's
+    /// code, and when a `corrupt` fault rule hits this call, one byte of its destination flipped
+    /// once the bytes have landed (after the copy on its stream), as a bad restore would leave it.
+    pub fn finish_copy(&'static self, name: &str, copied: Result<(), i32>, dst: usize, n: usize, stream: usize) -> i32 {
+        if let Err(code) = copied {
+            return code;
+        }
+        if n == 0 || !crate::core::fault::corrupts(name) {
+            return 0;
+        }
+        let at = dst + n / 2;
+        let flip = move || {
+            let mut byte = [0u8; 1];
+            if self.copy_now(byte.as_mut_ptr() as usize, at, 1, CopyKind::Default).is_ok() {
+                byte[0] ^= 0x5a;
+                let _ = self.copy_now(at, byte.as_ptr() as usize, 1, CopyKind::Default);
+            }
+            0
+        };
+        if crate::core::streams::is_null(stream) {
+            // The copy itself may be queued on the legacy stream: flip after it has landed.
+            self.streams.settle_for(stream);
+            flip();
+        } else {
+            let _ = self.streams.submit(stream, Box::new(flip));
+        }
+        0
+    }
+
     /// The copy as a stream's job: its error becomes the API's code, reported by the stream.
     fn copy_job(
         &'static self,

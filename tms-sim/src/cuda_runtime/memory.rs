@@ -87,7 +87,8 @@ pub unsafe extern "C" fn cuda_memcpy(dst: *mut c_void, src: *const c_void, count
     call("cudaMemcpy", || {
         enter!();
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
-        sim().copy(dst as usize, src as usize, count, kind, 0, code_of).err().unwrap_or(SUCCESS)
+        let copied = sim().copy(dst as usize, src as usize, count, kind, 0, code_of);
+        sim().finish_copy("cudaMemcpy", copied, dst as usize, count, 0)
     })
 }
 
@@ -101,7 +102,8 @@ pub unsafe extern "C" fn cuda_memcpy_async(
     call("cudaMemcpyAsync", || {
         enter!();
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
-        sim().copy_async(dst as usize, src as usize, count, kind, stream as usize, code_of).err().unwrap_or(SUCCESS)
+        let copied = sim().copy_async(dst as usize, src as usize, count, kind, stream as usize, code_of);
+        sim().finish_copy("cudaMemcpyAsync", copied, dst as usize, count, stream as usize)
     })
 }
 
