@@ -67,12 +67,8 @@ api!(Streams {
     destroy: c"cudaStreamDestroy" => fn(*mut c_void) -> c_int;
 });
 
-/// ncclUniqueId: 128 opaque bytes, passed by value.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct NcclUniqueId {
-    pub internal: [u8; 128],
-}
+/// ncclUniqueId and HcclRootInfo, declared once for every part of tms (tms-vendor).
+pub use tms_vendor::{hccl::RootInfo as HcclRootInfo, nccl::UniqueId as NcclUniqueId};
 
 // NCCL's C ABI as nccl.h declares it (communicators are opaque pointers; ncclDataType_t and the
 // results are ints).
@@ -92,12 +88,6 @@ api!(NcclMemStats {
 /// Loads NCCL into the global scope (after the CUDA runtime), as PyTorch and vLLM load it.
 pub fn load_nccl() -> Result<(), String> {
     load_global(c"libnccl.so.2")
-}
-
-/// HcclRootInfo: 4108 opaque bytes (HCCL_ROOT_INFO_BYTES), passed by pointer.
-#[repr(C)]
-pub struct HcclRootInfo {
-    pub internal: [u8; 4108],
 }
 
 // HCCL's C ABI as hccl.h declares it (communicators are opaque pointers, HcclDataType and
@@ -159,38 +149,12 @@ api!(AclBench {
     unmap: c"aclrtUnmapMem" => fn(*mut c_void) -> c_int;
 });
 
-/// aclrtMemLocation (8 bytes): id first, then type (the reverse of CUDA's order).
-#[repr(C)]
-pub struct AclMemLocation {
-    pub id: u32,
-    pub kind: c_int,
-}
-
-/// aclrtPhysicalMemProp (32 bytes): handle type, allocation type, memory attribute, location at
-/// offset 12, reserved u64 at offset 24.
-#[repr(C)]
-pub struct AclPhysicalMemProp {
-    pub handle_type: c_int,
-    pub allocation_type: c_int,
-    pub mem_attr: c_int,
-    pub location: AclMemLocation,
-    pub reserve: u64,
-}
-
-const _: () = assert!(std::mem::size_of::<AclPhysicalMemProp>() == 32);
-const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, location) == 12);
-const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, reserve) == 24);
+pub use tms_vendor::acl::PhysicalMemProp as AclPhysicalMemProp;
 
 /// Pinned HBM with 2 MiB pages on device 0 (ACL_HBM_MEM_HUGE): what the hook asks for when an
 /// allocation over 1 MiB is made with torch_npu's ACL_MEM_MALLOC_HUGE_FIRST policy.
 pub fn acl_huge_prop() -> AclPhysicalMemProp {
-    AclPhysicalMemProp {
-        handle_type: 0,                              // ACL_MEM_HANDLE_TYPE_NONE
-        allocation_type: 0,                          // ACL_MEM_ALLOCATION_TYPE_PINNED
-        mem_attr: 4,                                 // ACL_HBM_MEM_HUGE
-        location: AclMemLocation { id: 0, kind: 1 }, // ACL_MEM_LOCATION_TYPE_DEVICE
-        reserve: 0,
-    }
+    AclPhysicalMemProp::pinned_on(0, 4) // ACL_HBM_MEM_HUGE
 }
 
 api!(Driver {
@@ -204,41 +168,20 @@ api!(Driver {
     set_access: c"cuMemSetAccess" => fn(u64, usize, *const AccessDesc, usize) -> c_int;
 });
 
-/// CUmemAllocationProp (32 bytes): type, requested handle types, location {type, id}, win32
-/// metadata pointer, allocation flags.
-#[repr(C)]
-pub struct AllocationProp {
-    pub kind: c_int,
-    pub handle_types: c_int,
-    pub location_kind: c_int,
-    pub location_id: c_int,
-    pub win32: *mut c_void,
-    pub flags: [u8; 8],
-}
-
-/// CUmemAccessDesc (12 bytes): location {type, id}, flags.
-#[repr(C)]
-pub struct AccessDesc {
-    pub location_kind: c_int,
-    pub location_id: c_int,
-    pub flags: c_int,
-}
+/// CUmemAllocationProp and CUmemAccessDesc, declared once for every part of tms (tms-vendor).
+pub use tms_vendor::cuda::{AccessDesc, AllocationProp};
 
 /// Pinned device memory on device 0.
 pub fn device_prop() -> AllocationProp {
-    AllocationProp {
-        kind: 1,
-        handle_types: 0,
-        location_kind: 1,
-        location_id: 0,
-        win32: std::ptr::null_mut(),
-        flags: [0; 8],
-    }
+    AllocationProp::pinned_on(0)
 }
 
 /// Read/write access for device 0.
 pub fn device_access() -> AccessDesc {
-    AccessDesc { location_kind: 1, location_id: 0, flags: 3 }
+    AccessDesc {
+        location: tms_vendor::cuda::MemLocation::device(0),
+        flags: tms_vendor::cuda::ACCESS_FLAGS_PROT_READWRITE,
+    }
 }
 
 /// `tms_report`, which the hook fills.
@@ -317,5 +260,5 @@ pub fn can_load(lib: &CStr) -> bool {
 }
 
 pub fn check(what: &str, rc: c_int) -> Result<(), String> {
-    if rc == 0 { Ok(()) } else { Err(format!("{what} returned {rc}")) }
+    if rc == 0 { Ok(()) } else { Err(format!("{what} returned {rc}{}", tms_vendor::explain(what, rc))) }
 }

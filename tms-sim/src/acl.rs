@@ -21,41 +21,13 @@ pub const RT_MEMORY_ALLOCATION: i32 = 207_001;
 pub const RT_MEMORY_FREE: i32 = 207_002;
 pub const RT_INTERNAL_ERROR: i32 = 507_899;
 
-pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
-pub const MEM_ALLOCATION_TYPE_PINNED: c_int = 0;
 pub const HBM_MEM_HUGE: c_int = 4;
 pub const ACCESS_READWRITE: c_int = 3;
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct AclMemLocation {
-    pub id: u32,
-    pub kind: c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct AclPhysicalMemProp {
-    pub handle_type: c_int,
-    pub allocation_type: c_int,
-    pub mem_attr: c_int,
-    pub location: AclMemLocation,
-    pub reserve: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct AclMemAccessDesc {
-    pub flags: c_int,
-    pub location: AclMemLocation,
-    pub rsv: [u8; 12],
-}
-
-const _: () = assert!(std::mem::size_of::<AclMemLocation>() == 8);
-const _: () = assert!(std::mem::size_of::<AclPhysicalMemProp>() == 32);
-const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, location) == 12);
-const _: () = assert!(std::mem::offset_of!(AclPhysicalMemProp, reserve) == 24);
-const _: () = assert!(std::mem::size_of::<AclMemAccessDesc>() == 24);
+// The structs and their constants, declared once for every part of tms (tms-vendor).
+pub use tms_vendor::acl::{
+    MEM_ALLOCATION_TYPE_PINNED, MEM_LOCATION_TYPE_DEVICE, MemAccessDesc as AclMemAccessDesc,
+    MemLocation as AclMemLocation, PhysicalMemProp as AclPhysicalMemProp,
+};
 
 pub fn code_of(e: MemError) -> i32 {
     match e {

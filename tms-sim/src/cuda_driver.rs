@@ -20,48 +20,11 @@ pub const ILLEGAL_ADDRESS: i32 = 700;
 pub const NOT_SUPPORTED: i32 = 801;
 pub const UNKNOWN: i32 = 999;
 
-pub const ALLOCATION_TYPE_PINNED: c_int = 1;
-pub const LOCATION_TYPE_DEVICE: c_int = 1;
-pub const ACCESS_FLAGS_PROT_NONE: c_int = 0;
-pub const ACCESS_FLAGS_PROT_READ: c_int = 1;
-pub const ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct CuMemLocation {
-    pub kind: c_int,
-    pub id: c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct CuMemAllocFlags {
-    pub compression_type: u8,
-    pub gpu_direct_rdma_capable: u8,
-    pub usage: u16,
-    pub reserved: [u8; 4],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct CuMemAllocationProp {
-    pub kind: c_int,
-    pub requested_handle_types: c_int,
-    pub location: CuMemLocation,
-    pub win32_handle_meta_data: *mut c_void,
-    pub alloc_flags: CuMemAllocFlags,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct CuMemAccessDesc {
-    pub location: CuMemLocation,
-    pub flags: c_int,
-}
-
-const _: () = assert!(std::mem::size_of::<CuMemLocation>() == 8);
-const _: () = assert!(std::mem::size_of::<CuMemAllocationProp>() == 32);
-const _: () = assert!(std::mem::size_of::<CuMemAccessDesc>() == 12);
+// The structs and their constants, declared once for every part of tms (tms-vendor).
+pub use tms_vendor::cuda::{
+    ACCESS_FLAGS_PROT_NONE, ACCESS_FLAGS_PROT_READ, ACCESS_FLAGS_PROT_READWRITE, ALLOCATION_TYPE_PINNED,
+    AccessDesc as CuMemAccessDesc, AllocationProp as CuMemAllocationProp, LOCATION_TYPE_DEVICE,
+};
 
 pub fn code_of(e: MemError) -> i32 {
     match e {

@@ -30,30 +30,13 @@ pub const E_TCP_CONNECT: i32 = 11;
 pub const E_RUNTIME: i32 = 15;
 pub const E_REMOTE: i32 = 21;
 
-/// HCCL_ROOT_INFO_BYTES.
-pub const ROOT_INFO_BYTES: usize = 4108;
-/// HCCL_COMM_CONFIG_MAGIC_WORD, which HcclCommConfigInit writes.
-const CONFIG_MAGIC: u32 = 0xf0f0_f0f0;
-/// HCCL_COMM_BUFFSIZE_CONFIG_NOT_SET.
-const BUFFSIZE_NOT_SET: u32 = 0xffff_ffff;
+// Declared once for every part of tms (tms-vendor).
+pub use tms_vendor::hccl::{
+    BUFFSIZE_NOT_SET, CONFIG_MAGIC, CommConfigHead as HcclCommConfigHead, ROOT_INFO_BYTES, RootInfo as HcclRootInfo,
+};
 const DEFAULT_BUFFSIZE_MB: u64 = 200;
 const CONNECT_TIMEOUT_RANGE_S: std::ops::RangeInclusive<u64> = 120..=7200;
 const DEFAULT_CONNECT_TIMEOUT_S: u64 = 120;
-
-#[repr(C)]
-pub struct HcclRootInfo {
-    pub internal: [u8; ROOT_INFO_BYTES],
-}
-
-/// The head of HcclCommConfig (every version has it) and its first field.
-#[repr(C)]
-pub struct HcclCommConfigHead {
-    pub size: usize,
-    pub magic: u32,
-    pub version: u32,
-    pub reserved: u64,
-    pub buffer_size_mb: u32,
-}
 
 pub fn code_of(e: &CollError) -> i32 {
     match e {

@@ -126,35 +126,41 @@ mod driver_not_supported {
     }
 }
 
-/// NCCL entry points PyTorch's libtorch_cuda.so imports that the simulator does not implement
-/// (listed in `nccl::NOT_SUPPORTED`): ncclInvalidUsage and one warning each.
-#[allow(non_snake_case)]
-mod nccl_not_supported {
-    macro_rules! refuse {
-        ($($name:ident),*) => {$(
-            pub unsafe extern "C" fn $name() -> i32 {
+/// Declares NCCL entry points the simulator does not implement, once: each answers
+/// ncclInvalidUsage with one warning (`nccl::not_supported`), is exported under its name, and is
+/// listed in `NCCL_NOT_SUPPORTED`.
+macro_rules! nccl_not_supported {
+    ($($name:ident),* $(,)?) => {
+        #[allow(non_snake_case)]
+        mod nccl_not_supported {
+            $(pub unsafe extern "C" fn $name() -> i32 {
                 crate::nccl::not_supported(stringify!($name))
-            }
-        )*};
-    }
-    refuse!(
-        ncclCommGetUniqueId,
-        ncclCommGrow,
-        ncclCommRevoke,
-        ncclCommShrink,
-        ncclCommWindowDeregister,
-        ncclCommWindowRegister,
-        ncclDevCommCreate,
-        ncclDevCommDestroy,
-        ncclGetLsaMultimemDevicePointer,
-        ncclGetPeerDevicePointer,
-        ncclGroupSimulateEnd,
-        ncclPutSignal,
-        ncclSignal,
-        ncclWaitSignal,
-        ncclWinGetUserPtr
-    );
+            })*
+        }
+        export! { $($name => nccl_not_supported::$name;)* }
+        /// The `libnccl.so.2` names PyTorch's libtorch_cuda.so imports that the simulator answers
+        /// with ncclInvalidUsage.
+        pub const NCCL_NOT_SUPPORTED: &[&str] = &[$(stringify!($name)),*];
+    };
 }
+
+nccl_not_supported!(
+    ncclCommGetUniqueId,
+    ncclCommGrow,
+    ncclCommRevoke,
+    ncclCommShrink,
+    ncclCommWindowDeregister,
+    ncclCommWindowRegister,
+    ncclDevCommCreate,
+    ncclDevCommDestroy,
+    ncclGetLsaMultimemDevicePointer,
+    ncclGetPeerDevicePointer,
+    ncclGroupSimulateEnd,
+    ncclPutSignal,
+    ncclSignal,
+    ncclWaitSignal,
+    ncclWinGetUserPtr,
+);
 
 export! {
     // NCCL (libnccl.so.2)
@@ -192,24 +198,9 @@ export! {
     ncclCommDeregister => nccl::comm_deregister;
     ncclMemAlloc => nccl::mem_alloc;
     ncclMemFree => nccl::mem_free;
-    ncclCommGetUniqueId => nccl_not_supported::ncclCommGetUniqueId;
-    ncclCommGrow => nccl_not_supported::ncclCommGrow;
     ncclCommMemStats => nccl::comm_mem_stats;
     ncclCommResume => nccl::comm_resume;
-    ncclCommRevoke => nccl_not_supported::ncclCommRevoke;
-    ncclCommShrink => nccl_not_supported::ncclCommShrink;
     ncclCommSuspend => nccl::comm_suspend;
-    ncclCommWindowDeregister => nccl_not_supported::ncclCommWindowDeregister;
-    ncclCommWindowRegister => nccl_not_supported::ncclCommWindowRegister;
-    ncclDevCommCreate => nccl_not_supported::ncclDevCommCreate;
-    ncclDevCommDestroy => nccl_not_supported::ncclDevCommDestroy;
-    ncclGetLsaMultimemDevicePointer => nccl_not_supported::ncclGetLsaMultimemDevicePointer;
-    ncclGetPeerDevicePointer => nccl_not_supported::ncclGetPeerDevicePointer;
-    ncclGroupSimulateEnd => nccl_not_supported::ncclGroupSimulateEnd;
-    ncclPutSignal => nccl_not_supported::ncclPutSignal;
-    ncclSignal => nccl_not_supported::ncclSignal;
-    ncclWaitSignal => nccl_not_supported::ncclWaitSignal;
-    ncclWinGetUserPtr => nccl_not_supported::ncclWinGetUserPtr;
     // HCCL (libhccl.so)
     HcclGetErrorString => hccl::get_error_string;
     HcclGetRootInfo => hccl::get_root_info;

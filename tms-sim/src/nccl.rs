@@ -34,9 +34,7 @@ pub const TIMEOUT: c_int = 8;
 
 /// NCCL_VERSION(2, 30, 7): the nvidia-nccl-cu13 wheel PyTorch's CUDA 13 build depends on.
 pub const VERSION_CODE: c_int = 23007;
-pub const UNIQUE_ID_BYTES: usize = 128;
-/// NCCL_API_MAGIC, which NCCL_CONFIG_INITIALIZER puts in ncclConfig_t.magic.
-const CONFIG_MAGIC: u32 = 0xcafe_beef;
+pub use tms_vendor::nccl::{CONFIG_MAGIC, UNIQUE_ID_BYTES};
 /// NCCL_CONFIG_UNDEF_INT.
 const UNDEF_INT: c_int = c_int::MIN;
 /// NCCL_SPLIT_NOCOLOR.
@@ -51,20 +49,8 @@ const DEFAULT_PERSISTENT_BYTES: u64 = 1 << 20;
 /// NCCL_SUSPEND_MEM, the one ncclCommSuspend flag.
 const SUSPEND_MEM: c_int = 0x01;
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct NcclUniqueId {
-    pub internal: [u8; UNIQUE_ID_BYTES],
-}
-
-/// The leading fields of ncclConfig_t (all NCCL 2.14+ layouts share them).
-#[repr(C)]
-pub struct NcclConfigHead {
-    pub size: usize,
-    pub magic: u32,
-    pub version: u32,
-    pub blocking: c_int,
-}
+// Declared once for every part of tms (tms-vendor).
+pub use tms_vendor::nccl::{ConfigHead as NcclConfigHead, UniqueId as NcclUniqueId};
 
 pub fn code_of(e: &CollError) -> c_int {
     match e {
@@ -1028,23 +1014,3 @@ pub fn not_supported(name: &str) -> c_int {
         CString::new(format!("{name} is not supported by the simulator")).unwrap_or_default();
     INVALID_USAGE
 }
-
-/// The names `libnccl.so.2` callers (PyTorch's libtorch_cuda.so) import and the simulator
-/// answers with `not_supported`.
-pub const NOT_SUPPORTED: &[&str] = &[
-    "ncclCommGetUniqueId",
-    "ncclCommGrow",
-    "ncclCommRevoke",
-    "ncclCommShrink",
-    "ncclCommWindowDeregister",
-    "ncclCommWindowRegister",
-    "ncclDevCommCreate",
-    "ncclDevCommDestroy",
-    "ncclGetLsaMultimemDevicePointer",
-    "ncclGetPeerDevicePointer",
-    "ncclGroupSimulateEnd",
-    "ncclPutSignal",
-    "ncclSignal",
-    "ncclWaitSignal",
-    "ncclWinGetUserPtr",
-];

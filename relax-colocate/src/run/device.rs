@@ -46,7 +46,7 @@ impl Device {
 
     fn fail(&self, what: &str, rc: i32) -> DevError {
         let oom = vendor::out_of_memory(self.api.kind(), rc);
-        let msg = format!("{what} returned {rc}");
+        let msg = format!("{what} returned {rc}{}", tms_vendor::explain_code(matches!(self.api, Opened::Acl(_)), rc));
         if oom { DevError::OutOfMemory(format!("out of device memory: {msg}")) } else { DevError::Other(msg) }
     }
 
@@ -98,7 +98,8 @@ impl Device {
                 Opened::Acl(acl) => (acl.memcpy)(dst as *mut _, n, src as *const _, n, kind),
             }
         };
-        if rc != 0 { Err(self.fail("memcpy", rc)) } else { Ok(()) }
+        let what = if matches!(self.api, Opened::Cuda(_)) { "cudaMemcpy" } else { "aclrtMemcpy" };
+        if rc != 0 { Err(self.fail(what, rc)) } else { Ok(()) }
     }
 
     pub fn write(&self, dst: u64, src: &[u8]) -> Result<(), DevError> {

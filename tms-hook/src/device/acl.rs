@@ -43,35 +43,10 @@ pub fn memory_for_policy(policy: c_int, size: usize) -> Option<(MemKind, Option<
 const MEMCPY_HOST_TO_DEVICE: c_int = 1;
 const MEMCPY_DEVICE_TO_HOST: c_int = 2;
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MemLocation {
-    id: u32,
-    kind: c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct PhysicalMemProp {
-    handle_type: c_int,
-    allocation_type: c_int,
-    mem_attr: c_int,
-    location: MemLocation,
-    reserve: u64,
-}
-
-const _: () = assert!(std::mem::size_of::<PhysicalMemProp>() == 32);
-const _: () = assert!(std::mem::offset_of!(PhysicalMemProp, location) == 12);
-const _: () = assert!(std::mem::offset_of!(PhysicalMemProp, reserve) == 24);
+use tms_vendor::acl::PhysicalMemProp;
 
 fn prop(dev: i32, kind: MemKind) -> PhysicalMemProp {
-    PhysicalMemProp {
-        handle_type: 0,     // ACL_MEM_HANDLE_TYPE_NONE
-        allocation_type: 0, // ACL_MEM_ALLOCATION_TYPE_PINNED
-        mem_attr: kind,
-        location: MemLocation { id: dev as u32, kind: 1 }, // ACL_MEM_LOCATION_TYPE_DEVICE
-        reserve: 0,
-    }
+    PhysicalMemProp::pinned_on(dev as u32, kind)
 }
 
 type Ptr = *mut c_void;

@@ -8,36 +8,7 @@ use std::sync::Mutex;
 const OUT_OF_MEMORY: i32 = 2;
 const INVALID_VALUE: i32 = 1;
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MemLocation {
-    kind: c_int,
-    id: c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AllocationProp {
-    kind: c_int,
-    requested_handle_types: c_int,
-    location: MemLocation,
-    win32_handle_meta_data: *mut c_void,
-    alloc_flags: [u8; 8],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AccessDesc {
-    location: MemLocation,
-    flags: c_int,
-}
-
-const _: () = assert!(std::mem::size_of::<AllocationProp>() == 32);
-const _: () = assert!(std::mem::size_of::<AccessDesc>() == 12);
-
-const ALLOCATION_TYPE_PINNED: c_int = 1;
-const LOCATION_TYPE_DEVICE: c_int = 1;
-const ACCESS_READWRITE: c_int = 3;
+use tms_vendor::cuda::{ACCESS_FLAGS_PROT_READWRITE, AccessDesc, AllocationProp, MemLocation};
 
 type Ctx = *mut c_void;
 
@@ -81,8 +52,6 @@ pub struct Cuda {
 
 /// CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED.
 const ATTRIBUTE_GPU_DIRECT_RDMA_WITH_VMM: c_int = 110;
-/// Offset of `gpuDirectRDMACapable` in CUmemAllocationProp's allocFlags.
-const ALLOC_FLAG_GPU_DIRECT_RDMA: usize = 1;
 
 // SAFETY: the driver API is thread-safe; the struct holds only function pointers and the library.
 unsafe impl Send for Cuda {}
@@ -94,13 +63,7 @@ fn check(op: &'static str, code: c_int) -> DevResult<()> {
 }
 
 fn prop(dev: i32) -> AllocationProp {
-    AllocationProp {
-        kind: ALLOCATION_TYPE_PINNED,
-        requested_handle_types: 0,
-        location: MemLocation { kind: LOCATION_TYPE_DEVICE, id: dev },
-        win32_handle_meta_data: std::ptr::null_mut(),
-        alloc_flags: [0; 8],
-    }
+    AllocationProp::pinned_on(dev)
 }
 
 impl Cuda {
@@ -113,7 +76,7 @@ impl Cuda {
             // SAFETY: writes one int.
             unsafe { (self.api.device_get_attribute)(&mut v, ATTRIBUTE_GPU_DIRECT_RDMA_WITH_VMM, dev) == 0 && v != 0 }
         });
-        p.alloc_flags[ALLOC_FLAG_GPU_DIRECT_RDMA] = u8::from(supported);
+        p.alloc_flags.gpu_direct_rdma_capable = u8::from(supported);
         p
     }
 }
@@ -286,8 +249,7 @@ impl Device for Cuda {
     }
 
     fn set_access(&self, dev: i32, addr: u64, size: usize) -> DevResult<()> {
-        let desc =
-            AccessDesc { location: MemLocation { kind: LOCATION_TYPE_DEVICE, id: dev }, flags: ACCESS_READWRITE };
+        let desc = AccessDesc { location: MemLocation::device(dev), flags: ACCESS_FLAGS_PROT_READWRITE };
         // SAFETY: one descriptor for our mapping.
         check("cuMemSetAccess", unsafe { (self.api.set_access)(addr, size, &desc, 1) })
     }

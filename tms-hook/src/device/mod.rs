@@ -43,7 +43,7 @@ pub struct DeviceError {
 
 impl fmt::Display for DeviceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} returned {}", self.op, self.code)
+        write!(f, "{} returned {}{}", self.op, self.code, tms_vendor::explain(self.op, self.code))
     }
 }
 

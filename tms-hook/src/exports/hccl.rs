@@ -26,22 +26,9 @@ pub(crate) static INIT_ALL: Target = Target::new(c"HcclCommInitAll", HCCL);
 pub(crate) static DESTROY: Target = Target::new(c"HcclCommDestroy", HCCL);
 static GET_DEVICE: Target = Target::new(c"aclrtGetDevice", ASCENDCL);
 
-/// HCCL_COMM_CONFIG_MAGIC_WORD, written by HcclCommConfigInit.
-const CONFIG_MAGIC: u32 = 0xf0f0_f0f0;
-/// HCCL_COMM_BUFFSIZE_CONFIG_NOT_SET.
-const BUFFSIZE_NOT_SET: u32 = 0xffff_ffff;
 /// HCCL_BUFFSIZE's default, in MB.
 const DEFAULT_BUFFSIZE_MB: u64 = 200;
-
-/// The head every HcclCommConfig version starts with, and its first field (hcclBufferSize, MB).
-#[repr(C)]
-struct ConfigHead {
-    size: usize,
-    magic: u32,
-    version: u32,
-    reserved: u64,
-    buffer_size_mb: u32,
-}
+use tms_vendor::hccl::{BUFFSIZE_NOT_SET, CONFIG_MAGIC, CommConfigHead as ConfigHead};
 
 /// The interposed name `name`, as (its forwarding target, the hook's function), for lookups on a
 /// library's own handle (exports/dlsym.rs).

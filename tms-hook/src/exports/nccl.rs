@@ -9,7 +9,7 @@
 
 use crate::comms;
 use crate::forward::Target;
-use libc::{c_char, c_int, c_void};
+use libc::{c_int, c_void};
 use std::ffi::CStr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -27,12 +27,7 @@ pub(crate) static SHRINK: Target = Target::new(c"ncclCommShrink", NCCL);
 pub(crate) static DESTROY: Target = Target::new(c"ncclCommDestroy", NCCL);
 pub(crate) static ABORT: Target = Target::new(c"ncclCommAbort", NCCL);
 
-/// ncclUniqueId, passed by value.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct NcclUniqueId {
-    pub internal: [c_char; 128],
-}
+use tms_vendor::nccl::UniqueId as NcclUniqueId;
 
 /// The interposed name `name`, as (its forwarding target, the hook's function): a lookup of it on
 /// a library's own handle (vLLM's and verl's ctypes communicators load libnccl.so.2 with CDLL
