@@ -16,6 +16,7 @@ torch is imported only when a function needs it.
 
 import contextlib
 import os
+import sys
 
 try:
     import _tms_install_check
@@ -25,7 +26,10 @@ if _tms_install_check is not None:
     # A framework's pin of torch_memory_saver installed over the wheel's files, or
     # `pip uninstall torch_memory_saver` removed them: say so and how to repair, instead of
     # failing later on another library.
-    _tms_install_check.refuse_import(os.path.dirname(__file__))
+    # Not under `python -m tms` (sys.argv[0] is "-m" while Python finds the module): its doctor
+    # and library commands must run to diagnose and repair exactly this.
+    if sys.argv[:1] != ["-m"]:
+        _tms_install_check.refuse_import(os.path.dirname(__file__))
 
 from ._lib import (  # noqa: F401  (re-exported)
     TMS_ERR_CORRUPT,

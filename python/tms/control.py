@@ -54,9 +54,15 @@ def socket_dir():
 
 
 def _start_time(pid):
+    # The main thread's stat line, as the hook and tms-ctl read it (qemu-user rewrites a
+    # process's own /proc/PID/stat, not this).
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
         return int(stat[stat.rindex(")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None

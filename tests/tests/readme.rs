@@ -136,6 +136,10 @@ fn run_elsewhere(line: &str) -> Option<&'static str> {
         "python -m tms library" => {
             Some("torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver (test_wheel.py)")
         }
+        "python -m tms doctor" => Some(
+            "torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver (test_wheel.py: a whole install, \
+             a hook for another CPU, expandable segments, a framework's pin installed after the wheel)",
+        ),
         "relax-colocate run --memory-profile tiny --steps 30 --trainer-cmd \"$W\" --rollout-cmd \"$W\"" => {
             Some("torch::the_colocated_cycle_runs_with_pytorch_workers (PyTorch from scripts/torch-env.sh)")
         }

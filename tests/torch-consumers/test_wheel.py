@@ -149,6 +149,39 @@ except ValueError:
 """
 
 
+def _doctor(python, env=None):
+    """`python -m tms doctor --json`: (exit code, {check: finding})."""
+    got = subprocess.run([str(python), "-m", "tms", "doctor", "--json"], capture_output=True, text=True, env=env)
+    assert got.returncode in (0, 1), got.stdout + got.stderr
+    doc = __import__("json").loads(got.stdout)
+    return got.returncode, {f["check"]: f for f in doc["findings"]}
+
+
+def test_doctor_passes_a_whole_install_and_finds_a_hook_for_another_cpu(sim, fresh_venv, tmp_path):
+    python, site = fresh_venv
+    hook = site / PRELOAD_CU13
+    code, found = _doctor(python, sim.env(preload=hook))
+    assert code == 0, found
+    assert found["install"]["status"] == "ok" and found["hook"]["status"] == "ok", found
+    assert found["LD_PRELOAD"]["status"] == "ok" and str(hook) in found["LD_PRELOAD"]["detail"], found
+    assert found["runtime"]["status"] == "ok", found
+    # A wheel for the other architecture (its e_machine says so): named, with the build to use.
+    host = __import__("platform").machine()
+    data = bytearray(hook.read_bytes())
+    other, machine = ("aarch64", 183) if host == "x86_64" else ("x86_64", 62)
+    data[18:20] = machine.to_bytes(2, "little")
+    foreign = tmp_path / "torch_memory_saver_hook_mode_preload.abi3.so"
+    foreign.write_bytes(bytes(data))
+    code, found = _doctor(python, sim.env(extra={"TMS_LIBRARY": str(foreign)}))
+    assert code == 1, found
+    hook_line = found["hook"]
+    assert hook_line["status"] == "problem" and f"built for {other}" in hook_line["detail"], hook_line
+    assert f"--arch {'x86_64' if host == 'x86_64' else host}" in hook_line["fix"], hook_line
+    # expandable segments: nothing a pause could free.
+    code, found = _doctor(python, sim.env(preload=hook, extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
+    assert code == 1 and found["allocator"]["status"] == "problem", found
+
+
 def test_a_torch_memory_saver_program_runs_unchanged(sim, fresh_venv):
     out = _run(sim, fresh_venv, UPSTREAM_PROGRAM)
     assert out["hook_mode"] == "preload"
@@ -415,6 +448,12 @@ def test_a_framework_pinning_torch_memory_saver_installed_after_the_wheel_is_nam
     assert _startup_says(python) == ""
     got = _pip(python, "install", "--no-index", "--find-links", str(index), "a_framework")
     assert got.returncode == 0 and "torch_memory_saver-0.0.10" in got.stdout, got.stdout + got.stderr
+    # The doctor still runs (`import tms` refuses, `python -m tms` does not) and names both the
+    # files and the hook SGLang's configure_subprocess would now preload.
+    code, found = _doctor(python)
+    assert code == 1 and found["install"]["status"] == "problem" and "replaced" in found["install"]["detail"], found
+    assert found["hook"]["status"] == "problem" and "not tms's hook" in found["hook"]["detail"], found
+    assert "--force-reinstall --no-deps" in found["install"]["fix"], found
     # pip has put upstream's hook and Python package over ours: every start-up says so, and
     # `import tms` refuses with the same repair.
     _assert_named_with_repair(python, wheel, "replaced")
