@@ -127,6 +127,10 @@ uint64_t tms_get_memory_margin_bytes(void);
  * tms_get_cpu_backup_pointer) count as corruption. */
 void tms_set_verify_restore(bool on);
 bool tms_get_verify_restore(void);
+/* Declares who pauses and resumes this process (a launcher, a scheduler; default TMS_MANAGED_BY):
+ * pause and resume requests over the control socket that are not forced (tms-ctl without
+ * --force) are then refused, naming it. NULL or "" clears it. */
+void tms_set_managed_by(const char *manager);
 /* Static text for a TMS_ERR_* code. */
 const char *tms_strerror(int code);
 const char *tms_version(void);

@@ -64,6 +64,7 @@ __all__ = [
     "set_memory_margin_bytes",
     "set_retain_cpu_backup",
     "set_verify_restore",
+    "set_managed_by",
     "set_disk_backup_dir",
     "library_path",
     "hook_mode",
@@ -158,6 +159,12 @@ def set_verify_restore(value):
     them and raises TmsError (code TMS_ERR_CORRUPT) naming the allocation, tag and offset where
     they differ. A debugging mode: it reads every restored byte back."""
     shared().verify_restore = value
+
+
+def set_managed_by(manager):
+    """Declare who pauses and resumes this process (a launcher's name and pid; None clears it):
+    `tms-ctl pause`/`resume` from anyone else is then refused, naming it, unless `--force`."""
+    shared().cdll.tms_set_managed_by(None if manager is None else os.fsencode(manager))
 
 
 def set_disk_backup_dir(path):

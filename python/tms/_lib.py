@@ -123,6 +123,7 @@ TORCH_MEMORY_SAVER_API = {
 TMS_API = {
     "tms_get_memory_margin_bytes": ([], _c_uint64),
     "tms_set_verify_restore": ([_c_bool], None),
+    "tms_set_managed_by": ([_c_char_p], None),
     "tms_get_verify_restore": ([], _c_bool),
     "tms_pause_report": ([_c_char_p, ctypes.POINTER(Report)], _c_int),
     "tms_resume_report": ([_c_char_p, ctypes.POINTER(Report)], _c_int),

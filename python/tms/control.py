@@ -160,14 +160,17 @@ def _results(answers):
     return [answer for _, answer in answers]
 
 
-def pause(target, tag=None, timeout=30.0):
+def pause(target, tag=None, timeout=30.0, force=False):
     """Pauses ``tag`` (None: all) in every process matching ``target``, all at once; returns their
-    reports. Raises the first failure after every process was asked."""
-    return _results(_ask_all(resolve(target, timeout), {"op": "pause", "tag": tag}, timeout))
+    reports. Raises the first failure after every process was asked. ``force``: also in a process
+    that declared a manager (TMS_MANAGED_BY), which refuses otherwise."""
+    request = {"op": "pause", "tag": tag, **({"force": True} if force else {})}
+    return _results(_ask_all(resolve(target, timeout), request, timeout))
 
 
-def resume(target, tag=None, timeout=30.0):
-    return _results(_ask_all(resolve(target, timeout), {"op": "resume", "tag": tag}, timeout))
+def resume(target, tag=None, timeout=30.0, force=False):
+    request = {"op": "resume", "tag": tag, **({"force": True} if force else {})}
+    return _results(_ask_all(resolve(target, timeout), request, timeout))
 
 
 def list_processes(timeout=30.0):

@@ -269,6 +269,13 @@ struct RunArgs {
     /// libtms_hook.so to preload (default: next to this binary, or ../lib).
     #[arg(long)]
     hook: Option<PathBuf>,
+    /// Folder of the workers' control sockets, for `tms-ctl --dir` and monitoring scripts
+    /// (default: $TMS_CONTROL_DIR when set, else a private folder of the run). Created if
+    /// missing; refused if another user owns it or others can write to it. Written to
+    /// RUN_DIR/ctl_dir when the run starts. Local launcher only: with Ray each node's workers
+    /// serve in a folder of that node, printed at start.
+    #[arg(long, value_name = "DIR")]
+    ctl_dir: Option<PathBuf>,
     /// Print the summary as JSON on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -460,6 +467,10 @@ fn main() -> ExitCode {
                 config: args.config.clone(),
                 sets: args.assignments(),
                 hook: args.hook.clone(),
+                ctl_dir: args
+                    .ctl_dir
+                    .clone()
+                    .or_else(|| std::env::var_os("TMS_CONTROL_DIR").filter(|d| !d.is_empty()).map(PathBuf::from)),
                 json: args.json,
                 quiet: args.quiet,
             };

@@ -117,6 +117,57 @@ fn unknown_targets_and_bad_usage_exit_2() {
 }
 
 #[test]
+fn a_managed_process_refuses_an_outside_pause_naming_its_manager_unless_forced() {
+    let node = SimNode::new("1GiB");
+    let manager = "my-launcher (pid 4242)";
+    let mut worker = Served::start_with(&node, "cuda", &[("TMS_MANAGED_BY", manager)]);
+    assert_eq!(worker.ask("alloc 8"), "rc=0");
+    assert_eq!(worker.ask("fill"), "rc=0");
+    let pid = worker.pid().to_string();
+    socket_of(&node, worker.pid());
+    for verb in ["pause", "resume"] {
+        let refused = node.ctl(&[verb, &pid]).output().unwrap();
+        let said = format!("{}{}", String::from_utf8_lossy(&refused.stdout), String::from_utf8_lossy(&refused.stderr));
+        assert_eq!(refused.status.code(), Some(1), "{verb}: {said}");
+        assert!(said.contains(&format!("managed by {manager}")) && said.contains("--force"), "{verb}: {said}");
+    }
+    let (code, status) = json(node.ctl(&["status", &pid, "--json"]));
+    assert_eq!(code, 0);
+    assert_eq!(status[0]["status"]["managed_by"], manager, "{status}");
+    assert_eq!(status[0]["status"]["tags"][0]["bytes_paused"], 0, "a refused pause paused something: {status}");
+    let shown = run_ok(&mut node.ctl(&["status", &pid]));
+    assert!(shown.contains(&format!("managed by {manager} (pause and resume from here need --force)")), "{shown}");
+    let forced = run_ok(&mut node.ctl(&["pause", "--force", &pid]));
+    assert!(forced.contains("paused 1 allocations, 8.0 MiB"), "{forced}");
+    run_ok(&mut node.ctl(&["resume", "--force", &pid]));
+    assert_eq!(worker.ask("verify"), "rc=0");
+    worker.quit();
+}
+
+#[test]
+fn a_plain_list_with_nothing_in_its_folder_names_a_runs_folder_that_has_processes() {
+    // A run's private folder, as relax-colocate makes them (<tmp>/relax-*/ctl).
+    let run = tempfile::Builder::new().prefix("relax-tmsctl-test-").tempdir_in(std::env::temp_dir()).unwrap();
+    let ctl = run.path().join("ctl");
+    std::fs::create_dir(&ctl).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let node = SimNode::new("1GiB");
+    let mut worker = Served::start_with(&node, "cuda", &[("TMS_CONTROL_DIR", ctl.to_str().unwrap())]);
+    assert_eq!(worker.ask("alloc 8"), "rc=0");
+    let empty = node.dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let listed = run_ok(node.ctl(&["list"]).env("TMS_CONTROL_DIR", &empty));
+    assert!(listed.contains("no hooked processes"), "{listed}");
+    assert!(listed.contains(&format!("serve in {}", ctl.display())) && listed.contains(" list"), "{listed}");
+    // Named with --dir, the folder is what was asked for: no hint about others.
+    let named = run_ok(&mut node.ctl(&["--dir", empty.to_str().unwrap(), "list"]));
+    assert!(!named.contains("serve in"), "{named}");
+    worker.quit();
+}
+
+#[test]
 fn a_socket_folder_named_with_dir_that_is_not_there_exits_2_naming_it() {
     let node = SimNode::new("1GiB");
     let missing = node.dir.path().join("no-such-folder");

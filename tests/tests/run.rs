@@ -770,6 +770,117 @@ fn a_device_this_machine_lacks_is_refused_before_the_run_folder_exists() {
     }
 }
 
+/// A folder chosen for the workers' sockets (--ctl-dir, or TMS_CONTROL_DIR) is where they serve,
+/// and the run folder says so from the start; a folder others can write to is refused.
+#[test]
+fn the_control_folder_can_be_chosen_and_the_run_folder_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for (how, ctl) in [("flag", dir.path().join("by-flag")), ("env", dir.path().join("by-env"))] {
+        let out_dir = dir.path().join(format!("run-{how}"));
+        let mut cmd = Command::new(workspace().bin("relax-colocate"));
+        cmd.current_dir(&workspace().root).args(["run", "--device", "sim", "--steps", "1", "--out"]).arg(&out_dir);
+        if how == "flag" {
+            cmd.arg("--ctl-dir").arg(&ctl);
+        } else {
+            cmd.env("TMS_CONTROL_DIR", &ctl);
+        }
+        let out = cmd.env_remove("LD_PRELOAD").env_remove("RELAX_WORKER_FAULT").output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{how}: {}", text(&out));
+        let named = std::fs::read_to_string(out_dir.join("ctl_dir")).unwrap();
+        assert_eq!(named.trim(), ctl.display().to_string(), "{how}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("control sockets in {}", ctl.display())), "{how}: {err}");
+    }
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out =
+        run_cmd(&dir.path().join("run-open"), &["--steps", "1", "--ctl-dir", open.to_str().unwrap()]).output().unwrap();
+    assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the control folder"), "{}", text(&out));
+}
+
+/// A run's workers are managed by the runner: a pause from outside, mid-run, is refused naming
+/// the run, the job finishes, and the worker's log says who asked.
+#[test]
+fn an_outside_pause_of_a_running_jobs_worker_is_refused_and_the_job_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = dir.path().join("ctl");
+    let out_dir = dir.path().join("run");
+    let mut run = Command::new(workspace().bin("relax-colocate"))
+        .current_dir(&workspace().root)
+        .args(["run", "--device", "sim", "--quiet", "--steps", "6", "--ctl-dir"])
+        .arg(&ctl)
+        .arg("--out")
+        .arg(&out_dir)
+        .env_remove("LD_PRELOAD")
+        .env_remove("RELAX_WORKER_FAULT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while tms_proto::list_sockets(&ctl).iter().all(|s| !s.alive) {
+        assert!(Instant::now() < deadline, "no worker served in {}", ctl.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let refused =
+        Command::new(workspace().bin("tms-ctl")).arg("--dir").arg(&ctl).args(["pause", "--all"]).output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&refused.stdout), String::from_utf8_lossy(&refused.stderr));
+    assert_eq!(refused.status.code(), Some(1), "{said}");
+    assert!(said.contains("managed by relax-colocate run (pid") && said.contains("--force"), "{said}");
+    let status = run.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(run.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "the job did not finish after a refused outside pause: {err}");
+    let logs: String = ["trainer-0", "rollout-0"]
+        .iter()
+        .map(|w| std::fs::read_to_string(out_dir.join(format!("logs/{w}.log"))).unwrap_or_default())
+        .collect();
+    assert!(logs.contains("control request from pid") && logs.contains("(tms-ctl)"), "{logs}");
+}
+
+/// With --force the outside pause happens; the run fails, and its failure names the pause it
+/// found in the worker's log as the likely cause, instead of a bare 700.
+#[test]
+fn a_forced_outside_pause_that_breaks_a_run_is_named_as_its_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = dir.path().join("ctl");
+    let out_dir = dir.path().join("run");
+    let mut run = Command::new(workspace().bin("relax-colocate"))
+        .current_dir(&workspace().root)
+        .args(["run", "--device", "sim", "--quiet", "--steps", "40", "--ctl-dir"])
+        .arg(&ctl)
+        .arg("--out")
+        .arg(&out_dir)
+        .env_remove("LD_PRELOAD")
+        .env_remove("RELAX_WORKER_FAULT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Paused from outside again and again, whatever each worker is doing, until the run stops.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while run.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the run kept going with its memory paused from outside");
+        let _ = Command::new(workspace().bin("tms-ctl"))
+            .arg("--dir")
+            .arg(&ctl)
+            .args(["--timeout", "2", "pause", "--force", "--all"])
+            .output();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = run.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(run.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("driven from outside the run: control request from pid") && err.contains("(tms-ctl)"),
+        "{err}"
+    );
+}
+
 /// `tms-ctl list` during a run must be able to find its workers: the run says where they serve.
 #[test]
 fn the_run_prints_where_its_workers_control_sockets_are() {

@@ -22,8 +22,9 @@ debugger) or too busy is reported as not responding and delays the others by not
 
 Exit codes:
   0  success: every process asked answered, and every operation succeeded
-  1  some process failed: an error reply (e.g. out of memory on resume), or no answer within
-     --timeout (stopped, busy, exited meanwhile); every other process was still served
+  1  some process failed: an error reply (e.g. out of memory on resume; a managed process
+     refusing a pause or resume without --force), or no answer within --timeout (stopped, busy,
+     exited meanwhile); every other process was still served
   2  usage error, no process matches a TARGET, no process asked carries the --tag given (one that
      does not while another does is skipped, not failed), an empty --tag, or the socket folder is
      unsafe (another user's, or writable by others: tms-ctl says how to fix it)";
@@ -63,6 +64,11 @@ enum Command {
         /// Every hooked process.
         #[arg(long)]
         all: bool,
+        /// Also in a process that has a manager (a relax-colocate worker, a process started with
+        /// TMS_MANAGED_BY): it refuses otherwise, since a pause from outside pulls memory from
+        /// under its manager's next step.
+        #[arg(long)]
+        force: bool,
         /// Processes: pids, TMS_NAMEs (every process with that name) or socket paths.
         targets: Vec<String>,
     },
@@ -74,6 +80,11 @@ enum Command {
         /// Every hooked process.
         #[arg(long)]
         all: bool,
+        /// Also in a process that has a manager (a relax-colocate worker, a process started with
+        /// TMS_MANAGED_BY): it refuses otherwise, since a pause from outside pulls memory from
+        /// under its manager's next step.
+        #[arg(long)]
+        force: bool,
         /// Processes: pids, TMS_NAMEs (every process with that name) or socket paths.
         targets: Vec<String>,
     },
@@ -172,8 +183,12 @@ fn run(cli: &Cli) -> Result<u8, Failure> {
             let procs = if targets.is_empty() { alive(&ctx)? } else { resolve(&ctx, targets, false)? };
             show_status(&ctx, &procs)
         }
-        Command::Pause { tag, all, targets } => operate(&ctx, &resolve(&ctx, targets, *all)?, tag.as_deref(), true),
-        Command::Resume { tag, all, targets } => operate(&ctx, &resolve(&ctx, targets, *all)?, tag.as_deref(), false),
+        Command::Pause { tag, all, force, targets } => {
+            operate(&ctx, &resolve(&ctx, targets, *all)?, tag.as_deref(), true, *force)
+        }
+        Command::Resume { tag, all, force, targets } => {
+            operate(&ctx, &resolve(&ctx, targets, *all)?, tag.as_deref(), false, *force)
+        }
         Command::Set { margin, retain_backup, default_backup, all, targets } => {
             let settings =
                 Settings { default_backup: *default_backup, margin_bytes: *margin, retain_backup: *retain_backup };
@@ -601,10 +616,41 @@ fn list(ctx: &Ctx) -> Result<u8, Failure> {
         println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
     } else if rows.is_empty() {
         println!("no hooked processes (sockets in {})", ctx.dir.display());
+        if !ctx.named_dir {
+            for (dir, n) in other_folders(&ctx.dir) {
+                println!("  {n} serve in {} (a run's own folder): tms-ctl --dir {} list", dir.display(), dir.display());
+            }
+        }
     } else {
         print!("{}", table(&rows));
     }
     Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
+}
+
+/// Other socket folders of this user with live hooked processes, and how many: the default
+/// folders, and the private ones `relax-colocate run` gives its workers (`<tmp>/relax-*/ctl`).
+/// Read only: nothing there is reaped.
+fn other_folders(searched: &Path) -> Vec<(PathBuf, usize)> {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let mut candidates = vec![
+        tms_proto::socket_dir_from(None, std::env::var_os("XDG_RUNTIME_DIR"), uid),
+        PathBuf::from(format!("/tmp/tms-{uid}")),
+    ];
+    let runs = std::fs::read_dir(std::env::temp_dir()).into_iter().flatten().flatten();
+    candidates
+        .extend(runs.filter(|e| e.file_name().to_string_lossy().starts_with("relax-")).map(|e| e.path().join("ctl")));
+    candidates.sort();
+    candidates.dedup();
+    candidates
+        .into_iter()
+        .filter(|d| d != searched && tms_proto::check_socket_dir(d).is_ok())
+        .map(|d| {
+            let n = tms_proto::list_sockets(&d).into_iter().filter(|s| s.alive).count();
+            (d, n)
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
 }
 
 fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
@@ -628,6 +674,9 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                     );
                     for d in &st.devices {
                         println!("  {} device {}: {} free of {}", d.vendor, d.device, human(d.free), human(d.total));
+                    }
+                    if let Some(m) = &st.managed_by {
+                        println!("  managed by {} (pause and resume from here need --force)", printable(m));
                     }
                     println!(
                         "  margin {}, retain backup {}, default backup {}, pinned buffers pooled {} (kept by resumed \
@@ -695,14 +744,14 @@ struct OpRow {
     skipped: Option<String>,
 }
 
-fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool) -> Result<u8, Failure> {
+fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool, force: bool) -> Result<u8, Failure> {
     let verb = if pause { "paused" } else { "resumed" };
     if tag.is_some_and(|t| t.trim().is_empty()) {
         return Err(usage("--tag \"\" names no tag; leave --tag out to pause or resume every tag"));
     }
     let wanted = tag.map(String::from);
     let tag = wanted.clone();
-    let request = if pause { Request::Pause { tag } } else { Request::Resume { tag } };
+    let request = if pause { Request::Pause { tag, force } } else { Request::Resume { tag, force } };
     let timeout = ctx.timeout;
     let answers = ask_all(ctx, procs, Arc::new(move |p: &Path| tms_proto::call_full(p, &request, timeout)));
     let mut rows = Vec::new();

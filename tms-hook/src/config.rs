@@ -37,6 +37,9 @@ pub struct Config {
     /// Pauses take checksums of their backups and resumes check the restored bytes
     /// (`TMS_VERIFY_RESTORE`, default off: it reads every restored byte back).
     pub verify_restore: bool,
+    /// Who pauses and resumes this process (`TMS_MANAGED_BY`): control requests from anyone
+    /// else are refused unless forced.
+    pub managed_by: Option<String>,
     /// `TMS_BACKUP_STREAMS`: concurrent copy streams per device for backup/restore.
     pub backup_streams: usize,
     /// `TMS_BACKUP_CHUNK_MB`: size of one backup copy.
@@ -74,6 +77,7 @@ pub const HOOK_VARIABLES: &[&str] = &[
     "TMS_MEMORY_MARGIN_BYTES",
     "TMS_RESUME_KEEPS_MARGIN",
     "TMS_VERIFY_RESTORE",
+    "TMS_MANAGED_BY",
     "TMS_BACKUP_STREAMS",
     "TMS_BACKUP_CHUNK_MB",
     "TMS_PHYSICAL_CHUNK_MB",
@@ -172,6 +176,7 @@ impl Config {
         // would leave a waking trainer's weights unmapped where upstream's succeeds.
         let resume_keeps_margin = env.flag("TMS_RESUME_KEEPS_MARGIN", false);
         let verify_restore = env.flag("TMS_VERIFY_RESTORE", false);
+        let managed_by = var("TMS_MANAGED_BY").filter(|v| !v.trim().is_empty());
         let disk_backup = env.flag("TMS_INIT_ENABLE_DISK_BACKUP", false);
         let control = var("TMS_CONTROL").filter(|v| !v.is_empty()).map(|_| env.flag("TMS_CONTROL", true));
         let pinned_pool_max = env.pinned_pool_max();
@@ -193,6 +198,7 @@ impl Config {
             margin,
             resume_keeps_margin,
             verify_restore,
+            managed_by,
             pinned_pool_max,
             pinned_pool_host_reserve_percent,
             backup_streams,

@@ -203,8 +203,56 @@ fn refuse_busy(stream: &UnixStream) {
     let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
+/// Who may pause and resume this process without `force`: None, anyone of its user; Some(who),
+/// only requests that say they come from its manager (TMS_MANAGED_BY, `tms_set_managed_by`).
+static MANAGER: Mutex<Option<Option<String>>> = Mutex::new(None);
+
+/// The process's manager, if it declared one.
+pub fn manager() -> Option<String> {
+    let mut m = MANAGER.lock().unwrap_or_else(|e| e.into_inner());
+    m.get_or_insert_with(|| crate::config::config().managed_by.clone()).clone()
+}
+
+/// Declares (Some) or clears (None) the process's manager.
+pub fn set_manager(who: Option<String>) {
+    *MANAGER.lock().unwrap_or_else(|e| e.into_inner()) = Some(who.filter(|w| !w.trim().is_empty()));
+}
+
+/// What changes the process's memory or settings from outside is said where its own log is read,
+/// at warn, with who asked: a run that later fails has the cause in its worker's log. Its
+/// manager's own requests (forced, from the pid TMS_MANAGED_BY names) are routine: info.
+fn log_request(req: &Request, peer: Option<u32>) {
+    let forced = match req {
+        Request::Pause { force, .. } | Request::Resume { force, .. } => *force,
+        Request::Set(_) => false,
+        Request::Ping | Request::Status => return,
+    };
+    let from = peer.map_or_else(|| "an unknown process".into(), describe_peer);
+    let by_manager = forced && peer.zip(manager()).is_some_and(|(pid, m)| m.contains(&format!("pid {pid})")));
+    let line = req.to_line();
+    if by_manager {
+        tracing::info!("tms: control request from {from}, the manager: {}", line.trim_end());
+    } else {
+        tracing::warn!("tms: control request from {from}: {}", line.trim_end());
+    }
+}
+
+/// A process as a log line names it: `pid 123 (tms-ctl)`.
+fn describe_peer(pid: u32) -> String {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    match comm.trim() {
+        "" => format!("pid {pid}"),
+        name => format!("pid {pid} ({name})"),
+    }
+}
+
 /// The peer's uid (SO_PEERCRED).
 fn peer_uid(stream: &UnixStream) -> Option<u32> {
+    peer_cred(stream).map(|c| c.uid)
+}
+
+/// The peer's credentials (SO_PEERCRED): its uid, and the pid that connected.
+fn peer_cred(stream: &UnixStream) -> Option<libc::ucred> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: getsockopt into a correctly sized ucred.
@@ -217,7 +265,7 @@ fn peer_uid(stream: &UnixStream) -> Option<u32> {
             &mut len,
         )
     };
-    (rc == 0).then_some(cred.uid)
+    (rc == 0).then_some(cred)
 }
 
 /// Whether the peer has closed its end entirely (a half-close after the request still waits
@@ -250,7 +298,10 @@ fn handle(stream: UnixStream) {
                     tracing::info!("tms: control request {req:?} dropped: its client is gone");
                     return;
                 }
-                Ok(req) => dispatch(req),
+                Ok(req) => {
+                    log_request(&req, peer_cred(&stream).map(|c| c.pid as u32));
+                    dispatch(req)
+                }
                 Err(e) => Reply::err(e),
             },
             Err(e) => Reply::err(e),
@@ -371,6 +422,7 @@ pub fn status() -> Status {
                 suspended_by_tms: c.suspended_by_tms,
             })
             .collect(),
+        managed_by: manager(),
     }
 }
 
@@ -380,15 +432,29 @@ fn json<T: serde::Serialize>(v: &T) -> serde_json::Value {
 
 fn dispatch(req: Request) -> Reply {
     match req {
+        Request::Pause { force: false, .. } | Request::Resume { force: false, .. } if manager().is_some() => {
+            let who = manager().unwrap_or_default();
+            let verb = if matches!(req, Request::Pause { .. }) { "pause" } else { "resume" };
+            Reply::err(ProtoError::new(
+                ErrorCode::Managed,
+                format!(
+                    "refused: this process is managed by {who}, which pauses and resumes it itself; a {verb} from \
+                     outside pulls memory from under its next step (on a GPU the process then dies with 700). \
+                     Use --force to do it anyway"
+                ),
+            ))
+        }
         Request::Ping => Reply::ok(serde_json::json!({ "pong": true, "pid": std::process::id() })),
         Request::Status => Reply::ok(json(&status())),
-        Request::Pause { tag } | Request::Resume { tag } if tag.as_deref().is_some_and(|t| t.trim().is_empty()) => {
+        Request::Pause { tag, .. } | Request::Resume { tag, .. }
+            if tag.as_deref().is_some_and(|t| t.trim().is_empty()) =>
+        {
             Reply::err(ProtoError::new(
                 ErrorCode::BadRequest,
                 "the empty tag names no tag; leave the tag out to pause or resume every tag",
             ))
         }
-        Request::Pause { tag } | Request::Resume { tag } if tag.as_deref().is_some_and(|t| !tag_carried(t)) => {
+        Request::Pause { tag, .. } | Request::Resume { tag, .. } if tag.as_deref().is_some_and(|t| !tag_carried(t)) => {
             let t = tag.unwrap_or_default();
             let mut known: Vec<String> = status().tags.into_iter().map(|s| s.tag).collect();
             known.sort();
@@ -399,8 +465,8 @@ fn dispatch(req: Request) -> Reply {
                 format!("no allocation carries tag {t:?} and none ever did here (tags here: {here})"),
             ))
         }
-        Request::Pause { tag } => operation_reply(tag.clone(), &saver().pause(tag.as_deref())),
-        Request::Resume { tag } => operation_reply(tag.clone(), &saver().resume(tag.as_deref())),
+        Request::Pause { tag, .. } => operation_reply(tag.clone(), &saver().pause(tag.as_deref())),
+        Request::Resume { tag, .. } => operation_reply(tag.clone(), &saver().resume(tag.as_deref())),
         Request::Set(settings) => {
             let s = saver();
             let largest = s.devices().into_iter().map(|(_, _, _, total)| total).max();

@@ -28,12 +28,15 @@ pub const MAX_REPLY_BYTES: usize = 16 * 1024 * 1024;
 pub enum Request {
     Ping,
     Status,
-    /// `tag` None: every tag.
+    /// `tag` None: every tag. `force`: also in a process that declared a manager
+    /// (`TMS_MANAGED_BY`), which refuses pauses and resumes from anyone else (`managed`).
     Pause {
         tag: Option<String>,
+        force: bool,
     },
     Resume {
         tag: Option<String>,
+        force: bool,
     },
     Set(Settings),
 }
@@ -72,6 +75,9 @@ pub enum ErrorCode {
     UnknownTag,
     /// A resume checked with TMS_VERIFY_RESTORE did not bring back the bytes the pause saved.
     Corrupt,
+    /// The process has a manager (TMS_MANAGED_BY) and the request was not forced: a pause from
+    /// outside would pull memory from under the manager's next step.
+    Managed,
 }
 
 impl ErrorCode {
@@ -90,6 +96,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::UnknownTag => "unknown_tag",
             ErrorCode::Corrupt => "corrupt",
+            ErrorCode::Managed => "managed",
         }
     }
 }
@@ -193,7 +200,8 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
             Ok(if op == "ping" { Request::Ping } else { Request::Status })
         }
         "pause" | "resume" => {
-            only_fields(&obj, &["v", "op", "tag"])?;
+            only_fields(&obj, &["v", "op", "tag", "force"])?;
+            let force = opt_bool(&obj, "force")?.unwrap_or(false);
             let tag = match obj.get("tag") {
                 None | Some(Value::Null) => None,
                 // An empty tag once meant every tag: a blank variable in a script paused everything.
@@ -204,7 +212,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                 Some(Value::String(_)) => return Err(bad("tag must be at most 256 bytes without NUL")),
                 Some(_) => return Err(bad("tag must be a string or null")),
             };
-            Ok(if op == "pause" { Request::Pause { tag } } else { Request::Resume { tag } })
+            Ok(if op == "pause" { Request::Pause { tag, force } } else { Request::Resume { tag, force } })
         }
         "set" => {
             only_fields(&obj, &["v", "op", "default_backup", "margin_bytes", "retain_backup"])?;
@@ -235,9 +243,12 @@ impl Request {
         let op = match self {
             Request::Ping => "ping",
             Request::Status => "status",
-            Request::Pause { tag } | Request::Resume { tag } => {
+            Request::Pause { tag, force } | Request::Resume { tag, force } => {
                 if let Some(t) = tag {
                     obj.insert("tag".into(), t.clone().into());
+                }
+                if *force {
+                    obj.insert("force".into(), true.into());
                 }
                 if matches!(self, Request::Pause { .. }) { "pause" } else { "resume" }
             }
@@ -320,6 +331,10 @@ pub struct Status {
     /// from hooks older than this field.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub communicators: Vec<CommInfo>,
+    /// Who pauses and resumes this process (TMS_MANAGED_BY): others' requests need `force`.
+    /// Absent when nobody does, and from hooks older than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub managed_by: Option<String>,
 }
 
 /// One communicator: NCCL's as `ncclCommMemStats` describes its device memory; HCCL's with its
@@ -733,12 +748,19 @@ pub fn status(path: &Path, timeout: Duration) -> Result<Status, ClientError> {
 /// Pauses `tag` (None: every tag). `Ok` carries the report even when the operation failed
 /// (`report.error`); `Err` means no report came back.
 pub fn pause(path: &Path, tag: Option<&str>, timeout: Duration) -> Result<OpReport, ClientError> {
-    operation(path, &Request::Pause { tag: tag.map(String::from) }, timeout)
+    operation(path, &Request::Pause { tag: tag.map(String::from), force: false }, timeout)
+}
+
+/// `pause` or `resume` as the process's manager does it (`force`: a managed process obeys).
+pub fn operate_forced(path: &Path, pause: bool, tag: Option<&str>, timeout: Duration) -> Result<OpReport, ClientError> {
+    let tag = tag.map(String::from);
+    let request = if pause { Request::Pause { tag, force: true } } else { Request::Resume { tag, force: true } };
+    operation(path, &request, timeout)
 }
 
 /// Resumes `tag` (None: every tag); as `pause`.
 pub fn resume(path: &Path, tag: Option<&str>, timeout: Duration) -> Result<OpReport, ClientError> {
-    operation(path, &Request::Resume { tag: tag.map(String::from) }, timeout)
+    operation(path, &Request::Resume { tag: tag.map(String::from), force: false }, timeout)
 }
 
 #[cfg(test)]
@@ -758,8 +780,9 @@ mod tests {
         for r in [
             Request::Ping,
             Request::Status,
-            Request::Pause { tag: None },
-            Request::Resume { tag: Some("kv_cache".into()) },
+            Request::Pause { tag: None, force: false },
+            Request::Resume { tag: Some("kv_cache".into()), force: false },
+            Request::Pause { tag: Some("weights".into()), force: true },
             Request::Set(Settings { default_backup: Some(true), margin_bytes: Some(1 << 30), retain_backup: None }),
         ] {
             assert_eq!(parse_request(r.to_line().as_bytes()).unwrap(), r);
@@ -782,7 +805,12 @@ mod tests {
         let huge = format!(r#"{{"op":"pause","tag":"{}"}}"#, "x".repeat(MAX_REQUEST_BYTES));
         assert_eq!(code(&huge), ErrorCode::TooLarge);
         assert_eq!(code(r#"{"op":"pause","tag":""}"#), ErrorCode::BadRequest);
-        assert_eq!(parse_request(br#"{"op":"pause","tag":null}"#).unwrap(), Request::Pause { tag: None });
+        assert_eq!(parse_request(br#"{"op":"pause","tag":null}"#).unwrap(), Request::Pause { tag: None, force: false });
+        assert_eq!(
+            parse_request(br#"{"op":"resume","force":true}"#).unwrap(),
+            Request::Resume { tag: None, force: true }
+        );
+        assert!(parse_request(br#"{"op":"pause","force":"yes"}"#).is_err());
     }
 
     #[test]

@@ -257,6 +257,9 @@ impl Plan {
             ("TMS_CONTROL".into(), "1".into()),
             ("TMS_CONTROL_DIR".into(), scratch.ctl_dir.display().to_string()),
             ("RELAX_DEVICE_API".into(), self.api.into()),
+            // The runner pauses and resumes its workers itself; a pause from outside (tms-ctl
+            // without --force) is refused, naming it.
+            ("TMS_MANAGED_BY".into(), format!("relax-colocate run (pid {})", std::process::id())),
         ];
         // Each worker's log (logs/<worker>.log) says what its hook did: every pause and resume
         // with its bytes and timing, not only the warnings. A TMS_LOG of the user's wins.
@@ -343,9 +346,12 @@ fn announce(cfg: &Config, opts: &Options, plan: &Plan, out: &Outputs, scratch: &
 /// Acts on the plan: files, outputs, then the workers; returns the plan with the fleet and the
 /// recorder a driver runs over.
 pub(super) fn start(cfg: &Config, opts: &Options, plan: Plan, run_dir: PathBuf) -> R<(Plan, Fleet, Recorder)> {
-    let scratch = Scratch::create(plan.shm_bytes).map_err(setup_err)?;
+    let scratch = Scratch::create(plan.shm_bytes, opts.ctl_dir.as_deref()).map_err(setup_err)?;
     let env = plan.worker_env(cfg, &scratch).map_err(setup_err)?;
     let out = Outputs::open(cfg, &run_dir)?;
+    // Where to point `tms-ctl --dir` while the run is going, for scripts that watch it.
+    std::fs::write(run_dir.join("ctl_dir"), format!("{}\n", scratch.ctl_dir.display()))
+        .map_err(|e| setup_err(format!("cannot write {}: {e}", run_dir.join("ctl_dir").display())))?;
     let progress = announce(cfg, opts, &plan, &out, &scratch, &run_dir);
     let at = Cursor::new();
     let fleet = Fleet::launch(cfg, plan.ray_python.as_ref(), plan.device, &env, scratch, &run_dir, at.clone())?;

@@ -57,6 +57,8 @@ pub struct Options {
     pub config: Option<PathBuf>,
     pub sets: Vec<String>,
     pub hook: Option<PathBuf>,
+    /// The workers' control-socket folder (--ctl-dir or TMS_CONTROL_DIR); None: the run's own.
+    pub ctl_dir: Option<PathBuf>,
     pub json: bool,
     pub quiet: bool,
 }

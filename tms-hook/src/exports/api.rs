@@ -122,6 +122,16 @@ pub extern "C" fn tms_get_verify_restore() -> bool {
     api(|| saver().verify_restore(), false)
 }
 
+/// Declares who pauses and resumes this process (a launcher, a scheduler): control-socket pause
+/// and resume requests that are not forced (`tms-ctl` without `--force`) are then refused, naming
+/// it. NULL or "" clears it. Default: TMS_MANAGED_BY.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_set_managed_by(manager: *const c_char) {
+    // SAFETY: NULL or a NUL-terminated string (the exported contract).
+    let who = unsafe { opt_str(manager) };
+    api(|| crate::control::set_manager(who), ())
+}
+
 /// A static description of a TMS_ERR_* code.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn tms_strerror(code: i32) -> *const c_char {

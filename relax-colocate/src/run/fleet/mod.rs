@@ -176,7 +176,22 @@ impl Fleet {
     }
 
     fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
+        let mut cause = cause.into();
+        if let Some(outside) = worker.and_then(|name| self.outside_request(name)) {
+            cause.push_str(&format!("; before it, its memory was driven from outside the run: {outside}"));
+        }
         self.at.fail(kind, worker, cause)
+    }
+
+    /// The last pause, resume or set that a worker's hook logged as coming from someone other
+    /// than the runner (`tms-ctl --force`, a script): the likely cause of a failure that follows
+    /// (memory paused under a step dies with 700, illegal address).
+    fn outside_request(&self, name: &str) -> Option<String> {
+        let w = self.workers.iter().find(|w| w.name == name)?;
+        let log = std::fs::read_to_string(&w.log).ok()?;
+        let line =
+            log.lines().rev().find(|l| l.contains("tms: control request from") && !l.contains(", the manager:"))?;
+        Some(line.split("tms: ").nth(1).unwrap_or(line).trim().to_string())
     }
 
     /// The workers of `role`, as indices into the fleet; elastic mode's lent engines are not
@@ -237,11 +252,8 @@ impl Fleet {
         let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
         let owned = tag.map(String::from);
         let results = self.control_calls(targets, &format!("{verb} {what}"), move |path, timeout| {
-            let answer = if pause {
-                tms_proto::pause(path, owned.as_deref(), timeout)
-            } else {
-                tms_proto::resume(path, owned.as_deref(), timeout)
-            };
+            // The runner is its workers' manager (TMS_MANAGED_BY): its own requests are forced.
+            let answer = tms_proto::operate_forced(path, pause, owned.as_deref(), timeout);
             // A worker that never allocated under the tag (an external worker without CUDA
             // graphs) has nothing to pause or resume: an empty report, as before tags were checked.
             match answer {

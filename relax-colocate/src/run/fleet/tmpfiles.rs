@@ -28,20 +28,30 @@ pub struct Scratch {
 
 impl Scratch {
     /// Sweeps what dead runs left, then makes this run's folder and a bucket file of `shm_bytes`.
-    pub fn create(shm_bytes: u64) -> Result<Scratch, String> {
+    /// The workers' control sockets go in `ctl_dir` when given (made if missing, refused if it is
+    /// not safe to hold them), else in the run's folder.
+    pub fn create(shm_bytes: u64, ctl_dir: Option<&Path>) -> Result<Scratch, String> {
         let shm_dir = Path::new("/dev/shm");
         let mut swept = sweep(&std::env::temp_dir(), DIR_PREFIX);
         swept.extend(sweep(shm_dir, BUCKET_PREFIX));
         let owner = owner_tag();
         let tmp =
             tempfile::Builder::new().prefix(&format!("{DIR_PREFIX}{owner}")).tempdir().map_err(|e| e.to_string())?;
-        let ctl_dir = tmp.path().join("ctl");
+        let own_ctl = ctl_dir.is_none();
+        let ctl_dir = ctl_dir.map_or_else(|| tmp.path().join("ctl"), Path::to_path_buf);
         let sock_dir = tmp.path().join("w");
         for d in [&ctl_dir, &sock_dir] {
-            std::fs::create_dir_all(d).map_err(|e| e.to_string())?;
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700));
+            let existed = d.exists();
+            std::fs::create_dir_all(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+            // A folder of the user's keeps its mode; ours are private.
+            if !existed || (own_ctl || d != &ctl_dir) {
+                use std::os::unix::fs::PermissionsExt;
+                let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700));
+            }
         }
+        tms_proto::check_socket_dir(&ctl_dir).map_err(|e| {
+            format!("the control folder {}: {e} (--ctl-dir or TMS_CONTROL_DIR names it)", ctl_dir.display())
+        })?;
         let shm_dir = if shm_dir.is_dir() { shm_dir.to_path_buf() } else { tmp.path().to_path_buf() };
         let shm = tempfile::Builder::new()
             .prefix(&format!("{BUCKET_PREFIX}{owner}"))
