@@ -15,7 +15,8 @@
 #                                        does not start itself (it puts its own copy on the
 #                                        PYTHONPATH of those it does); not in the wheel
 #   PREFIX/share/tms/workers/            example_worker.py, torch_worker.py (--trainer-cmd ...)
-#   PREFIX/share/man/man1/               tms-ctl.1, tms-sim.1 (from the programs' own --help)
+#   PREFIX/share/man/man1/               tms-ctl.1, tms-sim.1, relax-colocate.1 (from the programs' own --help)
+#   PREFIX/share/bash-completion/completions/  tms-ctl, relax-colocate
 #   PREFIX/lib/debug/*.debug             the binaries' debug info, split off (they keep a
 #                                        .gnu_debuglink to it, so gdb and perf find it)
 # Usage: scripts/install.sh [--profile release|debug] [--no-build] [--keep-debug] PREFIX
@@ -75,8 +76,14 @@ for pkg in tms torch_memory_saver; do
   find "$prefix/lib/python/$pkg" -name '__pycache__' -prune -exec rm -rf {} +
 done
 mkdir -p "$prefix/share/man/man1"
-for b in tms-ctl tms-sim; do
+for b in tms-ctl tms-sim relax-colocate; do
   "$prefix/bin/$b" man >"$prefix/share/man/man1/$b.1"
+done
+# Shell completions of the two command-line tools people type (bash; zsh and fish: `TOOL
+# completions zsh|fish`).
+mkdir -p "$prefix/share/bash-completion/completions"
+for b in tms-ctl relax-colocate; do
+  "$prefix/bin/$b" completions bash >"$prefix/share/bash-completion/completions/$b"
 done
 install -m 0644 "$root/relax-colocate/python/relax_worker.py" "$prefix/lib/python/"
 mkdir -p "$prefix/share/tms/workers"

@@ -13,7 +13,7 @@ mod run;
 mod runtime;
 mod vendor;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -49,6 +49,10 @@ enum Command {
     /// layout rather than this machine's CPU.
     #[command(after_long_help = COMPARE_HELP)]
     Compare(Box<compare::Options>),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
+    /// Print the manual page (roff; scripts/install.sh puts it in PREFIX/share/man/man1).
+    Man,
     /// Internal: a built-in worker process of `run` (trainer or rollout).
     #[command(hide = true)]
     Worker { role: String },
@@ -484,6 +488,17 @@ fn main() -> ExitCode {
             }
         },
         Command::Compare(o) => ExitCode::from(compare::main(&o)),
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "relax-colocate", &mut std::io::stdout());
+            ExitCode::SUCCESS
+        }
+        Command::Man => match tms_proto::manual::render(Cli::command(), &mut std::io::stdout()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("relax-colocate man: cannot write the manual page: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Bench(args) => bench_main(*args),
         Command::BenchWorker { args } => match bench::worker_main(&args) {
             Ok(v) => {

@@ -35,6 +35,9 @@ fn install_lays_out_the_compatibility_names() {
         "lib/debug/libtms_hook.so.debug",
         "share/man/man1/tms-ctl.1",
         "share/man/man1/tms-sim.1",
+        "share/man/man1/relax-colocate.1",
+        "share/bash-completion/completions/tms-ctl",
+        "share/bash-completion/completions/relax-colocate",
     ] {
         assert!(prefix.path().join(f).exists(), "{f} not installed");
     }
@@ -50,6 +53,13 @@ fn install_lays_out_the_compatibility_names() {
     }
     let page = std::fs::read_to_string(prefix.path().join("share/man/man1/tms-ctl.1")).unwrap();
     assert!(page.starts_with(".ie") && page.contains(".TH tms-ctl 1") && page.contains("pause"), "{page}");
+    // relax-colocate's page has every command with its options, run's --ctl-dir among them.
+    let page = std::fs::read_to_string(prefix.path().join("share/man/man1/relax-colocate.1")).unwrap();
+    assert!(page.contains(".TH relax-colocate 1") && page.contains("relax\\-colocate compare"), "{page}");
+    assert!(page.contains("\\-\\-ctl\\-dir"), "{page}");
+    let completions =
+        std::fs::read_to_string(prefix.path().join("share/bash-completion/completions/relax-colocate")).unwrap();
+    assert!(completions.contains("relax-colocate") && completions.contains("--ctl-dir"), "{completions}");
     let debug = std::fs::metadata(prefix.path().join("lib/debug/libtms_hook.so.debug")).unwrap().len();
     let hook = std::fs::metadata(prefix.path().join("lib/libtms_hook.so")).unwrap().len();
     assert!(debug > hook, "the debug file ({debug} B) should hold most of the hook's former size ({hook} B now)");

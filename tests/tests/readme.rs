@@ -376,3 +376,45 @@ fn the_quickstart_names_only_switches_docs_frameworks_records() {
     assert!(unsourced.is_empty(), "the quickstart names {unsourced:?}, which docs/frameworks.md does not record");
     assert!(research.contains("\n## Sources\n"), "docs/frameworks.md has no Sources list");
 }
+
+/// docs/troubleshooting.md quotes each error as the code prints it: every heading's quoted piece
+/// must still be in the code (Rust, Python or the scripts), so a reworded message cannot leave
+/// the page explaining a message nobody sees. The README's first screen links the page.
+#[test]
+fn every_error_the_troubleshooting_page_explains_is_printed_by_the_code() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let page = std::fs::read_to_string(root.join("docs/troubleshooting.md")).unwrap();
+    let quoted: Vec<&str> =
+        page.lines().filter_map(|l| l.strip_prefix("### `").and_then(|rest| rest.strip_suffix('`'))).collect();
+    assert!(quoted.len() >= 15, "{quoted:?}");
+    fn sources(dir: &Path, text: &mut String) {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "target" && n != "__pycache__") {
+                    sources(&p, text);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs" || x == "py" || x == "sh") {
+                text.push_str(&std::fs::read_to_string(&p).unwrap_or_default());
+            }
+        }
+    }
+    let mut code = String::new();
+    for dir in [
+        "tms-hook/src",
+        "tms-sim/src",
+        "tms-proto/src",
+        "tms-ctl/src",
+        "tms-vendor/src",
+        "relax-colocate/src",
+        "python",
+        "scripts",
+    ] {
+        sources(&root.join(dir), &mut code);
+    }
+    let missing: Vec<&&str> = quoted.iter().filter(|q| !code.contains(**q)).collect();
+    assert!(missing.is_empty(), "docs/troubleshooting.md explains messages the code no longer prints: {missing:?}");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let at = readme.find("docs/troubleshooting.md").expect("the README links docs/troubleshooting.md");
+    assert!(readme[..at].lines().count() < 60, "the troubleshooting link is off the README's first screen");
+}

@@ -6,6 +6,8 @@
 //! This crate exports no C symbols, so tools can link it without interposing anything.
 
 pub mod abi;
+#[cfg(feature = "cli")]
+pub mod manual;
 pub mod size;
 
 use serde::{Deserialize, Serialize};
