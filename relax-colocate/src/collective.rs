@@ -8,6 +8,7 @@
 //! aclrtSetDevice): both libraries bind a communicator to the thread's device.
 
 use crate::runtime::{AclStreams, Hccl, HcclRootInfo, Nccl, NcclMemStats, NcclUniqueId, Streams, load_hccl, load_nccl};
+use crate::vendor::ApiKind;
 use libc::c_void;
 use std::ffi::CStr;
 
@@ -25,9 +26,12 @@ pub enum Library {
 }
 
 impl Library {
-    /// The library of a device API: NCCL on "cuda", HCCL on "acl".
-    pub fn of_api(api: &str) -> Library {
-        if api == "acl" { Library::Hccl } else { Library::Nccl }
+    /// The library of a device API: NCCL on CUDA, HCCL on Ascend's.
+    pub fn of(api: ApiKind) -> Library {
+        match api {
+            ApiKind::Cuda => Library::Nccl,
+            ApiKind::Acl => Library::Hccl,
+        }
     }
 
     pub fn parse(name: &str) -> Option<Library> {
@@ -287,7 +291,7 @@ mod tests {
         assert_eq!(from_hex(&to_hex(&id)).unwrap(), id);
         assert!(from_hex("abc").is_err());
         assert!(from_hex("zz").is_err());
-        assert_eq!(Library::of_api("acl"), Library::Hccl);
-        assert_eq!(Library::parse(Library::of_api("cuda").name()), Some(Library::Nccl));
+        assert_eq!(Library::of(ApiKind::Acl), Library::Hccl);
+        assert_eq!(Library::parse(Library::of(ApiKind::Cuda).name()), Some(Library::Nccl));
     }
 }

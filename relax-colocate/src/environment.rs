@@ -61,9 +61,12 @@ pub(crate) struct SimEnvironment {
 }
 
 impl SimEnvironment {
-    /// What a context takes on `api` ("cuda" or "acl").
-    pub fn context_bytes(&self, api: &str) -> u64 {
-        if api == "acl" { self.context_bytes.1 } else { self.context_bytes.0 }
+    /// What a context takes on `api`.
+    pub fn context_bytes(&self, api: crate::vendor::ApiKind) -> u64 {
+        match api {
+            crate::vendor::ApiKind::Cuda => self.context_bytes.0,
+            crate::vendor::ApiKind::Acl => self.context_bytes.1,
+        }
     }
 }
 

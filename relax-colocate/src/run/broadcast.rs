@@ -28,7 +28,8 @@ fn bad(msg: String) -> Failure {
 
 /// The library the params name, which must be the one of this worker's device API.
 fn library(api: &str, name: &str) -> Result<Library, Failure> {
-    let wanted = Library::of_api(api);
+    let kind = crate::vendor::ApiKind::parse(api).ok_or_else(|| bad(format!("unknown device API {api:?}")))?;
+    let wanted = Library::of(kind);
     match Library::parse(name) {
         Some(l) if l == wanted => Ok(l),
         Some(_) => {

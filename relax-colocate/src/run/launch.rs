@@ -17,6 +17,7 @@ use super::task::{Addition, VOCAB};
 use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
 use crate::environment::{SimNode, find_hook, provide_relax_worker, sim_environment};
 use crate::runtime::{can_load, has_symbol};
+use crate::vendor::ApiKind;
 use std::path::{Path, PathBuf};
 
 fn utc_stamp() -> String {
@@ -57,7 +58,7 @@ pub(super) fn make_run_dir(cfg: &Config) -> Result<PathBuf, String> {
 pub(super) struct Plan {
     pub(super) device: DeviceChoice,
     /// The vendor API the workers use: "cuda" or "acl".
-    pub(super) api: &'static str,
+    pub(super) api: ApiKind,
     hook: PathBuf,
     pub(super) task: Addition,
     pub(super) shape: model::Shape,
@@ -149,10 +150,11 @@ pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
     let transport = resolve_transport(cfg, device)?;
     let hook = find_hook(hook).map_err(setup_err)?;
     // The simulator serves both runtimes; sim.api picks the one the workers use.
-    let api: &'static str = match device {
-        DeviceChoice::Npu => "acl",
-        DeviceChoice::Sim if cfg.sim.api == "acl" => "acl",
-        _ => "cuda",
+    let api = match device {
+        DeviceChoice::Npu => ApiKind::Acl,
+        DeviceChoice::Sim => cfg.sim_api(),
+        // Resolved: Auto is one of the others by now.
+        DeviceChoice::Cuda | DeviceChoice::Auto => ApiKind::Cuda,
     };
     let task = Addition::new(cfg.task.digits, cfg.task.max_new_tokens);
     let shape =
@@ -185,7 +187,7 @@ pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
 }
 
 /// Sizes the simulated device, or refuses a run the host or the configured size cannot hold.
-fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp: &Footprint) -> R<SimDevice> {
+fn plan_sim(cfg: &Config, api: ApiKind, shape: &model::Shape, bucket_bytes: u64, fp: &Footprint) -> R<SimDevice> {
     let per_device_at = |scale: f64| {
         let p = profile::build(&cfg.memory.profile, cfg.memory.tp, scale, cfg.memory.kv_cache_gib).ok()?;
         let f = footprint(cfg, shape, &p, bucket_bytes);
@@ -223,13 +225,16 @@ fn plan_sim(cfg: &Config, api: &str, shape: &model::Shape, bucket_bytes: u64, fp
     Ok(SimDevice { capacity, contexts })
 }
 
-fn device_label(cfg: &Config, device: DeviceChoice, api: &str, sim: Option<&SimDevice>, fp: &Footprint) -> String {
+fn device_label(cfg: &Config, device: DeviceChoice, api: ApiKind, sim: Option<&SimDevice>, fp: &Footprint) -> String {
     let label = match (device, sim) {
         (DeviceChoice::Cuda, _) => "CUDA".to_string(),
         (DeviceChoice::Npu, _) => "Ascend NPU (ACL)".to_string(),
         (_, Some(sim)) => format!(
             "tms-sim ({} API), {} x {} (trainer needs {}, rollout {}, their contexts {})",
-            if api == "acl" { "ACL" } else { "CUDA" },
+            match api {
+                ApiKind::Acl => "ACL",
+                ApiKind::Cuda => "CUDA",
+            },
             cfg.run.devices,
             human(sim.capacity),
             human(fp.trainer),
@@ -256,7 +261,7 @@ impl Plan {
             ("LD_PRELOAD".into(), self.hook.display().to_string()),
             ("TMS_CONTROL".into(), "1".into()),
             ("TMS_CONTROL_DIR".into(), scratch.ctl_dir.display().to_string()),
-            ("RELAX_DEVICE_API".into(), self.api.into()),
+            ("RELAX_DEVICE_API".into(), self.api.as_str().into()),
             // The runner pauses and resumes its workers itself; a pause from outside (tms-ctl
             // without --force) is refused, naming it.
             ("TMS_MANAGED_BY".into(), format!("relax-colocate run (pid {})", std::process::id())),

@@ -255,7 +255,7 @@ pub(super) fn init_params(
     cfg: &Config,
     fleet: &Fleet,
     role: Role,
-    api: &str,
+    api: crate::vendor::ApiKind,
     shape: model::Shape,
     profile: &Profile,
     max_batch: usize,
@@ -264,7 +264,7 @@ pub(super) fn init_params(
     let group = if role == Role::Trainer { trainer_group(cfg, fleet, api) } else { None };
     let targets = fleet.indices(role);
     let params = |(rank, i): (usize, usize)| InitParams {
-        api: api.into(),
+        api: api.as_str().into(),
         device: fleet.worker(i).device,
         shape,
         seed: cfg.run.seed,
@@ -288,14 +288,14 @@ pub(super) fn init_params(
 /// The trainers' data-parallel group, when there are several: the backend of `api` and a
 /// rendezvous on a port free here, where rank 0 (the first trainer) runs. A remote Ray cluster
 /// places rank 0 on a host the runner does not know, so its trainers stay replicas without one.
-fn trainer_group(cfg: &Config, fleet: &Fleet, api: &str) -> Option<(&'static str, String)> {
+fn trainer_group(cfg: &Config, fleet: &Fleet, api: crate::vendor::ApiKind) -> Option<(&'static str, String)> {
     let remote_cluster = cfg.run.launcher == Launcher::Ray && cfg.run.ray_address.trim() != "local";
     if fleet.indices(Role::Trainer).len() < 2 || remote_cluster {
         return None;
     }
     // The port is free now; rank 0's store binds it moments later (the usual MASTER_PORT race).
     let port = std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).ok()?.port();
-    let backend = if api == "acl" { "hccl" } else { "nccl" };
+    let backend = crate::collective::Library::of(api).name();
     Some((backend, format!("tcp://127.0.0.1:{port}")))
 }
 

@@ -44,12 +44,11 @@ pub(super) fn footprint(cfg: &Config, shape: &model::Shape, profile: &Profile, b
 /// Device memory one weight-sync communicator takes on tms-sim (docs/simulator.md) with `peers`
 /// other ranks: NCCL's buffers (2 channels x send and receive x NCCL_BUFFSIZE, 4 MiB by default)
 /// per peer and the 1 MiB that stays; HCCL's two buffers of HCCL_BUFFSIZE MB (200 by default).
-pub(super) fn sim_communicator_bytes(api: &str, peers: u64) -> u64 {
+pub(super) fn sim_communicator_bytes(api: crate::vendor::ApiKind, peers: u64) -> u64 {
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<u64>().ok()).filter(|v| *v > 0);
-    if api == "acl" {
-        2 * env("HCCL_BUFFSIZE").unwrap_or(200) * MIB
-    } else {
-        peers * 2 * 2 * env("NCCL_BUFFSIZE").unwrap_or(4 * MIB) + MIB
+    match api {
+        crate::vendor::ApiKind::Acl => 2 * env("HCCL_BUFFSIZE").unwrap_or(200) * MIB,
+        crate::vendor::ApiKind::Cuda => peers * 2 * 2 * env("NCCL_BUFFSIZE").unwrap_or(4 * MIB) + MIB,
     }
 }
 

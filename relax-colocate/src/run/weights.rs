@@ -227,7 +227,7 @@ pub(super) struct WeightSync {
     /// Why `auto` cannot fall back to host in this layout (the run fails at `join`).
     refused: Option<String>,
     library: Library,
-    api: &'static str,
+    api: crate::vendor::ApiKind,
     /// IPC: each rollout's id for the exporters' whitelists, asked at the first update.
     ipc_pids: Option<Vec<(usize, i32)>>,
     bucket_bytes: u64,
@@ -256,7 +256,7 @@ impl WeightSync {
         WeightSync {
             transport: resolved.clone().unwrap_or(WeightTransport::Host),
             refused: resolved.err(),
-            library: Library::of_api(plan.api),
+            library: Library::of(plan.api),
             api: plan.api,
             ipc_pids: None,
             bucket_bytes: plan.bucket_bytes,
@@ -351,7 +351,9 @@ impl WeightSync {
     fn name(&self) -> String {
         match self.transport {
             WeightTransport::Broadcast => format!("broadcast over {}", self.library.name().to_uppercase()),
-            WeightTransport::Ipc if self.api == "acl" => "ipc (Ascend IPC keys, device to device)".into(),
+            WeightTransport::Ipc if self.api == crate::vendor::ApiKind::Acl => {
+                "ipc (Ascend IPC keys, device to device)".into()
+            }
             WeightTransport::Ipc => "ipc (CUDA IPC handles, device to device)".into(),
             _ => "host (staged in host memory)".into(),
         }

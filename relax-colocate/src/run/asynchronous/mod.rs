@@ -46,7 +46,7 @@ pub(super) struct Async {
     task: Addition,
     shape: model::Shape,
     pub(super) profile: Profile,
-    api: &'static str,
+    api: crate::vendor::ApiKind,
     pub(super) fleet: Fleet,
     pub(super) rec: Recorder,
     pub(super) sync: weights::WeightSync,

@@ -560,6 +560,11 @@ impl Config {
     }
 
     /// Devices in the whole run: `run.devices` on each of `run.nodes` nodes.
+    /// The device API the simulated device serves the workers (sim.api, checked when loaded).
+    pub fn sim_api(&self) -> crate::vendor::ApiKind {
+        crate::vendor::ApiKind::parse(&self.sim.api).unwrap_or(crate::vendor::ApiKind::Cuda)
+    }
+
     pub fn total_devices(&self) -> usize {
         self.run.devices as usize * self.run.nodes as usize
     }

@@ -24,7 +24,7 @@ pub(super) struct Colocate {
     task: Addition,
     shape: model::Shape,
     pub(super) profile: Profile,
-    api: &'static str,
+    api: crate::vendor::ApiKind,
     /// How update_weights moves the weights (ipc by default), and what it moved.
     pub(super) sync: WeightSync,
     pub(super) fleet: Fleet,
