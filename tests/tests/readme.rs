@@ -114,8 +114,8 @@ fn plan(line: &str) -> Option<Plan> {
         }
         "eval \"$(scripts/sim-env.sh --node mynode --memory 16GiB)\"" => run(as_written, 0, &[]),
         "./my_cuda_program" => run(as_written, 0, &["my_cuda_program: 16.0 GiB total"]),
-        "target/debug/tms-sim status --node mynode" => run(as_written, 0, &["mynode"]),
-        "target/debug/tms-sim surface" => run(as_written, 0, &["cudaMalloc"]),
+        "target/release/tms-sim status --node mynode" => run(as_written, 0, &["mynode"]),
+        "target/release/tms-sim surface" => run(as_written, 0, &["cudaMalloc"]),
         _ => None,
     }
 }
