@@ -339,6 +339,26 @@ fn cli_prints_env_and_node_status() {
 }
 
 #[test]
+fn a_reader_that_stops_early_ends_tms_sim_quietly() {
+    use std::os::fd::FromRawFd;
+    let ws = workspace();
+    let mut fds = [0; 2];
+    // SAFETY: a fresh pipe whose read end is closed at once; the write end goes to the child.
+    let gone_reader = unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        libc::close(fds[0]);
+        std::os::fd::OwnedFd::from_raw_fd(fds[1])
+    };
+    let out = Command::new(ws.bin("tms-sim"))
+        .args(["env", "--node", "pipe"])
+        .stdout(Stdio::from(gone_reader))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked") && out.status.code() != Some(101), "{:?}: {err}", out.status);
+}
+
+#[test]
 fn status_counts_a_killed_process_memory_as_free_not_used() {
     let ws = workspace();
     let node = SimNode::new("1GiB");

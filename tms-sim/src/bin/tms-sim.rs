@@ -208,6 +208,10 @@ fn print_environment(a: &EnvArgs) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // A reader that stops early (`tms-sim env | head -1`) ends tms-sim quietly, as it ends other
+    // command-line tools, instead of a panic on the broken pipe.
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
