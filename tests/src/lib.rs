@@ -49,13 +49,18 @@ impl Workspace {
             .output()
             .expect("run tms-sim env");
         assert!(out.status.success(), "tms-sim env {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("tms-sim env --json prints JSON");
-        ["prepend", "set"]
-            .iter()
-            .flat_map(|key| doc[key].as_object().cloned().unwrap_or_default())
-            .map(|(k, v)| (k, v.as_str().expect("a string").to_string()))
-            .collect()
+        env_of(&out.stdout)
     }
+}
+
+/// The variables `tms-sim env --json` printed, prepended folders set alone.
+pub fn env_of(json: &[u8]) -> Vec<(String, String)> {
+    let doc: serde_json::Value = serde_json::from_slice(json).expect("tms-sim env --json prints JSON");
+    ["prepend", "set"]
+        .iter()
+        .flat_map(|key| doc[key].as_object().cloned().unwrap_or_default())
+        .map(|(k, v)| (k, v.as_str().expect("a string").to_string()))
+        .collect()
 }
 
 /// Builds what the tests run (once per test binary) and prepares the folders.

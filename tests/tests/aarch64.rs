@@ -186,12 +186,7 @@ fn sim_env(arm: &Arm, node: &str, devices: u32, dir: Option<&Path>) -> Vec<(Stri
         .output()
         .expect("run qemu-aarch64 tms-sim env");
     assert_ok(&out, "qemu-aarch64 tms-sim env");
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("tms-sim env --json prints JSON");
-    ["prepend", "set"]
-        .iter()
-        .flat_map(|key| doc[key].as_object().cloned().unwrap_or_default())
-        .map(|(k, v)| (k, v.as_str().expect("a string").to_string()))
-        .collect()
+    env_of(&out.stdout)
 }
 
 /// `qemu-aarch64` with the aarch64 C library, and `-p PAGE` when given (the page size the guest

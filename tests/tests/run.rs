@@ -801,25 +801,30 @@ fn the_control_folder_can_be_chosen_and_the_run_folder_names_it() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("the control folder"), "{}", text(&out));
 }
 
-/// A run's workers are managed by the runner: a pause from outside, mid-run, is refused naming
-/// the run, the job finishes, and the worker's log says who asked.
-#[test]
-fn an_outside_pause_of_a_running_jobs_worker_is_refused_and_the_job_finishes() {
-    let dir = tempfile::tempdir().unwrap();
-    let ctl = dir.path().join("ctl");
-    let out_dir = dir.path().join("run");
-    let mut run = Command::new(workspace().bin("relax-colocate"))
+/// `relax-colocate run` of `steps` on the simulator in the background, its workers serving in
+/// `ctl`; its stderr piped for the test to read.
+fn spawn_run(ctl: &Path, out_dir: &Path, steps: u32) -> std::process::Child {
+    Command::new(workspace().bin("relax-colocate"))
         .current_dir(&workspace().root)
-        .args(["run", "--device", "sim", "--quiet", "--steps", "6", "--ctl-dir"])
-        .arg(&ctl)
+        .args(["run", "--device", "sim", "--quiet", "--steps", &steps.to_string(), "--ctl-dir"])
+        .arg(ctl)
         .arg("--out")
-        .arg(&out_dir)
+        .arg(out_dir)
         .env_remove("LD_PRELOAD")
         .env_remove("RELAX_WORKER_FAULT")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// A run's workers are managed by the runner: a pause from outside, mid-run, is refused naming
+/// the run, the job finishes, and the worker's log says who asked.
+#[test]
+fn an_outside_pause_of_a_running_jobs_worker_is_refused_and_the_job_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctl, out_dir) = (dir.path().join("ctl"), dir.path().join("run"));
+    let mut run = spawn_run(&ctl, &out_dir, 6);
     let deadline = Instant::now() + Duration::from_secs(60);
     while tms_proto::list_sockets(&ctl).iter().all(|s| !s.alive) {
         assert!(Instant::now() < deadline, "no worker served in {}", ctl.display());
@@ -846,20 +851,8 @@ fn an_outside_pause_of_a_running_jobs_worker_is_refused_and_the_job_finishes() {
 #[test]
 fn a_forced_outside_pause_that_breaks_a_run_is_named_as_its_cause() {
     let dir = tempfile::tempdir().unwrap();
-    let ctl = dir.path().join("ctl");
-    let out_dir = dir.path().join("run");
-    let mut run = Command::new(workspace().bin("relax-colocate"))
-        .current_dir(&workspace().root)
-        .args(["run", "--device", "sim", "--quiet", "--steps", "40", "--ctl-dir"])
-        .arg(&ctl)
-        .arg("--out")
-        .arg(&out_dir)
-        .env_remove("LD_PRELOAD")
-        .env_remove("RELAX_WORKER_FAULT")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let (ctl, out_dir) = (dir.path().join("ctl"), dir.path().join("run"));
+    let mut run = spawn_run(&ctl, &out_dir, 40);
     // Paused from outside again and again, whatever each worker is doing, until the run stops.
     let deadline = Instant::now() + Duration::from_secs(120);
     while run.try_wait().unwrap().is_none() {

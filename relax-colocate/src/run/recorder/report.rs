@@ -204,6 +204,42 @@ fn before_after_window(steps: usize) -> usize {
     if steps >= 6 { 3 } else { (steps / 2).max(steps.min(1)) }
 }
 
+/// What the totals under the phase table add up (slime's step = train + train_wait:
+/// perf/train_time, perf/train_wait_time).
+fn print_totals_legend(split: bool) {
+    println!(
+        "{}",
+        if split {
+            "train = the trainer's compute; train_wait = the trainer waiting for its next batch"
+        } else {
+            "train = the trainer's compute phases; train_wait = the rest of each step (generation, sleep and wake, \
+             weight update)"
+        }
+    );
+}
+
+/// Reward and pass rate at the start and at the end of the run (windows that share no step).
+fn print_reward(summary: &Value) {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let (reward, pass) = (&summary["reward"], &summary["pass_rate"]);
+    match reward["window_steps"].as_u64().unwrap_or(0) {
+        0 => println!("\nreward -, pass rate - (no step completed)"),
+        1 if summary["steps_completed"].as_u64() == Some(1) => println!(
+            "\nreward {:.3}, pass rate {:.2} (one step: nothing to compare it with)",
+            f(&reward["first3_mean"]),
+            f(&pass["first3_mean"])
+        ),
+        k => println!(
+            "\nreward {:.3} -> {:.3}, pass rate {:.2} -> {:.2} (mean of the first and last {k} step{})",
+            f(&reward["first3_mean"]),
+            f(&reward["last3_mean"]),
+            f(&pass["first3_mean"]),
+            f(&pass["last3_mean"]),
+            if k == 1 { "" } else { "s" }
+        ),
+    }
+}
+
 pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
     println!("\nPhase times over {} steps ({})", summary["steps_completed"], r.device_label);
     println!("{:<16} {:>10} {:>10} {:>8}", "phase", "median s", "p90 s", "share");
@@ -223,35 +259,10 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
         );
     }
     if totals {
-        // slime's step = train + train_wait (perf/train_time, perf/train_wait_time).
-        println!(
-            "{}",
-            if summary.get("async").is_some() {
-                "train = the trainer's compute; train_wait = the trainer waiting for its next batch"
-            } else {
-                "train = the trainer's compute phases; train_wait = the rest of each step (generation, sleep and wake, \
-                 weight update)"
-            }
-        );
+        print_totals_legend(summary.get("async").is_some());
     }
+    print_reward(summary);
     let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
-    let (reward, pass) = (&summary["reward"], &summary["pass_rate"]);
-    match reward["window_steps"].as_u64().unwrap_or(0) {
-        0 => println!("\nreward -, pass rate - (no step completed)"),
-        1 if summary["steps_completed"].as_u64() == Some(1) => println!(
-            "\nreward {:.3}, pass rate {:.2} (one step: nothing to compare it with)",
-            f(&reward["first3_mean"]),
-            f(&pass["first3_mean"])
-        ),
-        k => println!(
-            "\nreward {:.3} -> {:.3}, pass rate {:.2} -> {:.2} (mean of the first and last {k} step{})",
-            f(&reward["first3_mean"]),
-            f(&reward["last3_mean"]),
-            f(&pass["first3_mean"]),
-            f(&pass["last3_mean"]),
-            if k == 1 { "" } else { "s" }
-        ),
-    }
     if let Some(a) = summary.get("async") {
         print_async(a, summary["compute"].as_str().unwrap_or(""));
         print_correction(&summary["off_policy_correction"]);
