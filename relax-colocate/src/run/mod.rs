@@ -26,6 +26,7 @@ mod asynchronous;
 mod broadcast;
 mod cycle;
 mod fleet;
+mod handover;
 mod ipc;
 mod launch;
 mod learn;

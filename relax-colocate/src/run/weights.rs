@@ -35,18 +35,6 @@ pub(super) fn trainer_checksum(fleet: &mut Fleet, at: &Cursor) -> R<String> {
     Ok(sums[0].clone())
 }
 
-/// Every worker of `role` must hold `expected` (when checks are on).
-pub(super) fn expect_checksum(fleet: &mut Fleet, rec: &mut Recorder, role: Role, expected: &str, when: &str) -> R<()> {
-    if !rec.checks_enabled() {
-        return Ok(());
-    }
-    let step = rec.cursor().step();
-    let got = checksums(fleet, role, step)?;
-    let named: Vec<(String, String)> =
-        fleet.indices(role).into_iter().map(|i| fleet.worker(i).name.clone()).zip(got).collect();
-    rec.check_weights(&named, expected, when)
-}
-
 /// What one update moved to each engine.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Moved {

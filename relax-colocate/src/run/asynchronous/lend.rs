@@ -15,9 +15,9 @@ use super::queue::Group;
 use super::{Async, Window};
 use crate::run::config::Config;
 use crate::run::fleet::Fleet;
+use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
-use crate::run::protocol::{Checksum, LoadState, SaveState, Step};
-use crate::run::{NCCL_TAG, R, Role, weights};
+use crate::run::{R, Role, weights};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -183,12 +183,6 @@ impl Lending {
     }
 }
 
-/// The saver's own time for one pause or resume: its slowest worker's report (they run in
-/// parallel).
-fn saver_seconds(reports: &[(String, tms_proto::OpReport)]) -> f64 {
-    reports.iter().map(|(_, r)| r.counts.elapsed_ns).max().unwrap_or(0) as f64 / 1e9
-}
-
 impl Async {
     fn lending_mut(&mut self) -> &mut Lending {
         self.lending.as_mut().expect("elastic mode")
@@ -203,48 +197,12 @@ impl Async {
         (0..self.engines.len()).filter(|&k| self.engines[k].lent && !self.engines[k].retired).collect()
     }
 
-    /// Pause `tag` (None: every tag) in `targets`; free memory must rise by what was paused.
-    fn pause(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
-        let saver = self.pause_timed(targets, tag)?;
+    /// Pause every tag of `targets` (free memory must rise by what was paused), the saver's time
+    /// counted in the lends' switch.
+    fn pause_all(&mut self, targets: &[usize]) -> R<()> {
+        let saver = handover::pause(&mut self.fleet, &mut self.rec, targets, None)?;
         self.lending_mut().stats.saver_s += saver;
         Ok(())
-    }
-
-    fn resume(&mut self, targets: &[usize], tag: Option<&str>) -> R<()> {
-        let saver = self.resume_timed(targets, tag)?;
-        self.lending_mut().stats.saver_s += saver;
-        Ok(())
-    }
-
-    /// `pause`, returning the saver's own seconds for it.
-    pub(super) fn pause_timed(&mut self, targets: &[usize], tag: Option<&str>) -> R<f64> {
-        let reports = self.fleet.control_of(targets, true, tag)?;
-        if tag == Some(NCCL_TAG) {
-            self.rec.record_comm_suspended(&reports);
-        }
-        let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
-        self.rec.check_paused(&what, &reports)?;
-        Ok(saver_seconds(&reports))
-    }
-
-    /// `resume`, returning the saver's own seconds for it.
-    pub(super) fn resume_timed(&mut self, targets: &[usize], tag: Option<&str>) -> R<f64> {
-        let reports = self.fleet.control_of(targets, false, tag)?;
-        Ok(saver_seconds(&reports))
-    }
-
-    /// Every worker in `targets` holds the weights `expected`.
-    pub(super) fn expect_sum(&mut self, targets: &[usize], expected: &str, when: &str) -> R<()> {
-        if !self.rec.checks_enabled() {
-            return Ok(());
-        }
-        let replies = self.fleet.call_each::<Checksum>(targets, vec![Step { step: self.step() }; targets.len()])?;
-        let named: Vec<(String, String)> = targets
-            .iter()
-            .map(|&i| self.fleet.worker(i).name.clone())
-            .zip(replies.into_iter().map(|r| r.weights))
-            .collect();
-        self.rec.check_weights(&named, expected, when)
     }
 
     /// Setup: the lent engines sleep before the trainers start on their devices; from here on the
@@ -252,7 +210,7 @@ impl Async {
     pub(super) fn lent_offload(&mut self) -> R<()> {
         let span = self.rec.begin("lent_offload");
         let engines = self.fleet.lent_engines();
-        self.pause(&engines, None)?;
+        self.pause_all(&engines)?;
         self.rec.end(span, &self.fleet)?;
         let pairs = self.lending_mut().pairs.clone();
         let name = |i: usize| self.fleet.worker(i).name.clone();
@@ -358,21 +316,20 @@ impl Async {
             self.lending_mut().pairs.iter().copied().filter(|(_, e)| live.contains(e)).collect();
         let trainers = self.fleet.indices(Role::Trainer);
         let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
-        let step = Step { step: self.step() };
-        if !self.cfg.memory.backup {
-            self.fleet.call_each::<SaveState>(&trainers, vec![step; trainers.len()])?;
+        let (at, bucket_bytes) = (self.at.clone(), self.sync.bucket_bytes());
+        let handed = Handover {
+            from: &trainers,
+            sleep: Sleep::of_trainer(&self.cfg),
+            to: &live,
+            wake: Wake::Serving,
+            expect: Some((&sum, "on the lent engines after their weights arrived")),
+            phases: None,
         }
-        self.pause(&trainers, None)?;
-        // As colocate's sleep: the trainers' communicators are idle until reclaim.
-        if self.cfg.memory.suspend_communicators && self.fleet.holds_nccl(&trainers)? {
-            self.pause(&trainers, Some(NCCL_TAG))?;
-            self.lending_mut().comms_suspended = true;
-        }
-        self.resume(&live, Some("weights"))?;
-        let moved = weights::lend_transfer(&mut self.fleet, &self.at, self.sync.bucket_bytes(), &pairs)?;
-        self.expect_sum(&live, &sum, "on the lent engines after their weights arrived")?;
-        self.resume(&live, Some("kv_cache"))?;
-        self.resume(&live, Some("cuda_graph"))?;
+        .run(&mut self.fleet, &mut self.rec, |f, _| weights::lend_transfer(f, &at, bucket_bytes, &pairs))?;
+        let moved = handed.cargo;
+        let l = self.lending_mut();
+        l.comms_suspended = handed.comms_suspended;
+        l.stats.saver_s += handed.saver_s;
         self.rec.end(span, &self.fleet)?;
         let (version, now) = (self.version, Instant::now());
         for &k in &slots {
@@ -447,7 +404,7 @@ impl Async {
         for &k in slots {
             let worker = self.engines[k].worker;
             let name = self.fleet.worker(worker).name.clone();
-            self.pause(&[worker], None)?;
+            self.pause_all(&[worker])?;
             let e = &mut self.engines[k];
             e.request = None;
             if let Some(t) = e.idle_since.take() {
@@ -504,9 +461,6 @@ impl Async {
         let span = self.rec.begin("reclaim");
         let slots: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].awake).collect();
         let engines: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
-        if !engines.is_empty() {
-            self.pause(&engines, None)?;
-        }
         let mut tokens = 0;
         for &k in &slots {
             let e = &mut self.engines[k];
@@ -518,16 +472,18 @@ impl Async {
         }
         self.orphans.sort_by_key(|g| g.started);
         let trainers = self.fleet.indices(Role::Trainer);
-        self.resume(&trainers, None)?;
-        if std::mem::take(&mut self.lending_mut().comms_suspended) {
-            self.resume(&trainers, Some(NCCL_TAG))?;
-        }
-        if !self.cfg.memory.backup {
-            let step = Step { step: self.step() };
-            self.fleet.call_each::<LoadState>(&trainers, vec![step; trainers.len()])?;
-        }
+        let comms = std::mem::take(&mut self.lending_mut().comms_suspended);
         let sum = self.lending_mut().trainer_sum.take().unwrap_or_default();
-        self.expect_sum(&trainers, &sum, "after the reclaim (the lent device's memory back to the trainer's bytes)")?;
+        let handed = Handover {
+            from: &engines,
+            sleep: Sleep::default(),
+            to: &trainers,
+            wake: Wake::Whole { comms, load_state: !self.cfg.memory.backup },
+            expect: Some((&sum, "after the reclaim (the lent device's memory back to the trainer's bytes)")),
+            phases: None,
+        }
+        .run(&mut self.fleet, &mut self.rec, |_, _| Ok(()))?;
+        self.lending_mut().stats.saver_s += handed.saver_s;
         self.rec.end(span, &self.fleet)?;
         let seconds = t0.elapsed().as_secs_f64();
         self.window.switch_s += seconds;

@@ -13,8 +13,11 @@
 //! generated anything during the step.
 
 use super::{Async, Window};
+use crate::run::fleet::Fleet;
+use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
 use crate::run::protocol::{ExportState, ImportState, Init, StateFile};
+use crate::run::recorder::Recorder;
 use crate::run::{FailKind, NCCL_TAG, R, Role, RunError, learn, weights};
 use serde_json::{Value, json};
 use std::time::Instant;
@@ -57,7 +60,7 @@ pub(super) struct RolloutLending {
 }
 
 impl RolloutLending {
-    pub(super) fn new(fleet: &crate::run::fleet::Fleet) -> RolloutLending {
+    pub(super) fn new(fleet: &Fleet) -> RolloutLending {
         let engines = fleet.indices(Role::Rollout);
         let rank = |i: usize| fleet.worker(i).rank;
         let pairs = fleet
@@ -142,7 +145,7 @@ impl Async {
         self.fleet.find_control_sockets_of(&lent)?;
         self.rec.end(span, &self.fleet)?;
         let span = self.rec.begin("lent_trainer_offload");
-        self.pause_timed(&lent, None)?;
+        handover::pause(&mut self.fleet, &mut self.rec, &lent, None)?;
         self.rec.end(span, &self.fleet)?;
         let pairs = self.rl().pairs.clone();
         let name = |i: usize| self.fleet.worker(i).name.clone();
@@ -230,16 +233,21 @@ impl Async {
         self.fleet.call_each::<ExportState>(&[trainer], vec![file.clone()])?;
         let state_bytes = std::fs::metadata(&file.path).map(|m| m.len()).unwrap_or(0);
         let engines_held = self.held(&engines)?;
-        let mut saver = self.pause_timed(&engines, None)?;
-        let comms = self.cfg.memory.suspend_communicators && self.fleet.holds_nccl(&engines)?;
-        if comms {
-            saver += self.pause_timed(&engines, Some(NCCL_TAG))?;
+        let import = |f: &mut Fleet, _: &mut Recorder| {
+            let loaded = f.call_each::<ImportState>(&lent, vec![file.clone(); lent.len()]);
+            let _ = std::fs::remove_file(&file.path);
+            loaded.map(drop)
+        };
+        let handed = Handover {
+            from: &engines,
+            sleep: Sleep { save_state: false, suspend_comms: self.cfg.memory.suspend_communicators },
+            to: &lent,
+            wake: Wake::Whole { comms: false, load_state: false },
+            expect: Some((&sum, "on the lent trainers after they loaded the trainer's state")),
+            phases: None,
         }
-        saver += self.resume_timed(&lent, None)?;
-        let loaded = self.fleet.call_each::<ImportState>(&lent, vec![file.clone(); lent.len()]);
-        let _ = std::fs::remove_file(&file.path);
-        loaded?;
-        self.expect_sum(&lent, &sum, "on the lent trainers after they loaded the trainer's state")?;
+        .run(&mut self.fleet, &mut self.rec, import)?;
+        let (comms, saver) = (handed.comms_suspended, handed.saver_s);
         self.rec.end(span, &self.fleet)?;
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.awake = false;
@@ -274,12 +282,18 @@ impl Async {
         let pairs = self.rl().pairs.clone();
         let (lent, engines): (Vec<usize>, Vec<usize>) = pairs.into_iter().unzip();
         let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
-        self.expect_sum(&lent, &sum, "on the lent trainers after the step (their update must equal the trainers')")?;
-        let mut saver = self.pause_timed(&lent, None)?;
-        saver += self.resume_timed(&engines, None)?;
-        if comms {
-            saver += self.resume_timed(&engines, Some(NCCL_TAG))?;
+        let after_step = "on the lent trainers after the step (their update must equal the trainers')";
+        handover::expect_weights(&mut self.fleet, &mut self.rec, &lent, &sum, after_step)?;
+        let handed = Handover {
+            from: &lent,
+            sleep: Sleep::default(),
+            to: &engines,
+            wake: Wake::Whole { comms, load_state: false },
+            expect: None,
+            phases: None,
         }
+        .run(&mut self.fleet, &mut self.rec, |_, _| Ok(()))?;
+        let saver = handed.saver_s;
         self.expect_held(&engines, &engines_held)?;
         self.rec.end(span, &self.fleet)?;
         for e in self.engines.iter_mut().filter(|e| !e.lent) {

@@ -25,6 +25,7 @@ mod step;
 
 use super::config::{Config, Mode};
 use super::fleet::{Fleet, InFlight};
+use super::handover;
 use super::launch::Plan;
 use super::learn;
 use super::profile::Profile;
@@ -406,7 +407,8 @@ impl Async {
         self.rec.end(span, &self.fleet)?;
         self.totals.update_s += t0.elapsed().as_secs_f64();
         self.totals.update_bytes += moved.bytes;
-        weights::expect_checksum(&mut self.fleet, &mut self.rec, Role::Rollout, &sum, when)
+        let rollouts = self.fleet.indices(Role::Rollout);
+        handover::expect_weights(&mut self.fleet, &mut self.rec, &rollouts, &sum, when)
     }
 
     /// A new weight version: the trainer's weights after its last step reach every engine, whose

@@ -8,12 +8,13 @@ mod step;
 
 use super::config::Config;
 use super::fleet::Fleet;
+use super::handover::{self, Handover, Phases, Sleep, Wake};
 use super::launch::Plan;
 use super::profile::Profile;
-use super::protocol::{Init, Method, SaveState, Step};
+use super::protocol::{Init, Method};
 use super::recorder::Recorder;
 use super::task::Addition;
-use super::{Cursor, FailKind, NCCL_TAG, R, Role, RunError, learn, model, weights};
+use super::{Cursor, FailKind, R, Role, RunError, learn, model, weights};
 use std::rc::Rc;
 use weights::WeightSync;
 
@@ -81,54 +82,6 @@ impl Colocate {
         Ok(out)
     }
 
-    /// Pause or resume `tag` (None: all) in every worker of `role`; after a pause, the recorder
-    /// checks that free memory rose by what was paused.
-    fn control(&mut self, role: Role, pause: bool, tag: Option<&str>) -> R<()> {
-        let reports = self.fleet.control(role, pause, tag)?;
-        if !pause {
-            return Ok(());
-        }
-        let what = tag.map(|t| format!("tag {t:?}")).unwrap_or_else(|| "every tag".into());
-        if tag == Some(NCCL_TAG) {
-            self.rec.record_comm_suspended(&reports);
-        }
-        self.rec.check_paused(&what, &reports)
-    }
-
-    /// Whether a trainer holds NCCL communicators now (a process group of data-parallel trainers).
-    fn trainers_have_communicators(&self) -> R<bool> {
-        self.fleet.holds_nccl(&self.indices(Role::Trainer))
-    }
-
-    /// Every worker of `role` must hold `expected`.
-    fn expect_checksum(&mut self, role: Role, expected: &str, when: &str) -> R<()> {
-        weights::expect_checksum(&mut self.fleet, &mut self.rec, role, expected, when)
-    }
-
-    fn sleep_trainer(&mut self) -> R<()> {
-        self.phase("sleep", |r| {
-            if !r.cfg.memory.backup {
-                r.call_all::<SaveState>(Role::Trainer, Step { step: r.step() })?;
-            }
-            r.control(Role::Trainer, true, None)?;
-            // Pausing every tag leaves communicators alone (a framework may sync weights over
-            // them asleep); the trainer's are idle until wake_up, so their buffers sleep too.
-            // slime destroys its process groups here; suspending keeps them.
-            if r.cfg.memory.suspend_communicators && r.trainers_have_communicators()? {
-                r.control(Role::Trainer, true, Some(NCCL_TAG)).map_err(|mut e| {
-                    e.cause += "; memory.suspend_communicators = false leaves the communicators awake";
-                    e
-                })?;
-                r.comms_suspended = true;
-            }
-            Ok(())
-        })
-    }
-
-    fn update_weights(&mut self) -> R<()> {
-        self.phase("update_weights", |r| r.sync.transfer(&mut r.fleet, &r.at, &mut r.rec, r.at.step()).map(drop))
-    }
-
     /// Rollout and trainer start, the trainer's initial weights reach the rollout: slime's
     /// colocated startup.
     pub(in crate::run) fn setup(&mut self) -> R<()> {
@@ -145,7 +98,8 @@ impl Colocate {
             r.fleet.find_control_sockets(Role::Rollout)
         })?;
         if offload {
-            self.phase("rollout_offload", |r| r.control(Role::Rollout, true, None))?;
+            let rollouts = self.indices(Role::Rollout);
+            self.phase("rollout_offload", |r| handover::pause(&mut r.fleet, &mut r.rec, &rollouts, None))?;
         }
         self.phase("init_trainer", |r| {
             let p = init(r, Role::Trainer);
@@ -166,21 +120,33 @@ impl Colocate {
     /// sleep, wake the rollout's weights, push the trainer's into them and check they arrived,
     /// then wake the KV cache last so the peak stays low.
     fn hand_weights_to_rollout(&mut self, when: &str) -> R<()> {
-        let offload = self.cfg.run.offload;
         let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
         self.weights_checksum = Some(sum.clone());
-        if offload {
-            self.sleep_trainer()?;
-            self.phase("onload_weights", |r| r.control(Role::Rollout, false, Some("weights")))?;
+        let (trainers, rollouts) = (self.indices(Role::Trainer), self.indices(Role::Rollout));
+        let sleep = Sleep::of_trainer(&self.cfg);
+        let (sync, at, step) = (&mut self.sync, &self.at, self.at.step());
+        let mut update = |f: &mut Fleet, r: &mut Recorder| sync.transfer(f, at, r, step).map(drop);
+        if !self.cfg.run.offload {
+            let span = self.rec.begin("update_weights");
+            update(&mut self.fleet, &mut self.rec)?;
+            self.rec.end(span, &self.fleet)?;
+            return handover::expect_weights(&mut self.fleet, &mut self.rec, &rollouts, &sum, when);
         }
-        self.update_weights()?;
-        self.expect_checksum(Role::Rollout, &sum, when)?;
-        if offload {
-            self.phase("onload_kv", |r| {
-                r.control(Role::Rollout, false, Some("kv_cache"))?;
-                r.control(Role::Rollout, false, Some("cuda_graph"))
-            })?;
+        let handed = Handover {
+            from: &trainers,
+            sleep,
+            to: &rollouts,
+            wake: Wake::Serving,
+            expect: Some((&sum, when)),
+            phases: Some(Phases {
+                sleep: "sleep",
+                wake: "onload_weights",
+                cargo: Some("update_weights"),
+                finish: "onload_kv",
+            }),
         }
+        .run(&mut self.fleet, &mut self.rec, update)?;
+        self.comms_suspended = handed.comms_suspended;
         Ok(())
     }
 }

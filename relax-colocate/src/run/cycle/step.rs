@@ -4,13 +4,13 @@
 use super::Colocate;
 use super::row::StepData;
 use crate::run::config::AlgoName;
+use crate::run::handover::{Handover, Phases, Sleep, Wake};
 use crate::run::learn::{self, Advantages, Sample, Scores};
 use crate::run::protocol::{
-    Generate, GenerateParams, LoadState, LogProbs, LogProbsParams, Model, Pair, SamplesParams, Step, Train, TrainReply,
-    Values,
+    Generate, GenerateParams, LogProbs, LogProbsParams, Model, Pair, SamplesParams, Train, TrainReply, Values,
 };
 use crate::run::task::{self, Rng};
-use crate::run::{FailKind, NCCL_TAG, R, Role};
+use crate::run::{FailKind, R, Role};
 use std::time::Instant;
 
 impl Colocate {
@@ -94,20 +94,19 @@ impl Colocate {
 
     /// The rollout sleeps, the trainer wakes up with the weights it went to sleep with.
     fn wake_trainer(&mut self) -> R<()> {
-        self.phase("rollout_offload", |r| r.control(Role::Rollout, true, None))?;
-        self.phase("wake_up", |r| {
-            r.control(Role::Trainer, false, None)?;
-            // Before any request: the trainers' first collective must find its buffers back.
-            if std::mem::take(&mut r.comms_suspended) {
-                r.control(Role::Trainer, false, Some(NCCL_TAG))?;
-            }
-            if !r.cfg.memory.backup {
-                r.call_all::<LoadState>(Role::Trainer, Step { step: r.step() })?;
-            }
-            Ok(())
-        })?;
+        let (rollouts, trainers) = (self.indices(Role::Rollout), self.indices(Role::Trainer));
         let expected = self.weights_checksum.clone().unwrap_or_default();
-        self.expect_checksum(Role::Trainer, &expected, "after wake_up")
+        let comms = std::mem::take(&mut self.comms_suspended);
+        Handover {
+            from: &rollouts,
+            sleep: Sleep::default(),
+            to: &trainers,
+            wake: Wake::Whole { comms, load_state: !self.cfg.memory.backup },
+            expect: Some((&expected, "after wake_up")),
+            phases: Some(Phases { sleep: "rollout_offload", wake: "wake_up", cargo: None, finish: "" }),
+        }
+        .run(&mut self.fleet, &mut self.rec, |_, _| Ok(()))
+        .map(drop)
     }
 
     /// The trainer's passes over the samples: reference and actor log-probs, and values for PPO.

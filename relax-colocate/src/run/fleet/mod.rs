@@ -233,15 +233,9 @@ impl Fleet {
         &self.scratch.shm
     }
 
-    /// Pause or resume `tag` (None: all) in every worker of `role`, in parallel, through the
-    /// control sockets; a report that carries an error fails the run. Returns each worker's name
-    /// and report.
-    pub(super) fn control(&mut self, role: Role, pause: bool, tag: Option<&str>) -> R<Vec<(String, OpReport)>> {
-        let targets = self.indices(role);
-        self.control_of(&targets, pause, tag)
-    }
-
-    /// `control` for the workers `targets` (indices into the fleet).
+    /// Pause (or resume) `tag` (None: every tag) in the workers `targets` (indices into the
+    /// fleet), in parallel, through their control sockets; a report that carries an error fails
+    /// the run. Returns each worker's name and report.
     pub(super) fn control_of(
         &mut self,
         targets: &[usize],
