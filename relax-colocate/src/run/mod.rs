@@ -28,6 +28,7 @@ mod cycle;
 mod fleet;
 mod handover;
 mod ipc;
+mod job;
 mod launch;
 mod learn;
 mod pacer;

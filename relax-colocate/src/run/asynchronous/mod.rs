@@ -39,7 +39,7 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::Instant;
-use step::{Finished, Job};
+use step::{Finished, Training};
 
 pub(super) struct Async {
     pub(super) cfg: Config,
@@ -255,7 +255,7 @@ impl Async {
         }
         let steps = self.cfg.run.steps;
         let per_update = self.cfg.asynchronous.train_iters_per_update;
-        let mut job: Option<Job> = None;
+        let mut job: Option<Training> = None;
         let mut trainer_idle_since = Some(Instant::now());
         let mut since_update = 0;
         // A finished step whose row waits for the weight update it triggered.
@@ -424,13 +424,13 @@ impl Async {
     /// Waits for the first answer among the engines' requests and the trainer's, and takes it in.
     /// Returns the batch the trainer finished, when that was the answer.
     /// Gives up at `until` (a lending decision or deadline due), with nothing taken in.
-    fn wait_one(&mut self, job: &mut Option<Job>, until: Option<Instant>) -> R<Option<Finished>> {
+    fn wait_one(&mut self, job: &mut Option<Training>, until: Option<Instant>) -> R<Option<Finished>> {
         let k = {
             let mut waiting: Vec<&InFlight> =
                 self.engines.iter().filter_map(|e| e.request.as_ref().map(|r| &r.0)).collect();
             let engines = waiting.len();
             if let Some(j) = job.as_ref() {
-                waiting.extend(j.requests.iter());
+                waiting.extend(j.job.requests().iter());
             }
             let Some(k) = self.fleet.wait_any_until(&waiting, until)? else {
                 return Ok(None);

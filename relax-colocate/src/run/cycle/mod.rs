@@ -70,10 +70,6 @@ impl Colocate {
         self.fleet.call_each::<M>(targets, params)
     }
 
-    fn call_all<M: Method>(&mut self, role: Role, params: M::Params) -> R<Vec<M::Reply>> {
-        self.fleet.call_all::<M>(role, params)
-    }
-
     /// Runs one timed phase: the recorder times it and samples the fleet's memory at its end.
     fn phase<T>(&mut self, name: &str, f: impl FnOnce(&mut Self) -> R<T>) -> R<T> {
         let span = self.rec.begin(name);

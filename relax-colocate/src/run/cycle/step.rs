@@ -2,13 +2,10 @@
 //! advantages, training, and the hand-over of the new weights.
 
 use super::Colocate;
-use super::row::StepData;
-use crate::run::config::AlgoName;
 use crate::run::handover::{Handover, Phases, Sleep, Wake};
-use crate::run::learn::{self, Advantages, Sample, Scores};
-use crate::run::protocol::{
-    Generate, GenerateParams, LogProbs, LogProbsParams, Model, Pair, SamplesParams, Train, TrainReply, Values,
-};
+use crate::run::job::Job;
+use crate::run::learn::Sample;
+use crate::run::protocol::{Generate, GenerateParams};
 use crate::run::task::{self, Rng};
 use crate::run::{FailKind, R, Role};
 use std::time::Instant;
@@ -20,21 +17,14 @@ impl Colocate {
         let wall = Instant::now();
         let prompts = self.prompts(rng);
         let samples = self.phase("generate", |r| r.generate(&prompts))?;
-        let reward = self.cfg.task.reward;
-        let scored: Vec<(f64, bool)> =
-            samples.iter().map(|s| self.task.score(&s.prompt, &s.response, reward)).collect();
         if self.cfg.run.offload {
             self.wake_trainer()?;
         }
-        let scores = self.score(&samples)?;
-        let rewards: Vec<f64> = scored.iter().map(|s| s.0).collect();
-        let adv = self.phase("advantages", |r| {
-            learn::advantages(&r.cfg, &samples, &rewards, &scores).map_err(|e| r.fail(FailKind::Worker, None, e))
-        })?;
-        let train = self.phase("actor_train", |r| r.train(&samples, &scores, &adv))?;
+        let trainers = self.indices(Role::Trainer);
+        let job = Job::new(samples, self.token_scale());
+        let trained = job.run_to_end(&self.cfg, &self.task, &mut self.fleet, &mut self.rec, &trainers)?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;
-        let wall_s = wall.elapsed().as_secs_f64();
-        self.write_metrics(&StepData { wall_s, samples: &samples, scored: &scored, scores: &scores, adv: &adv, train });
+        self.write_metrics(&trained, wall.elapsed().as_secs_f64());
         Ok(())
     }
 
@@ -108,35 +98,4 @@ impl Colocate {
         .run(&mut self.fleet, &mut self.rec, |_, _| Ok(()))
         .map(drop)
     }
-
-    /// The trainer's passes over the samples: reference and actor log-probs, and values for PPO.
-    fn score(&mut self, samples: &[Sample]) -> R<Scores> {
-        let pairs: Vec<Pair> =
-            samples.iter().map(|s| Pair { prompt: s.prompt.clone(), response: s.response.clone() }).collect();
-        let log_probs = |r: &mut Colocate, model: Model| {
-            let p = LogProbsParams { model, samples: pairs.clone(), step: r.step(), token_scale: r.token_scale() };
-            r.call_all::<LogProbs>(Role::Trainer, p).map(first)
-        };
-        let reference = self.phase("ref_log_probs", |r| log_probs(r, Model::Ref))?;
-        let actor = self.phase("log_probs", |r| log_probs(r, Model::Actor))?;
-        if reference.logprobs.len() != samples.len() || actor.logprobs.len() != samples.len() {
-            return Err(self.fail(FailKind::Worker, None, "log_probs returned the wrong number of sequences"));
-        }
-        let values = if self.cfg.algo.name == AlgoName::Ppo {
-            let p = SamplesParams { samples: pairs.clone(), step: self.step(), token_scale: self.token_scale() };
-            self.phase("values", |r| r.call_all::<Values>(Role::Trainer, p).map(first))?.values
-        } else {
-            Vec::new()
-        };
-        Ok(Scores { old_lp: actor.logprobs, ref_lp: reference.logprobs, entropy: actor.entropy, values })
-    }
-
-    fn train(&mut self, samples: &[Sample], scores: &Scores, adv: &Advantages) -> R<TrainReply> {
-        let p = learn::train_params(&self.cfg, samples, scores, adv, self.step(), self.token_scale());
-        self.call_all::<Train>(Role::Trainer, p).map(first)
-    }
-}
-/// The first worker's reply (the trainers are replicas).
-fn first<T>(replies: Vec<T>) -> T {
-    replies.into_iter().next().expect("every role has a worker")
 }

@@ -1,0 +1,296 @@
+//! The trainer's work on one batch, declared once for every layout: its stages (reference and
+//! actor log-probs, PPO's values, the advantages, the train request) with their checks, and the
+//! step's metrics row. Colocate drives a job to its end (`run_to_end`); async submits a stage,
+//! keeps the engines generating, and hands each answer to `take_reply`.
+
+use super::config::{AlgoName, Config};
+use super::fleet::{Fleet, InFlight};
+use super::learn::{self, Advantages, Sample, Scores};
+use super::metrics::{self, Row};
+use super::protocol::{
+    LogProbs, LogProbsParams, LogProbsReply, Model, Pair, SamplesParams, Train, TrainParams, TrainReply, Values,
+    ValuesReply,
+};
+use super::recorder::{Recorder, Span};
+use super::task::Addition;
+use super::{FailKind, R};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stage {
+    RefLogProbs,
+    LogProbs,
+    Values,
+    Train,
+}
+
+impl Stage {
+    /// The recorder's phase, under slime's name.
+    fn phase(self) -> &'static str {
+        match self {
+            Stage::RefLogProbs => "ref_log_probs",
+            Stage::LogProbs => "log_probs",
+            Stage::Values => "values",
+            Stage::Train => "actor_train",
+        }
+    }
+}
+
+/// The trainer's passes over one batch; every trainer (replicas) gets the same request.
+pub(super) struct Job {
+    samples: Vec<Sample>,
+    /// The modelled tokens per task token of the batch (compute.token_scale_final); None: init's.
+    pub(super) token_scale: Option<f64>,
+    stage: Stage,
+    span: Option<Span>,
+    requests: Vec<InFlight>,
+    reference: Option<LogProbsReply>,
+    actor: Option<LogProbsReply>,
+    values: Option<ValuesReply>,
+    adv: Option<Advantages>,
+    train: Option<TrainReply>,
+    /// The trainers the current stage went to.
+    replicas: usize,
+}
+
+/// A trained batch: what its metrics row reads.
+pub(super) struct Trained {
+    pub(super) samples: Vec<Sample>,
+    /// (reward, exact) per sample.
+    pub(super) scored: Vec<(f64, bool)>,
+    pub(super) scores: Scores,
+    pub(super) adv: Advantages,
+    pub(super) train: TrainReply,
+    pub(super) token_scale: Option<f64>,
+}
+
+impl Trained {
+    pub(super) fn outcome(&self) -> learn::Outcome<'_> {
+        learn::Outcome {
+            samples: &self.samples,
+            scored: &self.scored,
+            scores: &self.scores,
+            adv: &self.adv,
+            train: &self.train,
+        }
+    }
+}
+
+impl Job {
+    pub(super) fn new(samples: Vec<Sample>, token_scale: Option<f64>) -> Job {
+        Job {
+            samples,
+            token_scale,
+            stage: Stage::RefLogProbs,
+            span: None,
+            requests: Vec::new(),
+            reference: None,
+            actor: None,
+            values: None,
+            adv: None,
+            train: None,
+            replicas: 0,
+        }
+    }
+
+    /// The stage under way, or the next to submit.
+    pub(super) fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// The stage's requests not answered yet.
+    pub(super) fn requests(&self) -> &[InFlight] {
+        &self.requests
+    }
+
+    /// How many trainers the current stage went to.
+    pub(super) fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// The trainer's per-token numbers so far.
+    fn scores(&self) -> Scores {
+        let actor = self.actor.as_ref();
+        Scores {
+            old_lp: actor.map(|a| a.logprobs.clone()).unwrap_or_default(),
+            ref_lp: self.reference.as_ref().map(|r| r.logprobs.clone()).unwrap_or_default(),
+            entropy: actor.map(|a| a.entropy.clone()).unwrap_or_default(),
+            values: self.values.as_ref().map(|v| v.values.clone()).unwrap_or_default(),
+        }
+    }
+
+    fn pairs(&self) -> Vec<Pair> {
+        self.samples.iter().map(|s| Pair { prompt: s.prompt.clone(), response: s.response.clone() }).collect()
+    }
+
+    /// Sends the current stage to `targets` (every trainer; replicas get the same request) and
+    /// opens its phase. `replicas`: what the train request says of them (elastic.lend_rollout).
+    pub(super) fn submit(
+        &mut self,
+        cfg: &Config,
+        fleet: &mut Fleet,
+        rec: &mut Recorder,
+        targets: &[usize],
+        replicas: Option<f64>,
+    ) -> R<()> {
+        self.replicas = targets.len();
+        self.span = Some(rec.begin(self.stage.phase()));
+        let (step, token_scale) = (rec.cursor().step(), self.token_scale);
+        let mut requests = Vec::new();
+        for &i in targets {
+            let r = match self.stage {
+                Stage::RefLogProbs | Stage::LogProbs => {
+                    let model = if self.stage == Stage::RefLogProbs { Model::Ref } else { Model::Actor };
+                    let p = LogProbsParams { model, samples: self.pairs(), step, token_scale };
+                    fleet.submit::<LogProbs>(i, p)?
+                }
+                Stage::Values => {
+                    fleet.submit::<Values>(i, SamplesParams { samples: self.pairs(), step, token_scale })?
+                }
+                Stage::Train => {
+                    let adv = self.adv.as_ref().expect("advantages before train");
+                    let params = learn::train_params(cfg, &self.samples, &self.scores(), adv, step, token_scale);
+                    fleet.submit::<Train>(i, TrainParams { replicas, ..params })?
+                }
+            };
+            requests.push(r);
+        }
+        self.requests = requests;
+        Ok(())
+    }
+
+    /// The `nth` of the stage's requests answered: read and check it. Returns whether the stage
+    /// is done (every trainer answered; its phase closed).
+    pub(super) fn take_reply(&mut self, fleet: &mut Fleet, rec: &mut Recorder, nth: usize) -> R<bool> {
+        let request = self.requests.remove(nth);
+        match self.stage {
+            Stage::RefLogProbs | Stage::LogProbs => {
+                let r = fleet.collect::<LogProbs>(request)?;
+                if r.logprobs.len() != self.samples.len() {
+                    let cause = "log_probs returned the wrong number of sequences";
+                    return Err(rec.cursor().fail(FailKind::Worker, None, cause));
+                }
+                let slot = if self.stage == Stage::RefLogProbs { &mut self.reference } else { &mut self.actor };
+                slot.get_or_insert(r);
+            }
+            Stage::Values => {
+                let r = fleet.collect::<Values>(request)?;
+                self.values.get_or_insert(r);
+            }
+            Stage::Train => {
+                let r = fleet.collect::<Train>(request)?;
+                self.train.get_or_insert(r);
+            }
+        }
+        if !self.requests.is_empty() {
+            return Ok(false);
+        }
+        let span = self.span.take().expect("a stage under way");
+        rec.end(span, fleet)?;
+        Ok(true)
+    }
+
+    /// After a stage is done: the next to submit (the advantages computed, in a phase of their
+    /// own, before the train stage), or None when the batch is trained.
+    pub(super) fn next_stage(
+        &mut self,
+        cfg: &Config,
+        task: &Addition,
+        fleet: &mut Fleet,
+        rec: &mut Recorder,
+    ) -> R<Option<Stage>> {
+        self.stage = match self.stage {
+            Stage::RefLogProbs => Stage::LogProbs,
+            Stage::LogProbs if cfg.algo.name == AlgoName::Ppo => Stage::Values,
+            Stage::LogProbs | Stage::Values => {
+                let span = rec.begin("advantages");
+                let reward = cfg.task.reward;
+                let rewards: Vec<f64> =
+                    self.samples.iter().map(|s| task.score(&s.prompt, &s.response, reward).0).collect();
+                let adv = learn::advantages(cfg, &self.samples, &rewards, &self.scores())
+                    .map_err(|e| rec.cursor().fail(FailKind::Worker, None, e))?;
+                self.adv = Some(adv);
+                rec.end(span, fleet)?;
+                Stage::Train
+            }
+            Stage::Train => return Ok(None),
+        };
+        Ok(Some(self.stage))
+    }
+
+    /// The trained batch's numbers, taken out of the job.
+    pub(super) fn finish(&mut self, cfg: &Config, task: &Addition) -> Trained {
+        let scores = self.scores();
+        let samples = std::mem::take(&mut self.samples);
+        let reward = cfg.task.reward;
+        let scored = samples.iter().map(|s| task.score(&s.prompt, &s.response, reward)).collect();
+        Trained {
+            samples,
+            scored,
+            scores,
+            adv: self.adv.take().expect("advantages before train"),
+            train: self.train.take().unwrap_or_default(),
+            token_scale: self.token_scale,
+        }
+    }
+
+    /// Every stage on `targets`, one after the other (colocate: the trainer has its devices to
+    /// itself, nothing to overlap).
+    pub(super) fn run_to_end(
+        mut self,
+        cfg: &Config,
+        task: &Addition,
+        fleet: &mut Fleet,
+        rec: &mut Recorder,
+        targets: &[usize],
+    ) -> R<Trained> {
+        loop {
+            self.submit(cfg, fleet, rec, targets, None)?;
+            while !self.take_reply(fleet, rec, 0)? {}
+            if self.next_stage(cfg, task, fleet, rec)?.is_none() {
+                return Ok(self.finish(cfg, task));
+            }
+        }
+    }
+}
+
+/// The step's times, as each layout accounts them.
+pub(super) struct StepTimes {
+    /// The step as slime counts it: train_wait + train.
+    pub(super) step_s: f64,
+    /// Of it, the trainer's wait (colocate: everything but its own stages; async: for a batch).
+    pub(super) wait_s: f64,
+    /// Wall-clock seconds of the step.
+    pub(super) wall_s: f64,
+}
+
+/// The trainer's own stages' seconds this step.
+pub(super) fn train_seconds(rec: &Recorder) -> f64 {
+    let times = rec.step_times();
+    let t = |k: &str| times.get(k).copied().unwrap_or(0.0);
+    t("ref_log_probs") + t("log_probs") + t("values") + t("advantages") + t("actor_train")
+}
+
+/// The step's metrics row under slime's names (metrics.rs renames it for verl), every layout's
+/// part: phase times, the step's and its wait, the batch's rollout and training metrics and the
+/// fleet's memory. Each layout adds its own figures before the recorder writes it.
+pub(super) fn step_row(cfg: &Config, task: &Addition, rec: &Recorder, trained: &Trained, times: StepTimes) -> Row {
+    let mut row = Row::new(rec.cursor().step());
+    for (k, v) in rec.step_times() {
+        row.set(&metrics::phase_time(k), *v);
+    }
+    row.set("perf/train_time", train_seconds(rec));
+    row.set("perf/train_wait_time", times.wait_s);
+    row.set("perf/step_time", times.step_s);
+    row.set("perf/wall_step_time", times.wall_s);
+    if times.step_s > 0.0 {
+        row.set("perf/wait_time_ratio", times.wait_s / times.step_s);
+    }
+    if let Some(scale) = trained.token_scale {
+        row.set("compute/token_scale", scale);
+    }
+    learn::sample_metrics(&mut row, cfg, task, &trained.outcome());
+    for s in rec.step_memory() {
+        metrics::add_memory(&mut row, s);
+    }
+    row
+}
