@@ -7,14 +7,12 @@
 //! that names the same node (`TMS_SIM_NODE`), so colocated processes see each other in
 //! `cudaMemGetInfo` and run out of memory together. See the README for the environment.
 
-pub mod acl;
-pub mod acl_ipc;
+pub mod ascend;
 pub mod core;
-pub mod cuda_driver;
-pub mod cuda_runtime;
-pub mod hccl;
-pub mod nccl;
-pub mod nvml;
+pub mod cuda;
+
+use ascend::{acl, acl_ipc, hccl};
+use cuda::{driver as cuda_driver, nccl, nvml};
 
 /// Exports `$imp` under the C name `$name` as a one-instruction trampoline (driver, ACL: the
 /// runtime's names are declared in `cuda_runtime/surface.rs`). It is defined in
@@ -56,73 +54,73 @@ macro_rules! export {
 #[allow(non_snake_case)]
 mod driver_not_supported {
     pub unsafe extern "C" fn cuFuncGetAttribute() -> i32 {
-        crate::cuda_driver::not_supported("cuFuncGetAttribute")
+        crate::cuda::driver::not_supported("cuFuncGetAttribute")
     }
     pub unsafe extern "C" fn cuFuncSetAttribute() -> i32 {
-        crate::cuda_driver::not_supported("cuFuncSetAttribute")
+        crate::cuda::driver::not_supported("cuFuncSetAttribute")
     }
     pub unsafe extern "C" fn cuFuncSetCacheConfig() -> i32 {
-        crate::cuda_driver::not_supported("cuFuncSetCacheConfig")
+        crate::cuda::driver::not_supported("cuFuncSetCacheConfig")
     }
     pub unsafe extern "C" fn cuLaunchCooperativeKernel() -> i32 {
-        crate::cuda_driver::not_supported("cuLaunchCooperativeKernel")
+        crate::cuda::driver::not_supported("cuLaunchCooperativeKernel")
     }
     pub unsafe extern "C" fn cuLaunchKernel() -> i32 {
-        crate::cuda_driver::not_supported("cuLaunchKernel")
+        crate::cuda::driver::not_supported("cuLaunchKernel")
     }
     pub unsafe extern "C" fn cuLinkAddData_v2() -> i32 {
-        crate::cuda_driver::not_supported("cuLinkAddData_v2")
+        crate::cuda::driver::not_supported("cuLinkAddData_v2")
     }
     pub unsafe extern "C" fn cuLinkComplete() -> i32 {
-        crate::cuda_driver::not_supported("cuLinkComplete")
+        crate::cuda::driver::not_supported("cuLinkComplete")
     }
     pub unsafe extern "C" fn cuLinkCreate_v2() -> i32 {
-        crate::cuda_driver::not_supported("cuLinkCreate_v2")
+        crate::cuda::driver::not_supported("cuLinkCreate_v2")
     }
     pub unsafe extern "C" fn cuLinkDestroy() -> i32 {
-        crate::cuda_driver::not_supported("cuLinkDestroy")
+        crate::cuda::driver::not_supported("cuLinkDestroy")
     }
     pub unsafe extern "C" fn cuModuleGetFunction() -> i32 {
-        crate::cuda_driver::not_supported("cuModuleGetFunction")
+        crate::cuda::driver::not_supported("cuModuleGetFunction")
     }
     pub unsafe extern "C" fn cuModuleLoad() -> i32 {
-        crate::cuda_driver::not_supported("cuModuleLoad")
+        crate::cuda::driver::not_supported("cuModuleLoad")
     }
     pub unsafe extern "C" fn cuModuleLoadData() -> i32 {
-        crate::cuda_driver::not_supported("cuModuleLoadData")
+        crate::cuda::driver::not_supported("cuModuleLoadData")
     }
     pub unsafe extern "C" fn cuModuleLoadDataEx() -> i32 {
-        crate::cuda_driver::not_supported("cuModuleLoadDataEx")
+        crate::cuda::driver::not_supported("cuModuleLoadDataEx")
     }
     pub unsafe extern "C" fn cuModuleUnload() -> i32 {
-        crate::cuda_driver::not_supported("cuModuleUnload")
+        crate::cuda::driver::not_supported("cuModuleUnload")
     }
     pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessor() -> i32 {
-        crate::cuda_driver::not_supported("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        crate::cuda::driver::not_supported("cuOccupancyMaxActiveBlocksPerMultiprocessor")
     }
     pub unsafe extern "C" fn cuTensorMapEncodeTiled() -> i32 {
-        crate::cuda_driver::not_supported("cuTensorMapEncodeTiled")
+        crate::cuda::driver::not_supported("cuTensorMapEncodeTiled")
     }
     pub unsafe extern "C" fn cuMemGetAddressRange_v2() -> i32 {
-        crate::cuda_driver::not_supported("cuMemGetAddressRange_v2")
+        crate::cuda::driver::not_supported("cuMemGetAddressRange_v2")
     }
     pub unsafe extern "C" fn cuMemExportToShareableHandle() -> i32 {
-        crate::cuda_driver::not_supported("cuMemExportToShareableHandle")
+        crate::cuda::driver::not_supported("cuMemExportToShareableHandle")
     }
     pub unsafe extern "C" fn cuMemImportFromShareableHandle() -> i32 {
-        crate::cuda_driver::not_supported("cuMemImportFromShareableHandle")
+        crate::cuda::driver::not_supported("cuMemImportFromShareableHandle")
     }
     pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle() -> i32 {
-        crate::cuda_driver::not_supported("cuMemGetAllocationPropertiesFromHandle")
+        crate::cuda::driver::not_supported("cuMemGetAllocationPropertiesFromHandle")
     }
     pub unsafe extern "C" fn cuMemRetainAllocationHandle() -> i32 {
-        crate::cuda_driver::not_supported("cuMemRetainAllocationHandle")
+        crate::cuda::driver::not_supported("cuMemRetainAllocationHandle")
     }
     pub unsafe extern "C" fn cuMemsetD32Async() -> i32 {
-        crate::cuda_driver::not_supported("cuMemsetD32Async")
+        crate::cuda::driver::not_supported("cuMemsetD32Async")
     }
     pub unsafe extern "C" fn cuStreamWriteValue32_v2() -> i32 {
-        crate::cuda_driver::not_supported("cuStreamWriteValue32_v2")
+        crate::cuda::driver::not_supported("cuStreamWriteValue32_v2")
     }
 }
 
@@ -134,7 +132,7 @@ macro_rules! nccl_not_supported {
         #[allow(non_snake_case)]
         mod nccl_not_supported {
             $(pub unsafe extern "C" fn $name() -> i32 {
-                crate::nccl::not_supported(stringify!($name))
+                crate::cuda::nccl::not_supported(stringify!($name))
             })*
         }
         export! { $($name => nccl_not_supported::$name;)* }
@@ -503,7 +501,7 @@ pub mod introspect {
                 std::thread::sleep(std::time::Duration::from_micros(usec as u64));
                 match sim().kernel_fill(dst, value as u8, bytes) {
                     Ok(()) => 0,
-                    Err(e) => crate::cuda_runtime::code_of(e),
+                    Err(e) => crate::cuda::runtime::code_of(e),
                 }
             });
             // On the default stream too it is queued, as a kernel does not block the host.

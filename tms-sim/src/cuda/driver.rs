@@ -103,7 +103,7 @@ pub unsafe extern "C" fn cu_device_get_attribute(value: *mut c_int, attr: c_int,
         if sim().valid_device(dev as i64).is_none() {
             return INVALID_DEVICE;
         }
-        let Some(v) = crate::cuda_runtime::devices::attribute(attr) else { return INVALID_VALUE };
+        let Some(v) = crate::cuda::runtime::devices::attribute(attr) else { return INVALID_VALUE };
         put(value, v)
     })
 }

@@ -603,7 +603,7 @@ fn enqueue(comm: *mut c_void, stream: *mut c_void, op: Result<Op, String>) -> c_
         Ok(core) => core,
         Err(code) => return code,
     };
-    match core.submit(stream, vec![op], crate::cuda_runtime::code_of) {
+    match core.submit(stream, vec![op], crate::cuda::runtime::code_of) {
         Ok(()) => SUCCESS,
         Err(e) => fail(e),
     }
@@ -833,7 +833,7 @@ pub unsafe extern "C" fn group_end() -> c_int {
         let results: Vec<Result<(), c_int>> = batches
             .into_iter()
             .map(|(comm, stream, ops)| {
-                comm.core().and_then(|core| core.submit(stream, ops, crate::cuda_runtime::code_of).map_err(fail))
+                comm.core().and_then(|core| core.submit(stream, ops, crate::cuda::runtime::code_of).map_err(fail))
             })
             .collect();
         if let Some(Err(c)) = results.into_iter().find(|r| r.is_err())

@@ -13,7 +13,7 @@
 //! ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION, and a key the exporter closed (or whose
 //! exporter exited) imports no more.
 
-use crate::acl::{INVALID_PARAM, RT_MEMORY_ALLOCATION, RT_PARAM_INVALID, SUCCESS, call, put};
+use crate::ascend::acl::{INVALID_PARAM, RT_MEMORY_ALLOCATION, RT_PARAM_INVALID, SUCCESS, call, put};
 use crate::core::node::process_start_time;
 use crate::core::sim::{ImportFailure, import_exported, sim};
 use libc::{c_char, c_void};

@@ -7,7 +7,7 @@
 /// cudaErrorMemoryAllocation when the context cannot be created because the device is full.
 macro_rules! enter {
     () => {
-        match $crate::cuda_runtime::enter() {
+        match $crate::cuda::runtime::enter() {
             Ok(dev) => dev,
             Err(code) => return code,
         }

@@ -465,7 +465,7 @@ pub unsafe extern "C" fn batch_send_recv(
         if !sim().streams.exists(stream as usize) {
             return E_PARA;
         }
-        match core.submit(stream as usize, ops, crate::acl::code_of) {
+        match core.submit(stream as usize, ops, crate::ascend::acl::code_of) {
             Ok(()) => SUCCESS,
             Err(e) => fail(e),
         }
@@ -555,7 +555,7 @@ fn enqueue(comm: *mut c_void, stream: *mut c_void, op: Result<Op, i32>) -> i32 {
         warn(&format!("{stream:p} is not an ACL stream"));
         return E_PARA;
     }
-    match core.submit(stream as usize, vec![op], crate::acl::code_of) {
+    match core.submit(stream as usize, vec![op], crate::ascend::acl::code_of) {
         Ok(()) => SUCCESS,
         Err(e) => fail(e),
     }

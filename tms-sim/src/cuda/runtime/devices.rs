@@ -443,7 +443,7 @@ pub unsafe extern "C" fn cuda_device_get_pci_bus_id(out: *mut c_char, len: c_int
             return INVALID_VALUE;
         }
         let Some(d) = sim().valid_device(dev as i64) else { return INVALID_DEVICE };
-        let text = crate::nvml::pci_bus_id(d);
+        let text = crate::cuda::nvml::pci_bus_id(d);
         let n = text.len().min(len as usize - 1);
         // SAFETY: writes at most `len` bytes into the caller's buffer.
         unsafe {
