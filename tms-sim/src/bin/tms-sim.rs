@@ -277,7 +277,7 @@ fn run(cli: Cli) -> Result<(), String> {
 }
 
 fn surface_text(markdown: bool, json: bool) -> String {
-    use tms_sim::cuda::runtime::surface::{SURFACE, Support};
+    use tms_sim::cuda::exports::{SURFACE, Support};
     let label = |s: Support| match s {
         Support::Implemented => "implemented",
         Support::NotSupported => "not supported",

@@ -2,6 +2,8 @@
 //! (`libcuda.so.1`), NVML (`libnvidia-ml.so.1`) and NCCL (`libnccl.so.2`), each turning the
 //! core's errors into its own codes.
 
+pub mod exports;
+
 pub mod driver;
 pub mod nccl;
 pub mod nvml;

@@ -1,5 +1,5 @@
 //! The CUDA runtime ABI (`libcudart.so.12` and `libcudart.so.13`), by family: memory and copies,
-//! devices, streams and events, module registration and launches. `surface.rs` declares every
+//! devices, streams and events, module registration and launches. `cuda/exports.rs` declares every
 //! exported name once; this module holds what every family shares: error codes, the thread's
 //! last error, the implicit context, and the "not supported" answer.
 
@@ -20,7 +20,6 @@ pub mod ipc;
 pub mod launch;
 pub mod memory;
 pub mod streams;
-pub mod surface;
 
 use crate::core::fault;
 use crate::core::memory::MemError;

@@ -1,6 +1,7 @@
-//! The CUDA runtime surface: every `cuda*` / `__cuda*` name the simulator exports, declared once.
+//! Every name the CUDA front end exports, declared once: the runtime's (`cuda*`, `__cuda*`) with
+//! their version nodes, then the driver's, NVML's and NCCL's, which take cudart.map's own node.
 //!
-//! Most names are exported twice, as `NAME@libcudart.so.12` and `NAME@@libcudart.so.13`, so that
+//! Most runtime names are exported twice, as `NAME@libcudart.so.12` and `NAME@@libcudart.so.13`, so that
 //! binaries linked against either runtime major bind to it (their references are versioned, and
 //! the loader refuses a library that lacks the node). Where the majors differ, each gets its own:
 //! CUDA 12's `_v2`/`_v3` names exist only under its node, and a plain name whose arguments
@@ -11,7 +12,8 @@
 //! The table [`SURFACE`] is what docs/simulator.md's runtime table and the surface test are made
 //! from: a PyTorch upgrade that imports a new name fails that test with the name.
 
-use super::{devices, graphs, ipc, launch, memory, streams};
+use super::runtime::{self, devices, graphs, ipc, launch, memory, streams};
+use super::{driver, nccl, nvml};
 
 /// How the simulator answers a runtime entry point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,7 +111,7 @@ macro_rules! runtime_surface {
         mod not_supported_entries {
             $(
                 pub unsafe extern "C" fn $missing() -> i32 {
-                    super::super::not_supported(stringify!($missing))
+                    super::runtime::not_supported(stringify!($missing))
                 }
             )*
         }
@@ -172,10 +174,10 @@ runtime_surface! {
         cudaProfilerStart => devices::cuda_profiler_start,
         cudaProfilerStop => devices::cuda_profiler_stop,
         // errors
-        cudaGetLastError => super::cuda_get_last_error,
-        cudaPeekAtLastError => super::cuda_peek_at_last_error,
-        cudaGetErrorString => super::cuda_get_error_string,
-        cudaGetErrorName => super::cuda_get_error_name,
+        cudaGetLastError => runtime::cuda_get_last_error,
+        cudaPeekAtLastError => runtime::cuda_peek_at_last_error,
+        cudaGetErrorString => runtime::cuda_get_error_string,
+        cudaGetErrorName => runtime::cuda_get_error_name,
         // streams, events, capture state
         cudaStreamCreate => streams::cuda_stream_create,
         cudaStreamCreateWithFlags => streams::cuda_stream_create_with_flags,
@@ -278,4 +280,254 @@ runtime_surface! {
         cudaLibraryGetManaged,
         cudaLibraryGetUnifiedFunction,
     }
+}
+
+/// Driver entry points PyTorch looks up (its NVRTC loader, the expandable-segments allocator)
+/// that the simulator does not implement: CUDA_ERROR_NOT_SUPPORTED and one log line each.
+#[allow(non_snake_case)]
+mod driver_not_supported {
+    use super::driver;
+
+    pub unsafe extern "C" fn cuFuncGetAttribute() -> i32 {
+        driver::not_supported("cuFuncGetAttribute")
+    }
+    pub unsafe extern "C" fn cuFuncSetAttribute() -> i32 {
+        driver::not_supported("cuFuncSetAttribute")
+    }
+    pub unsafe extern "C" fn cuFuncSetCacheConfig() -> i32 {
+        driver::not_supported("cuFuncSetCacheConfig")
+    }
+    pub unsafe extern "C" fn cuLaunchCooperativeKernel() -> i32 {
+        driver::not_supported("cuLaunchCooperativeKernel")
+    }
+    pub unsafe extern "C" fn cuLaunchKernel() -> i32 {
+        driver::not_supported("cuLaunchKernel")
+    }
+    pub unsafe extern "C" fn cuLinkAddData_v2() -> i32 {
+        driver::not_supported("cuLinkAddData_v2")
+    }
+    pub unsafe extern "C" fn cuLinkComplete() -> i32 {
+        driver::not_supported("cuLinkComplete")
+    }
+    pub unsafe extern "C" fn cuLinkCreate_v2() -> i32 {
+        driver::not_supported("cuLinkCreate_v2")
+    }
+    pub unsafe extern "C" fn cuLinkDestroy() -> i32 {
+        driver::not_supported("cuLinkDestroy")
+    }
+    pub unsafe extern "C" fn cuModuleGetFunction() -> i32 {
+        driver::not_supported("cuModuleGetFunction")
+    }
+    pub unsafe extern "C" fn cuModuleLoad() -> i32 {
+        driver::not_supported("cuModuleLoad")
+    }
+    pub unsafe extern "C" fn cuModuleLoadData() -> i32 {
+        driver::not_supported("cuModuleLoadData")
+    }
+    pub unsafe extern "C" fn cuModuleLoadDataEx() -> i32 {
+        driver::not_supported("cuModuleLoadDataEx")
+    }
+    pub unsafe extern "C" fn cuModuleUnload() -> i32 {
+        driver::not_supported("cuModuleUnload")
+    }
+    pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessor() -> i32 {
+        driver::not_supported("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    }
+    pub unsafe extern "C" fn cuTensorMapEncodeTiled() -> i32 {
+        driver::not_supported("cuTensorMapEncodeTiled")
+    }
+    pub unsafe extern "C" fn cuMemGetAddressRange_v2() -> i32 {
+        driver::not_supported("cuMemGetAddressRange_v2")
+    }
+    pub unsafe extern "C" fn cuMemExportToShareableHandle() -> i32 {
+        driver::not_supported("cuMemExportToShareableHandle")
+    }
+    pub unsafe extern "C" fn cuMemImportFromShareableHandle() -> i32 {
+        driver::not_supported("cuMemImportFromShareableHandle")
+    }
+    pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle() -> i32 {
+        driver::not_supported("cuMemGetAllocationPropertiesFromHandle")
+    }
+    pub unsafe extern "C" fn cuMemRetainAllocationHandle() -> i32 {
+        driver::not_supported("cuMemRetainAllocationHandle")
+    }
+    pub unsafe extern "C" fn cuMemsetD32Async() -> i32 {
+        driver::not_supported("cuMemsetD32Async")
+    }
+    pub unsafe extern "C" fn cuStreamWriteValue32_v2() -> i32 {
+        driver::not_supported("cuStreamWriteValue32_v2")
+    }
+}
+
+/// Declares NCCL entry points the simulator does not implement, once: each answers
+/// ncclInvalidUsage with one warning (`nccl::not_supported`), is exported under its name, and is
+/// listed in `NCCL_NOT_SUPPORTED`.
+macro_rules! nccl_not_supported {
+    ($($name:ident),* $(,)?) => {
+        #[allow(non_snake_case)]
+        mod nccl_not_supported {
+            $(pub unsafe extern "C" fn $name() -> i32 {
+                super::nccl::not_supported(stringify!($name))
+            })*
+        }
+        export! { $($name => nccl_not_supported::$name;)* }
+        /// The `libnccl.so.2` names PyTorch's libtorch_cuda.so imports that the simulator answers
+        /// with ncclInvalidUsage.
+        pub const NCCL_NOT_SUPPORTED: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+
+nccl_not_supported!(
+    ncclCommGetUniqueId,
+    ncclCommGrow,
+    ncclCommRevoke,
+    ncclCommShrink,
+    ncclCommWindowDeregister,
+    ncclCommWindowRegister,
+    ncclDevCommCreate,
+    ncclDevCommDestroy,
+    ncclGetLsaMultimemDevicePointer,
+    ncclGetPeerDevicePointer,
+    ncclGroupSimulateEnd,
+    ncclPutSignal,
+    ncclSignal,
+    ncclWaitSignal,
+    ncclWinGetUserPtr,
+);
+
+export! {
+    // CUDA driver (libcuda.so.1)
+    cuInit => driver::cu_init;
+    cuDriverGetVersion => driver::cu_driver_get_version;
+    cuDeviceGet => driver::cu_device_get;
+    cuDeviceGetCount => driver::cu_device_get_count;
+    cuDeviceGetAttribute => driver::cu_device_get_attribute;
+    cuDeviceGetName => driver::cu_device_get_name;
+    cuDeviceTotalMem_v2 => driver::cu_device_total_mem;
+    cuDevicePrimaryCtxRetain => driver::cu_device_primary_ctx_retain;
+    cuDevicePrimaryCtxRelease => driver::cu_device_primary_ctx_release;
+    cuDevicePrimaryCtxGetState => driver::cu_device_primary_ctx_get_state;
+    cuDevicePrimaryCtxRelease_v2 => driver::cu_device_primary_ctx_release;
+    cuCtxGetCurrent => driver::cu_ctx_get_current;
+    cuCtxSetCurrent => driver::cu_ctx_set_current;
+    cuCtxGetDevice => driver::cu_ctx_get_device;
+    cuCtxSynchronize => driver::cu_ctx_synchronize;
+    cuGetErrorString => driver::cu_get_error_string;
+    cuGetErrorName => driver::cu_get_error_name;
+    cuMemGetInfo_v2 => driver::cu_mem_get_info;
+    cuMemAlloc_v2 => driver::cu_mem_alloc;
+    cuMemFree_v2 => driver::cu_mem_free;
+    cuMemcpyDtoH_v2 => driver::cu_memcpy_dtoh;
+    cuMemcpyHtoD_v2 => driver::cu_memcpy_htod;
+    cuMemcpyDtoHAsync_v2 => driver::cu_memcpy_dtoh_async;
+    cuMemcpyHtoDAsync_v2 => driver::cu_memcpy_htod_async;
+    cuMemsetD8_v2 => driver::cu_memset_d8;
+    cuMemHostAlloc => driver::cu_mem_host_alloc;
+    cuMemAllocHost_v2 => driver::cu_mem_alloc_host;
+    cuMemFreeHost => driver::cu_mem_free_host;
+    cuStreamCreate => driver::cu_stream_create;
+    cuStreamSynchronize => driver::cu_stream_synchronize;
+    cuStreamDestroy_v2 => driver::cu_stream_destroy;
+    cuEventCreate => driver::cu_event_create;
+    cuEventRecord => driver::cu_event_record;
+    cuEventSynchronize => driver::cu_event_synchronize;
+    cuEventDestroy_v2 => driver::cu_event_destroy;
+    cuMemGetAllocationGranularity => driver::cu_mem_get_allocation_granularity;
+    cuMemAddressReserve => driver::cu_mem_address_reserve;
+    cuMemAddressFree => driver::cu_mem_address_free;
+    cuMemCreate => driver::cu_mem_create;
+    cuMemRelease => driver::cu_mem_release;
+    cuMemMap => driver::cu_mem_map;
+    cuMemUnmap => driver::cu_mem_unmap;
+    cuMemSetAccess => driver::cu_mem_set_access;
+    cuFuncGetAttribute => driver_not_supported::cuFuncGetAttribute;
+    cuFuncSetAttribute => driver_not_supported::cuFuncSetAttribute;
+    cuFuncSetCacheConfig => driver_not_supported::cuFuncSetCacheConfig;
+    cuLaunchCooperativeKernel => driver_not_supported::cuLaunchCooperativeKernel;
+    cuLaunchKernel => driver_not_supported::cuLaunchKernel;
+    cuLinkAddData_v2 => driver_not_supported::cuLinkAddData_v2;
+    cuLinkComplete => driver_not_supported::cuLinkComplete;
+    cuLinkCreate_v2 => driver_not_supported::cuLinkCreate_v2;
+    cuLinkDestroy => driver_not_supported::cuLinkDestroy;
+    cuModuleGetFunction => driver_not_supported::cuModuleGetFunction;
+    cuModuleLoad => driver_not_supported::cuModuleLoad;
+    cuModuleLoadData => driver_not_supported::cuModuleLoadData;
+    cuModuleLoadDataEx => driver_not_supported::cuModuleLoadDataEx;
+    cuModuleUnload => driver_not_supported::cuModuleUnload;
+    cuOccupancyMaxActiveBlocksPerMultiprocessor => driver_not_supported::cuOccupancyMaxActiveBlocksPerMultiprocessor;
+    cuPointerGetAttribute => driver::cu_pointer_get_attribute;
+    cuTensorMapEncodeTiled => driver_not_supported::cuTensorMapEncodeTiled;
+    cuMemGetAddressRange_v2 => driver_not_supported::cuMemGetAddressRange_v2;
+    cuMemExportToShareableHandle => driver_not_supported::cuMemExportToShareableHandle;
+    cuMemImportFromShareableHandle => driver_not_supported::cuMemImportFromShareableHandle;
+    cuMemGetAllocationPropertiesFromHandle => driver_not_supported::cuMemGetAllocationPropertiesFromHandle;
+    cuMemRetainAllocationHandle => driver_not_supported::cuMemRetainAllocationHandle;
+    cuMemsetD32Async => driver_not_supported::cuMemsetD32Async;
+    cuStreamWriteValue32_v2 => driver_not_supported::cuStreamWriteValue32_v2;
+    // NVML (libnvidia-ml.so.1)
+    nvmlInit => nvml::nvml_init;
+    nvmlInit_v2 => nvml::nvml_init;
+    nvmlInitWithFlags => nvml::nvml_init_with_flags;
+    nvmlShutdown => nvml::nvml_shutdown;
+    nvmlErrorString => nvml::nvml_error_string;
+    nvmlSystemGetCudaDriverVersion => nvml::nvml_system_get_cuda_driver_version;
+    nvmlSystemGetCudaDriverVersion_v2 => nvml::nvml_system_get_cuda_driver_version;
+    nvmlDeviceGetCount => nvml::nvml_device_get_count;
+    nvmlDeviceGetCount_v2 => nvml::nvml_device_get_count;
+    nvmlDeviceGetHandleByIndex => nvml::nvml_device_get_handle_by_index;
+    nvmlDeviceGetHandleByIndex_v2 => nvml::nvml_device_get_handle_by_index;
+    nvmlDeviceGetHandleByPciBusId => nvml::nvml_device_get_handle_by_pci_bus_id;
+    nvmlDeviceGetHandleByPciBusId_v2 => nvml::nvml_device_get_handle_by_pci_bus_id;
+    nvmlDeviceGetIndex => nvml::nvml_device_get_index;
+    nvmlDeviceGetName => nvml::nvml_device_get_name;
+    nvmlDeviceGetUUID => nvml::nvml_device_get_uuid;
+    nvmlDeviceGetMemoryInfo => nvml::nvml_device_get_memory_info;
+    nvmlDeviceGetMemoryInfo_v2 => nvml::nvml_device_get_memory_info_v2;
+    nvmlDeviceGetComputeRunningProcesses => nvml::nvml_device_get_compute_running_processes_v1;
+    nvmlDeviceGetComputeRunningProcesses_v2 => nvml::nvml_device_get_compute_running_processes;
+    nvmlDeviceGetComputeRunningProcesses_v3 => nvml::nvml_device_get_compute_running_processes;
+    nvmlDeviceGetUtilizationRates => nvml::nvml_device_get_utilization_rates;
+    nvmlDeviceGetNvLinkRemoteDeviceType => nvml::nvml_not_supported;
+    nvmlDeviceGetNvLinkRemotePciInfo_v2 => nvml::nvml_not_supported;
+    nvmlDeviceGetGpuFabricInfo => nvml::nvml_not_supported;
+    nvmlDeviceGetGpuFabricInfoV => nvml::nvml_device_get_gpu_fabric_info_v;
+    nvmlDeviceGetP2PStatus => nvml::nvml_not_supported;
+    // NCCL (libnccl.so.2)
+    ncclGetVersion => nccl::get_version;
+    ncclGetErrorString => nccl::get_error_string;
+    ncclGetLastError => nccl::get_last_error;
+    ncclGetUniqueId => nccl::get_unique_id;
+    ncclCommInitRank => nccl::comm_init_rank;
+    ncclCommInitRankConfig => nccl::comm_init_rank_config;
+    ncclCommInitRankScalable => nccl::comm_init_rank_scalable;
+    ncclCommInitAll => nccl::comm_init_all;
+    ncclCommSplit => nccl::comm_split;
+    ncclCommFinalize => nccl::comm_finalize;
+    ncclCommDestroy => nccl::comm_destroy;
+    ncclCommAbort => nccl::comm_abort;
+    ncclCommGetAsyncError => nccl::comm_get_async_error;
+    ncclCommCount => nccl::comm_count;
+    ncclCommCuDevice => nccl::comm_cu_device;
+    ncclCommUserRank => nccl::comm_user_rank;
+    ncclBroadcast => nccl::broadcast;
+    ncclBcast => nccl::bcast;
+    ncclAllReduce => nccl::all_reduce;
+    ncclReduce => nccl::reduce;
+    ncclAllGather => nccl::all_gather;
+    ncclReduceScatter => nccl::reduce_scatter;
+    ncclAlltoAll => nccl::all_to_all;
+    ncclGather => nccl::gather;
+    ncclSend => nccl::send;
+    ncclRecv => nccl::recv;
+    ncclGroupStart => nccl::group_start;
+    ncclGroupEnd => nccl::group_end;
+    ncclRedOpCreatePreMulSum => nccl::red_op_create_pre_mul_sum;
+    ncclRedOpDestroy => nccl::red_op_destroy;
+    ncclCommRegister => nccl::comm_register;
+    ncclCommDeregister => nccl::comm_deregister;
+    ncclMemAlloc => nccl::mem_alloc;
+    ncclMemFree => nccl::mem_free;
+    ncclCommMemStats => nccl::comm_mem_stats;
+    ncclCommResume => nccl::comm_resume;
+    ncclCommSuspend => nccl::comm_suspend;
 }
