@@ -195,7 +195,7 @@ pub mod introspect {
                 }
             });
             // On the default stream too it is queued, as a kernel does not block the host.
-            s.streams.submit_async(stream, None, job).unwrap_or(1)
+            s.streams.submit_async(stream, crate::cuda::current_device(), job).unwrap_or(1)
         })
     }
 

@@ -4,10 +4,12 @@
 //! ACL_ERROR_RT_CONTEXT_NULL on a thread that never set a device or context: a control thread in
 //! the hook must set one first.
 
+use crate::ascend::{ACL_CTX_TOKENS, ACL_DEVICE, open_acl_context};
 use crate::core::config::GRANULARITY;
+use crate::core::context;
 use crate::core::fault;
 use crate::core::memory::MemError;
-use crate::core::sim::{ACL_CTX_TOKENS, ACL_DEVICE, CopyKind, ctx_device, ctx_handle, guard, sim};
+use crate::core::sim::{CopyKind, guard, sim};
 use libc::{c_char, c_int, c_void};
 
 pub const SUCCESS: i32 = 0;
@@ -41,7 +43,7 @@ fn result(r: Result<(), MemError>) -> i32 {
 }
 
 pub(crate) fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
-    crate::core::sim::ACL_IN_USE.store(true, std::sync::atomic::Ordering::Relaxed);
+    context::note_per_call_faults();
     guard(RT_INTERNAL_ERROR, || fault::check(name, RT_MEMORY_ALLOCATION).unwrap_or_else(body))
 }
 
@@ -74,7 +76,7 @@ pub unsafe extern "C" fn acl_finalize() -> i32 {
 
 pub unsafe extern "C" fn aclrt_set_device(dev: i32) -> i32 {
     call("aclrtSetDevice", || match sim().valid_device(dev as i64) {
-        Some(d) if crate::core::sim::open_acl_context(d) => {
+        Some(d) if open_acl_context(d) => {
             ACL_DEVICE.with(|c| c.set(d + 1));
             SUCCESS
         }
@@ -111,10 +113,10 @@ pub unsafe extern "C" fn aclrt_get_device_count(count: *mut u32) -> i32 {
 
 pub unsafe extern "C" fn aclrt_create_context(ctx: *mut *mut c_void, dev: i32) -> i32 {
     call("aclrtCreateContext", || match sim().valid_device(dev as i64) {
-        Some(d) if crate::core::sim::open_acl_context(d) => {
+        Some(d) if open_acl_context(d) => {
             // Creating a context makes it current, as the real runtime does.
             ACL_DEVICE.with(|c| c.set(d + 1));
-            put(ctx, ctx_handle(&ACL_CTX_TOKENS, d))
+            put(ctx, context::handle(&ACL_CTX_TOKENS, d))
         }
         Some(_) => RT_MEMORY_ALLOCATION,
         None => RT_INVALID_DEVICEID,
@@ -122,7 +124,7 @@ pub unsafe extern "C" fn aclrt_create_context(ctx: *mut *mut c_void, dev: i32) -
 }
 
 pub unsafe extern "C" fn aclrt_destroy_context(ctx: *mut c_void) -> i32 {
-    call("aclrtDestroyContext", || match ctx_device(&ACL_CTX_TOKENS, ctx) {
+    call("aclrtDestroyContext", || match context::device_of(&ACL_CTX_TOKENS, ctx) {
         Some(_) => SUCCESS,
         None => RT_PARAM_INVALID,
     })
@@ -130,13 +132,13 @@ pub unsafe extern "C" fn aclrt_destroy_context(ctx: *mut c_void) -> i32 {
 
 pub unsafe extern "C" fn aclrt_get_current_context(ctx: *mut *mut c_void) -> i32 {
     call("aclrtGetCurrentContext", || match current() {
-        Ok(d) => put(ctx, ctx_handle(&ACL_CTX_TOKENS, d)),
+        Ok(d) => put(ctx, context::handle(&ACL_CTX_TOKENS, d)),
         Err(e) => e,
     })
 }
 
 pub unsafe extern "C" fn aclrt_set_current_context(ctx: *mut c_void) -> i32 {
-    call("aclrtSetCurrentContext", || match ctx_device(&ACL_CTX_TOKENS, ctx) {
+    call("aclrtSetCurrentContext", || match context::device_of(&ACL_CTX_TOKENS, ctx) {
         Some(d) if d < sim().devices() => {
             ACL_DEVICE.with(|c| c.set(d + 1));
             SUCCESS

@@ -9,8 +9,9 @@
 //! `HCCL_CONNECT_TIMEOUT` seconds (CANN: 120 to 7200, default 120) for every rank;
 //! `TMS_SIM_HCCL_CONNECT_TIMEOUT` (any number of seconds) takes precedence, for tests.
 
+use crate::ascend::ACL_DEVICE;
 use crate::core::collectives::{CollError, Comm, CommConfig, DType, Op, RedOp, UniqueId};
-use crate::core::sim::{ACL_DEVICE, guard, sim};
+use crate::core::sim::{guard, sim};
 use libc::{c_char, c_void};
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -100,7 +101,7 @@ fn fail(e: CollError) -> i32 {
 }
 
 fn call(body: impl FnOnce() -> i32) -> i32 {
-    crate::core::sim::ACL_IN_USE.store(true, std::sync::atomic::Ordering::Relaxed);
+    crate::core::context::note_per_call_faults();
     guard(E_INTERNAL, body)
 }
 
@@ -395,7 +396,7 @@ pub unsafe extern "C" fn comm_init_all(ndev: u32, devices: *const i32, comms: *m
             .map(|(rank, &dev)| {
                 let cfg = cfg.clone();
                 std::thread::spawn(move || {
-                    crate::core::sim::open_acl_context(dev as usize);
+                    crate::ascend::open_acl_context(dev as usize);
                     Comm::init(id, ndev as usize, rank, dev as usize, &cfg)
                 })
             })

@@ -5,6 +5,7 @@
 
 pub mod collectives;
 pub mod config;
+pub mod context;
 pub mod fault;
 pub mod gil;
 pub mod graphs;

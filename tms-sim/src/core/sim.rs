@@ -1,5 +1,7 @@
 //! The process-wide simulator: one instance, created on the first API call, shared by the CUDA
 //! runtime, CUDA driver and ACL front ends (which differ only in names, codes and argument forms).
+//! It holds no front end's state: each keeps its own (the thread's device, its last error, its
+//! contexts), and tells the core only what `context` asks.
 
 use crate::core::config::{Config, warn};
 use crate::core::fault;
@@ -7,7 +9,6 @@ use crate::core::memory::{Freed, MemError, MemResult, Memory, page_size, round_u
 use crate::core::node::Node;
 use crate::core::streams::Streams;
 use crate::core::timing::{self, TO_DEVICE, TO_HOST};
-use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -57,68 +58,6 @@ pub enum PointerKind {
 }
 
 static SIM: OnceLock<Sim> = OnceLock::new();
-/// Set once an ACL call has run in this process (stickiness is a CUDA rule here).
-pub static ACL_IN_USE: AtomicBool = AtomicBool::new(false);
-/// Set by cuInit and by any runtime call (the runtime initializes the driver implicitly).
-pub static DRIVER_INIT: AtomicBool = AtomicBool::new(false);
-
-thread_local! {
-    /// Current CUDA context of this thread: 0 for none, else device + 1.
-    pub static CUDA_CTX: Cell<usize> = const { Cell::new(0) };
-    /// The runtime's device for this thread (cudaSetDevice).
-    pub static RT_DEVICE: Cell<usize> = const { Cell::new(0) };
-    /// ACL device/context of this thread: 0 for none, else device + 1.
-    pub static ACL_DEVICE: Cell<usize> = const { Cell::new(0) };
-    /// cudaGetLastError's value.
-    pub static LAST_ERROR: Cell<i32> = const { Cell::new(0) };
-}
-
-/// Opaque context handles are addresses inside these arrays, one byte per device.
-pub static CUDA_CTX_TOKENS: [u8; crate::core::config::MAX_DEVICES] = [0; crate::core::config::MAX_DEVICES];
-pub static ACL_CTX_TOKENS: [u8; crate::core::config::MAX_DEVICES] = [0; crate::core::config::MAX_DEVICES];
-
-/// Whether each device's primary context exists in this process (`cuDevicePrimaryCtxGetState`).
-static PRIMARY_ACTIVE: [AtomicBool; crate::core::config::MAX_DEVICES] =
-    [const { AtomicBool::new(false) }; crate::core::config::MAX_DEVICES];
-
-/// Whether this process has an Ascend context on each device.
-static ACL_ACTIVE: [AtomicBool; crate::core::config::MAX_DEVICES] =
-    [const { AtomicBool::new(false) }; crate::core::config::MAX_DEVICES];
-
-/// Creates this process's context on `dev` unless it has one. A context takes device memory
-/// (`TMS_SIM_CONTEXT_MEMORY`, else the API's default), so creating one on a full device fails
-/// (false), as on a GPU; the memory returns when the process exits.
-fn open_context(active: &[AtomicBool], dev: usize, default_bytes: u64) -> bool {
-    let Some(flag) = active.get(dev) else { return false };
-    if flag.load(Ordering::Acquire) {
-        return true;
-    }
-    static OPENING: Mutex<()> = Mutex::new(());
-    let _one_at_a_time = OPENING.lock().unwrap_or_else(|e| e.into_inner());
-    if flag.load(Ordering::Acquire) {
-        return true;
-    }
-    let s = sim();
-    if dev >= s.devices() || !s.node.charge(dev, s.cfg.context_bytes.unwrap_or(default_bytes)) {
-        return false;
-    }
-    flag.store(true, Ordering::Release);
-    true
-}
-
-/// Creates the process's primary CUDA context on `dev` if needed; false: the device is full.
-pub fn open_cuda_context(dev: usize) -> bool {
-    open_context(&PRIMARY_ACTIVE, dev, crate::core::config::CUDA_CONTEXT_BYTES)
-}
-
-/// Creates the process's Ascend context on `dev` if needed; false: the device is full.
-pub fn open_acl_context(dev: usize) -> bool {
-    open_context(&ACL_ACTIVE, dev, crate::core::config::ACL_CONTEXT_BYTES)
-}
-
-pub fn primary_active(dev: usize) -> bool {
-    PRIMARY_ACTIVE.get(dev).is_some_and(|f| f.load(Ordering::Relaxed))
-}
 
 /// A device fault (an illegal address met by a copy, memset or kernel on a CUDA device) is sticky:
 /// the context is dead and every later CUDA call of the process on that device fails with the
@@ -126,16 +65,6 @@ pub fn primary_active(dev: usize) -> bool {
 /// answers with its own code (the CUDA runtime's and driver's 700).
 static STICKY: [AtomicBool; crate::core::config::MAX_DEVICES] =
     [const { AtomicBool::new(false) }; crate::core::config::MAX_DEVICES];
-
-/// The sticky fault of the calling thread's CUDA device (its current context's, else the
-/// runtime's device), if any.
-pub fn current_cuda_fault() -> Option<MemError> {
-    let dev = match CUDA_CTX.with(|c| c.get()) {
-        0 => RT_DEVICE.with(|d| d.get()),
-        n => n - 1,
-    };
-    sticky_fault(dev)
-}
 
 /// The sticky fault of `dev`'s context, if it has one.
 pub fn sticky_fault(dev: usize) -> Option<MemError> {
@@ -146,16 +75,6 @@ fn record_fault(dev: usize) {
     if let Some(slot) = STICKY.get(dev) {
         slot.store(true, Ordering::Release);
     }
-}
-
-pub fn ctx_handle(tokens: &'static [u8], dev: usize) -> *mut libc::c_void {
-    &tokens[dev] as *const u8 as *mut libc::c_void
-}
-
-pub fn ctx_device(tokens: &'static [u8], ctx: *mut libc::c_void) -> Option<usize> {
-    let base = tokens.as_ptr() as usize;
-    let p = ctx as usize;
-    (p >= base && p < base + tokens.len()).then(|| p - base)
 }
 
 /// Why another process's exported device memory could not be mapped here.
@@ -414,10 +333,10 @@ impl Sim {
         self.copy_unchecked(dst, src, n, kind).inspect_err(|e| self.on_fault(*e, &[dst, src]))
     }
 
-    /// A device that meets an illegal address while moving bytes kills its context (sticky).
-    /// Only the CUDA side: the Ascend runtime reports such faults per call.
+    /// A device that meets an illegal address while moving bytes kills its context (sticky),
+    /// where the API's faults are sticky at all (`context::faults_sticky`).
     fn on_fault(&self, e: MemError, addrs: &[usize]) {
-        if e != MemError::IllegalAddress || !self.cuda_faults_sticky() {
+        if e != MemError::IllegalAddress || !crate::core::context::faults_sticky() {
             return;
         }
         let mem = self.read();
@@ -426,11 +345,6 @@ impl Sim {
                 record_fault(dev);
             }
         }
-    }
-
-    /// Stickiness applies to processes on the CUDA API (the ACL front end has no such rule here).
-    fn cuda_faults_sticky(&self) -> bool {
-        CUDA_CTX.with(|c| c.get()) != 0 || !ACL_IN_USE.load(Ordering::Relaxed)
     }
 
     fn copy_unchecked(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
@@ -547,7 +461,8 @@ impl Sim {
     /// what CUDA documents for them ("API synchronization behavior"): from pageable memory the
     /// call returns once the source may be reused, to pageable memory once the copy completed,
     /// host to host fully synchronously; the simulator runs them in the caller after the
-    /// stream's queued work, which satisfies all three.
+    /// stream's queued work, which satisfies all three. `device`: whose default stream `stream`
+    /// names when it is the default stream (the thread's device, as its API defines it).
     pub fn copy_async(
         &'static self,
         dst: usize,
@@ -555,13 +470,14 @@ impl Sim {
         n: usize,
         kind: CopyKind,
         stream: usize,
+        device: usize,
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
         if !crate::core::streams::is_null(stream) || !self.queues_on_device(dst, src, n, kind) {
             return self.copy(dst, src, n, kind, stream, async_code);
         }
         let job = self.copy_job(dst, src, n, kind, async_code);
-        self.streams.submit_async(stream, None, job).map(|_| ()).map_err(|_| async_code(MemError::Invalid))
+        self.streams.submit_async(stream, device, job).map(|_| ()).map_err(|_| async_code(MemError::Invalid))
     }
 
     /// Whether a valid copy touches only device and page-locked host memory, with at least one
@@ -590,14 +506,15 @@ impl Sim {
     }
 
     /// An asynchronous memset (`cudaMemsetAsync`) on the legacy default stream: queued there, as
-    /// on a GPU. A pointer that is not device memory is refused at once (1); a range unmapped by
-    /// the time it runs faults then (700 at the next synchronize, sticky).
+    /// on a GPU, on `device`'s queue. A pointer that is not device memory is refused at once (1); a
+    /// range unmapped by the time it runs faults then (700 at the next synchronize, sticky).
     pub fn memset_on_default(
         &'static self,
         dst: usize,
         value: u8,
         n: usize,
         stream: usize,
+        device: usize,
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
         if dst == 0 || self.read().device_of(dst).is_none() {
@@ -607,7 +524,7 @@ impl Sim {
             Ok(()) => 0,
             Err(e) => async_code(e),
         });
-        self.streams.submit_async(stream, None, job).map(|_| ()).map_err(|_| async_code(MemError::Invalid))
+        self.streams.submit_async(stream, device, job).map(|_| ()).map_err(|_| async_code(MemError::Invalid))
     }
 
     /// A kernel reading device memory (a collective's send buffer): the range must be device

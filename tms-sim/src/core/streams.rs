@@ -209,18 +209,16 @@ impl Streams {
     }
 
     /// An action on the legacy default stream first waits for all work queued on the blocking
-    /// streams of the calling thread's CUDA device; non-blocking streams (NCCL's, PyTorch's side
-    /// streams, the hook's copy streams) are not waited for, as CUDA documents.
+    /// streams of the device whose context is current on the calling thread (`context::current`);
+    /// non-blocking streams (NCCL's, PyTorch's side streams, the hook's copy streams) are not
+    /// waited for, as CUDA documents.
     fn legacy_barrier(&self, handle: usize) {
         // 0 is the legacy stream in programs built with the default (legacy) behaviour, 1 is
         // CU_STREAM_LEGACY; 2 (per-thread) synchronizes with nothing.
         if handle > 1 {
             return;
         }
-        let device = match crate::core::sim::CUDA_CTX.with(|c| c.get()) {
-            0 => return,
-            n => n - 1,
-        };
+        let Some(device) = crate::core::context::current() else { return };
         let blocking: Vec<Arc<Stream>> =
             self.live().values().filter(|s| s.device == device && s.flags & NON_BLOCKING == 0).cloned().collect();
         for s in blocking {
@@ -266,26 +264,21 @@ impl Streams {
     }
 
     /// Queues `job` without blocking the host, on the default stream too (see `legacy`): there,
-    /// on `device`'s queue, or the calling thread's device when None.
-    pub fn submit_async(&self, handle: usize, device: Option<usize>, job: Job) -> Result<i32, UnknownStream> {
+    /// on `device`'s queue (the caller's API says which device the thread works on).
+    pub fn submit_async(&self, handle: usize, device: usize, job: Job) -> Result<i32, UnknownStream> {
         if !is_null(handle) {
             return self.submit(handle, job);
         }
-        let ctx = crate::core::sim::CUDA_CTX.with(|c| c.get());
-        let device = device.unwrap_or_else(|| match ctx {
-            0 => crate::core::sim::RT_DEVICE.with(|d| d.get()),
-            n => n - 1,
-        });
         // The legacy stream's rule holds for queued work too: it starts after the work already
         // queued on the blocking streams of the caller's device (what legacy_barrier waits for).
-        let before: Vec<(Arc<Stream>, u64)> = if handle > 1 || ctx == 0 {
-            Vec::new()
-        } else {
-            self.live()
+        let before: Vec<(Arc<Stream>, u64)> = match crate::core::context::current() {
+            Some(current) if handle <= 1 => self
+                .live()
                 .values()
-                .filter(|s| s.device == ctx - 1 && s.flags & NON_BLOCKING == 0)
+                .filter(|s| s.device == current && s.flags & NON_BLOCKING == 0)
                 .map(|s| (s.clone(), s.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted))
-                .collect()
+                .collect(),
+            _ => Vec::new(),
         };
         let job: Job = if before.is_empty() {
             job
@@ -381,7 +374,8 @@ impl Streams {
     }
 
     /// Records `event` on `stream`: it completes once the work queued there before now has run.
-    pub fn event_record(&self, event: &Arc<Event>, stream: usize) -> Result<(), UnknownStream> {
+    /// `device`: whose default stream `stream` names when it is the default stream.
+    pub fn event_record(&self, event: &Arc<Event>, stream: usize, device: usize) -> Result<(), UnknownStream> {
         let generation = {
             let mut st = event.lock();
             st.recorded += 1;
@@ -390,7 +384,7 @@ impl Streams {
         let target = event.clone();
         self.submit_async(
             stream,
-            None,
+            device,
             Box::new(move || {
                 target.complete(generation);
                 0
@@ -403,8 +397,9 @@ impl Streams {
         })
     }
 
-    /// Makes `stream` wait for the event's latest record (a no-op if it was never recorded).
-    pub fn wait_event(&self, stream: usize, event: &Arc<Event>) -> Result<(), UnknownStream> {
+    /// Makes `stream` wait for the event's latest record (a no-op if it was never recorded);
+    /// `device` as for `event_record`.
+    pub fn wait_event(&self, stream: usize, event: &Arc<Event>, device: usize) -> Result<(), UnknownStream> {
         let generation = event.lock().recorded;
         if event.lock().completed >= generation {
             return if self.exists(stream) { Ok(()) } else { Err(UnknownStream) };
@@ -412,7 +407,7 @@ impl Streams {
         let target = event.clone();
         self.submit_async(
             stream,
-            None,
+            device,
             Box::new(move || {
                 target.wait_for(generation);
                 0

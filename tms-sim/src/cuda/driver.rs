@@ -1,11 +1,11 @@
 //! The CUDA driver ABI (`libcuda.so.1`), including the virtual-memory management calls.
 
 use crate::core::config::GRANULARITY;
+use crate::core::context;
 use crate::core::fault;
 use crate::core::memory::MemError;
-use crate::core::sim::{
-    CUDA_CTX, CUDA_CTX_TOKENS, CopyKind, DRIVER_INIT, PointerKind, ctx_device, ctx_handle, guard, sim,
-};
+use crate::core::sim::{CopyKind, PointerKind, guard, sim};
+use crate::cuda::{CUDA_CTX_TOKENS, DRIVER_INIT};
 use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::Ordering;
 
@@ -45,7 +45,7 @@ fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
             return NOT_INITIALIZED;
         }
         // A context that met an illegal address is dead: every call fails with that code.
-        if let Some(fault) = crate::core::sim::current_cuda_fault() {
+        if let Some(fault) = crate::cuda::current_cuda_fault() {
             return code_of(fault);
         }
         fault::check(name, OUT_OF_MEMORY).unwrap_or_else(body)
@@ -54,10 +54,7 @@ fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
 
 /// The device of the calling thread's current context, for calls that need one.
 fn current() -> Result<usize, i32> {
-    match CUDA_CTX.with(|c| c.get()) {
-        0 => Err(INVALID_CONTEXT),
-        n => Ok(n - 1),
-    }
+    context::current().ok_or(INVALID_CONTEXT)
 }
 
 /// Writes `value` through `out` if it is non-null.
@@ -136,7 +133,7 @@ pub unsafe extern "C" fn cu_device_total_mem(bytes: *mut usize, dev: c_int) -> i
 
 pub unsafe extern "C" fn cu_device_primary_ctx_retain(ctx: *mut *mut c_void, dev: c_int) -> i32 {
     call("cuDevicePrimaryCtxRetain", || match sim().valid_device(dev as i64) {
-        Some(d) if crate::core::sim::open_cuda_context(d) => put(ctx, ctx_handle(&CUDA_CTX_TOKENS, d)),
+        Some(d) if crate::cuda::open_cuda_context(d) => put(ctx, context::handle(&CUDA_CTX_TOKENS, d)),
         Some(_) => OUT_OF_MEMORY,
         None => INVALID_DEVICE,
     })
@@ -151,7 +148,7 @@ pub unsafe extern "C" fn cu_device_primary_ctx_get_state(dev: c_int, flags: *mut
                 return INVALID_VALUE;
             }
             put(flags, 0);
-            put(active, c_int::from(crate::core::sim::primary_active(d)))
+            put(active, c_int::from(crate::cuda::primary_active(d)))
         }
         None => INVALID_DEVICE,
     })
@@ -173,10 +170,7 @@ pub unsafe extern "C" fn cu_device_primary_ctx_release(dev: c_int) -> i32 {
 
 pub unsafe extern "C" fn cu_ctx_get_current(ctx: *mut *mut c_void) -> i32 {
     call("cuCtxGetCurrent", || {
-        let value = match CUDA_CTX.with(|c| c.get()) {
-            0 => std::ptr::null_mut(),
-            n => ctx_handle(&CUDA_CTX_TOKENS, n - 1),
-        };
+        let value = context::current().map_or(std::ptr::null_mut(), |d| context::handle(&CUDA_CTX_TOKENS, d));
         put(ctx, value)
     })
 }
@@ -184,12 +178,12 @@ pub unsafe extern "C" fn cu_ctx_get_current(ctx: *mut *mut c_void) -> i32 {
 pub unsafe extern "C" fn cu_ctx_set_current(ctx: *mut c_void) -> i32 {
     call("cuCtxSetCurrent", || {
         if ctx.is_null() {
-            CUDA_CTX.with(|c| c.set(0));
+            context::make_current(None);
             return SUCCESS;
         }
-        match ctx_device(&CUDA_CTX_TOKENS, ctx) {
+        match context::device_of(&CUDA_CTX_TOKENS, ctx) {
             Some(d) if d < sim().devices() => {
-                CUDA_CTX.with(|c| c.set(d + 1));
+                context::make_current(Some(d));
                 SUCCESS
             }
             _ => INVALID_CONTEXT,
@@ -289,7 +283,7 @@ fn copy(name: &str, dst: usize, src: usize, n: usize, kind: CopyKind, stream: Op
     call(name, || match current() {
         Ok(_) => {
             let copied = match stream {
-                Some(s) => sim().copy_async(dst, src, n, kind, s, code_of),
+                Some(s) => sim().copy_async(dst, src, n, kind, s, crate::cuda::current_device(), code_of),
                 None => sim().copy(dst, src, n, kind, 0, code_of),
             };
             sim().finish_copy(name, copied, dst, n, stream.unwrap_or(0))
@@ -400,7 +394,10 @@ pub unsafe extern "C" fn cu_event_record(event: *mut c_void, stream: *mut c_void
             return e;
         }
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_HANDLE };
-        sim().streams.event_record(&ev, stream as usize).map_or(INVALID_HANDLE, |()| SUCCESS)
+        sim()
+            .streams
+            .event_record(&ev, stream as usize, crate::cuda::current_device())
+            .map_or(INVALID_HANDLE, |()| SUCCESS)
     })
 }
 

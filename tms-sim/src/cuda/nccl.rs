@@ -14,7 +14,8 @@
 //! default 2).
 
 use crate::core::collectives::{CollError, Comm, CommConfig, DType, Op, RedOp, UniqueId};
-use crate::core::sim::{RT_DEVICE, guard, sim};
+use crate::core::sim::{guard, sim};
+use crate::cuda::RT_DEVICE;
 use libc::{c_char, c_int, c_void};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -201,7 +202,7 @@ fn redop_of(code: c_int, comm: *mut c_void) -> Option<RedOp> {
 /// The CUDA device of the calling thread (cudaSetDevice's), with its context opened.
 fn current_device() -> Result<usize, c_int> {
     let dev = RT_DEVICE.with(|d| d.get());
-    if dev >= sim().devices() || !crate::core::sim::open_cuda_context(dev) {
+    if dev >= sim().devices() || !crate::cuda::open_cuda_context(dev) {
         set_last_error(format!("cannot use CUDA device {dev} (missing, or no room for its context)"));
         return Err(UNHANDLED_CUDA_ERROR);
     }
@@ -418,7 +419,7 @@ pub unsafe extern "C" fn comm_init_all(comms: *mut *mut c_void, ndev: c_int, dev
             .iter()
             .enumerate()
             .map(|(rank, &device)| {
-                crate::core::sim::open_cuda_context(device);
+                crate::cuda::open_cuda_context(device);
                 register(NcclComm {
                     core: Mutex::new(None),
                     state: Mutex::new(IN_PROGRESS),

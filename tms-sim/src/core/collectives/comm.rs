@@ -433,7 +433,7 @@ impl Comm {
             cv.notify_all();
             code
         });
-        match sim().streams.submit_async(stream, Some(self.device), job) {
+        match sim().streams.submit_async(stream, self.device, job) {
             Ok(_) => Ok(()),
             Err(_) => {
                 let (lock, cv) = &self.pending;

@@ -5,7 +5,8 @@ use super::{
     INVALID_DEVICE, INVALID_VALUE, PEER_ACCESS_ALREADY_ENABLED, PEER_ACCESS_NOT_ENABLED, RUNTIME_VERSION, SUCCESS,
     call, put, rt,
 };
-use crate::core::sim::{CUDA_CTX, DRIVER_INIT, RT_DEVICE, sim};
+use crate::core::sim::sim;
+use crate::cuda::{DRIVER_INIT, RT_DEVICE};
 use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::Mutex;
 
@@ -405,11 +406,11 @@ pub unsafe extern "C" fn cuda_set_device(dev: c_int) -> i32 {
         DRIVER_INIT.store(true, std::sync::atomic::Ordering::Release);
         // cudaSetDevice creates the device's primary context (CUDA 12 and later); when that
         // fails the thread keeps its device.
-        if !crate::core::sim::open_cuda_context(d) {
+        if !crate::cuda::open_cuda_context(d) {
             return super::MEMORY_ALLOCATION;
         }
         RT_DEVICE.with(|c| c.set(d));
-        CUDA_CTX.with(|c| c.set(d + 1));
+        crate::core::context::make_current(Some(d));
         SUCCESS
     })
 }

@@ -102,7 +102,15 @@ pub unsafe extern "C" fn cuda_memcpy_async(
     call("cudaMemcpyAsync", || {
         enter!();
         let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
-        let copied = sim().copy_async(dst as usize, src as usize, count, kind, stream as usize, code_of);
+        let copied = sim().copy_async(
+            dst as usize,
+            src as usize,
+            count,
+            kind,
+            stream as usize,
+            crate::cuda::current_device(),
+            code_of,
+        );
         sim().finish_copy("cudaMemcpyAsync", copied, dst as usize, count, stream as usize)
     })
 }
@@ -123,7 +131,10 @@ pub unsafe extern "C" fn cuda_memset_async(dst: *mut c_void, value: c_int, count
         enter!();
         let (dst, value, stream) = (dst as usize, value as u8, stream as usize);
         if crate::core::streams::is_null(stream) {
-            return sim().memset_on_default(dst, value, count, stream, code_of).err().unwrap_or(SUCCESS);
+            return sim()
+                .memset_on_default(dst, value, count, stream, crate::cuda::current_device(), code_of)
+                .err()
+                .unwrap_or(SUCCESS);
         }
         if sim().graphs.record(stream, || crate::core::graphs::Node::Memset { dst, value, n: count }) {
             return SUCCESS;
@@ -271,7 +282,7 @@ fn copy_2d(
         for row in 0..height {
             let (d, s) = (dst + row * dpitch, src + row * spitch);
             let copied = if is_async {
-                sim().copy_async(d, s, width, kind, stream, code_of)
+                sim().copy_async(d, s, width, kind, stream, crate::cuda::current_device(), code_of)
             } else {
                 sim().copy(d, s, width, kind, 0, code_of)
             };

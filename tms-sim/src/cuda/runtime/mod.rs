@@ -21,9 +21,11 @@ pub mod launch;
 pub mod memory;
 pub mod streams;
 
+use crate::core::context;
 use crate::core::fault;
 use crate::core::memory::MemError;
-use crate::core::sim::{CUDA_CTX, DRIVER_INIT, LAST_ERROR, RT_DEVICE, guard};
+use crate::core::sim::guard;
+use crate::cuda::{DRIVER_INIT, LAST_ERROR, RT_DEVICE};
 use libc::c_char;
 
 /// The runtime version presented (the driver and NVML present the same).
@@ -67,15 +69,14 @@ fn rt(code: i32) -> i32 {
 /// memory, and fails with cudaErrorMemoryAllocation on a full device). Returns the thread's device.
 fn enter() -> Result<usize, i32> {
     DRIVER_INIT.store(true, std::sync::atomic::Ordering::Release);
-    let current = CUDA_CTX.with(|c| c.get());
-    if current != 0 {
-        return Ok(current - 1);
+    if let Some(current) = context::current() {
+        return Ok(current);
     }
     let dev = RT_DEVICE.with(|d| d.get());
-    if !crate::core::sim::open_cuda_context(dev) {
+    if !crate::cuda::open_cuda_context(dev) {
         return Err(MEMORY_ALLOCATION);
     }
-    CUDA_CTX.with(|c| c.set(dev + 1));
+    context::make_current(Some(dev));
     Ok(dev)
 }
 
@@ -85,7 +86,7 @@ fn call(name: &str, body: impl FnOnce() -> i32) -> i32 {
     rt(guard(UNKNOWN, || {
         // A context that met an illegal address is dead: every call that uses it fails with that
         // code (queries of devices and versions, which need no context, still answer).
-        if let Some(fault) = crate::core::sim::current_cuda_fault()
+        if let Some(fault) = crate::cuda::current_cuda_fault()
             && !NEEDS_NO_CONTEXT.contains(&name)
         {
             return code_of(fault);
@@ -128,11 +129,11 @@ pub(crate) fn not_supported(name: &str) -> i32 {
 /// The last error, cleared, unless the context holds a sticky fault, which stays.
 pub unsafe extern "C" fn cuda_get_last_error() -> i32 {
     let last = LAST_ERROR.with(|e| e.replace(SUCCESS));
-    crate::core::sim::current_cuda_fault().map_or(last, code_of)
+    crate::cuda::current_cuda_fault().map_or(last, code_of)
 }
 
 pub unsafe extern "C" fn cuda_peek_at_last_error() -> i32 {
-    crate::core::sim::current_cuda_fault().map_or_else(|| LAST_ERROR.with(|e| e.get()), code_of)
+    crate::cuda::current_cuda_fault().map_or_else(|| LAST_ERROR.with(|e| e.get()), code_of)
 }
 
 const ERRORS: &[(i32, &std::ffi::CStr, &std::ffi::CStr)] = &[

@@ -106,7 +106,10 @@ pub unsafe extern "C" fn cuda_stream_wait_event(stream: *mut c_void, event: *mut
         }
         // On the default stream too the wait is queued (core::streams::Streams::legacy): the
         // host goes on, and the stream's next work waits.
-        sim().streams.wait_event(stream as usize, &ev).map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
+        sim()
+            .streams
+            .wait_event(stream as usize, &ev, crate::cuda::current_device())
+            .map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
     })
 }
 
@@ -137,7 +140,10 @@ pub unsafe extern "C" fn cuda_launch_host_func(
             0
         };
         // On the default stream too it is queued: the host goes on, as on a GPU.
-        sim().streams.submit_async(stream as usize, None, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
+        sim()
+            .streams
+            .submit_async(stream as usize, crate::cuda::current_device(), Box::new(run))
+            .map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
     })
 }
 
@@ -168,7 +174,10 @@ pub unsafe extern "C" fn cuda_stream_add_callback(
             unsafe { f(handle as *mut c_void, SUCCESS, job.1 as *mut c_void) };
             0
         };
-        sim().streams.submit_async(handle, None, Box::new(run)).map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
+        sim()
+            .streams
+            .submit_async(handle, crate::cuda::current_device(), Box::new(run))
+            .map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
     })
 }
 
@@ -293,7 +302,10 @@ pub unsafe extern "C" fn cuda_event_record(event: *mut c_void, stream: *mut c_vo
             return SUCCESS;
         }
         ev.set_capture(0);
-        sim().streams.event_record(&ev, stream as usize).map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
+        sim()
+            .streams
+            .event_record(&ev, stream as usize, crate::cuda::current_device())
+            .map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
     })
 }
 
