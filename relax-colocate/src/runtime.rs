@@ -36,12 +36,7 @@ api!(Runtime {
     device_synchronize: c"cudaDeviceSynchronize" => fn() -> c_int;
 });
 
-/// `cudaIpcMemHandle_t`: 64 opaque bytes, passed by value.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct CudaIpcHandle {
-    pub bytes: [u8; 64],
-}
+pub use tms_vendor::cuda::IpcHandle as CudaIpcHandle;
 
 // The IPC weight transport's calls (cuda_runtime_api.h), loaded only when it is used.
 api!(CudaIpc {

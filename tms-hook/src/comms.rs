@@ -29,6 +29,7 @@ use std::collections::BTreeMap;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use tms_vendor::nccl::SUSPEND_MEM;
 
 /// The reserved tag that names the process's NCCL communicators.
 pub const TAG: &str = "nccl";
@@ -40,8 +41,6 @@ static MEM_STATS: Target = Target::new(c"ncclCommMemStats", NCCL);
 static CU_DEVICE: Target = Target::new(c"ncclCommCuDevice", NCCL);
 static LAST_ERROR: Target = Target::new(c"ncclGetLastError", NCCL);
 
-/// NCCL_SUSPEND_MEM, the one flag of ncclCommSuspend.
-const SUSPEND_MEM: c_int = 1;
 const STAT_SUSPENDABLE: c_int = 0;
 const STAT_SUSPENDED: c_int = 1;
 const STAT_PERSISTENT: c_int = 2;

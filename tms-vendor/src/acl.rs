@@ -10,6 +10,8 @@ pub const MEM_HANDLE_TYPE_NONE: c_int = 0;
 pub const MEM_ALLOCATION_TYPE_PINNED: c_int = 0;
 /// ACL_MEM_LOCATION_TYPE_DEVICE.
 pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+/// ACL_HBM_MEM_HUGE, the aclrtMemAttr of huge-page device memory.
+pub const HBM_MEM_HUGE: c_int = 4;
 
 /// aclrtMemLocation: `{uint32_t id; aclrtMemLocationType type;}` (id first, unlike CUDA's).
 #[repr(C)]

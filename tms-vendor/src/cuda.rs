@@ -1,7 +1,8 @@
 //! The CUDA driver's virtual-memory structs (cuda.h; CUDA Driver API reference, "Virtual Memory
-//! Management": cuMemCreate, cuMemSetAccess, cuMemGetAllocationGranularity).
+//! Management": cuMemCreate, cuMemSetAccess, cuMemGetAllocationGranularity) and the runtime's IPC
+//! handle (driver_types.h; CUDA Runtime API reference, "Device Management": cudaIpcGetMemHandle).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::mem::{offset_of, size_of};
 
 /// CU_MEM_ALLOCATION_TYPE_PINNED: the one allocation type cuMemCreate takes.
@@ -71,6 +72,19 @@ pub struct AccessDesc {
     pub flags: c_int,
 }
 
+/// CUDA_IPC_HANDLE_SIZE.
+pub const IPC_HANDLE_SIZE: usize = 64;
+/// cudaIpcMemLazyEnablePeerAccess, the one flag of cudaIpcOpenMemHandle.
+pub const IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+/// cudaIpcMemHandle_t and cudaIpcEventHandle_t: `{char reserved[CUDA_IPC_HANDLE_SIZE];}`, passed
+/// by value. Bytes (`u8`) whatever the sign of `char`: only the runtime that made one reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcHandle {
+    pub reserved: [u8; IPC_HANDLE_SIZE],
+}
+
 const _: () = assert!(size_of::<MemLocation>() == 8);
 const _: () = assert!(size_of::<AllocFlags>() == 8);
 const _: () = assert!(offset_of!(AllocFlags, gpu_direct_rdma_capable) == 1);
@@ -81,6 +95,8 @@ const _: () = assert!(offset_of!(AllocationProp, win32_handle_meta_data) == 16);
 const _: () = assert!(offset_of!(AllocationProp, alloc_flags) == 24);
 const _: () = assert!(size_of::<AccessDesc>() == 12);
 const _: () = assert!(offset_of!(AccessDesc, flags) == 8);
+const _: () = assert!(size_of::<IpcHandle>() == 64);
+const _: () = assert!(offset_of!(IpcHandle, reserved) == 0);
 
 /// The name and meaning of a CUDA driver or runtime error code (the two share these numbers:
 /// CUDA Driver API reference, "CUresult"; CUDA Runtime API reference, "cudaError"), for messages

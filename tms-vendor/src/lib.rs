@@ -6,7 +6,8 @@
 //! corrupt memory silently, so there is one copy.
 //!
 //! Sources (shared/reference/cuda.md, ascend.md, collectives.md): NVIDIA's CUDA Driver API
-//! reference ("Virtual Memory Management", the `CUmem*` types in cuda.h), CANN's runtime API
+//! reference ("Virtual Memory Management", the `CUmem*` types in cuda.h), the CUDA Runtime API's
+//! `cudaIpcMemHandle_t` (driver_types.h), CANN's runtime API
 //! reference (`aclrtPhysicalMemProp`, `aclrtMemLocation`, `aclrtMemAccessDesc` in
 //! acl_rt.h), nccl.h (`ncclUniqueId`, `ncclConfig_t`) and hccl_types.h (`HcclRootInfo`,
 //! `HcclCommConfig`).

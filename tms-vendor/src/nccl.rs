@@ -7,6 +7,8 @@ use std::mem::{offset_of, size_of};
 pub const UNIQUE_ID_BYTES: usize = 128;
 /// NCCL_API_MAGIC, which NCCL_CONFIG_INITIALIZER puts in ncclConfig_t.magic.
 pub const CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// NCCL_SUSPEND_MEM, the one flag of ncclCommSuspend.
+pub const SUSPEND_MEM: c_int = 0x01;
 
 /// ncclUniqueId: `{char internal[NCCL_UNIQUE_ID_BYTES];}`, passed by value. Bytes (`u8`) here
 /// whatever the sign of `char` on the target: nothing reads them as characters.

@@ -5,6 +5,7 @@
 use crate::runtime::{AclIpc, CudaIpc, CudaIpcHandle, Tms};
 use crate::vendor::{self, ApiKind, Opened};
 use std::ffi::CString;
+use tms_vendor::cuda::IPC_MEM_LAZY_ENABLE_PEER_ACCESS;
 
 const ACL_HBM_MEM: i32 = 1;
 
@@ -154,8 +155,6 @@ impl Device {
 
 /// CANN's key buffer: 64 characters and the NUL.
 const ACL_IPC_KEY_LEN: usize = 65;
-/// cudaIpcMemLazyEnablePeerAccess, the flag every framework opens with.
-const CUDA_IPC_LAZY_PEER_ACCESS: u32 = 1;
 
 /// Device memory shared with another process of the node: the IPC weight transport. The
 /// exporter's buffer must be plain memory (cudaMalloc / aclrtMalloc outside every region): the
@@ -185,10 +184,10 @@ impl Device {
         match self.api {
             Opened::Cuda(_) => {
                 let ipc = Self::ipc_symbols(CudaIpc::load)?;
-                let mut h = CudaIpcHandle { bytes: [0; 64] };
+                let mut h = CudaIpcHandle { reserved: [0; tms_vendor::cuda::IPC_HANDLE_SIZE] };
                 // SAFETY: a 64-byte out-parameter and a device pointer of ours.
                 let rc = unsafe { (ipc.get_mem_handle)(&mut h, ptr as *mut _) };
-                if rc != 0 { Err(self.fail("cudaIpcGetMemHandle", rc)) } else { Ok(h.bytes.to_vec()) }
+                if rc != 0 { Err(self.fail("cudaIpcGetMemHandle", rc)) } else { Ok(h.reserved.to_vec()) }
             }
             Opened::Acl(_) => {
                 let ipc = Self::ipc_symbols(AclIpc::load)?;
@@ -226,7 +225,9 @@ impl Device {
                     .try_into()
                     .map_err(|_| DevError::Other(format!("a CUDA IPC handle has 64 bytes, not {}", handle.len())))?;
                 // SAFETY: one out-parameter, the handle by value.
-                unsafe { (ipc.open_mem_handle)(&mut p, CudaIpcHandle { bytes }, CUDA_IPC_LAZY_PEER_ACCESS) }
+                unsafe {
+                    (ipc.open_mem_handle)(&mut p, CudaIpcHandle { reserved: bytes }, IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+                }
             }
             Opened::Acl(_) => {
                 let ipc = Self::ipc_symbols(AclIpc::load)?;

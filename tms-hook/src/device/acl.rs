@@ -10,7 +10,7 @@ const RT_MEMORY_ALLOCATION: i32 = 207_001;
 const RT_PARAM_INVALID: i32 = 107_000;
 const HBM_MEM: c_int = 1;
 // aclrtMemAttr values (CANN aclrtMemAttr): physical memory of each kind a malloc policy asks for.
-pub const HBM_MEM_HUGE: MemKind = 4;
+pub use tms_vendor::acl::HBM_MEM_HUGE;
 pub const HBM_MEM_NORMAL: MemKind = 5;
 pub const HBM_MEM_P2P_HUGE: MemKind = 8;
 pub const HBM_MEM_P2P_NORMAL: MemKind = 9;

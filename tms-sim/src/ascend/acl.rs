@@ -23,11 +23,10 @@ pub const RT_MEMORY_ALLOCATION: i32 = 207_001;
 pub const RT_MEMORY_FREE: i32 = 207_002;
 pub const RT_INTERNAL_ERROR: i32 = 507_899;
 
-pub const HBM_MEM_HUGE: c_int = 4;
 pub const ACCESS_READWRITE: c_int = 3;
 // The structs and their constants, declared once for every part of tms (tms-vendor).
 pub use tms_vendor::acl::{
-    MEM_ALLOCATION_TYPE_PINNED, MEM_LOCATION_TYPE_DEVICE, MemAccessDesc as AclMemAccessDesc,
+    HBM_MEM_HUGE, MEM_ALLOCATION_TYPE_PINNED, MEM_LOCATION_TYPE_DEVICE, MemAccessDesc as AclMemAccessDesc,
     MemLocation as AclMemLocation, PhysicalMemProp as AclPhysicalMemProp,
 };
 

@@ -35,7 +35,7 @@ pub const TIMEOUT: c_int = 8;
 
 /// NCCL_VERSION(2, 30, 7): the nvidia-nccl-cu13 wheel PyTorch's CUDA 13 build depends on.
 pub const VERSION_CODE: c_int = 23007;
-pub use tms_vendor::nccl::{CONFIG_MAGIC, UNIQUE_ID_BYTES};
+pub use tms_vendor::nccl::{CONFIG_MAGIC, SUSPEND_MEM, UNIQUE_ID_BYTES};
 /// NCCL_CONFIG_UNDEF_INT.
 const UNDEF_INT: c_int = c_int::MIN;
 /// NCCL_SPLIT_NOCOLOR.
@@ -47,8 +47,6 @@ const DEFAULT_CONNECT_TIMEOUT_S: u64 = 120;
 /// gives no figure; this is the simulator's assumption, reported by ncclCommMemStats as
 /// ncclStatGpuMemPersist.
 const DEFAULT_PERSISTENT_BYTES: u64 = 1 << 20;
-/// NCCL_SUSPEND_MEM, the one ncclCommSuspend flag.
-const SUSPEND_MEM: c_int = 0x01;
 
 // Declared once for every part of tms (tms-vendor).
 pub use tms_vendor::nccl::{ConfigHead as NcclConfigHead, UniqueId as NcclUniqueId};

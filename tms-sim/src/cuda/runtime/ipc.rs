@@ -14,17 +14,12 @@ use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, MEMORY_ALLOCATION, SUCCESS, 
 use crate::core::sim::{ImportFailure, import_exported, sim};
 use libc::{c_uint, c_void};
 
-/// `cudaIpcMemHandle_t` and `cudaIpcEventHandle_t`: 64 opaque bytes.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct IpcHandle {
-    pub bytes: [u8; 64],
-}
+// `cudaIpcMemHandle_t` and `cudaIpcEventHandle_t`, declared once for every part of tms (tms-vendor).
+use tms_vendor::cuda::IPC_MEM_LAZY_ENABLE_PEER_ACCESS as LAZY_ENABLE_PEER_ACCESS;
+pub use tms_vendor::cuda::IpcHandle;
 
 const MEM_MAGIC: &[u8; 8] = b"tmsipcm1";
 const EVENT_MAGIC: &[u8; 8] = b"tmsipce1";
-/// `cudaIpcMemLazyEnablePeerAccess`, the only flag.
-const LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 /// `cudaEventInterprocess` and `cudaEventDisableTiming`: an event must have both to be shared.
 const INTERPROCESS: u32 = 0x4;
 const DISABLE_TIMING: u32 = 0x2;
@@ -48,11 +43,11 @@ impl MemHandle {
         b[24..28].copy_from_slice(&self.fd.to_le_bytes());
         b[32..40].copy_from_slice(&self.offset.to_le_bytes());
         b[40..48].copy_from_slice(&self.len.to_le_bytes());
-        IpcHandle { bytes: b }
+        IpcHandle { reserved: b }
     }
 
     fn decode(h: &IpcHandle) -> Option<MemHandle> {
-        let b = &h.bytes;
+        let b = &h.reserved;
         if &b[..8] != MEM_MAGIC {
             return None;
         }
@@ -139,17 +134,17 @@ pub unsafe extern "C" fn cuda_ipc_get_event_handle(handle: *mut IpcHandle, event
         b[..8].copy_from_slice(EVENT_MAGIC);
         b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
         b[16..24].copy_from_slice(&(event as u64).to_le_bytes());
-        put(handle, IpcHandle { bytes: b })
+        put(handle, IpcHandle { reserved: b })
     })
 }
 
 pub unsafe extern "C" fn cuda_ipc_open_event_handle(event: *mut *mut c_void, handle: IpcHandle) -> i32 {
     call("cudaIpcOpenEventHandle", || {
         enter!();
-        if &handle.bytes[..8] != EVENT_MAGIC {
+        if &handle.reserved[..8] != EVENT_MAGIC {
             return INVALID_RESOURCE_HANDLE;
         }
-        if u32::from_le_bytes(handle.bytes[8..12].try_into().expect("4 bytes")) == std::process::id() {
+        if u32::from_le_bytes(handle.reserved[8..12].try_into().expect("4 bytes")) == std::process::id() {
             return INVALID_RESOURCE_HANDLE;
         }
         // Never recorded here, so it reads as complete: waits on it return at once.
