@@ -3,7 +3,7 @@
 //! `aclrtIpcMemImportByKey`, `aclrtIpcMemClose`, and `aclrtDeviceGetBareTgid` for the pid an
 //! importer is allowed by).
 //!
-//! The exporter's memory is shared the way the CUDA side shares it (cuda_runtime/ipc.rs): the
+//! The exporter's memory is shared the way the CUDA side shares it (cuda/runtime/ipc.rs): the
 //! importer maps the exporter's device pool through `/proc/PID/fd/N`, so both see the same bytes
 //! and the memory stays charged to the exporter. What the key names lives in a small record file
 //! beside the node's state file, since the whitelist set after the export must reach importers in
