@@ -14,6 +14,9 @@
 #   PREFIX/lib/python/relax_worker.py    relax-colocate's worker-protocol client, for workers it
 #                                        does not start itself (it puts its own copy on the
 #                                        PYTHONPATH of those it does); not in the wheel
+#   PREFIX/lib/python/relax_compute_model.json
+#                                        the compute model's figures, beside the client (where
+#                                        torch_worker.py reads them)
 #   PREFIX/share/tms/workers/            example_worker.py, torch_worker.py (--trainer-cmd ...)
 #   PREFIX/share/man/man1/               tms-ctl.1, tms-sim.1, relax-colocate.1 (from the programs' own --help)
 #   PREFIX/share/bash-completion/completions/  tms-ctl, relax-colocate
@@ -86,6 +89,7 @@ for b in tms-ctl relax-colocate; do
   "$prefix/bin/$b" completions bash >"$prefix/share/bash-completion/completions/$b"
 done
 install -m 0644 "$root/relax-colocate/python/relax_worker.py" "$prefix/lib/python/"
+install -m 0644 "$root/relax-colocate/python/relax_compute_model.json" "$prefix/lib/python/"
 mkdir -p "$prefix/share/tms/workers"
 install -m 0755 "$root/scripts/example_worker.py" "$root/scripts/torch_worker.py" "$prefix/share/tms/workers/"
 # The simulator's Python start-up hook and CPU compute layer (tms-sim env puts it on PYTHONPATH).

@@ -49,12 +49,14 @@ update is broadcast from the trainer in buckets (`broadcast_weights`); the hello
 
 On tms-sim the kernels run on the CPU (tms-sim/python's compute layer); on a GPU this is an
 ordinary PyTorch program. Needs torch and the `tms` package (the wheel, or python/ of this
-repository, which is found next to this script).
+repository, which is found next to this script), and the runner's relax_worker.py with the compute
+model's figures beside it (relax_compute_model.json, which relax-colocate gives its workers).
 """
 
 import atexit
 import ctypes
 import hashlib
+import json
 import math
 import mmap
 import os
@@ -67,6 +69,18 @@ import time
 import relax_worker as rw
 
 here = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_figures():
+    """The compute model's figures (passes and MFU per stage, the decode step's KV midpoint, the
+    token tolerance), stated once for this worker and the runner: relax-colocate gives its workers
+    relax_compute_model.json beside relax_worker.py, and scripts/install.sh installs the two side by
+    side."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(rw.__file__)), "relax_compute_model.json")) as f:
+        return json.load(f)
+
+
+FIGURES = load_figures()
 
 try:
     import tms  # noqa: F401
@@ -258,6 +272,13 @@ def modelled_s(tokens, passes, mfu, devices=1.0):
     return flops / (m["tflops"] * 1e12 * mfu * max(1.0, devices))
 
 
+def stage_s(name, tokens, devices=1.0):
+    """Seconds `tokens` task tokens through stage `name` of the compute model (its passes at its
+    MFU, relax_compute_model.json) take, shared by `devices` replicas."""
+    stage = FIGURES["stages"][name]
+    return modelled_s(tokens, stage["passes"], state["compute"][stage["mfu"]], devices)
+
+
 def decode_s(seqs):
     """Seconds the decode steps of `seqs` take on the modelled device, each sequence given as
     (context tokens before its first new token, new tokens). Each task step stands for
@@ -270,11 +291,11 @@ def decode_s(seqs):
     total = 0.0
     for t in range(max((g for _, g in seqs), default=0)):
         live = [c + t for c, g in seqs if t < g]
-        compute = modelled_s(len(live), 1.0, m["rollout_mfu"])
+        compute = stage_s("decode", len(live))
         gbps = m.get("hbm_gbps") or 0.0
         if gbps > 0:
             s = token_scale()
-            kv_tokens = s * (sum(live) + 0.5 * len(live))
+            kv_tokens = s * (sum(live) + FIGURES["decode_kv_midpoint"] * len(live))
             reads = s * (m.get("weight_bytes", 0.0) + m.get("kv_bytes_per_token", 0.0) * kv_tokens)
             compute = max(compute, reads / (gbps * 1e9))
         total += compute + fixed
@@ -290,14 +311,14 @@ def pace(t0, seconds):
         time.sleep(rest)
 
 
-def pace_trainer(t0, tokens, passes, replicas=None):
-    """The trainer's passes, the batch shared by the trainer replicas (`replicas`: a train
+def pace_trainer(t0, tokens, stage, replicas=None):
+    """The trainer's `stage`, the batch shared by the trainer replicas (`replicas`: a train
     request's own count, elastic mode's reverse lend adding lent trainers; None: init's).
     Returns the modelled seconds it was paced at (None without modelled compute)."""
     m = state["compute"]
     if not m:
         return None
-    seconds = modelled_s(tokens, passes, m["train_mfu"], replicas or m["trainers"])
+    seconds = stage_s(stage, tokens, replicas or m["trainers"])
     pace(t0, seconds)
     return seconds
 
@@ -449,7 +470,7 @@ def generate(p):
                 x.update(response=x["response"][:k], logprobs=x["logprobs"][:k], finished=False)
             if not x["finished"] and steps > 0:
                 x["progress"] = steps
-        pace(t0, modelled_s(prefill, 1.0, m["train_mfu"]) + spent)
+        pace(t0, stage_s("prefill", prefill) + spent)
     return {"samples": samples}
 
 
@@ -461,7 +482,7 @@ def paced_decode(seqs, progress, budget):
     its sequence's steps reach token_scale(); with a `budget` (modelled seconds, async.segment_s)
     the decode ends once it is spent. Returns the seconds charged, the tokens each sequence
     completed, and the steps each carries towards its next."""
-    scale = token_scale()
+    scale, tolerance = token_scale(), FIGURES["token_tolerance"]
     done = [float(x) for x in progress] if progress else [0.0] * len(seqs)
     if len(done) != len(seqs) or any(not (x >= 0 and math.isfinite(x)) for x in done):
         raise rw.WorkerError("bad_request", f"progress {progress} is not one count >= 0 per sequence")
@@ -472,7 +493,7 @@ def paced_decode(seqs, progress, budget):
             return spent, kept, done
         per_step = decode_s([(seqs[i][0] + kept[i], 1) for i in live]) / scale
         need = min(max(scale - done[i], 0.0) for i in live)
-        if budget and per_step > 0 and (budget - spent) / per_step < need - 1e-9 * scale:
+        if budget and per_step > 0 and (budget - spent) / per_step < need - tolerance * scale:
             steps = max(budget - spent, 0.0) / per_step
             for i in live:
                 done[i] += steps
@@ -480,7 +501,7 @@ def paced_decode(seqs, progress, budget):
         spent += need * per_step
         for i in live:
             done[i] += need
-            if scale - done[i] <= 1e-9 * scale:
+            if scale - done[i] <= tolerance * scale:
                 done[i], kept[i] = 0.0, kept[i] + 1
 
 
@@ -530,7 +551,7 @@ def log_probs(p):
     it = iter(zip(lps, ents))
     out = [next(it) if s["response"] else ([], []) for s in p["samples"]]
     torch.cuda.empty_cache()
-    pace_trainer(t0, sum(len(s["prompt"]) + len(s["response"]) for s in p["samples"]), 1.0)
+    pace_trainer(t0, sum(len(s["prompt"]) + len(s["response"]) for s in p["samples"]), "log_probs")
     return {"logprobs": [a for a, _ in out], "entropy": [b for _, b in out]}
 
 
@@ -656,7 +677,7 @@ def train(p):
     torch.cuda.empty_cache()
     epochs = max(1, p.get("epochs", 1))
     replicas = p.get("replicas")
-    paced = pace_trainer(t0, epochs * sum(len(s["prompt"]) + len(s["response"]) for s in samples), 3.0, replicas)
+    paced = pace_trainer(t0, epochs * sum(len(s["prompt"]) + len(s["response"]) for s in samples), "train", replicas)
     metrics = {k: v / count for k, v in totals.items()}
     metrics["tokens"] = sum(len(s["response"]) for s in samples)
     if paced is not None:
@@ -723,7 +744,12 @@ def update_begin(p):
     # Outside any region: the staging buffer must stay while the tags around it are paused.
     staging = torch.empty(min(bucket, total), dtype=torch.uint8, device=state["device"])
     state["transfer"] = (f, mmap.mmap(f.fileno(), 0), bucket, staging)
-    return {"buckets": -(-total // bucket), "bytes": total}
+    return {"buckets": bucket_count(total, bucket), "bytes": total}
+
+
+def bucket_count(total, bucket):
+    """How many buckets of `bucket` bytes carry `total` bytes of weights (the last may be short)."""
+    return -(-total // bucket)
 
 
 def bucket_pieces(i, bucket):
@@ -740,12 +766,19 @@ def bucket_pieces(i, bucket):
 def stream_pieces(lo, hi):
     """(weight's bytes, slice of them, offset from `lo`) for every weight of the model that bytes
     [lo, hi) of the weights stream cover."""
+    weights = weight_tensors(state["model"])
+    for k, part, off in layout_pieces([t.numel() * t.element_size() for t in weights], lo, hi):
+        yield byte_view(weights[k]), part, off
+
+
+def layout_pieces(sizes, lo, hi):
+    """(entry, slice of its bytes, offset from `lo`) for every entry of `sizes` bytes, laid end to
+    end, that bytes [lo, hi) cover: the weights stream's layout, as relax-colocate's bucket_pieces."""
     at = 0
-    for t in weight_tensors(state["model"]):
-        n = t.numel() * t.element_size()
+    for k, n in enumerate(sizes):
         a, b = max(lo, at), min(hi, at + n)
         if a < b:
-            yield byte_view(t), slice(a - at, b - at), a - lo
+            yield k, slice(a - at, b - at), a - lo
         at += n
 
 
@@ -852,7 +885,7 @@ def ipc_export(p):
         cuda_call("cudaIpcGetMemHandle", rc)
     buf = torch.as_tensor(DeviceBytes(ptr.value, n), device=state["device"])
     state["ipc"] = {"ptr": ptr.value, "bucket": bucket, "buf": buf, "exported": True}
-    return {"handle": bytes(handle).hex(), "buffer_bytes": n, "buckets": -(-total // bucket), "bytes": total}
+    return {"handle": bytes(handle).hex(), "buffer_bytes": n, "buckets": bucket_count(total, bucket), "bytes": total}
 
 
 def ipc_import(p):
@@ -984,7 +1017,7 @@ def broadcast_weights(p):
     if bucket <= 0:
         raise rw.WorkerError("bad_request", "bucket_bytes must be positive")
     total = stream_bytes(state["model"])
-    buckets = -(-total // bucket)
+    buckets = bucket_count(total, bucket)
     buf = torch.empty(max(1, min(bucket, total)), dtype=torch.uint8, device=state["device"])
     t0 = time.monotonic()
     for i in range(buckets):

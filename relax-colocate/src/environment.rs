@@ -34,11 +34,15 @@ pub(crate) fn find_hook(explicit: Option<&Path>) -> Result<PathBuf, String> {
 const RELAX_WORKER_PY: &str = include_str!("../python/relax_worker.py");
 
 /// Writes `relax_worker.py` into `dir` and puts `dir` first on the PYTHONPATH in `env` (else on
-/// this process's), so that the workers started with `env` import the runner's own client.
+/// this process's), so that the workers started with `env` import the runner's own client. The
+/// compute model's figures go beside it, where a Python worker that models compute as the
+/// built-in ones do (scripts/torch_worker.py) reads the runner's own.
 pub(crate) fn provide_relax_worker(env: &mut Vec<(String, String)>, dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let file = dir.join("relax_worker.py");
-    std::fs::write(&file, RELAX_WORKER_PY).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    for (name, text) in [("relax_worker.py", RELAX_WORKER_PY), ("relax_compute_model.json", crate::run::FIGURES_JSON)] {
+        let file = dir.join(name);
+        std::fs::write(&file, text).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    }
     let name = "PYTHONPATH";
     let rest = match env.iter().rposition(|(k, _)| k == name) {
         Some(at) => Some(env.remove(at).1),
@@ -144,4 +148,22 @@ pub(crate) fn sim_environment(node: &SimNode) -> Result<SimEnvironment, String> 
             .ok_or_else(|| format!("{} env --json gave no context size for {api}", tool.display()))
     };
     Ok(SimEnvironment { vars, context_bytes: (context("cuda")?, context("acl")?) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// scripts/torch_worker.py finds the compute model's figures beside the relax_worker.py it
+    /// imports: the runner's copies, both.
+    #[test]
+    fn workers_get_the_compute_model_s_figures_beside_relax_worker() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut env = vec![("PYTHONPATH".to_string(), "/elsewhere".to_string())];
+        provide_relax_worker(&mut env, dir.path()).unwrap();
+        assert_eq!(env, [("PYTHONPATH".to_string(), format!("{}:/elsewhere", dir.path().display()))]);
+        let read = |name: &str| std::fs::read_to_string(dir.path().join(name)).unwrap();
+        assert_eq!(read("relax_worker.py"), RELAX_WORKER_PY);
+        assert_eq!(read("relax_compute_model.json"), crate::run::FIGURES_JSON);
+    }
 }

@@ -30,6 +30,7 @@ fn install_lays_out_the_compatibility_names() {
         "lib/python/tms/__init__.py",
         "lib/python/torch_memory_saver/__init__.py",
         "lib/python/relax_worker.py",
+        "lib/python/relax_compute_model.json",
         "share/tms/workers/torch_worker.py",
         "share/tms/workers/example_worker.py",
         "lib/debug/libtms_hook.so.debug",
@@ -109,7 +110,7 @@ fn the_runners_python_tests_pass() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the runner's python tests failed:\n{err}");
-    assert!(err.contains("Ran 5 tests") && err.contains("\nOK"), "{err}");
+    assert!(err.contains("Ran 10 tests") && err.contains("\nOK"), "{err}");
 }
 
 #[test]

@@ -40,6 +40,11 @@ fn library(api: &str, name: &str) -> Result<Library, Failure> {
     }
 }
 
+/// How many buckets of `bucket_bytes` carry `total` bytes of weights (the last may be short).
+pub(super) fn bucket_count(total: u64, bucket_bytes: u64) -> u64 {
+    total.div_ceil(bucket_bytes)
+}
+
 /// The pieces of bucket `i` when entries of `sizes` bytes, laid end to end, are cut every
 /// `bucket_bytes`: (entry, offset in the entry, offset in the bucket, length). Empty past the end.
 pub(super) fn bucket_pieces(sizes: &[u64], bucket_bytes: u64, i: u64) -> Vec<(usize, u64, u64, u64)> {
@@ -94,7 +99,7 @@ pub(super) fn broadcast_weights(
     }
     let sizes: Vec<u64> = entries.iter().map(|e| e.1).collect();
     let total: u64 = sizes.iter().sum();
-    let buckets = total.div_ceil(p.bucket_bytes);
+    let buckets = bucket_count(total, p.bucket_bytes);
     // Outside every region: the buffer must not be paused under the library, and (as the host
     // transport's) it is what a real framework would register with the library. One buffer:
     // the copies in and out of it go through cudaMemcpy on the legacy default stream, which

@@ -9,7 +9,7 @@
 //! one update: the rollout closes its import first, then the trainer ends the export and frees it,
 //! so no update leaves device memory or an open handle behind.
 
-use super::broadcast::bucket_pieces;
+use super::broadcast::{bucket_count, bucket_pieces};
 use super::device::Device;
 use super::protocol::{Ack, BucketParams, BucketReply, IpcExportParams, IpcExportReply, IpcImportParams};
 use super::worker::{Failure, dev_err};
@@ -55,7 +55,7 @@ pub(super) fn export(
     let reply = IpcExportReply {
         handle: to_hex(&handle),
         buffer_bytes: bytes,
-        buckets: total.div_ceil(bucket_bytes),
+        buckets: bucket_count(total, bucket_bytes),
         bytes: total,
     };
     *slot = Some(Shared { handle, ptr, bytes, bucket_bytes, exported: true });

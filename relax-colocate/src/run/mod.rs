@@ -24,6 +24,7 @@ pub mod worker;
 
 mod asynchronous;
 mod broadcast;
+mod compute;
 mod cycle;
 mod fleet;
 mod handover;
@@ -37,6 +38,7 @@ mod signals;
 mod sizing;
 mod weights;
 
+pub(crate) use compute::FIGURES_JSON;
 pub use recorder::{loggers, metrics};
 
 use asynchronous::Async;

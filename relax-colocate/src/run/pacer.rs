@@ -7,6 +7,8 @@
 //! through a token, the steps paid for kept in each sequence's progress: a token costs its steps
 //! once, however many segments it spans.
 
+use super::compute::FIGURES;
+
 /// The modelled decode of one request: steps per task token, the budget, what was charged.
 pub(crate) struct Pacer {
     /// Modelled decode steps per task token (1 without a compute model).
@@ -15,14 +17,15 @@ pub(crate) struct Pacer {
     budget: Option<f64>,
     /// Modelled seconds of decoding charged so far.
     pub(crate) spent: f64,
+    /// Steps this close to a whole token, as a share of `scale`, complete it (the compute model's
+    /// token_tolerance).
+    tolerance: f64,
 }
-
-/// Steps this close to a whole token complete it (what floating-point sums leave over).
-const EPS: f64 = 1e-9;
 
 impl Pacer {
     pub(crate) fn new(scale: f64, budget: Option<f64>) -> Pacer {
-        Pacer { scale: scale.max(f64::MIN_POSITIVE), budget, spent: 0.0 }
+        let tolerance = FIGURES.token_tolerance;
+        Pacer { scale: scale.max(f64::MIN_POSITIVE), budget, spent: 0.0, tolerance }
     }
 
     /// Advances the `live` sequences, `done[i]` steps into their next token, to the first token
@@ -45,7 +48,7 @@ impl Pacer {
         let mut ran_out = false;
         if let Some(budget) = self.budget.filter(|_| per_step > 0.0) {
             let affordable = (budget - self.spent).max(0.0) / per_step;
-            if affordable < need - EPS * self.scale {
+            if affordable < need - self.tolerance * self.scale {
                 (steps, ran_out) = (affordable, true);
             }
         }
@@ -58,7 +61,7 @@ impl Pacer {
         }
         let mut complete = Vec::new();
         for (i, (d, _)) in done.iter_mut().zip(live).enumerate().filter(|(_, (_, l))| **l) {
-            if self.scale - *d <= EPS * self.scale {
+            if self.scale - *d <= self.tolerance * self.scale {
                 *d = 0.0;
                 complete.push(i);
             }

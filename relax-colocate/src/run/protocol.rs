@@ -5,6 +5,7 @@
 //! A reply that does not read as its type is an error that names the field (`decode`); a result of
 //! `null` (a Python handler that returns nothing) reads as `{}`.
 
+use super::compute::{FIGURES, Mfu, Stage};
 use super::model::{Adam, LossConfig, Shape, TrainSample};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -237,6 +238,16 @@ impl ComputeModel {
         flops / (self.tflops * 1e12 * mfu * devices.max(1.0))
     }
 
+    /// Seconds for `tokens` task tokens through `stage` (its passes at its MFU, the compute model's
+    /// figures), on one of `devices` sharing the work.
+    pub fn stage_seconds(&self, stage: &Stage, tokens: usize, devices: f64) -> f64 {
+        let mfu = match stage.mfu {
+            Mfu::Train => self.train_mfu,
+            Mfu::Rollout => self.rollout_mfu,
+        };
+        self.seconds(tokens, stage.passes, mfu, devices)
+    }
+
     /// Seconds of one decode step of the task over `active` sequences whose contexts hold
     /// `context` task tokens in all. It stands for `token_scale` steps of the modelled job, each
     /// the longer of its FLOPs at `rollout_mfu` and its reads (the weights, and each sequence's
@@ -246,10 +257,10 @@ impl ComputeModel {
     pub fn decode_step_seconds(&self, active: usize, context: usize) -> f64 {
         let s = self.token_scale;
         let fixed = s * self.decode_step_ms / 1e3;
-        let compute = self.seconds(active, 1.0, self.rollout_mfu, 1.0);
+        let compute = self.stage_seconds(&FIGURES.stages.decode, active, 1.0);
         let Some(gbps) = self.hbm_gbps.filter(|g| *g > 0.0) else { return compute + fixed };
-        // Mid-way through the modelled steps each sequence has grown by half of them.
-        let kv_tokens = s * (context as f64 + 0.5 * active as f64);
+        // Each sequence's cache grows over the modelled steps; it is charged at its size part-way.
+        let kv_tokens = s * (context as f64 + FIGURES.decode_kv_midpoint * active as f64);
         let bytes = s * (self.weight_bytes + self.kv_bytes_per_token * kv_tokens);
         compute.max(bytes / (gbps * 1e9)) + fixed
     }

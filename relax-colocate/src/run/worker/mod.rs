@@ -5,6 +5,7 @@
 //! the CPU, staged through memcpy, so the same code runs on a GPU, an NPU and the simulator.
 
 use super::broadcast;
+use super::compute::{FIGURES, Stage};
 use super::device::{DevError, Device, Hasher};
 use super::ipc;
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
@@ -200,7 +201,7 @@ impl Common {
             }
         };
         self.transfer = Some(Transfer { map: map.cast(), map_len, bucket_bytes, device_buf: Buf { ptr, bytes: span } });
-        Ok(UpdateBeginReply { buckets: Some(total.div_ceil(bucket_bytes)), bytes: Some(total) })
+        Ok(UpdateBeginReply { buckets: Some(broadcast::bucket_count(total, bucket_bytes)), bytes: Some(total) })
     }
 
     fn update_end(&mut self) -> Result<Ack, Failure> {
@@ -263,10 +264,9 @@ impl Common {
         }
     }
 
-    /// The trainer's passes: `tokens` through `passes` forward-pass equivalents, the batch
-    /// shared by the trainer replicas.
-    fn pace_trainer(&self, t0: std::time::Instant, token_scale: Option<f64>, tokens: usize, passes: f64) {
-        self.pace(t0, token_scale, |m| m.seconds(tokens, passes, m.train_mfu, m.trainers));
+    /// The trainer's passes: `tokens` through `stage`, the batch shared by the trainer replicas.
+    fn pace_trainer(&self, t0: std::time::Instant, token_scale: Option<f64>, tokens: usize, stage: &Stage) {
+        self.pace(t0, token_scale, |m| m.stage_seconds(stage, tokens, m.trainers));
     }
 
     /// Both ends run whatever the first says: a failed IPC close must not leave the

@@ -105,7 +105,7 @@ impl Rollout {
         }
         // Prefill is compute-bound like the trainer's passes; decoding is charged step by step.
         let decode_s = pacer.spent;
-        self.c.pace(t0, token_scale, |m| m.seconds(prefill, 1.0, m.train_mfu, 1.0) + decode_s);
+        self.c.pace(t0, token_scale, |m| m.stage_seconds(&FIGURES.stages.prefill, prefill, 1.0) + decode_s);
         Ok(GenerateReply { samples: generated(seqs, &before, &done, max_new) })
     }
 

@@ -61,7 +61,7 @@ impl Trainer {
     fn log_probs(&self, p: LogProbsParams) -> Result<LogProbsReply, Failure> {
         let t0 = std::time::Instant::now();
         let scores = self.token_scores(p.model, &p.samples)?;
-        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), 1.0);
+        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), &FIGURES.stages.log_probs);
         let pick = |f: fn(&model::TokenScore) -> f64| scores.iter().map(|s| s.iter().map(f).collect()).collect();
         Ok(LogProbsReply { logprobs: pick(|s| s.logprob), entropy: pick(|s| s.entropy) })
     }
@@ -69,7 +69,7 @@ impl Trainer {
     fn values(&self, p: SamplesParams) -> Result<ValuesReply, Failure> {
         let t0 = std::time::Instant::now();
         let scores = self.token_scores(Model::Actor, &p.samples)?;
-        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), 1.0);
+        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), &FIGURES.stages.values);
         Ok(ValuesReply { values: scores.iter().map(|s| s.iter().map(|t| t.value).collect()).collect() })
     }
 
@@ -222,7 +222,8 @@ impl Trainer {
         }
         self.take_snapshot()?;
         let replicas = p.replicas;
-        let share = |m: &ComputeModel| m.seconds(tokens * epochs, 3.0, m.train_mfu, replicas.unwrap_or(m.trainers));
+        let share =
+            |m: &ComputeModel| m.stage_seconds(&FIGURES.stages.train, tokens * epochs, replicas.unwrap_or(m.trainers));
         let modelled = self.c.compute.map(|m| share(&m.scaled(p.token_scale)));
         self.c.pace(t0, p.token_scale, share);
         let k = updates as f64;
