@@ -6,6 +6,7 @@
 use crate::plot::{self, Axis, Chart, Quantity, Series, Shape};
 use crate::run::config::Config;
 use crate::run::metrics;
+use crate::run::summary::{ElasticSummary, Summary};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
@@ -57,7 +58,7 @@ pub struct Options {
 struct Layout {
     name: &'static str,
     dir: PathBuf,
-    summary: Value,
+    summary: Summary,
     rows: Vec<Value>,
     /// The run's effective configuration (its config.toml): the batch, and the metric names.
     config: Config,
@@ -103,12 +104,13 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String]) -> Result<L
         eprintln!("relax-colocate compare: running the {name} layout ({} steps) into {}", o.steps, dir.display());
     }
     let out = cmd.output().map_err(|e| (1, format!("cannot start the {name} run: {e}")))?;
-    let summary: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
     if !out.status.success() {
         let code = out.status.code().unwrap_or(1).clamp(1, 255) as u8;
         let err = String::from_utf8_lossy(&out.stderr);
         return Err((code, format!("the {name} run failed (exit {code}):\n{}", err.trim_end())));
     }
+    let summary: Summary = serde_json::from_slice(&out.stdout)
+        .map_err(|e| (1, format!("the {name} run's summary (its --json output) does not read: {e}")))?;
     let rows = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap_or_default()
         .lines()
@@ -132,8 +134,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// The figures the table and compare.json show for one layout.
 fn figures(l: &Layout) -> Value {
-    let s = &l.summary;
-    let wall = s["wall_time_s"].as_f64().unwrap_or(f64::NAN);
+    let run = l.summary.run.clone().unwrap_or_default();
+    let a = run.asynchronous.as_ref();
+    let wall = run.wall_time_s;
     let step_times = l.series("perf/wall_step_time");
     let run_s: f64 = step_times.iter().sum();
     let batch = l.batch();
@@ -156,8 +159,8 @@ fn figures(l: &Layout) -> Value {
                 .fold(0.0, |a, b| a + b)
         })
         .collect();
-    let rollout_busy = match s.get("async") {
-        Some(a) => 1.0 - a["rollout_idle_ratio"].as_f64().unwrap_or(f64::NAN),
+    let rollout_busy = match a {
+        Some(a) => 1.0 - a.rollout_idle_ratio,
         None => l.series(&metrics::phase_time("generate")).iter().sum::<f64>() / run_s,
     };
     json!({
@@ -172,37 +175,35 @@ fn figures(l: &Layout) -> Value {
         "rollout_busy": rollout_busy,
         "update_weights_median_s": median(update),
         "switch_median_s": median(switch),
-        "staleness_histogram": s["async"]["staleness_histogram"].clone(),
-        "reward_first3": s["reward"]["first3_mean"].clone(),
-        "reward_last3": s["reward"]["last3_mean"].clone(),
+        "staleness_histogram": a.map(|a| &a.staleness_histogram),
+        "reward_first3": run.reward.first3_mean,
+        "reward_last3": run.reward.last3_mean,
         "wall_time_s": wall,
-        "compute": s["compute"].clone(),
-        "trainer_idle": s["async"]["trainer_idle_ratio"].clone(),
-        "trainer_wait": s["async"]["trainer_wait_ratio"].clone(),
-        "flush_s_mean": s["async"]["flush_s_mean"].clone(),
-        "elastic": elastic_figures(l, &s["async"]["elastic"]),
+        "compute": run.compute,
+        "trainer_idle": a.map(|a| a.trainer_idle_ratio),
+        "trainer_wait": a.map(|a| a.trainer_wait_ratio),
+        "flush_s_mean": a.and_then(|a| a.flush_s_mean),
+        "elastic": a.and_then(|a| a.elastic.as_ref()).map(|e| elastic_figures(l, e)),
     })
 }
 
 /// Elastic mode's lending: how often and at what cost, and the trainer devices' idle share with
 /// the time they were lent counted as work.
-fn elastic_figures(l: &Layout, e: &Value) -> Value {
-    if e.is_null() {
-        return Value::Null;
-    }
-    let f = |k: &str| e[k].as_f64().unwrap_or(f64::NAN);
-    let r = |k: &str| e["rollout_lend"][k].as_f64().unwrap_or(f64::NAN);
+fn elastic_figures(l: &Layout, e: &ElasticSummary) -> Value {
+    let steps = l.rows.len().max(1) as f64;
+    let nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
+    let r = e.rollout_lend.as_ref();
     json!({
-        "lends_per_step": f("lends") / l.rows.len().max(1) as f64,
-        "switch_s_mean": f("lend_s_mean") + f("reclaim_s_mean"),
-        "switch_saver_s_mean": f("switch_saver_s_mean"),
-        "trainer_device_idle": f("trainer_device_idle_ratio"),
-        "lent_tokens": e["lent_tokens"].clone(),
-        "lent_engine_idle_s": e["lent_engine_idle_s"].clone(),
-        "forced_reclaims": e["forced_reclaims"].clone(),
+        "lends_per_step": e.lends as f64 / steps,
+        "switch_s_mean": nan(e.lend_s_mean) + nan(e.reclaim_s_mean),
+        "switch_saver_s_mean": e.switch_saver_s_mean,
+        "trainer_device_idle": e.trainer_device_idle_ratio,
+        "lent_tokens": e.lent_tokens,
+        "lent_engine_idle_s": e.lent_engine_idle_s,
+        "forced_reclaims": e.forced_reclaims,
         // elastic.lend_rollout: the engines' devices lent to the trainer (absent: not asked for).
-        "rollout_lends_per_step": r("lends") / l.rows.len().max(1) as f64,
-        "rollout_device_idle": r("rollout_device_idle_ratio"),
+        "rollout_lends_per_step": r.map_or(f64::NAN, |r| r.lends as f64 / steps),
+        "rollout_device_idle": r.map_or(f64::NAN, |r| r.rollout_device_idle_ratio),
     })
 }
 

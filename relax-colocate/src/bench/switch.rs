@@ -4,6 +4,7 @@
 use super::options::{DeviceKind, Options};
 use super::scenario::{About, Bench, Scenario};
 use super::table::{f, human, table};
+use crate::run::summary::Summary;
 use crate::vendor::ApiKind;
 use serde_json::{Value, json};
 use std::process::Command;
@@ -70,20 +71,15 @@ fn measure(device: DeviceKind, api: ApiKind, opts: &Options) -> Result<Value, St
     if !run.status.success() {
         return Err(format!("the colocate run failed:\n{}", String::from_utf8_lossy(&run.stderr)));
     }
-    let summary: Value = serde_json::from_slice(&run.stdout).map_err(|e| format!("colocate run summary: {e}"))?;
-    let median = |phase: &str| -> f64 {
-        summary["phases"]
-            .as_array()
-            .and_then(|ps| ps.iter().find(|p| p["phase"] == phase))
-            .map(|p| f(p, "median_s"))
-            .unwrap_or(f64::NAN)
-    };
+    let summary: Summary = serde_json::from_slice(&run.stdout).map_err(|e| format!("colocate run summary: {e}"))?;
+    let run = summary.run.ok_or("the colocate run's summary has no figures")?;
+    let median = |phase: &str| run.phases.iter().find(|p| p.phase == phase).map_or(f64::NAN, |p| p.median_s);
     let (sleep, update, wake) = (median("sleep"), median("update_weights"), median("wake_up"));
-    let trainer = f(&summary["memory"], "trainer_bytes_per_device");
+    let trainer = run.memory.trainer_bytes_per_device as f64;
     let switch = sleep + update + wake;
     Ok(json!({
         "profile": format!("{profile}{}", if scale == "1.0" { String::new() } else { format!(" x{scale}") }),
-        "trainer_bytes": trainer, "weights_bytes": f(&summary["memory"], "weights_bytes_per_device"),
+        "trainer_bytes": trainer, "weights_bytes": run.memory.weights_bytes_per_device as f64,
         "sleep_s": sleep, "update_weights_s": update, "wake_up_s": wake, "switch_s": switch,
         "switch_s_per_gib": switch / (trainer / (1u64 << 30) as f64), "run_dir": out,
     }))

@@ -36,6 +36,7 @@ mod pacer;
 mod recorder;
 mod signals;
 mod sizing;
+pub(crate) mod summary;
 mod weights;
 
 pub(crate) use compute::FIGURES_JSON;
@@ -48,6 +49,7 @@ use serde_json::{Value, json};
 use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use summary::{Status, Summary};
 use task::Rng;
 
 const MIB: u64 = 1 << 20;
@@ -111,6 +113,19 @@ pub struct RunError {
     pub phase: String,
     pub worker: Option<String>,
     pub cause: String,
+}
+
+impl RunError {
+    /// The summary's `failure` block.
+    fn failure(&self) -> summary::Failure {
+        summary::Failure {
+            kind: self.kind.as_str().into(),
+            step: self.step,
+            phase: self.phase.clone(),
+            worker: self.worker.clone(),
+            cause: self.cause.clone(),
+        }
+    }
 }
 
 type R<T> = Result<T, RunError>;
@@ -228,7 +243,7 @@ pub fn run(opts: &Options) -> u8 {
         Err(e) => {
             let summary = report_failure(&e, None, &run_dir);
             if opts.json {
-                println!("{}", serde_json::to_string_pretty(&summary).expect("serializes"));
+                println!("{}", summary.to_json());
             }
             return e.kind.exit_code();
         }
@@ -268,7 +283,7 @@ fn drive(c: &mut Colocate) -> R<()> {
 /// Stops the workers, writes the summary and the plots, and says how the run ended; returns the
 /// exit code.
 fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> u8 {
-    let (extra, sync) = match &driver {
+    let (asynchronous, weight_sync) = match &driver {
         Driver::Async(a) => (Some(a.summary()), a.sync.report()),
         Driver::Colocate(c) => (None, c.sync.report()),
     };
@@ -279,11 +294,10 @@ fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> 
     fleet.stop(result.is_ok());
     rec.finish();
     let mut summary = recorder::report::summary(rec, result.as_ref().err(), profile);
-    if let Some(block) = &extra {
-        summary["async"] = block.clone();
+    if let Some(run) = summary.run.as_mut() {
+        (run.asynchronous, run.weight_sync) = (asynchronous, weight_sync);
     }
-    summary["weight_sync"] = sync;
-    let _ = std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
+    let _ = std::fs::write(run_dir.join("summary.json"), summary.to_json());
     let _ = recorder::report::write_plots(rec);
     let code = match &result {
         Ok(()) if !opts.json => {
@@ -297,14 +311,14 @@ fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> 
         }
     };
     if opts.json {
-        println!("{}", serde_json::to_string_pretty(&summary).expect("serializes"));
+        println!("{}", summary.to_json());
     }
     code
 }
 
 /// Says on stderr why the run failed; returns the summary written when no worker got going.
 /// `log` is the failed worker's log as the fleet knows it (None: the workers never started).
-fn report_failure(e: &RunError, log: Option<Option<PathBuf>>, run_dir: &Path) -> Value {
+fn report_failure(e: &RunError, log: Option<Option<PathBuf>>, run_dir: &Path) -> Summary {
     let at =
         if e.step == 0 { format!("setup, phase {}", e.phase) } else { format!("step {}, phase {}", e.step, e.phase) };
     let who = e.worker.as_ref().map(|w| format!("worker {w}: ")).unwrap_or_default();
@@ -321,15 +335,11 @@ fn report_failure(e: &RunError, log: Option<Option<PathBuf>>, run_dir: &Path) ->
             eprintln!("--- last lines of {} ---\n{t}\n---", log.display());
         }
     }
-    let summary = json!({
-        "status": if e.kind == FailKind::Interrupted { "interrupted" } else { "failed" },
-        "failure": {"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause},
-        "steps_completed": 0,
-    });
+    let status = if e.kind == FailKind::Interrupted { Status::Interrupted } else { Status::Failed };
+    let summary = Summary { status, failure: Some(e.failure()), steps_completed: 0, run: None };
     if log.is_none() {
         // The workers never got going: the summary says why, for scripts that read it.
-        let _ =
-            std::fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary).expect("serializes"));
+        let _ = std::fs::write(run_dir.join("summary.json"), summary.to_json());
     }
     eprintln!("partial results: {}", run_dir.display());
     summary

@@ -15,9 +15,9 @@ use super::protocol::{
 };
 use super::recorder::Recorder;
 use super::recorder::report::human;
+use super::summary::{Transport, WeightSyncSummary};
 use super::{Cursor, FailKind, R, Role};
 use crate::collective::Library;
-use serde_json::{Value, json};
 use std::time::Instant;
 
 /// Every worker of `role`'s weights checksum, in the fleet's order.
@@ -364,34 +364,33 @@ impl WeightSync {
         )
     }
 
-    /// The summary's lines on the transport (merged into the async block).
-    pub(super) fn summary(&self) -> Value {
+    /// The summary's lines on the transport (in the weight_sync block, and merged into the async
+    /// block).
+    pub(super) fn summary(&self) -> Transport {
         let rate = gbs(&self.moved);
-        json!({
-            "weight_transport": self.transport.as_str(),
-            "weight_sync_library": (self.transport == WeightTransport::Broadcast).then(|| self.library.name()),
-            "weight_sync_group_setup_s": self.group_setup_s,
-            "update_weights_buckets": self.moved.buckets,
-            "update_weights_host_bytes": self.moved.host_bytes,
-            "update_weights_transfer_s": self.moved.seconds,
-            "update_weights_gbps": rate,
-            "link_gbps": self.link_gbps.filter(|_| self.transport == WeightTransport::Broadcast),
-            "link_share": rate.and_then(|r| self.link_share(r)),
-        })
+        let broadcast = self.transport == WeightTransport::Broadcast;
+        Transport {
+            weight_transport: self.transport.as_str().into(),
+            weight_sync_library: broadcast.then(|| self.library.name().into()),
+            weight_sync_group_setup_s: self.group_setup_s,
+            update_weights_buckets: self.moved.buckets,
+            update_weights_host_bytes: self.moved.host_bytes,
+            update_weights_transfer_s: self.moved.seconds,
+            update_weights_gbps: rate,
+            link_gbps: self.link_gbps.filter(|_| broadcast),
+            link_share: rate.and_then(|r| self.link_share(r)),
+        }
     }
-}
 
-impl WeightSync {
     /// The summary's `weight_sync` block, in both modes: the transport's lines (`summary`), the
     /// updates and every byte they moved.
-    pub(super) fn report(&self) -> Value {
-        let mut v = self.summary();
-        if let Value::Object(m) = &mut v {
-            m.insert("weight_updates".into(), json!(self.updates));
-            m.insert("update_weights_bytes".into(), json!(self.moved.bytes));
-            m.insert("weight_transport_detail".into(), json!(self.name()));
+    pub(super) fn report(&self) -> WeightSyncSummary {
+        WeightSyncSummary {
+            transport: self.summary(),
+            weight_updates: self.updates,
+            update_weights_bytes: self.moved.bytes,
+            weight_transport_detail: self.name(),
         }
-        v
     }
 }
 

@@ -17,6 +17,7 @@ use crate::run::config::Config;
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
+use crate::run::summary::ElasticSummary;
 use crate::run::{R, Role, weights};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
@@ -153,33 +154,35 @@ impl Lending {
     /// The summary's `elastic` block: what lending did and cost, and the trainer devices' idle
     /// share with and without it. `trainer_idle_s`: the trainer's waits for a batch; `flush_s`:
     /// the updates' flushes, when its devices wait for the engines' segments (never lent then).
-    pub(super) fn summary(&self, cfg: &Config, wall: f64, trainer_idle_s: f64, flush_s: f64) -> Value {
+    pub(super) fn summary(&self, cfg: &Config, wall: f64, trainer_idle_s: f64, flush_s: f64) -> ElasticSummary {
         let s = &self.stats;
         let per = |x: f64| (s.lends > 0).then(|| x / s.lends as f64);
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
         // Waiting, less the time lent, plus the time lent with nothing to generate.
         let unlent = (trainer_idle_s - s.lent_s).max(0.0) + self.per_device(s.lent_idle_s);
-        json!({
-            "lend_after_s": self.threshold(cfg),
-            "lend_after_s_source": if cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "measured switch" },
-            "calibration_switch_s": self.calibration_s,
-            "switch_s": self.switch_s,
-            "reclaim_timeout_s": cfg.elastic.reclaim_timeout_s,
-            "lends": s.lends,
-            "lends_skipped": s.skipped,
-            "lend_s_mean": per(s.lend_s),
-            "reclaim_s_mean": per(s.reclaim_s),
-            "switch_saver_s_mean": per(s.saver_s),
-            "lent_s": s.lent_s,
-            "lent_engine_idle_s": self.per_device(s.lent_idle_s),
-            "lent_tokens": s.lent_tokens,
-            "lent_groups": s.lent_groups,
-            "forced_reclaims": s.forced,
-            "retired_engines": s.retired,
-            "trainer_idle_ratio_unlent": ratio(trainer_idle_s + flush_s),
-            "trainer_device_idle_ratio": ratio(unlent + flush_s),
-            "trainer_device_idle_ratio_without_flush": ratio(unlent),
-        })
+        let source = if cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "measured switch" };
+        ElasticSummary {
+            lend_after_s: self.threshold(cfg),
+            lend_after_s_source: source.into(),
+            calibration_switch_s: self.calibration_s,
+            switch_s: self.switch_s,
+            reclaim_timeout_s: cfg.elastic.reclaim_timeout_s,
+            lends: s.lends,
+            lends_skipped: s.skipped,
+            lend_s_mean: per(s.lend_s),
+            reclaim_s_mean: per(s.reclaim_s),
+            switch_saver_s_mean: per(s.saver_s),
+            lent_s: s.lent_s,
+            lent_engine_idle_s: self.per_device(s.lent_idle_s),
+            lent_tokens: s.lent_tokens,
+            lent_groups: s.lent_groups,
+            forced_reclaims: s.forced,
+            retired_engines: s.retired.clone(),
+            trainer_idle_ratio_unlent: ratio(trainer_idle_s + flush_s),
+            trainer_device_idle_ratio: ratio(unlent + flush_s),
+            trainer_device_idle_ratio_without_flush: ratio(unlent),
+            rollout_lend: None,
+        }
     }
 }
 

@@ -18,6 +18,7 @@ use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
 use crate::run::protocol::{ExportState, ImportState, Init, StateFile};
 use crate::run::recorder::Recorder;
+use crate::run::summary::RolloutLendSummary;
 use crate::run::{FailKind, NCCL_TAG, R, Role, RunError, learn, weights};
 use serde_json::{Value, json};
 use std::time::Instant;
@@ -100,23 +101,23 @@ impl RolloutLending {
 
     /// The summary's `rollout_lend` block (inside `elastic`); `rollout_idle_s`: the engines'
     /// idle time, all of them, lent time included; `engines`: how many.
-    pub(super) fn summary(&self, wall: f64, rollout_idle_s: f64, engines: usize) -> Value {
+    pub(super) fn summary(&self, wall: f64, rollout_idle_s: f64, engines: usize) -> RolloutLendSummary {
         let s = &self.stats;
         let per = |x: f64| (s.lends > 0).then(|| x / s.lends as f64);
         let ratio = |x: f64| if wall > 0.0 { x / (wall * engines.max(1) as f64) } else { 0.0 };
-        json!({
-            "lends": s.lends,
-            "lends_skipped": s.skipped,
-            "calibration_switch_s": self.calibration_s,
-            "switch_s": self.switch_s,
-            "lend_s_mean": per(s.lend_s),
-            "reclaim_s_mean": per(s.reclaim_s),
-            "switch_saver_s_mean": per(s.saver_s),
-            "state_bytes_mean": (s.lends > 0).then(|| s.state_bytes / s.lends),
-            "lent_device_s": s.lent_device_s,
-            "rollout_idle_ratio_unlent": ratio(rollout_idle_s),
-            "rollout_device_idle_ratio": ratio((rollout_idle_s - s.lent_device_s).max(0.0)),
-        })
+        RolloutLendSummary {
+            lends: s.lends,
+            lends_skipped: s.skipped,
+            calibration_switch_s: self.calibration_s,
+            switch_s: self.switch_s,
+            lend_s_mean: per(s.lend_s),
+            reclaim_s_mean: per(s.reclaim_s),
+            switch_saver_s_mean: per(s.saver_s),
+            state_bytes_mean: (s.lends > 0).then(|| s.state_bytes / s.lends),
+            lent_device_s: s.lent_device_s,
+            rollout_idle_ratio_unlent: ratio(rollout_idle_s),
+            rollout_device_idle_ratio: ratio((rollout_idle_s - s.lent_device_s).max(0.0)),
+        }
     }
 }
 

@@ -31,11 +31,11 @@ use super::learn;
 use super::profile::Profile;
 use super::protocol::{self, Init};
 use super::recorder::{Recorder, Span};
+use super::summary::{AsyncSummary, ElasticSummary};
 use super::task::{Addition, Rng};
 use super::{Cursor, FailKind, R, Role, RunError, model, weights};
 use feed::Slot;
 use queue::{Group, Queue};
-use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::Instant;
@@ -456,50 +456,44 @@ impl Async {
     }
 
     /// The summary's `async` block: throughput, both sides' idle shares, staleness, the updates.
-    pub(super) fn summary(&self) -> Value {
+    pub(super) fn summary(&self) -> AsyncSummary {
         let t = &self.totals;
         let wall = t.started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
         let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
         let split = self.cfg.mode_layout().ok().flatten();
-        let mut block = json!({
-            "mode": "async",
-            "trainer_devices": split.as_ref().map(|s| s.trainer.clone()),
-            "rollout_devices": split.as_ref().map(|s| s.rollout.clone()),
-            "max_staleness": self.max_staleness(),
-            "train_iters_per_update": self.cfg.asynchronous.train_iters_per_update,
-            "queue_capacity_groups": self.capacity(),
-            "segment_tokens": self.cfg.asynchronous.segment_tokens,
-            "samples_trained": t.samples_trained,
-            "samples_per_s": per_s(t.samples_trained),
-            "tokens_per_s": per_s(t.tokens_trained),
-            "dropped_stale_samples": self.queue.dropped_samples,
-            "staleness_histogram": t.staleness.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "partial_samples": t.partial_samples,
-            "generate_replies_after_last_batch": t.replies_after_last_batch,
-            "weight_updates": t.updates,
-            "update_weights_s": t.update_s,
-            "update_weights_bytes": t.update_bytes,
-            "segment_s": self.cfg.segment_budget(),
-            "segments_ended_mid_token": t.segments_mid_token,
-            "trainer_idle_ratio": ratio(t.trainer_idle_s + t.flush_total_s),
-            "trainer_wait_ratio": ratio(t.trainer_idle_s),
-            "flush_ratio": ratio(t.flush_total_s),
-            "flush_s_mean": (!t.flush_s.is_empty()).then(|| t.flush_s.iter().sum::<f64>() / t.flush_s.len() as f64),
-            "flush_s_max": t.flush_s.iter().copied().reduce(f64::max),
-            "rollout_idle_ratio": if wall > 0.0 { t.rollout_idle_s / (wall * self.own_engines() as f64) } else { 0.0 },
+        let elastic = self.lending.as_ref().map(|l| ElasticSummary {
+            rollout_lend: self.rollout_lending.as_ref().map(|r| r.summary(wall, t.rollout_idle_s, self.own_engines())),
+            ..l.summary(&self.cfg, wall, t.trainer_idle_s, t.flush_total_s)
         });
-        if let (Some(block), Some(l)) = (block.as_object_mut(), self.lending.as_ref()) {
-            block.insert("mode".into(), json!("elastic"));
-            let mut e = l.summary(&self.cfg, wall, t.trainer_idle_s, t.flush_total_s);
-            if let (Some(e), Some(r)) = (e.as_object_mut(), self.rollout_lending.as_ref()) {
-                e.insert("rollout_lend".into(), r.summary(wall, t.rollout_idle_s, self.own_engines()));
-            }
-            block.insert("elastic".into(), e);
+        AsyncSummary {
+            mode: if elastic.is_some() { "elastic" } else { "async" }.into(),
+            trainer_devices: split.as_ref().map(|s| s.trainer.clone()),
+            rollout_devices: split.as_ref().map(|s| s.rollout.clone()),
+            max_staleness: self.max_staleness(),
+            train_iters_per_update: self.cfg.asynchronous.train_iters_per_update,
+            queue_capacity_groups: self.capacity(),
+            segment_tokens: self.cfg.asynchronous.segment_tokens,
+            samples_trained: t.samples_trained,
+            samples_per_s: per_s(t.samples_trained),
+            tokens_per_s: per_s(t.tokens_trained),
+            dropped_stale_samples: self.queue.dropped_samples,
+            staleness_histogram: t.staleness.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            partial_samples: t.partial_samples,
+            generate_replies_after_last_batch: t.replies_after_last_batch,
+            weight_updates: t.updates,
+            update_weights_s: t.update_s,
+            update_weights_bytes: t.update_bytes,
+            segment_s: self.cfg.segment_budget(),
+            segments_ended_mid_token: t.segments_mid_token,
+            trainer_idle_ratio: ratio(t.trainer_idle_s + t.flush_total_s),
+            trainer_wait_ratio: ratio(t.trainer_idle_s),
+            flush_ratio: ratio(t.flush_total_s),
+            flush_s_mean: (!t.flush_s.is_empty()).then(|| t.flush_s.iter().sum::<f64>() / t.flush_s.len() as f64),
+            flush_s_max: t.flush_s.iter().copied().reduce(f64::max),
+            rollout_idle_ratio: if wall > 0.0 { t.rollout_idle_s / (wall * self.own_engines() as f64) } else { 0.0 },
+            elastic,
+            transport: self.sync.summary(),
         }
-        if let (Some(block), Value::Object(sync)) = (block.as_object_mut(), self.sync.summary()) {
-            block.extend(sync);
-        }
-        block
     }
 }

@@ -4,8 +4,12 @@
 use super::{MemSample, Recorder};
 use crate::plot::{self, Axis, Chart, Quantity, RGBColor, Series, Shape, Span, color};
 use crate::run::profile::Profile;
+use crate::run::summary::{
+    AsyncSummary, Checks, Correction, ElasticSummary, Ends, Memory, PhaseStats, RolloutLendSummary, RunSummary, Status,
+    Summary, WeightSyncSummary,
+};
 use crate::run::{FailKind, RunError};
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write as _};
 
@@ -125,23 +129,25 @@ const CORRECTION_KEYS: [&str; 4] =
 
 /// The run's off-policy correction and its importance ratios over the steps: mean of the steps'
 /// means, the largest, the mean share truncated; and the mean rollout - trainer log-prob gap.
-fn correction_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Value {
+fn correction_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Correction {
     let series = |k: &str| all.get(k).map(Vec::as_slice).unwrap_or_default();
     let avg = |k: &str| {
         let v = series(k);
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     };
-    json!({
-        "method": r.cfg.off_policy_correction().as_str(),
-        "tis_cap": r.cfg.algo.tis_cap,
-        "tis_mean": avg("train/tis"),
-        "tis_max": series("train/tis_max").iter().copied().reduce(f64::max),
-        "tis_clipfrac_mean": avg("train/tis_clipfrac"),
-        "rollout_train_logprob_diff_mean": avg("train/rollout_train_logprob_diff"),
-    })
+    Correction {
+        method: r.cfg.off_policy_correction().as_str().into(),
+        tis_cap: r.cfg.algo.tis_cap,
+        tis_mean: avg("train/tis"),
+        tis_max: series("train/tis_max").iter().copied().reduce(f64::max),
+        tis_clipfrac_mean: avg("train/tis_clipfrac"),
+        rollout_train_logprob_diff_mean: avg("train/rollout_train_logprob_diff"),
+    }
 }
 
-pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Profile) -> Value {
+/// The run's summary as the recorder saw it; the drivers add their blocks (`async`,
+/// `weight_sync`).
+pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Profile) -> Summary {
     let phase_names: Vec<&str> = STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect();
     let mut keys: Vec<String> = phase_names.iter().map(|p| super::metrics::phase_time(p)).collect();
     keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
@@ -156,46 +162,57 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
             continue;
         }
         let sum: f64 = v.iter().sum();
-        phases.push(json!({
-            "phase": p, "median_s": percentile(v.clone(), 0.5), "p90_s": percentile(v.clone(), 0.9),
-            "mean_s": sum / v.len() as f64, "share_of_step": if total_step > 0.0 { sum / total_step } else { 0.0 },
-        }));
+        phases.push(PhaseStats {
+            phase: p.into(),
+            median_s: percentile(v.clone(), 0.5),
+            p90_s: percentile(v.clone(), 0.9),
+            mean_s: sum / v.len() as f64,
+            share_of_step: if total_step > 0.0 { sum / total_step } else { 0.0 },
+        });
     }
     let rewards = series("rollout/raw_reward");
     let pass = series("passrate/pass@1");
     let k = before_after_window(rewards.len());
-    let head = |v: &[f64]| -> f64 {
-        let k = k.min(v.len());
-        if k == 0 { f64::NAN } else { v[..k].iter().sum::<f64>() / k as f64 }
+    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+    let ends = |v: &[f64]| {
+        let n = k.min(v.len());
+        Ends { first3_mean: mean(&v[..n]), last3_mean: mean(&v[v.len() - n..]), window_steps: k }
     };
-    let last = |v: &[f64]| -> f64 {
-        let k = k.min(v.len());
-        if k == 0 { f64::NAN } else { v[v.len() - k..].iter().sum::<f64>() / k as f64 }
-    };
-    json!({
-        "status": match err { None => "ok", Some(e) if e.kind == FailKind::Interrupted => "interrupted", Some(_) => "failed" },
-        "failure": err.map(|e| json!({"kind": e.kind.as_str(), "step": e.step, "phase": e.phase, "worker": e.worker, "cause": e.cause})),
-        "device": r.device_label,
-        "algo": r.cfg.algo.name,
-        "steps_completed": r.steps_completed,
-        "steps_requested": r.cfg.run.steps,
-        "phases": phases,
-        "reward": {"first3_mean": head(&rewards), "last3_mean": last(&rewards), "window_steps": k},
-        "pass_rate": {"first3_mean": head(&pass), "last3_mean": last(&pass), "window_steps": k},
-        "checks": {"enabled": r.cfg.run.checks, "passed": r.checks_passed},
-        "memory": {
-            "profile": r.cfg.memory.profile, "trainer_bytes_per_device": profile.trainer.bytes(),
-            "rollout_bytes_per_device": profile.rollout.bytes(),
-            "weights_bytes_per_device": profile.rollout.tag_bytes("weights"),
-            "trainer_allocations": profile.trainer.count(), "rollout_allocations": profile.rollout.count(),
-            "peak_device_used": r.peak_used,
-            "communicator_bytes_suspended": r.comm_suspended,
+    let run = RunSummary {
+        device: r.device_label.clone(),
+        algo: Some(r.cfg.algo.name),
+        steps_requested: r.cfg.run.steps,
+        phases,
+        reward: ends(&rewards),
+        pass_rate: ends(&pass),
+        checks: Checks { enabled: r.cfg.run.checks, passed: r.checks_passed },
+        memory: Memory {
+            profile: r.cfg.memory.profile.clone(),
+            trainer_bytes_per_device: profile.trainer.bytes(),
+            rollout_bytes_per_device: profile.rollout.bytes(),
+            weights_bytes_per_device: profile.rollout.tag_bytes("weights"),
+            trainer_allocations: profile.trainer.count() as u64,
+            rollout_allocations: profile.rollout.count() as u64,
+            peak_device_used: r.peak_used.clone(),
+            communicator_bytes_suspended: r.comm_suspended.clone(),
         },
-        "off_policy_correction": correction_summary(r, &all),
-        "compute": crate::run::learn::compute_label(&r.cfg, profile),
-        "wall_time_s": r.started.elapsed().as_secs_f64(),
-        "run_dir": r.run_dir,
-    })
+        off_policy_correction: correction_summary(r, &all),
+        compute: crate::run::learn::compute_label(&r.cfg, profile),
+        wall_time_s: r.started.elapsed().as_secs_f64(),
+        run_dir: r.run_dir.clone(),
+        asynchronous: None,
+        weight_sync: WeightSyncSummary::default(),
+    };
+    Summary {
+        status: match err {
+            None => Status::Ok,
+            Some(e) if e.kind == FailKind::Interrupted => Status::Interrupted,
+            Some(_) => Status::Failed,
+        },
+        failure: err.map(RunError::failure),
+        steps_completed: r.steps_completed,
+        run: Some(run),
+    }
 }
 
 /// Steps averaged at each end for "reward before -> after": three, fewer on runs under six steps
@@ -219,75 +236,69 @@ fn print_totals_legend(split: bool) {
 }
 
 /// Reward and pass rate at the start and at the end of the run (windows that share no step).
-fn print_reward(summary: &Value) {
-    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
-    let (reward, pass) = (&summary["reward"], &summary["pass_rate"]);
-    match reward["window_steps"].as_u64().unwrap_or(0) {
+fn print_reward(steps_completed: u64, reward: &Ends, pass: &Ends) {
+    let f = |v: Option<f64>| v.unwrap_or(f64::NAN);
+    match reward.window_steps {
         0 => println!("\nreward -, pass rate - (no step completed)"),
-        1 if summary["steps_completed"].as_u64() == Some(1) => println!(
+        1 if steps_completed == 1 => println!(
             "\nreward {:.3}, pass rate {:.2} (one step: nothing to compare it with)",
-            f(&reward["first3_mean"]),
-            f(&pass["first3_mean"])
+            f(reward.first3_mean),
+            f(pass.first3_mean)
         ),
         k => println!(
             "\nreward {:.3} -> {:.3}, pass rate {:.2} -> {:.2} (mean of the first and last {k} step{})",
-            f(&reward["first3_mean"]),
-            f(&reward["last3_mean"]),
-            f(&pass["first3_mean"]),
-            f(&pass["last3_mean"]),
+            f(reward.first3_mean),
+            f(reward.last3_mean),
+            f(pass.first3_mean),
+            f(pass.last3_mean),
             if k == 1 { "" } else { "s" }
         ),
     }
 }
 
-pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
-    println!("\nPhase times over {} steps ({})", summary["steps_completed"], r.device_label);
+pub(in crate::run) fn print_table(r: &Recorder, summary: &Summary) {
+    let Some(run) = summary.run.as_ref() else { return };
+    println!("\nPhase times over {} steps ({})", summary.steps_completed, r.device_label);
     println!("{:<16} {:>10} {:>10} {:>8}", "phase", "median s", "p90 s", "share");
     let mut totals = false;
-    for p in summary["phases"].as_array().into_iter().flatten() {
-        let name = p["phase"].as_str().unwrap_or("");
-        if name == "train" {
+    for p in &run.phases {
+        if p.phase == "train" {
             println!("{}", "-".repeat(47));
             totals = true;
         }
-        println!(
-            "{:<16} {:>10.4} {:>10.4} {:>7.1}%",
-            name,
-            p["median_s"].as_f64().unwrap_or(f64::NAN),
-            p["p90_s"].as_f64().unwrap_or(f64::NAN),
-            100.0 * p["share_of_step"].as_f64().unwrap_or(0.0)
-        );
+        println!("{:<16} {:>10.4} {:>10.4} {:>7.1}%", p.phase, p.median_s, p.p90_s, 100.0 * p.share_of_step);
     }
     if totals {
-        print_totals_legend(summary.get("async").is_some());
+        print_totals_legend(run.asynchronous.is_some());
     }
-    print_reward(summary);
-    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
-    if let Some(a) = summary.get("async") {
-        print_async(a, summary["compute"].as_str().unwrap_or(""));
-        print_correction(&summary["off_policy_correction"]);
-    } else if let Some(w) = summary.get("weight_sync") {
-        let rate = w["update_weights_gbps"].as_f64().map_or_else(|| "-".into(), |r| format!("{r:.2} GB/s"));
+    print_reward(summary.steps_completed, &run.reward, &run.pass_rate);
+    if let Some(a) = &run.asynchronous {
+        print_async(a, &run.compute);
+        print_correction(&run.off_policy_correction);
+    } else {
+        let w = &run.weight_sync;
+        let t = &w.transport;
+        let rate = t.update_weights_gbps.map_or_else(|| "-".into(), |r| format!("{r:.2} GB/s"));
         println!(
             "weights: {} updates over {}: {} in {} buckets, {} through the host, {:.2} s of transfer ({rate})",
-            w["weight_updates"],
-            w["weight_transport_detail"].as_str().unwrap_or("?"),
-            human(w["update_weights_bytes"].as_u64().unwrap_or(0)),
-            w["update_weights_buckets"],
-            human(w["update_weights_host_bytes"].as_u64().unwrap_or(0)),
-            f(&w["update_weights_transfer_s"])
+            w.weight_updates,
+            w.weight_transport_detail,
+            human(w.update_weights_bytes),
+            t.update_weights_buckets,
+            human(t.update_weights_host_bytes),
+            t.update_weights_transfer_s
         );
     }
-    if r.cfg.run.checks && summary.get("async").is_some() {
+    if r.cfg.run.checks && run.asynchronous.is_some() {
         println!(
             "checks: {} passed (weights identical on every rollout engine after each update, no batch over the \
              staleness bound, no leak)",
-            summary["checks"]["passed"]
+            run.checks.passed
         );
     } else if r.cfg.run.checks {
         println!(
             "checks: {} passed (memory freed on every pause, weights identical after wake_up and update_weights, no leak)",
-            summary["checks"]["passed"]
+            run.checks.passed
         );
     }
     print_communicators(&r.comm_suspended);
@@ -299,20 +310,20 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Value) {
 }
 
 /// The off-policy correction and what its importance ratios were over the run.
-fn print_correction(c: &Value) {
-    let f = |k: &str| c[k].as_f64().unwrap_or(f64::NAN);
-    if c["method"] != "tis" {
+fn print_correction(c: &Correction) {
+    if c.method != "tis" {
         println!("       off-policy correction: none");
         return;
     }
+    let f = |v: Option<f64>| v.unwrap_or(f64::NAN);
     println!(
         "       off-policy correction: tis capped at {}; importance ratio mean {:.3}, max {:.3}, {:.1}% of tokens \
          truncated; rollout - trainer log-prob {:+.4}",
-        f("tis_cap"),
-        f("tis_mean"),
-        f("tis_max"),
-        100.0 * f("tis_clipfrac_mean"),
-        f("rollout_train_logprob_diff_mean")
+        c.tis_cap,
+        f(c.tis_mean),
+        f(c.tis_max),
+        100.0 * f(c.tis_clipfrac_mean),
+        f(c.rollout_train_logprob_diff_mean)
     );
 }
 
@@ -330,112 +341,105 @@ fn print_communicators(suspended: &BTreeMap<String, u64>) {
 }
 
 /// Async mode's lines: the layout, throughput, staleness, both sides' idle shares, the updates.
-fn print_async(a: &Value, compute: &str) {
-    let f = |k: &str| a[k].as_f64().unwrap_or(f64::NAN);
-    let devices = |k: &str| {
-        let list = a[k].as_array().map(|v| v.iter().map(Value::to_string).collect::<Vec<_>>().join(","));
-        list.unwrap_or_default()
+fn print_async(a: &AsyncSummary, compute: &str) {
+    let devices = |d: &Option<Vec<u32>>| {
+        d.as_ref().map(|v| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",")).unwrap_or_default()
     };
-    let hist: Vec<String> = a["staleness_histogram"]
-        .as_object()
-        .map(|h| h.iter().map(|(k, v)| format!("{k}:{v}")).collect())
-        .unwrap_or_default();
+    let hist: Vec<String> = a.staleness_histogram.iter().map(|(k, v)| format!("{k}:{v}")).collect();
     println!(
         "{}: trainer on device(s) {}, rollout on {}; {} samples trained ({:.1}/s, {:.1} tokens/s; {})",
-        a["mode"].as_str().unwrap_or("async"),
-        devices("trainer_devices"),
-        devices("rollout_devices"),
-        a["samples_trained"],
-        f("samples_per_s"),
-        f("tokens_per_s"),
+        a.mode,
+        devices(&a.trainer_devices),
+        devices(&a.rollout_devices),
+        a.samples_trained,
+        a.samples_per_s,
+        a.tokens_per_s,
         compute
     );
     println!(
         "       staleness (updates behind: samples) {}; {} dropped over the bound of {}; {} partial (spanning an update)",
         hist.join(" "),
-        a["dropped_stale_samples"],
-        a["max_staleness"],
-        a["partial_samples"]
+        a.dropped_stale_samples,
+        a.max_staleness,
+        a.partial_samples
     );
-    let library = a["weight_sync_library"].as_str().map(|l| format!(" ({})", l.to_uppercase())).unwrap_or_default();
+    let t = &a.transport;
+    let library = t.weight_sync_library.as_ref().map(|l| format!(" ({})", l.to_uppercase())).unwrap_or_default();
     println!(
         "       idle: trainer {:.0}% (waiting {:.0}%, update flush {:.0}%), rollout {:.0}%; {} weight updates over \
          {}{library}, {} in {:.2} s",
-        100.0 * f("trainer_idle_ratio"),
-        100.0 * f("trainer_wait_ratio"),
-        100.0 * f("flush_ratio"),
-        100.0 * f("rollout_idle_ratio"),
-        a["weight_updates"],
-        a["weight_transport"].as_str().unwrap_or("?"),
-        human(a["update_weights_bytes"].as_u64().unwrap_or(0)),
-        f("update_weights_s")
+        100.0 * a.trainer_idle_ratio,
+        100.0 * a.trainer_wait_ratio,
+        100.0 * a.flush_ratio,
+        100.0 * a.rollout_idle_ratio,
+        a.weight_updates,
+        t.weight_transport,
+        human(a.update_weights_bytes),
+        a.update_weights_s
     );
-    if let Some(rate) = a["update_weights_gbps"].as_f64() {
-        let link = match (a["link_gbps"].as_f64(), a["link_share"].as_f64()) {
+    if let Some(rate) = t.update_weights_gbps {
+        let link = match (t.link_gbps, t.link_share) {
             (Some(l), Some(share)) => format!(", {:.0}% of the modelled {l} GB/s link", 100.0 * share),
             _ => String::new(),
         };
         println!(
             "       weights moved at {rate:.2} GB/s ({} buckets in {:.2} s of transfer{link})",
-            a["update_weights_buckets"],
-            f("update_weights_transfer_s")
+            t.update_weights_buckets, t.update_weights_transfer_s
         );
     }
-    print_lending(&a["elastic"]);
+    if let Some(e) = &a.elastic {
+        print_lending(e);
+    }
 }
 
 /// Elastic mode: the lends, what they cost and what they gave.
-fn print_lending(e: &Value) {
-    if e.is_null() {
-        return;
-    }
-    let f = |k: &str| e[k].as_f64().unwrap_or(f64::NAN);
-    let retired = e["retired_engines"].as_array().filter(|r| !r.is_empty()).map_or(String::new(), |r| {
-        let names: Vec<&str> = r.iter().filter_map(Value::as_str).collect();
-        format!("; retired (kept the device past the reclaim timeout): {}", names.join(", "))
-    });
+fn print_lending(e: &ElasticSummary) {
+    let f = |v: Option<f64>| v.unwrap_or(f64::NAN);
+    let retired = if e.retired_engines.is_empty() {
+        String::new()
+    } else {
+        format!("; retired (kept the device past the reclaim timeout): {}", e.retired_engines.join(", "))
+    };
     // No lend: no mean cost to print (it used to read "NaN s").
-    if e["lends"].as_u64() == Some(0) {
+    if e.lends == 0 {
         println!(
             "       lending: none (a lend needs the trainer to have waited {:.3} s, {}); trainer devices idle \
              {:.0}%{retired}",
-            f("lend_after_s"),
-            e["lend_after_s_source"].as_str().unwrap_or("?"),
-            100.0 * f("trainer_device_idle_ratio"),
+            e.lend_after_s,
+            e.lend_after_s_source,
+            100.0 * e.trainer_device_idle_ratio,
         );
-        print_rollout_lending(&e["rollout_lend"]);
-        return;
+    } else {
+        println!(
+            "       lending: {} lend(s) after the trainer waited {:.3} s ({}), each {:.3} s to lend and {:.3} s to \
+             reclaim ({:.3} s of it the saver's); lent {:.1} s ({:.1} s of it idle), {} tokens; trainer devices idle \
+             {:.0}% (idle unlent, flush included, {:.0}%){retired}",
+            e.lends,
+            e.lend_after_s,
+            e.lend_after_s_source,
+            f(e.lend_s_mean),
+            f(e.reclaim_s_mean),
+            f(e.switch_saver_s_mean),
+            e.lent_s,
+            e.lent_engine_idle_s,
+            e.lent_tokens,
+            100.0 * e.trainer_device_idle_ratio,
+            100.0 * e.trainer_idle_ratio_unlent,
+        );
     }
-    println!(
-        "       lending: {} lend(s) after the trainer waited {:.3} s ({}), each {:.3} s to lend and {:.3} s to reclaim \
-         ({:.3} s of it the saver's); lent {:.1} s ({:.1} s of it idle), {} tokens; trainer devices idle {:.0}% (idle unlent, flush \
-         included, {:.0}%){retired}",
-        e["lends"],
-        f("lend_after_s"),
-        e["lend_after_s_source"].as_str().unwrap_or("?"),
-        f("lend_s_mean"),
-        f("reclaim_s_mean"),
-        f("switch_saver_s_mean"),
-        f("lent_s"),
-        f("lent_engine_idle_s"),
-        e["lent_tokens"],
-        100.0 * f("trainer_device_idle_ratio"),
-        100.0 * f("trainer_idle_ratio_unlent"),
-    );
-    print_rollout_lending(&e["rollout_lend"]);
+    if let Some(r) = &e.rollout_lend {
+        print_rollout_lending(r);
+    }
 }
 
 /// elastic.lend_rollout: the engines' devices lent to the trainer's train stage.
-fn print_rollout_lending(r: &Value) {
-    if r.is_null() {
-        return;
-    }
-    let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-    if r["lends"].as_u64() == Some(0) {
+fn print_rollout_lending(r: &RolloutLendSummary) {
+    let f = |v: Option<f64>| v.unwrap_or(f64::NAN);
+    if r.lends == 0 {
         println!(
             "       lent to the trainer: none ({} skipped); rollout devices idle {:.0}%",
-            r["lends_skipped"],
-            100.0 * f("rollout_device_idle_ratio"),
+            r.lends_skipped,
+            100.0 * r.rollout_device_idle_ratio,
         );
         return;
     }
@@ -443,15 +447,15 @@ fn print_rollout_lending(r: &Value) {
         "       lent to the trainer: {} lend(s) of the rollout devices ({} skipped), each {:.3} s to lend and {:.3} s to \
          reclaim ({:.3} s of it the saver's; the trainer's state {:.1} MiB through the host); {:.1} device-s trained; \
          rollout devices idle {:.0}% (lent time as idle, {:.0}%)",
-        r["lends"],
-        r["lends_skipped"],
-        f("lend_s_mean"),
-        f("reclaim_s_mean"),
-        f("switch_saver_s_mean"),
-        f("state_bytes_mean") / (1024.0 * 1024.0),
-        f("lent_device_s"),
-        100.0 * f("rollout_device_idle_ratio"),
-        100.0 * f("rollout_idle_ratio_unlent"),
+        r.lends,
+        r.lends_skipped,
+        f(r.lend_s_mean),
+        f(r.reclaim_s_mean),
+        f(r.switch_saver_s_mean),
+        r.state_bytes_mean.map_or(f64::NAN, |b| b as f64) / (1024.0 * 1024.0),
+        r.lent_device_s,
+        100.0 * r.rollout_device_idle_ratio,
+        100.0 * r.rollout_idle_ratio_unlent,
     );
 }
 

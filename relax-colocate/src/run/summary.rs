@@ -1,0 +1,269 @@
+//! summary.json as one type: the run writes it, the phase table prints from it and `compare`
+//! reads it back, so a field is named once and a misspelt one is a compile error, not a NaN in a
+//! table. The shape is docs/metrics.md's; every block's fields are in alphabetical order, the
+//! order the file has always had. Figures that a run may not have (no steps, no lends) are
+//! `Option`s, written as null.
+
+use super::config::AlgoName;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    #[default]
+    Ok,
+    Interrupted,
+    Failed,
+}
+
+/// Why a run stopped early.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Failure {
+    pub cause: String,
+    pub kind: String,
+    pub phase: String,
+    pub step: u64,
+    pub worker: Option<String>,
+}
+
+/// What every run writes, even one whose workers never got going (`run` None: only these three).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Summary {
+    pub failure: Option<Failure>,
+    pub status: Status,
+    pub steps_completed: u64,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunSummary>,
+}
+
+/// A run that started: its phases, rewards, memory, checks and, by layout, its blocks.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RunSummary {
+    pub algo: Option<AlgoName>,
+    /// The async and elastic layouts' block (absent in colocate).
+    #[serde(rename = "async", default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<AsyncSummary>,
+    pub checks: Checks,
+    pub compute: String,
+    pub device: String,
+    pub memory: Memory,
+    pub off_policy_correction: Correction,
+    pub pass_rate: Ends,
+    pub phases: Vec<PhaseStats>,
+    pub reward: Ends,
+    pub run_dir: PathBuf,
+    pub steps_requested: u64,
+    pub wall_time_s: f64,
+    pub weight_sync: WeightSyncSummary,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Checks {
+    pub enabled: bool,
+    pub passed: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Memory {
+    /// Bytes of each NCCL communicator suspended, by worker.
+    pub communicator_bytes_suspended: BTreeMap<String, u64>,
+    /// Per device.
+    pub peak_device_used: Vec<u64>,
+    pub profile: String,
+    pub rollout_allocations: u64,
+    pub rollout_bytes_per_device: u64,
+    pub trainer_allocations: u64,
+    pub trainer_bytes_per_device: u64,
+    pub weights_bytes_per_device: u64,
+}
+
+/// The off-policy correction's figures over the run (None: no step reported it).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Correction {
+    pub method: String,
+    pub rollout_train_logprob_diff_mean: Option<f64>,
+    pub tis_cap: f64,
+    pub tis_clipfrac_mean: Option<f64>,
+    pub tis_max: Option<f64>,
+    pub tis_mean: Option<f64>,
+}
+
+/// A per-step figure averaged at the run's start and at its end, over windows that share no step.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Ends {
+    pub first3_mean: Option<f64>,
+    pub last3_mean: Option<f64>,
+    pub window_steps: usize,
+}
+
+/// One phase over the run's steps.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PhaseStats {
+    pub mean_s: f64,
+    pub median_s: f64,
+    pub p90_s: f64,
+    pub phase: String,
+    pub share_of_step: f64,
+}
+
+/// How the weights moved: the transport's figures, in the `weight_sync` block and in the async
+/// block alike.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Transport {
+    pub link_gbps: Option<f64>,
+    pub link_share: Option<f64>,
+    pub update_weights_buckets: u64,
+    pub update_weights_gbps: Option<f64>,
+    pub update_weights_host_bytes: u64,
+    pub update_weights_transfer_s: f64,
+    pub weight_sync_group_setup_s: f64,
+    pub weight_sync_library: Option<String>,
+    pub weight_transport: String,
+}
+
+/// The `weight_sync` block, in every layout.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WeightSyncSummary {
+    #[serde(flatten)]
+    pub transport: Transport,
+    pub update_weights_bytes: u64,
+    pub weight_transport_detail: String,
+    pub weight_updates: u64,
+}
+
+/// The `async` block: throughput, both sides' idle shares, staleness, the updates.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct AsyncSummary {
+    pub dropped_stale_samples: u64,
+    /// Elastic mode's lending (absent in async mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<ElasticSummary>,
+    pub flush_ratio: f64,
+    pub flush_s_max: Option<f64>,
+    pub flush_s_mean: Option<f64>,
+    pub generate_replies_after_last_batch: u64,
+    pub max_staleness: u64,
+    /// "async" or "elastic".
+    pub mode: String,
+    pub partial_samples: u64,
+    pub queue_capacity_groups: usize,
+    pub rollout_devices: Option<Vec<u32>>,
+    pub rollout_idle_ratio: f64,
+    pub samples_per_s: f64,
+    pub samples_trained: u64,
+    pub segment_s: Option<f64>,
+    pub segment_tokens: u64,
+    pub segments_ended_mid_token: u64,
+    /// Trained samples by staleness (versions, as a string key).
+    pub staleness_histogram: BTreeMap<String, u64>,
+    pub tokens_per_s: f64,
+    pub train_iters_per_update: u64,
+    pub trainer_devices: Option<Vec<u32>>,
+    pub trainer_idle_ratio: f64,
+    pub trainer_wait_ratio: f64,
+    pub update_weights_bytes: u64,
+    pub update_weights_s: f64,
+    pub weight_updates: u64,
+    #[serde(flatten)]
+    pub transport: Transport,
+}
+
+/// Elastic mode's `elastic` block: what lending did and cost, and the trainer devices' idle share
+/// with and without it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ElasticSummary {
+    pub calibration_switch_s: Option<f64>,
+    pub forced_reclaims: u64,
+    pub lend_after_s: f64,
+    pub lend_after_s_source: String,
+    pub lend_s_mean: Option<f64>,
+    pub lends: u64,
+    pub lends_skipped: u64,
+    pub lent_engine_idle_s: f64,
+    pub lent_groups: u64,
+    pub lent_s: f64,
+    pub lent_tokens: u64,
+    pub reclaim_s_mean: Option<f64>,
+    pub reclaim_timeout_s: f64,
+    pub retired_engines: Vec<String>,
+    /// elastic.lend_rollout's reverse lends (absent when not asked for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_lend: Option<RolloutLendSummary>,
+    pub switch_s: Option<f64>,
+    pub switch_saver_s_mean: Option<f64>,
+    pub trainer_device_idle_ratio: f64,
+    pub trainer_device_idle_ratio_without_flush: f64,
+    pub trainer_idle_ratio_unlent: f64,
+}
+
+/// elastic.lend_rollout's `rollout_lend` block.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RolloutLendSummary {
+    pub calibration_switch_s: Option<f64>,
+    pub lend_s_mean: Option<f64>,
+    pub lends: u64,
+    pub lends_skipped: u64,
+    pub lent_device_s: f64,
+    pub reclaim_s_mean: Option<f64>,
+    pub rollout_device_idle_ratio: f64,
+    pub rollout_idle_ratio_unlent: f64,
+    pub state_bytes_mean: Option<u64>,
+    pub switch_s: Option<f64>,
+    pub switch_saver_s_mean: Option<f64>,
+}
+
+impl Summary {
+    /// summary.json's text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a summary serializes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_before_the_workers_started_has_only_the_three_fields() {
+        let s = Summary {
+            failure: Some(Failure { cause: "no device".into(), kind: "setup".into(), ..Failure::default() }),
+            status: Status::Failed,
+            steps_completed: 0,
+            run: None,
+        };
+        let v: serde_json::Value = serde_json::from_str(&s.to_json()).unwrap();
+        let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["failure", "status", "steps_completed"]);
+        assert_eq!(v["status"], "failed");
+        let back: Summary = serde_json::from_str(&s.to_json()).unwrap();
+        assert_eq!(back.failure.unwrap().cause, "no device");
+    }
+
+    #[test]
+    fn a_run_summary_reads_back_with_its_async_and_elastic_blocks() {
+        let run = RunSummary {
+            asynchronous: Some(AsyncSummary {
+                mode: "elastic".into(),
+                staleness_histogram: BTreeMap::from([("1".into(), 8)]),
+                elastic: Some(ElasticSummary { lends: 3, ..ElasticSummary::default() }),
+                transport: Transport { weight_transport: "broadcast".into(), ..Transport::default() },
+                ..AsyncSummary::default()
+            }),
+            reward: Ends { first3_mean: None, last3_mean: Some(0.5), window_steps: 1 },
+            ..RunSummary::default()
+        };
+        let text = Summary { run: Some(run), ..Summary::default() }.to_json();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        // The blocks keep their names and nesting; a missing figure is null.
+        assert_eq!(v["async"]["elastic"]["lends"], 3);
+        assert_eq!(v["async"]["weight_transport"], "broadcast");
+        assert!(v["reward"]["first3_mean"].is_null());
+        assert!(v["async"]["elastic"].get("rollout_lend").is_none(), "absent when not asked for");
+        let back: Summary = serde_json::from_str(&text).unwrap();
+        let a = back.run.unwrap().asynchronous.unwrap();
+        assert_eq!((a.mode.as_str(), a.elastic.as_ref().unwrap().lends), ("elastic", 3));
+        assert_eq!(a.staleness_histogram["1"], 8);
+    }
+}
