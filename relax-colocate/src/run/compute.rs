@@ -56,9 +56,9 @@ pub static FIGURES: LazyLock<Figures> =
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run::broadcast::{bucket_count, bucket_pieces};
     use crate::run::pacer::Pacer;
     use crate::run::protocol::ComputeModel;
+    use crate::run::transport::buckets::{bucket_count, bucket_pieces};
     use std::collections::BTreeMap;
 
     const CASES: &str = include_str!("../../python/tests/compute_model_cases.json");

@@ -22,13 +22,12 @@ pub mod task;
 pub mod wire;
 pub mod worker;
 
+mod answer;
 mod asynchronous;
-mod broadcast;
 mod compute;
 mod cycle;
 mod fleet;
 mod handover;
-mod ipc;
 mod job;
 mod launch;
 mod learn;
@@ -37,6 +36,7 @@ mod recorder;
 mod signals;
 mod sizing;
 pub(crate) mod summary;
+mod transport;
 mod weights;
 
 pub(crate) use compute::FIGURES_JSON;

@@ -18,7 +18,7 @@ use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
 use crate::run::summary::ElasticSummary;
-use crate::run::{R, Role, weights};
+use crate::run::{R, Role, transport, weights};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -328,7 +328,7 @@ impl Async {
             expect: Some((&sum, "on the lent engines after their weights arrived")),
             phases: None,
         }
-        .run(&mut self.fleet, &mut self.rec, |f, _| weights::lend_transfer(f, &at, bucket_bytes, &pairs))?;
+        .run(&mut self.fleet, &mut self.rec, |f, _| transport::lend_transfer(f, &at, bucket_bytes, &pairs))?;
         let moved = handed.cargo;
         let l = self.lending_mut();
         l.comms_suspended = handed.comms_suspended;

@@ -4,48 +4,22 @@
 //! weights, KV cache and logits workspace, plus the memory profile's allocations. Compute runs on
 //! the CPU, staged through memcpy, so the same code runs on a GPU, an NPU and the simulator.
 
-use super::broadcast;
+use super::answer::{Failure, answer, bad, dev_err};
 use super::compute::{FIGURES, Stage};
-use super::device::{DevError, Device, Hasher};
-use super::ipc;
+use super::device::{Device, Hasher};
 use super::model::{self, Adam, LossConfig, Policy, Shape, TrainSample};
 use super::pacer::Pacer;
 use super::protocol::{
-    self, Ack, BroadcastWeights, BucketParams, BucketReply, Checksum, ChecksumReply, ComputeModel, Generate,
-    GenerateParams, GenerateReply, Generated, GroupDestroy, GroupId, GroupInit, Init, InitParams, InitReply, IpcClose,
-    IpcCopy, IpcExport, IpcImport, IpcPack, IpcPid, IpcPidReply, LogProbs, LogProbsParams, LogProbsReply, Method,
-    Model, Pack, SamplesParams, Shutdown, Train, TrainParams, TrainReply, Unpack, UpdateBegin, UpdateBeginParams,
-    UpdateBeginReply, UpdateEnd, Values, ValuesReply,
+    self, Ack, Checksum, ChecksumReply, ComputeModel, Generate, GenerateParams, GenerateReply, Generated, Init,
+    InitParams, InitReply, LogProbs, LogProbsParams, LogProbsReply, Method, Model, SamplesParams, Shutdown, Train,
+    TrainParams, TrainReply, Values, ValuesReply,
 };
 use super::task::Rng;
+use super::transport::{self, Weights, WorkerHalf};
 use super::wire;
 use serde_json::Value;
 
 const CHUNK: usize = 16 << 20;
-
-pub(super) type Failure = (String, String);
-
-pub(super) fn dev_err(e: DevError) -> Failure {
-    match e {
-        DevError::OutOfMemory(m) => ("oom".into(), m),
-        DevError::Other(m) => ("device".into(), m),
-    }
-}
-
-fn bad(msg: impl Into<String>) -> Failure {
-    ("bad_request".into(), msg.into())
-}
-
-/// Reads a request's params as `M`'s.
-fn params<M: Method>(p: &Value) -> Result<M::Params, Failure> {
-    protocol::decode(p.clone()).map_err(|e| bad(format!("{}: {e}", M::NAME)))
-}
-
-/// Answers a request with `M`'s params and reply types.
-fn answer<M: Method>(p: &Value, f: impl FnOnce(M::Params) -> Result<M::Reply, Failure>) -> Result<Value, Failure> {
-    let reply = f(params::<M>(p)?)?;
-    Ok(serde_json::to_value(reply).expect("replies serialize"))
-}
 
 /// A device allocation and what it is for.
 #[derive(Clone, Copy)]
@@ -65,20 +39,10 @@ struct Common {
     /// Policy tensors (layout order) of the weights the other side must match.
     weights: Vec<Buf>,
     pads: Vec<Pad>,
-    transfer: Option<Transfer>,
     hog: Vec<u64>,
     compute: Option<ComputeModel>,
-    /// The weight-sync group of the broadcast transport, once joined.
-    group: Option<crate::collective::Group>,
-    /// The IPC transport's buffer while an update is under way.
-    ipc: Option<ipc::Shared>,
-}
-
-struct Transfer {
-    map: *mut u8,
-    map_len: usize,
-    bucket_bytes: u64,
-    device_buf: Buf,
+    /// Every weight transport's worker half (transport/), with what each holds between requests.
+    transports: Vec<Box<dyn WorkerHalf>>,
 }
 
 impl Common {
@@ -161,96 +125,22 @@ impl Common {
         Ok(())
     }
 
-    fn update_begin(&mut self, p: UpdateBeginParams) -> Result<UpdateBeginReply, Failure> {
-        let path = p.shm.display();
-        let bucket_bytes =
-            Some(p.bucket_bytes).filter(|b| *b > 0).ok_or_else(|| bad("bucket_bytes must be positive"))?;
-        let total: u64 = self.weight_entries().iter().map(|e| e.bytes).sum();
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&p.shm)
-            .map_err(|e| bad(format!("cannot open {path}: {e}")))?;
-        let map_len = file.metadata().map_err(|e| bad(e.to_string()))?.len() as usize;
-        let span = bucket_bytes.min(total).max(1);
-        if (map_len as u64) < span {
-            return Err(bad(format!("{path} holds {map_len} bytes, a bucket needs {span}")));
+    /// Answers a request every role answers alike: the weights' checksum, or a weight
+    /// transport's method (`snapshot`: the trainer's host copy of its weights; empty on a
+    /// rollout). None: not one of these.
+    fn handle(
+        &mut self,
+        method: &str,
+        p: &Value,
+        trainer: bool,
+        snapshot: &[Vec<u8>],
+    ) -> Option<Result<Value, Failure>> {
+        if method == Checksum::NAME {
+            return Some(answer::<Checksum>(p, |_| self.checksum()));
         }
-        // SAFETY: a shared mapping of a regular file we opened read/write, unmapped in update_end.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                0,
-            )
-        };
-        if map == libc::MAP_FAILED {
-            return Err(("internal".into(), format!("mmap {path}: {}", std::io::Error::last_os_error())));
-        }
-        // The transfer buffer lives outside every region: it must not be paused, and on GPUs it
-        // is what CUDA IPC would export (VMM memory cannot be).
-        let ptr = match self.dev.malloc(span, None, false) {
-            Ok(p) => p,
-            Err(e) => {
-                // SAFETY: the mapping made above.
-                unsafe { libc::munmap(map, map_len) };
-                return Err(dev_err(e));
-            }
-        };
-        self.transfer = Some(Transfer { map: map.cast(), map_len, bucket_bytes, device_buf: Buf { ptr, bytes: span } });
-        Ok(UpdateBeginReply { buckets: Some(broadcast::bucket_count(total, bucket_bytes)), bytes: Some(total) })
-    }
-
-    fn update_end(&mut self) -> Result<Ack, Failure> {
-        if let Some(t) = self.transfer.take() {
-            // SAFETY: the mapping made in update_begin.
-            unsafe { libc::munmap(t.map.cast(), t.map_len) };
-            self.dev.free(t.device_buf.ptr).map_err(dev_err)?;
-        }
-        Ok(Ack {})
-    }
-
-    /// The pieces of bucket `i`: (entry, offset in entry, offset in bucket, length), the entry
-    /// as its index in `weight_entries`.
-    fn bucket_pieces(&self, i: u64, entries: &[Buf]) -> Result<Vec<(usize, u64, u64, u64)>, Failure> {
-        let t = self.transfer.as_ref().ok_or_else(|| bad("no update_begin"))?;
-        let sizes: Vec<u64> = entries.iter().map(|e| e.bytes).collect();
-        let pieces = broadcast::bucket_pieces(&sizes, t.bucket_bytes, i);
-        if pieces.is_empty() {
-            return Err(bad(format!("bucket {i} is past the end of the weights")));
-        }
-        Ok(pieces)
-    }
-
-    #[allow(clippy::mut_from_ref)]
-    fn shm(&self, len: u64) -> &mut [u8] {
-        let t = self.transfer.as_ref().expect("checked by bucket_pieces");
-        // SAFETY: the mapping is map_len bytes and len ≤ the bucket span ≤ map_len; the runner
-        // lets one side touch it at a time.
-        unsafe { std::slice::from_raw_parts_mut(t.map, len as usize) }
-    }
-
-    /// The methods both roles answer alike (`COMMON`).
-    fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
-        let api = self.dev.api_name();
-        match method {
-            Checksum::NAME => answer::<Checksum>(p, |_| self.checksum()),
-            UpdateBegin::NAME => answer::<UpdateBegin>(p, |p| self.update_begin(p)),
-            GroupId::NAME => answer::<GroupId>(p, |p| broadcast::group_id(api, p)),
-            GroupInit::NAME => answer::<GroupInit>(p, |p| broadcast::group_init(api, p, &mut self.group)),
-            BroadcastWeights::NAME => answer::<BroadcastWeights>(p, |p| {
-                let entries: Vec<(u64, u64)> = self.weight_entries().iter().map(|e| (e.ptr, e.bytes)).collect();
-                broadcast::broadcast_weights(&self.dev, self.group.as_ref(), &entries, p)
-            }),
-            IpcClose::NAME => answer::<IpcClose>(p, |_| ipc::close(&self.dev, &mut self.ipc)),
-            GroupDestroy::NAME => {
-                answer::<GroupDestroy>(p, |_| broadcast::group_destroy(&mut self.group).map(|()| Ack {}))
-            }
-            _ => answer::<UpdateEnd>(p, |_| self.update_end()),
-        }
+        let entries: Vec<(u64, u64)> = self.weight_entries().iter().map(|e| (e.ptr, e.bytes)).collect();
+        let w = Weights { dev: &self.dev, trainer, entries: &entries, snapshot };
+        self.transports.iter_mut().find_map(|t| t.answer(method, p, &w))
     }
 
     /// Modelled compute: a request that began at `t0` lasts at least what `modelled` says the
@@ -269,12 +159,12 @@ impl Common {
         self.pace(t0, token_scale, |m| m.stage_seconds(stage, tokens, m.trainers));
     }
 
-    /// Both ends run whatever the first says: a failed IPC close must not leave the
-    /// communicator open.
+    /// Every transport releases what it holds, whatever the first says: a failed IPC close
+    /// must not leave the communicator open.
     fn leave(&mut self) -> Result<Ack, Failure> {
-        let closed = ipc::close(&self.dev, &mut self.ipc);
-        let destroyed = broadcast::group_destroy(&mut self.group);
-        closed.and(destroyed.map(|()| Ack {}))
+        let w = Weights { dev: &self.dev, trainer: false, entries: &[], snapshot: &[] };
+        let closed: Vec<Result<(), Failure>> = self.transports.iter_mut().map(|t| t.close(&w)).collect();
+        closed.into_iter().collect::<Result<(), Failure>>().map(|()| Ack {})
     }
 
     fn hog(&mut self, bytes: u64) -> Result<(), Failure> {
@@ -316,11 +206,9 @@ fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
         shape: ip.shape,
         weights: Vec::new(),
         pads: Vec::new(),
-        transfer: None,
         hog: Vec::new(),
         compute: ip.compute,
-        group: None,
-        ipc: None,
+        transports: transport::worker_halves(),
     };
     let role = if role == "trainer" {
         let b = ip.backup;
@@ -380,18 +268,6 @@ fn fault(role: &str, method: &str, p: &Value) -> Option<String> {
     (m == method && p["step"].as_u64() == Some(step) && for_me).then(|| action.to_string())
 }
 
-/// The methods `Common::handle` answers for both roles.
-const COMMON: [&str; 8] = [
-    Checksum::NAME,
-    UpdateBegin::NAME,
-    UpdateEnd::NAME,
-    GroupId::NAME,
-    GroupInit::NAME,
-    BroadcastWeights::NAME,
-    GroupDestroy::NAME,
-    IpcClose::NAME,
-];
-
 pub fn main(role: &str) -> Result<(), String> {
     if role != "trainer" && role != "rollout" {
         return Err(format!("worker role must be trainer or rollout, not {role:?}"));
@@ -428,10 +304,8 @@ pub fn main(role: &str) -> Result<(), String> {
             (Shutdown::NAME, Some(Role::Rollout(r))) => answer::<Shutdown>(p, |_| r.c.leave()),
             (Shutdown::NAME, None) => answer::<Shutdown>(p, |_| Ok(Ack {})),
             (_, None) => Err(bad(format!("{method} before init"))),
-            (m, Some(Role::Trainer(t))) if COMMON.contains(&m) => t.c.handle(method, p),
-            (m, Some(Role::Rollout(r))) if COMMON.contains(&m) => r.c.handle(method, p),
-            (m, Some(Role::Trainer(t))) => t.handle(m, p),
-            (m, Some(Role::Rollout(r))) => r.handle(m, p),
+            (m, Some(Role::Trainer(t))) => t.c.handle(m, p, true, &t.snapshot).unwrap_or_else(|| t.handle(m, p)),
+            (m, Some(Role::Rollout(r))) => r.c.handle(m, p, false, &[]).unwrap_or_else(|| r.handle(m, p)),
         }
     });
     Ok(())

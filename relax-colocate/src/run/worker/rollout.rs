@@ -16,28 +16,8 @@ impl Rollout {
     pub(super) fn handle(&mut self, method: &str, p: &Value) -> Result<Value, Failure> {
         match method {
             Generate::NAME => answer::<Generate>(p, |p| self.generate(p)),
-            Unpack::NAME => answer::<Unpack>(p, |p| self.unpack(p)),
-            IpcPid::NAME => answer::<IpcPid>(p, |_| Ok(IpcPidReply { pid: self.c.dev.ipc_pid().map_err(dev_err)? })),
-            IpcImport::NAME => answer::<IpcImport>(p, |p| ipc::import(&self.c.dev, p, &mut self.c.ipc)),
-            IpcCopy::NAME => answer::<IpcCopy>(p, |p| {
-                let entries: Vec<(u64, u64)> = self.c.weight_entries().iter().map(|e| (e.ptr, e.bytes)).collect();
-                ipc::copy(&self.c.dev, &self.c.ipc, &entries, p)
-            }),
             _ => Err(("unknown_method".into(), format!("rollout has no method {method:?}"))),
         }
-    }
-
-    fn unpack(&mut self, p: BucketParams) -> Result<BucketReply, Failure> {
-        let entries = self.c.weight_entries();
-        let pieces = self.c.bucket_pieces(p.bucket, &entries)?;
-        let len = pieces.last().map(|(_, _, boff, n)| boff + n).unwrap_or(0);
-        let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
-        let shm = self.c.shm(len);
-        self.c.dev.write(dbuf, shm).map_err(dev_err)?;
-        for (idx, off, boff, n) in pieces {
-            self.c.dev.copy(entries[idx].ptr + off, dbuf + boff, n as usize).map_err(dev_err)?;
-        }
-        Ok(BucketReply { bytes: Some(len) })
     }
 
     fn generate(&mut self, p: GenerateParams) -> Result<GenerateReply, Failure> {

@@ -73,20 +73,6 @@ impl Trainer {
         Ok(ValuesReply { values: scores.iter().map(|s| s.iter().map(|t| t.value).collect()).collect() })
     }
 
-    fn pack(&mut self, p: BucketParams) -> Result<BucketReply, Failure> {
-        let pieces = self.c.bucket_pieces(p.bucket, &self.c.weight_entries())?;
-        let dbuf = self.c.transfer.as_ref().expect("checked").device_buf.ptr;
-        let mut len = 0;
-        for (idx, off, boff, n) in pieces {
-            let src = &self.snapshot[idx][off as usize..(off + n) as usize];
-            self.c.dev.write(dbuf + boff, src).map_err(dev_err)?;
-            len = boff + n;
-        }
-        let shm = self.c.shm(len);
-        self.c.dev.read(shm, dbuf).map_err(dev_err)?;
-        Ok(BucketReply { bytes: Some(len) })
-    }
-
     fn save_state(&mut self) -> Result<Ack, Failure> {
         let state = self.all_state().iter().map(|b| read_all(&self.c.dev, *b)).collect::<Result<_, _>>()?;
         self.saved = Some(state);
@@ -158,12 +144,6 @@ impl Trainer {
             LogProbs::NAME => answer::<LogProbs>(p, |p| self.log_probs(p)),
             Values::NAME => answer::<Values>(p, |p| self.values(p)),
             Train::NAME => answer::<Train>(p, |p| self.train(p)),
-            Pack::NAME => answer::<Pack>(p, |p| self.pack(p)),
-            IpcExport::NAME => answer::<IpcExport>(p, |p| {
-                let sizes: Vec<u64> = self.c.weight_entries().iter().map(|e| e.bytes).collect();
-                ipc::export(&self.c.dev, &sizes, p, &mut self.c.ipc)
-            }),
-            IpcPack::NAME => answer::<IpcPack>(p, |p| ipc::pack(&self.c.dev, &self.c.ipc, &self.snapshot, p)),
             protocol::SaveState::NAME => answer::<protocol::SaveState>(p, |_| self.save_state()),
             protocol::LoadState::NAME => answer::<protocol::LoadState>(p, |_| self.load_state()),
             protocol::ExportState::NAME => answer::<protocol::ExportState>(p, |p| self.export_state(&p)),
