@@ -2,6 +2,7 @@
 //! has room (back-pressure), the rest of the sequences a segment interrupted, and each reply's
 //! tokens joined to their sequences under the weight version that generated them.
 
+use super::engine::State;
 use super::queue::{Group, Seq};
 use super::{Async, lend};
 use crate::run::FailKind;
@@ -9,7 +10,6 @@ use crate::run::R;
 use crate::run::fleet::InFlight;
 use crate::run::protocol::{Generate, GenerateParams, GenerateReply};
 use crate::run::task::{self, Rng};
-use std::time::Instant;
 
 /// Where a generated sample belongs: its group and sequence, and the `prompt_index` the reply
 /// must give it (a new group's prompt, or the position of a continued sequence).
@@ -29,7 +29,7 @@ impl Async {
     pub(super) fn may_feed(&self, k: usize) -> bool {
         let e = &self.engines[k];
         let reclaiming = e.lent && self.lending.as_ref().is_some_and(lend::Lending::reclaiming);
-        e.request.is_none() && e.awake && !e.retired && !reclaiming
+        matches!(e.state, State::Awake) && !reclaiming
     }
 
     /// Engine `k` takes over groups a lent engine left, while it has room: they are older than
@@ -109,7 +109,7 @@ impl Async {
         let e = &self.engines[k];
         // The engine's cache holds a sequence's prefix when no update came since its last segment,
         // the engine kept its cache (a lent engine wakes with none), and the group stayed on it.
-        let same_cache = e.version == self.version && !e.adopted;
+        let same_cache = e.version == self.version && !e.cold_cache;
         let mut cached = Vec::new();
         let (prompts, n, responses, order, progress) = if continued {
             // One entry per sequence; a new group's sequences start with an empty response.
@@ -174,27 +174,14 @@ impl Async {
     /// group it generates, under the current weights.
     fn mark_sent(&mut self, k: usize, request: InFlight, order: Vec<Slot>) {
         let e = &mut self.engines[k];
-        if let Some(t) = e.idle_since.take() {
-            let idle = t.elapsed().as_secs_f64();
-            if e.lent {
-                self.window.lent_idle_s += idle;
-            } else {
-                self.window.rollout_idle_s += idle;
-            }
-        }
-        e.request = Some((request, order));
-        e.version = self.version;
-        e.adopted = false;
-        for g in &mut e.groups {
-            g.moved = false;
-        }
-        e.sent_at = Some(Instant::now());
+        let idle = e.send(request, order, self.version);
+        self.window.add_engine_idle(e.lent, idle);
     }
 
     /// Engine `k`'s segment: its tokens join their sequences under the current version; finished
     /// groups go to the queue.
     pub(super) fn take_generated(&mut self, k: usize) -> R<()> {
-        let (request, order) = self.engines[k].request.take().expect("in flight");
+        let (request, order) = self.engines[k].answered();
         let worker = request.worker;
         let name = self.fleet.worker(worker).name.clone();
         let phase = self.at.phase();
@@ -251,7 +238,7 @@ impl Async {
         let lent_now = self.lending.as_ref().is_some_and(lend::Lending::lent);
         let e = &mut self.engines[k];
         if !e.lent || lent_now {
-            e.idle_since = Some(Instant::now());
+            e.start_idle();
         }
         // A finished group leaves at once: the trainer may take it while the rest go on.
         let (done, going): (Vec<Group>, Vec<Group>) =
@@ -276,8 +263,7 @@ impl Async {
     /// are those the trainer's batch waits for. A lent engine takes them even mid-segment: its
     /// request's slots name only the groups it had.
     pub(super) fn share_with_lent(&mut self, k: usize) {
-        let awake: Vec<usize> =
-            (0..self.engines.len()).filter(|&j| self.engines[j].awake && !self.engines[j].retired).collect();
+        let awake: Vec<usize> = (0..self.engines.len()).filter(|&j| self.engines[j].awake()).collect();
         let total: usize = awake.iter().map(|&j| self.engines[j].groups.len()).sum();
         let share = total.div_ceil(awake.len().max(1));
         let mut lent: Vec<usize> = awake.into_iter().filter(|&j| self.engines[j].lent).collect();

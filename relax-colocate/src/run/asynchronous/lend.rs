@@ -11,6 +11,7 @@
 //! lend is skipped when the groups' completion rate says the batch will be ready sooner than a
 //! switch would take.
 
+use super::engine::State as EngineState;
 use super::queue::Group;
 use super::{Async, Window};
 use crate::run::config::Config;
@@ -197,7 +198,7 @@ impl Async {
 
     /// The lent engines' slots in `engines` that may still be lent (not retired).
     fn lent_slots(&self) -> Vec<usize> {
-        (0..self.engines.len()).filter(|&k| self.engines[k].lent && !self.engines[k].retired).collect()
+        (0..self.engines.len()).filter(|&k| self.engines[k].lent && !self.engines[k].retired()).collect()
     }
 
     /// Pause every tag of `targets` (free memory must rise by what was paused), the saver's time
@@ -247,8 +248,8 @@ impl Async {
             // The earliest moment a lent engine's segment may count as stuck.
             State::Lent { .. } => {
                 let now = Instant::now();
-                let in_flight = self.lent_slots().into_iter().filter(|&k| self.engines[k].request.is_some());
-                let due = in_flight.filter_map(|k| self.engines[k].sent_at).map(|t| t + self.reclaim_timeout());
+                let sent = self.lent_slots().into_iter().filter_map(|k| self.engines[k].sent());
+                let due = sent.map(|t| t + self.reclaim_timeout());
                 due.filter(|at| *at > now).min()
             }
         }
@@ -334,12 +335,12 @@ impl Async {
         l.comms_suspended = handed.comms_suspended;
         l.stats.saver_s += handed.saver_s;
         self.rec.end(span, &self.fleet)?;
-        let (version, now) = (self.version, Instant::now());
+        let version = self.version;
         for &k in &slots {
             let e = &mut self.engines[k];
-            (e.awake, e.version, e.adopted) = (true, version, true);
+            (e.state, e.version, e.cold_cache) = (EngineState::Awake, version, true);
             // Idle until its first request (the lent engines' share of the work, while lent).
-            e.idle_since = Some(now);
+            e.start_idle();
         }
         let seconds = t0.elapsed().as_secs_f64();
         self.window.switch_s += seconds;
@@ -378,9 +379,7 @@ impl Async {
     /// while lent ends.
     fn close_lent_idle(&mut self) {
         for k in self.lent_slots() {
-            if let Some(t) = self.engines[k].idle_since.take() {
-                self.window.lent_idle_s += t.elapsed().as_secs_f64();
-            }
+            self.window.lent_idle_s += self.engines[k].stop_idle();
         }
     }
 
@@ -390,7 +389,7 @@ impl Async {
         let Some(State::Reclaiming { since, .. }) = self.lending.as_ref().map(|l| &l.state) else {
             return Ok(None);
         };
-        let busy: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].request.is_some()).collect();
+        let busy: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].generating()).collect();
         if !busy.is_empty() {
             if since.elapsed() < self.reclaim_timeout() {
                 return Ok(None);
@@ -409,11 +408,9 @@ impl Async {
             let name = self.fleet.worker(worker).name.clone();
             self.pause_all(&[worker])?;
             let e = &mut self.engines[k];
-            e.request = None;
-            if let Some(t) = e.idle_since.take() {
-                self.window.lent_idle_s += t.elapsed().as_secs_f64();
-            }
-            (e.retired, e.awake) = (true, false);
+            // Its request's answer is never read.
+            e.state = EngineState::Retired;
+            self.window.lent_idle_s += e.stop_idle();
             let groups = std::mem::take(&mut e.groups);
             self.orphans.extend(groups);
             self.orphans.sort_by_key(|g| g.started);
@@ -445,8 +442,8 @@ impl Async {
             .into_iter()
             .filter(|&k| {
                 let e = &self.engines[k];
-                let late = e.sent_at.is_some_and(|t| t.elapsed() >= timeout);
-                late && e.request.is_some() && e.groups.iter().any(|g| g.started == oldest)
+                let late = e.sent().is_some_and(|t| t.elapsed() >= timeout);
+                late && e.groups.iter().any(|g| g.started == oldest)
             })
             .collect();
         if stuck.is_empty() {
@@ -462,12 +459,12 @@ impl Async {
         self.close_lent_idle();
         let t0 = Instant::now();
         let span = self.rec.begin("reclaim");
-        let slots: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].awake).collect();
+        let slots: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].awake()).collect();
         let engines: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
         let mut tokens = 0;
         for &k in &slots {
             let e = &mut self.engines[k];
-            e.awake = false;
+            e.state = EngineState::Asleep;
             for g in std::mem::take(&mut e.groups) {
                 tokens += g.seqs.iter().map(|s| s.response.len()).sum::<usize>();
                 self.orphans.push(g);

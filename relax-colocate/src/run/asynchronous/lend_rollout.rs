@@ -12,6 +12,7 @@
 //! only the update that follows gives it weights again. Its queue being full, it would not have
 //! generated anything during the step.
 
+use super::engine::State;
 use super::{Async, Window};
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
@@ -171,7 +172,7 @@ impl Async {
     /// or unfinished group, any group they may start; None: they could not (the reason to lend).
     fn engines_busy(&self) -> Option<String> {
         let own = self.engines.iter().filter(|e| !e.lent);
-        if own.clone().any(|e| e.request.is_some() || !e.groups.is_empty()) || !self.orphans.is_empty() {
+        if own.clone().any(|e| e.generating() || !e.groups.is_empty()) || !self.orphans.is_empty() {
             return Some("the engines are generating".into());
         }
         if self.fresh_groups_for(0, false) > 0 {
@@ -251,7 +252,7 @@ impl Async {
         let (comms, saver) = (handed.comms_suspended, handed.saver_s);
         self.rec.end(span, &self.fleet)?;
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
-            e.awake = false;
+            e.state = State::Asleep;
         }
         let seconds = t0.elapsed().as_secs_f64();
         self.window.rollout_switch_s += seconds;
@@ -298,7 +299,7 @@ impl Async {
         self.expect_held(&engines, &engines_held)?;
         self.rec.end(span, &self.fleet)?;
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
-            e.awake = true;
+            e.state = State::Awake;
         }
         let seconds = t0.elapsed().as_secs_f64();
         let devices = lent.len() as f64;

@@ -17,6 +17,7 @@
 //! Here: the driver's loop, setup and the weight updates; feed.rs feeds the engines and takes
 //! their segments in; step.rs runs the trainer's stages over a batch and writes the step's row.
 
+mod engine;
 mod feed;
 mod lend;
 mod lend_rollout;
@@ -34,7 +35,7 @@ use super::recorder::{Recorder, Span};
 use super::summary::{AsyncSummary, ElasticSummary};
 use super::task::{Addition, Rng};
 use super::{Cursor, FailKind, R, Role, RunError, model, weights};
-use feed::Slot;
+use engine::Engine;
 use queue::{Group, Queue};
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -72,28 +73,6 @@ pub(super) struct Async {
     rollout_lending: Option<lend_rollout::RolloutLending>,
     /// Unfinished groups a reclaimed lent engine left: any engine continues them, before new ones.
     orphans: Vec<Group>,
-}
-
-/// A rollout engine and the groups it is generating.
-struct Engine {
-    worker: usize,
-    groups: Vec<Group>,
-    /// The request in flight, and where each of its replies belongs.
-    request: Option<(InFlight, Vec<Slot>)>,
-    /// When it last became idle (no request in flight).
-    idle_since: Option<Instant>,
-    /// The weight version its last segment ran under.
-    version: u64,
-    /// Elastic mode's lent engine: generates only while its trainer's device is lent.
-    lent: bool,
-    /// Whether it may generate: always for an engine of its own device; for a lent one, while lent.
-    awake: bool,
-    /// A lent engine that did not give its device back in time: paused from outside, never used again.
-    retired: bool,
-    /// It took over groups another engine began: its cache holds none of their prefixes.
-    adopted: bool,
-    /// When its request in flight was sent.
-    sent_at: Option<Instant>,
 }
 
 /// Over the whole run, for the summary.
@@ -142,6 +121,16 @@ struct Window {
 }
 
 impl Window {
+    /// An engine's idle seconds, in the share of its kind: an engine of its own device, or a
+    /// lent one (whose idle time counts only while lent).
+    fn add_engine_idle(&mut self, lent: bool, seconds: f64) {
+        if lent {
+            self.lent_idle_s += seconds;
+        } else {
+            self.rollout_idle_s += seconds;
+        }
+    }
+
     fn new() -> Window {
         Window {
             start: Instant::now(),
@@ -169,19 +158,8 @@ impl Async {
     pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Async {
         let rollouts = fleet.indices(Role::Rollout);
         let lent = fleet.lent_engines();
-        let engine = |(worker, lent): (usize, bool)| Engine {
-            worker,
-            groups: Vec::new(),
-            request: None,
-            idle_since: None,
-            version: 0,
-            lent,
-            awake: !lent,
-            retired: false,
-            adopted: false,
-            sent_at: None,
-        };
-        let engines = rollouts.iter().map(|&w| (w, false)).chain(lent.iter().map(|&w| (w, true))).map(engine);
+        let own = rollouts.iter().map(|&w| Engine::new(w, false));
+        let engines = own.chain(lent.iter().map(|&w| Engine::new(w, true)));
         let lending = (cfg.run.mode == Mode::Elastic).then(|| lend::Lending::new(&fleet));
         let rollout_lending = (cfg.run.mode == Mode::Elastic && cfg.elastic.lend_rollout)
             .then(|| lend_rollout::RolloutLending::new(&fleet));
@@ -249,9 +227,8 @@ impl Async {
         self.setup()?;
         self.totals.started = Some(Instant::now());
         self.window = Window::new();
-        let now = Instant::now();
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
-            e.idle_since = Some(now);
+            e.start_idle();
         }
         let steps = self.cfg.run.steps;
         let per_update = self.cfg.asynchronous.train_iters_per_update;
@@ -279,7 +256,7 @@ impl Async {
             }
             // An update waits for the segments in flight (Relax's pause and flush); then nothing
             // else is under way.
-            if before_update.is_some() && self.engines.iter().all(|e| e.request.is_none()) {
+            if before_update.is_some() && self.engines.iter().all(|e| !e.generating()) {
                 if let Some((span, t0)) = pausing.take() {
                     self.rec.end(span, &self.fleet)?;
                     let flush = t0.elapsed().as_secs_f64();
@@ -292,7 +269,7 @@ impl Async {
                 trainer_idle_since = Some(Instant::now());
                 continue;
             }
-            let generating = self.engines.iter().any(|e| e.request.is_some());
+            let generating = self.engines.iter().any(Engine::generating);
             if job.is_none() && before_update.is_none() && self.step() >= steps && !generating {
                 return self.sync.leave(&mut self.fleet, &mut self.rec);
             }
@@ -426,8 +403,7 @@ impl Async {
     /// Gives up at `until` (a lending decision or deadline due), with nothing taken in.
     fn wait_one(&mut self, job: &mut Option<Training>, until: Option<Instant>) -> R<Option<Finished>> {
         let k = {
-            let mut waiting: Vec<&InFlight> =
-                self.engines.iter().filter_map(|e| e.request.as_ref().map(|r| &r.0)).collect();
+            let mut waiting: Vec<&InFlight> = self.engines.iter().filter_map(Engine::request).collect();
             let engines = waiting.len();
             if let Some(j) = job.as_ref() {
                 waiting.extend(j.job.requests().iter());
@@ -439,7 +415,7 @@ impl Async {
         };
         match k {
             Answer::Engine(nth) => {
-                let e = self.engines.iter().enumerate().filter(|(_, e)| e.request.is_some()).nth(nth).map(|(i, _)| i);
+                let e = self.engines.iter().enumerate().filter(|(_, e)| e.generating()).nth(nth).map(|(i, _)| i);
                 self.take_generated(e.expect("an engine in flight"))?;
                 Ok(None)
             }

@@ -108,15 +108,8 @@ impl Async {
         let now = Instant::now();
         for e in self.engines.iter_mut() {
             // An idle engine's time so far counts in this window; the next starts now.
-            if let Some(t) = e.idle_since.as_mut() {
-                let idle = now.duration_since(*t).as_secs_f64();
-                *t = now;
-                if e.lent {
-                    self.window.lent_idle_s += idle;
-                } else {
-                    self.window.rollout_idle_s += idle;
-                }
-            }
+            let idle = e.roll_idle(now);
+            self.window.add_engine_idle(e.lent, idle);
         }
         let (trainer_idle, rollout_idle) = (self.window.trainer_idle_s, self.window.rollout_idle_s);
         let flush = self.window.flush_s;
