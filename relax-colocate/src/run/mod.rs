@@ -33,6 +33,7 @@ mod launch;
 mod learn;
 mod pacer;
 mod recorder;
+mod rig;
 mod signals;
 mod sizing;
 pub(crate) mod summary;
@@ -264,17 +265,17 @@ enum Driver {
 impl Driver {
     fn parts(&mut self) -> (&mut fleet::Fleet, &mut recorder::Recorder, &profile::Profile) {
         match self {
-            Driver::Colocate(c) => (&mut c.fleet, &mut c.rec, &c.profile),
-            Driver::Async(a) => (&mut a.fleet, &mut a.rec, &a.profile),
+            Driver::Colocate(c) => (&mut c.rig.fleet, &mut c.rig.rec, &c.rig.profile),
+            Driver::Async(a) => (&mut a.rig.fleet, &mut a.rig.rec, &a.rig.profile),
         }
     }
 }
 
 fn drive(c: &mut Colocate) -> R<()> {
     c.setup()?;
-    let mut rng = Rng::new(c.cfg.run.seed ^ 0xDA7A);
-    for step in 1..=c.cfg.run.steps {
-        c.at.set_step(step);
+    let mut rng = Rng::new(c.rig.cfg.run.seed ^ 0xDA7A);
+    for step in 1..=c.rig.cfg.run.steps {
+        c.rig.at.set_step(step);
         c.rl_step(&mut rng)?;
     }
     Ok(())
@@ -284,8 +285,8 @@ fn drive(c: &mut Colocate) -> R<()> {
 /// exit code.
 fn finish(mut driver: Driver, result: R<()>, opts: &Options, run_dir: &Path) -> u8 {
     let (asynchronous, weight_sync) = match &driver {
-        Driver::Async(a) => (Some(a.summary()), a.sync.report()),
-        Driver::Colocate(c) => (None, c.sync.report()),
+        Driver::Async(a) => (Some(a.summary()), a.rig.sync.report()),
+        Driver::Colocate(c) => (None, c.rig.sync.report()),
     };
     let (fleet, rec, profile) = driver.parts();
     if let Err(e) = &result {

@@ -50,7 +50,7 @@ impl Async {
         // The trainer has taken its last batch: whatever the engines would still generate, nobody
         // trains on, and it would hold the run's end (and its wall time) until every group under
         // way had finished.
-        if self.step() >= self.cfg.run.steps {
+        if self.step() >= self.rig.cfg.run.steps {
             return Ok(());
         }
         for k in 0..self.engines.len() {
@@ -63,10 +63,10 @@ impl Async {
             if continued + fresh == 0 {
                 continue;
             }
-            let lim = self.task.operand_limit();
-            let n = self.cfg.rollout.samples_per_prompt;
+            let lim = self.rig.task.operand_limit();
+            let n = self.rig.cfg.rollout.samples_per_prompt;
             for _ in 0..fresh {
-                let prompt = self.task.prompt(self.rng.below(lim), self.rng.below(lim));
+                let prompt = self.rig.task.prompt(self.rng.below(lim), self.rng.below(lim));
                 let started = self.groups_started;
                 self.groups_started += 1;
                 self.engines[k].groups.push(Group { prompt, seqs: vec![Seq::default(); n], started, moved: false });
@@ -80,7 +80,7 @@ impl Async {
     /// takes what room there is, its device otherwise idle.
     pub(super) fn fresh_groups_for(&self, continued: usize, lent: bool) -> usize {
         let free = self.groups_per_request.saturating_sub(continued);
-        if free == 0 || self.step() >= self.cfg.run.steps {
+        if free == 0 || self.step() >= self.rig.cfg.run.steps {
             return 0;
         }
         // Counting the batch in training too: a group started now is trained on within
@@ -105,7 +105,7 @@ impl Async {
     /// are new).
     pub(super) fn send_generate(&mut self, k: usize, continued: bool) -> R<()> {
         self.requests += 1;
-        let seed = self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.requests << 8) ^ k as u64;
+        let seed = self.rig.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.requests << 8) ^ k as u64;
         let e = &self.engines[k];
         // The engine's cache holds a sequence's prefix when no update came since its last segment,
         // the engine kept its cache (a lent engine wakes with none), and the group stayed on it.
@@ -128,19 +128,19 @@ impl Async {
             }
             (prompts, 1, responses, order, progress)
         } else {
-            let n = self.cfg.rollout.samples_per_prompt;
+            let n = self.rig.cfg.rollout.samples_per_prompt;
             let prompts = e.groups.iter().map(|g| g.prompt.clone()).collect();
             let slots = |g| (0..n).map(move |j| Slot { group: g, seq: j, prompt_index: g });
             let order = (0..e.groups.len()).flat_map(slots).collect();
             (prompts, n, Vec::new(), order, Vec::new())
         };
-        let budget = self.cfg.segment_budget();
+        let budget = self.rig.cfg.segment_budget();
         // Carried steps go only with a budget (nothing else ends a segment mid-token), and only
         // when some sequence has any.
         let progress = if budget.is_some() && progress.iter().any(|p| *p > 0.0) { progress } else { Vec::new() };
         // A sequence's own seed, from where it stands in the run: its tokens are the same however
         // segments split it and whichever engines continue it.
-        let base = self.cfg.run.seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let base = self.rig.cfg.run.seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
         let seeds = order.iter().map(|o| {
             let started = e.groups[o.group].started;
             Rng::new(base ^ (started << 20) ^ o.seq as u64).next_u64()
@@ -149,8 +149,8 @@ impl Async {
         let params = GenerateParams {
             prompts,
             n,
-            max_new_tokens: self.task.max_new_tokens(),
-            temperature: self.cfg.rollout.temperature,
+            max_new_tokens: self.rig.task.max_new_tokens(),
+            temperature: self.rig.cfg.rollout.temperature,
             eos: Some(task::EOS),
             seed,
             step: self.step(),
@@ -160,12 +160,12 @@ impl Async {
             // flag false, so that a worker that predates `cached` charges every prefix.
             prefix_cached: continued && cached.iter().all(|c| *c),
             cached: if cached.iter().all(|c| *c) || cached.iter().all(|c| !*c) { Vec::new() } else { cached },
-            token_scale: self.cfg.token_scale_at(self.version as f64),
+            token_scale: self.rig.cfg.token_scale_at(self.version as f64),
             segment_s: budget,
             progress,
             sequence_seeds,
         };
-        let request = self.fleet.submit::<Generate>(e.worker, params)?;
+        let request = self.rig.fleet.submit::<Generate>(e.worker, params)?;
         self.mark_sent(k, request, order);
         Ok(())
     }
@@ -183,20 +183,20 @@ impl Async {
     pub(super) fn take_generated(&mut self, k: usize) -> R<()> {
         let (request, order) = self.engines[k].answered();
         let worker = request.worker;
-        let name = self.fleet.worker(worker).name.clone();
-        let phase = self.at.phase();
-        self.at.set_phase("generate");
-        let reply: GenerateReply = self.fleet.collect::<Generate>(request)?;
-        self.at.set_phase(&phase);
-        if self.step() >= self.cfg.run.steps {
+        let name = self.rig.fleet.worker(worker).name.clone();
+        let phase = self.rig.at.phase();
+        self.rig.at.set_phase("generate");
+        let reply: GenerateReply = self.rig.fleet.collect::<Generate>(request)?;
+        self.rig.at.set_phase(&phase);
+        if self.step() >= self.rig.cfg.run.steps {
             self.totals.replies_after_last_batch += 1;
         }
-        let at = self.at.clone();
+        let at = self.rig.at.clone();
         let bad = |cause: String| at.fail(FailKind::Worker, Some(&name), cause);
         if reply.samples.len() != order.len() {
             return Err(bad(format!("generate returned {} samples, expected {}", reply.samples.len(), order.len())));
         }
-        let max_new = self.task.max_new_tokens();
+        let max_new = self.rig.task.max_new_tokens();
         let segment = self.segment();
         let partial = self.partial();
         let version = self.version;

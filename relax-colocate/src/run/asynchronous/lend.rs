@@ -193,7 +193,7 @@ impl Async {
     }
 
     fn reclaim_timeout(&self) -> Duration {
-        Duration::try_from_secs_f64(self.cfg.elastic.reclaim_timeout_s).unwrap_or(Duration::from_secs(30))
+        Duration::try_from_secs_f64(self.rig.cfg.elastic.reclaim_timeout_s).unwrap_or(Duration::from_secs(30))
     }
 
     /// The lent engines' slots in `engines` that may still be lent (not retired).
@@ -204,7 +204,7 @@ impl Async {
     /// Pause every tag of `targets` (free memory must rise by what was paused), the saver's time
     /// counted in the lends' switch.
     fn pause_all(&mut self, targets: &[usize]) -> R<()> {
-        let saver = handover::pause(&mut self.fleet, &mut self.rec, targets, None)?;
+        let saver = handover::pause(&mut self.rig.fleet, &mut self.rig.rec, targets, None)?;
         self.lending_mut().stats.saver_s += saver;
         Ok(())
     }
@@ -212,14 +212,14 @@ impl Async {
     /// Setup: the lent engines sleep before the trainers start on their devices; from here on the
     /// recorder checks that a device's two sides never both hold their memory.
     pub(super) fn lent_offload(&mut self) -> R<()> {
-        let span = self.rec.begin("lent_offload");
-        let engines = self.fleet.lent_engines();
+        let span = self.rig.rec.begin("lent_offload");
+        let engines = self.rig.fleet.lent_engines();
         self.pause_all(&engines)?;
-        self.rec.end(span, &self.fleet)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
         let pairs = self.lending_mut().pairs.clone();
-        let name = |i: usize| self.fleet.worker(i).name.clone();
+        let name = |i: usize| self.rig.fleet.worker(i).name.clone();
         let shared = pairs.iter().map(|&(t, e)| (name(t), name(e))).collect();
-        self.rec.add_shared_devices(shared);
+        self.rig.rec.add_shared_devices(shared);
         Ok(())
     }
 
@@ -242,7 +242,7 @@ impl Async {
         match &l.state {
             State::Reclaiming { since, .. } => Some(*since + self.reclaim_timeout()),
             State::Home => {
-                let at = trainer_idle_since? + Duration::try_from_secs_f64(l.threshold(&self.cfg)).ok()?;
+                let at = trainer_idle_since? + Duration::try_from_secs_f64(l.threshold(&self.rig.cfg)).ok()?;
                 (at > Instant::now()).then_some(at)
             }
             // The earliest moment a lent engine's segment may count as stuck.
@@ -259,7 +259,7 @@ impl Async {
     /// engines of their own devices finish them (None before there is a rate).
     fn expected_wait(&self) -> Option<f64> {
         let rate = self.lending.as_ref()?.completion_rate()?;
-        let missing = self.cfg.rollout.prompts_per_step.saturating_sub(self.queue.len()).max(1);
+        let missing = self.rig.cfg.rollout.prompts_per_step.saturating_sub(self.queue.len()).max(1);
         Some(missing as f64 / rate)
     }
 
@@ -278,7 +278,7 @@ impl Async {
             return Ok(());
         }
         let idle = since.elapsed().as_secs_f64();
-        let threshold = l.threshold(&self.cfg);
+        let threshold = l.threshold(&self.rig.cfg);
         // Work for the lent engines: groups to continue or to share, or room for new ones.
         let work = !self.orphans.is_empty() || self.generating_groups() > 0 || self.fresh_groups_for(0, true) > 0;
         if idle < threshold || !work {
@@ -292,13 +292,15 @@ impl Async {
                 l.skip_logged = Some(since);
                 l.stats.skipped += 1;
                 let why = format!("the batch is expected in {w:.3} s, sooner than a switch ({switch:.3} s)");
-                self.rec.log_decision(json!({"action": "skip", "reason": why, "idle_s": idle, "expected_wait_s": w}));
+                self.rig
+                    .rec
+                    .log_decision(json!({"action": "skip", "reason": why, "idle_s": idle, "expected_wait_s": w}));
             }
             return Ok(());
         }
         let reason = format!(
             "the trainer waited {idle:.3} s, past {threshold:.3} s ({}), and its batch is {}",
-            if self.cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "the measured switch" },
+            if self.rig.cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "the measured switch" },
             wait.map_or_else(|| "not yet timed".into(), |w| format!("expected in {w:.3} s"))
         );
         self.lend(json!({
@@ -313,28 +315,28 @@ impl Async {
     /// engines wake with the engines' weights from the trainers on their devices.
     fn lend(&mut self, why: Value) -> R<()> {
         let t0 = Instant::now();
-        let span = self.rec.begin("lend");
+        let span = self.rig.rec.begin("lend");
         let slots = self.lent_slots();
         let live: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
         let pairs: Vec<(usize, usize)> =
             self.lending_mut().pairs.iter().copied().filter(|(_, e)| live.contains(e)).collect();
-        let trainers = self.fleet.indices(Role::Trainer);
-        let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
-        let (at, bucket_bytes) = (self.at.clone(), self.sync.bucket_bytes());
+        let trainers = self.rig.fleet.indices(Role::Trainer);
+        let sum = weights::trainer_checksum(&mut self.rig.fleet, &self.rig.at)?;
+        let (at, bucket_bytes) = (self.rig.at.clone(), self.rig.sync.bucket_bytes());
         let handed = Handover {
             from: &trainers,
-            sleep: Sleep::of_trainer(&self.cfg),
+            sleep: Sleep::of_trainer(&self.rig.cfg),
             to: &live,
             wake: Wake::Serving,
             expect: Some((&sum, "on the lent engines after their weights arrived")),
             phases: None,
         }
-        .run(&mut self.fleet, &mut self.rec, |f, _| transport::lend_transfer(f, &at, bucket_bytes, &pairs))?;
+        .run(&mut self.rig.fleet, &mut self.rig.rec, |f, _| transport::lend_transfer(f, &at, bucket_bytes, &pairs))?;
         let moved = handed.cargo;
         let l = self.lending_mut();
         l.comms_suspended = handed.comms_suspended;
         l.stats.saver_s += handed.saver_s;
-        self.rec.end(span, &self.fleet)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
         let version = self.version;
         for &k in &slots {
             let e = &mut self.engines[k];
@@ -358,7 +360,7 @@ impl Async {
         if let (Some(d), Value::Object(w)) = (decision.as_object_mut(), why) {
             d.extend(w);
         }
-        self.rec.log_decision(decision);
+        self.rig.rec.log_decision(decision);
         Ok(())
     }
 
@@ -405,7 +407,7 @@ impl Async {
     fn retire(&mut self, slots: &[usize], when: &str) -> R<()> {
         for &k in slots {
             let worker = self.engines[k].worker;
-            let name = self.fleet.worker(worker).name.clone();
+            let name = self.rig.fleet.worker(worker).name.clone();
             self.pause_all(&[worker])?;
             let e = &mut self.engines[k];
             // Its request's answer is never read.
@@ -414,13 +416,13 @@ impl Async {
             let groups = std::mem::take(&mut e.groups);
             self.orphans.extend(groups);
             self.orphans.sort_by_key(|g| g.started);
-            let timeout = self.cfg.elastic.reclaim_timeout_s;
+            let timeout = self.rig.cfg.elastic.reclaim_timeout_s;
             let why = format!(
                 "{name} did not finish its segment within {timeout} s (elastic.reclaim_timeout_s) {when}: its memory \
                  was paused from outside and it is retired; the run goes on without it"
             );
             eprintln!("relax-colocate run: step {}: {why}", self.step());
-            self.rec.log_decision(json!({"action": "forced_reclaim", "engine": name, "reason": why}));
+            self.rig.rec.log_decision(json!({"action": "forced_reclaim", "engine": name, "reason": why}));
             let l = self.lending_mut();
             l.stats.forced += 1;
             l.stats.retired.push(name);
@@ -458,7 +460,7 @@ impl Async {
         // Calibration's reclaim comes without begin_reclaim.
         self.close_lent_idle();
         let t0 = Instant::now();
-        let span = self.rec.begin("reclaim");
+        let span = self.rig.rec.begin("reclaim");
         let slots: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].awake()).collect();
         let engines: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
         let mut tokens = 0;
@@ -471,20 +473,20 @@ impl Async {
             }
         }
         self.orphans.sort_by_key(|g| g.started);
-        let trainers = self.fleet.indices(Role::Trainer);
+        let trainers = self.rig.fleet.indices(Role::Trainer);
         let comms = std::mem::take(&mut self.lending_mut().comms_suspended);
         let sum = self.lending_mut().trainer_sum.take().unwrap_or_default();
         let handed = Handover {
             from: &engines,
             sleep: Sleep::default(),
             to: &trainers,
-            wake: Wake::Whole { comms, load_state: !self.cfg.memory.backup },
+            wake: Wake::Whole { comms, load_state: !self.rig.cfg.memory.backup },
             expect: Some((&sum, "after the reclaim (the lent device's memory back to the trainer's bytes)")),
             phases: None,
         }
-        .run(&mut self.fleet, &mut self.rec, |_, _| Ok(()))?;
+        .run(&mut self.rig.fleet, &mut self.rig.rec, |_, _| Ok(()))?;
         self.lending_mut().stats.saver_s += handed.saver_s;
-        self.rec.end(span, &self.fleet)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
         let seconds = t0.elapsed().as_secs_f64();
         self.window.switch_s += seconds;
         let l = self.lending_mut();
@@ -495,7 +497,7 @@ impl Async {
         l.stats.reclaim_s += seconds;
         l.switch_s = Some(l.last_lend_s + seconds);
         let orphans = self.orphans.len();
-        self.rec.log_decision(json!({
+        self.rig.rec.log_decision(json!({
             "action": "reclaim", "reason": "the trainer's batch is ready", "seconds": seconds,
             "groups_left": orphans, "tokens_left": tokens,
         }));
@@ -516,7 +518,7 @@ impl Async {
             row.set("elastic/trainer_device_idle_ratio", (unlent + w.flush_s) / wall);
             row.set("elastic/trainer_device_idle_ratio_without_flush", unlent / wall);
         }
-        row.set("elastic/lend_after_s", l.threshold(&self.cfg));
+        row.set("elastic/lend_after_s", l.threshold(&self.rig.cfg));
     }
 }
 

@@ -20,7 +20,7 @@ use crate::run::metrics::Row;
 use crate::run::protocol::{ExportState, ImportState, Init, StateFile};
 use crate::run::recorder::Recorder;
 use crate::run::summary::RolloutLendSummary;
-use crate::run::{FailKind, NCCL_TAG, R, Role, RunError, learn, weights};
+use crate::run::{FailKind, NCCL_TAG, R, Role, RunError, weights};
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -131,28 +131,26 @@ impl Async {
     /// devices (no data-parallel group: each computes the whole update, as a replica) and sleep,
     /// every tag paused; from here on a device's engine and lent trainer never both hold memory.
     pub(super) fn lent_trainers_setup(&mut self, max_batch: usize) -> R<()> {
-        let lent = self.fleet.lent_trainers();
-        let span = self.rec.begin("init_lent_trainer");
-        let like =
-            learn::init_params(&self.cfg, &self.fleet, Role::Trainer, self.api, self.shape, &self.profile, max_batch)
-                .swap_remove(0);
-        let device = |i: usize| self.fleet.worker(i).device;
+        let lent = self.rig.fleet.lent_trainers();
+        let span = self.rig.rec.begin("init_lent_trainer");
+        let like = self.rig.init_params(Role::Trainer, max_batch).swap_remove(0);
+        let device = |i: usize| self.rig.fleet.worker(i).device;
         let params = lent.iter().map(|&i| crate::run::protocol::InitParams {
             device: device(i),
             trainer_group: None,
             ..like.clone()
         });
         let params = params.collect();
-        self.fleet.call_each::<Init>(&lent, params)?;
-        self.fleet.find_control_sockets_of(&lent)?;
-        self.rec.end(span, &self.fleet)?;
-        let span = self.rec.begin("lent_trainer_offload");
-        handover::pause(&mut self.fleet, &mut self.rec, &lent, None)?;
-        self.rec.end(span, &self.fleet)?;
+        self.rig.fleet.call_each::<Init>(&lent, params)?;
+        self.rig.fleet.find_control_sockets_of(&lent)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
+        let span = self.rig.rec.begin("lent_trainer_offload");
+        handover::pause(&mut self.rig.fleet, &mut self.rig.rec, &lent, None)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
         let pairs = self.rl().pairs.clone();
-        let name = |i: usize| self.fleet.worker(i).name.clone();
+        let name = |i: usize| self.rig.fleet.worker(i).name.clone();
         let shared = pairs.into_iter().map(|(t, e)| (name(t), name(e))).collect();
-        self.rec.add_shared_devices(shared);
+        self.rig.rec.add_shared_devices(shared);
         Ok(())
     }
 
@@ -178,7 +176,7 @@ impl Async {
         if self.fresh_groups_for(0, false) > 0 {
             return Some("the engines may start new groups (the queue has room)".into());
         }
-        let (queued, batch) = (self.queue.len(), self.cfg.rollout.prompts_per_step);
+        let (queued, batch) = (self.queue.len(), self.rig.cfg.rollout.prompts_per_step);
         (queued < batch).then(|| format!("the queue holds {queued} of the next batch's {batch} groups"))
     }
 
@@ -187,7 +185,7 @@ impl Async {
     /// expected from the last train stage exceeds the measured switch. Logs the decision.
     pub(super) fn consider_lending_rollout(&mut self, publishes: bool) -> R<()> {
         let Some(l) = self.rollout_lending.as_ref() else { return Ok(()) };
-        let own = self.fleet.indices(Role::Trainer).len();
+        let own = self.rig.fleet.indices(Role::Trainer).len();
         let switch = l.switch_s.unwrap_or(f64::INFINITY);
         let gain = l.last_train_s.map(|t| l.gain(t, own));
         let why_not = if !publishes {
@@ -217,7 +215,7 @@ impl Async {
         self.rl().stats.skipped += 1;
         let mut d = json!({"action": "skip_rollout", "reason": reason});
         d.as_object_mut().expect("object").extend(figures.as_object().expect("object").clone());
-        self.rec.log_decision(d);
+        self.rig.rec.log_decision(d);
         Ok(())
     }
 
@@ -226,13 +224,13 @@ impl Async {
     /// weights checksum.
     fn lend_rollout(&mut self, why: Value) -> R<()> {
         let t0 = Instant::now();
-        let span = self.rec.begin("lend_rollout");
+        let span = self.rig.rec.begin("lend_rollout");
         let pairs = self.rl().pairs.clone();
         let (lent, engines): (Vec<usize>, Vec<usize>) = pairs.into_iter().unzip();
-        let trainer = self.fleet.indices(Role::Trainer)[0];
-        let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
-        let file = StateFile { path: self.rec.run_dir().join("trainer-state.bin"), step: self.step() };
-        self.fleet.call_each::<ExportState>(&[trainer], vec![file.clone()])?;
+        let trainer = self.rig.fleet.indices(Role::Trainer)[0];
+        let sum = weights::trainer_checksum(&mut self.rig.fleet, &self.rig.at)?;
+        let file = StateFile { path: self.rig.rec.run_dir().join("trainer-state.bin"), step: self.step() };
+        self.rig.fleet.call_each::<ExportState>(&[trainer], vec![file.clone()])?;
         let state_bytes = std::fs::metadata(&file.path).map(|m| m.len()).unwrap_or(0);
         let engines_held = self.held(&engines)?;
         let import = |f: &mut Fleet, _: &mut Recorder| {
@@ -242,15 +240,15 @@ impl Async {
         };
         let handed = Handover {
             from: &engines,
-            sleep: Sleep { save_state: false, suspend_comms: self.cfg.memory.suspend_communicators },
+            sleep: Sleep { save_state: false, suspend_comms: self.rig.cfg.memory.suspend_communicators },
             to: &lent,
             wake: Wake::Whole { comms: false, load_state: false },
             expect: Some((&sum, "on the lent trainers after they loaded the trainer's state")),
             phases: None,
         }
-        .run(&mut self.fleet, &mut self.rec, import)?;
+        .run(&mut self.rig.fleet, &mut self.rig.rec, import)?;
         let (comms, saver) = (handed.comms_suspended, handed.saver_s);
-        self.rec.end(span, &self.fleet)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.state = State::Asleep;
         }
@@ -267,7 +265,7 @@ impl Async {
         if let (Some(d), Value::Object(w)) = (d.as_object_mut(), why) {
             d.extend(w);
         }
-        self.rec.log_decision(d);
+        self.rig.rec.log_decision(d);
         Ok(())
     }
 
@@ -280,12 +278,12 @@ impl Async {
         };
         let lent_s = since.elapsed().as_secs_f64();
         let t0 = Instant::now();
-        let span = self.rec.begin("reclaim_rollout");
+        let span = self.rig.rec.begin("reclaim_rollout");
         let pairs = self.rl().pairs.clone();
         let (lent, engines): (Vec<usize>, Vec<usize>) = pairs.into_iter().unzip();
-        let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
+        let sum = weights::trainer_checksum(&mut self.rig.fleet, &self.rig.at)?;
         let after_step = "on the lent trainers after the step (their update must equal the trainers')";
-        handover::expect_weights(&mut self.fleet, &mut self.rec, &lent, &sum, after_step)?;
+        handover::expect_weights(&mut self.rig.fleet, &mut self.rig.rec, &lent, &sum, after_step)?;
         let handed = Handover {
             from: &lent,
             sleep: Sleep::default(),
@@ -294,10 +292,10 @@ impl Async {
             expect: None,
             phases: None,
         }
-        .run(&mut self.fleet, &mut self.rec, |_, _| Ok(()))?;
+        .run(&mut self.rig.fleet, &mut self.rig.rec, |_, _| Ok(()))?;
         let saver = handed.saver_s;
         self.expect_held(&engines, &engines_held)?;
-        self.rec.end(span, &self.fleet)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.state = State::Awake;
         }
@@ -310,7 +308,7 @@ impl Async {
         l.stats.saver_s += saver;
         l.stats.lent_device_s += lent_s * devices;
         l.switch_s = Some(l.last_lend_s + seconds);
-        self.rec.log_decision(json!({
+        self.rig.rec.log_decision(json!({
             "action": "reclaim_rollout",
             "reason": "the train stage is done: the engines get their devices back before the weight update",
             "seconds": seconds, "lent_s": lent_s,
@@ -320,8 +318,8 @@ impl Async {
 
     /// The tagged device memory of each of `targets`, from its control socket.
     fn held(&self, targets: &[usize]) -> R<Vec<(String, Held)>> {
-        let names: Vec<&str> = targets.iter().map(|&i| self.fleet.worker(i).name.as_str()).collect();
-        let statuses = self.fleet.statuses()?;
+        let names: Vec<&str> = targets.iter().map(|&i| self.rig.fleet.worker(i).name.as_str()).collect();
+        let statuses = self.rig.fleet.statuses()?;
         let held = |s: &tms_proto::Status| -> Held {
             let tags = s.tags.iter().filter(|t| t.tag != NCCL_TAG);
             tags.map(|t| (t.tag.clone(), t.allocations_active, t.bytes_active)).collect()
@@ -333,7 +331,7 @@ impl Async {
     /// The engines woke with every allocation and byte of device memory they slept with. (Their
     /// contents are the update's to check: the built-in engine keeps no host backup.)
     fn expect_held(&mut self, engines: &[usize], before: &[(String, Held)]) -> R<()> {
-        if !self.rec.checks_enabled() {
+        if !self.rig.rec.checks_enabled() {
             return Ok(());
         }
         for ((name, now), (_, then)) in self.held(engines)?.into_iter().zip(before) {
@@ -344,7 +342,7 @@ impl Async {
                 );
                 return Err(self.fail(crate::run::FailKind::Check, Some(&name), cause));
             }
-            self.rec.count_check();
+            self.rig.rec.count_check();
         }
         Ok(())
     }
@@ -352,7 +350,7 @@ impl Async {
     /// A train stage ended after `seconds` with `replicas` trainers sharing it: what the
     /// trainers alone would have taken, for the next decision.
     pub(super) fn train_stage_done(&mut self, seconds: f64, replicas: usize) {
-        let own = self.fleet.indices(Role::Trainer).len().max(1);
+        let own = self.rig.fleet.indices(Role::Trainer).len().max(1);
         if let Some(l) = self.rollout_lending.as_mut() {
             l.last_train_s = Some(seconds * replicas as f64 / own as f64);
         }

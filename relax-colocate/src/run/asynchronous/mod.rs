@@ -28,30 +28,20 @@ use super::config::{Config, Mode};
 use super::fleet::{Fleet, InFlight};
 use super::handover;
 use super::launch::Plan;
-use super::learn;
-use super::profile::Profile;
 use super::protocol::{self, Init};
 use super::recorder::{Recorder, Span};
+use super::rig::Rig;
 use super::summary::{AsyncSummary, ElasticSummary};
-use super::task::{Addition, Rng};
-use super::{Cursor, FailKind, R, Role, RunError, model, weights};
+use super::task::Rng;
+use super::{FailKind, R, Role, RunError, weights};
 use engine::Engine;
 use queue::{Group, Queue};
 use std::collections::BTreeMap;
-use std::rc::Rc;
 use std::time::Instant;
 use step::{Finished, Training};
 
 pub(super) struct Async {
-    pub(super) cfg: Config,
-    pub(super) at: Rc<Cursor>,
-    task: Addition,
-    shape: model::Shape,
-    pub(super) profile: Profile,
-    api: crate::vendor::ApiKind,
-    pub(super) fleet: Fleet,
-    pub(super) rec: Recorder,
-    pub(super) sync: weights::WeightSync,
+    pub(super) rig: Rig,
     /// The weights the rollout engines hold: how many updates reached them (0: the initial ones).
     version: u64,
     queue: Queue,
@@ -164,18 +154,9 @@ impl Async {
         let rollout_lending = (cfg.run.mode == Mode::Elastic && cfg.elastic.lend_rollout)
             .then(|| lend_rollout::RolloutLending::new(&fleet));
         let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
-        let sync = weights::WeightSync::new(cfg, &plan, &fleet);
         Async {
-            sync,
-            cfg: cfg.clone(),
-            at: rec.cursor(),
-            task: plan.task,
-            shape: plan.shape,
-            profile: plan.profile,
-            api: plan.api,
             engines: engines.collect(),
-            fleet,
-            rec,
+            rig: Rig::new(cfg, plan, fleet, rec),
             version: 0,
             queue: Queue::default(),
             groups_per_request,
@@ -192,34 +173,34 @@ impl Async {
     }
 
     fn step(&self) -> u64 {
-        self.at.step()
+        self.rig.at.step()
     }
 
     fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
-        self.at.fail(kind, worker, cause)
+        self.rig.at.fail(kind, worker, cause)
     }
 
     fn max_staleness(&self) -> u64 {
-        self.cfg.asynchronous.max_staleness.max(0) as u64
+        self.rig.cfg.asynchronous.max_staleness.max(0) as u64
     }
 
     /// Groups queued and being generated before an engine waits (back-pressure): Relax's
     /// batch x (max_staleness + 1) unless async.queue_groups says otherwise.
     fn capacity(&self) -> usize {
-        match self.cfg.asynchronous.queue_groups {
-            0 => self.cfg.rollout.prompts_per_step * (self.max_staleness() as usize + 1),
+        match self.rig.cfg.asynchronous.queue_groups {
+            0 => self.rig.cfg.rollout.prompts_per_step * (self.max_staleness() as usize + 1),
             n => n as usize,
         }
     }
 
     fn segment(&self) -> Option<usize> {
-        Some(self.cfg.asynchronous.segment_tokens as usize).filter(|s| *s > 0)
+        Some(self.rig.cfg.asynchronous.segment_tokens as usize).filter(|s| *s > 0)
     }
 
     /// Whether generation runs in segments (of tokens, of modelled time, or both), or each
     /// request runs its sequences to the end.
     fn partial(&self) -> bool {
-        self.segment().is_some() || self.cfg.segment_budget().is_some()
+        self.segment().is_some() || self.rig.cfg.segment_budget().is_some()
     }
 
     /// The whole run: setup, then trainer steps until run.steps, the engines generating meanwhile.
@@ -230,8 +211,8 @@ impl Async {
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.start_idle();
         }
-        let steps = self.cfg.run.steps;
-        let per_update = self.cfg.asynchronous.train_iters_per_update;
+        let steps = self.rig.cfg.run.steps;
+        let per_update = self.rig.cfg.asynchronous.train_iters_per_update;
         let mut job: Option<Training> = None;
         let mut trainer_idle_since = Some(Instant::now());
         let mut since_update = 0;
@@ -244,8 +225,8 @@ impl Async {
                     if let Some(t) = trainer_idle_since.take() {
                         self.window.trainer_idle_s += t.elapsed().as_secs_f64();
                     }
-                    self.at.set_step(self.step() + 1);
-                    self.rec.new_step();
+                    self.rig.at.set_step(self.step() + 1);
+                    self.rig.rec.new_step();
                     job = Some(self.start_job(batch, since_update + 1 == per_update)?);
                 } else {
                     self.consider_lending(trainer_idle_since, since_update)?;
@@ -258,7 +239,7 @@ impl Async {
             // else is under way.
             if before_update.is_some() && self.engines.iter().all(|e| !e.generating()) {
                 if let Some((span, t0)) = pausing.take() {
-                    self.rec.end(span, &self.fleet)?;
+                    self.rig.rec.end(span, &self.rig.fleet)?;
                     let flush = t0.elapsed().as_secs_f64();
                     self.window.flush_s += flush;
                     self.totals.flush_s.push(flush);
@@ -271,7 +252,7 @@ impl Async {
             }
             let generating = self.engines.iter().any(Engine::generating);
             if job.is_none() && before_update.is_none() && self.step() >= steps && !generating {
-                return self.sync.leave(&mut self.fleet, &mut self.rec);
+                return self.rig.sync.leave(&mut self.rig.fleet, &mut self.rig.rec);
             }
             if job.is_none() && !generating {
                 // Nothing under way and nothing to start: the queue can never fill.
@@ -284,7 +265,7 @@ impl Async {
                 if since_update == per_update {
                     since_update = 0;
                     before_update = Some(done);
-                    pausing = Some((self.rec.begin("pause_generation"), Instant::now()));
+                    pausing = Some((self.rig.rec.begin("pause_generation"), Instant::now()));
                 } else {
                     self.write_row(done);
                     trainer_idle_since = Some(Instant::now());
@@ -300,9 +281,9 @@ impl Async {
             format!(
                 "{} mode stalled: {} group(s) queued, the trainer needs {} and no engine may start more \
                  (async.queue_groups too small?)",
-                self.cfg.run.mode.as_str(),
+                self.rig.cfg.run.mode.as_str(),
                 self.queue.len(),
-                self.cfg.rollout.prompts_per_step
+                self.rig.cfg.rollout.prompts_per_step
             ),
         )
     }
@@ -323,7 +304,7 @@ impl Async {
         self.retire_stuck()?;
         let first_in_flight = self.first_in_flight();
         let batch = self.queue.take_batch(
-            self.cfg.rollout.prompts_per_step,
+            self.rig.cfg.rollout.prompts_per_step,
             self.version,
             self.max_staleness(),
             first_in_flight,
@@ -341,30 +322,29 @@ impl Async {
     /// elastic mode the lent engines start beside the regular ones and sleep before the trainers
     /// start on their devices, and one lend and reclaim measure what switching costs.
     fn setup(&mut self) -> R<()> {
-        let max_batch = self.groups_per_request * self.cfg.rollout.samples_per_prompt;
+        let max_batch = self.groups_per_request * self.rig.cfg.rollout.samples_per_prompt;
         if self.rollout_lending.is_some() {
             self.lent_trainers_setup(max_batch)?;
         }
         for (role, phase) in [(Role::Rollout, "init_rollout"), (Role::Trainer, "init_trainer")] {
-            let span = self.rec.begin(phase);
-            let mut targets = self.fleet.indices(role);
-            let mut params =
-                learn::init_params(&self.cfg, &self.fleet, role, self.api, self.shape, &self.profile, max_batch);
+            let span = self.rig.rec.begin(phase);
+            let mut targets = self.rig.fleet.indices(role);
+            let mut params = self.rig.init_params(role, max_batch);
             if role == Role::Rollout {
-                let lent = self.fleet.lent_engines();
-                let device = |i: usize| self.fleet.worker(i).device;
+                let lent = self.rig.fleet.lent_engines();
+                let device = |i: usize| self.rig.fleet.worker(i).device;
                 let like = params[0].clone();
                 params.extend(lent.iter().map(|&i| protocol::InitParams { device: device(i), ..like.clone() }));
                 targets.extend(lent);
             }
-            self.fleet.call_each::<Init>(&targets, params)?;
-            self.fleet.find_control_sockets_of(&targets)?;
-            self.rec.end(span, &self.fleet)?;
+            self.rig.fleet.call_each::<Init>(&targets, params)?;
+            self.rig.fleet.find_control_sockets_of(&targets)?;
+            self.rig.rec.end(span, &self.rig.fleet)?;
             if role == Role::Rollout && self.lending.is_some() {
                 self.lent_offload()?;
             }
         }
-        self.sync.join(&mut self.fleet, &mut self.rec)?;
+        self.rig.sync.join(&mut self.rig.fleet, &mut self.rig.rec)?;
         if self.rollout_lending.is_some() {
             self.calibrate_rollout_lend()?;
         }
@@ -377,15 +357,15 @@ impl Async {
 
     /// The trainer's weights to every engine, checked there.
     fn transfer_weights(&mut self, when: &str) -> R<()> {
-        let span = self.rec.begin("update_weights");
+        let span = self.rig.rec.begin("update_weights");
         let t0 = Instant::now();
-        let sum = weights::trainer_checksum(&mut self.fleet, &self.at)?;
-        let moved = self.sync.transfer(&mut self.fleet, &self.at, &mut self.rec, self.version + 1)?;
-        self.rec.end(span, &self.fleet)?;
+        let sum = weights::trainer_checksum(&mut self.rig.fleet, &self.rig.at)?;
+        let moved = self.rig.sync.transfer(&mut self.rig.fleet, &self.rig.at, &mut self.rig.rec, self.version + 1)?;
+        self.rig.rec.end(span, &self.rig.fleet)?;
         self.totals.update_s += t0.elapsed().as_secs_f64();
         self.totals.update_bytes += moved.bytes;
-        let rollouts = self.fleet.indices(Role::Rollout);
-        handover::expect_weights(&mut self.fleet, &mut self.rec, &rollouts, &sum, when)
+        let rollouts = self.rig.fleet.indices(Role::Rollout);
+        handover::expect_weights(&mut self.rig.fleet, &mut self.rig.rec, &rollouts, &sum, when)
     }
 
     /// A new weight version: the trainer's weights after its last step reach every engine, whose
@@ -408,7 +388,7 @@ impl Async {
             if let Some(j) = job.as_ref() {
                 waiting.extend(j.job.requests().iter());
             }
-            let Some(k) = self.fleet.wait_any_until(&waiting, until)? else {
+            let Some(k) = self.rig.fleet.wait_any_until(&waiting, until)? else {
                 return Ok(None);
             };
             if k < engines { Answer::Engine(k) } else { Answer::Trainer(k - engines) }
@@ -437,19 +417,19 @@ impl Async {
         let wall = t.started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
         let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
-        let split = self.cfg.mode_layout().ok().flatten();
+        let split = self.rig.cfg.mode_layout().ok().flatten();
         let elastic = self.lending.as_ref().map(|l| ElasticSummary {
             rollout_lend: self.rollout_lending.as_ref().map(|r| r.summary(wall, t.rollout_idle_s, self.own_engines())),
-            ..l.summary(&self.cfg, wall, t.trainer_idle_s, t.flush_total_s)
+            ..l.summary(&self.rig.cfg, wall, t.trainer_idle_s, t.flush_total_s)
         });
         AsyncSummary {
             mode: if elastic.is_some() { "elastic" } else { "async" }.into(),
             trainer_devices: split.as_ref().map(|s| s.trainer.clone()),
             rollout_devices: split.as_ref().map(|s| s.rollout.clone()),
             max_staleness: self.max_staleness(),
-            train_iters_per_update: self.cfg.asynchronous.train_iters_per_update,
+            train_iters_per_update: self.rig.cfg.asynchronous.train_iters_per_update,
             queue_capacity_groups: self.capacity(),
-            segment_tokens: self.cfg.asynchronous.segment_tokens,
+            segment_tokens: self.rig.cfg.asynchronous.segment_tokens,
             samples_trained: t.samples_trained,
             samples_per_s: per_s(t.samples_trained),
             tokens_per_s: per_s(t.tokens_trained),
@@ -460,7 +440,7 @@ impl Async {
             weight_updates: t.updates,
             update_weights_s: t.update_s,
             update_weights_bytes: t.update_bytes,
-            segment_s: self.cfg.segment_budget(),
+            segment_s: self.rig.cfg.segment_budget(),
             segments_ended_mid_token: t.segments_mid_token,
             trainer_idle_ratio: ratio(t.trainer_idle_s + t.flush_total_s),
             trainer_wait_ratio: ratio(t.trainer_idle_s),
@@ -469,7 +449,7 @@ impl Async {
             flush_s_max: t.flush_s.iter().copied().reduce(f64::max),
             rollout_idle_ratio: if wall > 0.0 { t.rollout_idle_s / (wall * self.own_engines() as f64) } else { 0.0 },
             elastic,
-            transport: self.sync.summary(),
+            transport: self.rig.sync.summary(),
         }
     }
 }

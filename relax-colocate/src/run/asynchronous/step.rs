@@ -59,9 +59,9 @@ impl Async {
                 ),
             ));
         }
-        self.rec.count_check();
+        self.rig.rec.count_check();
         self.training_groups = groups.len();
-        let job = Job::new(samples, learn::batch_token_scale(&self.cfg, &scaled));
+        let job = Job::new(samples, learn::batch_token_scale(&self.rig.cfg, &scaled));
         let mut training = Training { job, staleness, spans, publishes };
         self.submit_stage(&mut training)?;
         Ok(training)
@@ -70,33 +70,33 @@ impl Async {
     /// Sends the job's current stage to every trainer (and, for the train stage with
     /// elastic.lend_rollout, to the lent trainers when the engines' devices are lent).
     fn submit_stage(&mut self, t: &mut Training) -> R<()> {
-        let mut targets = self.fleet.indices(Role::Trainer);
+        let mut targets = self.rig.fleet.indices(Role::Trainer);
         if t.job.stage() == Stage::Train && self.rollout_lending.is_some() {
             self.consider_lending_rollout(t.publishes)?;
             targets.extend(self.rollout_lending.as_ref().map(|l| l.lent_trainers()).unwrap_or_default());
         }
         // With elastic.lend_rollout every train request says its replicas, lent or not.
         let replicas = self.rollout_lending.is_some().then_some(targets.len() as f64);
-        t.job.submit(&self.cfg, &mut self.fleet, &mut self.rec, &targets, replicas)
+        t.job.submit(&self.rig.cfg, &mut self.rig.fleet, &mut self.rig.rec, &targets, replicas)
     }
 
     /// The `nth` of the job's requests answered: read it; when every trainer has, the stage ends
     /// and the next begins. Returns the finished batch after training.
     pub(super) fn advance(&mut self, t: &mut Training, nth: usize) -> R<Option<Finished>> {
-        if !t.job.take_reply(&mut self.fleet, &mut self.rec, nth)? {
+        if !t.job.take_reply(&mut self.rig.fleet, &mut self.rig.rec, nth)? {
             return Ok(None);
         }
         if t.job.stage() == Stage::Train {
-            let seconds = self.rec.step_times().get("actor_train").copied().unwrap_or(0.0);
+            let seconds = self.rig.rec.step_times().get("actor_train").copied().unwrap_or(0.0);
             self.train_stage_done(seconds, t.job.replicas());
             self.reclaim_rollout()?;
         }
-        if t.job.next_stage(&self.cfg, &self.task, &mut self.fleet, &mut self.rec)?.is_some() {
+        if t.job.next_stage(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec)?.is_some() {
             self.submit_stage(t)?;
             return Ok(None);
         }
         self.training_groups = 0;
-        let trained = t.job.finish(&self.cfg, &self.task);
+        let trained = t.job.finish(&self.rig.cfg, &self.rig.task);
         let (staleness, spans) = (std::mem::take(&mut t.staleness), std::mem::take(&mut t.spans));
         Ok(Some(Finished { trained, staleness, spans }))
     }
@@ -114,7 +114,7 @@ impl Async {
         let (trainer_idle, rollout_idle) = (self.window.trainer_idle_s, self.window.rollout_idle_s);
         let flush = self.window.flush_s;
         let times = StepTimes { step_s: wall, wait_s: trainer_idle, wall_s: wall };
-        let mut row = job::step_row(&self.cfg, &self.task, &self.rec, &d.trained, times);
+        let mut row = job::step_row(&self.rig.cfg, &self.rig.task, &self.rig.rec, &d.trained, times);
         row.set("perf/flush_time", flush);
         if wall > 0.0 {
             // The flush idles the trainer's devices as surely as waiting for a batch does.
@@ -138,7 +138,7 @@ impl Async {
         row.set("partial/max_partial_span", d.spans.iter().copied().max().unwrap_or(0) as f64);
         row.set("fully_async/weight_version", self.version as f64);
         row.set("fully_async/queue_groups", self.queue.len() as f64);
-        self.rec.record_step(&row);
+        self.rig.rec.record_step(&row);
         let tot = &mut self.totals;
         tot.samples_trained += d.trained.samples.len() as u64;
         tot.tokens_trained += d.trained.samples.iter().map(|s| s.response.len() as u64).sum::<u64>();

@@ -13,45 +13,48 @@ use std::time::Instant;
 impl Colocate {
     /// One step of the colocated cycle, phases in slime's order.
     pub(in crate::run) fn rl_step(&mut self, rng: &mut Rng) -> R<()> {
-        self.rec.new_step();
+        self.rig.rec.new_step();
         let wall = Instant::now();
         let prompts = self.prompts(rng);
         let samples = self.phase("generate", |r| r.generate(&prompts))?;
-        if self.cfg.run.offload {
+        if self.rig.cfg.run.offload {
             self.wake_trainer()?;
         }
         let trainers = self.indices(Role::Trainer);
         let job = Job::new(samples, self.token_scale());
-        let trained = job.run_to_end(&self.cfg, &self.task, &mut self.fleet, &mut self.rec, &trainers)?;
+        let trained =
+            job.run_to_end(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec, &trainers)?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;
         self.write_metrics(&trained, wall.elapsed().as_secs_f64());
         Ok(())
     }
 
     fn prompts(&self, rng: &mut Rng) -> Vec<Vec<u32>> {
-        let lim = self.task.operand_limit();
-        (0..self.cfg.rollout.prompts_per_step).map(|_| self.task.prompt(rng.below(lim), rng.below(lim))).collect()
+        let lim = self.rig.task.operand_limit();
+        (0..self.rig.cfg.rollout.prompts_per_step)
+            .map(|_| self.rig.task.prompt(rng.below(lim), rng.below(lim)))
+            .collect()
     }
 
     /// The modelled tokens per task token of this step's samples, which the weights of the
     /// previous step generate (compute.token_scale_final); None: init's.
     pub(super) fn token_scale(&self) -> Option<f64> {
-        self.cfg.token_scale_at(self.step().saturating_sub(1) as f64)
+        self.rig.cfg.token_scale_at(self.step().saturating_sub(1) as f64)
     }
 
     /// Each rollout takes a contiguous shard of the prompts, so groups stay contiguous.
     fn generate(&mut self, prompts: &[Vec<u32>]) -> R<Vec<Sample>> {
         let rollouts = self.indices(Role::Rollout);
         let shard = prompts.len() / rollouts.len();
-        let n = self.cfg.rollout.samples_per_prompt;
+        let n = self.rig.cfg.rollout.samples_per_prompt;
         let params = (0..rollouts.len())
             .map(|k| GenerateParams {
                 prompts: prompts[k * shard..(k + 1) * shard].to_vec(),
                 n,
-                max_new_tokens: self.task.max_new_tokens(),
-                temperature: self.cfg.rollout.temperature,
+                max_new_tokens: self.rig.task.max_new_tokens(),
+                temperature: self.rig.cfg.rollout.temperature,
                 eos: Some(task::EOS),
-                seed: self.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.step() << 8) ^ k as u64,
+                seed: self.rig.cfg.run.seed.wrapping_mul(1_000_003) ^ (self.step() << 8) ^ k as u64,
                 step: self.step(),
                 responses: Vec::new(),
                 segment_tokens: None,
@@ -66,7 +69,7 @@ impl Colocate {
         let replies = self.call_each::<Generate>(&rollouts, params)?;
         let mut all = Vec::new();
         for ((k, &i), reply) in rollouts.iter().enumerate().zip(replies) {
-            let name = self.fleet.worker(i).name.clone();
+            let name = self.rig.fleet.worker(i).name.clone();
             if reply.samples.len() != shard * n {
                 let cause = format!("generate returned {} samples, expected {}", reply.samples.len(), shard * n);
                 return Err(self.fail(FailKind::Worker, Some(&name), cause));
@@ -91,11 +94,11 @@ impl Colocate {
             from: &rollouts,
             sleep: Sleep::default(),
             to: &trainers,
-            wake: Wake::Whole { comms, load_state: !self.cfg.memory.backup },
+            wake: Wake::Whole { comms, load_state: !self.rig.cfg.memory.backup },
             expect: Some((&expected, "after wake_up")),
             phases: Some(Phases { sleep: "rollout_offload", wake: "wake_up", cargo: None, finish: "" }),
         }
-        .run(&mut self.fleet, &mut self.rec, |_, _| Ok(()))
+        .run(&mut self.rig.fleet, &mut self.rig.rec, |_, _| Ok(()))
         .map(drop)
     }
 }
