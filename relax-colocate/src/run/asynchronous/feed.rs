@@ -175,7 +175,7 @@ impl Async {
     fn mark_sent(&mut self, k: usize, request: InFlight, order: Vec<Slot>) {
         let e = &mut self.engines[k];
         let idle = e.send(request, order, self.version);
-        self.window.add_engine_idle(e.lent, idle);
+        self.accounts.engine_idle(e.lent, idle);
     }
 
     /// Engine `k`'s segment: its tokens join their sequences under the current version; finished
@@ -189,7 +189,7 @@ impl Async {
         let reply: GenerateReply = self.rig.fleet.collect::<Generate>(request)?;
         self.rig.at.set_phase(&phase);
         if self.step() >= self.rig.cfg.run.steps {
-            self.totals.replies_after_last_batch += 1;
+            self.accounts.reply_after_last_batch();
         }
         let at = self.rig.at.clone();
         let bad = |cause: String| at.fail(FailKind::Worker, Some(&name), cause);
@@ -233,7 +233,7 @@ impl Async {
                 return Err(bad("generate returned an empty response".into()));
             }
         }
-        self.totals.segments_mid_token += u64::from(mid_token);
+        self.accounts.segment_ended(mid_token);
         // A lent engine idles only while lent: once the reclaim begins it takes no more work.
         let lent_now = self.lending.as_ref().is_some_and(lend::Lending::lent);
         let e = &mut self.engines[k];

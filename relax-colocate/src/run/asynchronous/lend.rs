@@ -11,9 +11,10 @@
 //! lend is skipped when the groups' completion rate says the batch will be ready sooner than a
 //! switch would take.
 
+use super::Async;
+use super::accounts::Window;
 use super::engine::State as EngineState;
 use super::queue::Group;
-use super::{Async, Window};
 use crate::run::config::Config;
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
@@ -345,8 +346,7 @@ impl Async {
             e.start_idle();
         }
         let seconds = t0.elapsed().as_secs_f64();
-        self.window.switch_s += seconds;
-        self.window.lends += 1;
+        self.accounts.lent(seconds);
         let l = self.lending_mut();
         l.trainer_sum = Some(sum);
         l.state = State::Lent { since: Instant::now() };
@@ -372,7 +372,7 @@ impl Async {
         if let State::Lent { since } = l.state {
             let lent = since.elapsed().as_secs_f64();
             l.stats.lent_s += lent;
-            self.window.lent_s += lent;
+            self.accounts.lend_lasted(lent);
         }
         self.lending_mut().state = State::Reclaiming { since: Instant::now(), batch };
     }
@@ -381,7 +381,8 @@ impl Async {
     /// while lent ends.
     fn close_lent_idle(&mut self) {
         for k in self.lent_slots() {
-            self.window.lent_idle_s += self.engines[k].stop_idle();
+            let idle = self.engines[k].stop_idle();
+            self.accounts.engine_idle(true, idle);
         }
     }
 
@@ -412,7 +413,8 @@ impl Async {
             let e = &mut self.engines[k];
             // Its request's answer is never read.
             e.state = EngineState::Retired;
-            self.window.lent_idle_s += e.stop_idle();
+            let idle = e.stop_idle();
+            self.accounts.engine_idle(true, idle);
             let groups = std::mem::take(&mut e.groups);
             self.orphans.extend(groups);
             self.orphans.sort_by_key(|g| g.started);
@@ -488,7 +490,7 @@ impl Async {
         self.lending_mut().stats.saver_s += handed.saver_s;
         self.rig.rec.end(span, &self.rig.fleet)?;
         let seconds = t0.elapsed().as_secs_f64();
-        self.window.switch_s += seconds;
+        self.accounts.reclaimed(seconds);
         let l = self.lending_mut();
         let batch = match std::mem::replace(&mut l.state, State::Home) {
             State::Reclaiming { batch, .. } => batch,
@@ -506,7 +508,7 @@ impl Async {
 
     /// The step's lending figures (elastic mode).
     pub(super) fn lending_row(&self, row: &mut Row, wall: f64) {
-        let w: &Window = &self.window;
+        let w: &Window = &self.accounts.window;
         row.set("elastic/lends", w.lends as f64);
         row.set("elastic/lent_time", w.lent_s);
         row.set("elastic/switch_time", w.switch_s);

@@ -12,8 +12,9 @@
 //! only the update that follows gives it weights again. Its queue being full, it would not have
 //! generated anything during the step.
 
+use super::Async;
+use super::accounts::Window;
 use super::engine::State;
-use super::{Async, Window};
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
@@ -253,8 +254,7 @@ impl Async {
             e.state = State::Asleep;
         }
         let seconds = t0.elapsed().as_secs_f64();
-        self.window.rollout_switch_s += seconds;
-        self.window.rollout_lends += 1;
+        self.accounts.rollout_lent(seconds);
         let l = self.rl();
         l.lent = Some(Lent { since: Instant::now(), comms, engines_held });
         l.last_lend_s = seconds;
@@ -301,8 +301,7 @@ impl Async {
         }
         let seconds = t0.elapsed().as_secs_f64();
         let devices = lent.len() as f64;
-        self.window.rollout_switch_s += seconds;
-        self.window.rollout_lent_s += lent_s * devices;
+        self.accounts.rollout_reclaimed(seconds, lent_s * devices);
         let l = self.rl();
         l.stats.reclaim_s += seconds;
         l.stats.saver_s += saver;
@@ -359,7 +358,7 @@ impl Async {
     /// The step's reverse-lending figures; `rollout_idle`: the engines' idle seconds this
     /// window, all of them, lent time included.
     pub(super) fn rollout_lending_row(&self, row: &mut Row, wall: f64, rollout_idle: f64) {
-        let w: &Window = &self.window;
+        let w: &Window = &self.accounts.window;
         row.set("elastic/rollout_lends", w.rollout_lends as f64);
         row.set("elastic/rollout_lent_time", w.rollout_lent_s);
         row.set("elastic/rollout_switch_time", w.rollout_switch_s);

@@ -17,6 +17,7 @@
 //! Here: the driver's loop, setup and the weight updates; feed.rs feeds the engines and takes
 //! their segments in; step.rs runs the trainer's stages over a batch and writes the step's row.
 
+mod accounts;
 mod engine;
 mod feed;
 mod lend;
@@ -34,9 +35,9 @@ use super::rig::Rig;
 use super::summary::{AsyncSummary, ElasticSummary};
 use super::task::Rng;
 use super::{FailKind, R, Role, RunError, weights};
+use accounts::Accounts;
 use engine::Engine;
 use queue::{Group, Queue};
-use std::collections::BTreeMap;
 use std::time::Instant;
 use step::{Finished, Training};
 
@@ -54,88 +55,14 @@ pub(super) struct Async {
     requests: u64,
     /// Groups started so far: the next one's place in the start order.
     groups_started: u64,
-    totals: Totals,
-    /// Since the last metrics row: time the trainer waited for a batch, and the engines' idle time.
-    window: Window,
+    /// The step's window and the run's totals (time waited, idle, lent, switched; samples).
+    accounts: Accounts,
     /// Elastic mode's lending (None in async mode).
     lending: Option<lend::Lending>,
     /// elastic.lend_rollout: the reverse, the engines' devices lent to the trainer.
     rollout_lending: Option<lend_rollout::RolloutLending>,
     /// Unfinished groups a reclaimed lent engine left: any engine continues them, before new ones.
     orphans: Vec<Group>,
-}
-
-/// Over the whole run, for the summary.
-#[derive(Default)]
-struct Totals {
-    samples_trained: u64,
-    tokens_trained: u64,
-    /// Trained samples per staleness (versions between their oldest token and the weights then).
-    staleness: BTreeMap<u64, u64>,
-    partial_samples: u64,
-    updates: u64,
-    update_s: f64,
-    update_bytes: u64,
-    trainer_idle_s: f64,
-    /// The flushes that ended a written step's window (the rows' `perf/flush_time`).
-    flush_total_s: f64,
-    rollout_idle_s: f64,
-    /// Generate replies that came after the trainer took its last batch: the segments then in
-    /// flight, none started since.
-    replies_after_last_batch: u64,
-    /// Segments async.segment_s ended part-way through a token of at least one sequence.
-    segments_mid_token: u64,
-    /// Each update's flush: the trainer's step done, the engines finishing their segments.
-    flush_s: Vec<f64>,
-    started: Option<Instant>,
-}
-
-struct Window {
-    start: Instant,
-    trainer_idle_s: f64,
-    rollout_idle_s: f64,
-    /// The update's flush (Relax's pause): the trainer's devices wait for the engines' segments.
-    flush_s: f64,
-    /// Elastic mode: of the trainer's idle time, what its devices spent lent (generating) and
-    /// switching (lends and reclaims).
-    lent_s: f64,
-    /// Elastic mode: seconds the lent engines, awake and lent, had no request (all of them).
-    lent_idle_s: f64,
-    switch_s: f64,
-    lends: u64,
-    /// elastic.lend_rollout: the engines' devices' lends, their switches (lends and reclaims),
-    /// and the seconds they trained, each device counted.
-    rollout_lends: u64,
-    rollout_switch_s: f64,
-    rollout_lent_s: f64,
-}
-
-impl Window {
-    /// An engine's idle seconds, in the share of its kind: an engine of its own device, or a
-    /// lent one (whose idle time counts only while lent).
-    fn add_engine_idle(&mut self, lent: bool, seconds: f64) {
-        if lent {
-            self.lent_idle_s += seconds;
-        } else {
-            self.rollout_idle_s += seconds;
-        }
-    }
-
-    fn new() -> Window {
-        Window {
-            start: Instant::now(),
-            trainer_idle_s: 0.0,
-            rollout_idle_s: 0.0,
-            flush_s: 0.0,
-            lent_s: 0.0,
-            lent_idle_s: 0.0,
-            switch_s: 0.0,
-            lends: 0,
-            rollout_lends: 0,
-            rollout_switch_s: 0.0,
-            rollout_lent_s: 0.0,
-        }
-    }
 }
 
 /// Which kind of request answered, by its position among those waited on.
@@ -164,8 +91,7 @@ impl Async {
             rng: Rng::new(cfg.run.seed ^ 0xDA7A),
             requests: 0,
             groups_started: 0,
-            totals: Totals::default(),
-            window: Window::new(),
+            accounts: Accounts::new(),
             lending,
             rollout_lending,
             orphans: Vec::new(),
@@ -206,8 +132,7 @@ impl Async {
     /// The whole run: setup, then trainer steps until run.steps, the engines generating meanwhile.
     pub(super) fn run(&mut self) -> R<()> {
         self.setup()?;
-        self.totals.started = Some(Instant::now());
-        self.window = Window::new();
+        self.accounts.start();
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.start_idle();
         }
@@ -223,7 +148,7 @@ impl Async {
             if job.is_none() && before_update.is_none() && self.step() < steps {
                 if let Some(batch) = self.next_batch()? {
                     if let Some(t) = trainer_idle_since.take() {
-                        self.window.trainer_idle_s += t.elapsed().as_secs_f64();
+                        self.accounts.trainer_waited(t.elapsed().as_secs_f64());
                     }
                     self.rig.at.set_step(self.step() + 1);
                     self.rig.rec.new_step();
@@ -241,8 +166,7 @@ impl Async {
                 if let Some((span, t0)) = pausing.take() {
                     self.rig.rec.end(span, &self.rig.fleet)?;
                     let flush = t0.elapsed().as_secs_f64();
-                    self.window.flush_s += flush;
-                    self.totals.flush_s.push(flush);
+                    self.accounts.flushed(flush);
                 }
                 self.update_weights()?;
                 let done = before_update.take().expect("checked");
@@ -362,8 +286,7 @@ impl Async {
         let sum = weights::trainer_checksum(&mut self.rig.fleet, &self.rig.at)?;
         let moved = self.rig.sync.transfer(&mut self.rig.fleet, &self.rig.at, &mut self.rig.rec, self.version + 1)?;
         self.rig.rec.end(span, &self.rig.fleet)?;
-        self.totals.update_s += t0.elapsed().as_secs_f64();
-        self.totals.update_bytes += moved.bytes;
+        self.accounts.weights_moved(t0.elapsed().as_secs_f64(), moved.bytes);
         let rollouts = self.rig.fleet.indices(Role::Rollout);
         handover::expect_weights(&mut self.rig.fleet, &mut self.rig.rec, &rollouts, &sum, when)
     }
@@ -374,7 +297,7 @@ impl Async {
         let next = self.version + 1;
         self.transfer_weights(&format!("on every rollout engine after update_weights (version {next})"))?;
         self.version = next;
-        self.totals.updates += 1;
+        self.accounts.published();
         Ok(())
     }
 
@@ -413,7 +336,7 @@ impl Async {
 
     /// The summary's `async` block: throughput, both sides' idle shares, staleness, the updates.
     pub(super) fn summary(&self) -> AsyncSummary {
-        let t = &self.totals;
+        let t = &self.accounts.totals;
         let wall = t.started.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
         let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };

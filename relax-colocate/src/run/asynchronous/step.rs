@@ -3,8 +3,9 @@
 //! async's account of it: the trainer's wait for a batch, the flush, staleness and partial
 //! rollouts.
 
+use super::Async;
+use super::accounts::Batch;
 use super::queue::Group;
-use super::{Async, Window};
 use crate::run::job::{self, Job, Stage, StepTimes, Trained};
 use crate::run::learn::{self, Sample};
 use crate::run::metrics::mean;
@@ -104,15 +105,15 @@ impl Async {
     /// The step's row: the trainer's phases, both sides' idle shares, staleness and partial
     /// rollouts (verl's names), and the batch's rollout and training metrics.
     pub(super) fn write_row(&mut self, d: Finished) {
-        let wall = self.window.start.elapsed().as_secs_f64();
+        let wall = self.accounts.window.start.elapsed().as_secs_f64();
         let now = Instant::now();
         for e in self.engines.iter_mut() {
             // An idle engine's time so far counts in this window; the next starts now.
             let idle = e.roll_idle(now);
-            self.window.add_engine_idle(e.lent, idle);
+            self.accounts.engine_idle(e.lent, idle);
         }
-        let (trainer_idle, rollout_idle) = (self.window.trainer_idle_s, self.window.rollout_idle_s);
-        let flush = self.window.flush_s;
+        let w = &self.accounts.window;
+        let (trainer_idle, rollout_idle, flush) = (w.trainer_idle_s, w.rollout_idle_s, w.flush_s);
         let times = StepTimes { step_s: wall, wait_s: trainer_idle, wall_s: wall };
         let mut row = job::step_row(&self.rig.cfg, &self.rig.task, &self.rig.rec, &d.trained, times);
         row.set("perf/flush_time", flush);
@@ -139,20 +140,12 @@ impl Async {
         row.set("fully_async/weight_version", self.version as f64);
         row.set("fully_async/queue_groups", self.queue.len() as f64);
         self.rig.rec.record_step(&row);
-        let tot = &mut self.totals;
-        tot.samples_trained += d.trained.samples.len() as u64;
-        tot.tokens_trained += d.trained.samples.iter().map(|s| s.response.len() as u64).sum::<u64>();
-        for s in &d.staleness {
-            *tot.staleness.entry(*s).or_default() += 1;
-        }
-        tot.partial_samples += partial as u64;
-        tot.trainer_idle_s += trainer_idle;
-        tot.flush_total_s += flush;
-        tot.rollout_idle_s += rollout_idle;
-        let lent_idle = self.window.lent_idle_s;
+        let samples = &d.trained.samples;
+        let tokens = samples.iter().map(|s| s.response.len() as u64).sum::<u64>();
+        let batch = Batch { samples: samples.len() as u64, tokens, staleness: &d.staleness, partial: partial as u64 };
+        let closed = self.accounts.close_window(batch);
         if let Some(l) = self.lending.as_mut() {
-            l.add_lent_idle(lent_idle);
+            l.add_lent_idle(closed.lent_idle_s);
         }
-        self.window = Window::new();
     }
 }
