@@ -11,7 +11,7 @@ impl Recorder {
     /// A check the driver made itself passed (e.g. no sample over the staleness bound trained on).
     pub(in crate::run) fn count_check(&mut self) {
         if self.cfg.run.checks {
-            self.checks_passed += 1;
+            self.checks.passed += 1;
         }
     }
 
@@ -31,7 +31,7 @@ impl Recorder {
                 );
                 return Err(self.fail(FailKind::Check, Some(name), cause));
             }
-            self.checks_passed += 1;
+            self.checks.passed += 1;
         }
         Ok(())
     }
@@ -53,7 +53,7 @@ impl Recorder {
                     format!("weights checksum {when} is {sum}, expected {expected}: the weights were not preserved");
                 return Err(self.fail(FailKind::Check, Some(name), cause));
             }
-            self.checks_passed += 1;
+            self.checks.passed += 1;
         }
         Ok(())
     }
@@ -62,20 +62,20 @@ impl Recorder {
     /// device; with elastic.lend_rollout also a lent trainer and the engine it sits beside), for
     /// `check_one_holder` at every phase boundary.
     pub(in crate::run) fn add_shared_devices(&mut self, pairs: Vec<(String, String)>) {
-        self.shared_devices.extend(pairs);
+        self.checks.shared_devices.extend(pairs);
     }
 
     /// On a device one side lends, its worker and the lent one never both hold their tagged
     /// memory: one of them is asleep at every phase boundary, and the device is never over its
     /// capacity. Communicator buffers are not tagged memory and stay out of it.
     pub(super) fn check_one_holder(&mut self, s: &MemSample) -> R<()> {
-        if !self.cfg.run.checks || self.shared_devices.is_empty() {
+        if !self.cfg.run.checks || self.checks.shared_devices.is_empty() {
             return Ok(());
         }
         let held = |name: &str| -> u64 {
             s.workers.get(name).map_or(0, |tags| tags.iter().filter(|(t, _)| *t != NCCL_TAG).map(|(_, b)| b).sum())
         };
-        for (trainer, engine) in &self.shared_devices {
+        for (trainer, engine) in &self.checks.shared_devices {
             let (t, e) = (held(trainer), held(engine));
             if t > 0 && e > 0 {
                 let cause = format!(
@@ -87,7 +87,7 @@ impl Recorder {
                 );
                 return Err(self.fail(FailKind::Check, None, cause));
             }
-            self.checks_passed += 1;
+            self.checks.passed += 1;
         }
         for (d, (used, total)) in s.device_used.iter().zip(&s.device_total).enumerate() {
             if *total > 0 && used > total {

@@ -48,6 +48,8 @@ pub(super) struct Outputs {
     metrics_file: std::fs::File,
     memory_file: std::fs::File,
     pub(super) loggers: loggers::Loggers,
+    /// Elastic mode: lending.jsonl, the lending decisions with their reasons.
+    lending_file: Option<std::fs::File>,
 }
 
 impl Outputs {
@@ -60,7 +62,7 @@ impl Outputs {
         let kinds = loggers::parse_list(&cfg.metrics.loggers).map_err(setup_err)?;
         let loggers = loggers::Loggers::open(&kinds, run_dir, &cfg.metrics.python, &cfg.metrics.wandb_project)
             .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
-        Ok(Outputs { metrics_file, memory_file, loggers })
+        Ok(Outputs { metrics_file, memory_file, loggers, lending_file: None })
     }
 }
 
@@ -69,6 +71,37 @@ pub(super) struct Span {
     name: String,
     start_s: f64,
     t0: Instant,
+}
+
+/// This step's record, for its metrics row. Everything older is in memory.jsonl and
+/// metrics.jsonl only, which the report and the plots read back at the end: the runner's own
+/// memory stays flat however many steps a run has.
+#[derive(Default)]
+struct StepRecord {
+    memory: Vec<MemSample>,
+    times: BTreeMap<String, f64>,
+    /// Numbers a driver's parts add to this step's row (the weight update's bytes and rate).
+    metrics: BTreeMap<String, f64>,
+}
+
+/// What the checks count and compare against.
+#[derive(Default)]
+struct Checks {
+    passed: u64,
+    /// Per phase: each device's memory in use at its end in the baseline step (the second), for
+    /// the leak check.
+    leak_baseline: BTreeMap<String, Vec<u64>>,
+    /// Elastic mode: each trainer and the lent engine on its device, at most one of which may
+    /// hold its tagged memory at a phase boundary.
+    shared_devices: Vec<(String, String)>,
+}
+
+#[derive(Default)]
+struct Timeline {
+    /// When the phase under way began (what a failure's sample spans).
+    phase_started_s: f64,
+    /// Where the run failed and how, for the timeline's mark.
+    failure_mark: Option<(f64, String)>,
 }
 
 pub(super) struct Recorder {
@@ -80,31 +113,18 @@ pub(super) struct Recorder {
     device_label: String,
     /// The workers' names in the fleet's order: the plots' series.
     names: Vec<String>,
-    /// This step's memory samples, for its metrics row. Everything older is in memory.jsonl and
-    /// metrics.jsonl only, which the report and the plots read back at the end: the runner's own
-    /// memory stays flat however many steps a run has.
-    step_memory: Vec<MemSample>,
-    step_times: BTreeMap<String, f64>,
-    /// Numbers a driver's parts add to this step's row (the weight update's bytes and rate).
-    step_metrics: BTreeMap<String, f64>,
+    /// This step's phases, memory samples and the numbers the drivers' parts add to its row.
+    step: StepRecord,
     steps_completed: u64,
     /// Per device: the most memory in use at any phase boundary.
     peak_used: Vec<u64>,
-    leak_baseline: BTreeMap<String, Vec<u64>>,
-    checks_passed: u64,
+    checks: Checks,
     /// Per worker: the communicator bytes its last pause of tag `nccl` suspended.
     comm_suspended: BTreeMap<String, u64>,
     out: Outputs,
     progress: report::Progress,
-    /// When the phase under way began (what a failure's sample spans).
-    phase_started_s: f64,
-    /// Where the run failed and how, for the timeline's mark.
-    failure_mark: Option<(f64, String)>,
-    /// Elastic mode: each trainer and the lent engine on its device, at most one of which may
-    /// hold its tagged memory at a phase boundary.
-    shared_devices: Vec<(String, String)>,
-    /// Elastic mode: lending.jsonl, the lending decisions with their reasons.
-    lending_file: Option<std::fs::File>,
+    /// The memory timeline's marks: when the phase under way began, where the run failed.
+    timeline: Timeline,
 }
 
 impl Recorder {
@@ -124,20 +144,14 @@ impl Recorder {
             run_dir,
             device_label,
             names,
-            step_memory: Vec::new(),
-            step_times: BTreeMap::new(),
-            step_metrics: BTreeMap::new(),
+            step: StepRecord::default(),
             steps_completed: 0,
             peak_used: vec![0; cfg.total_devices()],
-            leak_baseline: BTreeMap::new(),
-            checks_passed: 0,
+            checks: Checks::default(),
             comm_suspended: BTreeMap::new(),
             out,
             progress,
-            phase_started_s: 0.0,
-            failure_mark: None,
-            shared_devices: Vec::new(),
-            lending_file: None,
+            timeline: Timeline::default(),
         }
     }
 
@@ -162,40 +176,40 @@ impl Recorder {
     /// A phase begins: failures from here on name it.
     pub(super) fn begin(&mut self, name: &str) -> Span {
         self.at.set_phase(name);
-        self.phase_started_s = self.elapsed();
-        Span { name: name.to_string(), start_s: self.phase_started_s, t0: Instant::now() }
+        self.timeline.phase_started_s = self.elapsed();
+        Span { name: name.to_string(), start_s: self.timeline.phase_started_s, t0: Instant::now() }
     }
 
     /// The phase's work is done: its time counts towards the step's, and the fleet's memory is
     /// sampled (memory.jsonl, the leak check, the peak, the step's row).
     pub(super) fn end(&mut self, span: Span, fleet: &Fleet) -> R<()> {
-        *self.step_times.entry(span.name.clone()).or_default() += span.t0.elapsed().as_secs_f64();
+        *self.step.times.entry(span.name.clone()).or_default() += span.t0.elapsed().as_secs_f64();
         let statuses = fleet.statuses()?;
         self.sample_memory(span.start_s, statuses)
     }
 
     /// A new step: its phase times start from nothing.
     pub(super) fn new_step(&mut self) {
-        self.step_times.clear();
-        self.step_metrics.clear();
+        self.step.times.clear();
+        self.step.metrics.clear();
     }
 
     /// A number for this step's row, under slime's name.
     pub(super) fn add_step_metric(&mut self, key: &str, v: f64) {
-        self.step_metrics.insert(key.to_string(), v);
+        self.step.metrics.insert(key.to_string(), v);
     }
 
     /// Elastic mode: one lending decision, its reason and figures, to lending.jsonl, stamped with
     /// the run's time, step and phase.
     pub(super) fn log_decision(&mut self, mut decision: serde_json::Value) {
-        if self.lending_file.is_none() {
-            self.lending_file = std::fs::File::create(self.run_dir.join("lending.jsonl")).ok();
+        if self.out.lending_file.is_none() {
+            self.out.lending_file = std::fs::File::create(self.run_dir.join("lending.jsonl")).ok();
         }
         if let Some(m) = decision.as_object_mut() {
             m.insert("t_s".into(), serde_json::json!(self.elapsed()));
             m.insert("step".into(), serde_json::json!(self.at.step()));
         }
-        if let Some(f) = self.lending_file.as_mut() {
+        if let Some(f) = self.out.lending_file.as_mut() {
             use std::io::Write as _;
             let _ = writeln!(f, "{decision}");
         }
@@ -208,13 +222,13 @@ impl Recorder {
 
     /// Seconds per phase in this step.
     pub(super) fn step_times(&self) -> &BTreeMap<String, f64> {
-        &self.step_times
+        &self.step.times
     }
 
     /// This step's memory samples.
     pub(super) fn step_memory(&self) -> impl Iterator<Item = &MemSample> {
         let step = self.at.step();
-        self.step_memory.iter().filter(move |s| s.step == step)
+        self.step.memory.iter().filter(move |s| s.step == step)
     }
 
     pub(super) fn checks_enabled(&self) -> bool {
@@ -225,7 +239,7 @@ impl Recorder {
     /// loggers and the progress line; the step counts as completed.
     pub(super) fn record_step(&mut self, row: &metrics::Row) {
         let mut row = row.clone();
-        for (k, v) in &self.step_metrics {
+        for (k, v) in &self.step.metrics {
             row.set(k, *v);
         }
         let row = &row;

@@ -185,7 +185,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         phases,
         reward: ends(&rewards),
         pass_rate: ends(&pass),
-        checks: Checks { enabled: r.cfg.run.checks, passed: r.checks_passed },
+        checks: Checks { enabled: r.cfg.run.checks, passed: r.checks.passed },
         memory: Memory {
             profile: r.cfg.memory.profile.clone(),
             trainer_bytes_per_device: profile.trainer.bytes(),
@@ -528,7 +528,7 @@ fn memory_timeline(r: &Recorder) -> String {
     let stacked = process_series(names, per_worker);
     let mut series = device_series(r.cfg.total_devices(), used, comm_suspended, capacity);
     let mut title = window.title();
-    if let Some((t, what)) = &r.failure_mark {
+    if let Some((t, what)) = &r.timeline.failure_mark {
         series.push(failure_mark(&series, *t, what));
         title = format!("{title}: {what}");
     }
@@ -734,7 +734,7 @@ fn merge_spans(spans: Vec<Span>, max: usize) -> Vec<Span> {
 
 /// For the per-step plots of a run that stopped before completing a step: why they are empty.
 fn stopped_note(r: &Recorder) -> String {
-    match &r.failure_mark {
+    match &r.timeline.failure_mark {
         Some((_, what)) if r.steps_completed == 0 => format!(": no step completed, {what}"),
         _ => String::new(),
     }

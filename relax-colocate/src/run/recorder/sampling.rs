@@ -16,10 +16,10 @@ impl Recorder {
         for (peak, used) in self.peak_used.iter_mut().zip(&s.device_used) {
             *peak = (*peak).max(*used);
         }
-        if self.step_memory.first().is_some_and(|f| f.step != s.step) {
-            self.step_memory.clear();
+        if self.step.memory.first().is_some_and(|f| f.step != s.step) {
+            self.step.memory.clear();
         }
-        self.step_memory.push(s);
+        self.step.memory.push(s);
         Ok(())
     }
 
@@ -31,7 +31,7 @@ impl Recorder {
         // answer: neither is waited for.
         let statuses =
             if e.kind == FailKind::Interrupted { Vec::new() } else { fleet.statuses_of_live(e.worker.as_deref()) };
-        let start_s = self.phase_started_s;
+        let start_s = self.timeline.phase_started_s;
         let mut s = self.sample_of(start_s, statuses);
         s.phase = format!("failed: {}", e.phase);
         let _ = writeln!(self.out.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
@@ -42,7 +42,7 @@ impl Recorder {
             _ => "failed",
         };
         let who = e.worker.as_deref().map(|w| format!(" ({w})")).unwrap_or_default();
-        self.failure_mark = Some((s.t_s, format!("{what} in {}{who}", e.phase)));
+        self.timeline.failure_mark = Some((s.t_s, format!("{what} in {}{who}", e.phase)));
     }
 
     fn sample_of(&self, start_s: f64, statuses: Vec<WorkerStatus>) -> MemSample {
@@ -83,11 +83,11 @@ impl Recorder {
         }
         let baseline_step = if self.cfg.run.steps >= 2 { 2 } else { 1 };
         if s.step == baseline_step {
-            self.leak_baseline.insert(s.phase.clone(), s.device_used.clone());
+            self.checks.leak_baseline.insert(s.phase.clone(), s.device_used.clone());
             return Ok(());
         }
         let tolerance = (self.cfg.run.leak_tolerance_mib * MIB as f64) as u64;
-        if let Some(base) = self.leak_baseline.get(&s.phase) {
+        if let Some(base) = self.checks.leak_baseline.get(&s.phase) {
             for (d, (now, was)) in s.device_used.iter().zip(base).enumerate() {
                 if *now > was + tolerance {
                     return Err(self.fail(
@@ -105,7 +105,7 @@ impl Recorder {
                     ));
                 }
             }
-            self.checks_passed += 1;
+            self.checks.passed += 1;
         }
         Ok(())
     }
