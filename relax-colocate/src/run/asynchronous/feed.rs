@@ -2,9 +2,10 @@
 //! has room (back-pressure), the rest of the sequences a segment interrupted, and each reply's
 //! tokens joined to their sequences under the weight version that generated them.
 
+use super::Async;
+use super::elastic::lend;
 use super::engine::State;
 use super::queue::{Group, Seq};
-use super::{Async, lend};
 use crate::run::FailKind;
 use crate::run::R;
 use crate::run::fleet::InFlight;

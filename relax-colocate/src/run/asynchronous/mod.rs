@@ -18,10 +18,9 @@
 //! their segments in; step.rs runs the trainer's stages over a batch and writes the step's row.
 
 mod accounts;
+mod elastic;
 mod engine;
 mod feed;
-mod lend;
-mod lend_rollout;
 mod queue;
 mod step;
 
@@ -36,6 +35,7 @@ use super::summary::{AsyncSummary, ElasticSummary};
 use super::task::Rng;
 use super::{FailKind, R, Role, RunError, weights};
 use accounts::Accounts;
+use elastic::{lend, reverse};
 use engine::Engine;
 use queue::{Group, Queue};
 use std::time::Instant;
@@ -60,7 +60,7 @@ pub(super) struct Async {
     /// Elastic mode's lending (None in async mode).
     lending: Option<lend::Lending>,
     /// elastic.lend_rollout: the reverse, the engines' devices lent to the trainer.
-    rollout_lending: Option<lend_rollout::RolloutLending>,
+    rollout_lending: Option<reverse::RolloutLending>,
     /// Unfinished groups a reclaimed lent engine left: any engine continues them, before new ones.
     orphans: Vec<Group>,
 }
@@ -78,8 +78,8 @@ impl Async {
         let own = rollouts.iter().map(|&w| Engine::new(w, false));
         let engines = own.chain(lent.iter().map(|&w| Engine::new(w, true)));
         let lending = (cfg.run.mode == Mode::Elastic).then(|| lend::Lending::new(&fleet));
-        let rollout_lending = (cfg.run.mode == Mode::Elastic && cfg.elastic.lend_rollout)
-            .then(|| lend_rollout::RolloutLending::new(&fleet));
+        let rollout_lending =
+            (cfg.run.mode == Mode::Elastic && cfg.elastic.lend_rollout).then(|| reverse::RolloutLending::new(&fleet));
         let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
         Async {
             engines: engines.collect(),
@@ -154,7 +154,7 @@ impl Async {
                     self.rig.rec.new_step();
                     job = Some(self.start_job(batch, since_update + 1 == per_update)?);
                 } else {
-                    self.consider_lending(trainer_idle_since, since_update)?;
+                    self.elastic_trainer_waiting(trainer_idle_since, since_update)?;
                 }
             }
             if before_update.is_none() {
@@ -182,7 +182,7 @@ impl Async {
                 // Nothing under way and nothing to start: the queue can never fill.
                 return Err(self.stalled());
             }
-            let until = self.lending_deadline(trainer_idle_since);
+            let until = self.elastic_deadline(trainer_idle_since);
             if let Some(done) = self.wait_one(&mut job, until)? {
                 job = None;
                 since_update += 1;
@@ -222,24 +222,11 @@ impl Async {
     /// The trainer's next batch, when the queue has one; in elastic mode only once its devices
     /// are back (a lend under way is reclaimed first).
     fn next_batch(&mut self) -> R<Option<Vec<Group>>> {
-        if self.lending.as_ref().is_some_and(lend::Lending::reclaiming) {
-            return self.try_reclaim();
-        }
-        self.retire_stuck()?;
-        let first_in_flight = self.first_in_flight();
-        let batch = self.queue.take_batch(
-            self.rig.cfg.rollout.prompts_per_step,
-            self.version,
-            self.max_staleness(),
-            first_in_flight,
-        );
-        match batch {
-            Some(b) if self.lending.as_ref().is_some_and(lend::Lending::lent) => {
-                self.begin_reclaim(b);
-                self.try_reclaim()
-            }
-            b => Ok(b),
-        }
+        self.elastic_next_batch(|a| {
+            let first_in_flight = a.first_in_flight();
+            let batch = a.rig.cfg.rollout.prompts_per_step;
+            a.queue.take_batch(batch, a.version, a.max_staleness(), first_in_flight)
+        })
     }
 
     /// The engines and the trainer start; the trainer's initial weights reach every engine. In
@@ -247,9 +234,7 @@ impl Async {
     /// start on their devices, and one lend and reclaim measure what switching costs.
     fn setup(&mut self) -> R<()> {
         let max_batch = self.groups_per_request * self.rig.cfg.rollout.samples_per_prompt;
-        if self.rollout_lending.is_some() {
-            self.lent_trainers_setup(max_batch)?;
-        }
+        self.elastic_before_engines(max_batch)?;
         for (role, phase) in [(Role::Rollout, "init_rollout"), (Role::Trainer, "init_trainer")] {
             let span = self.rig.rec.begin(phase);
             let mut targets = self.rig.fleet.indices(role);
@@ -264,18 +249,14 @@ impl Async {
             self.rig.fleet.call_each::<Init>(&targets, params)?;
             self.rig.fleet.find_control_sockets_of(&targets)?;
             self.rig.rec.end(span, &self.rig.fleet)?;
-            if role == Role::Rollout && self.lending.is_some() {
-                self.lent_offload()?;
+            if role == Role::Rollout {
+                self.elastic_engines_started()?;
             }
         }
         self.rig.sync.join(&mut self.rig.fleet, &mut self.rig.rec)?;
-        if self.rollout_lending.is_some() {
-            self.calibrate_rollout_lend()?;
-        }
+        self.elastic_before_initial_weights()?;
         self.transfer_weights("on every rollout engine after the initial update_weights")?;
-        if self.lending.is_some() {
-            self.calibrate()?;
-        }
+        self.elastic_after_initial_weights()?;
         Ok(())
     }
 

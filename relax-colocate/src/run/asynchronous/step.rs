@@ -72,9 +72,8 @@ impl Async {
     /// elastic.lend_rollout, to the lent trainers when the engines' devices are lent).
     fn submit_stage(&mut self, t: &mut Training) -> R<()> {
         let mut targets = self.rig.fleet.indices(Role::Trainer);
-        if t.job.stage() == Stage::Train && self.rollout_lending.is_some() {
-            self.consider_lending_rollout(t.publishes)?;
-            targets.extend(self.rollout_lending.as_ref().map(|l| l.lent_trainers()).unwrap_or_default());
+        if t.job.stage() == Stage::Train {
+            targets.extend(self.elastic_train_stage(t.publishes)?);
         }
         // With elastic.lend_rollout every train request says its replicas, lent or not.
         let replicas = self.rollout_lending.is_some().then_some(targets.len() as f64);
@@ -89,8 +88,7 @@ impl Async {
         }
         if t.job.stage() == Stage::Train {
             let seconds = self.rig.rec.step_times().get("actor_train").copied().unwrap_or(0.0);
-            self.train_stage_done(seconds, t.job.replicas());
-            self.reclaim_rollout()?;
+            self.elastic_train_stage_done(seconds, t.job.replicas())?;
         }
         if t.job.next_stage(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec)?.is_some() {
             self.submit_stage(t)?;
@@ -123,12 +121,7 @@ impl Async {
             row.set("trainer/flush_ratio", flush / wall);
             row.set("rollouter/idle_ratio", rollout_idle / (wall * self.own_engines() as f64));
         }
-        if self.lending.is_some() {
-            self.lending_row(&mut row, wall);
-        }
-        if self.rollout_lending.is_some() {
-            self.rollout_lending_row(&mut row, wall, rollout_idle);
-        }
+        self.elastic_row(&mut row, wall, rollout_idle);
         let stale = d.staleness.iter().filter(|s| **s > 0).count();
         row.set("fully_async/count/stale_samples_processed", stale as f64);
         row.set("fully_async/count/dropped_stale_samples", self.queue.dropped_samples as f64);

@@ -11,10 +11,10 @@
 //! lend is skipped when the groups' completion rate says the batch will be ready sooner than a
 //! switch would take.
 
-use super::Async;
-use super::accounts::Window;
-use super::engine::State as EngineState;
-use super::queue::Group;
+use super::super::Async;
+use super::super::accounts::Window;
+use super::super::engine::State as EngineState;
+use super::super::queue::Group;
 use crate::run::config::Config;
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
@@ -51,7 +51,7 @@ struct Stats {
     saver_s: f64,
 }
 
-pub(super) struct Lending {
+pub(in crate::run::asynchronous) struct Lending {
     /// (trainer, lent engine) fleet indices, one pair per trainer device.
     pairs: Vec<(usize, usize)>,
     state: State,
@@ -70,7 +70,7 @@ pub(super) struct Lending {
 }
 
 impl Lending {
-    pub(super) fn new(fleet: &Fleet) -> Lending {
+    pub(in crate::run::asynchronous) fn new(fleet: &Fleet) -> Lending {
         let trainers = fleet.indices(Role::Trainer);
         let rank = |i: usize| fleet.worker(i).rank;
         let pairs = fleet
@@ -96,16 +96,16 @@ impl Lending {
         }
     }
 
-    pub(super) fn reclaiming(&self) -> bool {
+    pub(in crate::run::asynchronous) fn reclaiming(&self) -> bool {
         matches!(self.state, State::Reclaiming { .. })
     }
 
-    pub(super) fn lent(&self) -> bool {
+    pub(in crate::run::asynchronous) fn lent(&self) -> bool {
         matches!(self.state, State::Lent { .. })
     }
 
     /// Groups of the trainer's next batch, out of the queue and waiting for the reclaim.
-    pub(super) fn batch_groups(&self) -> usize {
+    pub(in crate::run::asynchronous) fn batch_groups(&self) -> usize {
         match &self.state {
             State::Reclaiming { batch, .. } => batch.len(),
             _ => 0,
@@ -121,7 +121,7 @@ impl Lending {
     }
 
     /// An engine finished `groups` groups with a segment of `tokens` tokens.
-    pub(super) fn groups_finished(&mut self, groups: usize, lent: bool, tokens: u64) {
+    pub(in crate::run::asynchronous) fn groups_finished(&mut self, groups: usize, lent: bool, tokens: u64) {
         if lent {
             self.stats.lent_tokens += tokens;
             self.stats.lent_groups += groups as u64;
@@ -136,7 +136,7 @@ impl Lending {
         }
     }
 
-    pub(super) fn add_lent_idle(&mut self, seconds: f64) {
+    pub(in crate::run::asynchronous) fn add_lent_idle(&mut self, seconds: f64) {
         self.stats.lent_idle_s += seconds;
     }
 
@@ -156,7 +156,13 @@ impl Lending {
     /// The summary's `elastic` block: what lending did and cost, and the trainer devices' idle
     /// share with and without it. `trainer_idle_s`: the trainer's waits for a batch; `flush_s`:
     /// the updates' flushes, when its devices wait for the engines' segments (never lent then).
-    pub(super) fn summary(&self, cfg: &Config, wall: f64, trainer_idle_s: f64, flush_s: f64) -> ElasticSummary {
+    pub(in crate::run::asynchronous) fn summary(
+        &self,
+        cfg: &Config,
+        wall: f64,
+        trainer_idle_s: f64,
+        flush_s: f64,
+    ) -> ElasticSummary {
         let s = &self.stats;
         let per = |x: f64| (s.lends > 0).then(|| x / s.lends as f64);
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
@@ -212,7 +218,7 @@ impl Async {
 
     /// Setup: the lent engines sleep before the trainers start on their devices; from here on the
     /// recorder checks that a device's two sides never both hold their memory.
-    pub(super) fn lent_offload(&mut self) -> R<()> {
+    pub(in crate::run::asynchronous) fn lent_offload(&mut self) -> R<()> {
         let span = self.rig.rec.begin("lent_offload");
         let engines = self.rig.fleet.lent_engines();
         self.pause_all(&engines)?;
@@ -226,7 +232,7 @@ impl Async {
 
     /// Setup: one lend and its reclaim, which proves the path before the run depends on it and
     /// measures the switch the default threshold waits for.
-    pub(super) fn calibrate(&mut self) -> R<()> {
+    pub(in crate::run::asynchronous) fn calibrate(&mut self) -> R<()> {
         self.lend(json!({"reason": "calibration: one lend and reclaim measure the switch"}))?;
         self.lending_mut().state = State::Reclaiming { since: Instant::now(), batch: Vec::new() };
         self.reclaim()?;
@@ -238,7 +244,10 @@ impl Async {
 
     /// When the driver must look again even if no worker answers: at the end of the trainer's
     /// wait before a lend, or at the reclaim deadline.
-    pub(super) fn lending_deadline(&self, trainer_idle_since: Option<Instant>) -> Option<Instant> {
+    pub(in crate::run::asynchronous) fn lending_deadline(
+        &self,
+        trainer_idle_since: Option<Instant>,
+    ) -> Option<Instant> {
         let l = self.lending.as_ref()?;
         match &l.state {
             State::Reclaiming { since, .. } => Some(*since + self.reclaim_timeout()),
@@ -271,7 +280,11 @@ impl Async {
     /// newer than the engines' by those steps, and their tokens count as the engines' version:
     /// older than they are, so the staleness bound still holds for them; the off-policy correction
     /// reads the log-probs the lent engine computed, whatever weights it had.
-    pub(super) fn consider_lending(&mut self, idle_since: Option<Instant>, unpublished: u64) -> R<()> {
+    pub(in crate::run::asynchronous) fn consider_lending(
+        &mut self,
+        idle_since: Option<Instant>,
+        unpublished: u64,
+    ) -> R<()> {
         let (Some(l), Some(since)) = (self.lending.as_ref(), idle_since) else {
             return Ok(());
         };
@@ -366,7 +379,7 @@ impl Async {
 
     /// The trainer's batch is ready: the lent engines stop taking work; their segments in flight
     /// finish (within elastic.reclaim_timeout_s) before the trainers wake.
-    pub(super) fn begin_reclaim(&mut self, batch: Vec<Group>) {
+    pub(in crate::run::asynchronous) fn begin_reclaim(&mut self, batch: Vec<Group>) {
         self.close_lent_idle();
         let l = self.lending_mut();
         if let State::Lent { since } = l.state {
@@ -388,7 +401,7 @@ impl Async {
 
     /// The batch the reclaim waits to hand the trainer, once its devices are back: when every lent
     /// engine's segment is in, or at the deadline, after pausing those still generating.
-    pub(super) fn try_reclaim(&mut self) -> R<Option<Vec<Group>>> {
+    pub(in crate::run::asynchronous) fn try_reclaim(&mut self) -> R<Option<Vec<Group>>> {
         let Some(State::Reclaiming { since, .. }) = self.lending.as_ref().map(|l| &l.state) else {
             return Ok(None);
         };
@@ -435,7 +448,7 @@ impl Async {
     /// While lent: a lent engine whose segment has run past elastic.reclaim_timeout_s while it
     /// holds the oldest group under way (the one the trainer's batch waits for) is retired as a
     /// reclaim would retire it, so that the others can finish its groups.
-    pub(super) fn retire_stuck(&mut self) -> R<()> {
+    pub(in crate::run::asynchronous) fn retire_stuck(&mut self) -> R<()> {
         if !self.lending.as_ref().is_some_and(Lending::lent) {
             return Ok(());
         }
@@ -507,7 +520,7 @@ impl Async {
     }
 
     /// The step's lending figures (elastic mode).
-    pub(super) fn lending_row(&self, row: &mut Row, wall: f64) {
+    pub(in crate::run::asynchronous) fn lending_row(&self, row: &mut Row, wall: f64) {
         let w: &Window = &self.accounts.window;
         row.set("elastic/lends", w.lends as f64);
         row.set("elastic/lent_time", w.lent_s);

@@ -12,9 +12,9 @@
 //! only the update that follows gives it weights again. Its queue being full, it would not have
 //! generated anything during the step.
 
-use super::Async;
-use super::accounts::Window;
-use super::engine::State;
+use super::super::Async;
+use super::super::accounts::Window;
+use super::super::engine::State;
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
@@ -50,7 +50,7 @@ struct Lent {
 /// A worker's tagged device memory (communicators left out): per tag, its allocations and bytes.
 type Held = Vec<(String, u64, u64)>;
 
-pub(super) struct RolloutLending {
+pub(in crate::run::asynchronous) struct RolloutLending {
     /// (lent trainer, engine) fleet indices, one pair per rollout device.
     pairs: Vec<(usize, usize)>,
     lent: Option<Lent>,
@@ -63,7 +63,7 @@ pub(super) struct RolloutLending {
 }
 
 impl RolloutLending {
-    pub(super) fn new(fleet: &Fleet) -> RolloutLending {
+    pub(in crate::run::asynchronous) fn new(fleet: &Fleet) -> RolloutLending {
         let engines = fleet.indices(Role::Rollout);
         let rank = |i: usize| fleet.worker(i).rank;
         let pairs = fleet
@@ -86,12 +86,12 @@ impl RolloutLending {
         }
     }
 
-    pub(super) fn lent(&self) -> bool {
+    pub(in crate::run::asynchronous) fn lent(&self) -> bool {
         self.lent.is_some()
     }
 
     /// The lent trainers while lent (none otherwise).
-    pub(super) fn lent_trainers(&self) -> Vec<usize> {
+    pub(in crate::run::asynchronous) fn lent_trainers(&self) -> Vec<usize> {
         if self.lent() { self.pairs.iter().map(|p| p.0).collect() } else { Vec::new() }
     }
 
@@ -103,7 +103,12 @@ impl RolloutLending {
 
     /// The summary's `rollout_lend` block (inside `elastic`); `rollout_idle_s`: the engines'
     /// idle time, all of them, lent time included; `engines`: how many.
-    pub(super) fn summary(&self, wall: f64, rollout_idle_s: f64, engines: usize) -> RolloutLendSummary {
+    pub(in crate::run::asynchronous) fn summary(
+        &self,
+        wall: f64,
+        rollout_idle_s: f64,
+        engines: usize,
+    ) -> RolloutLendSummary {
         let s = &self.stats;
         let per = |x: f64| (s.lends > 0).then(|| x / s.lends as f64);
         let ratio = |x: f64| if wall > 0.0 { x / (wall * engines.max(1) as f64) } else { 0.0 };
@@ -131,7 +136,7 @@ impl Async {
     /// Setup, before the engines start: the lent trainers initialise as trainers on the engines'
     /// devices (no data-parallel group: each computes the whole update, as a replica) and sleep,
     /// every tag paused; from here on a device's engine and lent trainer never both hold memory.
-    pub(super) fn lent_trainers_setup(&mut self, max_batch: usize) -> R<()> {
+    pub(in crate::run::asynchronous) fn lent_trainers_setup(&mut self, max_batch: usize) -> R<()> {
         let lent = self.rig.fleet.lent_trainers();
         let span = self.rig.rec.begin("init_lent_trainer");
         let like = self.rig.init_params(Role::Trainer, max_batch).swap_remove(0);
@@ -157,7 +162,7 @@ impl Async {
 
     /// Setup, before the initial weights reach the engines: one lend and its reclaim prove the
     /// path and measure the switch the decision weighs a step's saving against.
-    pub(super) fn calibrate_rollout_lend(&mut self) -> R<()> {
+    pub(in crate::run::asynchronous) fn calibrate_rollout_lend(&mut self) -> R<()> {
         let lend = self.lend_rollout(json!({"reason": "calibration: one lend and reclaim measure the switch"}));
         lend.map_err(cannot_transfer_state)?;
         self.reclaim_rollout()?;
@@ -184,7 +189,7 @@ impl Async {
     /// At a step's train stage (`publishes`: the step ends with a weight update): lend the
     /// engines' devices to the trainer when the engines have nothing they may do, and the saving
     /// expected from the last train stage exceeds the measured switch. Logs the decision.
-    pub(super) fn consider_lending_rollout(&mut self, publishes: bool) -> R<()> {
+    pub(in crate::run::asynchronous) fn consider_lending_rollout(&mut self, publishes: bool) -> R<()> {
         let Some(l) = self.rollout_lending.as_ref() else { return Ok(()) };
         let own = self.rig.fleet.indices(Role::Trainer).len();
         let switch = l.switch_s.unwrap_or(f64::INFINITY);
@@ -271,7 +276,7 @@ impl Async {
 
     /// The train stage is done: the lent trainers must hold the trainers' weights; they sleep and
     /// the engines wake, before the weight update reaches them.
-    pub(super) fn reclaim_rollout(&mut self) -> R<()> {
+    pub(in crate::run::asynchronous) fn reclaim_rollout(&mut self) -> R<()> {
         let Some(Lent { since, comms, engines_held }) = self.rollout_lending.as_mut().and_then(|l| l.lent.take())
         else {
             return Ok(());
@@ -348,7 +353,7 @@ impl Async {
 
     /// A train stage ended after `seconds` with `replicas` trainers sharing it: what the
     /// trainers alone would have taken, for the next decision.
-    pub(super) fn train_stage_done(&mut self, seconds: f64, replicas: usize) {
+    pub(in crate::run::asynchronous) fn train_stage_done(&mut self, seconds: f64, replicas: usize) {
         let own = self.rig.fleet.indices(Role::Trainer).len().max(1);
         if let Some(l) = self.rollout_lending.as_mut() {
             l.last_train_s = Some(seconds * replicas as f64 / own as f64);
@@ -357,7 +362,7 @@ impl Async {
 
     /// The step's reverse-lending figures; `rollout_idle`: the engines' idle seconds this
     /// window, all of them, lent time included.
-    pub(super) fn rollout_lending_row(&self, row: &mut Row, wall: f64, rollout_idle: f64) {
+    pub(in crate::run::asynchronous) fn rollout_lending_row(&self, row: &mut Row, wall: f64, rollout_idle: f64) {
         let w: &Window = &self.accounts.window;
         row.set("elastic/rollout_lends", w.rollout_lends as f64);
         row.set("elastic/rollout_lent_time", w.rollout_lent_s);
