@@ -233,6 +233,14 @@ impl Fleet {
         &self.scratch.shm
     }
 
+    /// Each of `workers` with the first of `others` on its device (the same rank), in the order
+    /// of `workers`; one without such a neighbour is left out.
+    pub(super) fn paired_by_device(&self, workers: &[usize], others: &[usize]) -> Vec<(usize, usize)> {
+        let rank = |i: usize| self.workers[i].rank;
+        let neighbour = |w: usize| others.iter().copied().find(|&o| rank(o) == rank(w));
+        workers.iter().filter_map(|&w| neighbour(w).map(|o| (w, o))).collect()
+    }
+
     /// Pause (or resume) `tag` (None: every tag) in the workers `targets` (indices into the
     /// fleet), in parallel, through their control sockets; a report that carries an error fails
     /// the run. Returns each worker's name and report.

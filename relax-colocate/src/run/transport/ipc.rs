@@ -63,11 +63,7 @@ impl Transport for Ipc {
 /// order of the trainers.
 fn device_pairs(fleet: &Fleet, at: &Cursor) -> R<Vec<(usize, usize)>> {
     let rollouts = fleet.indices(Role::Rollout);
-    let pairs: Vec<(usize, usize)> = fleet
-        .indices(Role::Trainer)
-        .into_iter()
-        .filter_map(|t| rollouts.iter().find(|&&r| fleet.worker(r).rank == fleet.worker(t).rank).map(|&r| (t, r)))
-        .collect();
+    let pairs = fleet.paired_by_device(&fleet.indices(Role::Trainer), &rollouts);
     if pairs.len() != rollouts.len() {
         let cause = "run.weight_transport = \"ipc\": every rollout needs a trainer on its own device (colocate mode)";
         return Err(at.fail(FailKind::Config, None, cause));

@@ -71,14 +71,8 @@ pub(in crate::run::asynchronous) struct Lending {
 
 impl Lending {
     pub(in crate::run::asynchronous) fn new(fleet: &Fleet) -> Lending {
-        let trainers = fleet.indices(Role::Trainer);
-        let rank = |i: usize| fleet.worker(i).rank;
-        let pairs = fleet
-            .lent_engines()
-            .into_iter()
-            .filter_map(|e| trainers.iter().find(|&&t| rank(t) == rank(e)).map(|&t| (t, e)))
-            .collect();
-        Lending::of_pairs(pairs)
+        let pairs = fleet.paired_by_device(&fleet.lent_engines(), &fleet.indices(Role::Trainer));
+        Lending::of_pairs(pairs.into_iter().map(|(engine, trainer)| (trainer, engine)).collect())
     }
 
     fn of_pairs(pairs: Vec<(usize, usize)>) -> Lending {

@@ -64,14 +64,7 @@ pub(in crate::run::asynchronous) struct RolloutLending {
 
 impl RolloutLending {
     pub(in crate::run::asynchronous) fn new(fleet: &Fleet) -> RolloutLending {
-        let engines = fleet.indices(Role::Rollout);
-        let rank = |i: usize| fleet.worker(i).rank;
-        let pairs = fleet
-            .lent_trainers()
-            .into_iter()
-            .filter_map(|t| engines.iter().find(|&&e| rank(e) == rank(t)).map(|&e| (t, e)))
-            .collect();
-        RolloutLending::of_pairs(pairs)
+        RolloutLending::of_pairs(fleet.paired_by_device(&fleet.lent_trainers(), &fleet.indices(Role::Rollout)))
     }
 
     fn of_pairs(pairs: Vec<(usize, usize)>) -> RolloutLending {
