@@ -240,6 +240,31 @@ pub fn svg(chart: &Chart) -> String {
     out
 }
 
+/// Charts one above the other in one SVG, each with its own axes, title and legend (a run's
+/// devices over the same time).
+pub fn svg_panels(charts: &[Chart]) -> String {
+    if let [one] = charts {
+        return svg(one);
+    }
+    let width = charts.iter().map(|c| c.width.max(320)).max().unwrap_or(320);
+    let height: u32 = charts.iter().map(|c| c.height.max(240)).sum();
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (width, height.max(240))).into_drawing_area();
+        let mut rest = root.clone();
+        for chart in charts {
+            let (panel, below) = rest.split_vertically(chart.height.max(240));
+            if let Err(e) = draw(&panel, chart) {
+                let _ = panel.fill(&WHITE);
+                let _ = panel.draw_text(&format!("cannot draw this plot: {e}"), &("sans-serif", 14).into(), (20, 20));
+            }
+            rest = below;
+        }
+        let _ = root.present();
+    }
+    out
+}
+
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
 fn draw(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Chart) -> DrawResult {

@@ -281,6 +281,15 @@ fn acl_api_and_two_devices_on_the_simulator() {
     workers.dedup();
     assert_eq!(workers.len(), 4, "{workers:?}");
     assert!(m[0]["memory/device1/used/onload_kv_bytes"].as_u64().unwrap() > 0);
+    // The timeline draws each device in a panel of its own: its processes, its use, its capacity.
+    let timeline = std::fs::read_to_string(dir.path().join("memory_timeline.svg")).unwrap();
+    for d in 0..2 {
+        let title = format!("device {d}: rollout-{d}, trainer-{d}");
+        assert!(timeline.contains(&title), "no panel {title:?}: {timeline}");
+        assert!(timeline.contains(&format!("device {d} in use (+ contexts)")), "{timeline}");
+    }
+    let legend_lines = timeline.lines().map(str::trim);
+    assert_eq!(legend_lines.filter(|l| *l == "capacity").count(), 2, "a capacity line per device: {timeline}");
 }
 
 #[test]

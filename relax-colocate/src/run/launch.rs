@@ -360,6 +360,6 @@ pub(super) fn start(cfg: &Config, opts: &Options, plan: Plan, run_dir: PathBuf) 
     let progress = announce(cfg, opts, &plan, &out, &scratch, &run_dir);
     let at = Cursor::new();
     let fleet = Fleet::launch(cfg, plan.ray_python.as_ref(), plan.device, &env, scratch, &run_dir, at.clone())?;
-    let rec = Recorder::new(cfg, at, run_dir, plan.device_label.clone(), fleet.names(), out, progress);
+    let rec = Recorder::new(cfg, at, run_dir, plan.device_label.clone(), fleet.placed_names(), out, progress);
     Ok((plan, fleet, rec))
 }

@@ -219,8 +219,9 @@ impl Fleet {
     }
 
     /// Every worker's name, in the fleet's order.
-    pub(super) fn names(&self) -> Vec<String> {
-        self.workers.iter().map(|w| w.name.clone()).collect()
+    /// Every worker's name with its device, in the fleet's order.
+    pub(super) fn placed_names(&self) -> Vec<(String, u32)> {
+        self.workers.iter().map(|w| (w.name.clone(), w.device)).collect()
     }
 
     /// The log of the worker named `name`, when there is one.

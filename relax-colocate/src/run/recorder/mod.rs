@@ -111,8 +111,8 @@ pub(super) struct Recorder {
     run_dir: PathBuf,
     /// The device as the run's first line and the summary name it.
     device_label: String,
-    /// The workers' names in the fleet's order: the plots' series.
-    names: Vec<String>,
+    /// The workers' names in the fleet's order (the plots' series), each with its device.
+    names: Vec<(String, u32)>,
     /// This step's phases, memory samples and the numbers the drivers' parts add to its row.
     step: StepRecord,
     steps_completed: u64,
@@ -133,7 +133,7 @@ impl Recorder {
         at: Rc<Cursor>,
         run_dir: PathBuf,
         device_label: String,
-        names: Vec<String>,
+        names: Vec<(String, u32)>,
         out: Outputs,
         progress: report::Progress,
     ) -> Recorder {

@@ -471,6 +471,23 @@ fn phase_color(p: &str) -> RGBColor {
     }
 }
 
+/// The memory plots' process colours: hues the phase strip (`phase_color`) does not use, so that
+/// a process never reads as a phase (a rollout green as a wake-up).
+const PROCESS_COLORS: &[RGBColor] = &[
+    RGBColor(23, 190, 207),
+    RGBColor(255, 127, 14),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(188, 189, 34),
+    RGBColor(31, 60, 110),
+    RGBColor(0, 128, 110),
+    RGBColor(120, 120, 120),
+];
+
+fn process_color(i: usize) -> RGBColor {
+    PROCESS_COLORS[i % PROCESS_COLORS.len()]
+}
+
 /// Steps the timeline draws in detail: every phase of 30 steps reads at 1000 px; more turn into
 /// a solid block (the cycle repeats), which memory_per_step.svg shows over the whole run instead.
 const TIMELINE_STEPS: u64 = 30;
@@ -486,7 +503,15 @@ struct Timeline {
     spans: Vec<Span>,
 }
 
-fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: usize) -> Timeline {
+/// `device`: only that device's use and capacity (None: every device's, summed); `names`: the
+/// processes drawn.
+fn timeline(
+    path: &std::path::Path,
+    names: &[String],
+    device: Option<usize>,
+    first_step: u64,
+    stride: usize,
+) -> Timeline {
     let mut t = Timeline {
         used: Vec::new(),
         comm_suspended: Vec::new(),
@@ -501,9 +526,14 @@ fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: u
         if i % stride != 0 {
             continue;
         }
-        t.used.push((s.t_s, s.device_used.iter().sum::<u64>() as f64));
-        t.comm_suspended.push((s.t_s, s.comm_suspended.values().sum::<u64>() as f64));
-        t.capacity.push((s.t_s, s.device_total.iter().sum::<u64>() as f64));
+        let of_device = |v: &[u64]| match device {
+            Some(d) => v.get(d).copied().unwrap_or(0),
+            None => v.iter().sum::<u64>(),
+        };
+        t.used.push((s.t_s, of_device(&s.device_used) as f64));
+        let suspended = names.iter().filter_map(|n| s.comm_suspended.get(n)).sum::<u64>();
+        t.comm_suspended.push((s.t_s, suspended as f64));
+        t.capacity.push((s.t_s, of_device(&s.device_total) as f64));
         for (name, pts) in names.iter().zip(&mut t.per_worker) {
             pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
         }
@@ -511,31 +541,63 @@ fn timeline(path: &std::path::Path, names: &[String], first_step: u64, stride: u
     t
 }
 
-/// Device memory over time: each process's resident bytes stacked (summed over its tags and
-/// devices), the devices' total in use and their capacity, and the phases in a strip below; for
-/// a run longer than `TIMELINE_STEPS`, its last `TIMELINE_STEPS` steps.
+/// Device memory over time: each process's resident bytes stacked (summed over its tags), the
+/// device's use and its capacity, and the phases in a strip below; one panel per device, so that
+/// a device near its limit shows as such. For a run longer than `TIMELINE_STEPS`, its last
+/// `TIMELINE_STEPS` steps.
 ///
-/// Reads memory.jsonl twice (the steps first, then the drawing) rather than holding it.
+/// Reads memory.jsonl once for the window, then once per panel, rather than holding it.
 fn memory_timeline(r: &Recorder) -> String {
     let path = r.run_dir.join("memory.jsonl");
     let window = TimelineWindow::of(&path);
-    let names = &r.names;
+    let devices = r.cfg.total_devices();
+    if devices <= 1 {
+        let names: Vec<String> = r.names.iter().map(|n| n.0.clone()).collect();
+        return plot::svg(&timeline_chart(r, &path, &window, &names, None));
+    }
+    let panels = (0..devices).map(|d| {
+        let on_device = r.names.iter().filter(|n| n.1 as usize == d).map(|n| n.0.clone());
+        timeline_chart(r, &path, &window, &on_device.collect::<Vec<_>>(), Some(d))
+    });
+    plot::svg_panels(&panels.collect::<Vec<_>>())
+}
+
+/// One panel of the timeline: `names`' processes on `device` (None: the whole node, summed).
+fn timeline_chart(
+    r: &Recorder,
+    path: &std::path::Path,
+    window: &TimelineWindow,
+    names: &[String],
+    device: Option<usize>,
+) -> Chart {
     let Timeline { used, comm_suspended, capacity, per_worker, mut spans } =
-        timeline(&path, names, window.first_step, window.stride);
+        timeline(path, names, device, window.first_step, window.stride);
     if spans.len() > TIMELINE_MAX_SAMPLES {
         spans = merge_spans(spans, TIMELINE_MAX_SAMPLES);
     }
-    let stacked = process_series(names, per_worker);
-    let mut series = device_series(r.cfg.total_devices(), used, comm_suspended, capacity);
-    let mut title = window.title();
+    // Process colours by their place in the fleet, the same on every panel.
+    let colors: Vec<RGBColor> =
+        names.iter().map(|n| process_color(r.names.iter().position(|m| &m.0 == n).unwrap_or(0))).collect();
+    let stacked = process_series(names, &colors, per_worker);
+    let label = match device {
+        Some(d) => format!("device {d} in use (+ contexts)"),
+        None => "device in use (+ contexts)".into(),
+    };
+    let mut series = device_series(label, used, comm_suspended, capacity);
+    let mut title = match device {
+        Some(d) => {
+            format!("{}, device {d}: {}", window.title(), if names.is_empty() { "-".into() } else { names.join(", ") })
+        }
+        None => window.title(),
+    };
     if let Some((t, what)) = &r.timeline.failure_mark {
         series.push(failure_mark(&series, *t, what));
         title = format!("{title}: {what}");
     }
-    plot::svg(&Chart {
+    Chart {
         title,
         width: 1000,
-        height: 480,
+        height: if device.is_some() { 400 } else { 480 },
         x: Some(Axis::linear("time", Quantity::Seconds)),
         y: Some(Axis::linear("memory", Quantity::Bytes)),
         stacked,
@@ -543,7 +605,7 @@ fn memory_timeline(r: &Recorder) -> String {
         spans,
         span_legend: phase_legend(),
         y_range: None,
-    })
+    }
 }
 
 /// Points the timeline draws at most (lines are thinned, spans merged, beyond it): a long run's
@@ -583,17 +645,17 @@ impl TimelineWindow {
     }
 }
 
-/// Each process's resident bytes, stacked in the order of `names`.
-fn process_series(names: &[String], per_worker: Vec<Vec<(f64, f64)>>) -> Vec<Series> {
+/// Each process's resident bytes, stacked in the order of `names`, in `colors`.
+fn process_series(names: &[String], colors: &[RGBColor], per_worker: Vec<Vec<(f64, f64)>>) -> Vec<Series> {
     names
         .iter()
+        .zip(colors)
         .zip(per_worker)
-        .enumerate()
-        .map(|(i, (name, points))| Series {
+        .map(|((name, color), points)| Series {
             name: name.clone(),
             points,
             shape: Shape::Steps,
-            color: color(i),
+            color: *color,
             width: 1,
         })
         .collect()
@@ -602,22 +664,13 @@ fn process_series(names: &[String], per_worker: Vec<Vec<(f64, f64)>>) -> Vec<Ser
 /// The devices' totals drawn over the stack: in use always; the communicators suspended and the
 /// capacity only when the run recorded any (a flat zero line would read as a measurement).
 fn device_series(
-    devices: usize,
+    label: String,
     used: Vec<(f64, f64)>,
     comm_suspended: Vec<(f64, f64)>,
     capacity: Vec<(f64, f64)>,
 ) -> Vec<Series> {
-    let mut series = vec![Series {
-        name: if devices > 1 {
-            format!("in use, {devices} devices (+ contexts)")
-        } else {
-            "device in use (+ contexts)".into()
-        },
-        points: used,
-        shape: Shape::Steps,
-        color: RGBColor(60, 60, 60),
-        width: 2,
-    }];
+    let mut series =
+        vec![Series { name: label, points: used, shape: Shape::Steps, color: RGBColor(60, 60, 60), width: 2 }];
     if comm_suspended.iter().any(|p| p.1 > 0.0) {
         series.push(Series {
             name: "communicator bytes suspended (tag nccl)".into(),
@@ -671,7 +724,7 @@ fn failure_mark(series: &[Series], t: f64, what: &str) -> Series {
 /// over 1,000 steps say nothing leaks; a step that needed more than the others stands out.
 fn memory_per_step(r: &Recorder) -> String {
     let path = r.run_dir.join("memory.jsonl");
-    let names = &r.names;
+    let names: Vec<String> = r.names.iter().map(|n| n.0.clone()).collect();
     struct Step {
         highest: f64,
         lowest: f64,
@@ -703,7 +756,7 @@ fn memory_per_step(r: &Recorder) -> String {
         line("device in use, lowest".into(), at(&|v| v.lowest), Shape::Line, RGBColor(150, 150, 150), 2),
     ];
     for (k, name) in names.iter().enumerate() {
-        series.push(line(format!("{name}, highest"), at(&|v| v.process_highest[k]), Shape::Line, color(k), 1));
+        series.push(line(format!("{name}, highest"), at(&|v| v.process_highest[k]), Shape::Line, process_color(k), 1));
     }
     if steps.values().any(|v| v.capacity > 0.0) {
         series.push(line("capacity".into(), at(&|v| v.capacity), Shape::Dashed, RGBColor(120, 120, 120), 1));
