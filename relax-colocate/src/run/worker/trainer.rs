@@ -206,33 +206,40 @@ impl Trainer {
             |m: &ComputeModel| m.stage_seconds(&FIGURES.stages.train, tokens * epochs, replicas.unwrap_or(m.trainers));
         let modelled = self.c.compute.map(|m| share(&m.scaled(p.token_scale)));
         self.c.pace(t0, p.token_scale, share);
-        let k = updates as f64;
-        let m = &metrics;
-        let means = [
-            ("loss", m.loss),
-            ("pg_loss", m.pg_loss),
-            ("kl", m.kl),
-            ("ppo_kl", m.ppo_kl),
-            ("entropy", m.entropy),
-            ("value_loss", m.value_loss),
-            ("clip_frac", m.clip_frac),
-            ("dual_clip_frac", m.dual_clip_frac),
-            ("value_clip_frac", m.value_clip_frac),
-            ("tis_weight_mean", m.is_weight),
-            ("grad_norm", grad_norm),
-        ];
-        let mut out: std::collections::BTreeMap<String, Option<f64>> =
-            means.into_iter().map(|(name, sum)| (name.to_string(), Some(sum / k))).collect();
-        out.insert("optimizer_steps".into(), Some(k));
-        out.insert("tokens".into(), Some(m.tokens as f64));
-        // Modelled compute: what the request was paced at, and over how many replicas (elastic's
-        // lent trainers add to init's).
-        if let (Some(m), Some(s)) = (self.c.compute, modelled) {
-            out.insert("replicas".into(), Some(replicas.unwrap_or(m.trainers)));
-            out.insert("modelled_s".into(), Some(s));
-        }
-        Ok(TrainReply(out))
+        let modelled = self.c.compute.zip(modelled).map(|(m, s)| (replicas.unwrap_or(m.trainers), s));
+        Ok(train_reply(&metrics, grad_norm, updates, modelled))
     }
+}
+
+/// The train request's reply: the loss terms and grad norm averaged over the optimizer's updates,
+/// their count, the tokens, and (with modelled compute) the replicas the stage was shared by and
+/// the seconds it was paced at.
+fn train_reply(m: &model::LossMetrics, grad_norm: f64, updates: usize, modelled: Option<(f64, f64)>) -> TrainReply {
+    let k = updates as f64;
+    let means = [
+        ("loss", m.loss),
+        ("pg_loss", m.pg_loss),
+        ("kl", m.kl),
+        ("ppo_kl", m.ppo_kl),
+        ("entropy", m.entropy),
+        ("value_loss", m.value_loss),
+        ("clip_frac", m.clip_frac),
+        ("dual_clip_frac", m.dual_clip_frac),
+        ("value_clip_frac", m.value_clip_frac),
+        ("tis_weight_mean", m.is_weight),
+        ("grad_norm", grad_norm),
+    ];
+    let mut out: std::collections::BTreeMap<String, Option<f64>> =
+        means.into_iter().map(|(name, sum)| (name.to_string(), Some(sum / k))).collect();
+    out.insert("optimizer_steps".into(), Some(k));
+    out.insert("tokens".into(), Some(m.tokens as f64));
+    // Modelled compute: what the request was paced at, and over how many replicas (elastic's
+    // lent trainers add to init's).
+    if let Some((replicas, seconds)) = modelled {
+        out.insert("replicas".into(), Some(replicas));
+        out.insert("modelled_s".into(), Some(seconds));
+    }
+    TrainReply(out)
 }
 
 /// Prompt and response tokens of every sequence.
