@@ -104,24 +104,20 @@ impl Accounts {
         self.window = Window::new();
     }
 
-    fn w(&mut self) -> &mut Window {
-        &mut self.window
-    }
-
     /// The trainer waited `seconds` for a batch.
     pub(super) fn trainer_waited(&mut self, seconds: f64) {
-        self.w().trainer_idle_s += seconds;
+        self.window.trainer_idle_s += seconds;
     }
 
     /// An update's flush: the trainer's devices waited `seconds` for the engines' segments.
     pub(super) fn flushed(&mut self, seconds: f64) {
-        self.w().flush_s += seconds;
+        self.window.flush_s += seconds;
         self.totals.flush_s.push(seconds);
     }
 
     /// An engine had nothing to do for `seconds` (`lent`: a lent engine, while lent).
     pub(super) fn engine_idle(&mut self, lent: bool, seconds: f64) {
-        self.w().add_engine_idle(lent, seconds);
+        self.window.add_engine_idle(lent, seconds);
     }
 
     /// The weights reached the engines: `seconds` for the update, `bytes` moved.
@@ -147,31 +143,31 @@ impl Accounts {
 
     /// A lend of the trainer's devices took `seconds`.
     pub(super) fn lent(&mut self, seconds: f64) {
-        let w = self.w();
+        let w = &mut self.window;
         w.switch_s += seconds;
         w.lends += 1;
     }
 
     /// The trainer's devices were lent for `seconds` before their reclaim began.
     pub(super) fn lend_lasted(&mut self, seconds: f64) {
-        self.w().lent_s += seconds;
+        self.window.lent_s += seconds;
     }
 
     /// A reclaim of the trainer's devices took `seconds`.
     pub(super) fn reclaimed(&mut self, seconds: f64) {
-        self.w().switch_s += seconds;
+        self.window.switch_s += seconds;
     }
 
     /// A lend of the engines' devices to the trainer took `seconds`.
     pub(super) fn rollout_lent(&mut self, seconds: f64) {
-        let w = self.w();
+        let w = &mut self.window;
         w.rollout_switch_s += seconds;
         w.rollout_lends += 1;
     }
 
     /// Its reclaim took `seconds`, after `device_s` device-seconds of training.
     pub(super) fn rollout_reclaimed(&mut self, seconds: f64, device_s: f64) {
-        let w = self.w();
+        let w = &mut self.window;
         w.rollout_switch_s += seconds;
         w.rollout_lent_s += device_s;
     }
@@ -179,7 +175,7 @@ impl Accounts {
     /// A step's row is written: the batch and the window go into the totals, and the next
     /// window starts. Returns the closed window.
     pub(super) fn close_window(&mut self, batch: Batch) -> Window {
-        let w = std::mem::replace(self.w(), Window::new());
+        let w = std::mem::replace(&mut self.window, Window::new());
         let t = &mut self.totals;
         t.samples_trained += batch.samples;
         t.tokens_trained += batch.tokens;
