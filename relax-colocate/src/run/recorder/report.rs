@@ -503,42 +503,52 @@ struct Timeline {
     spans: Vec<Span>,
 }
 
-/// `device`: only that device's use and capacity (None: every device's, summed); `names`: the
-/// processes drawn.
-fn timeline(
-    path: &std::path::Path,
-    names: &[String],
+/// A panel of the timeline: the device it draws (None: every device, summed) and its processes.
+struct Panel {
     device: Option<usize>,
-    first_step: u64,
-    stride: usize,
-) -> Timeline {
-    let mut t = Timeline {
+    names: Vec<String>,
+}
+
+/// Every panel's points in one pass over memory.jsonl, from `first_step` on, its lines thinned
+/// to every `stride`-th sample; the phases' spans, the same for every panel, are each panel's.
+fn timeline(path: &std::path::Path, panels: &[Panel], first_step: u64, stride: usize) -> Vec<Timeline> {
+    let empty = |p: &Panel| Timeline {
         used: Vec::new(),
         comm_suspended: Vec::new(),
         capacity: Vec::new(),
-        per_worker: vec![Vec::new(); names.len()],
+        per_worker: vec![Vec::new(); p.names.len()],
         spans: Vec::new(),
     };
+    let mut out: Vec<Timeline> = panels.iter().map(empty).collect();
+    let mut spans = Vec::new();
     let shown = read_lines::<MemSample>(path).filter(|s| s.step >= first_step);
     for (i, s) in shown.enumerate() {
         // Every phase keeps its span (it is one rectangle); only the lines are thinned.
-        t.spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
+        spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
         if i % stride != 0 {
             continue;
         }
-        let of_device = |v: &[u64]| match device {
-            Some(d) => v.get(d).copied().unwrap_or(0),
-            None => v.iter().sum::<u64>(),
-        };
-        t.used.push((s.t_s, of_device(&s.device_used) as f64));
-        let suspended = names.iter().filter_map(|n| s.comm_suspended.get(n)).sum::<u64>();
-        t.comm_suspended.push((s.t_s, suspended as f64));
-        t.capacity.push((s.t_s, of_device(&s.device_total) as f64));
-        for (name, pts) in names.iter().zip(&mut t.per_worker) {
-            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
+        for (p, t) in panels.iter().zip(&mut out) {
+            let of_device = |v: &[u64]| match p.device {
+                Some(d) => v.get(d).copied().unwrap_or(0),
+                None => v.iter().sum::<u64>(),
+            };
+            t.used.push((s.t_s, of_device(&s.device_used) as f64));
+            let suspended = p.names.iter().filter_map(|n| s.comm_suspended.get(n)).sum::<u64>();
+            t.comm_suspended.push((s.t_s, suspended as f64));
+            t.capacity.push((s.t_s, of_device(&s.device_total) as f64));
+            for (name, pts) in p.names.iter().zip(&mut t.per_worker) {
+                pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
+            }
         }
     }
-    t
+    if spans.len() > TIMELINE_MAX_SAMPLES {
+        spans = merge_spans(spans, TIMELINE_MAX_SAMPLES);
+    }
+    for t in &mut out {
+        t.spans = spans.clone();
+    }
+    out
 }
 
 /// Device memory over time: each process's resident bytes stacked (summed over its tags), the
@@ -546,35 +556,26 @@ fn timeline(
 /// a device near its limit shows as such. For a run longer than `TIMELINE_STEPS`, its last
 /// `TIMELINE_STEPS` steps.
 ///
-/// Reads memory.jsonl once for the window, then once per panel, rather than holding it.
+/// Reads memory.jsonl twice (the steps first, then the drawing) rather than holding it.
 fn memory_timeline(r: &Recorder) -> String {
     let path = r.run_dir.join("memory.jsonl");
     let window = TimelineWindow::of(&path);
     let devices = r.cfg.total_devices();
-    if devices <= 1 {
-        let names: Vec<String> = r.names.iter().map(|n| n.0.clone()).collect();
-        return plot::svg(&timeline_chart(r, &path, &window, &names, None));
-    }
-    let panels = (0..devices).map(|d| {
-        let on_device = r.names.iter().filter(|n| n.1 as usize == d).map(|n| n.0.clone());
-        timeline_chart(r, &path, &window, &on_device.collect::<Vec<_>>(), Some(d))
-    });
-    plot::svg_panels(&panels.collect::<Vec<_>>())
+    let panels: Vec<Panel> = if devices <= 1 {
+        vec![Panel { device: None, names: r.names.iter().map(|n| n.0.clone()).collect() }]
+    } else {
+        let on = |d: usize| r.names.iter().filter(|n| n.1 as usize == d).map(|n| n.0.clone()).collect();
+        (0..devices).map(|d| Panel { device: Some(d), names: on(d) }).collect()
+    };
+    let timelines = timeline(&path, &panels, window.first_step, window.stride);
+    let charts: Vec<Chart> = panels.iter().zip(timelines).map(|(p, t)| timeline_chart(r, &window, p, t)).collect();
+    plot::svg_panels(&charts)
 }
 
-/// One panel of the timeline: `names`' processes on `device` (None: the whole node, summed).
-fn timeline_chart(
-    r: &Recorder,
-    path: &std::path::Path,
-    window: &TimelineWindow,
-    names: &[String],
-    device: Option<usize>,
-) -> Chart {
-    let Timeline { used, comm_suspended, capacity, per_worker, mut spans } =
-        timeline(path, names, device, window.first_step, window.stride);
-    if spans.len() > TIMELINE_MAX_SAMPLES {
-        spans = merge_spans(spans, TIMELINE_MAX_SAMPLES);
-    }
+/// One panel of the timeline as a chart.
+fn timeline_chart(r: &Recorder, window: &TimelineWindow, panel: &Panel, t: Timeline) -> Chart {
+    let Panel { device, names } = panel;
+    let Timeline { used, comm_suspended, capacity, per_worker, spans } = t;
     // Process colours by their place in the fleet, the same on every panel.
     let colors: Vec<RGBColor> =
         names.iter().map(|n| process_color(r.names.iter().position(|m| &m.0 == n).unwrap_or(0))).collect();
