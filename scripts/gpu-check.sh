@@ -12,15 +12,17 @@
 #                                             writes OUTDIR/summary.md, OUTDIR/summary.json, logs/
 #   DIR/gpu-check.sh run --sim DIR OUTDIR     the same kit on the simulator (what CI runs), for the
 #                                             checks that need no PyTorch
+#   DIR/gpu-check.sh run --only REGEX DIR OUT only the checks whose names match REGEX (grep -E), to
+#                                             rerun the failed ones; the others are recorded as skipped
 #   DIR/npu-check.sh run [--sim] DIR OUTDIR   the Ascend checks (run --npu): the C consumers through
 #                                             ACL, the colocated run and the bench on an NPU (CANN's
 #                                             set_env.sh sourced), torch_npu programs through the
 #                                             wheel in preload and torch modes
 #
-# What `run` checks: the C consumers against the driver (100 pause/resume cycles with backup:
-# contents, addresses and free memory; one tag on every GPU when there are several; a thread
-# without a context allocating with a margin;
-# threads churning during pause; RDMA-capable region memory; a pause that must not wait for a
+# What `run` checks: how the driver's free memory moves under each VMM, stream, event and
+# host-memory call (a probe whose log is the record), the C consumers against the driver (100
+# pause/resume cycles with backup: contents, addresses and free memory; one tag on every GPU when
+# there are several; a thread without a context allocating with a margin; threads churning during pause; RDMA-capable region memory; a pause that must not wait for a
 # stalled non-blocking stream; disk backup), real PyTorch through the installed wheel in preload
 # and torch modes (tests/torch-consumers: torch_memory_saver programs and its examples'
 # scenarios, SGLang's and slime's call sequences, MemPool isolation, a single-rank NCCL
@@ -36,7 +38,7 @@
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
 set -uo pipefail
 
-usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 host_arch() { case "$(uname -m)" in arm64|aarch64) echo aarch64 ;; *) uname -m ;; esac; }
 
@@ -94,9 +96,12 @@ prepare() {
   if [ "$arch" = "$(host_arch)" ] && tpy="$("$root/scripts/torch-env.sh" --check >/dev/null 2>&1 && "$root/scripts/torch-env.sh" 2>/dev/null)"; then
     local tsite
     tsite="$("$tpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    if ls "$tsite"/torch_memory_saver_hook_mode_preload_cu1[23].abi3.so >/dev/null 2>&1; then
+    # The whole package with its libraries, a site folder of its own: the PyTorch suite's `ours`
+    # and `upstream` variants run torch_memory_saver's Python package on the GPU too.
+    if [ -d "$tsite/torch_memory_saver" ] && ls "$tsite"/torch_memory_saver_hook_mode_*.abi3.so >/dev/null 2>&1; then
       mkdir -p "$dir/upstream"
-      cp "$tsite"/torch_memory_saver_hook_mode_preload_cu1[23].abi3.so "$dir/upstream/"
+      cp -r "$tsite/torch_memory_saver" "$tsite"/torch_memory_saver_hook_mode_*.abi3.so "$dir/upstream/"
+      find "$dir/upstream" -name __pycache__ -prune -exec rm -rf {} +
     fi
   fi
   (cd "$root" && git describe --always --dirty 2>/dev/null || echo unknown) >"$dir/VERSION"
@@ -112,10 +117,18 @@ prepare() {
 results=""
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$results"; }
 
+# Checks chosen with --only (an extended regex); empty: all of them.
+only=""
+selected() { [ -z "$only" ] || [ "$1" = build-c-consumers ] || printf '%s\n' "$1" | grep -Eq -- "$only"; }
+
 # check NAME TIMEOUT_S COMMAND...: runs COMMAND with a timeout, logs it, records pass/fail.
 check() {
   local name="$1" limit="$2"
   shift 2
+  if ! selected "$name"; then
+    record "$name" skip 0 "not selected by --only"
+    return 0
+  fi
   local log="$outdir/logs/$name.log" start=$SECONDS rc
   echo "gpu-check: $name" >&2
   timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
@@ -130,7 +143,11 @@ check() {
   fi
 }
 
-skip() { echo "gpu-check: $1 skipped: $2" >&2; record "$1" skip 0 "$2"; }
+skip() {
+  selected "$1" || { record "$1" skip 0 "not selected by --only"; return 0; }
+  echo "gpu-check: $1 skipped: $2" >&2
+  record "$1" skip 0 "$2"
+}
 
 # Points this process and its children at the kit's simulator (a private node named NAME-PID).
 use_simulator() {
@@ -215,6 +232,9 @@ run() {
     case "$1" in
       --sim) sim=1; shift ;;
       --npu) npu=1; shift ;;
+      --only) [ $# -ge 2 ] || { usage >&2; exit 2; }; only="$2"; shift 2 ;;
+      --only=*) only="${1#--only=}"; shift ;;
+      -*) die "unknown option $1 for run" ;;
       *) break ;;
     esac
   done
@@ -258,6 +278,10 @@ run() {
   local consumer="$outdir/hook_consumer"
   check build-c-consumers 120 cc -O2 -DTMS_TEST_DLSYM "-DTMS_CUDART_SONAME=\"$cudart\"" -I"$kit/src" \
     -o "$consumer" "$kit/src/hook_consumer.c" "$kit/src/main_direct.c" -ldl -lpthread
+  # How the driver's free-memory figure moves under each call the hook makes (its log is the
+  # record; the simulator charges what this measured).
+  check c-driver-memory-probe 60 sh -c 'cc -O2 -o "$1" "$2" -ldl && "$1"' probe "$outdir/driver_memory_probe" \
+    "$kit/src/driver_memory_probe.c"
   if [ -x "$consumer" ]; then
     check c-cycles-100-with-backup 300 env LD_PRELOAD="$hook" "$consumer" cycle cuda 100
     check c-thread-without-context-margin 60 env LD_PRELOAD="$hook" "$consumer" margin-thread cuda
@@ -284,18 +308,6 @@ run() {
     torch_cuda=1
     python3 -c 'import pytest' 2>/dev/null && has_pytest=1
   fi
-  if [ $sim = 1 ]; then
-    skip torch-consumers "PyTorch on the simulator runs in the test suite (cargo test), not in the kit"
-  elif [ $torch_cuda = 0 ] || [ $has_pytest = 0 ]; then
-    skip torch-consumers "python3 has no PyTorch with CUDA, or no pytest"
-  else
-    local wheel
-    wheel=$(ls "$kit"/wheel/tms_memory_saver-*.whl 2>/dev/null | head -n 1)
-    check torch-consumers 600 env -C "$kit/tests/torch-consumers" TMS_TEST_REAL_DEVICE=1 TMS_TEST_HOOK="$hook" \
-      TMS_TEST_WHEEL="$wheel" TMS_TEST_TMP="$outdir/torch" python3 -m pytest -q -p no:cacheprovider -rfEs \
-      --junitxml="$outdir/torch-consumers.xml" .
-  fi
-
   # 3. The colocated cycle (built-in workers, then PyTorch workers) and 4. the benchmark.
   check relax-colocate-run 300 "$kit/bin/relax-colocate" run --device "$device" --steps 5 --out "$outdir/run"
   # Async mode puts trainer and rollout on devices of their own: two at least.
@@ -348,6 +360,23 @@ run() {
     upstream="$kit/upstream/torch_memory_saver_hook_mode_preload_cu$major.abi3.so"
   check relax-colocate-bench 420 "$kit/bin/relax-colocate" bench --device "$device" --quick --upstream-lib "$upstream" \
     --out "$outdir/bench"
+
+  # 5. The PyTorch suite last: the longest part, so a cap on the whole run never costs the rest.
+  if [ $sim = 1 ]; then
+    skip torch-consumers "PyTorch on the simulator runs in the test suite (cargo test), not in the kit"
+  elif [ $torch_cuda = 0 ] || [ $has_pytest = 0 ]; then
+    skip torch-consumers "python3 has no PyTorch with CUDA, or no pytest"
+  else
+    local wheel
+    wheel=$(ls "$kit"/wheel/tms_memory_saver-*.whl 2>/dev/null | head -n 1)
+    # torch_memory_saver's own package from the kit where the machine has none.
+    local upstream_env=()
+    python3 -c 'import torch_memory_saver' 2>/dev/null || [ ! -d "$kit/upstream/torch_memory_saver" ] ||
+      upstream_env=(TMS_TEST_UPSTREAM_SITE="$kit/upstream" PYTHONPATH="$kit/upstream${PYTHONPATH:+:$PYTHONPATH}")
+    check torch-consumers 600 env -C "$kit/tests/torch-consumers" "${upstream_env[@]}" TMS_TEST_REAL_DEVICE=1 TMS_TEST_HOOK="$hook" \
+      TMS_TEST_WHEEL="$wheel" TMS_TEST_TMP="$outdir/torch" python3 -m pytest -v -p no:cacheprovider -rfEs \
+      --junitxml="$outdir/torch-consumers.xml" .
+  fi
 
   summarize "$device"
   ! grep -q "	fail	" "$results"

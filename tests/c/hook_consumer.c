@@ -49,6 +49,28 @@ static int on_simulator(void) {
   return h && dlsym(h, "tms_sim_stats") != NULL;
 }
 
+/* A device's free-memory figure against the bytes a pause or resume moved: exact on the
+ * simulator; on a real device the driver's own bookkeeping (page tables, its pools) moves the
+ * figure by up to DRIVER_SLACK as well, so a difference that small is reported, not failed. */
+#define DRIVER_SLACK (4 * MiB)
+#define EXPECT_FREE(expr, want)                                                                 \
+  do {                                                                                          \
+    long long _r = (long long)(expr), _w = (long long)(want), _d = _r - _w;                     \
+    if (_d != 0 && (on_simulator() || _d > (long long)DRIVER_SLACK || -_d > (long long)DRIVER_SLACK)) { \
+      fprintf(stderr, "%s:%d: %s = %lld, want %lld\n", __FILE__, __LINE__, #expr, _r, _w);      \
+      exit(1);                                                                                  \
+    }                                                                                           \
+    if (_d != 0)                                                                                \
+      fprintf(stderr, "%s:%d: %s = %lld, want %lld (off by %lld: the driver's own bookkeeping)\n", \
+              __FILE__, __LINE__, #expr, _r, _w, _d);                                           \
+  } while (0)
+
+/* The device memory the hook's copy streams take, made with its first region allocation on a
+ * device and kept: the simulator's figure for a process's first CUDA streams (tms-sim
+ * STREAM_POOL_BYTES, measured on an H200); ACL streams take none there. On a real device the
+ * figure is the driver's, within DRIVER_SLACK. */
+static size_t hook_stream_bytes(void);
+
 static void sim_stats(struct sim_stats *s) {
   void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
   int (*f)(struct sim_stats *) = h ? (int (*)(struct sim_stats *))dlsym(h, "tms_sim_stats") : NULL;
@@ -97,6 +119,8 @@ static int dev_write(void *dst, const void *src, size_t n) {
 static int dev_read(void *dst, const void *src, size_t n) {
   return use_acl ? ACL(aclrtMemcpy)(dst, n, src, n, 2) : CUDART(cudaMemcpy)(dst, src, n, 2);
 }
+static size_t hook_stream_bytes(void) { return on_simulator() && !use_acl ? 2 * MiB : 0; }
+
 static size_t dev_free_mem(void) {
   size_t f = 0, t = 0;
   if (use_acl) ACL(aclrtGetMemInfo)(1, &f, &t); else CUDART(cudaMemGetInfo)(&f, &t);
@@ -172,8 +196,8 @@ static int cycle(long cycles) {
     EXPECT(r.error, 0);
     EXPECT(r.allocations_done, NALLOC);
     EXPECT(r.bytes_done, total);
-    EXPECT(r.device_free_after - r.device_free_before, total);
-    EXPECT(dev_free_mem() - free1, total);
+    EXPECT_FREE(r.device_free_after - r.device_free_before, total);
+    EXPECT_FREE(dev_free_mem() - free1, total);
     if (c == 0) {
       /* Paused memory is not there. On CUDA touching it is a sticky fault that ends the context
        * (sim::a_device_fault_is_sticky); the Ascend runtime reports it per call. */
@@ -199,8 +223,8 @@ static int cycle(long cycles) {
     }
     EXPECT(TMS(tms_resume_report)("weights", &r), 0);
     EXPECT(r.allocations_done, NALLOC);
-    EXPECT(r.device_free_before - r.device_free_after, total);
-    EXPECT(dev_free_mem(), free1);
+    EXPECT_FREE(r.device_free_before - r.device_free_after, total);
+    EXPECT_FREE(dev_free_mem(), free1);
     for (int i = 0; i < NALLOC; i++) EXPECT(dev_checksum(p[i], sizes[i]) == sum[i], 1);
   }
   tms_report r;
@@ -209,7 +233,7 @@ static int cycle(long cycles) {
   EXPECT(dev_checksum(plain, 1 * MiB) == plain_sum, 1);
   for (int i = 0; i < NALLOC; i++) EXPECT(dev_free(p[i]), 0);
   EXPECT(dev_free(plain), 0);
-  EXPECT(dev_free_mem(), free0);
+  EXPECT_FREE(dev_free_mem(), free0 - hook_stream_bytes());
   if (on_simulator()) {
     struct sim_stats s;
     sim_stats(&s);
@@ -688,7 +712,7 @@ static int disk_backup(const char *dir) {
   tms_report r;
   EXPECT(TMS(tms_pause_report)("disk", &r), 0);
   EXPECT(r.allocations_done, 1);
-  EXPECT(dev_free_mem() - free0, 8 * MiB);
+  EXPECT_FREE(dev_free_mem() - free0, 8 * MiB);
   EXPECT(TMS(tms_get_cpu_backup_pointer)((const uint8_t *)p, 16) == NULL, 1); /* not in host memory */
   char path[512], moved[600];
   snprintf(path, sizeof path, "%s/tms-backup-%d-%lx.bin", dir, (int)getpid(), (unsigned long)(uintptr_t)p);
@@ -699,7 +723,7 @@ static int disk_backup(const char *dir) {
   EXPECT(rename(path, moved), 0);
   EXPECT(TMS(tms_resume_report)("disk", &r), 6); /* TMS_ERR_IO */
   EXPECT(r.allocations_failed, 1);
-  EXPECT(dev_free_mem() - free0, 8 * MiB); /* still paused */
+  EXPECT_FREE(dev_free_mem() - free0, 8 * MiB); /* still paused */
   EXPECT(rename(moved, path), 0);
   EXPECT(TMS(tms_resume_report)("disk", &r), 0);
   EXPECT(r.allocations_done, 1);
@@ -861,8 +885,10 @@ static void block_like_a_collective(void *arg) {
   (void)arg;
   while (!__atomic_load_n(&collective_released, __ATOMIC_ACQUIRE)) usleep(1000);
 }
+static int slow_kernel_started;
 static void slow_kernel(void *arg) {
   (void)arg;
+  __atomic_store_n(&slow_kernel_started, 1, __ATOMIC_RELEASE);
   usleep(200 * 1000);
 }
 static void *pause_in_thread(void *arg) {
@@ -880,9 +906,14 @@ static int pause_streams(void) {
   cudaStream_t comm, work;
   EXPECT(CUDART(cudaStreamCreateWithFlags)(&comm, 1 /* cudaStreamNonBlocking, as NCCL's */), 0);
   EXPECT(CUDART(cudaStreamCreateWithFlags)(&work, 0), 0);
-  EXPECT(CUDART(cudaLaunchHostFunc)(comm, block_like_a_collective, NULL), 0);
+  /* The driver runs host functions on one thread of its own, in no promised order across
+   * streams (CUDA Runtime API, cudaLaunchHostFunc): the blocking stream's work is queued, and its
+   * host function running, before the "collective" is queued, or the "collective" could hold that
+   * thread and the copy behind slow_kernel would never run. */
   EXPECT(CUDART(cudaLaunchHostFunc)(work, slow_kernel, NULL), 0);
   EXPECT(CUDART(cudaMemcpyAsync)(a, host, 4 * MiB, 1, work), 0);
+  for (int i = 0; i < 10000 && !__atomic_load_n(&slow_kernel_started, __ATOMIC_ACQUIRE); i++) usleep(1000);
+  EXPECT(CUDART(cudaLaunchHostFunc)(comm, block_like_a_collective, NULL), 0);
   pthread_t th;
   pthread_create(&th, NULL, pause_in_thread, NULL);
   for (int i = 0; i < 10000 && __atomic_load_n(&pause_rc, __ATOMIC_ACQUIRE) == -1; i++) usleep(1000);
@@ -1099,7 +1130,7 @@ static int multi_device(long cycles) {
     EXPECT(dev_current(), home);
     for (int d = 0; d < n; d++) {
       EXPECT(dev_set(d), 0);
-      EXPECT(dev_free_mem() - live[d], held[d]);
+      EXPECT_FREE(dev_free_mem() - live[d], held[d]);
     }
     EXPECT(dev_set(home), 0);
     EXPECT(TMS(tms_resume_report)("multi", &r), 0);
@@ -1107,7 +1138,7 @@ static int multi_device(long cycles) {
     EXPECT(dev_current(), home);
     for (int d = 0; d < n; d++) {
       EXPECT(dev_set(d), 0);
-      EXPECT(dev_free_mem(), live[d]);
+      EXPECT_FREE(dev_free_mem(), live[d]);
       for (int i = 0; i < PER_DEVICE; i++) EXPECT(dev_checksum(p[d][i], size[i]), sum[d][i]);
     }
     EXPECT(dev_set(home), 0);

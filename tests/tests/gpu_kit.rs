@@ -87,6 +87,39 @@ fn elastic_lent(log: &Path) {
     assert_eq!(block["forced_reclaims"], 0, "{block}");
 }
 
+/// How an H200's free memory moved under the probe's calls (driver 580.159.04, 2026-11-27,
+/// docs/hardware.md): the simulator must move it the same way. The second batch of streams was
+/// not measured there.
+const H200_DRIVER_580: &[(&str, i64)] = &[
+    ("reserve", 0),
+    ("create", -14 << 20),
+    ("map", 0),
+    ("set_access", 0),
+    ("unmap", 0),
+    ("release", 14 << 20),
+    ("stream_create_x4", -2 << 20),
+    ("event_create", 0),
+    ("host_alloc_64MiB", 0),
+    ("mem_alloc_1MiB", -2 << 20),
+    ("mem_free_1MiB", 2 << 20),
+];
+
+fn driver_figures_match_the_h200(log: &Path) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let steps: Vec<(String, i64)> = text
+        .lines()
+        .filter_map(|l| {
+            let (step, delta) = l.strip_prefix("step=")?.split_once(" delta=")?;
+            Some((step.to_string(), delta.parse().ok()?))
+        })
+        .collect();
+    for (step, want) in H200_DRIVER_580 {
+        let got: Vec<i64> = steps.iter().filter(|(s, _)| s == step).map(|(_, d)| *d).collect();
+        assert!(!got.is_empty(), "the probe has no step {step}:\n{text}");
+        assert!(got.iter().all(|d| d == want), "{step}: {got:?} on the simulator, {want} on the H200:\n{text}");
+    }
+}
+
 #[test]
 fn the_kit_is_small_and_self_contained() {
     let kit = kit();
@@ -138,6 +171,7 @@ fn the_kit_passes_on_the_simulator() {
     assert_eq!(summary["failed"], 0, "{md}");
     let got = results(&summary);
     for name in [
+        "c-driver-memory-probe",
         "c-cycles-100-with-backup",
         "c-pause-ignores-stalled-nonblocking-stream",
         "c-rdma-capable-region-memory",
@@ -154,6 +188,7 @@ fn the_kit_passes_on_the_simulator() {
     }
     assert!(md.contains("| check | result |"), "{md}");
     elastic_lent(&out.path().join("logs/relax-colocate-run-elastic-lent.log"));
+    driver_figures_match_the_h200(&out.path().join("logs/c-driver-memory-probe.log"));
     // The kit carries torch_memory_saver's own libraries when the test environment has them
     // (prepare takes them from there): the bench then runs them side by side with ours.
     if kit().join("upstream").is_dir() {
@@ -161,6 +196,27 @@ fn the_kit_passes_on_the_simulator() {
         assert!(bench.contains("Side by side with torch_memory_saver's library (/"), "{bench}");
         assert!(bench.contains("yes / yes"), "contents kept by both libraries:\n{bench}");
     }
+}
+
+#[test]
+fn only_runs_the_chosen_checks_and_records_the_rest_as_skipped() {
+    let out = tempfile::tempdir().unwrap();
+    let (code, summary, md) = run_kit(&["--sim", "--only", "^c-(cycles|disk)"], out.path(), &[], true);
+    assert_eq!(code, 0, "{md}");
+    let got = results(&summary);
+    for (name, result) in &got {
+        let chosen = name == "build-c-consumers" || name.starts_with("c-cycles") || name.starts_with("c-disk");
+        assert_eq!(result, if chosen { "pass" } else { "skip" }, "{name}:\n{md}");
+    }
+    assert!(got.len() > 10, "every check is listed:\n{md}");
+    assert!(md.contains("not selected by --only"), "{md}");
+    // The PyTorch suite runs torch_memory_saver's own package on a GPU machine without it: the
+    // kit carries it, libraries beside it, when the test environment has it.
+    if kit().join("upstream").is_dir() {
+        assert!(kit().join("upstream/torch_memory_saver/__init__.py").exists());
+    }
+    let bad = Command::new(kit().join("gpu-check.sh")).args(["run", "--bogus"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2), "an unknown option is a usage error");
 }
 
 #[test]

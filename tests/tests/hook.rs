@@ -57,8 +57,9 @@ fn pause_frees_device_memory_others_can_see() {
     assert!(paused.starts_with("rc=0 done=629145600"), "{paused}");
     assert_eq!(field(&paused, "freed"), 600 * MIB, "{paused}");
     let info = rollout.ask("info");
-    // Both processes' contexts stay: 1 GiB + a CUDA context, less that and an Ascend one.
-    assert_eq!(field(&info, "free"), 824 * MIB, "{info}");
+    // Both processes' contexts stay: 1 GiB + a CUDA context, less that and an Ascend one, and
+    // the 2 MiB the trainer's first CUDA streams took (the hook's copy streams).
+    assert_eq!(field(&info, "free"), 822 * MIB, "{info}");
     assert_eq!(rollout.ask("alloc 600"), "rc=0");
     assert_eq!(rollout.ask("fill"), "rc=0");
     // The trainer cannot come back while the rollout holds the memory: OOM, nothing lost.

@@ -2,13 +2,10 @@
 mode, our hook under its file name), side by side with torch_memory_saver's own library."""
 
 import importlib.util
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch_build
-
-SITE = Path(sysconfig.get_paths()["purelib"])
+from variants import SITE
 
 # These scenarios run torch_memory_saver's own Python package (over its library and over ours): on
 # a GPU machine where it is not installed (the hardware kit), there is nothing to compare.

@@ -3,12 +3,15 @@ conftest.py): `ours`, our hook under upstream's file name with upstream's Python
 `wheel`, our wheel's Python package and hook (what `pip install tms-memory-saver` gives);
 `upstream`, torch_memory_saver 0.0.10 whole."""
 
+import os
 import sysconfig
 from pathlib import Path
 
 import torch_build
 
-SITE = Path(sysconfig.get_paths()["purelib"])
+# Where torch_memory_saver 0.0.10's package and libraries are: this Python's site-packages, or the
+# folder the hardware kit carries them in (TMS_TEST_UPSTREAM_SITE, also on PYTHONPATH there).
+SITE = Path(os.environ.get("TMS_TEST_UPSTREAM_SITE") or sysconfig.get_paths()["purelib"])
 # torch_memory_saver's preload library for this torch's CUDA major (the file slime preloads).
 UPSTREAM_PRELOAD = torch_build.upstream_preload_name()
 WHICH = ["ours", "wheel", "upstream"]

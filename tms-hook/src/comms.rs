@@ -119,7 +119,11 @@ fn resolve(t: &Target) -> Option<usize> {
 
 fn stat(comm: usize, which: c_int) -> Result<u64, DeviceError> {
     type F = unsafe extern "C" fn(*mut c_void, c_int, *mut u64) -> c_int;
-    let f = resolve(&MEM_STATS).ok_or(DeviceError { op: "ncclCommMemStats (NCCL 2.29.7 or later)", code: 5 })?;
+    // Missing from NCCL before 2.29.7 (PyTorch 2.11's wheels bring 2.28.9): say so, not just a code.
+    let f = resolve(&MEM_STATS).ok_or(DeviceError {
+        op: "ncclCommMemStats (not in the NCCL this process loaded: suspending communicators needs NCCL 2.29.7 or later)",
+        code: 5,
+    })?;
     let mut out = 0u64;
     // SAFETY: NCCL's ncclCommMemStats on a communicator the application created and has not destroyed.
     let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm as *mut c_void, which, &mut out) };

@@ -21,7 +21,25 @@ pub mod nccl;
 /// by its name: `acl…`/`Hccl…` are Ascend's, the rest CUDA's), or "" for a code not in the
 /// tables. For messages such as "cuMemMap returned 700 (CUDA_ERROR_ILLEGAL_ADDRESS: …)".
 pub fn explain(function: &str, code: std::ffi::c_int) -> String {
+    if function.starts_with("nccl") {
+        return nccl_error(code).map_or_else(String::new, |(name, meaning)| format!(" ({name}: {meaning})"));
+    }
     explain_code(function.starts_with("acl") || function.starts_with("Hccl"), code)
+}
+
+/// NCCL's `ncclResult_t` (nccl.h; NCCL's API documentation, "Types"): a code from an `nccl*`
+/// function is NCCL's own, not CUDA's.
+fn nccl_error(code: std::ffi::c_int) -> Option<(&'static str, &'static str)> {
+    Some(match code {
+        1 => ("ncclUnhandledCudaError", "a CUDA call NCCL made failed"),
+        2 => ("ncclSystemError", "a system call failed"),
+        3 => ("ncclInternalError", "an internal check failed"),
+        4 => ("ncclInvalidArgument", "an argument is not valid"),
+        5 => ("ncclInvalidUsage", "the call is not valid here, or this NCCL lacks it"),
+        6 => ("ncclRemoteError", "a peer failed or went away"),
+        7 => ("ncclInProgress", "a non-blocking operation has not finished"),
+        _ => return None,
+    })
 }
 
 /// As `explain`, for a code of Ascend's runtime (`ascend`) or CUDA's.
@@ -39,5 +57,7 @@ mod tests {
         assert!(super::explain("aclrtMemcpy", 207_001).starts_with(" (ACL_ERROR_RT_MEMORY_ALLOCATION: "));
         assert_eq!(super::explain("aclrtMemcpy", 700), "");
         assert_eq!(super::explain("cuMemMap", 12345), "");
+        assert!(super::explain("ncclCommMemStats", 5).starts_with(" (ncclInvalidUsage: "));
+        assert!(!super::explain("ncclCommSuspend", 1).contains("CUDA_ERROR"));
     }
 }

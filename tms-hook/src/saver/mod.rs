@@ -220,6 +220,27 @@ impl Saver {
         Ok(created)
     }
 
+    /// Creates the copy streams an operation will use before its free-memory figure is read, where
+    /// the first region allocation could not: the driver takes device memory for streams (2 MiB
+    /// for four on an H200, driver 580), the hook's own once-only cost, not a change the pause or
+    /// resume made. A resume always copies on them; a pause only with a backup. Failures are left
+    /// to the operation itself.
+    fn prepare_streams(&self, jobs: &[Job], want: State) {
+        let resuming = want == State::Paused;
+        let mut seen: Vec<(Vendor, i32)> = Vec::new();
+        for j in jobs.iter().filter(|j| resuming || j.a.backup_enabled) {
+            let key = (j.a.vendor, j.a.device);
+            if seen.contains(&key) || lock(&self.streams).contains_key(&key) {
+                continue;
+            }
+            seen.push(key);
+            let Some(dev) = self.loaded(key.0) else { continue };
+            let Ok(previous) = dev.bind_thread(key.1) else { continue };
+            let _ = self.streams_for(dev.as_ref(), key.1);
+            dev.restore_thread(previous);
+        }
+    }
+
     /// Takes every entry of `tag` (all tags when None) in state `want` for work (marks them Busy);
     /// counts the entries of the tag already in the other state as skipped.
     fn select(&self, tag: Option<TagId>, want: State, report: &mut Report) -> Claimed<'_> {
@@ -276,6 +297,7 @@ impl Saver {
     fn begin(&self, tag: Option<TagId>, want: State) -> (Claimed<'_>, Report) {
         let mut report = Report::default();
         let jobs = self.select(tag, want, &mut report);
+        self.prepare_streams(&jobs, want);
         if let Some((free, total)) = self.device_memory(&jobs) {
             report.device_free_before = free;
             report.device_total = total;

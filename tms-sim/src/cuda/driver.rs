@@ -361,6 +361,9 @@ pub unsafe extern "C" fn cu_stream_create(stream: *mut *mut c_void, flags: c_uin
         if stream.is_null() || flags & !STREAM_NON_BLOCKING != 0 {
             return INVALID_VALUE;
         }
+        if !crate::cuda::charge_stream_pool(dev) {
+            return OUT_OF_MEMORY;
+        }
         // A non-blocking stream neither waits for the legacy stream nor is waited for by it.
         match sim().streams.create_with(dev, flags, 0) {
             Some(h) => put(stream, h as *mut c_void),

@@ -36,6 +36,33 @@ pub fn open_cuda_context(dev: usize) -> bool {
     crate::core::context::open(&PRIMARY_ACTIVE, dev, crate::core::config::CUDA_CONTEXT_BYTES)
 }
 
+/// Device memory the driver takes for a process's first created streams on a device: 2 MiB on
+/// an NVIDIA H200 with driver 580.159.04, where four `cuStreamCreate` calls lowered
+/// `cuMemGetInfo`'s free figure by 2 MiB and events and pinned host memory by nothing (measured
+/// with the hardware kit, docs/hardware.md, 2026-11-27). CUDA documents no figure. Held until the
+/// process exits, as the context's memory is.
+pub const STREAM_POOL_BYTES: u64 = 2 << 20;
+static STREAM_POOL: [AtomicBool; MAX_DEVICES] = [const { AtomicBool::new(false) }; MAX_DEVICES];
+
+/// Charges `dev` for the stream pool on the process's first created stream there; false: the
+/// device is full (the create then fails with the API's out-of-memory code).
+pub fn charge_stream_pool(dev: usize) -> bool {
+    let Some(flag) = STREAM_POOL.get(dev) else { return false };
+    if flag.load(Ordering::Acquire) {
+        return true;
+    }
+    static CHARGING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = CHARGING.lock().unwrap_or_else(|e| e.into_inner());
+    if flag.load(Ordering::Acquire) {
+        return true;
+    }
+    if !crate::core::sim::sim().node.charge(dev, STREAM_POOL_BYTES) {
+        return false;
+    }
+    flag.store(true, Ordering::Release);
+    true
+}
+
 pub fn primary_active(dev: usize) -> bool {
     PRIMARY_ACTIVE.get(dev).is_some_and(|f| f.load(Ordering::Relaxed))
 }

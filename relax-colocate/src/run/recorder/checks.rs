@@ -16,14 +16,18 @@ impl Recorder {
     }
 
     /// After a pause of `what` (`tag "weights"`, `every tag`): each worker's device free memory rose
-    /// by at least the bytes it reports paused.
+    /// by at least the bytes it reports paused. On a real device the driver's own allocations move
+    /// the free figure too (an H200 with driver 580 took 2 MiB for a process's first streams): a
+    /// shortfall up to DRIVER_SLACK is allowed there, never on the simulator, which is exact.
     pub(in crate::run) fn check_paused(&mut self, what: &str, reports: &[(String, OpReport)]) -> R<()> {
+        const DRIVER_SLACK: u64 = 4 << 20;
         if !self.cfg.run.checks {
             return Ok(());
         }
+        let slack = if self.cfg.run.device == crate::run::config::DeviceChoice::Sim { 0 } else { DRIVER_SLACK };
         for (name, report) in reports {
             let rose = report.device_free_after.saturating_sub(report.device_free_before);
-            if rose < report.bytes_done {
+            if rose + slack < report.bytes_done {
                 let cause = format!(
                     "pause {what} reported {} paused but device free memory rose by only {}",
                     human(report.bytes_done),

@@ -20,6 +20,9 @@ fn create(stream: *mut *mut c_void, flags: c_uint, priority: c_int) -> i32 {
     let dev = enter!();
     // Out-of-range priorities are clamped, as the runtime documents.
     let priority = priority.clamp(GREATEST_PRIORITY, LEAST_PRIORITY);
+    if !crate::cuda::charge_stream_pool(dev) {
+        return super::MEMORY_ALLOCATION;
+    }
     match sim().streams.create_with(dev, flags, priority) {
         Some(h) => put(stream, h as *mut c_void),
         None => super::MEMORY_ALLOCATION,
