@@ -19,9 +19,13 @@ pub enum Style {
     Verl,
 }
 
-/// slime's name → verl's, for every metric both have. A slime `perf/<x>_time` not listed here
-/// becomes verl's `timing_s/<x>` (verl logs every timer that way); every other name is the same
-/// in both styles (slime's, or ours where slime has none).
+/// slime's name → verl's, for every metric both have (each verl name as volcengine/verl emits it:
+/// verl/trainer/ppo/metric_utils.py, ray_trainer.py, rollout_corr_helper.py, workers/utils/
+/// losses.py, experimental/fully_async_policy/). A slime `perf/<x>_time` not listed here becomes
+/// verl's `timing_s/<x>` (verl logs every timer that way); a `rollout/`, `train/`, `passrate/` or
+/// `partial/` name verl has no metric for goes under `relax/` (VERL_HAS_NONE), so a verl-style
+/// row holds no slime namespace; every other name (ours: `memory/`, `elastic/`, `fully_async/`,
+/// `perf/`, …) is the same in both styles.
 pub const NAMES: &[(&str, &str)] = &[
     ("perf/rollout_time", "timing_s/gen"),
     ("perf/log_probs_time", "timing_s/old_log_prob"),
@@ -46,7 +50,15 @@ pub const NAMES: &[(&str, &str)] = &[
     ("train/dual_clip_frac", "actor/pg_clipfrac_lower"),
     ("train/ppo_kl", "actor/ppo_kl"),
     ("train/kl_loss", "actor/kl_loss"),
-    ("train/entropy_loss", "actor/entropy"),
+    // verl's old-log-prob pass logs the entropy before training as `actor/entropy`; its engine
+    // workers name the entropy while training `actor/entropy_loss`.
+    ("rollout/entropy", "actor/entropy"),
+    ("train/entropy_loss", "actor/entropy_loss"),
+    // verl's engine workers' total loss (ours adds the value loss in PPO; verl's critic is apart).
+    ("train/loss", "actor/loss"),
+    ("perf/train_wait_time", "fully_async/total_wait_time"),
+    ("partial/partial_ratio", "fully_async/partial/partial_ratio"),
+    ("partial/max_partial_span", "fully_async/partial/max_partial_span"),
     ("train/grad_norm", "actor/grad_norm"),
     ("train/lr-pg_0", "actor/lr"),
     ("train/value_loss", "critic/vf_loss"),
@@ -66,11 +78,18 @@ pub fn name(style: Style, slime_name: &str) -> String {
     if let Some((_, verl)) = NAMES.iter().find(|(s, _)| *s == slime_name) {
         return (*verl).to_string();
     }
-    match slime_name.strip_prefix("perf/").and_then(|r| r.strip_suffix("_time")) {
-        Some(timer) => format!("timing_s/{timer}"),
-        None => slime_name.to_string(),
+    if let Some(timer) = slime_name.strip_prefix("perf/").and_then(|r| r.strip_suffix("_time")) {
+        return format!("timing_s/{timer}");
     }
+    if VERL_HAS_NONE.iter().any(|ns| slime_name.starts_with(ns)) {
+        return format!("relax/{slime_name}");
+    }
+    slime_name.to_string()
 }
+
+/// slime's namespaces: in verl style a metric of theirs that verl does not have (pass@k, the mean
+/// log-probs, the median length, tokens trained, …) is written as `relax/<slime name>`.
+pub const VERL_HAS_NONE: &[&str] = &["rollout/", "train/", "passrate/", "partial/"];
 
 /// slime's name for the time of one of the cycle's phases: generating is slime's rollout time.
 pub fn phase_time(phase: &str) -> String {
@@ -221,7 +240,13 @@ mod tests {
         assert_eq!(name(Style::Verl, "rollout/raw_reward"), "critic/score/mean");
         assert_eq!(name(Style::Verl, &phase_time("generate")), "timing_s/gen");
         assert_eq!(name(Style::Verl, "perf/sleep_time"), "timing_s/sleep");
-        assert_eq!(name(Style::Verl, "passrate/pass@1"), "passrate/pass@1");
+        assert_eq!(name(Style::Verl, "passrate/pass@1"), "relax/passrate/pass@1");
+        assert_eq!(name(Style::Verl, "rollout/entropy"), "actor/entropy");
+        assert_eq!(name(Style::Verl, "train/entropy_loss"), "actor/entropy_loss");
+        assert_eq!(name(Style::Verl, "train/tokens"), "relax/train/tokens");
+        assert_eq!(name(Style::Verl, &train_metric("my_number")), "relax/train/my_number");
+        assert_eq!(name(Style::Verl, "memory/trainer-0/weights/sleep_bytes"), "memory/trainer-0/weights/sleep_bytes");
+        assert_eq!(name(Style::Verl, "trainer/idle_ratio"), "trainer/idle_ratio");
         assert_eq!(train_metric("clip_frac"), "train/pg_clipfrac");
         assert_eq!(train_metric("pg_loss"), "train/pg_loss");
         // One slime name per verl name and back: renaming never merges two metrics.
