@@ -65,12 +65,6 @@ static int on_simulator(void) {
               __FILE__, __LINE__, #expr, _r, _w, _d);                                           \
   } while (0)
 
-/* The device memory the hook's copy streams take, made with its first region allocation on a
- * device and kept: the simulator's figure for a process's first CUDA streams (tms-sim
- * STREAM_POOL_BYTES, measured on an H200); ACL streams take none there. On a real device the
- * figure is the driver's, within DRIVER_SLACK. */
-static size_t hook_stream_bytes(void);
-
 static void sim_stats(struct sim_stats *s) {
   void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
   int (*f)(struct sim_stats *) = h ? (int (*)(struct sim_stats *))dlsym(h, "tms_sim_stats") : NULL;
@@ -119,6 +113,10 @@ static int dev_write(void *dst, const void *src, size_t n) {
 static int dev_read(void *dst, const void *src, size_t n) {
   return use_acl ? ACL(aclrtMemcpy)(dst, n, src, n, 2) : CUDART(cudaMemcpy)(dst, src, n, 2);
 }
+/* The device memory the hook's copy streams take, made with its first region allocation on a
+ * device and kept: the simulator's figure for a process's first CUDA streams (tms-sim
+ * STREAM_POOL_BYTES, measured on an H200); ACL streams take none there. On a real device the
+ * figure is the driver's, within DRIVER_SLACK. */
 static size_t hook_stream_bytes(void) { return on_simulator() && !use_acl ? 2 * MiB : 0; }
 
 static size_t dev_free_mem(void) {

@@ -54,8 +54,8 @@ impl Saver {
         let granularity = self.granularity(dev, device, kind)?;
         // The copy streams every resume (and a backed-up pause) uses, made with the device's first
         // region allocation: the driver takes device memory for them, and taken later it would
-        // show as a pause freeing less than it released. A failure here is the pause's to report.
-        let _ = self.streams_for(dev, device);
+        // show as a pause freeing less than it released.
+        self.ensure_streams(dev, device);
         // cudaMalloc(SIZE_MAX) is a plain out-of-memory on the hardware, never a wrapped size.
         let Some(rounded) = checked_round_up(size.max(1), granularity) else {
             let free = dev.mem_info().map(|(free, _)| free).unwrap_or(0);

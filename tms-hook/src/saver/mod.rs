@@ -220,23 +220,28 @@ impl Saver {
         Ok(created)
     }
 
+    /// Makes the device's copy streams if it has none yet, without copying the list (region
+    /// allocations call it every time). A failure is left to the operation that needs them.
+    pub(super) fn ensure_streams(&self, dev: &dyn Device, device: i32) {
+        if !lock(&self.streams).contains_key(&(dev.vendor(), device)) {
+            let _ = self.streams_for(dev, device);
+        }
+    }
+
     /// Creates the copy streams an operation will use before its free-memory figure is read, where
     /// the first region allocation could not: the driver takes device memory for streams (2 MiB
     /// for four on an H200, driver 580), the hook's own once-only cost, not a change the pause or
-    /// resume made. A resume always copies on them; a pause only with a backup. Failures are left
-    /// to the operation itself.
+    /// resume made. A resume always copies on them; a pause only with a backup.
     fn prepare_streams(&self, jobs: &[Job], want: State) {
         let resuming = want == State::Paused;
-        let mut seen: Vec<(Vendor, i32)> = Vec::new();
-        for j in jobs.iter().filter(|j| resuming || j.a.backup_enabled) {
-            let key = (j.a.vendor, j.a.device);
-            if seen.contains(&key) || lock(&self.streams).contains_key(&key) {
-                continue;
-            }
-            seen.push(key);
-            let Some(dev) = self.loaded(key.0) else { continue };
-            let Ok(previous) = dev.bind_thread(key.1) else { continue };
-            let _ = self.streams_for(dev.as_ref(), key.1);
+        let mut devices: std::collections::BTreeSet<(Vendor, i32)> =
+            jobs.iter().filter(|j| resuming || j.a.backup_enabled).map(|j| (j.a.vendor, j.a.device)).collect();
+        // Usually made at the first allocation already: then no thread is bound for nothing.
+        devices.retain(|key| !lock(&self.streams).contains_key(key));
+        for (vendor, device) in devices {
+            let Some(dev) = self.loaded(vendor) else { continue };
+            let Ok(previous) = dev.bind_thread(device) else { continue };
+            self.ensure_streams(dev.as_ref(), device);
             dev.restore_thread(previous);
         }
     }
