@@ -2,8 +2,8 @@
 //! state, not a set of flags whose legal combinations live in comments), its cache, and the
 //! idle time it has run up, measured in one place.
 
-use super::feed::Slot;
 use super::queue::Group;
+use super::rollouter::Slot;
 use crate::run::fleet::InFlight;
 use std::time::Instant;
 

@@ -20,49 +20,34 @@
 mod accounts;
 mod elastic;
 mod engine;
-mod feed;
 mod queue;
+mod rollouter;
 mod step;
 
-use super::config::{Config, Mode};
+use super::config::Config;
 use super::fleet::{Fleet, InFlight};
 use super::handover;
 use super::launch::Plan;
 use super::protocol::{self, Init};
 use super::recorder::{Recorder, Span};
 use super::rig::Rig;
-use super::summary::{AsyncSummary, ElasticSummary};
-use super::task::Rng;
+use super::summary::AsyncSummary;
 use super::{FailKind, R, Role, RunError, weights};
 use accounts::Accounts;
-use elastic::{lend, reverse};
-use engine::Engine;
-use queue::{Group, Queue};
+use elastic::{Cx, Elastic};
+use rollouter::{Rollouter, capacity, max_staleness};
 use std::time::Instant;
 use step::{Finished, Training};
 
+/// The async driver: what every driver works with, the rollouter (engines, groups, queue), the
+/// accounts of time and samples, and elastic mode's lending. The trainer's side is a `Training`
+/// job the loop holds while it runs.
 pub(super) struct Async {
     pub(super) rig: Rig,
-    /// The weights the rollout engines hold: how many updates reached them (0: the initial ones).
-    version: u64,
-    queue: Queue,
-    engines: Vec<Engine>,
-    /// Prompt groups one generate request starts on an engine.
-    groups_per_request: usize,
-    /// Groups in the batch the trainer is working on (0 while it waits).
-    training_groups: usize,
-    rng: Rng,
-    requests: u64,
-    /// Groups started so far: the next one's place in the start order.
-    groups_started: u64,
+    roll: Rollouter,
     /// The step's window and the run's totals (time waited, idle, lent, switched; samples).
     accounts: Accounts,
-    /// Elastic mode's lending (None in async mode).
-    lending: Option<lend::Lending>,
-    /// elastic.lend_rollout: the reverse, the engines' devices lent to the trainer.
-    rollout_lending: Option<reverse::RolloutLending>,
-    /// Unfinished groups a reclaimed lent engine left: any engine continues them, before new ones.
-    orphans: Vec<Group>,
+    elastic: Elastic,
 }
 
 /// Which kind of request answered, by its position among those waited on.
@@ -73,28 +58,11 @@ enum Answer {
 
 impl Async {
     pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Async {
-        let rollouts = fleet.indices(Role::Rollout);
-        let lent = fleet.lent_engines();
-        let own = rollouts.iter().map(|&w| Engine::new(w, false));
-        let engines = own.chain(lent.iter().map(|&w| Engine::new(w, true)));
-        let lending = (cfg.run.mode == Mode::Elastic).then(|| lend::Lending::new(&fleet));
-        let rollout_lending =
-            (cfg.run.mode == Mode::Elastic && cfg.elastic.lend_rollout).then(|| reverse::RolloutLending::new(&fleet));
-        let groups_per_request = cfg.rollout.prompts_per_step / rollouts.len();
         Async {
-            engines: engines.collect(),
+            roll: Rollouter::new(cfg, &fleet),
+            elastic: Elastic::new(cfg, &fleet),
             rig: Rig::new(cfg, plan, fleet, rec),
-            version: 0,
-            queue: Queue::default(),
-            groups_per_request,
-            training_groups: 0,
-            rng: Rng::new(cfg.run.seed ^ 0xDA7A),
-            requests: 0,
-            groups_started: 0,
             accounts: Accounts::new(),
-            lending,
-            rollout_lending,
-            orphans: Vec::new(),
         }
     }
 
@@ -102,40 +70,16 @@ impl Async {
         self.rig.at.step()
     }
 
-    fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
-        self.rig.at.fail(kind, worker, cause)
-    }
-
-    fn max_staleness(&self) -> u64 {
-        self.rig.cfg.asynchronous.max_staleness.max(0) as u64
-    }
-
-    /// Groups queued and being generated before an engine waits (back-pressure): Relax's
-    /// batch x (max_staleness + 1) unless async.queue_groups says otherwise.
-    fn capacity(&self) -> usize {
-        match self.rig.cfg.asynchronous.queue_groups {
-            0 => self.rig.cfg.rollout.prompts_per_step * (self.max_staleness() as usize + 1),
-            n => n as usize,
-        }
-    }
-
-    fn segment(&self) -> Option<usize> {
-        Some(self.rig.cfg.asynchronous.segment_tokens as usize).filter(|s| *s > 0)
-    }
-
-    /// Whether generation runs in segments (of tokens, of modelled time, or both), or each
-    /// request runs its sequences to the end.
-    fn partial(&self) -> bool {
-        self.segment().is_some() || self.rig.cfg.segment_budget().is_some()
+    /// Elastic mode's hooks, and the parts they act on.
+    fn parts(&mut self) -> (&mut Elastic, Cx<'_>) {
+        (&mut self.elastic, Cx { rig: &mut self.rig, roll: &mut self.roll, accounts: &mut self.accounts })
     }
 
     /// The whole run: setup, then trainer steps until run.steps, the engines generating meanwhile.
     pub(super) fn run(&mut self) -> R<()> {
         self.setup()?;
         self.accounts.start();
-        for e in self.engines.iter_mut().filter(|e| !e.lent) {
-            e.start_idle();
-        }
+        self.roll.start();
         let steps = self.rig.cfg.run.steps;
         let per_update = self.rig.cfg.asynchronous.train_iters_per_update;
         let mut job: Option<Training> = None;
@@ -154,15 +98,17 @@ impl Async {
                     self.rig.rec.new_step();
                     job = Some(self.start_job(batch, since_update + 1 == per_update)?);
                 } else {
-                    self.elastic_trainer_waiting(trainer_idle_since, since_update)?;
+                    let (elastic, mut cx) = self.parts();
+                    elastic.trainer_waiting(&mut cx, trainer_idle_since, since_update)?;
                 }
             }
             if before_update.is_none() {
-                self.feed_engines()?;
+                let lend = self.elastic.view();
+                self.roll.feed(&mut self.rig, &mut self.accounts, lend)?;
             }
             // An update waits for the segments in flight (Relax's pause and flush); then nothing
             // else is under way.
-            if before_update.is_some() && self.engines.iter().all(|e| !e.generating()) {
+            if before_update.is_some() && !self.roll.generating() {
                 if let Some((span, t0)) = pausing.take() {
                     self.rig.rec.end(span, &self.rig.fleet)?;
                     let flush = t0.elapsed().as_secs_f64();
@@ -174,7 +120,7 @@ impl Async {
                 trainer_idle_since = Some(Instant::now());
                 continue;
             }
-            let generating = self.engines.iter().any(Engine::generating);
+            let generating = self.roll.generating();
             if job.is_none() && before_update.is_none() && self.step() >= steps && !generating {
                 return self.rig.sync.leave(&mut self.rig.fleet, &mut self.rig.rec);
             }
@@ -182,7 +128,7 @@ impl Async {
                 // Nothing under way and nothing to start: the queue can never fill.
                 return Err(self.stalled());
             }
-            let until = self.elastic_deadline(trainer_idle_since);
+            let until = self.elastic.deadline(&self.rig, &self.roll, trainer_idle_since);
             if let Some(done) = self.wait_one(&mut job, until)? {
                 job = None;
                 since_update += 1;
@@ -199,42 +145,33 @@ impl Async {
     }
 
     fn stalled(&self) -> RunError {
-        self.fail(
+        self.rig.at.fail(
             FailKind::Setup,
             None,
             format!(
                 "{} mode stalled: {} group(s) queued, the trainer needs {} and no engine may start more \
                  (async.queue_groups too small?)",
                 self.rig.cfg.run.mode.as_str(),
-                self.queue.len(),
+                self.roll.queue().len(),
                 self.rig.cfg.rollout.prompts_per_step
             ),
         )
     }
 
-    /// The earliest start among the groups not yet finished: being generated or left by a lent
-    /// engine.
-    fn first_in_flight(&self) -> Option<u64> {
-        let generating = self.engines.iter().flat_map(|e| &e.groups);
-        generating.chain(&self.orphans).map(|g| g.started).min()
-    }
-
     /// The trainer's next batch, when the queue has one; in elastic mode only once its devices
     /// are back (a lend under way is reclaimed first).
-    fn next_batch(&mut self) -> R<Option<Vec<Group>>> {
-        self.elastic_next_batch(|a| {
-            let first_in_flight = a.first_in_flight();
-            let batch = a.rig.cfg.rollout.prompts_per_step;
-            a.queue.take_batch(batch, a.version, a.max_staleness(), first_in_flight)
-        })
+    fn next_batch(&mut self) -> R<Option<Vec<queue::Group>>> {
+        let (elastic, mut cx) = self.parts();
+        elastic.next_batch(&mut cx)
     }
 
     /// The engines and the trainer start; the trainer's initial weights reach every engine. In
     /// elastic mode the lent engines start beside the regular ones and sleep before the trainers
     /// start on their devices, and one lend and reclaim measure what switching costs.
     fn setup(&mut self) -> R<()> {
-        let max_batch = self.groups_per_request * self.rig.cfg.rollout.samples_per_prompt;
-        self.elastic_before_engines(max_batch)?;
+        let max_batch = self.roll.max_batch(&self.rig.cfg);
+        let (elastic, mut cx) = self.parts();
+        elastic.before_engines(&mut cx, max_batch)?;
         for (role, phase) in [(Role::Rollout, "init_rollout"), (Role::Trainer, "init_trainer")] {
             let span = self.rig.rec.begin(phase);
             let mut targets = self.rig.fleet.indices(role);
@@ -250,14 +187,16 @@ impl Async {
             self.rig.fleet.find_control_sockets_of(&targets)?;
             self.rig.rec.end(span, &self.rig.fleet)?;
             if role == Role::Rollout {
-                self.elastic_engines_started()?;
+                let (elastic, mut cx) = self.parts();
+                elastic.engines_started(&mut cx)?;
             }
         }
         self.rig.sync.join(&mut self.rig.fleet, &mut self.rig.rec)?;
-        self.elastic_before_initial_weights()?;
+        let (elastic, mut cx) = self.parts();
+        elastic.before_initial_weights(&mut cx)?;
         self.transfer_weights("on every rollout engine after the initial update_weights")?;
-        self.elastic_after_initial_weights()?;
-        Ok(())
+        let (elastic, mut cx) = self.parts();
+        elastic.after_initial_weights(&mut cx)
     }
 
     /// The trainer's weights to every engine, checked there.
@@ -265,7 +204,8 @@ impl Async {
         let span = self.rig.rec.begin("update_weights");
         let t0 = Instant::now();
         let sum = weights::trainer_checksum(&mut self.rig.fleet, &self.rig.at)?;
-        let moved = self.rig.sync.transfer(&mut self.rig.fleet, &self.rig.at, &mut self.rig.rec, self.version + 1)?;
+        let moved =
+            self.rig.sync.transfer(&mut self.rig.fleet, &self.rig.at, &mut self.rig.rec, self.roll.version() + 1)?;
         self.rig.rec.end(span, &self.rig.fleet)?;
         self.accounts.weights_moved(t0.elapsed().as_secs_f64(), moved.bytes);
         let rollouts = self.rig.fleet.indices(Role::Rollout);
@@ -275,9 +215,9 @@ impl Async {
     /// A new weight version: the trainer's weights after its last step reach every engine, whose
     /// interrupted sequences continue under them.
     fn update_weights(&mut self) -> R<()> {
-        let next = self.version + 1;
+        let next = self.roll.version() + 1;
         self.transfer_weights(&format!("on every rollout engine after update_weights (version {next})"))?;
-        self.version = next;
+        self.roll.published();
         self.accounts.published();
         Ok(())
     }
@@ -287,7 +227,7 @@ impl Async {
     /// Gives up at `until` (a lending decision or deadline due), with nothing taken in.
     fn wait_one(&mut self, job: &mut Option<Training>, until: Option<Instant>) -> R<Option<Finished>> {
         let k = {
-            let mut waiting: Vec<&InFlight> = self.engines.iter().filter_map(Engine::request).collect();
+            let mut waiting: Vec<&InFlight> = self.roll.requests();
             let engines = waiting.len();
             if let Some(j) = job.as_ref() {
                 waiting.extend(j.job.requests().iter());
@@ -299,8 +239,9 @@ impl Async {
         };
         match k {
             Answer::Engine(nth) => {
-                let e = self.engines.iter().enumerate().filter(|(_, e)| e.generating()).nth(nth).map(|(i, _)| i);
-                self.take_generated(e.expect("an engine in flight"))?;
+                let lend = self.elastic.view();
+                let finished = self.roll.take_generated(&mut self.rig, &mut self.accounts, nth, lend)?;
+                self.elastic.segment_taken(&finished);
                 Ok(None)
             }
             Answer::Trainer(nth) => {
@@ -310,11 +251,6 @@ impl Async {
         }
     }
 
-    /// The engines on devices of their own (not elastic mode's lent ones).
-    fn own_engines(&self) -> usize {
-        self.engines.iter().filter(|e| !e.lent).count().max(1)
-    }
-
     /// The summary's `async` block: throughput, both sides' idle shares, staleness, the updates.
     pub(super) fn summary(&self) -> AsyncSummary {
         let t = &self.accounts.totals;
@@ -322,22 +258,20 @@ impl Async {
         let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
         let split = self.rig.cfg.mode_layout().ok().flatten();
-        let elastic = self.lending.as_ref().map(|l| ElasticSummary {
-            rollout_lend: self.rollout_lending.as_ref().map(|r| r.summary(wall, t.rollout_idle_s, self.own_engines())),
-            ..l.summary(&self.rig.cfg, wall, t.trainer_idle_s, t.flush_total_s)
-        });
+        let (cfg, own) = (&self.rig.cfg, self.roll.own_engines());
+        let elastic = self.elastic.summary(cfg, wall, &self.accounts, own);
         AsyncSummary {
             mode: if elastic.is_some() { "elastic" } else { "async" }.into(),
             trainer_devices: split.as_ref().map(|s| s.trainer.clone()),
             rollout_devices: split.as_ref().map(|s| s.rollout.clone()),
-            max_staleness: self.max_staleness(),
+            max_staleness: max_staleness(cfg),
             train_iters_per_update: self.rig.cfg.asynchronous.train_iters_per_update,
-            queue_capacity_groups: self.capacity(),
+            queue_capacity_groups: capacity(cfg),
             segment_tokens: self.rig.cfg.asynchronous.segment_tokens,
             samples_trained: t.samples_trained,
             samples_per_s: per_s(t.samples_trained),
             tokens_per_s: per_s(t.tokens_trained),
-            dropped_stale_samples: self.queue.dropped_samples,
+            dropped_stale_samples: self.roll.queue().dropped_samples,
             staleness_histogram: t.staleness.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             partial_samples: t.partial_samples,
             generate_replies_after_last_batch: t.replies_after_last_batch,
@@ -351,7 +285,7 @@ impl Async {
             flush_ratio: ratio(t.flush_total_s),
             flush_s_mean: (!t.flush_s.is_empty()).then(|| t.flush_s.iter().sum::<f64>() / t.flush_s.len() as f64),
             flush_s_max: t.flush_s.iter().copied().reduce(f64::max),
-            rollout_idle_ratio: if wall > 0.0 { t.rollout_idle_s / (wall * self.own_engines() as f64) } else { 0.0 },
+            rollout_idle_ratio: if wall > 0.0 { t.rollout_idle_s / (wall * own as f64) } else { 0.0 },
             elastic,
             transport: self.rig.sync.summary(),
         }

@@ -6,11 +6,11 @@
 use super::Async;
 use super::accounts::Batch;
 use super::queue::Group;
+use super::rollouter::max_staleness;
 use crate::run::job::{self, Job, Stage, StepTimes, Trained};
 use crate::run::learn::{self, Sample};
 use crate::run::metrics::mean;
 use crate::run::{FailKind, R, Role};
-use std::time::Instant;
 
 /// The trainer's job on one batch, with what the step's row keeps of its samples.
 pub(super) struct Training {
@@ -33,7 +33,7 @@ pub(super) struct Finished {
 impl Async {
     /// The trainer's first pass over a batch begins.
     pub(super) fn start_job(&mut self, groups: Vec<Group>, publishes: bool) -> R<Training> {
-        let now = self.version;
+        let now = self.roll.version();
         let mut samples = Vec::new();
         let (mut staleness, mut spans, mut scaled) = (Vec::new(), Vec::new(), Vec::new());
         for g in &groups {
@@ -50,18 +50,13 @@ impl Async {
                 spans.push(s.span());
             }
         }
-        if let Some(worst) = staleness.iter().max().filter(|w| **w > self.max_staleness()) {
-            return Err(self.fail(
-                FailKind::Check,
-                None,
-                format!(
-                    "a sample {worst} versions old reached the trainer (async.max_staleness = {})",
-                    self.max_staleness()
-                ),
-            ));
+        let bound = max_staleness(&self.rig.cfg);
+        if let Some(worst) = staleness.iter().max().filter(|w| **w > bound) {
+            let cause = format!("a sample {worst} versions old reached the trainer (async.max_staleness = {bound})");
+            return Err(self.rig.at.fail(FailKind::Check, None, cause));
         }
         self.rig.rec.count_check();
-        self.training_groups = groups.len();
+        self.roll.set_in_training(groups.len());
         let job = Job::new(samples, learn::batch_token_scale(&self.rig.cfg, &scaled));
         let mut training = Training { job, staleness, spans, publishes };
         self.submit_stage(&mut training)?;
@@ -73,10 +68,11 @@ impl Async {
     fn submit_stage(&mut self, t: &mut Training) -> R<()> {
         let mut targets = self.rig.fleet.indices(Role::Trainer);
         if t.job.stage() == Stage::Train {
-            targets.extend(self.elastic_train_stage(t.publishes)?);
+            let (elastic, mut cx) = self.parts();
+            targets.extend(elastic.train_stage(&mut cx, t.publishes)?);
         }
         // With elastic.lend_rollout every train request says its replicas, lent or not.
-        let replicas = self.rollout_lending.is_some().then_some(targets.len() as f64);
+        let replicas = self.elastic.lends_to_trainer().then_some(targets.len() as f64);
         t.job.submit(&self.rig.cfg, &mut self.rig.fleet, &mut self.rig.rec, &targets, replicas)
     }
 
@@ -88,13 +84,14 @@ impl Async {
         }
         if t.job.stage() == Stage::Train {
             let seconds = self.rig.rec.step_times().get("actor_train").copied().unwrap_or(0.0);
-            self.elastic_train_stage_done(seconds, t.job.replicas())?;
+            let (elastic, mut cx) = self.parts();
+            elastic.train_stage_done(&mut cx, seconds, t.job.replicas())?;
         }
         if t.job.next_stage(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec)?.is_some() {
             self.submit_stage(t)?;
             return Ok(None);
         }
-        self.training_groups = 0;
+        self.roll.set_in_training(0);
         let trained = t.job.finish(&self.rig.cfg, &self.rig.task);
         let (staleness, spans) = (std::mem::take(&mut t.staleness), std::mem::take(&mut t.spans));
         Ok(Some(Finished { trained, staleness, spans }))
@@ -104,12 +101,7 @@ impl Async {
     /// rollouts (verl's names), and the batch's rollout and training metrics.
     pub(super) fn write_row(&mut self, d: Finished) {
         let wall = self.accounts.window.start.elapsed().as_secs_f64();
-        let now = Instant::now();
-        for e in self.engines.iter_mut() {
-            // An idle engine's time so far counts in this window; the next starts now.
-            let idle = e.roll_idle(now);
-            self.accounts.engine_idle(e.lent, idle);
-        }
+        self.roll.roll_idle(&mut self.accounts);
         let w = &self.accounts.window;
         let (trainer_idle, rollout_idle, flush) = (w.trainer_idle_s, w.rollout_idle_s, w.flush_s);
         let times = StepTimes { step_s: wall, wait_s: trainer_idle, wall_s: wall };
@@ -119,26 +111,24 @@ impl Async {
             // The flush idles the trainer's devices as surely as waiting for a batch does.
             row.set("trainer/idle_ratio", (trainer_idle + flush) / wall);
             row.set("trainer/flush_ratio", flush / wall);
-            row.set("rollouter/idle_ratio", rollout_idle / (wall * self.own_engines() as f64));
+            row.set("rollouter/idle_ratio", rollout_idle / (wall * self.roll.own_engines() as f64));
         }
-        self.elastic_row(&mut row, wall, rollout_idle);
+        self.elastic.row(&self.rig.cfg, &self.accounts, &mut row, wall, rollout_idle, self.roll.own_engines());
         let stale = d.staleness.iter().filter(|s| **s > 0).count();
         row.set("fully_async/count/stale_samples_processed", stale as f64);
-        row.set("fully_async/count/dropped_stale_samples", self.queue.dropped_samples as f64);
+        row.set("fully_async/count/dropped_stale_samples", self.roll.queue().dropped_samples as f64);
         row.set("fully_async/staleness_mean", mean(d.staleness.iter().map(|s| *s as f64)));
         row.set("fully_async/staleness_max", d.staleness.iter().copied().max().unwrap_or(0) as f64);
         let partial = d.spans.iter().filter(|s| **s > 0).count();
         row.set("partial/partial_ratio", partial as f64 / d.spans.len().max(1) as f64);
         row.set("partial/max_partial_span", d.spans.iter().copied().max().unwrap_or(0) as f64);
-        row.set("fully_async/weight_version", self.version as f64);
-        row.set("fully_async/queue_groups", self.queue.len() as f64);
+        row.set("fully_async/weight_version", self.roll.version() as f64);
+        row.set("fully_async/queue_groups", self.roll.queue().len() as f64);
         self.rig.rec.record_step(&row);
         let samples = &d.trained.samples;
         let tokens = samples.iter().map(|s| s.response.len() as u64).sum::<u64>();
         let batch = Batch { samples: samples.len() as u64, tokens, staleness: &d.staleness, partial: partial as u64 };
         let closed = self.accounts.close_window(batch);
-        if let Some(l) = self.lending.as_mut() {
-            l.add_lent_idle(closed.lent_idle_s);
-        }
+        self.elastic.window_closed(closed.lent_idle_s);
     }
 }

@@ -11,14 +11,15 @@
 //! lend is skipped when the groups' completion rate says the batch will be ready sooner than a
 //! switch would take.
 
-use super::super::Async;
 use super::super::accounts::Window;
-use super::super::engine::State as EngineState;
 use super::super::queue::Group;
+use super::super::rollouter::{Finished, LendView, Rollouter};
+use super::{Cx, Direction, Lend};
 use crate::run::config::Config;
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
+use crate::run::rig::Rig;
 use crate::run::summary::ElasticSummary;
 use crate::run::{R, Role, transport, weights};
 use serde_json::{Value, json};
@@ -34,11 +35,9 @@ enum State {
     Reclaiming { since: Instant, batch: Vec<Group> },
 }
 
+/// What this direction counts beyond `Lend`'s counts.
 #[derive(Default)]
 struct Stats {
-    lends: u64,
-    lend_s: f64,
-    reclaim_s: f64,
     lent_s: f64,
     /// Seconds the lent engines had no request while lent, all of them together.
     lent_idle_s: f64,
@@ -46,18 +45,12 @@ struct Stats {
     retired: Vec<String>,
     lent_tokens: u64,
     lent_groups: u64,
-    skipped: u64,
-    /// Of the lends' and reclaims' time, the saver's own pauses and resumes (its reports).
-    saver_s: f64,
 }
 
 pub(in crate::run::asynchronous) struct Lending {
-    /// (trainer, lent engine) fleet indices, one pair per trainer device.
-    pairs: Vec<(usize, usize)>,
+    /// The pairs are (trainer, lent engine).
+    lend: Lend,
     state: State,
-    /// The last switch measured: a lend and its reclaim, seconds.
-    switch_s: Option<f64>,
-    calibration_s: Option<f64>,
     /// The trainers' weights checksum when they went to sleep.
     trainer_sum: Option<String>,
     comms_suspended: bool,
@@ -66,7 +59,6 @@ pub(in crate::run::asynchronous) struct Lending {
     /// The idle period whose skipped lend was logged already.
     skip_logged: Option<Instant>,
     stats: Stats,
-    last_lend_s: f64,
 }
 
 impl Lending {
@@ -77,32 +69,22 @@ impl Lending {
 
     fn of_pairs(pairs: Vec<(usize, usize)>) -> Lending {
         Lending {
-            pairs,
+            lend: Lend::new(Direction::ToRollout, pairs),
             state: State::Home,
-            switch_s: None,
-            calibration_s: None,
             trainer_sum: None,
             comms_suspended: false,
             finished_at: VecDeque::new(),
             skip_logged: None,
             stats: Stats::default(),
-            last_lend_s: 0.0,
         }
     }
 
-    pub(in crate::run::asynchronous) fn reclaiming(&self) -> bool {
-        matches!(self.state, State::Reclaiming { .. })
-    }
-
-    pub(in crate::run::asynchronous) fn lent(&self) -> bool {
-        matches!(self.state, State::Lent { .. })
-    }
-
-    /// Groups of the trainer's next batch, out of the queue and waiting for the reclaim.
-    pub(in crate::run::asynchronous) fn batch_groups(&self) -> usize {
+    /// Where the lend stands, as feeding the engines needs it.
+    pub(in crate::run::asynchronous) fn view(&self) -> LendView {
         match &self.state {
-            State::Reclaiming { batch, .. } => batch.len(),
-            _ => 0,
+            State::Home => LendView::default(),
+            State::Lent { .. } => LendView { lent: true, ..LendView::default() },
+            State::Reclaiming { batch, .. } => LendView { reclaiming: true, reclaim_batch: batch.len(), lent: false },
         }
     }
 
@@ -110,19 +92,20 @@ impl Lending {
     fn threshold(&self, cfg: &Config) -> f64 {
         match cfg.elastic.lend_after_s {
             t if t > 0.0 => t,
-            _ => self.switch_s.unwrap_or(0.0),
+            _ => self.lend.switch_s.unwrap_or(0.0),
         }
     }
 
-    /// An engine finished `groups` groups with a segment of `tokens` tokens.
-    pub(in crate::run::asynchronous) fn groups_finished(&mut self, groups: usize, lent: bool, tokens: u64) {
-        if lent {
-            self.stats.lent_tokens += tokens;
-            self.stats.lent_groups += groups as u64;
+    /// An engine's segment finished groups: a lent engine's count towards what lending gave,
+    /// the others' towards the completion rate.
+    pub(in crate::run::asynchronous) fn groups_finished(&mut self, f: &Finished) {
+        if f.lent {
+            self.stats.lent_tokens += f.tokens;
+            self.stats.lent_groups += f.groups as u64;
             return;
         }
         let now = Instant::now();
-        for _ in 0..groups {
+        for _ in 0..f.groups {
             self.finished_at.push_back(now);
         }
         while self.finished_at.len() > 64 {
@@ -137,7 +120,7 @@ impl Lending {
     /// Of `lent_idle_s` engine-seconds, what one trainer device spent lent and idle: a device per
     /// lent engine.
     fn per_device(&self, lent_idle_s: f64) -> f64 {
-        lent_idle_s / self.pairs.len().max(1) as f64
+        lent_idle_s / self.lend.pairs.len().max(1) as f64
     }
 
     /// Groups per second the engines of their own devices finish, over their last groups.
@@ -157,8 +140,8 @@ impl Lending {
         trainer_idle_s: f64,
         flush_s: f64,
     ) -> ElasticSummary {
-        let s = &self.stats;
-        let per = |x: f64| (s.lends > 0).then(|| x / s.lends as f64);
+        let (l, s) = (&self.lend, &self.stats);
+        let (lend_s_mean, reclaim_s_mean, switch_saver_s_mean) = l.means();
         let ratio = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
         // Waiting, less the time lent, plus the time lent with nothing to generate.
         let unlent = (trainer_idle_s - s.lent_s).max(0.0) + self.per_device(s.lent_idle_s);
@@ -166,14 +149,14 @@ impl Lending {
         ElasticSummary {
             lend_after_s: self.threshold(cfg),
             lend_after_s_source: source.into(),
-            calibration_switch_s: self.calibration_s,
-            switch_s: self.switch_s,
+            calibration_switch_s: l.calibration_s,
+            switch_s: l.switch_s,
             reclaim_timeout_s: cfg.elastic.reclaim_timeout_s,
-            lends: s.lends,
-            lends_skipped: s.skipped,
-            lend_s_mean: per(s.lend_s),
-            reclaim_s_mean: per(s.reclaim_s),
-            switch_saver_s_mean: per(s.saver_s),
+            lends: l.counts.lends,
+            lends_skipped: l.counts.skipped,
+            lend_s_mean,
+            reclaim_s_mean,
+            switch_saver_s_mean,
             lent_s: s.lent_s,
             lent_engine_idle_s: self.per_device(s.lent_idle_s),
             lent_tokens: s.lent_tokens,
@@ -186,84 +169,69 @@ impl Lending {
             rollout_lend: None,
         }
     }
-}
 
-impl Async {
-    fn lending_mut(&mut self) -> &mut Lending {
-        self.lending.as_mut().expect("elastic mode")
-    }
-
-    fn reclaim_timeout(&self) -> Duration {
-        Duration::try_from_secs_f64(self.rig.cfg.elastic.reclaim_timeout_s).unwrap_or(Duration::from_secs(30))
-    }
-
-    /// The lent engines' slots in `engines` that may still be lent (not retired).
-    fn lent_slots(&self) -> Vec<usize> {
-        (0..self.engines.len()).filter(|&k| self.engines[k].lent && !self.engines[k].retired()).collect()
+    fn reclaim_timeout(cfg: &Config) -> Duration {
+        Duration::try_from_secs_f64(cfg.elastic.reclaim_timeout_s).unwrap_or(Duration::from_secs(30))
     }
 
     /// Pause every tag of `targets` (free memory must rise by what was paused), the saver's time
     /// counted in the lends' switch.
-    fn pause_all(&mut self, targets: &[usize]) -> R<()> {
-        let saver = handover::pause(&mut self.rig.fleet, &mut self.rig.rec, targets, None)?;
-        self.lending_mut().stats.saver_s += saver;
+    fn pause_all(&mut self, rig: &mut Rig, targets: &[usize]) -> R<()> {
+        let seconds = handover::pause(&mut rig.fleet, &mut rig.rec, targets, None)?;
+        self.lend.saver(seconds);
         Ok(())
     }
 
     /// Setup: the lent engines sleep before the trainers start on their devices; from here on the
     /// recorder checks that a device's two sides never both hold their memory.
-    pub(in crate::run::asynchronous) fn lent_offload(&mut self) -> R<()> {
-        let span = self.rig.rec.begin("lent_offload");
-        let engines = self.rig.fleet.lent_engines();
-        self.pause_all(&engines)?;
-        self.rig.rec.end(span, &self.rig.fleet)?;
-        let pairs = self.lending_mut().pairs.clone();
-        let name = |i: usize| self.rig.fleet.worker(i).name.clone();
-        let shared = pairs.iter().map(|&(t, e)| (name(t), name(e))).collect();
-        self.rig.rec.add_shared_devices(shared);
+    pub(in crate::run::asynchronous) fn offload(&mut self, cx: &mut Cx) -> R<()> {
+        let rig = &mut *cx.rig;
+        let span = rig.rec.begin("lent_offload");
+        let engines = rig.fleet.lent_engines();
+        self.pause_all(rig, &engines)?;
+        rig.rec.end(span, &rig.fleet)?;
+        let name = |i: usize| rig.fleet.worker(i).name.clone();
+        let shared = self.lend.pairs.iter().map(|&(t, e)| (name(t), name(e))).collect();
+        rig.rec.add_shared_devices(shared);
         Ok(())
     }
 
     /// Setup: one lend and its reclaim, which proves the path before the run depends on it and
     /// measures the switch the default threshold waits for.
-    pub(in crate::run::asynchronous) fn calibrate(&mut self) -> R<()> {
-        self.lend(json!({"reason": "calibration: one lend and reclaim measure the switch"}))?;
-        self.lending_mut().state = State::Reclaiming { since: Instant::now(), batch: Vec::new() };
-        self.reclaim()?;
-        let l = self.lending_mut();
-        l.calibration_s = l.switch_s;
-        l.stats = Stats::default();
+    pub(in crate::run::asynchronous) fn calibrate(&mut self, cx: &mut Cx) -> R<()> {
+        self.lend_devices(cx, json!({"reason": "calibration: one lend and reclaim measure the switch"}))?;
+        self.state = State::Reclaiming { since: Instant::now(), batch: Vec::new() };
+        self.reclaim(cx)?;
+        self.lend.calibrated();
+        self.stats = Stats::default();
         Ok(())
     }
 
     /// When the driver must look again even if no worker answers: at the end of the trainer's
     /// wait before a lend, or at the reclaim deadline.
-    pub(in crate::run::asynchronous) fn lending_deadline(
+    pub(in crate::run::asynchronous) fn deadline(
         &self,
+        rig: &Rig,
+        roll: &Rollouter,
         trainer_idle_since: Option<Instant>,
     ) -> Option<Instant> {
-        let l = self.lending.as_ref()?;
-        match &l.state {
-            State::Reclaiming { since, .. } => Some(*since + self.reclaim_timeout()),
+        let timeout = Lending::reclaim_timeout(&rig.cfg);
+        match &self.state {
+            State::Reclaiming { since, .. } => Some(*since + timeout),
             State::Home => {
-                let at = trainer_idle_since? + Duration::try_from_secs_f64(l.threshold(&self.rig.cfg)).ok()?;
+                let at = trainer_idle_since? + Duration::try_from_secs_f64(self.threshold(&rig.cfg)).ok()?;
                 (at > Instant::now()).then_some(at)
             }
             // The earliest moment a lent engine's segment may count as stuck.
-            State::Lent { .. } => {
-                let now = Instant::now();
-                let sent = self.lent_slots().into_iter().filter_map(|k| self.engines[k].sent());
-                let due = sent.map(|t| t + self.reclaim_timeout());
-                due.filter(|at| *at > now).min()
-            }
+            State::Lent { .. } => roll.lent_due(timeout),
         }
     }
 
     /// Seconds until the trainer's batch is ready, from the groups missing and the rate the
     /// engines of their own devices finish them (None before there is a rate).
-    fn expected_wait(&self) -> Option<f64> {
-        let rate = self.lending.as_ref()?.completion_rate()?;
-        let missing = self.rig.cfg.rollout.prompts_per_step.saturating_sub(self.queue.len()).max(1);
+    fn expected_wait(&self, cfg: &Config, roll: &Rollouter) -> Option<f64> {
+        let rate = self.completion_rate()?;
+        let missing = cfg.rollout.prompts_per_step.saturating_sub(roll.queue().len()).max(1);
         Some(missing as f64 / rate)
     }
 
@@ -274,167 +242,150 @@ impl Async {
     /// newer than the engines' by those steps, and their tokens count as the engines' version:
     /// older than they are, so the staleness bound still holds for them; the off-policy correction
     /// reads the log-probs the lent engine computed, whatever weights it had.
-    pub(in crate::run::asynchronous) fn consider_lending(
+    pub(in crate::run::asynchronous) fn consider(
         &mut self,
+        cx: &mut Cx,
         idle_since: Option<Instant>,
         unpublished: u64,
     ) -> R<()> {
-        let (Some(l), Some(since)) = (self.lending.as_ref(), idle_since) else {
-            return Ok(());
-        };
-        if !matches!(l.state, State::Home) || self.lent_slots().is_empty() {
+        let Some(since) = idle_since else { return Ok(()) };
+        if !matches!(self.state, State::Home) || cx.roll.lent_slots().is_empty() {
             return Ok(());
         }
         let idle = since.elapsed().as_secs_f64();
-        let threshold = l.threshold(&self.rig.cfg);
+        let threshold = self.threshold(&cx.rig.cfg);
         // Work for the lent engines: groups to continue or to share, or room for new ones.
-        let work = !self.orphans.is_empty() || self.generating_groups() > 0 || self.fresh_groups_for(0, true) > 0;
+        let fresh = cx.roll.fresh_groups_for(cx.rig, 0, true, self.view());
+        let work = cx.roll.has_orphans() || cx.roll.generating_groups() > 0 || fresh > 0;
         if idle < threshold || !work {
             return Ok(());
         }
-        let switch = l.switch_s.unwrap_or(0.0);
-        let wait = self.expected_wait();
+        let switch = self.lend.switch_s.unwrap_or(0.0);
+        let wait = self.expected_wait(&cx.rig.cfg, cx.roll);
         if let Some(w) = wait.filter(|w| *w < switch) {
-            if l.skip_logged != Some(since) {
-                let l = self.lending_mut();
-                l.skip_logged = Some(since);
-                l.stats.skipped += 1;
+            if self.skip_logged != Some(since) {
+                self.skip_logged = Some(since);
                 let why = format!("the batch is expected in {w:.3} s, sooner than a switch ({switch:.3} s)");
-                self.rig
-                    .rec
-                    .log_decision(json!({"action": "skip", "reason": why, "idle_s": idle, "expected_wait_s": w}));
+                self.lend.skip(cx.rig, json!({"reason": why, "idle_s": idle, "expected_wait_s": w}));
             }
             return Ok(());
         }
         let reason = format!(
             "the trainer waited {idle:.3} s, past {threshold:.3} s ({}), and its batch is {}",
-            if self.rig.cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "the measured switch" },
+            if cx.rig.cfg.elastic.lend_after_s > 0.0 { "elastic.lend_after_s" } else { "the measured switch" },
             wait.map_or_else(|| "not yet timed".into(), |w| format!("expected in {w:.3} s"))
         );
-        self.lend(json!({
-            "reason": reason,
-            "idle_s": idle,
-            "expected_wait_s": wait,
-            "trainer_steps_unpublished": unpublished,
-        }))
+        self.lend_devices(
+            cx,
+            json!({
+                "reason": reason,
+                "idle_s": idle,
+                "expected_wait_s": wait,
+                "trainer_steps_unpublished": unpublished,
+            }),
+        )
     }
 
     /// The trainers sleep (their weights' checksum kept to check them at reclaim), and the lent
     /// engines wake with the engines' weights from the trainers on their devices.
-    fn lend(&mut self, why: Value) -> R<()> {
+    fn lend_devices(&mut self, cx: &mut Cx, why: Value) -> R<()> {
         let t0 = Instant::now();
-        let span = self.rig.rec.begin("lend");
-        let slots = self.lent_slots();
-        let live: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
-        let pairs: Vec<(usize, usize)> =
-            self.lending_mut().pairs.iter().copied().filter(|(_, e)| live.contains(e)).collect();
-        let trainers = self.rig.fleet.indices(Role::Trainer);
-        let sum = weights::trainer_checksum(&mut self.rig.fleet, &self.rig.at)?;
-        let (at, bucket_bytes) = (self.rig.at.clone(), self.rig.sync.bucket_bytes());
+        let rig = &mut *cx.rig;
+        let span = rig.rec.begin(self.lend.lend_phase());
+        let slots = cx.roll.lent_slots();
+        let live: Vec<usize> = slots.iter().map(|&k| cx.roll.worker(k)).collect();
+        let pairs: Vec<(usize, usize)> = self.lend.pairs.iter().copied().filter(|(_, e)| live.contains(e)).collect();
+        let trainers = rig.fleet.indices(Role::Trainer);
+        let sum = weights::trainer_checksum(&mut rig.fleet, &rig.at)?;
+        let (at, bucket_bytes) = (rig.at.clone(), rig.sync.bucket_bytes());
         let handed = Handover {
             from: &trainers,
-            sleep: Sleep::of_trainer(&self.rig.cfg),
+            sleep: Sleep::of_trainer(&rig.cfg),
             to: &live,
             wake: Wake::Serving,
             expect: Some((&sum, "on the lent engines after their weights arrived")),
             phases: None,
         }
-        .run(&mut self.rig.fleet, &mut self.rig.rec, |f, _| transport::lend_transfer(f, &at, bucket_bytes, &pairs))?;
+        .run(&mut rig.fleet, &mut rig.rec, |f, _| transport::lend_transfer(f, &at, bucket_bytes, &pairs))?;
         let moved = handed.cargo;
-        let l = self.lending_mut();
-        l.comms_suspended = handed.comms_suspended;
-        l.stats.saver_s += handed.saver_s;
-        self.rig.rec.end(span, &self.rig.fleet)?;
-        let version = self.version;
-        for &k in &slots {
-            let e = &mut self.engines[k];
-            (e.state, e.version, e.cold_cache) = (EngineState::Awake, version, true);
-            // Idle until its first request (the lent engines' share of the work, while lent).
-            e.start_idle();
-        }
+        self.comms_suspended = handed.comms_suspended;
+        rig.rec.end(span, &rig.fleet)?;
+        cx.roll.wake_lent(&slots);
         let seconds = t0.elapsed().as_secs_f64();
-        self.accounts.lent(seconds);
-        let l = self.lending_mut();
-        l.trainer_sum = Some(sum);
-        l.state = State::Lent { since: Instant::now() };
-        l.stats.lends += 1;
-        l.stats.lend_s += seconds;
-        l.last_lend_s = seconds;
+        cx.accounts.lent(seconds);
+        self.trainer_sum = Some(sum);
+        self.state = State::Lent { since: Instant::now() };
+        self.lend.lent(seconds, handed.saver_s);
         // Host when a worker of the pair lacks ipc (lend_transfer's fallback): say which it was.
         let transport = if moved.host_bytes > 0 { "host" } else { "ipc" };
-        let mut decision =
-            json!({"action": "lend", "seconds": seconds, "weights_bytes": moved.bytes, "weights_transport": transport});
-        if let (Some(d), Value::Object(w)) = (decision.as_object_mut(), why) {
+        let mut what = json!({"seconds": seconds, "weights_bytes": moved.bytes, "weights_transport": transport});
+        if let (Some(d), Value::Object(w)) = (what.as_object_mut(), why) {
             d.extend(w);
         }
-        self.rig.rec.log_decision(decision);
+        self.lend.log(rig, self.lend.lend_phase(), what);
         Ok(())
+    }
+
+    /// The trainer's next batch: a lend under way is reclaimed first (the batch waits for it),
+    /// and a lent engine stuck on the oldest group is retired.
+    pub(in crate::run::asynchronous) fn next_batch(&mut self, cx: &mut Cx) -> R<Option<Vec<Group>>> {
+        if matches!(self.state, State::Reclaiming { .. }) {
+            return self.try_reclaim(cx);
+        }
+        self.retire_stuck(cx)?;
+        match cx.roll.take_batch(&cx.rig.cfg) {
+            Some(b) if matches!(self.state, State::Lent { .. }) => {
+                self.begin_reclaim(cx, b);
+                self.try_reclaim(cx)
+            }
+            b => Ok(b),
+        }
     }
 
     /// The trainer's batch is ready: the lent engines stop taking work; their segments in flight
     /// finish (within elastic.reclaim_timeout_s) before the trainers wake.
-    pub(in crate::run::asynchronous) fn begin_reclaim(&mut self, batch: Vec<Group>) {
-        self.close_lent_idle();
-        let l = self.lending_mut();
-        if let State::Lent { since } = l.state {
+    fn begin_reclaim(&mut self, cx: &mut Cx, batch: Vec<Group>) {
+        cx.roll.stop_lent_idle(cx.accounts);
+        if let State::Lent { since } = self.state {
             let lent = since.elapsed().as_secs_f64();
-            l.stats.lent_s += lent;
-            self.accounts.lend_lasted(lent);
+            self.stats.lent_s += lent;
+            cx.accounts.lend_lasted(lent);
         }
-        self.lending_mut().state = State::Reclaiming { since: Instant::now(), batch };
-    }
-
-    /// The lent engines take no more work from here (a reclaim, a retirement): their idle time
-    /// while lent ends.
-    fn close_lent_idle(&mut self) {
-        for k in self.lent_slots() {
-            let idle = self.engines[k].stop_idle();
-            self.accounts.engine_idle(true, idle);
-        }
+        self.state = State::Reclaiming { since: Instant::now(), batch };
     }
 
     /// The batch the reclaim waits to hand the trainer, once its devices are back: when every lent
     /// engine's segment is in, or at the deadline, after pausing those still generating.
-    pub(in crate::run::asynchronous) fn try_reclaim(&mut self) -> R<Option<Vec<Group>>> {
-        let Some(State::Reclaiming { since, .. }) = self.lending.as_ref().map(|l| &l.state) else {
-            return Ok(None);
-        };
-        let busy: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].generating()).collect();
+    fn try_reclaim(&mut self, cx: &mut Cx) -> R<Option<Vec<Group>>> {
+        let State::Reclaiming { since, .. } = &self.state else { return Ok(None) };
+        let busy = cx.roll.lent_generating();
         if !busy.is_empty() {
-            if since.elapsed() < self.reclaim_timeout() {
+            if since.elapsed() < Lending::reclaim_timeout(&cx.rig.cfg) {
                 return Ok(None);
             }
-            self.retire(&busy, "of the reclaim")?;
+            self.retire(cx, &busy, "of the reclaim")?;
         }
-        self.reclaim().map(Some)
+        self.reclaim(cx).map(Some)
     }
 
     /// Lent engines past the reclaim deadline: paused from outside through their control sockets
     /// (their answer is never read), named, never lent again; their groups' tokens so far are kept
     /// for the other engines.
-    fn retire(&mut self, slots: &[usize], when: &str) -> R<()> {
+    fn retire(&mut self, cx: &mut Cx, slots: &[usize], when: &str) -> R<()> {
         for &k in slots {
-            let worker = self.engines[k].worker;
-            let name = self.rig.fleet.worker(worker).name.clone();
-            self.pause_all(&[worker])?;
-            let e = &mut self.engines[k];
-            // Its request's answer is never read.
-            e.state = EngineState::Retired;
-            let idle = e.stop_idle();
-            self.accounts.engine_idle(true, idle);
-            let groups = std::mem::take(&mut e.groups);
-            self.orphans.extend(groups);
-            self.orphans.sort_by_key(|g| g.started);
-            let timeout = self.rig.cfg.elastic.reclaim_timeout_s;
+            let worker = cx.roll.worker(k);
+            let name = cx.rig.fleet.worker(worker).name.clone();
+            self.pause_all(cx.rig, &[worker])?;
+            cx.roll.retire(k, cx.accounts);
+            let timeout = cx.rig.cfg.elastic.reclaim_timeout_s;
             let why = format!(
                 "{name} did not finish its segment within {timeout} s (elastic.reclaim_timeout_s) {when}: its memory \
                  was paused from outside and it is retired; the run goes on without it"
             );
-            eprintln!("relax-colocate run: step {}: {why}", self.step());
-            self.rig.rec.log_decision(json!({"action": "forced_reclaim", "engine": name, "reason": why}));
-            let l = self.lending_mut();
-            l.stats.forced += 1;
-            l.stats.retired.push(name);
+            eprintln!("relax-colocate run: step {}: {why}", cx.rig.at.step());
+            self.lend.log(cx.rig, "forced_reclaim", json!({"engine": name, "reason": why}));
+            self.stats.forced += 1;
+            self.stats.retired.push(name);
         }
         Ok(())
     }
@@ -442,92 +393,67 @@ impl Async {
     /// While lent: a lent engine whose segment has run past elastic.reclaim_timeout_s while it
     /// holds the oldest group under way (the one the trainer's batch waits for) is retired as a
     /// reclaim would retire it, so that the others can finish its groups.
-    pub(in crate::run::asynchronous) fn retire_stuck(&mut self) -> R<()> {
-        if !self.lending.as_ref().is_some_and(Lending::lent) {
+    fn retire_stuck(&mut self, cx: &mut Cx) -> R<()> {
+        if !matches!(self.state, State::Lent { .. }) {
             return Ok(());
         }
-        let Some(oldest) = self.first_in_flight() else { return Ok(()) };
-        let timeout = self.reclaim_timeout();
-        let stuck: Vec<usize> = self
-            .lent_slots()
-            .into_iter()
-            .filter(|&k| {
-                let e = &self.engines[k];
-                let late = e.sent().is_some_and(|t| t.elapsed() >= timeout);
-                late && e.groups.iter().any(|g| g.started == oldest)
-            })
-            .collect();
+        let stuck = cx.roll.lent_stuck(Lending::reclaim_timeout(&cx.rig.cfg));
         if stuck.is_empty() {
             return Ok(());
         }
-        self.retire(&stuck, "while it held the trainer's oldest group")
+        self.retire(cx, &stuck, "while it held the trainer's oldest group")
     }
 
     /// The lent engines sleep (their groups left to the others), the trainers wake and must hold
     /// exactly the weights they slept with. Returns the batch the reclaim was for.
-    fn reclaim(&mut self) -> R<Vec<Group>> {
+    fn reclaim(&mut self, cx: &mut Cx) -> R<Vec<Group>> {
         // Calibration's reclaim comes without begin_reclaim.
-        self.close_lent_idle();
+        cx.roll.stop_lent_idle(cx.accounts);
         let t0 = Instant::now();
-        let span = self.rig.rec.begin("reclaim");
-        let slots: Vec<usize> = self.lent_slots().into_iter().filter(|&k| self.engines[k].awake()).collect();
-        let engines: Vec<usize> = slots.iter().map(|&k| self.engines[k].worker).collect();
-        let mut tokens = 0;
-        for &k in &slots {
-            let e = &mut self.engines[k];
-            e.state = EngineState::Asleep;
-            for g in std::mem::take(&mut e.groups) {
-                tokens += g.seqs.iter().map(|s| s.response.len()).sum::<usize>();
-                self.orphans.push(g);
-            }
-        }
-        self.orphans.sort_by_key(|g| g.started);
-        let trainers = self.rig.fleet.indices(Role::Trainer);
-        let comms = std::mem::take(&mut self.lending_mut().comms_suspended);
-        let sum = self.lending_mut().trainer_sum.take().unwrap_or_default();
+        let rig = &mut *cx.rig;
+        let span = rig.rec.begin(self.lend.reclaim_phase());
+        let (engines, tokens) = cx.roll.put_lent_to_sleep();
+        let trainers = rig.fleet.indices(Role::Trainer);
+        let comms = std::mem::take(&mut self.comms_suspended);
+        let sum = self.trainer_sum.take().unwrap_or_default();
         let handed = Handover {
             from: &engines,
             sleep: Sleep::default(),
             to: &trainers,
-            wake: Wake::Whole { comms, load_state: !self.rig.cfg.memory.backup },
+            wake: Wake::Whole { comms, load_state: !rig.cfg.memory.backup },
             expect: Some((&sum, "after the reclaim (the lent device's memory back to the trainer's bytes)")),
             phases: None,
         }
-        .run(&mut self.rig.fleet, &mut self.rig.rec, |_, _| Ok(()))?;
-        self.lending_mut().stats.saver_s += handed.saver_s;
-        self.rig.rec.end(span, &self.rig.fleet)?;
+        .run(&mut rig.fleet, &mut rig.rec, |_, _| Ok(()))?;
+        rig.rec.end(span, &rig.fleet)?;
         let seconds = t0.elapsed().as_secs_f64();
-        self.accounts.reclaimed(seconds);
-        let l = self.lending_mut();
-        let batch = match std::mem::replace(&mut l.state, State::Home) {
+        cx.accounts.reclaimed(seconds);
+        let batch = match std::mem::replace(&mut self.state, State::Home) {
             State::Reclaiming { batch, .. } => batch,
             _ => Vec::new(),
         };
-        l.stats.reclaim_s += seconds;
-        l.switch_s = Some(l.last_lend_s + seconds);
-        let orphans = self.orphans.len();
-        self.rig.rec.log_decision(json!({
-            "action": "reclaim", "reason": "the trainer's batch is ready", "seconds": seconds,
-            "groups_left": orphans, "tokens_left": tokens,
-        }));
+        self.lend.reclaimed(seconds, handed.saver_s);
+        let what = json!({
+            "reason": "the trainer's batch is ready", "seconds": seconds,
+            "groups_left": cx.roll.orphans(), "tokens_left": tokens,
+        });
+        self.lend.log(rig, self.lend.reclaim_phase(), what);
         Ok(batch)
     }
 
     /// The step's lending figures (elastic mode).
-    pub(in crate::run::asynchronous) fn lending_row(&self, row: &mut Row, wall: f64) {
-        let w: &Window = &self.accounts.window;
+    pub(in crate::run::asynchronous) fn row(&self, cfg: &Config, w: &Window, row: &mut Row, wall: f64) {
         row.set("elastic/lends", w.lends as f64);
         row.set("elastic/lent_time", w.lent_s);
         row.set("elastic/switch_time", w.switch_s);
-        let Some(l) = self.lending.as_ref() else { return };
-        let lent_idle = l.per_device(w.lent_idle_s);
+        let lent_idle = self.per_device(w.lent_idle_s);
         row.set("elastic/lent_idle_time", lent_idle);
         if wall > 0.0 {
             let unlent = (w.trainer_idle_s - w.lent_s).max(0.0) + lent_idle;
             row.set("elastic/trainer_device_idle_ratio", (unlent + w.flush_s) / wall);
             row.set("elastic/trainer_device_idle_ratio_without_flush", unlent / wall);
         }
-        row.set("elastic/lend_after_s", l.threshold(&self.rig.cfg));
+        row.set("elastic/lend_after_s", self.threshold(cfg));
     }
 }
 
@@ -545,7 +471,7 @@ mod tests {
     fn the_threshold_is_the_measured_switch_unless_configured() {
         let mut l = Lending::of_pairs(vec![(1, 0)]);
         assert_eq!(l.threshold(&config(0.0)), 0.0, "nothing measured yet: lend at once");
-        l.switch_s = Some(0.7);
+        l.lend.switch_s = Some(0.7);
         assert_eq!(l.threshold(&config(0.0)), 0.7);
         assert_eq!(l.threshold(&config(2.5)), 2.5);
     }
@@ -558,12 +484,12 @@ mod tests {
         l.finished_at.extend([t0, t0 + Duration::from_secs(1), t0 + Duration::from_secs(2)]);
         assert!((l.completion_rate().unwrap() - 1.0).abs() < 1e-9);
         // A lent engine's groups add to what lending gave, not to the rate it is judged by.
-        l.groups_finished(5, true, 40);
+        l.groups_finished(&Finished { groups: 5, lent: true, tokens: 40 });
         assert_eq!(l.finished_at.len(), 3);
         assert_eq!((l.stats.lent_groups, l.stats.lent_tokens), (5, 40));
         // The window keeps the last 64 completions.
         for _ in 0..100 {
-            l.groups_finished(1, false, 2);
+            l.groups_finished(&Finished { groups: 1, lent: false, tokens: 2 });
         }
         assert_eq!(l.finished_at.len(), 64);
     }
