@@ -22,11 +22,13 @@ pub trait Method {
     type Reply: Serialize + DeserializeOwned;
 }
 
+/// Declares methods: `Name = "wire_name": Params => Reply;`, each a unit type implementing
+/// `Method`. The transports declare theirs with it too.
 macro_rules! methods {
     ($($ty:ident = $name:literal: $params:ty => $reply:ty;)*) => {
         $(
             pub struct $ty;
-            impl Method for $ty {
+            impl $crate::run::protocol::Method for $ty {
                 const NAME: &'static str = $name;
                 type Params = $params;
                 type Reply = $reply;
@@ -34,8 +36,9 @@ macro_rules! methods {
         )*
     };
 }
+pub(crate) use methods;
 
-// The methods, as docs/worker-protocol.md lists them.
+// The methods every worker answers, as docs/worker-protocol.md lists them.
 methods! {
     // Both roles.
     Init = "init": InitParams => InitReply;
@@ -43,30 +46,13 @@ methods! {
     UpdateBegin = "update_begin": UpdateBeginParams => UpdateBeginReply;
     UpdateEnd = "update_end": Step => Ack;
     Shutdown = "shutdown": Ack => Ack;
-    // Both roles, broadcast weight transport: the group's rank 0 (the first trainer) makes the id,
-    // every member joins, then each update is broadcast from rank 0.
-    GroupId = "group_id": GroupIdParams => GroupIdReply;
-    GroupInit = "group_init": GroupInitParams => GroupInitReply;
-    BroadcastWeights = "broadcast_weights": BroadcastWeightsParams => BroadcastWeightsReply;
-    GroupDestroy = "group_destroy": Step => Ack;
-    // Both roles, IPC weight transport (colocate mode): per update every trainer exports a
-    // transfer buffer, the rollout on its device opens it, each bucket is packed into it by the
-    // trainer and copied out device to device by the rollout; then the rollouts close their
-    // imports and the trainers end their exports.
-    IpcClose = "ipc_close": Step => Ack;
+    // Each weight transport's own methods are declared in its file (transport/), with this macro.
     // The rollout's.
     Generate = "generate": GenerateParams => GenerateReply;
-    Unpack = "unpack": BucketParams => BucketReply;
-    IpcPid = "ipc_pid": Step => IpcPidReply;
-    IpcImport = "ipc_import": IpcImportParams => Ack;
-    IpcCopy = "ipc_copy": BucketParams => BucketReply;
     // The trainer's.
     LogProbs = "log_probs": LogProbsParams => LogProbsReply;
     Values = "values": SamplesParams => ValuesReply;
     Train = "train": TrainParams => TrainReply;
-    Pack = "pack": BucketParams => BucketReply;
-    IpcExport = "ipc_export": IpcExportParams => IpcExportReply;
-    IpcPack = "ipc_pack": BucketParams => BucketReply;
     SaveState = "save_state": Step => Ack;
     LoadState = "load_state": Step => Ack;
     // Elastic mode's reverse lend: the trainer writes its whole state to a file in the run
@@ -300,93 +286,6 @@ pub struct UpdateBeginReply {
     /// How many buckets the weights stream has: the trainer's answer is read, the rollout's not.
     pub buckets: Option<u64>,
     pub bytes: Option<u64>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct GroupIdParams {
-    /// "nccl" (the CUDA API) or "hccl" (ACL).
-    pub library: String,
-    #[serde(default)]
-    pub step: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-pub struct GroupIdReply {
-    /// The library's id (ncclUniqueId, 128 bytes; HcclRootInfo, 4108 bytes) in hex.
-    pub id: String,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct GroupInitParams {
-    pub library: String,
-    /// group_id's answer.
-    pub id: String,
-    /// 0: the root (the first trainer); 1..world: the rollout engines.
-    pub rank: u32,
-    pub world: u32,
-    #[serde(default)]
-    pub step: u64,
-}
-
-/// Not read by the runner.
-#[derive(Debug, Default, Serialize, Deserialize)]
-pub struct GroupInitReply {
-    /// How long the join took (waiting for the other members included).
-    pub seconds: Option<f64>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct BroadcastWeightsParams {
-    pub bucket_bytes: u64,
-    /// The weight version the engines hold once this update is in.
-    pub version: u64,
-    #[serde(default)]
-    pub step: u64,
-}
-
-/// What one member moved: every member reports the same bytes and buckets.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct BroadcastWeightsReply {
-    pub bytes: u64,
-    pub buckets: u64,
-    /// From the first bucket's copy to the last bucket's synchronize.
-    pub seconds: f64,
-}
-
-/// The id an exporter must allow this rollout by (Ascend's whitelist: aclrtDeviceGetBareTgid).
-#[derive(Debug, Serialize, Deserialize)]
-pub struct IpcPidReply {
-    pub pid: i32,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct IpcExportParams {
-    pub bucket_bytes: u64,
-    /// The processes that may open the export (the rollout on the trainer's device), by ipc_pid.
-    pub importers: Vec<i32>,
-    #[serde(default)]
-    pub step: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-pub struct IpcExportReply {
-    /// The transfer buffer's handle in hex: a cudaIpcMemHandle_t (64 bytes), or an Ascend key.
-    pub handle: String,
-    /// The buffer's size: one bucket, or the whole stream when it is smaller.
-    pub buffer_bytes: u64,
-    /// The weights stream: its buckets and bytes.
-    pub buckets: u64,
-    pub bytes: u64,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct IpcImportParams {
-    /// ipc_export's answer from the trainer on this rollout's device.
-    pub handle: String,
-    pub buffer_bytes: u64,
-    pub bucket_bytes: u64,
-    #[serde(default)]
-    pub step: u64,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -679,18 +578,6 @@ mod tests {
         assert_eq!(serde_json::to_value(TrainReply::default()).unwrap(), json!({}));
     }
 
-    #[test]
-    fn ipc_messages_carry_the_documented_fields_and_hellos_may_omit_transports() {
-        let p = IpcExportParams { bucket_bytes: 1 << 20, importers: vec![42], step: 2 };
-        assert_eq!(serde_json::to_value(p).unwrap(), json!({"bucket_bytes": 1048576, "importers": [42], "step": 2}));
-        let e = decode::<IpcExportReply>(json!({"handle": "ab", "buffer_bytes": 8, "buckets": 1})).unwrap_err();
-        assert_eq!(e, "missing field `bytes`");
-        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "pid": 7}});
-        assert!(read_hello(hello, "rollout").unwrap().transports.is_empty());
-        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "transports": ["ipc"]}});
-        assert_eq!(read_hello(hello, "rollout").unwrap().transports, ["ipc"]);
-    }
-
     /// Qwen3-4B on an H100's datasheet figures, one task token for one modelled token.
     fn h100_4b(decode_step_ms: f64) -> ComputeModel {
         ComputeModel {
@@ -735,5 +622,13 @@ mod tests {
         block.as_object_mut().unwrap().remove("decode_step_ms");
         let older: ComputeModel = serde_json::from_value(block).unwrap();
         assert_eq!(older, h100_4b(0.0));
+    }
+
+    #[test]
+    fn hellos_may_omit_transports() {
+        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "pid": 7}});
+        assert!(read_hello(hello, "rollout").unwrap().transports.is_empty());
+        let hello = json!({"hello": {"protocol": 1, "role": "rollout", "transports": ["ipc"]}});
+        assert_eq!(read_hello(hello, "rollout").unwrap().transports, ["ipc"]);
     }
 }

@@ -55,33 +55,8 @@ pub struct RunSection {
     pub weight_transport: WeightTransport,
 }
 
-/// How the trainer's weights reach the rollout (docs/async.md, "Weight transports").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum WeightTransport {
-    /// ipc in colocate mode with the built-in workers; broadcast in async mode when every member
-    /// of the weight-sync group names it in its hello (the built-in workers and
-    /// scripts/torch_worker.py do); host otherwise.
-    Auto,
-    /// Device memory handles (CUDA IPC, Ascend IPC keys): each rollout copies from the trainer on
-    /// its device, device to device (colocate mode).
-    Ipc,
-    /// Through host memory: the run's shared bucket file (the fallback every worker speaks).
-    Host,
-    /// NCCL (CUDA API) or HCCL (ACL) from the first trainer to every rollout engine (async mode).
-    Broadcast,
-}
-
-impl WeightTransport {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WeightTransport::Auto => "auto",
-            WeightTransport::Ipc => "ipc",
-            WeightTransport::Host => "host",
-            WeightTransport::Broadcast => "broadcast",
-        }
-    }
-}
+/// How the trainer's weights reach the rollout: declared with the transports (transport/mod.rs).
+pub use super::transport::WeightTransport;
 
 /// How trainer and rollout share the devices (docs/async.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -6,22 +6,80 @@
 //! The group's stream is synchronized after every bucket, so one buffer serves them all: a
 //! bucket costs its size once on each side, not the 2-3x verl #7041 measured with buckets in flight.
 
+use super::WeightTransport;
 use super::buckets::{bucket_count, bucket_pieces};
 use super::{Moved, Transport, Weights, WorkerHalf};
 use crate::collective::{self, CollError, Group, Library};
 use crate::run::answer::{Failure, answer, bad, dev_err};
-use crate::run::config::WeightTransport;
 use crate::run::device::Device;
 use crate::run::fleet::Fleet;
-use crate::run::protocol::{
-    Ack, BroadcastWeights, BroadcastWeightsParams, BroadcastWeightsReply, GroupDestroy, GroupId, GroupIdParams,
-    GroupIdReply, GroupInit, GroupInitParams, GroupInitReply, Method, Step,
-};
+use crate::run::protocol::{Ack, Method, Step};
 use crate::run::recorder::Recorder;
 use crate::run::{Cursor, R, Role};
 use crate::vendor::ApiKind;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::time::Instant;
+
+// Both roles: the group's rank 0 (the first trainer) makes the id, every member joins, then each
+// update is broadcast from rank 0.
+crate::run::protocol::methods! {
+    GroupId = "group_id": GroupIdParams => GroupIdReply;
+    GroupInit = "group_init": GroupInitParams => GroupInitReply;
+    BroadcastWeights = "broadcast_weights": BroadcastWeightsParams => BroadcastWeightsReply;
+    GroupDestroy = "group_destroy": Step => Ack;
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GroupIdParams {
+    /// "nccl" (the CUDA API) or "hccl" (ACL).
+    pub library: String,
+    #[serde(default)]
+    pub step: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct GroupIdReply {
+    /// The library's id (ncclUniqueId, 128 bytes; HcclRootInfo, 4108 bytes) in hex.
+    pub id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GroupInitParams {
+    pub library: String,
+    /// group_id's answer.
+    pub id: String,
+    /// 0: the root (the first trainer); 1..world: the rollout engines.
+    pub rank: u32,
+    pub world: u32,
+    #[serde(default)]
+    pub step: u64,
+}
+
+/// Not read by the runner.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct GroupInitReply {
+    /// How long the join took (waiting for the other members included).
+    pub seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BroadcastWeightsParams {
+    pub bucket_bytes: u64,
+    /// The weight version the engines hold once this update is in.
+    pub version: u64,
+    #[serde(default)]
+    pub step: u64,
+}
+
+/// What one member moved: every member reports the same bytes and buckets.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BroadcastWeightsReply {
+    pub bytes: u64,
+    pub buckets: u64,
+    /// From the first bucket's copy to the last bucket's synchronize.
+    pub seconds: f64,
+}
 
 /// The runner's half: the group made once, every update asked of every member at once.
 pub(super) struct Broadcast {

@@ -3,18 +3,24 @@
 //! the file) and every rollout engine unpacks it (the file through a device buffer into its
 //! weights); the trainers are replicas, so one packs for all.
 
+use super::WeightTransport;
 use super::buckets::{Piece, bucket_count, bucket_pieces};
 use super::{Moved, Transport, Weights, WorkerHalf, stream_size};
 use crate::run::answer::{Failure, answer, bad, dev_err};
-use crate::run::config::WeightTransport;
 use crate::run::fleet::Fleet;
 use crate::run::protocol::{
-    Ack, BucketParams, BucketReply, Method, Pack, Step, Unpack, UpdateBegin, UpdateBeginParams, UpdateBeginReply,
-    UpdateEnd,
+    Ack, BucketParams, BucketReply, Method, Step, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd,
 };
 use crate::run::{Cursor, R, Role};
 use serde_json::Value;
 use std::time::Instant;
+
+// The rollout's and the trainer's methods of the host transport: the first trainer packs each
+// bucket into the run's bucket file, every rollout unpacks it.
+crate::run::protocol::methods! {
+    Unpack = "unpack": BucketParams => BucketReply;
+    Pack = "pack": BucketParams => BucketReply;
+}
 
 /// The runner's half.
 pub(super) struct Host;

@@ -9,21 +9,70 @@
 //! one update: the rollout closes its import first, then the trainer ends the export and frees it,
 //! so no update leaves device memory or an open handle behind.
 
+use super::WeightTransport;
 use super::buckets::{Piece, bucket_count, bucket_pieces};
 use super::{Moved, Transport, Weights, WorkerHalf};
 use crate::collective::{from_hex, to_hex};
 use crate::run::answer::{Failure, answer, bad, dev_err};
-use crate::run::config::WeightTransport;
 use crate::run::device::Device;
 use crate::run::fleet::Fleet;
-use crate::run::protocol::{
-    Ack, BucketParams, BucketReply, IpcClose, IpcCopy, IpcExport, IpcExportParams, IpcExportReply, IpcImport,
-    IpcImportParams, IpcPack, IpcPid, IpcPidReply, Method, Step,
-};
+use crate::run::protocol::{Ack, BucketParams, BucketReply, Method, Step};
 use crate::run::{Cursor, FailKind, R, Role};
 use crate::vendor::ApiKind;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::time::Instant;
+
+// Both roles (colocate mode): per update every trainer exports a transfer buffer, the rollout on
+// its device opens it, each bucket is packed into it by the trainer and copied out device to
+// device by the rollout; then the rollouts close their imports and the trainers end their
+// exports.
+crate::run::protocol::methods! {
+    IpcClose = "ipc_close": Step => Ack;
+    // The rollout's.
+    IpcPid = "ipc_pid": Step => IpcPidReply;
+    IpcImport = "ipc_import": IpcImportParams => Ack;
+    IpcCopy = "ipc_copy": BucketParams => BucketReply;
+    // The trainer's.
+    IpcExport = "ipc_export": IpcExportParams => IpcExportReply;
+    IpcPack = "ipc_pack": BucketParams => BucketReply;
+}
+
+/// The id an exporter must allow this rollout by (Ascend's whitelist: aclrtDeviceGetBareTgid).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct IpcPidReply {
+    pub pid: i32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IpcExportParams {
+    pub bucket_bytes: u64,
+    /// The processes that may open the export (the rollout on the trainer's device), by ipc_pid.
+    pub importers: Vec<i32>,
+    #[serde(default)]
+    pub step: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct IpcExportReply {
+    /// The transfer buffer's handle in hex: a cudaIpcMemHandle_t (64 bytes), or an Ascend key.
+    pub handle: String,
+    /// The buffer's size: one bucket, or the whole stream when it is smaller.
+    pub buffer_bytes: u64,
+    /// The weights stream: its buckets and bytes.
+    pub buckets: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IpcImportParams {
+    /// ipc_export's answer from the trainer on this rollout's device.
+    pub handle: String,
+    pub buffer_bytes: u64,
+    pub bucket_bytes: u64,
+    #[serde(default)]
+    pub step: u64,
+}
 
 /// The runner's half (colocate mode: every rollout shares its device with a trainer).
 pub(super) struct Ipc {
@@ -275,4 +324,19 @@ fn close(dev: &Device, slot: &mut Option<Shared>) -> Result<Ack, Failure> {
         dev.ipc_close(s.ptr, &s.handle).map_err(dev_err)?;
     }
     Ok(Ack {})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::protocol::decode;
+    use serde_json::json;
+
+    #[test]
+    fn ipc_messages_carry_the_documented_fields() {
+        let p = IpcExportParams { bucket_bytes: 1 << 20, importers: vec![42], step: 2 };
+        assert_eq!(serde_json::to_value(p).unwrap(), json!({"bucket_bytes": 1048576, "importers": [42], "step": 2}));
+        let e = decode::<IpcExportReply>(json!({"handle": "ab", "buffer_bytes": 8, "buckets": 1})).unwrap_err();
+        assert_eq!(e, "missing field `bytes`");
+    }
 }

@@ -1,6 +1,7 @@
 //! The weight transports: how the trainer's weights reach the rollout engines. Each is one file
 //! holding both halves, the runner's (`Transport`) and the built-in worker's (`WorkerHalf`), and
-//! one line in `TRANSPORTS`: host.rs (through the run's bucket file, every worker speaks it),
+//! the protocol methods only it uses, plus one entry in `transports!` below, which makes its
+//! `WeightTransport` variant (the configuration's name) and its place in `TRANSPORTS`: host.rs (through the run's bucket file, every worker speaks it),
 //! ipc.rs (device to device on one device, colocate mode), broadcast.rs (NCCL or HCCL from the
 //! first trainer to every engine). buckets.rs cuts the weights stream for all of them;
 //! weights.rs's `WeightSync` picks one and keeps its figures.
@@ -11,7 +12,6 @@ mod host;
 mod ipc;
 
 use super::answer::Failure;
-use super::config::WeightTransport;
 use super::device::Device;
 use super::fleet::Fleet;
 use super::protocol::UpdateBeginReply;
@@ -86,29 +86,53 @@ struct Entry {
     worker: fn() -> Box<dyn WorkerHalf>,
 }
 
-/// Every transport, registered once. A new one is a file beside these and a line here (and its
-/// name in `WeightTransport`, the configuration's list).
-const TRANSPORTS: [Entry; 3] = [
-    Entry {
-        kind: WeightTransport::Host,
-        runner: |_| Box::new(host::Host),
-        worker: || Box::<host::HostWorker>::default(),
-    },
-    Entry {
-        kind: WeightTransport::Ipc,
-        runner: |api| Box::new(ipc::Ipc::new(api)),
-        worker: || Box::<ipc::IpcWorker>::default(),
-    },
-    Entry {
-        kind: WeightTransport::Broadcast,
-        runner: |api| Box::new(broadcast::Broadcast::new(api)),
-        worker: || Box::<broadcast::BroadcastWorker>::default(),
-    },
-];
+/// Declares every transport once: its variant of `WeightTransport` (the configuration's and the
+/// command line's `run.weight_transport`, documented by its doc comment), its name (the variant
+/// in lower case), and its entry in `TRANSPORTS`.
+macro_rules! transports {
+    ($($(#[$doc:meta])* $kind:ident = $name:literal: runner $runner:expr, worker $worker:expr;)*) => {
+        /// How the trainer's weights reach the rollout (docs/async.md, "Weight transports").
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+        #[serde(rename_all = "lowercase")]
+        pub enum WeightTransport {
+            /// ipc in colocate mode with the built-in workers; broadcast in async mode when every
+            /// member of the weight-sync group names it in its hello (the built-in workers and
+            /// scripts/torch_worker.py do); host otherwise.
+            Auto,
+            $($(#[$doc])* $kind,)*
+        }
+
+        impl WeightTransport {
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    WeightTransport::Auto => "auto",
+                    $(WeightTransport::$kind => $name,)*
+                }
+            }
+        }
+
+        const TRANSPORTS: &[Entry] = &[$(Entry { kind: WeightTransport::$kind, runner: $runner, worker: $worker },)*];
+    };
+}
+
+// Every transport, registered once: a new one is a file beside these (both halves and its own
+// protocol methods) and an entry here, in the order `--help` lists them.
+transports! {
+    /// Device memory handles (CUDA IPC, Ascend IPC keys): each rollout copies from the trainer on
+    /// its device, device to device (colocate mode).
+    Ipc = "ipc": runner |api| Box::new(ipc::Ipc::new(api)), worker || Box::<ipc::IpcWorker>::default();
+    /// Through host memory: the run's shared bucket file (the fallback every worker speaks).
+    Host = "host": runner |_| Box::new(host::Host), worker || Box::<host::HostWorker>::default();
+    /// NCCL (CUDA API) or HCCL (ACL) from the first trainer to every rollout engine (async mode).
+    Broadcast = "broadcast":
+        runner |api| Box::new(broadcast::Broadcast::new(api)),
+        worker || Box::<broadcast::BroadcastWorker>::default();
+}
 
 /// The runner's half of `kind` (resolved: not `auto`; the host transport otherwise).
 pub(super) fn runner_half(kind: WeightTransport, api: ApiKind) -> Box<dyn Transport> {
-    let entry = TRANSPORTS.iter().find(|e| e.kind == kind).unwrap_or(&TRANSPORTS[0]);
+    let of = |kind| TRANSPORTS.iter().find(|e: &&Entry| e.kind == kind);
+    let entry = of(kind).or_else(|| of(WeightTransport::Host)).expect("the host transport is registered");
     (entry.runner)(api)
 }
 
