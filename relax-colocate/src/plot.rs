@@ -305,8 +305,7 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Char
         ys.lo -= h * 1.3;
         Some(strip)
     };
-    let legend_entries = chart.series.len() + chart.stacked.len() + chart.span_legend.len();
-    let legend_w = if legend_entries > 0 { 190 } else { 20 };
+    let legend_w = legend_width(chart);
     let mut builder = ChartBuilder::on(root);
     builder
         .caption(&chart.title, ("sans-serif", 17))
@@ -445,12 +444,19 @@ fn finish<'a>(
         let c = s.color;
         ctx.draw_series(AreaSeries::new(pts, 0.0, light(c).filled()).border_style(c.stroke_width(1)))?;
     }
-    for s in &chart.series {
+    let overlaps = coinciding(&chart.series);
+    for (s, over) in chart.series.iter().zip(&overlaps) {
         let pts = scaled(&s.points);
         let style = s.color.stroke_width(s.width.max(1));
+        let pts = if s.shape == Shape::Steps { steps(&pts) } else { pts };
+        if let Some(over) = over {
+            // Dashed over the line it hides, so that the earlier one shows in the gaps.
+            let (on, off) = dash(over.nth);
+            ctx.draw_series(DashedLineSeries::new(pts, on, off, s.color.stroke_width(s.width.max(2))))?;
+            continue;
+        }
         match s.shape {
-            Shape::Steps => ctx.draw_series(LineSeries::new(steps(&pts), style))?,
-            Shape::Line => ctx.draw_series(LineSeries::new(pts, style))?,
+            Shape::Steps | Shape::Line => ctx.draw_series(LineSeries::new(pts, style))?,
             Shape::Marked => ctx.draw_series(LineSeries::new(pts, style).point_size(3))?,
             Shape::Dashed => ctx.draw_series(DashedLineSeries::new(pts, 8, 5, style))?,
         };
@@ -458,22 +464,95 @@ fn finish<'a>(
     Ok(())
 }
 
+/// A series whose line coincides with an earlier one's: which (its index) and how many hide
+/// the same line before it (1 for the first), which picks its dashes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Overlap {
+    pub of: usize,
+    pub nth: u32,
+}
+
+/// For each series, the earlier series its line would hide (identical replicas, rollout-0 and
+/// rollout-1, draw the same line): the same x's and every y within 0.2% of the larger series'
+/// highest, less than a pixel on any chart we draw. Dashed references (the capacity) are never
+/// compared: they are not measurements.
+pub fn coinciding(series: &[Series]) -> Vec<Option<Overlap>> {
+    let mut out: Vec<Option<Overlap>> = vec![None; series.len()];
+    for i in 0..series.len() {
+        if series[i].shape == Shape::Dashed {
+            continue;
+        }
+        let Some(j) = (0..i).find(|&j| out[j].is_none() && same_line(&series[j], &series[i])) else { continue };
+        let nth = out[..i].iter().flatten().filter(|o| o.of == j).count() as u32 + 1;
+        out[i] = Some(Overlap { of: j, nth });
+    }
+    out
+}
+
+fn same_line(a: &Series, b: &Series) -> bool {
+    if a.shape == Shape::Dashed || a.points.len() != b.points.len() || a.points.is_empty() {
+        return false;
+    }
+    let top = a.points.iter().chain(&b.points).map(|p| p.1.abs()).fold(0.0, f64::max);
+    let (dx, dy) = (1e-9 * a.points.iter().map(|p| p.0.abs()).fold(1.0, f64::max), 2e-3 * top);
+    a.points.iter().zip(&b.points).all(|(p, q)| (p.0 - q.0).abs() <= dx && (p.1 - q.1).abs() <= dy)
+}
+
+/// The dashes (on, off in pixels) of the `nth` series over the same line: each shorter than
+/// the one before it over the same 20-pixel period, so that every one of them keeps a visible
+/// part of each period.
+fn dash(nth: u32) -> (u32, u32) {
+    let on = (12 / nth.max(1)).max(2);
+    (on, 20 - on)
+}
+
+/// The series' legend entries: a series hiding an earlier one's line says so.
+fn legend_names(chart: &Chart) -> Vec<String> {
+    let overlaps = coinciding(&chart.series);
+    chart
+        .series
+        .iter()
+        .zip(overlaps)
+        .map(|(s, o)| match o {
+            Some(o) => format!("{} (overlaps {})", s.name, chart.series[o.of].name),
+            None => s.name.clone(),
+        })
+        .collect()
+}
+
+/// Room right of the plot for the legend: 190 pixels, more for long entries (plotters writes
+/// the legend's 12-point font at about 5 pixels a character).
+fn legend_width(chart: &Chart) -> u32 {
+    let names = legend_names(chart).into_iter().chain(chart.stacked.iter().map(|s| s.name.clone()));
+    let longest = names.chain(chart.span_legend.iter().map(|l| l.0.clone())).map(|n| n.chars().count()).max();
+    match longest {
+        None => 20,
+        Some(n) => 190u32.max(n as u32 * 5 + 40),
+    }
+}
+
 /// The legend, right of the plot (plotters' own is clipped to the plotting area, over the data):
 /// lines for series, filled boxes for stacked areas and phase colours.
 fn legend(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Chart) -> DrawResult {
-    let x = chart.width.max(320) as i32 - 180;
+    let x = chart.width.max(320) as i32 - legend_width(chart) as i32 + 10;
     let mut y = 48;
     let font = ("sans-serif", 12).into_font().color(&BLACK);
-    for s in &chart.series {
+    for (s, name) in chart.series.iter().zip(legend_names(chart)) {
         let (x0, x1) = (x, x + 18);
+        let overlaps = name != s.name;
         match s.shape {
             Shape::Dashed => {
                 root.draw(&PathElement::new(vec![(x0, y), (x0 + 7, y)], s.color.stroke_width(2)))?;
                 root.draw(&PathElement::new(vec![(x0 + 11, y), (x1, y)], s.color.stroke_width(2)))?;
             }
+            // The dashes it is drawn with on the chart.
+            _ if overlaps => {
+                root.draw(&PathElement::new(vec![(x0, y), (x0 + 5, y)], s.color.stroke_width(3)))?;
+                root.draw(&PathElement::new(vec![(x0 + 12, y), (x1, y)], s.color.stroke_width(3)))?;
+            }
             _ => root.draw(&PathElement::new(vec![(x0, y), (x1, y)], s.color.stroke_width(3)))?,
         }
-        root.draw_text(&s.name, &font, (x + 24, y - 6))?;
+        root.draw_text(&name, &font, (x + 24, y - 6))?;
         y += 18;
     }
     let boxes =
@@ -486,8 +565,56 @@ fn legend(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Ch
     Ok(())
 }
 
+/// Reading back the SVG plotters writes, for tests that check what was drawn: its elements
+/// with their attributes, and the text of its `<text>` elements.
+#[cfg(test)]
+pub(crate) mod read_svg {
+    use std::collections::BTreeMap;
+
+    /// Every `<tag ...>` element's attributes, in document order.
+    pub fn elements(svg: &str, tag: &str) -> Vec<BTreeMap<String, String>> {
+        let open = format!("<{tag} ");
+        svg.match_indices(&open).map(|(at, _)| attributes(&svg[at + open.len()..])).collect()
+    }
+
+    fn attributes(rest: &str) -> BTreeMap<String, String> {
+        let end = rest.find('>').unwrap_or(rest.len());
+        let mut out = BTreeMap::new();
+        let mut s = &rest[..end];
+        while let Some(eq) = s.find("=\"") {
+            let name = s[..eq].trim().to_string();
+            let value_end = s[eq + 2..].find('"').map_or(s.len(), |v| eq + 2 + v);
+            out.insert(name, s[eq + 2..value_end].to_string());
+            s = &s[(value_end + 1).min(s.len())..];
+        }
+        out
+    }
+
+    /// The text of every `<text>` element with its attributes.
+    pub fn texts(svg: &str) -> Vec<(BTreeMap<String, String>, String)> {
+        svg.match_indices("<text ")
+            .map(|(at, _)| {
+                let rest = &svg[at + 6..];
+                let body = rest.find('>').map_or("", |b| &rest[b + 1..]);
+                let body = &body[..body.find("</text>").unwrap_or(body.len())];
+                (attributes(rest), body.trim().to_string())
+            })
+            .collect()
+    }
+
+    /// A polyline's points.
+    pub fn points(e: &BTreeMap<String, String>) -> Vec<(f64, f64)> {
+        let parse = |p: &str| {
+            let (x, y) = p.split_once(',')?;
+            Some((x.parse().ok()?, y.parse().ok()?))
+        };
+        e.get("points").map(|p| p.split_whitespace().filter_map(parse).collect()).unwrap_or_default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::read_svg::{elements, points, texts};
     use super::*;
 
     #[test]
@@ -539,5 +666,61 @@ mod tests {
         assert!(s.contains("\n200\n") && s.contains("memory (MiB)") && s.contains("time (s)"), "{s}");
         assert!(s.contains("device in use") && s.contains("generate"), "{s}");
         assert!(!s.contains("e6") && !s.contains("78.8"), "{s}");
+    }
+
+    /// Two replicas with the same memory curve: the second is drawn dashed over the first, which
+    /// shows in its gaps, and the legend says they overlap.
+    #[test]
+    fn a_series_that_coincides_with_another_is_dashed_over_it_and_said_to_overlap() {
+        let curve: Vec<(f64, f64)> = (0..20).map(|i| (f64::from(i), f64::from(i % 5) * 1048576.0)).collect();
+        let line = |name: &str, color| Series {
+            name: name.into(),
+            points: curve.clone(),
+            shape: Shape::Steps,
+            color,
+            width: 2,
+        };
+        let (first, second) = (RGBColor(0, 0, 200), RGBColor(200, 0, 0));
+        let chart = Chart {
+            width: 800,
+            height: 400,
+            series: vec![line("rollout-0", first), line("rollout-1", second)],
+            ..Chart::default()
+        };
+        assert_eq!(coinciding(&chart.series), [None, Some(Overlap { of: 0, nth: 1 })]);
+        let s = svg(&chart);
+        let stroked = |c: RGBColor| -> Vec<Vec<(f64, f64)>> {
+            let hex = format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2);
+            elements(&s, "polyline").iter().filter(|e| e["stroke"] == hex).map(points).collect()
+        };
+        let length = |lines: &[Vec<(f64, f64)>]| -> f64 {
+            lines.iter().flat_map(|l| l.windows(2)).map(|w| (w[1].0 - w[0].0).abs() + (w[1].1 - w[0].1).abs()).sum()
+        };
+        // The first is one solid line; the second covers a part of it only, in many dashes.
+        let (solid, dashes) = (stroked(first), stroked(second));
+        let (solid_len, dashed_len) = (length(&solid), length(&dashes));
+        assert!(solid.len() <= 2 && solid_len > 500.0, "{solid:?}");
+        assert!(dashes.len() > 20, "{dashes:?}");
+        assert!(dashed_len > 0.3 * solid_len && dashed_len < 0.8 * solid_len, "{dashed_len} of {solid_len}");
+        let legend: Vec<String> = texts(&s).into_iter().map(|t| t.1).collect();
+        assert!(legend.contains(&"rollout-0".to_string()), "{legend:?}");
+        assert!(legend.contains(&"rollout-1 (overlaps rollout-0)".to_string()), "{legend:?}");
+    }
+
+    #[test]
+    fn lines_apart_a_capacity_line_and_a_third_replica_are_told_apart() {
+        let at = |y: f64| -> Vec<(f64, f64)> { (0..10).map(|i| (f64::from(i), y)).collect() };
+        let line = |name: &str, points, shape| Series { name: name.into(), points, shape, color: color(0), width: 1 };
+        let series = vec![
+            line("a", at(100.0), Shape::Line),
+            line("b", at(101.0), Shape::Line),
+            line("capacity", at(100.0), Shape::Dashed),
+            line("c", at(100.0), Shape::Line),
+            line("d", at(100.0), Shape::Line),
+        ];
+        // b is 1% off a: a line of its own; the capacity is never an overlap.
+        let got = coinciding(&series);
+        assert_eq!(got, [None, None, None, Some(Overlap { of: 0, nth: 1 }), Some(Overlap { of: 0, nth: 2 })]);
+        assert!(dash(1).0 > dash(2).0 && dash(2).0 >= 2);
     }
 }
