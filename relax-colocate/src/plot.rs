@@ -6,6 +6,7 @@
 use plotters::coord::ranged1d::Ranged;
 use plotters::prelude::*;
 pub use plotters::style::RGBColor;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// What an axis measures, which picks its unit and tick labels.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -83,6 +84,19 @@ pub struct Chart {
     pub span_legend: Vec<(String, RGBColor)>,
     /// Fixed y range (in the quantity's base unit), else from the data.
     pub y_range: Option<(f64, f64)>,
+    /// A hatched box over the lines (a request that did not fit), part of the y range.
+    pub bar: Option<Bar>,
+}
+
+/// A hatched box from `y0` to `y1` just left of `x`, labelled at its top: what a run asked for
+/// when it failed, on top of what was in use.
+#[derive(Debug, Clone)]
+pub struct Bar {
+    pub x: f64,
+    pub y0: f64,
+    pub y1: f64,
+    pub label: String,
+    pub color: RGBColor,
 }
 
 pub const PALETTE: &[RGBColor] = &[
@@ -283,7 +297,8 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Char
         .flat_map(|s| s.points.iter())
         .chain(stacked.iter().flat_map(|s| s.points.iter()))
         .filter(keep)
-        .copied();
+        .copied()
+        .chain(chart.bar.iter().flat_map(|b| [(b.x, b.y0), (b.x, b.y1)]));
     let Some(((x0, x1), (mut y0, mut y1))) = bounds(all) else {
         root.draw_text(&format!("{}: no data", chart.title), &("sans-serif", 15).into(), (20, 20))?;
         return Ok(());
@@ -461,6 +476,37 @@ fn finish<'a>(
             Shape::Dashed => ctx.draw_series(DashedLineSeries::new(pts, 8, 5, style))?,
         };
     }
+    if let Some(bar) = &chart.bar {
+        draw_bar(&mut ctx, bar, (xd, yd), (xs.hi - xs.lo, ys.hi - ys.lo))?;
+    }
+    Ok(())
+}
+
+/// The bar, 1.5% of the x range wide and at least 1.5% of the y range tall (a request of 2 MiB
+/// on a device of 80 GiB must still show; its label says its size), hatched so that it reads as
+/// asked for rather than held, its label left of its top (it stands at the end of the run, the
+/// chart's right edge).
+fn draw_bar<'a>(
+    ctx: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<Ticked, Ticked>>,
+    bar: &Bar,
+    (xd, yd): (f64, f64),
+    (x_span, y_span): (f64, f64),
+) -> DrawResult {
+    let (x1, y0) = (bar.x / xd, bar.y0 / yd);
+    let (x0, y1) = (x1 - 0.015 * x_span, (bar.y1 / yd).max(y0 + 0.015 * y_span));
+    let c = bar.color;
+    ctx.draw_series([Rectangle::new([(x0, y0), (x1, y1)], c.mix(0.15).filled())])?;
+    // Lines u + v = k / 4 of the box's unit square, clipped to it.
+    let at = |u: f64, v: f64| (x0 + u * (x1 - x0), y0 + v * (y1 - y0));
+    let hatch = (1..8).map(|k| {
+        let k = f64::from(k) / 4.0;
+        let (a, b) = if k <= 1.0 { (at(0.0, k), at(k, 0.0)) } else { (at(k - 1.0, 1.0), at(1.0, k - 1.0)) };
+        PathElement::new(vec![a, b], c.stroke_width(1))
+    });
+    ctx.draw_series(hatch)?;
+    ctx.draw_series([Rectangle::new([(x0, y0), (x1, y1)], c.stroke_width(2))])?;
+    let font = ("sans-serif", 13).into_font().color(&c).pos(Pos::new(HPos::Right, VPos::Bottom));
+    ctx.draw_series([EmptyElement::at((x0, y1)) + Text::new(bar.label.clone(), (-4, -3), font)])?;
     Ok(())
 }
 
@@ -722,5 +768,64 @@ mod tests {
         let got = coinciding(&series);
         assert_eq!(got, [None, None, None, Some(Overlap { of: 0, nth: 1 }), Some(Overlap { of: 0, nth: 2 })]);
         assert!(dash(1).0 > dash(2).0 && dash(2).0 >= 2);
+    }
+
+    /// A request that did not fit: a hatched box standing on what was in use, reaching over the
+    /// capacity line, labelled with its size.
+    #[test]
+    fn a_failed_request_is_a_hatched_box_over_the_capacity_with_its_size() {
+        const MIB: f64 = 1048576.0;
+        let flat = |y: f64| -> Vec<(f64, f64)> { (0..=10).map(|i| (f64::from(i), y)).collect() };
+        let gray = RGBColor(120, 120, 120);
+        let chart = Chart {
+            width: 800,
+            height: 400,
+            series: vec![
+                Series {
+                    name: "in use".into(),
+                    points: flat(700.0 * MIB),
+                    shape: Shape::Steps,
+                    color: color(0),
+                    width: 2,
+                },
+                Series {
+                    name: "capacity".into(),
+                    points: flat(900.0 * MIB),
+                    shape: Shape::Dashed,
+                    color: gray,
+                    width: 1,
+                },
+            ],
+            bar: Some(Bar {
+                x: 10.0,
+                y0: 700.0 * MIB,
+                y1: 936.0 * MIB,
+                label: "failed: +236.0 MiB (kv_cache)".into(),
+                color: RGBColor(204, 0, 0),
+            }),
+            ..Chart::default()
+        };
+        let s = svg(&chart);
+        let num = |e: &std::collections::BTreeMap<String, String>, k: &str| e[k].parse::<f64>().unwrap();
+        let outline: Vec<_> =
+            elements(&s, "rect").into_iter().filter(|e| e["stroke"] == "#CC0000" && e["fill"] == "none").collect();
+        assert_eq!(outline.len(), 1, "{s}");
+        let (top, bottom) = (num(&outline[0], "y"), num(&outline[0], "y") + num(&outline[0], "height"));
+        let y_of = |stroke: &str| {
+            elements(&s, "polyline")
+                .iter()
+                .filter(|e| e["stroke"] == stroke)
+                .flat_map(points)
+                .map(|p| p.1)
+                .next()
+                .unwrap()
+        };
+        // Pixels grow downwards: the box starts at the in-use line and ends above the capacity.
+        let (used_y, capacity_y) = (y_of("#1F77B4"), y_of("#787878"));
+        assert!((bottom - used_y).abs() <= 1.5, "{bottom} vs {used_y}");
+        assert!(top < capacity_y - 10.0, "{top} vs {capacity_y}");
+        let hatch = elements(&s, "polyline").into_iter().filter(|e| e["stroke"] == "#CC0000").count();
+        assert!(hatch >= 5, "{hatch} hatch lines");
+        assert!(texts(&s).iter().any(|t| t.1 == "failed: +236.0 MiB (kv_cache)"), "{s}");
     }
 }

@@ -125,6 +125,11 @@ fn the_same_node_ooms_without_the_saver_and_runs_with_it() {
     assert!(last["device_used"][0].as_u64().unwrap() > 0, "{last}");
     let timeline = std::fs::read_to_string(without.path().join("memory_timeline.svg")).unwrap();
     assert!(timeline.contains("run stopped: out of memory in init_trainer (trainer-0)"), "{timeline}");
+    // The allocation that did not fit: recorded with its size and tag, and drawn with them.
+    let request = &json(&without.path().join("summary.json"))["failure"]["request"];
+    let (bytes, tag) = (request["bytes"].as_u64().unwrap(), request["tag"].as_str().unwrap());
+    assert!(bytes > 0 && request["device_used"].as_u64().unwrap() + bytes > 900 * MIB, "{request}");
+    assert!(timeline.contains(&format!("failed: +{} ({tag})", tms_proto::size::format_size(bytes))), "{timeline}");
     let per_step = std::fs::read_to_string(without.path().join("memory_per_step.svg")).unwrap();
     assert!(per_step.contains("no step completed, out of memory in init_trainer"), "{per_step}");
 
@@ -166,7 +171,15 @@ fn memory_held_by_the_rollout_makes_wake_up_fail_with_oom() {
         err.contains("phase wake_up") && err.contains("trainer-0") && err.contains("out of device memory"),
         "{err}"
     );
-    assert_eq!(json(&dir.path().join("summary.json"))["failure"]["kind"], "out_of_memory");
+    let failure = &json(&dir.path().join("summary.json"))["failure"];
+    assert_eq!(failure["kind"], "out_of_memory");
+    // What the trainer could not bring back, on top of what the device held, drawn over its
+    // capacity in the timeline.
+    let bytes = failure["request"]["bytes"].as_u64().unwrap();
+    assert!(bytes > 0 && failure["request"]["device_used"].as_u64().unwrap() > 0, "{failure}");
+    let timeline = std::fs::read_to_string(dir.path().join("memory_timeline.svg")).unwrap();
+    assert!(timeline.contains(&format!("failed: +{}", tms_proto::size::format_size(bytes))), "{timeline}");
+    assert!(timeline.contains(r##"fill="none" stroke="#CC0000""##), "no box: {timeline}");
 }
 
 #[test]

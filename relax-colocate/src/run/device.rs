@@ -71,7 +71,18 @@ impl Device {
         // SAFETY: as above.
         unsafe { (self.tms.set_region)(false) };
         if rc != 0 {
-            return Err(self.fail(if matches!(self.api, Opened::Cuda(_)) { "cudaMalloc" } else { "aclrtMalloc" }, rc));
+            let api = if matches!(self.api, Opened::Cuda(_)) { "cudaMalloc" } else { "aclrtMalloc" };
+            // The size and tag in the message: the runner reads them back to draw the request.
+            let mut request =
+                crate::run::summary::FailedRequest { bytes, device_used: None, tag: tag.map(String::from) };
+            let e = self.fail(&request.call(api), rc);
+            return Err(match (e, self.mem_info()) {
+                (DevError::OutOfMemory(m), Ok((free, total))) => {
+                    request.device_used = Some(total.saturating_sub(free));
+                    DevError::OutOfMemory(format!("{m}; {}", request.used_note(total)))
+                }
+                (e, _) => e,
+            });
         }
         Ok(p as u64)
     }

@@ -114,6 +114,9 @@ pub struct RunError {
     pub phase: String,
     pub worker: Option<String>,
     pub cause: String,
+    /// Out of memory: the request that did not fit, where known (the timeline draws it). Boxed:
+    /// every `R` carries room for a `RunError`.
+    pub request: Option<Box<summary::FailedRequest>>,
 }
 
 impl RunError {
@@ -125,6 +128,7 @@ impl RunError {
             phase: self.phase.clone(),
             worker: self.worker.clone(),
             cause: self.cause.clone(),
+            request: self.request.as_deref().cloned(),
         }
     }
 }
@@ -177,18 +181,26 @@ impl Cursor {
 
     /// A failure here.
     fn fail(&self, kind: FailKind, worker: Option<&str>, cause: impl Into<String>) -> RunError {
-        RunError { kind, step: self.step(), phase: self.phase(), worker: worker.map(String::from), cause: cause.into() }
+        let worker = worker.map(String::from);
+        RunError { kind, step: self.step(), phase: self.phase(), worker, cause: cause.into(), request: None }
     }
 }
 
 /// A configuration that cannot run on this machine (a device it lacks, a device too small): the
 /// user's to change, so exit 2 as for the errors found while reading it.
 fn config_err(cause: impl Into<String>) -> RunError {
-    RunError { kind: FailKind::Config, step: 0, phase: "setup".into(), worker: None, cause: cause.into() }
+    RunError {
+        kind: FailKind::Config,
+        step: 0,
+        phase: "setup".into(),
+        worker: None,
+        cause: cause.into(),
+        request: None,
+    }
 }
 
 fn setup_err(cause: impl Into<String>) -> RunError {
-    RunError { kind: FailKind::Setup, step: 0, phase: "setup".into(), worker: None, cause: cause.into() }
+    RunError { kind: FailKind::Setup, step: 0, phase: "setup".into(), worker: None, cause: cause.into(), request: None }
 }
 
 fn tail(path: &Path, lines: usize) -> String {

@@ -24,8 +24,53 @@ pub struct Failure {
     pub cause: String,
     pub kind: String,
     pub phase: String,
+    /// An out-of-memory failure's request that did not fit, where the failure says it (the
+    /// built-in workers' allocations, a resume); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<FailedRequest>,
     pub step: u64,
     pub worker: Option<String>,
+}
+
+/// A device memory request that did not fit: its size and tag.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedRequest {
+    pub bytes: u64,
+    /// The device's memory in use when the request came, where known (the request stands on it
+    /// in the timeline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_used: Option<u64>,
+    pub tag: Option<String>,
+}
+
+impl FailedRequest {
+    /// The allocation call as a worker's out-of-memory message names it, `cudaMalloc(2048 bytes,
+    /// tag kv_cache)`: the wire's error carries a message only, and `find_in` reads it back.
+    pub fn call(&self, api_call: &str) -> String {
+        match &self.tag {
+            Some(t) => format!("{api_call}({} bytes, tag {t})", self.bytes),
+            None => format!("{api_call}({} bytes)", self.bytes),
+        }
+    }
+
+    /// What the device held when it was asked, for the message after `call`'s:
+    /// `the device had 471859200 of 943718400 bytes in use`.
+    pub fn used_note(&self, total: u64) -> String {
+        format!("the device had {} of {total} bytes in use", self.device_used.unwrap_or(0))
+    }
+
+    /// The request in a message that `call` (and `used_note`) wrote, behind an allocation
+    /// function's name, which ends in `Malloc`: cudaMalloc, aclrtMalloc.
+    pub fn find_in(msg: &str) -> Option<FailedRequest> {
+        let args = &msg[msg.find("Malloc(")? + "Malloc(".len()..];
+        let args = &args[..args.find(')')?];
+        let (bytes, tag) = match args.split_once(", tag ") {
+            Some((b, t)) => (b, Some(t.to_string())),
+            None => (args, None),
+        };
+        let used = msg.split_once("the device had ").and_then(|(_, rest)| rest.split_once(' ')?.0.parse().ok());
+        Some(FailedRequest { bytes: bytes.strip_suffix(" bytes")?.parse().ok()?, device_used: used, tag })
+    }
 }
 
 /// What every run writes, even one whose workers never got going (`run` None: only these three).
@@ -223,6 +268,23 @@ impl Summary {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_failed_request_is_read_back_from_the_message_that_names_it() {
+        use super::FailedRequest;
+        let tagged = FailedRequest { bytes: 2 << 30, device_used: Some(7 << 30), tag: Some("kv_cache".into()) };
+        let msg = format!(
+            "out of device memory: {} returned 2 (cudaErrorMemoryAllocation); {}",
+            tagged.call("cudaMalloc"),
+            tagged.used_note(8 << 30)
+        );
+        assert_eq!(FailedRequest::find_in(&msg), Some(tagged));
+        let untagged = FailedRequest { bytes: 4096, device_used: None, tag: None };
+        assert_eq!(FailedRequest::find_in(&untagged.call("aclrtMalloc")), Some(untagged));
+        // Messages of other workers, which name no request.
+        assert_eq!(FailedRequest::find_in("out of device memory: 10 of 20 bytes done"), None);
+        assert_eq!(FailedRequest::find_in("cudaMalloc returned 2"), None);
+    }
+
     use super::*;
 
     #[test]

@@ -105,7 +105,7 @@ pub(super) fn spawn_worker(
                 let _ = child.wait();
             }
             let kind = if kind == FailKind::Setup && interruption().is_some() { FailKind::Interrupted } else { kind };
-            Err(RunError { kind, step: 0, phase: "start".into(), worker: Some(name), cause })
+            Err(RunError { kind, step: 0, phase: "start".into(), worker: Some(name), cause, request: None })
         }
     }
 }

@@ -282,7 +282,15 @@ impl Fleet {
                 };
                 let done = report.bytes_done;
                 let cause = format!("{verb} {what}: {err}; {done} of {} bytes done{hint}", done + report.bytes_failed);
-                return Err(self.fail(kind, Some(&name), cause));
+                let mut e = self.fail(kind, Some(&name), cause);
+                if kind == FailKind::OutOfMemory && !pause {
+                    // What the resume could not bring back is what did not fit.
+                    let tag = tag.map(String::from);
+                    let device_used = Some(report.device_total.saturating_sub(report.device_free_after));
+                    let request = crate::run::summary::FailedRequest { bytes: report.bytes_failed, device_used, tag };
+                    e.request = Some(Box::new(request));
+                }
+                return Err(e);
             }
             reports.push((name, report));
         }

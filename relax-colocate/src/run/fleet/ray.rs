@@ -292,7 +292,7 @@ fn start_bridge(python: &RayPython, spec: &Value, tmp: &Path, run_dir: &Path) ->
 }
 
 fn start_err(kind: FailKind, worker: Option<&str>, cause: String) -> RunError {
-    RunError { kind, step: 0, phase: "start".into(), worker: worker.map(String::from), cause }
+    RunError { kind, step: 0, phase: "start".into(), worker: worker.map(String::from), cause, request: None }
 }
 
 fn accept_all(

@@ -306,7 +306,11 @@ impl Fleet {
                 _ => FailKind::Worker,
             };
             let msg = err.message.as_deref().unwrap_or("(no message)");
-            return Err(self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", Value::from(err.kind))));
+            let mut e = self.fail(kind, Some(&name), format!("{method} failed ({}): {msg}", Value::from(err.kind)));
+            if kind == FailKind::OutOfMemory {
+                e.request = crate::run::summary::FailedRequest::find_in(msg).map(Box::new);
+            }
+            return Err(e);
         }
         Ok(reply.result.unwrap_or(Value::Null))
     }

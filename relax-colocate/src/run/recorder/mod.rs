@@ -102,6 +102,9 @@ struct Timeline {
     phase_started_s: f64,
     /// Where the run failed and how, for the timeline's mark.
     failure_mark: Option<(f64, String)>,
+    /// Out of memory: the request that did not fit and the device of the worker that made it
+    /// (None: not one of the fleet's), drawn on that device's panel.
+    failed_request: Option<(Option<u32>, crate::run::summary::FailedRequest)>,
 }
 
 pub(super) struct Recorder {

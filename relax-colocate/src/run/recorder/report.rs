@@ -522,25 +522,21 @@ fn timeline(path: &std::path::Path, panels: &[Panel], first_step: u64, stride: u
     let mut out: Vec<Timeline> = panels.iter().map(empty).collect();
     let mut spans = Vec::new();
     let shown = read_lines::<MemSample>(path).filter(|s| s.step >= first_step);
+    // The last sample is drawn even when thinning skips it: a failed run's says what memory held
+    // when it stopped.
+    let mut skipped = None;
     for (i, s) in shown.enumerate() {
         // Every phase keeps its span (it is one rectangle); only the lines are thinned.
         spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
         if i % stride != 0 {
+            skipped = Some(s);
             continue;
         }
-        for (p, t) in panels.iter().zip(&mut out) {
-            let of_device = |v: &[u64]| match p.device {
-                Some(d) => v.get(d).copied().unwrap_or(0),
-                None => v.iter().sum::<u64>(),
-            };
-            t.used.push((s.t_s, of_device(&s.device_used) as f64));
-            let suspended = p.names.iter().filter_map(|n| s.comm_suspended.get(n)).sum::<u64>();
-            t.comm_suspended.push((s.t_s, suspended as f64));
-            t.capacity.push((s.t_s, of_device(&s.device_total) as f64));
-            for (name, pts) in p.names.iter().zip(&mut t.per_worker) {
-                pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
-            }
-        }
+        skipped = None;
+        push_sample(panels, &mut out, &s);
+    }
+    if let Some(s) = skipped {
+        push_sample(panels, &mut out, &s);
     }
     if spans.len() > TIMELINE_MAX_SAMPLES {
         spans = merge_spans(spans, TIMELINE_MAX_SAMPLES);
@@ -549,6 +545,23 @@ fn timeline(path: &std::path::Path, panels: &[Panel], first_step: u64, stride: u
         t.spans = spans.clone();
     }
     out
+}
+
+/// One sample's points on every panel.
+fn push_sample(panels: &[Panel], out: &mut [Timeline], s: &MemSample) {
+    for (p, t) in panels.iter().zip(out) {
+        let of_device = |v: &[u64]| match p.device {
+            Some(d) => v.get(d).copied().unwrap_or(0),
+            None => v.iter().sum::<u64>(),
+        };
+        t.used.push((s.t_s, of_device(&s.device_used) as f64));
+        let suspended = p.names.iter().filter_map(|n| s.comm_suspended.get(n)).sum::<u64>();
+        t.comm_suspended.push((s.t_s, suspended as f64));
+        t.capacity.push((s.t_s, of_device(&s.device_total) as f64));
+        for (name, pts) in p.names.iter().zip(&mut t.per_worker) {
+            pts.push((s.t_s, s.workers.get(name).map(|t| t.values().sum::<u64>()).unwrap_or(0) as f64));
+        }
+    }
 }
 
 /// Device memory over time: each process's resident bytes stacked (summed over its tags), the
@@ -591,7 +604,9 @@ fn timeline_chart(r: &Recorder, window: &TimelineWindow, panel: &Panel, t: Timel
         }
         None => window.title(),
     };
+    let mut bar = None;
     if let Some((t, what)) = &r.timeline.failure_mark {
+        bar = failed_request(r, *device, *t, &series);
         series.push(failure_mark(&series, *t, what));
         title = format!("{title}: {what}");
     }
@@ -606,7 +621,32 @@ fn timeline_chart(r: &Recorder, window: &TimelineWindow, panel: &Panel, t: Timel
         spans,
         span_legend: phase_legend(),
         y_range: None,
+        bar,
     }
+}
+
+/// The request that did not fit, on its device's panel: stacked on what the device had in use
+/// when it was asked (else at the failure's sample, the last the device answered for: a worker
+/// that failed has often let go of what it held by then), up past the capacity.
+fn failed_request(r: &Recorder, panel: Option<usize>, t: f64, series: &[Series]) -> Option<plot::Bar> {
+    let (device, request) = r.timeline.failed_request.as_ref()?;
+    if panel.is_some() && panel != device.map(|d| d as usize) {
+        return None;
+    }
+    let (used, capacity) = (&series.first()?.points, series.iter().find(|s| s.name == "capacity"));
+    // A device none of whose workers answered at the failure recorded nothing there: its last
+    // sample with a capacity is the one that says what it held.
+    let answered = |i: usize| capacity.is_none_or(|c| c.points.get(i).is_some_and(|p| p.1 > 0.0));
+    let sampled = (0..used.len()).rev().find(|&i| answered(i)).map_or(0.0, |i| used[i].1);
+    let base = request.device_used.map_or(sampled, |b| b as f64);
+    let tag = request.tag.as_ref().map(|t| format!(" ({t})")).unwrap_or_default();
+    Some(plot::Bar {
+        x: t,
+        y0: base,
+        y1: base + request.bytes as f64,
+        label: format!("failed: +{}{tag}", human(request.bytes)),
+        color: RGBColor(204, 0, 0),
+    })
 }
 
 /// Points the timeline draws at most (lines are thinned, spans merged, beyond it): a long run's

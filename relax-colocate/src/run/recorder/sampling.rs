@@ -43,6 +43,8 @@ impl Recorder {
         };
         let who = e.worker.as_deref().map(|w| format!(" ({w})")).unwrap_or_default();
         self.timeline.failure_mark = Some((s.t_s, format!("{what} in {}{who}", e.phase)));
+        let device = self.names.iter().find(|n| Some(n.0.as_str()) == e.worker.as_deref()).map(|n| n.1);
+        self.timeline.failed_request = e.request.as_deref().map(|r| (device, r.clone()));
     }
 
     fn sample_of(&self, start_s: f64, statuses: Vec<WorkerStatus>) -> MemSample {
