@@ -67,6 +67,8 @@ pub struct Span {
     pub x0: f64,
     pub x1: f64,
     pub color: RGBColor,
+    /// Written in its box where it fits (a chart of spans alone, `draw_spans`).
+    pub label: Option<String>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -283,6 +285,9 @@ type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
 fn draw(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Chart) -> DrawResult {
     root.fill(&WHITE)?;
+    if chart.series.is_empty() && chart.stacked.is_empty() && !chart.spans.is_empty() {
+        return draw_spans(root, chart);
+    }
     let x_axis = chart.x.clone().unwrap_or_else(|| Axis::linear("", Quantity::Plain));
     let y_axis = chart.y.clone().unwrap_or_else(|| Axis::linear("", Quantity::Plain));
     let keep = |p: &&(f64, f64)| (!x_axis.log || p.0 > 0.0) && (!y_axis.log || p.1 > 0.0);
@@ -330,6 +335,52 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Char
         .y_label_area_size(70);
     let ctx = builder.build_cartesian_2d(Ticked::of(&xs, x_axis.log), Ticked::of(&ys, y_axis.log))?;
     finish(ctx, chart, &x_axis, &y_axis, &xs, &ys, strip, &stacked)?;
+    legend(root, chart)
+}
+
+/// Pixels a label of `chars` characters needs in a span's box to be drawn there: plotters writes
+/// the 12-point font at about 5.5 pixels a character (an average; a margin each side).
+pub fn label_room(chars: usize) -> f64 {
+    chars as f64 * 5.5 + 8.0
+}
+
+/// A chart of spans alone (the phases of a few steps): the boxes fill its height over a time
+/// axis, each labelled where its label fits (`label_room`), the others left to the legend.
+fn draw_spans(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, chart: &Chart) -> DrawResult {
+    let x_axis = chart.x.clone().unwrap_or_else(|| Axis::linear("", Quantity::Plain));
+    let x0 = chart.spans.iter().map(|s| s.x0).fold(f64::INFINITY, f64::min);
+    let x1 = chart.spans.iter().map(|s| s.x1).fold(f64::NEG_INFINITY, f64::max);
+    let xs = scale(&x_axis, x0, x1, true);
+    let ys = Scaled { divisor: 1.0, unit: "", lo: 0.0, hi: 1.0, ticks: Vec::new() };
+    let mut ctx = ChartBuilder::on(root)
+        .caption(&chart.title, ("sans-serif", 17))
+        .margin(12)
+        .margin_right(legend_width(chart))
+        .x_label_area_size(42)
+        .y_label_area_size(70)
+        .build_cartesian_2d(Ticked::of(&xs, false), Ticked::of(&ys, false))?;
+    let x_fmt = |v: &f64| xs.ticks.iter().find(|t| (t.0 - v).abs() <= t.0.abs().max(1e-12) * 1e-6).map(|t| t.1.clone());
+    ctx.configure_mesh()
+        .x_desc(axis_desc(&x_axis, xs.unit))
+        .x_label_formatter(&|v| x_fmt(v).unwrap_or_default())
+        .disable_y_mesh()
+        .light_line_style(WHITE)
+        .bold_line_style(RGBColor(225, 225, 225))
+        .label_style(("sans-serif", 12))
+        .axis_desc_style(("sans-serif", 13))
+        .draw()?;
+    let d = xs.divisor;
+    let boxes =
+        chart.spans.iter().map(|s| Rectangle::new([(s.x0 / d, 0.1), (s.x1.max(s.x0) / d, 0.9)], s.color.filled()));
+    ctx.draw_series(boxes)?;
+    let font = ("sans-serif", 12).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Center));
+    for s in &chart.spans {
+        let Some(label) = &s.label else { continue };
+        let (left, right) = (ctx.backend_coord(&(s.x0 / d, 0.5)).0, ctx.backend_coord(&(s.x1 / d, 0.5)).0);
+        if f64::from(right - left) >= label_room(label.chars().count()) {
+            ctx.draw_series([Text::new(label.clone(), ((s.x0 + s.x1) / 2.0 / d, 0.5), font.clone())])?;
+        }
+    }
     legend(root, chart)
 }
 
@@ -703,7 +754,7 @@ mod tests {
                 color: color(0),
                 width: 2,
             }],
-            spans: vec![Span { x0: 0.0, x1: 5.0, color: RGBColor(200, 0, 0) }],
+            spans: vec![Span { x0: 0.0, x1: 5.0, color: RGBColor(200, 0, 0), label: None }],
             span_legend: vec![("generate".into(), RGBColor(200, 0, 0))],
             ..Chart::default()
         };

@@ -511,7 +511,9 @@ struct Panel {
 
 /// Every panel's points in one pass over memory.jsonl, from `first_step` on, its lines thinned
 /// to every `stride`-th sample; the phases' spans, the same for every panel, are each panel's.
-fn timeline(path: &std::path::Path, panels: &[Panel], first_step: u64, stride: usize) -> Vec<Timeline> {
+/// With them, the spans of the zoomed phase view (`in_zoom`), labelled with their phases.
+fn timeline(path: &std::path::Path, panels: &[Panel], window: &TimelineWindow) -> (Vec<Timeline>, Vec<Span>) {
+    let TimelineWindow { first_step, last_step, stride } = *window;
     let empty = |p: &Panel| Timeline {
         used: Vec::new(),
         comm_suspended: Vec::new(),
@@ -525,9 +527,13 @@ fn timeline(path: &std::path::Path, panels: &[Panel], first_step: u64, stride: u
     // The last sample is drawn even when thinning skips it: a failed run's says what memory held
     // when it stopped.
     let mut skipped = None;
+    let mut zoom = Vec::new();
     for (i, s) in shown.enumerate() {
         // Every phase keeps its span (it is one rectangle); only the lines are thinned.
-        spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase) });
+        spans.push(Span { x0: s.start_s, x1: s.t_s, color: phase_color(&s.phase), label: None });
+        if in_zoom(s.step, last_step) {
+            zoom.push(Span { label: Some(s.phase.clone()), ..spans[spans.len() - 1].clone() });
+        }
         if i % stride != 0 {
             skipped = Some(s);
             continue;
@@ -544,7 +550,35 @@ fn timeline(path: &std::path::Path, panels: &[Panel], first_step: u64, stride: u
     for t in &mut out {
         t.spans = spans.clone();
     }
-    out
+    (out, zoom)
+}
+
+/// Runs of more steps than this get the zoomed phase view: at 30 steps a phase is a sliver of
+/// the timeline's strip, at 8 its boxes still read.
+const ZOOM_AFTER_STEPS: u64 = 8;
+
+/// The steps the zoomed phase view shows: enough to see the cycle repeat, few enough that the
+/// main phases' names fit in their boxes.
+const ZOOM_STEPS: u64 = 2;
+
+/// Whether a sample of `step` is in the zoomed phase view of a run whose last step is `last`.
+fn in_zoom(step: u64, last: u64) -> bool {
+    last > ZOOM_AFTER_STEPS && step + ZOOM_STEPS > last
+}
+
+/// The last `ZOOM_STEPS` steps' phases at the timeline's full width, each box labelled with its
+/// phase where the label fits in it.
+fn phase_zoom(spans: Vec<Span>, last_step: u64) -> Chart {
+    let first = last_step + 1 - ZOOM_STEPS;
+    Chart {
+        title: format!("Phases of steps {first} to {last_step}, to scale"),
+        width: 1000,
+        height: 240,
+        x: Some(Axis::linear("time", Quantity::Seconds)),
+        spans,
+        span_legend: phase_legend(),
+        ..Chart::default()
+    }
 }
 
 /// One sample's points on every panel.
@@ -580,8 +614,11 @@ fn memory_timeline(r: &Recorder) -> String {
         let on = |d: usize| r.names.iter().filter(|n| n.1 as usize == d).map(|n| n.0.clone()).collect();
         (0..devices).map(|d| Panel { device: Some(d), names: on(d) }).collect()
     };
-    let timelines = timeline(&path, &panels, window.first_step, window.stride);
-    let charts: Vec<Chart> = panels.iter().zip(timelines).map(|(p, t)| timeline_chart(r, &window, p, t)).collect();
+    let (timelines, zoom) = timeline(&path, &panels, &window);
+    let mut charts: Vec<Chart> = panels.iter().zip(timelines).map(|(p, t)| timeline_chart(r, &window, p, t)).collect();
+    if !zoom.is_empty() {
+        charts.push(phase_zoom(zoom, window.last_step));
+    }
     plot::svg_panels(&charts)
 }
 
@@ -655,6 +692,7 @@ const TIMELINE_MAX_SAMPLES: usize = 4000;
 
 /// Which part of memory.jsonl the timeline draws: its last `TIMELINE_STEPS` steps, every
 /// `stride`-th sample so that at most `TIMELINE_MAX_SAMPLES` lines are drawn.
+#[derive(Clone, Copy)]
 struct TimelineWindow {
     first_step: u64,
     last_step: u64,
@@ -821,7 +859,7 @@ fn merge_spans(spans: Vec<Span>, max: usize) -> Vec<Span> {
         .map(|c| {
             let longest =
                 c.iter().max_by(|a, b| (a.x1 - a.x0).total_cmp(&(b.x1 - b.x0))).expect("chunks are not empty");
-            Span { x0: c[0].x0, x1: c[c.len() - 1].x1, color: longest.color }
+            Span { x0: c[0].x0, x1: c[c.len() - 1].x1, color: longest.color, label: None }
         })
         .collect()
 }
@@ -873,7 +911,78 @@ pub(in crate::run) fn write_plots(r: &Recorder) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::before_after_window;
+    use super::*;
+    use crate::plot::read_svg::{elements, texts};
+
+    /// memory.jsonl of a run of `steps` steps, each phase of `STEP_PHASES` taking its share of a
+    /// one-second step (generate the most, advantages a millisecond).
+    fn synthetic_run(dir: &std::path::Path, steps: u64) -> std::path::PathBuf {
+        let path = dir.join("memory.jsonl");
+        let share = |p: &str| match p {
+            "generate" => 0.3,
+            "wake_up" | "actor_train" | "sleep" | "update_weights" => 0.12,
+            "advantages" => 0.001,
+            _ => 0.02,
+        };
+        let mut t = 0.0;
+        let mut lines = String::new();
+        for step in 1..=steps {
+            for p in STEP_PHASES {
+                let s = MemSample {
+                    t_s: t + share(p),
+                    start_s: t,
+                    step,
+                    phase: p.to_string(),
+                    device_used: vec![1 << 30],
+                    device_total: vec![2 << 30],
+                    workers: BTreeMap::new(),
+                    paused: BTreeMap::new(),
+                    comm_suspended: BTreeMap::new(),
+                };
+                t = s.t_s;
+                lines += &format!("{}\n", serde_json::to_string(&s).unwrap());
+            }
+        }
+        std::fs::write(&path, lines).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_long_run_gets_its_last_steps_phases_zoomed_with_labels_that_fit_their_boxes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = synthetic_run(dir.path(), 30);
+        let window = TimelineWindow::of(&path);
+        let (_, zoom) = timeline(&path, &[Panel { device: None, names: Vec::new() }], &window);
+        assert_eq!(zoom.len(), ZOOM_STEPS as usize * STEP_PHASES.len());
+        let svg = plot::svg(&phase_zoom(zoom, window.last_step));
+        assert!(svg.contains("Phases of steps 29 to 30"), "{svg}");
+        let rects = elements(&svg, "rect");
+        let num = |e: &BTreeMap<String, String>, k: &str| e[k].parse::<f64>().unwrap();
+        let labels: Vec<(f64, String)> = texts(&svg)
+            .into_iter()
+            .filter(|(_, t)| STEP_PHASES.contains(&t.as_str()))
+            .map(|(a, t)| (num(&a, "x"), t))
+            .collect();
+        // The long phases labelled in both steps, every label inside a box wide enough for it.
+        for p in ["generate", "wake_up", "sleep"] {
+            assert_eq!(labels.iter().filter(|l| l.1 == p).count(), 2, "{p}: {labels:?}");
+        }
+        for (x, label) in &labels {
+            let inside = rects.iter().find(|r| num(r, "x") <= *x && *x <= num(r, "x") + num(r, "width")).unwrap();
+            let width = num(inside, "width");
+            assert!(width >= plot::label_room(label.len()) && width >= 40.0, "{label} in {width} px");
+        }
+        // A phase of a millisecond is a sliver: no label over its neighbours.
+        assert!(!labels.iter().any(|l| l.1 == "advantages"), "{labels:?}");
+    }
+
+    #[test]
+    fn a_short_run_has_no_zoomed_phases() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = synthetic_run(dir.path(), ZOOM_AFTER_STEPS);
+        let (_, zoom) = timeline(&path, &[Panel { device: None, names: Vec::new() }], &TimelineWindow::of(&path));
+        assert!(zoom.is_empty());
+    }
 
     #[test]
     fn the_before_and_after_windows_never_share_a_step() {
