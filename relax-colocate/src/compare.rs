@@ -28,6 +28,10 @@ pub struct Options {
     /// Trainer steps of each run.
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
+    /// Runs of every layout, interleaved (each layout once, then again): the table shows their
+    /// mean, and a winner is named only when its slowest run beats the runner-up's fastest.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub repeats: u32,
     /// Async and elastic: the staleness bound [async.max_staleness].
     #[arg(long, default_value_t = 2)]
     pub max_staleness: i64,
@@ -81,9 +85,15 @@ impl Layout {
     }
 }
 
-fn run_layout(o: &Options, name: &'static str, mode_args: &[String]) -> Result<Layout, (u8, String)> {
+/// Where repeat `k` (from 1) of layout `name` runs: `<out>/<name>` for the first, `<out>/<name>-k`
+/// for the others.
+fn run_dir(o: &Options, name: &str, k: u32) -> PathBuf {
+    if k == 1 { o.out.join(name) } else { o.out.join(format!("{name}-{k}")) }
+}
+
+fn run_layout(o: &Options, name: &'static str, mode_args: &[String], k: u32) -> Result<Layout, (u8, String)> {
     let exe = std::env::current_exe().map_err(|e| (1, format!("cannot find this program: {e}")))?;
-    let dir = o.out.join(name);
+    let dir = run_dir(o, name, k);
     let mut cmd = Command::new(exe);
     cmd.args(["run", "--quiet", "--json", "--steps", &o.steps.to_string(), "--devices", &o.devices.to_string()])
         .arg("--out")
@@ -101,7 +111,8 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String]) -> Result<L
         cmd.arg("--hook").arg(h);
     }
     if !o.json {
-        eprintln!("relax-colocate compare: running the {name} layout ({} steps) into {}", o.steps, dir.display());
+        let of = if o.repeats > 1 { format!(", run {k} of {}", o.repeats) } else { String::new() };
+        eprintln!("relax-colocate compare: running the {name} layout ({} steps{of}) into {}", o.steps, dir.display());
     }
     let out = cmd.output().map_err(|e| (1, format!("cannot start the {name} run: {e}")))?;
     if !out.status.success() {
@@ -159,6 +170,7 @@ fn figures(l: &Layout) -> Value {
                 .fold(0.0, |a, b| a + b)
         })
         .collect();
+    let devices = f64::from(l.config.run.devices.max(1));
     let rollout_busy = match a {
         Some(a) => 1.0 - a.rollout_idle_ratio,
         None => l.series(&metrics::phase_time("generate")).iter().sum::<f64>() / run_s,
@@ -170,6 +182,7 @@ fn figures(l: &Layout) -> Value {
         "samples_per_s": samples / run_s,
         "samples_per_s_after_first_step": steady,
         "tokens_per_s": tokens / run_s,
+        "tokens_per_device_s": tokens / run_s / devices,
         "step_time_median_s": median(step_times),
         "trainer_busy": train / run_s,
         "rollout_busy": rollout_busy,
@@ -185,6 +198,56 @@ fn figures(l: &Layout) -> Value {
         "flush_s_mean": a.and_then(|a| a.flush_s_mean),
         "elastic": a.and_then(|a| a.elastic.as_ref()).map(|e| elastic_figures(l, e)),
     })
+}
+
+/// The throughputs whose every run and spread the figures keep, and the verdict weighs.
+const THROUGHPUTS: [&str; 2] = ["samples_per_s", "samples_per_s_after_first_step"];
+
+/// One layout's figures over its runs: a number the runs disagree on is their mean, the
+/// staleness histograms are summed, and beside each throughput stand every run's figure
+/// (`KEY_runs`) and their spread (`KEY_spread`: max - min over the mean).
+fn combined(runs: &[Value]) -> Value {
+    let mut out = mean_of(runs);
+    let mut hist = serde_json::Map::new();
+    for r in runs {
+        for (k, v) in r["staleness_histogram"].as_object().into_iter().flatten() {
+            let sum = hist.get(k).and_then(Value::as_u64).unwrap_or(0) + v.as_u64().unwrap_or(0);
+            hist.insert(k.clone(), json!(sum));
+        }
+    }
+    if !hist.is_empty() {
+        out["staleness_histogram"] = Value::Object(hist);
+    }
+    for key in THROUGHPUTS {
+        let each: Vec<f64> = runs.iter().map(|r| r[key].as_f64().unwrap_or(f64::NAN)).collect();
+        let (lo, hi) = each.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+        let mean = each.iter().sum::<f64>() / each.len() as f64;
+        out[format!("{key}_runs")] = json!(each);
+        out[format!("{key}_spread")] = json!((hi - lo) / mean);
+    }
+    out["repeats"] = json!(runs.len());
+    out["run_dirs"] = runs.iter().map(|r| r["run_dir"].clone()).collect();
+    out
+}
+
+/// `runs`' first object with every number the runs disagree on replaced by their mean (over the
+/// runs that have it), nested objects alike.
+fn mean_of(runs: &[Value]) -> Value {
+    let Some(Value::Object(first)) = runs.first() else { return runs.first().cloned().unwrap_or(Value::Null) };
+    let mut out = serde_json::Map::new();
+    for (k, v) in first {
+        let all: Vec<&Value> = runs.iter().map(|r| &r[k]).collect();
+        let value = if all.iter().all(|x| *x == v) {
+            v.clone()
+        } else if v.is_object() {
+            mean_of(&all.into_iter().cloned().collect::<Vec<_>>())
+        } else {
+            let nums: Vec<f64> = all.iter().filter_map(|x| x.as_f64()).collect();
+            if nums.is_empty() { v.clone() } else { json!(nums.iter().sum::<f64>() / nums.len() as f64) }
+        };
+        out.insert(k.clone(), value);
+    }
+    Value::Object(out)
 }
 
 /// Elastic mode's lending: how often and at what cost, and the trainer devices' idle share with
@@ -227,10 +290,18 @@ fn print_table(names: &[&str], figs: &[Value]) {
         print!(" {n:>12}");
     }
     println!();
-    let rows: [TableRow; 21] = [
+    let repeats = figs[0]["repeats"].as_u64().unwrap_or(1);
+    if repeats > 1 {
+        println!("(each figure the mean of {repeats} runs)");
+    }
+    let rows: [TableRow; 23] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
         ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
+        ("  spread over the runs", "samples_per_s_after_first_step_spread", |x| {
+            if x.is_nan() || x == 0.0 { "-".into() } else { format!("±{:.0}%", 50.0 * x) }
+        }),
         ("tokens/s", "tokens_per_s", |x| format!("{x:.1}")),
+        ("tokens/s per device", "tokens_per_device_s", |x| format!("{x:.1}")),
         ("step time, median (s)", "step_time_median_s", |x| format!("{x:.3}")),
         ("trainer busy", "trainer_busy", pct),
         ("trainer idle (wait + flush)", "trainer_idle", pct),
@@ -334,25 +405,52 @@ const TIE_MARGIN: f64 = 0.05;
 /// calibrates its switch): the verdict says so.
 const STEPS_TO_JUDGE: u64 = 5;
 
-/// Which layout the job should use: the highest throughput after step 1 (all steps when there is
-/// only one), the runner-up and the margin, and whether the margin and the run's length make it
-/// a clear answer.
+/// Whether elastic's runs lent nothing, in either direction: then it ran async's layout, and any
+/// gap between the two is noise.
+fn lent_nothing(f: &Value) -> bool {
+    let lends = |k: &str| f["elastic"][k].as_f64().unwrap_or(0.0);
+    f["elastic"].is_object() && lends("lends_per_step") == 0.0 && lends("rollout_lends_per_step") == 0.0
+}
+
+/// Which layout the job should use: the highest mean throughput after step 1 (all steps when
+/// there is only one), the runner-up and the margin, and whether it is a clear answer: a margin
+/// of at least `TIE_MARGIN`, the winner's slowest run faster than the runner-up's fastest (with
+/// `repeats` above 1; one run each leaves the spread unmeasured, never clear), a run long enough.
+/// An elastic run that lent nothing is async's layout: beside async it is left out of the ranking.
 fn verdict(names: &[&str], figs: &[Value], steps: u64) -> Value {
     let key = if steps > 1 { "samples_per_s_after_first_step" } else { "samples_per_s" };
-    let mut ranked: Vec<(&str, f64)> = names.iter().zip(figs).map(|(n, f)| (*n, figure(f, key))).collect();
-    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let idle_elastic =
+        names.contains(&"async") && names.iter().zip(figs).any(|(n, f)| *n == "elastic" && lent_nothing(f));
+    let mut ranked: Vec<(&str, &Value)> =
+        names.iter().copied().zip(figs).filter(|(n, _)| !(idle_elastic && *n == "elastic")).collect();
+    ranked.sort_by(|a, b| figure(b.1, key).total_cmp(&figure(a.1, key)));
     let ((best, top), (runner_up, next)) = (ranked[0], ranked[1]);
-    let margin = top / next - 1.0;
-    let tie = margin.is_nan() || margin < TIE_MARGIN;
+    let margin = figure(top, key) / figure(next, key) - 1.0;
+    let runs = |f: &Value| -> Vec<f64> {
+        let each = f[format!("{key}_runs")].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect());
+        each.unwrap_or_else(|| vec![figure(f, key)])
+    };
+    let (best_runs, next_runs) = (runs(top), runs(next));
+    let repeats = best_runs.len().min(next_runs.len());
+    let slowest = best_runs.iter().copied().fold(f64::INFINITY, f64::min);
+    let fastest = next_runs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    // NaN runs count as overlapping.
+    let within_spread = repeats > 1 && slowest.partial_cmp(&fastest) != Some(std::cmp::Ordering::Greater);
+    let tie = margin.is_nan() || margin < TIE_MARGIN || within_spread;
     let short = steps < STEPS_TO_JUDGE;
     json!({
         "layout": best,
         "runner_up": runner_up,
         "by": key,
         "margin": margin,
+        "repeats": repeats,
+        "winner_slowest": slowest,
+        "runner_up_fastest": fastest,
+        "within_spread": within_spread,
         "tie": tie,
         "short_run": short,
-        "clear": !tie && !short,
+        "elastic_lent_nothing": idle_elastic,
+        "clear": !tie && !short && repeats > 1,
     })
 }
 
@@ -361,7 +459,17 @@ fn verdict_line(v: &Value, max_staleness: i64) -> String {
     let (best, other) = (v["layout"].as_str().unwrap_or("?"), v["runner_up"].as_str().unwrap_or("?"));
     let margin = v["margin"].as_f64().unwrap_or(f64::NAN);
     let by = if v["by"] == "samples_per_s" { "samples/s" } else { "samples/s after step 1" };
-    let mut line = if v["tie"] == true {
+    let repeats = v["repeats"].as_u64().unwrap_or(1);
+    let mut line = if v["within_spread"] == true {
+        format!(
+            "for this job: no clear winner: {best} leads {other} by {:.2}x in {by}, but across {repeats} runs each \
+             {best}'s slowest ({:.2}) is not faster than {other}'s fastest ({:.2}); run more --repeats or --steps \
+             before choosing",
+            1.0 + margin,
+            v["winner_slowest"].as_f64().unwrap_or(f64::NAN),
+            v["runner_up_fastest"].as_f64().unwrap_or(f64::NAN)
+        )
+    } else if v["tie"] == true {
         format!(
             "for this job: no clear winner: {best} and {other} are within {:.0}% ({:.2}x in {by}); repeat the \
              comparison or run more --steps before choosing",
@@ -371,10 +479,16 @@ fn verdict_line(v: &Value, max_staleness: i64) -> String {
     } else {
         format!("for this job: {best}, {:.2}x the next ({other}) in {by}", 1.0 + margin)
     };
+    if repeats < 2 {
+        line.push_str("; one run of each layout leaves the spread unmeasured: use --repeats 3 for a verdict");
+    }
     if v["short_run"] == true {
         line.push_str(&format!(
             "; a run of fewer than {STEPS_TO_JUDGE} steps is mostly start-up, use --steps {STEPS_TO_JUDGE} or more"
         ));
+    }
+    if v["elastic_lent_nothing"] == true {
+        line.push_str("; elastic lent nothing, so it ran async's layout and is not ranked apart from it");
     }
     if best != "colocate" {
         line.push_str(&format!(
@@ -426,27 +540,33 @@ pub fn main(o: &Options) -> u8 {
         eprintln!("relax-colocate compare: cannot create {}: {e}", o.out.display());
         return 1;
     }
-    let mut layouts = Vec::new();
-    for mode in modes {
-        let mut args = vec!["--mode".to_string(), mode.as_str().into()];
-        if mode.split() {
-            args.extend(["--max-staleness".into(), o.max_staleness.to_string()]);
-            for (flag, v) in [("--trainer-devices", &o.trainer_devices), ("--rollout-devices", &o.rollout_devices)] {
-                if let Some(v) = v {
-                    args.extend([flag.into(), v.clone()]);
+    // Interleaved, so that a change in the machine's load reaches every layout alike.
+    let mut runs: Vec<Vec<Layout>> = modes.iter().map(|_| Vec::new()).collect();
+    for k in 1..=o.repeats {
+        for (mode, done) in modes.iter().zip(runs.iter_mut()) {
+            let mut args = vec!["--mode".to_string(), mode.as_str().into()];
+            if mode.split() {
+                args.extend(["--max-staleness".into(), o.max_staleness.to_string()]);
+                for (flag, v) in [("--trainer-devices", &o.trainer_devices), ("--rollout-devices", &o.rollout_devices)]
+                {
+                    if let Some(v) = v {
+                        args.extend([flag.into(), v.clone()]);
+                    }
+                }
+            }
+            match run_layout(o, mode.as_str(), &args, k) {
+                Ok(l) => done.push(l),
+                Err((code, msg)) => {
+                    eprintln!("relax-colocate compare: {msg}");
+                    return code;
                 }
             }
         }
-        match run_layout(o, mode.as_str(), &args) {
-            Ok(l) => layouts.push(l),
-            Err((code, msg)) => {
-                eprintln!("relax-colocate compare: {msg}");
-                return code;
-            }
-        }
     }
+    let figs: Vec<Value> = runs.iter().map(|r| combined(&r.iter().map(figures).collect::<Vec<_>>())).collect();
+    // The plot and the names follow each layout's first run.
+    let layouts: Vec<Layout> = runs.into_iter().filter_map(|r| r.into_iter().next()).collect();
     let names = names(&layouts);
-    let figs: Vec<Value> = layouts.iter().map(figures).collect();
     let mut report: serde_json::Map<String, Value> =
         names.iter().zip(&figs).map(|(n, f)| (n.to_string(), f.clone())).collect();
     let ratios = ratios(&names, &figs);
@@ -487,30 +607,56 @@ pub fn main(o: &Options) -> u8 {
 mod tests {
     use super::*;
 
-    fn figs(after: &[f64]) -> Vec<Value> {
-        after.iter().map(|a| json!({"samples_per_s": 1.0, "samples_per_s_after_first_step": a})).collect()
+    /// Figures of layouts whose runs after step 1 gave `runs[i]` samples/s.
+    fn figs(runs: &[&[f64]]) -> Vec<Value> {
+        let run = |a: f64| json!({"samples_per_s": 1.0, "samples_per_s_after_first_step": a, "steps": 10});
+        runs.iter().map(|r| combined(&r.iter().map(|a| run(*a)).collect::<Vec<_>>())).collect()
     }
 
     #[test]
     fn the_verdict_names_the_fastest_layout_after_step_1_and_its_margin() {
-        let v = verdict(&["colocate", "async", "elastic"], &figs(&[3.0, 2.5, 3.6]), 10);
+        let v = verdict(&["colocate", "async", "elastic"], &figs(&[&[3.0, 2.9, 3.1], &[2.5; 3], &[3.6, 3.5, 3.7]]), 10);
         assert_eq!((v["layout"].as_str(), v["runner_up"].as_str()), (Some("elastic"), Some("colocate")));
         assert!((v["margin"].as_f64().unwrap() - 0.2).abs() < 1e-9, "{v}");
-        assert_eq!((v["tie"].as_bool(), v["clear"].as_bool()), (Some(false), Some(true)));
+        assert_eq!(
+            (v["tie"].as_bool(), v["clear"].as_bool(), v["repeats"].as_u64()),
+            (Some(false), Some(true), Some(3))
+        );
         let line = verdict_line(&v, 2);
         assert!(line.starts_with("for this job: elastic, 1.20x the next (colocate)"), "{line}");
-        assert!(line.contains("up to 2 weight version(s) stale"), "{line}");
+        assert!(line.contains("up to 2 weight version(s) stale") && !line.contains("--repeats"), "{line}");
     }
 
     #[test]
-    fn a_gap_under_the_tie_margin_or_a_short_run_is_not_a_clear_answer() {
-        let v = verdict(&["colocate", "async"], &figs(&[3.0, 3.1]), 10);
+    fn a_margin_within_the_runs_spread_names_no_winner() {
+        // 10% apart on average, but the leader's slowest run is slower than the other's fastest.
+        let v = verdict(&["colocate", "async"], &figs(&[&[3.0, 3.0, 3.0], &[2.5, 3.7, 3.7]]), 10);
+        assert_eq!(v["layout"], "async", "{v}");
+        assert!(v["margin"].as_f64().unwrap() > TIE_MARGIN, "{v}");
+        assert_eq!(
+            (v["within_spread"].as_bool(), v["tie"].as_bool(), v["clear"].as_bool()),
+            (Some(true), Some(true), Some(false))
+        );
+        let line = verdict_line(&v, 2);
+        assert!(line.contains("async's slowest (2.50) is not faster than colocate's fastest (3.00)"), "{line}");
+        // The same means with runs that do not overlap: a winner.
+        let v = verdict(&["colocate", "async"], &figs(&[&[3.0, 3.0, 3.0], &[3.2, 3.3, 3.4]]), 10);
+        assert_eq!((v["within_spread"].as_bool(), v["clear"].as_bool()), (Some(false), Some(true)), "{v}");
+    }
+
+    #[test]
+    fn a_gap_under_the_tie_margin_one_run_or_a_short_run_is_not_a_clear_answer() {
+        let v = verdict(&["colocate", "async"], &figs(&[&[3.0, 3.0], &[3.1, 3.1]]), 10);
         assert_eq!(
             (v["layout"].as_str(), v["tie"].as_bool(), v["clear"].as_bool()),
             (Some("async"), Some(true), Some(false))
         );
         assert!(verdict_line(&v, 2).contains("no clear winner: async and colocate are within 5%"));
-        let v = verdict(&["colocate", "async"], &figs(&[3.0, 1.0]), 3);
+        // One run each: the spread is unmeasured, so never clear, and the line says what to do.
+        let v = verdict(&["colocate", "async"], &figs(&[&[3.0], &[1.0]]), 10);
+        assert_eq!((v["tie"].as_bool(), v["clear"].as_bool()), (Some(false), Some(false)), "{v}");
+        assert!(verdict_line(&v, 2).contains("use --repeats 3 for a verdict"));
+        let v = verdict(&["colocate", "async"], &figs(&[&[3.0, 3.0], &[1.0, 1.0]]), 3);
         assert_eq!(
             (v["layout"].as_str(), v["short_run"].as_bool(), v["clear"].as_bool()),
             (Some("colocate"), Some(true), Some(false))
@@ -518,6 +664,36 @@ mod tests {
         let line = verdict_line(&v, 2);
         assert!(line.contains("use --steps 5 or more") && !line.contains("stale"), "{line}");
         // One step: judged on all samples, step 1 being all there is.
-        assert_eq!(verdict(&["colocate", "async"], &figs(&[3.0, 1.0]), 1)["by"], "samples_per_s");
+        assert_eq!(verdict(&["colocate", "async"], &figs(&[&[3.0], &[1.0]]), 1)["by"], "samples_per_s");
+    }
+
+    #[test]
+    fn an_elastic_run_that_lent_nothing_is_asyncs_layout_not_a_winner_of_its_own() {
+        let mut f = figs(&[&[3.0, 3.0], &[2.0, 2.0], &[3.5, 3.5]]);
+        f[2]["elastic"] = json!({"lends_per_step": 0.0, "rollout_lends_per_step": null});
+        let v = verdict(&["colocate", "async", "elastic"], &f, 10);
+        assert_eq!((v["layout"].as_str(), v["runner_up"].as_str()), (Some("colocate"), Some("async")), "{v}");
+        assert_eq!(v["elastic_lent_nothing"], true);
+        assert!(verdict_line(&v, 2).contains("elastic lent nothing, so it ran async's layout"));
+        // Lending once is a layout of its own.
+        f[2]["elastic"]["lends_per_step"] = json!(0.5);
+        assert_eq!(verdict(&["colocate", "async", "elastic"], &f, 10)["layout"], "elastic");
+    }
+
+    #[test]
+    fn a_layouts_runs_combine_into_means_with_every_run_and_the_spread_beside_them() {
+        let run = |sps: f64, hist: Value| {
+            json!({"samples_per_s": sps, "samples_per_s_after_first_step": sps, "steps": 4, "run_dir": format!("d{sps}"),
+                   "staleness_histogram": hist, "elastic": {"lends_per_step": sps / 10.0}, "compute": "modelled"})
+        };
+        let c = combined(&[run(2.0, json!({"0": 3, "1": 1})), run(4.0, json!({"0": 2}))]);
+        assert_eq!(c["samples_per_s"].as_f64(), Some(3.0));
+        assert_eq!(c["steps"].as_u64(), Some(4), "a figure every run agrees on keeps its type: {c}");
+        assert_eq!(c["samples_per_s_runs"], json!([2.0, 4.0]));
+        assert!((c["samples_per_s_spread"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12, "{c}");
+        assert_eq!(c["staleness_histogram"], json!({"0": 5, "1": 1}));
+        assert!((c["elastic"]["lends_per_step"].as_f64().unwrap() - 0.3).abs() < 1e-12, "{c}");
+        assert_eq!((c["repeats"].as_u64(), c["compute"].as_str()), (Some(2), Some("modelled")));
+        assert_eq!(c["run_dirs"], json!(["d2", "d4"]));
     }
 }

@@ -95,9 +95,12 @@ fn plan(line: &str) -> Option<Plan> {
         "target/release/relax-colocate run --mode elastic --devices 2" => {
             run(two_steps, 0, &["elastic: trainer on device(s) 0, rollout on 1", "lending:", "checks:"])
         }
-        "target/release/relax-colocate compare --devices 4 --steps 10" => {
-            run(two_steps, 0, &["async / colocate throughput", "elastic / the better of the others", "samples/s"])
-        }
+        // One run of each layout here: the repeats are compare's own test's.
+        "target/release/relax-colocate compare --devices 4 --steps 10" => run(
+            |l| format!("{} --repeats 1", two_steps(l)),
+            0,
+            &["async / colocate throughput", "elastic / the better of the others", "samples/s"],
+        ),
         "target/release/relax-colocate run --print-config" => run(as_written, 0, &["steps", "phase_timeout_s"]),
         "target/release/relax-colocate run --metrics-style verl --logger tensorboard" => {
             run(two_steps, 0, &["checks:", "passed"])

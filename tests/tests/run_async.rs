@@ -589,7 +589,7 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
         .current_dir(&tms_e2e::workspace().root)
-        .args(["compare", "--devices", "2", "--steps", "3", "--out"])
+        .args(["compare", "--devices", "2", "--steps", "3", "--repeats", "1", "--out"])
         .arg(dir.path())
         .args(["--set", "run.device=\"sim\""])
         .env_remove("LD_PRELOAD")
@@ -624,8 +624,13 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     assert!(std::fs::read_to_string(dir.path().join("reward_vs_time.svg")).unwrap().contains("colocate"));
     // The verdict: the fastest after step 1, named on stdout; 3 steps are too few to be sure.
     let verdict = &report["verdict"];
-    let best = ["colocate", "async", "elastic"].into_iter().max_by(|a, b| steady(a).total_cmp(&steady(b))).unwrap();
-    assert_eq!(verdict["layout"], best, "{report}");
+    // An elastic run that lent nothing ran async's layout and is not ranked apart from it.
+    let lent_nothing = report["elastic"]["elastic"]["lends_per_step"].as_f64() == Some(0.0);
+    assert_eq!(verdict["elastic_lent_nothing"].as_bool(), Some(lent_nothing), "{report}");
+    let ranked: &[&str] = if lent_nothing { &["colocate", "async"] } else { &["colocate", "async", "elastic"] };
+    let best = ranked.iter().max_by(|a, b| steady(a).total_cmp(&steady(b))).unwrap();
+    assert_eq!(verdict["layout"], *best, "{report}");
+    assert!(!lent_nothing || stdout.contains("elastic lent nothing, so it ran async's layout"), "{stdout}");
     assert_eq!((verdict["short_run"].as_bool(), verdict["clear"].as_bool()), (Some(true), Some(false)), "{report}");
     assert!(stdout.contains("for this job: ") && stdout.contains("use --steps 5 or more"), "{stdout}");
     // A key that does not exist is the run's configuration error, exit 2 with its name.
@@ -646,7 +651,8 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
     let compare = |config: &str, out: &std::path::Path| {
         std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
             .current_dir(&tms_e2e::workspace().root)
-            .args(["compare", "--devices", "2", "--steps", "1", "--layouts", "colocate,async", "--config", config])
+            .args(["compare", "--devices", "2", "--steps", "1", "--repeats", "2", "--layouts", "colocate,async"])
+            .args(["--config", config])
             .args(["--model-compute", "false", "--set", "rollout.prompts_per_step=2", "--set", "run.device=\"sim\""])
             .arg("--out")
             .arg(out)
@@ -656,6 +662,24 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
     };
     let out = compare("jobs/long-tail.toml", dir.path());
     assert!(out.status.success(), "{}", text(&out));
+    // Each layout ran twice, interleaved; the report holds both runs' figures and their spread.
+    let report = json(&dir.path().join("compare.json"));
+    for layout in ["colocate", "async"] {
+        assert!(dir.path().join(format!("{layout}-2")).join("summary.json").is_file(), "{layout}'s second run");
+        let runs = report[layout]["samples_per_s_runs"].as_array().expect("every run's samples/s");
+        assert_eq!(runs.len(), 2, "{report}");
+        let mean = runs.iter().map(|r| r.as_f64().unwrap()).sum::<f64>() / 2.0;
+        assert!((report[layout]["samples_per_s"].as_f64().unwrap() - mean).abs() < 1e-9, "{report}");
+        assert!(report[layout]["samples_per_s_spread"].as_f64().unwrap() >= 0.0, "{report}");
+    }
+    assert_eq!(report["verdict"]["repeats"].as_u64(), Some(2), "{report}");
+    let progress = String::from_utf8_lossy(&out.stderr);
+    let order: Vec<usize> =
+        ["colocate layout (1 steps, run 1", "async layout (1 steps, run 1", "colocate layout (1 steps, run 2"]
+            .iter()
+            .map(|l| progress.find(l).unwrap_or_else(|| panic!("no '{l}' in:\n{progress}")))
+            .collect();
+    assert!(order[0] < order[1] && order[1] < order[2], "runs not interleaved:\n{progress}");
     for (layout, mode) in [("colocate", "colocate"), ("async", "async")] {
         let config: toml::Table =
             std::fs::read_to_string(dir.path().join(layout).join("config.toml")).unwrap().parse().unwrap();
