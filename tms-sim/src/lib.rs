@@ -180,7 +180,7 @@ pub mod introspect {
     ) -> i32 {
         guard(1, || {
             let s = sim();
-            let (stream, dst) = (stream as usize, dst as usize);
+            let (stream, dst) = (crate::cuda::stream_id(stream as usize), dst as usize);
             if !s.streams.exists(stream) || dst == 0 {
                 return 1;
             }

@@ -13,6 +13,14 @@ pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
 /// ACL_HBM_MEM_HUGE, the aclrtMemAttr of huge-page device memory.
 pub const HBM_MEM_HUGE: c_int = 4;
 
+/// aclrtMemcpyKind (acl_rt.h; CANN runtime API, aclrtMemcpy).
+pub const MEMCPY_HOST_TO_HOST: c_int = 0;
+pub const MEMCPY_HOST_TO_DEVICE: c_int = 1;
+pub const MEMCPY_DEVICE_TO_HOST: c_int = 2;
+pub const MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
+/// The runtime tells the direction from the addresses.
+pub const MEMCPY_DEFAULT: c_int = 4;
+
 /// aclrtMemLocation: `{uint32_t id; aclrtMemLocationType type;}` (id first, unlike CUDA's).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -14,6 +14,23 @@ pub const ACCESS_FLAGS_PROT_NONE: c_int = 0;
 pub const ACCESS_FLAGS_PROT_READ: c_int = 1;
 pub const ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
 
+/// cudaMemcpyKind (driver_types.h; CUDA Runtime API, "Memory Management").
+pub const MEMCPY_HOST_TO_HOST: c_int = 0;
+pub const MEMCPY_HOST_TO_DEVICE: c_int = 1;
+pub const MEMCPY_DEVICE_TO_HOST: c_int = 2;
+pub const MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
+/// The pointers say which side is which (unified virtual addressing).
+pub const MEMCPY_DEFAULT: c_int = 4;
+
+/// Stream creation flags (cudaStreamDefault, cudaStreamNonBlocking; CU_STREAM_DEFAULT and
+/// CU_STREAM_NON_BLOCKING have the same values).
+pub const STREAM_DEFAULT: c_uint = 0;
+pub const STREAM_NON_BLOCKING: c_uint = 1;
+/// The reserved stream handles `cudaStreamLegacy`/`CU_STREAM_LEGACY` and
+/// `cudaStreamPerThread`/`CU_STREAM_PER_THREAD` (driver_types.h, cuda.h).
+pub const STREAM_LEGACY: usize = 1;
+pub const STREAM_PER_THREAD: usize = 2;
+
 /// CUmemLocation: `{CUmemLocationType type; int id;}`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use crate::core::config::GRANULARITY;
 use crate::core::context;
 use crate::core::fault;
 use crate::core::memory::MemError;
-use crate::core::sim::{CopyKind, guard, sim};
+use crate::core::sim::{guard, sim};
 use libc::{c_char, c_int, c_void};
 
 pub const SUCCESS: i32 = 0;
@@ -176,7 +176,9 @@ pub unsafe extern "C" fn aclrt_create_stream(stream: *mut *mut c_void) -> i32 {
 }
 
 pub unsafe extern "C" fn aclrt_synchronize_stream(stream: *mut c_void) -> i32 {
-    call("aclrtSynchronizeStream", || sim().streams.synchronize(stream as usize).unwrap_or(RT_PARAM_INVALID))
+    call("aclrtSynchronizeStream", || {
+        sim().streams.synchronize(crate::ascend::stream_id(stream as usize)).unwrap_or(RT_PARAM_INVALID)
+    })
 }
 
 pub unsafe extern "C" fn aclrt_destroy_stream(stream: *mut c_void) -> i32 {
@@ -262,7 +264,8 @@ fn memcpy(
         if count > dest_max {
             return INVALID_PARAM;
         }
-        let Some(kind) = CopyKind::from_code(kind) else { return INVALID_PARAM };
+        let Some(kind) = crate::ascend::copy_direction(kind) else { return INVALID_PARAM };
+        let stream = crate::ascend::stream_id(stream);
         let copied = sim().copy(dst as usize, src as usize, count, kind, stream, code_of);
         sim().finish_copy(name, copied, dst as usize, count, stream)
     })

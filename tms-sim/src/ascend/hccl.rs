@@ -463,10 +463,10 @@ pub unsafe extern "C" fn batch_send_recv(
                 }
             });
         }
-        if !sim().streams.exists(stream as usize) {
+        if !sim().streams.exists(crate::ascend::stream_id(stream as usize)) {
             return E_PARA;
         }
-        match core.submit(stream as usize, ops, crate::ascend::acl::code_of) {
+        match core.submit(crate::ascend::stream_id(stream as usize), ops, crate::ascend::acl::code_of) {
             Ok(()) => SUCCESS,
             Err(e) => fail(e),
         }
@@ -552,11 +552,11 @@ fn enqueue(comm: *mut c_void, stream: *mut c_void, op: Result<Op, i32>) -> i32 {
         Ok(op) => op,
         Err(code) => return code,
     };
-    if !sim().streams.exists(stream as usize) {
+    if !sim().streams.exists(crate::ascend::stream_id(stream as usize)) {
         warn(&format!("{stream:p} is not an ACL stream"));
         return E_PARA;
     }
-    match core.submit(stream as usize, vec![op], crate::ascend::acl::code_of) {
+    match core.submit(crate::ascend::stream_id(stream as usize), vec![op], crate::ascend::acl::code_of) {
         Ok(()) => SUCCESS,
         Err(e) => fail(e),
     }

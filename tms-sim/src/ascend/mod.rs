@@ -11,8 +11,38 @@ pub mod acl_ipc;
 pub mod hccl;
 
 use crate::core::config::MAX_DEVICES;
+use crate::core::sim::CopyDirection;
+use crate::core::streams::{DefaultStream, StreamId};
 use std::cell::Cell;
 use std::sync::atomic::AtomicBool;
+use tms_vendor::acl as v;
+
+/// What an Ascend process's device context takes: about 200 MB seen on a 910B2 after
+/// aclrtSetDevice (hw-native-sys/simpler#2422; no vendor figure).
+pub const CONTEXT_BYTES: u64 = 200 << 20;
+
+/// The core's stream for an `aclrtStream`: null is the device's default stream. 1 and 2 name no
+/// ACL stream; the simulator has always taken them as default streams too (they are CUDA's
+/// reserved handles), and a program passing one keeps that behaviour.
+pub fn stream_id(handle: usize) -> StreamId {
+    match handle {
+        0 | 1 => StreamId::Default(DefaultStream::Legacy),
+        2 => StreamId::Default(DefaultStream::PerThread),
+        h => StreamId::Created(h),
+    }
+}
+
+/// An `aclrtMemcpyKind`; None for a value CANN refuses.
+pub fn copy_direction(kind: i32) -> Option<CopyDirection> {
+    Some(match kind {
+        v::MEMCPY_HOST_TO_HOST => CopyDirection::HostToHost,
+        v::MEMCPY_HOST_TO_DEVICE => CopyDirection::HostToDevice,
+        v::MEMCPY_DEVICE_TO_HOST => CopyDirection::DeviceToHost,
+        v::MEMCPY_DEVICE_TO_DEVICE => CopyDirection::DeviceToDevice,
+        v::MEMCPY_DEFAULT => CopyDirection::Inferred,
+        _ => return None,
+    })
+}
 
 thread_local! {
     /// ACL device/context of this thread: 0 for none, else device + 1.
@@ -27,5 +57,5 @@ static ACL_ACTIVE: [AtomicBool; MAX_DEVICES] = [const { AtomicBool::new(false) }
 
 /// Creates the process's Ascend context on `dev` if needed; false: the device is full.
 pub fn open_acl_context(dev: usize) -> bool {
-    crate::core::context::open(&ACL_ACTIVE, dev, crate::core::config::ACL_CONTEXT_BYTES)
+    crate::core::context::open(&ACL_ACTIVE, dev, CONTEXT_BYTES)
 }

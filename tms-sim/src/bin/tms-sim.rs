@@ -191,8 +191,8 @@ fn print_environment(a: &EnvArgs) -> Result<(), String> {
             "set": serde_json::Value::Object(object(&set)),
             "prepend": serde_json::Value::Object(object(&prepend)),
             "context_bytes": {
-                "cuda": context.unwrap_or(config::CUDA_CONTEXT_BYTES),
-                "acl": context.unwrap_or(config::ACL_CONTEXT_BYTES),
+                "cuda": context.unwrap_or(tms_sim::cuda::CONTEXT_BYTES),
+                "acl": context.unwrap_or(tms_sim::ascend::CONTEXT_BYTES),
             },
         });
         println!("{doc}");

@@ -8,22 +8,11 @@ pub const MAX_DEVICES: usize = 16;
 /// pages report.
 pub const GRANULARITY: usize = 2 << 20;
 
-/// The CUDA version the simulated stack presents (runtime, driver and NVML alike): 13.2, the
-/// runtime PyTorch's current wheels are built for.
-pub const CUDA_VERSION: i32 = 13020;
-
 pub const DEFAULT_DEVICES: u32 = 1;
 pub const DEFAULT_MEMORY: u64 = 16 << 30;
 /// An H100's pinned host<->device copy rate (cuda.md: copy engines reach about 50-57 GB/s), so
 /// copies take time by default and a missing synchronize shows.
 pub const DEFAULT_COPY_GBPS: f64 = 50.0;
-/// Device memory a process's CUDA context takes on its device: 300 MiB, as PyTorch maintainers
-/// report for a context with lazy module loading, the default since CUDA 12.2 (300-400 MB,
-/// pytorch/pytorch#107667; 274 MiB measured in pytorch/pytorch#86509).
-pub const CUDA_CONTEXT_BYTES: u64 = 300 << 20;
-/// What an Ascend process's device context takes: about 200 MB seen on a 910B2 after
-/// aclrtSetDevice (hw-native-sys/simpler#2422; no vendor figure).
-pub const ACL_CONTEXT_BYTES: u64 = 200 << 20;
 /// Plain allocations from this size up take whole granules; smaller ones share granules, as the
 /// driver sub-allocates them (since Pascal: 2 MiB pages, allocations over 1 MB page-aligned).
 pub const SMALL_ALLOCATION_LIMIT: usize = 1 << 20;
@@ -115,7 +104,7 @@ impl Config {
 }
 
 /// `TMS_SIM_CONTEXT_MEMORY`: what a context takes on its device; None: the API's default
-/// (`CUDA_CONTEXT_BYTES`, `ACL_CONTEXT_BYTES`).
+/// (each front end's `CONTEXT_BYTES`).
 pub fn context_bytes_from_env() -> Option<u64> {
     let v = env_str("TMS_SIM_CONTEXT_MEMORY")?;
     let bytes = parse_size(&v);

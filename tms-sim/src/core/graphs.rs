@@ -9,8 +9,9 @@
 //! waits on an event recorded during a capture joins that capture, as on a GPU.
 
 use crate::core::memory::MemError;
-use crate::core::sim::{CopyKind, sim};
+use crate::core::sim::{CopyDirection, sim};
 use crate::core::streams::Event;
+use crate::core::streams::StreamId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -22,7 +23,7 @@ pub type StreamCallback = unsafe extern "C" fn(*mut libc::c_void, libc::c_int, *
 
 #[derive(Clone)]
 pub enum Node {
-    Copy { dst: usize, src: usize, n: usize, kind: CopyKind },
+    Copy { dst: usize, src: usize, n: usize, kind: CopyDirection },
     Memset { dst: usize, value: u8, n: usize },
     Host { f: usize, data: usize },
     Callback { f: usize, stream: usize, data: usize },
@@ -101,7 +102,7 @@ pub struct Graphs {
     active: AtomicUsize,
     next_id: AtomicU64,
     /// Capturing stream -> capture id.
-    streams: Mutex<HashMap<usize, u64>>,
+    streams: Mutex<HashMap<StreamId, u64>>,
     /// Capture id -> nodes recorded so far.
     building: Mutex<HashMap<u64, Vec<Node>>>,
 }
@@ -127,7 +128,7 @@ pub enum LaunchError {
 }
 
 impl Graphs {
-    fn streams(&self) -> MutexGuard<'_, HashMap<usize, u64>> {
+    fn streams(&self) -> MutexGuard<'_, HashMap<StreamId, u64>> {
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -136,7 +137,7 @@ impl Graphs {
     }
 
     /// The capture `stream` records into, if any.
-    pub fn capture_of(&self, stream: usize) -> Option<u64> {
+    pub fn capture_of(&self, stream: StreamId) -> Option<u64> {
         if self.active.load(Ordering::Acquire) == 0 {
             return None;
         }
@@ -144,8 +145,8 @@ impl Graphs {
     }
 
     /// Starts capturing on `stream` (not the default stream, which cannot capture).
-    pub fn begin(&self, stream: usize) -> Result<u64, CaptureError> {
-        if crate::core::streams::is_null(stream) {
+    pub fn begin(&self, stream: StreamId) -> Result<u64, CaptureError> {
+        if stream.is_default() {
             return Err(CaptureError::DefaultStream);
         }
         let mut streams = self.streams();
@@ -160,14 +161,14 @@ impl Graphs {
     }
 
     /// Makes `stream` record into capture `id` too (it waited on an event of that capture).
-    pub fn join(&self, stream: usize, id: u64) {
-        if !crate::core::streams::is_null(stream) && self.building().contains_key(&id) {
+    pub fn join(&self, stream: StreamId, id: u64) {
+        if !stream.is_default() && self.building().contains_key(&id) {
             self.streams().insert(stream, id);
         }
     }
 
     /// Records `node` if `stream` is capturing; false if it is not (run the work now).
-    pub fn record(&self, stream: usize, node: impl FnOnce() -> Node) -> bool {
+    pub fn record(&self, stream: StreamId, node: impl FnOnce() -> Node) -> bool {
         let Some(id) = self.capture_of(stream) else { return false };
         match self.building().get_mut(&id) {
             Some(nodes) => {
@@ -179,7 +180,7 @@ impl Graphs {
     }
 
     /// Ends the capture `stream` started; every stream that joined it stops capturing.
-    pub fn end(&self, stream: usize) -> Result<Graph, CaptureError> {
+    pub fn end(&self, stream: StreamId) -> Result<Graph, CaptureError> {
         let mut streams = self.streams();
         let id = streams.get(&stream).copied().ok_or(CaptureError::NotCapturing)?;
         streams.retain(|_, c| *c != id);
@@ -192,7 +193,7 @@ impl Graphs {
 
 /// Runs an instantiated graph's nodes in order in the calling thread, after the stream's
 /// earlier work. Stops at the first failure.
-pub fn launch(exec: &Exec, stream: usize) -> Result<(), LaunchError> {
+pub fn launch(exec: &Exec, stream: StreamId) -> Result<(), LaunchError> {
     let s = sim();
     if let Ok(code) = s.streams.synchronize(stream)
         && code != 0

@@ -7,7 +7,7 @@ use crate::core::config::{Config, warn};
 use crate::core::fault;
 use crate::core::memory::{Freed, MemError, MemResult, Memory, page_size, round_up};
 use crate::core::node::Node;
-use crate::core::streams::Streams;
+use crate::core::streams::{StreamId, Streams};
 use crate::core::timing::{self, TO_DEVICE, TO_HOST};
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -129,26 +129,15 @@ pub fn guard(on_panic: i32, body: impl FnOnce() -> i32) -> i32 {
     catch_unwind(AssertUnwindSafe(body)).unwrap_or(on_panic)
 }
 
+/// Which sides of a copy the caller says are device memory; `Inferred` lets the pointers tell
+/// (unified addressing). A copy whose pointers contradict its direction is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CopyKind {
+pub enum CopyDirection {
     HostToHost,
     HostToDevice,
     DeviceToHost,
     DeviceToDevice,
-    Default,
-}
-
-impl CopyKind {
-    pub fn from_code(k: i32) -> Option<CopyKind> {
-        Some(match k {
-            0 => CopyKind::HostToHost,
-            1 => CopyKind::HostToDevice,
-            2 => CopyKind::DeviceToHost,
-            3 => CopyKind::DeviceToDevice,
-            4 => CopyKind::Default,
-            _ => return None,
-        })
-    }
+    Inferred,
 }
 
 impl Sim {
@@ -300,18 +289,18 @@ impl Sim {
     }
 
     /// Validates a copy and returns where its bytes are and the bus it travels on.
-    fn plan_copy(&self, mem: &Memory, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<CopyPlan> {
+    fn plan_copy(&self, mem: &Memory, dst: usize, src: usize, n: usize, kind: CopyDirection) -> MemResult<CopyPlan> {
         if dst == 0 || src == 0 {
             return Err(MemError::Invalid);
         }
         let d = mem.device_range(dst, n, true)?;
         let s = mem.device_range(src, n, false)?;
         let ok = match kind {
-            CopyKind::HostToHost => d.is_none() && s.is_none(),
-            CopyKind::HostToDevice => d.is_some() && s.is_none(),
-            CopyKind::DeviceToHost => d.is_none() && s.is_some(),
-            CopyKind::DeviceToDevice => d.is_some() && s.is_some(),
-            CopyKind::Default => true,
+            CopyDirection::HostToHost => d.is_none() && s.is_none(),
+            CopyDirection::HostToDevice => d.is_some() && s.is_none(),
+            CopyDirection::DeviceToHost => d.is_none() && s.is_some(),
+            CopyDirection::DeviceToDevice => d.is_some() && s.is_some(),
+            CopyDirection::Inferred => true,
         };
         if !ok {
             return Err(MemError::Invalid);
@@ -329,7 +318,7 @@ impl Sim {
         })
     }
 
-    pub fn copy_now(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
+    pub fn copy_now(&self, dst: usize, src: usize, n: usize, kind: CopyDirection) -> MemResult<()> {
         self.copy_unchecked(dst, src, n, kind).inspect_err(|e| self.on_fault(*e, &[dst, src]))
     }
 
@@ -347,7 +336,7 @@ impl Sim {
         }
     }
 
-    fn copy_unchecked(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> MemResult<()> {
+    fn copy_unchecked(&self, dst: usize, src: usize, n: usize, kind: CopyDirection) -> MemResult<()> {
         if n == 0 {
             return Ok(());
         }
@@ -375,7 +364,7 @@ impl Sim {
         }
     }
 
-    /// A copy run in the caller (stream 0: the synchronous APIs, and asynchronous ones that
+    /// A copy run in the caller (the default stream: the synchronous APIs, and asynchronous ones that
     /// `copy_async` does not queue), or queued on a created stream. Errors found before queuing
     /// are returned at once; errors while running are reported by the stream's next synchronize.
     pub fn copy(
@@ -383,11 +372,11 @@ impl Sim {
         dst: usize,
         src: usize,
         n: usize,
-        kind: CopyKind,
-        stream: usize,
+        kind: CopyDirection,
+        stream: StreamId,
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
-        if crate::core::streams::is_null(stream) {
+        if stream.is_default() {
             self.streams.settle_for(stream);
             return self.copy_now(dst, src, n, kind).map_err(async_code);
         }
@@ -414,7 +403,14 @@ impl Sim {
     /// What a copy function `name` returns for the copy it queued or made (`copied`): the API's
     /// code, and when a `corrupt` fault rule hits this call, one byte of its destination flipped
     /// once the bytes have landed (after the copy on its stream), as a bad restore would leave it.
-    pub fn finish_copy(&'static self, name: &str, copied: Result<(), i32>, dst: usize, n: usize, stream: usize) -> i32 {
+    pub fn finish_copy(
+        &'static self,
+        name: &str,
+        copied: Result<(), i32>,
+        dst: usize,
+        n: usize,
+        stream: StreamId,
+    ) -> i32 {
         if let Err(code) = copied {
             return code;
         }
@@ -424,13 +420,13 @@ impl Sim {
         let at = dst + n / 2;
         let flip = move || {
             let mut byte = [0u8; 1];
-            if self.copy_now(byte.as_mut_ptr() as usize, at, 1, CopyKind::Default).is_ok() {
+            if self.copy_now(byte.as_mut_ptr() as usize, at, 1, CopyDirection::Inferred).is_ok() {
                 byte[0] ^= 0x5a;
-                let _ = self.copy_now(at, byte.as_ptr() as usize, 1, CopyKind::Default);
+                let _ = self.copy_now(at, byte.as_ptr() as usize, 1, CopyDirection::Inferred);
             }
             0
         };
-        if crate::core::streams::is_null(stream) {
+        if stream.is_default() {
             // The copy itself may be queued on the legacy stream: flip after it has landed.
             self.streams.settle_for(stream);
             flip();
@@ -446,7 +442,7 @@ impl Sim {
         dst: usize,
         src: usize,
         n: usize,
-        kind: CopyKind,
+        kind: CopyDirection,
         async_code: fn(MemError) -> i32,
     ) -> crate::core::streams::Job {
         Box::new(move || match self.copy_now(dst, src, n, kind) {
@@ -468,12 +464,12 @@ impl Sim {
         dst: usize,
         src: usize,
         n: usize,
-        kind: CopyKind,
-        stream: usize,
+        kind: CopyDirection,
+        stream: StreamId,
         device: usize,
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {
-        if !crate::core::streams::is_null(stream) || !self.queues_on_device(dst, src, n, kind) {
+        if !stream.is_default() || !self.queues_on_device(dst, src, n, kind) {
             return self.copy(dst, src, n, kind, stream, async_code);
         }
         let job = self.copy_job(dst, src, n, kind, async_code);
@@ -483,7 +479,7 @@ impl Sim {
     /// Whether a valid copy touches only device and page-locked host memory, with at least one
     /// side on a device (what a copy engine runs without the host). An invalid one is not: the
     /// synchronous path reports its error at once, as before.
-    fn queues_on_device(&self, dst: usize, src: usize, n: usize, kind: CopyKind) -> bool {
+    fn queues_on_device(&self, dst: usize, src: usize, n: usize, kind: CopyDirection) -> bool {
         if n == 0 {
             return false;
         }
@@ -513,7 +509,7 @@ impl Sim {
         dst: usize,
         value: u8,
         n: usize,
-        stream: usize,
+        stream: StreamId,
         device: usize,
         async_code: fn(MemError) -> i32,
     ) -> Result<(), i32> {

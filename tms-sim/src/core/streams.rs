@@ -11,10 +11,38 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 pub type Job = Box<dyn FnOnce() -> i32 + Send>;
 
-/// The default stream under its three names: 0, `cudaStreamLegacy` (1), `cudaStreamPerThread`
-/// (2). Its queued work runs on a queue per device (see `Streams::legacy`).
-pub fn is_null(handle: usize) -> bool {
-    handle <= 2
+/// The two default streams a program can name. Their queued work runs on one queue per device
+/// (see `Streams::legacy`); they differ in whom they synchronize with: the legacy stream with the
+/// device's blocking streams, the per-thread stream with nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DefaultStream {
+    Legacy,
+    PerThread,
+}
+
+/// A stream as the core knows it. Each front end translates its API's stream handles (and the
+/// values it reserves for default streams) into this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StreamId {
+    Default(DefaultStream),
+    /// A stream made by `Streams::create_with`, by the handle it returned.
+    Created(usize),
+}
+
+impl StreamId {
+    pub const LEGACY: StreamId = StreamId::Default(DefaultStream::Legacy);
+
+    pub fn is_default(self) -> bool {
+        matches!(self, StreamId::Default(_))
+    }
+}
+
+/// Whether a created stream synchronizes with the legacy default stream (CUDA Driver API,
+/// "Stream synchronization behavior").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    Blocking,
+    NonBlocking,
 }
 
 struct Progress {
@@ -24,13 +52,10 @@ struct Progress {
     error: i32,
 }
 
-/// cudaStreamNonBlocking / CU_STREAM_NON_BLOCKING.
-const NON_BLOCKING: u32 = 0x1;
-
 struct Stream {
     device: usize,
     priority: i32,
-    flags: u32,
+    kind: StreamKind,
     /// Started on the first job.
     tx: Mutex<Option<Sender<Job>>>,
     progress: Arc<(Mutex<Progress>, Condvar)>,
@@ -137,41 +162,53 @@ impl Streams {
         self.live().get(&handle).cloned().ok_or(UnknownStream)
     }
 
-    /// Creates a stream; returns its opaque handle (never one of the default stream's names).
-    pub fn create(&self, device: usize) -> Option<usize> {
-        self.create_with(device, 0, 0)
+    /// The created stream `id` names; None for a default stream.
+    fn created(&self, id: StreamId) -> Option<Result<Arc<Stream>, UnknownStream>> {
+        match id {
+            StreamId::Default(_) => None,
+            StreamId::Created(handle) => Some(self.get(handle)),
+        }
     }
 
-    pub fn create_with(&self, device: usize, flags: u32, priority: i32) -> Option<usize> {
+    /// Creates a stream; returns its opaque handle (never one of the default stream's names).
+    pub fn create(&self, device: usize) -> Option<usize> {
+        self.create_with(device, StreamKind::Blocking, 0)
+    }
+
+    pub fn create_with(&self, device: usize, kind: StreamKind, priority: i32) -> Option<usize> {
         let progress = Arc::new((Mutex::new(Progress { submitted: 0, done: 0, error: 0 }), Condvar::new()));
-        let stream = Arc::new(Stream { device, priority, flags, tx: Mutex::new(None), progress });
+        let stream = Arc::new(Stream { device, priority, kind, tx: Mutex::new(None), progress });
         let handle = Arc::as_ptr(&stream) as usize;
         self.live().insert(handle, stream);
         Some(handle)
     }
 
-    pub fn exists(&self, handle: usize) -> bool {
-        is_null(handle) || self.live().contains_key(&handle)
+    pub fn exists(&self, id: StreamId) -> bool {
+        match id {
+            StreamId::Default(_) => true,
+            StreamId::Created(handle) => self.live().contains_key(&handle),
+        }
     }
 
-    pub fn device_of(&self, handle: usize) -> Option<usize> {
+    pub fn device_of(&self, id: StreamId) -> Option<usize> {
+        let StreamId::Created(handle) = id else { return None };
         self.live().get(&handle).map(|s| s.device)
     }
 
-    /// (flags, priority) of a created stream.
-    pub fn properties(&self, handle: usize) -> Result<(u32, i32), UnknownStream> {
+    /// (kind, priority) of a created stream.
+    pub fn properties(&self, handle: usize) -> Result<(StreamKind, i32), UnknownStream> {
         let s = self.get(handle)?;
-        Ok((s.flags, s.priority))
+        Ok((s.kind, s.priority))
     }
 
     /// Queues `job` on `handle`, or runs it now on the default stream. Returns the job's code
     /// when it ran now, else 0.
-    pub fn submit(&self, handle: usize, job: Job) -> Result<i32, UnknownStream> {
-        if is_null(handle) {
-            self.settle_for(handle);
+    pub fn submit(&self, id: StreamId, job: Job) -> Result<i32, UnknownStream> {
+        let Some(stream) = self.created(id) else {
+            self.settle_for(id);
             return Ok(job());
-        }
-        let stream = self.get(handle)?;
+        };
+        let stream = stream?;
         let job = self.after_legacy(&stream, job);
         enqueue(&stream, job)
     }
@@ -181,7 +218,7 @@ impl Streams {
     /// behavior"). Only work queued earlier is waited for, on both sides, so the two waits never
     /// form a cycle.
     fn after_legacy(&self, stream: &Stream, job: Job) -> Job {
-        if stream.flags & NON_BLOCKING != 0 {
+        if stream.kind == StreamKind::NonBlocking {
             return job;
         }
         let Some(legacy) = self.legacy.lock().unwrap_or_else(|e| e.into_inner()).get(&stream.device).cloned() else {
@@ -203,8 +240,8 @@ impl Streams {
     /// Before work of the default stream runs in the caller (a synchronous copy or memset, a
     /// pageable copy): what the stream follows has run, the blocking streams' queued work and the
     /// default stream's own queue. Their errors stay for their own synchronize.
-    pub fn settle_for(&self, handle: usize) {
-        self.legacy_barrier(handle);
+    pub fn settle_for(&self, id: StreamId) {
+        self.legacy_barrier(id);
         self.settle_default();
     }
 
@@ -212,15 +249,13 @@ impl Streams {
     /// streams of the device whose context is current on the calling thread (`context::current`);
     /// non-blocking streams (NCCL's, PyTorch's side streams, the hook's copy streams) are not
     /// waited for, as CUDA documents.
-    fn legacy_barrier(&self, handle: usize) {
-        // 0 is the legacy stream in programs built with the default (legacy) behaviour, 1 is
-        // CU_STREAM_LEGACY; 2 (per-thread) synchronizes with nothing.
-        if handle > 1 {
+    fn legacy_barrier(&self, id: StreamId) {
+        if id != StreamId::Default(DefaultStream::Legacy) {
             return;
         }
         let Some(device) = crate::core::context::current() else { return };
         let blocking: Vec<Arc<Stream>> =
-            self.live().values().filter(|s| s.device == device && s.flags & NON_BLOCKING == 0).cloned().collect();
+            self.live().values().filter(|s| s.device == device && s.kind == StreamKind::Blocking).cloned().collect();
         for s in blocking {
             wait(&s);
         }
@@ -233,7 +268,7 @@ impl Streams {
             .entry(device)
             .or_insert_with(|| {
                 let progress = Arc::new((Mutex::new(Progress { submitted: 0, done: 0, error: 0 }), Condvar::new()));
-                Arc::new(Stream { device, priority: 0, flags: 0, tx: Mutex::new(None), progress })
+                Arc::new(Stream { device, priority: 0, kind: StreamKind::Blocking, tx: Mutex::new(None), progress })
             })
             .clone()
     }
@@ -265,17 +300,17 @@ impl Streams {
 
     /// Queues `job` without blocking the host, on the default stream too (see `legacy`): there,
     /// on `device`'s queue (the caller's API says which device the thread works on).
-    pub fn submit_async(&self, handle: usize, device: usize, job: Job) -> Result<i32, UnknownStream> {
-        if !is_null(handle) {
-            return self.submit(handle, job);
+    pub fn submit_async(&self, id: StreamId, device: usize, job: Job) -> Result<i32, UnknownStream> {
+        if !id.is_default() {
+            return self.submit(id, job);
         }
         // The legacy stream's rule holds for queued work too: it starts after the work already
         // queued on the blocking streams of the caller's device (what legacy_barrier waits for).
         let before: Vec<(Arc<Stream>, u64)> = match crate::core::context::current() {
-            Some(current) if handle <= 1 => self
+            Some(current) if id == StreamId::Default(DefaultStream::Legacy) => self
                 .live()
                 .values()
-                .filter(|s| s.device == current && s.flags & NON_BLOCKING == 0)
+                .filter(|s| s.device == current && s.kind == StreamKind::Blocking)
                 .map(|s| (s.clone(), s.progress.0.lock().unwrap_or_else(|e| e.into_inner()).submitted))
                 .collect(),
             _ => Vec::new(),
@@ -294,22 +329,22 @@ impl Streams {
     }
 
     /// Waits for everything queued on `handle`; returns the first error of those jobs.
-    pub fn synchronize(&self, handle: usize) -> Result<i32, UnknownStream> {
-        if is_null(handle) {
-            return Ok(self.drain_legacy());
+    pub fn synchronize(&self, id: StreamId) -> Result<i32, UnknownStream> {
+        match self.created(id) {
+            None => Ok(self.drain_legacy()),
+            Some(stream) => Ok(wait(&*stream?)),
         }
-        Ok(wait(&*self.get(handle)?))
     }
 
     /// Whether everything queued on `handle` has run.
-    pub fn is_idle(&self, handle: usize) -> Result<bool, UnknownStream> {
-        if is_null(handle) {
+    pub fn is_idle(&self, id: StreamId) -> Result<bool, UnknownStream> {
+        let Some(s) = self.created(id) else {
             return Ok(self.legacy_queues().iter().all(|s| {
                 let p = s.progress.0.lock().unwrap_or_else(|e| e.into_inner());
                 p.done >= p.submitted
             }));
-        }
-        let s = self.get(handle)?;
+        };
+        let s = s?;
         let p = s.progress.0.lock().unwrap_or_else(|e| e.into_inner());
         Ok(p.done >= p.submitted)
     }
@@ -375,7 +410,7 @@ impl Streams {
 
     /// Records `event` on `stream`: it completes once the work queued there before now has run.
     /// `device`: whose default stream `stream` names when it is the default stream.
-    pub fn event_record(&self, event: &Arc<Event>, stream: usize, device: usize) -> Result<(), UnknownStream> {
+    pub fn event_record(&self, event: &Arc<Event>, stream: StreamId, device: usize) -> Result<(), UnknownStream> {
         let generation = {
             let mut st = event.lock();
             st.recorded += 1;
@@ -399,7 +434,7 @@ impl Streams {
 
     /// Makes `stream` wait for the event's latest record (a no-op if it was never recorded);
     /// `device` as for `event_record`.
-    pub fn wait_event(&self, stream: usize, event: &Arc<Event>, device: usize) -> Result<(), UnknownStream> {
+    pub fn wait_event(&self, stream: StreamId, event: &Arc<Event>, device: usize) -> Result<(), UnknownStream> {
         let generation = event.lock().recorded;
         if event.lock().completed >= generation {
             return if self.exists(stream) { Ok(()) } else { Err(UnknownStream) };

@@ -4,7 +4,8 @@ use crate::core::config::GRANULARITY;
 use crate::core::context;
 use crate::core::fault;
 use crate::core::memory::MemError;
-use crate::core::sim::{CopyKind, PointerKind, guard, sim};
+use crate::core::sim::{CopyDirection, PointerKind, guard, sim};
+use crate::core::streams::StreamId;
 use crate::cuda::{CUDA_CTX_TOKENS, DRIVER_INIT};
 use libc::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::Ordering;
@@ -81,7 +82,7 @@ pub unsafe extern "C" fn cu_init(flags: c_uint) -> i32 {
 }
 
 pub unsafe extern "C" fn cu_driver_get_version(v: *mut c_int) -> i32 {
-    put(v, crate::core::config::CUDA_VERSION)
+    put(v, crate::cuda::CUDA_VERSION)
 }
 
 pub unsafe extern "C" fn cu_device_get(dev: *mut c_int, ordinal: c_int) -> i32 {
@@ -279,25 +280,33 @@ pub unsafe extern "C" fn cu_mem_free(ptr: c_ulonglong) -> i32 {
 }
 
 /// A synchronous copy (`stream` None) or an asynchronous one on `stream`.
-fn copy(name: &str, dst: usize, src: usize, n: usize, kind: CopyKind, stream: Option<usize>) -> i32 {
+fn copy(name: &str, dst: usize, src: usize, n: usize, kind: CopyDirection, stream: Option<usize>) -> i32 {
     call(name, || match current() {
         Ok(_) => {
             let copied = match stream {
-                Some(s) => sim().copy_async(dst, src, n, kind, s, crate::cuda::current_device(), code_of),
-                None => sim().copy(dst, src, n, kind, 0, code_of),
+                Some(s) => sim().copy_async(
+                    dst,
+                    src,
+                    n,
+                    kind,
+                    crate::cuda::stream_id(s),
+                    crate::cuda::current_device(),
+                    code_of,
+                ),
+                None => sim().copy(dst, src, n, kind, StreamId::LEGACY, code_of),
             };
-            sim().finish_copy(name, copied, dst, n, stream.unwrap_or(0))
+            sim().finish_copy(name, copied, dst, n, stream.map_or(StreamId::LEGACY, crate::cuda::stream_id))
         }
         Err(e) => e,
     })
 }
 
 pub unsafe extern "C" fn cu_memcpy_dtoh(dst: *mut c_void, src: c_ulonglong, n: usize) -> i32 {
-    copy("cuMemcpyDtoH_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, None)
+    copy("cuMemcpyDtoH_v2", dst as usize, src as usize, n, CopyDirection::DeviceToHost, None)
 }
 
 pub unsafe extern "C" fn cu_memcpy_htod(dst: c_ulonglong, src: *const c_void, n: usize) -> i32 {
-    copy("cuMemcpyHtoD_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, None)
+    copy("cuMemcpyHtoD_v2", dst as usize, src as usize, n, CopyDirection::HostToDevice, None)
 }
 
 pub unsafe extern "C" fn cu_memcpy_dtoh_async(
@@ -306,7 +315,7 @@ pub unsafe extern "C" fn cu_memcpy_dtoh_async(
     n: usize,
     stream: *mut c_void,
 ) -> i32 {
-    copy("cuMemcpyDtoHAsync_v2", dst as usize, src as usize, n, CopyKind::DeviceToHost, Some(stream as usize))
+    copy("cuMemcpyDtoHAsync_v2", dst as usize, src as usize, n, CopyDirection::DeviceToHost, Some(stream as usize))
 }
 
 pub unsafe extern "C" fn cu_memcpy_htod_async(
@@ -315,13 +324,13 @@ pub unsafe extern "C" fn cu_memcpy_htod_async(
     n: usize,
     stream: *mut c_void,
 ) -> i32 {
-    copy("cuMemcpyHtoDAsync_v2", dst as usize, src as usize, n, CopyKind::HostToDevice, Some(stream as usize))
+    copy("cuMemcpyHtoDAsync_v2", dst as usize, src as usize, n, CopyDirection::HostToDevice, Some(stream as usize))
 }
 
 pub unsafe extern "C" fn cu_memset_d8(dst: c_ulonglong, value: u8, n: usize) -> i32 {
     call("cuMemsetD8_v2", || match current() {
         Ok(_) => {
-            sim().streams.settle_for(0);
+            sim().streams.settle_for(StreamId::LEGACY);
             result(sim().memset(dst as usize, value, n))
         }
         Err(e) => e,
@@ -350,7 +359,7 @@ pub unsafe extern "C" fn cu_mem_free_host(ptr: *mut c_void) -> i32 {
 }
 
 /// CU_STREAM_NON_BLOCKING, the one flag besides the default.
-const STREAM_NON_BLOCKING: c_uint = 0x1;
+const STREAM_NON_BLOCKING: c_uint = tms_vendor::cuda::STREAM_NON_BLOCKING;
 
 pub unsafe extern "C" fn cu_stream_create(stream: *mut *mut c_void, flags: c_uint) -> i32 {
     call("cuStreamCreate", || {
@@ -365,7 +374,7 @@ pub unsafe extern "C" fn cu_stream_create(stream: *mut *mut c_void, flags: c_uin
             return OUT_OF_MEMORY;
         }
         // A non-blocking stream neither waits for the legacy stream nor is waited for by it.
-        match sim().streams.create_with(dev, flags, 0) {
+        match sim().streams.create_with(dev, crate::cuda::stream_kind(flags), 0) {
             Some(h) => put(stream, h as *mut c_void),
             None => OUT_OF_MEMORY,
         }
@@ -373,7 +382,9 @@ pub unsafe extern "C" fn cu_stream_create(stream: *mut *mut c_void, flags: c_uin
 }
 
 pub unsafe extern "C" fn cu_stream_synchronize(stream: *mut c_void) -> i32 {
-    call("cuStreamSynchronize", || sim().streams.synchronize(stream as usize).unwrap_or(INVALID_HANDLE))
+    call("cuStreamSynchronize", || {
+        sim().streams.synchronize(crate::cuda::stream_id(stream as usize)).unwrap_or(INVALID_HANDLE)
+    })
 }
 
 /// CU_EVENT_DEFAULT, BLOCKING_SYNC, DISABLE_TIMING, INTERPROCESS.
@@ -399,7 +410,7 @@ pub unsafe extern "C" fn cu_event_record(event: *mut c_void, stream: *mut c_void
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_HANDLE };
         sim()
             .streams
-            .event_record(&ev, stream as usize, crate::cuda::current_device())
+            .event_record(&ev, crate::cuda::stream_id(stream as usize), crate::cuda::current_device())
             .map_or(INVALID_HANDLE, |()| SUCCESS)
     })
 }

@@ -12,8 +12,56 @@ pub mod runtime;
 
 use crate::core::config::MAX_DEVICES;
 use crate::core::memory::MemError;
+use crate::core::sim::CopyDirection;
+use crate::core::streams::{DefaultStream, StreamId, StreamKind};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
+use tms_vendor::cuda as v;
+
+/// The CUDA version the simulated stack presents (runtime, driver and NVML alike): 13.2, the
+/// runtime PyTorch's current wheels are built for.
+pub const CUDA_VERSION: i32 = 13020;
+
+/// Device memory a process's CUDA context takes on its device: 300 MiB, as PyTorch maintainers
+/// report for a context with lazy module loading, the default since CUDA 12.2 (300-400 MB,
+/// pytorch/pytorch#107667; 274 MiB measured in pytorch/pytorch#86509).
+pub const CONTEXT_BYTES: u64 = 300 << 20;
+
+/// The core's stream for a CUDA stream handle. 0 is the legacy default stream in programs built
+/// with the default (legacy) behaviour, as is `cudaStreamLegacy`/`CU_STREAM_LEGACY`;
+/// `cudaStreamPerThread`/`CU_STREAM_PER_THREAD` is the per-thread one.
+pub fn stream_id(handle: usize) -> StreamId {
+    match handle {
+        0 | v::STREAM_LEGACY => StreamId::Default(DefaultStream::Legacy),
+        v::STREAM_PER_THREAD => StreamId::Default(DefaultStream::PerThread),
+        h => StreamId::Created(h),
+    }
+}
+
+/// `cudaStreamNonBlocking`/`CU_STREAM_NON_BLOCKING` in a stream's flags.
+pub fn stream_kind(flags: u32) -> StreamKind {
+    if flags & v::STREAM_NON_BLOCKING != 0 { StreamKind::NonBlocking } else { StreamKind::Blocking }
+}
+
+/// The flags `cudaStreamGetFlags` reports for a stream of `kind`.
+pub fn stream_flags(kind: StreamKind) -> u32 {
+    match kind {
+        StreamKind::Blocking => v::STREAM_DEFAULT,
+        StreamKind::NonBlocking => v::STREAM_NON_BLOCKING,
+    }
+}
+
+/// A `cudaMemcpyKind`; None for a value the runtime refuses.
+pub fn copy_direction(kind: i32) -> Option<CopyDirection> {
+    Some(match kind {
+        v::MEMCPY_HOST_TO_HOST => CopyDirection::HostToHost,
+        v::MEMCPY_HOST_TO_DEVICE => CopyDirection::HostToDevice,
+        v::MEMCPY_DEVICE_TO_HOST => CopyDirection::DeviceToHost,
+        v::MEMCPY_DEVICE_TO_DEVICE => CopyDirection::DeviceToDevice,
+        v::MEMCPY_DEFAULT => CopyDirection::Inferred,
+        _ => return None,
+    })
+}
 
 /// Set by cuInit and by any runtime call (the runtime initializes the driver implicitly).
 pub static DRIVER_INIT: AtomicBool = AtomicBool::new(false);
@@ -33,7 +81,7 @@ static PRIMARY_ACTIVE: [AtomicBool; MAX_DEVICES] = [const { AtomicBool::new(fals
 
 /// Creates the process's primary CUDA context on `dev` if needed; false: the device is full.
 pub fn open_cuda_context(dev: usize) -> bool {
-    crate::core::context::open(&PRIMARY_ACTIVE, dev, crate::core::config::CUDA_CONTEXT_BYTES)
+    crate::core::context::open(&PRIMARY_ACTIVE, dev, CONTEXT_BYTES)
 }
 
 /// Device memory the driver takes for a process's first created streams on a device: 2 MiB on

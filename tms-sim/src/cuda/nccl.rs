@@ -274,7 +274,7 @@ fn blocking_of(config: *const NcclConfigHead) -> Result<bool, c_int> {
 
 thread_local! {
     static GROUP_DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    static GROUP_OPS: RefCell<Vec<(Arc<NcclComm>, usize, Op)>> = const { RefCell::new(Vec::new()) };
+    static GROUP_OPS: RefCell<Vec<(Arc<NcclComm>, crate::core::streams::StreamId, Op)>> = const { RefCell::new(Vec::new()) };
     static GROUP_INITS: RefCell<Vec<(Arc<NcclComm>, UniqueId)>> = const { RefCell::new(Vec::new()) };
     static GROUP_ERROR: std::cell::Cell<c_int> = const { std::cell::Cell::new(SUCCESS) };
 }
@@ -583,9 +583,10 @@ fn enqueue(comm: *mut c_void, stream: *mut c_void, op: Result<Op, String>) -> c_
             return INVALID_ARGUMENT;
         }
     };
-    let stream = stream as usize;
+    let handle = stream as usize;
+    let stream = crate::cuda::stream_id(handle);
     if !sim().streams.exists(stream) {
-        set_last_error(format!("{stream:#x} is not a CUDA stream"));
+        set_last_error(format!("{handle:#x} is not a CUDA stream"));
         return INVALID_ARGUMENT;
     }
     if in_group() {
@@ -819,7 +820,7 @@ pub unsafe extern "C" fn group_end() -> c_int {
                 return IN_PROGRESS;
             }
         }
-        let mut batches: Vec<(Arc<NcclComm>, usize, Vec<Op>)> = Vec::new();
+        let mut batches: Vec<(Arc<NcclComm>, crate::core::streams::StreamId, Vec<Op>)> = Vec::new();
         for (comm, stream, op) in ops {
             match batches.iter_mut().find(|(c, s, _)| Arc::ptr_eq(c, &comm) && *s == stream) {
                 Some(b) => b.2.push(op),

@@ -4,8 +4,8 @@
 //! node, as `nvidia-smi` shows a whole GPU. Signatures and struct layouts follow nvml.h of CUDA
 //! 13.2 (NVML_API_VERSION 13).
 
-use crate::core::config::CUDA_VERSION as RUNTIME_VERSION;
 use crate::core::sim::{guard, sim};
+use crate::cuda::CUDA_VERSION as RUNTIME_VERSION;
 use libc::{c_char, c_int, c_uint, c_void};
 
 pub const SUCCESS: i32 = 0;

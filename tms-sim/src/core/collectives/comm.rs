@@ -394,7 +394,7 @@ impl Comm {
     /// queued then.
     pub fn submit(
         self: &Arc<Self>,
-        stream: usize,
+        stream: crate::core::streams::StreamId,
         ops: Vec<Op>,
         fault_code: fn(MemError) -> i32,
     ) -> Result<(), CollError> {

@@ -46,10 +46,10 @@ pub unsafe extern "C" fn cuda_stream_begin_capture(stream: *mut c_void, mode: c_
         if !(0..=CAPTURE_MODES).contains(&mode) {
             return INVALID_VALUE;
         }
-        if !sim().streams.exists(stream as usize) {
+        if !sim().streams.exists(crate::cuda::stream_id(stream as usize)) {
             return INVALID_RESOURCE_HANDLE;
         }
-        sim().graphs.begin(stream as usize).map_or_else(capture_code, |_| SUCCESS)
+        sim().graphs.begin(crate::cuda::stream_id(stream as usize)).map_or_else(capture_code, |_| SUCCESS)
     })
 }
 
@@ -59,7 +59,7 @@ pub unsafe extern "C" fn cuda_stream_end_capture(stream: *mut c_void, graph: *mu
         if graph.is_null() {
             return INVALID_VALUE;
         }
-        match sim().graphs.end(stream as usize) {
+        match sim().graphs.end(crate::cuda::stream_id(stream as usize)) {
             Ok(g) => put(graph, GRAPHS.insert(g) as *mut c_void),
             Err(e) => capture_code(e),
         }
@@ -109,10 +109,10 @@ pub unsafe extern "C" fn cuda_graph_launch(exec: *mut c_void, stream: *mut c_voi
     call("cudaGraphLaunch", || {
         enter!();
         let Some(e) = EXECS.get(exec as usize) else { return INVALID_RESOURCE_HANDLE };
-        if !sim().streams.exists(stream as usize) {
+        if !sim().streams.exists(crate::cuda::stream_id(stream as usize)) {
             return INVALID_RESOURCE_HANDLE;
         }
-        match crate::core::graphs::launch(&e, stream as usize) {
+        match crate::core::graphs::launch(&e, crate::cuda::stream_id(stream as usize)) {
             Ok(()) => SUCCESS,
             Err(LaunchError::Earlier(code)) => code,
             Err(LaunchError::Memory(m)) => code_of(m),

@@ -5,7 +5,9 @@ use super::{
     HOST_MEMORY_ALREADY_REGISTERED, HOST_MEMORY_NOT_REGISTERED, INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call,
     code_of, put, result,
 };
-use crate::core::sim::{CopyKind, PointerKind, sim};
+use crate::core::sim::{PointerKind, sim};
+use crate::core::streams::StreamId;
+use crate::cuda::{copy_direction, stream_id};
 use libc::{c_int, c_uint, c_void};
 
 pub unsafe extern "C" fn cuda_malloc(ptr: *mut *mut c_void, size: usize) -> i32 {
@@ -86,9 +88,9 @@ pub unsafe extern "C" fn cuda_free_host(ptr: *mut c_void) -> i32 {
 pub unsafe extern "C" fn cuda_memcpy(dst: *mut c_void, src: *const c_void, count: usize, kind: c_int) -> i32 {
     call("cudaMemcpy", || {
         enter!();
-        let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
-        let copied = sim().copy(dst as usize, src as usize, count, kind, 0, code_of);
-        sim().finish_copy("cudaMemcpy", copied, dst as usize, count, 0)
+        let Some(kind) = copy_direction(kind) else { return INVALID_VALUE };
+        let copied = sim().copy(dst as usize, src as usize, count, kind, StreamId::LEGACY, code_of);
+        sim().finish_copy("cudaMemcpy", copied, dst as usize, count, StreamId::LEGACY)
     })
 }
 
@@ -101,17 +103,17 @@ pub unsafe extern "C" fn cuda_memcpy_async(
 ) -> i32 {
     call("cudaMemcpyAsync", || {
         enter!();
-        let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
+        let Some(kind) = copy_direction(kind) else { return INVALID_VALUE };
         let copied = sim().copy_async(
             dst as usize,
             src as usize,
             count,
             kind,
-            stream as usize,
+            stream_id(stream as usize),
             crate::cuda::current_device(),
             code_of,
         );
-        sim().finish_copy("cudaMemcpyAsync", copied, dst as usize, count, stream as usize)
+        sim().finish_copy("cudaMemcpyAsync", copied, dst as usize, count, stream_id(stream as usize))
     })
 }
 
@@ -121,7 +123,7 @@ pub unsafe extern "C" fn cuda_memcpy_async(
 pub unsafe extern "C" fn cuda_memset(dst: *mut c_void, value: c_int, count: usize) -> i32 {
     call("cudaMemset", || {
         enter!();
-        sim().streams.settle_for(0);
+        sim().streams.settle_for(StreamId::LEGACY);
         result(sim().memset(dst as usize, value as u8, count))
     })
 }
@@ -129,8 +131,8 @@ pub unsafe extern "C" fn cuda_memset(dst: *mut c_void, value: c_int, count: usiz
 pub unsafe extern "C" fn cuda_memset_async(dst: *mut c_void, value: c_int, count: usize, stream: *mut c_void) -> i32 {
     call("cudaMemsetAsync", || {
         enter!();
-        let (dst, value, stream) = (dst as usize, value as u8, stream as usize);
-        if crate::core::streams::is_null(stream) {
+        let (dst, value, stream) = (dst as usize, value as u8, stream_id(stream as usize));
+        if stream.is_default() {
             return sim()
                 .memset_on_default(dst, value, count, stream, crate::cuda::current_device(), code_of)
                 .err()
@@ -275,16 +277,16 @@ fn copy_2d(
 ) -> i32 {
     call(name, || {
         enter!();
-        let Some(kind) = CopyKind::from_code(kind) else { return INVALID_VALUE };
+        let Some(kind) = copy_direction(kind) else { return INVALID_VALUE };
         if width > dpitch || width > spitch {
             return INVALID_VALUE;
         }
         for row in 0..height {
             let (d, s) = (dst + row * dpitch, src + row * spitch);
             let copied = if is_async {
-                sim().copy_async(d, s, width, kind, stream, crate::cuda::current_device(), code_of)
+                sim().copy_async(d, s, width, kind, stream_id(stream), crate::cuda::current_device(), code_of)
             } else {
-                sim().copy(d, s, width, kind, 0, code_of)
+                sim().copy(d, s, width, kind, StreamId::LEGACY, code_of)
             };
             if let Err(code) = copied {
                 return code;

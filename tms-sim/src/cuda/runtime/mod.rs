@@ -29,7 +29,7 @@ use crate::cuda::{DRIVER_INIT, LAST_ERROR, RT_DEVICE};
 use libc::c_char;
 
 /// The runtime version presented (the driver and NVML present the same).
-pub const RUNTIME_VERSION: i32 = crate::core::config::CUDA_VERSION;
+pub const RUNTIME_VERSION: i32 = crate::cuda::CUDA_VERSION;
 
 pub const SUCCESS: i32 = 0;
 pub const INVALID_VALUE: i32 = 1;

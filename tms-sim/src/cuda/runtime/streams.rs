@@ -5,10 +5,11 @@ use super::graphs::CAPTURE_UNSUPPORTED;
 use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, NOT_READY, SUCCESS, call, put};
 use crate::core::graphs::Node;
 use crate::core::sim::sim;
+use crate::core::streams::StreamId;
 use libc::{c_float, c_int, c_uint, c_ulonglong, c_void};
 
 /// cudaStreamNonBlocking and the default.
-const STREAM_FLAGS: c_uint = 0x1;
+const STREAM_FLAGS: c_uint = tms_vendor::cuda::STREAM_NON_BLOCKING;
 /// The priority range an H100 reports: 0 (least) to -5 (greatest).
 pub const LEAST_PRIORITY: c_int = 0;
 pub const GREATEST_PRIORITY: c_int = -5;
@@ -23,7 +24,7 @@ fn create(stream: *mut *mut c_void, flags: c_uint, priority: c_int) -> i32 {
     if !crate::cuda::charge_stream_pool(dev) {
         return super::MEMORY_ALLOCATION;
     }
-    match sim().streams.create_with(dev, flags, priority) {
+    match sim().streams.create_with(dev, crate::cuda::stream_kind(flags), priority) {
         Some(h) => put(stream, h as *mut c_void),
         None => super::MEMORY_ALLOCATION,
     }
@@ -46,11 +47,14 @@ pub unsafe extern "C" fn cuda_stream_create_with_priority(
 }
 
 fn properties(stream: *mut c_void) -> Result<(u32, i32), i32> {
-    let s = stream as usize;
-    if crate::core::streams::is_null(s) {
-        return Ok((0, 0));
+    match crate::cuda::stream_id(stream as usize) {
+        StreamId::Default(_) => Ok((tms_vendor::cuda::STREAM_DEFAULT, 0)),
+        StreamId::Created(s) => sim()
+            .streams
+            .properties(s)
+            .map(|(kind, priority)| (crate::cuda::stream_flags(kind), priority))
+            .map_err(|_| INVALID_RESOURCE_HANDLE),
     }
-    sim().streams.properties(s).map_err(|_| INVALID_RESOURCE_HANDLE)
 }
 
 pub unsafe extern "C" fn cuda_stream_get_priority(stream: *mut c_void, priority: *mut c_int) -> i32 {
@@ -70,20 +74,20 @@ pub unsafe extern "C" fn cuda_stream_get_flags(stream: *mut c_void, flags: *mut 
 pub unsafe extern "C" fn cuda_stream_synchronize(stream: *mut c_void) -> i32 {
     call("cudaStreamSynchronize", || {
         enter!();
-        if sim().graphs.capture_of(stream as usize).is_some() {
+        if sim().graphs.capture_of(crate::cuda::stream_id(stream as usize)).is_some() {
             return CAPTURE_UNSUPPORTED;
         }
-        sim().streams.synchronize(stream as usize).unwrap_or(INVALID_RESOURCE_HANDLE)
+        sim().streams.synchronize(crate::cuda::stream_id(stream as usize)).unwrap_or(INVALID_RESOURCE_HANDLE)
     })
 }
 
 pub unsafe extern "C" fn cuda_stream_query(stream: *mut c_void) -> i32 {
     call("cudaStreamQuery", || {
         enter!();
-        if sim().graphs.capture_of(stream as usize).is_some() {
+        if sim().graphs.capture_of(crate::cuda::stream_id(stream as usize)).is_some() {
             return CAPTURE_UNSUPPORTED;
         }
-        match sim().streams.is_idle(stream as usize) {
+        match sim().streams.is_idle(crate::cuda::stream_id(stream as usize)) {
             Ok(true) => SUCCESS,
             Ok(false) => NOT_READY,
             Err(_) => INVALID_RESOURCE_HANDLE,
@@ -104,14 +108,14 @@ pub unsafe extern "C" fn cuda_stream_wait_event(stream: *mut c_void, event: *mut
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
         // Waiting on an event recorded during a capture joins that capture.
         if ev.capture() != 0 {
-            sim().graphs.join(stream as usize, ev.capture());
+            sim().graphs.join(crate::cuda::stream_id(stream as usize), ev.capture());
             return SUCCESS;
         }
         // On the default stream too the wait is queued (core::streams::Streams::legacy): the
         // host goes on, and the stream's next work waits.
         sim()
             .streams
-            .wait_event(stream as usize, &ev, crate::cuda::current_device())
+            .wait_event(crate::cuda::stream_id(stream as usize), &ev, crate::cuda::current_device())
             .map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
     })
 }
@@ -130,7 +134,10 @@ pub unsafe extern "C" fn cuda_launch_host_func(
     call("cudaLaunchHostFunc", || {
         enter!();
         let Some(f) = func else { return INVALID_VALUE };
-        if sim().graphs.record(stream as usize, || Node::Host { f: f as usize, data: data as usize }) {
+        if sim()
+            .graphs
+            .record(crate::cuda::stream_id(stream as usize), || Node::Host { f: f as usize, data: data as usize })
+        {
             return SUCCESS;
         }
         let job = HostCall(f as usize, data as usize);
@@ -145,7 +152,7 @@ pub unsafe extern "C" fn cuda_launch_host_func(
         // On the default stream too it is queued: the host goes on, as on a GPU.
         sim()
             .streams
-            .submit_async(stream as usize, crate::cuda::current_device(), Box::new(run))
+            .submit_async(crate::cuda::stream_id(stream as usize), crate::cuda::current_device(), Box::new(run))
             .map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
     })
 }
@@ -165,7 +172,8 @@ pub unsafe extern "C" fn cuda_stream_add_callback(
             return INVALID_VALUE;
         }
         let handle = stream as usize;
-        if sim().graphs.record(handle, || Node::Callback { f: cb as usize, stream: handle, data: data as usize }) {
+        let id = crate::cuda::stream_id(handle);
+        if sim().graphs.record(id, || Node::Callback { f: cb as usize, stream: handle, data: data as usize }) {
             return SUCCESS;
         }
         let job = HostCall(cb as usize, data as usize);
@@ -179,7 +187,7 @@ pub unsafe extern "C" fn cuda_stream_add_callback(
         };
         sim()
             .streams
-            .submit_async(handle, crate::cuda::current_device(), Box::new(run))
+            .submit_async(id, crate::cuda::current_device(), Box::new(run))
             .map_or(INVALID_RESOURCE_HANDLE, |_| SUCCESS)
     })
 }
@@ -189,11 +197,11 @@ pub unsafe extern "C" fn cuda_stream_is_capturing(stream: *mut c_void, status: *
         // Like most runtime calls it makes the device's primary context current (torch calls it
         // right before cudaMalloc, from any thread, including autograd's workers).
         enter!();
-        if !sim().streams.exists(stream as usize) {
+        if !sim().streams.exists(crate::cuda::stream_id(stream as usize)) {
             return INVALID_RESOURCE_HANDLE;
         }
         // cudaStreamCaptureStatusActive (1) or None (0)
-        put(status, c_int::from(sim().graphs.capture_of(stream as usize).is_some()))
+        put(status, c_int::from(sim().graphs.capture_of(crate::cuda::stream_id(stream as usize)).is_some()))
     })
 }
 
@@ -209,10 +217,10 @@ pub unsafe extern "C" fn cuda_stream_get_capture_info(
 ) -> i32 {
     call("cudaStreamGetCaptureInfo", || {
         enter!();
-        if !sim().streams.exists(stream as usize) {
+        if !sim().streams.exists(crate::cuda::stream_id(stream as usize)) {
             return INVALID_RESOURCE_HANDLE;
         }
-        let Some(capture) = sim().graphs.capture_of(stream as usize) else {
+        let Some(capture) = sim().graphs.capture_of(crate::cuda::stream_id(stream as usize)) else {
             // The optional outputs are left alone when the stream is not capturing, as documented.
             return put(status, 0);
         };
@@ -299,15 +307,15 @@ pub unsafe extern "C" fn cuda_event_record(event: *mut c_void, stream: *mut c_vo
     call("cudaEventRecord", || {
         enter!();
         let Some(ev) = sim().streams.event(event as usize) else { return INVALID_RESOURCE_HANDLE };
-        if let Some(capture) = sim().graphs.capture_of(stream as usize) {
+        if let Some(capture) = sim().graphs.capture_of(crate::cuda::stream_id(stream as usize)) {
             ev.set_capture(capture);
-            sim().graphs.record(stream as usize, || Node::EventRecord { event: ev.clone() });
+            sim().graphs.record(crate::cuda::stream_id(stream as usize), || Node::EventRecord { event: ev.clone() });
             return SUCCESS;
         }
         ev.set_capture(0);
         sim()
             .streams
-            .event_record(&ev, stream as usize, crate::cuda::current_device())
+            .event_record(&ev, crate::cuda::stream_id(stream as usize), crate::cuda::current_device())
             .map_or(INVALID_RESOURCE_HANDLE, |()| SUCCESS)
     })
 }
