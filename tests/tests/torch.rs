@@ -141,6 +141,13 @@ fn torch_distributed_nccl_runs_on_the_simulator() {
     pytest("test_nccl.py");
 }
 
+/// `dist.all_reduce` captured in `torch.cuda.graph` by an unchanged 2-rank program and replayed,
+/// the collective performed with the peer at each replay (test_nccl_graphs.py).
+#[test]
+fn torch_collectives_captured_in_cuda_graphs_replay_with_the_peers() {
+    pytest("test_nccl_graphs.py");
+}
+
 /// Tag `nccl` under an unchanged torch.distributed program: 2 ranks with the hook, a default and a
 /// second NCCL process group, paused and resumed through tms's Python API and tms-ctl; a
 /// collective while suspended, idempotence, groups destroyed while suspended

@@ -7,6 +7,10 @@
 //! A launch waits for the stream's earlier work and then runs the nodes synchronously in the
 //! calling thread (host functions of the layer need the caller's interpreter). A stream that
 //! waits on an event recorded during a capture joins that capture, as on a GPU.
+//!
+//! A collective issued on a capturing stream is recorded too (`Node::Collective`) and performed,
+//! peers and all, at each launch: NCCL captures collectives since 2.9 and every rank replays
+//! the same sequence (NCCL user guide, "CUDA Graphs").
 
 use crate::core::memory::MemError;
 use crate::core::sim::{CopyDirection, sim};
@@ -23,11 +27,32 @@ pub type StreamCallback = unsafe extern "C" fn(*mut libc::c_void, libc::c_int, *
 
 #[derive(Clone)]
 pub enum Node {
-    Copy { dst: usize, src: usize, n: usize, kind: CopyDirection },
-    Memset { dst: usize, value: u8, n: usize },
-    Host { f: usize, data: usize },
-    Callback { f: usize, stream: usize, data: usize },
-    EventRecord { event: Arc<Event> },
+    Copy {
+        dst: usize,
+        src: usize,
+        n: usize,
+        kind: CopyDirection,
+    },
+    Memset {
+        dst: usize,
+        value: u8,
+        n: usize,
+    },
+    Host {
+        f: usize,
+        data: usize,
+    },
+    Callback {
+        f: usize,
+        stream: usize,
+        data: usize,
+    },
+    EventRecord {
+        event: Arc<Event>,
+    },
+    /// A collective, performed with the peers at each launch; its code is the front end's (0:
+    /// done).
+    Collective(Arc<dyn Fn() -> i32 + Send + Sync>),
 }
 
 /// A user object (cudaUserObjectCreate): a destructor run when its last reference goes.
@@ -55,10 +80,36 @@ impl UserObject {
             return;
         };
         if before <= n && self.destroy != 0 {
-            // SAFETY: the destructor the caller registered, with its pointer, called once.
-            let f: HostFn = unsafe { std::mem::transmute(self.destroy) };
-            unsafe { f(self.ptr as *mut libc::c_void) };
+            run_destructor(self.destroy, self.ptr);
         }
+    }
+}
+
+/// Runs a user object's destructor on the one thread kept for them, never in the thread that
+/// dropped the last reference: "destructor callbacks ... are executed by a shared internal
+/// thread" (CUDA Runtime API, cudaUserObjectCreate). Callers rely on it: PyTorch's NCCL process
+/// group releases a graph's user object while holding the lock its destructor takes.
+fn run_destructor(destroy: usize, ptr: usize) {
+    static THREAD: Mutex<Option<std::sync::mpsc::Sender<(usize, usize)>>> = Mutex::new(None);
+    let call = |(destroy, ptr): (usize, usize)| {
+        // SAFETY: the destructor the caller registered, with its pointer, called once.
+        let f: HostFn = unsafe { std::mem::transmute(destroy) };
+        unsafe { f(ptr as *mut libc::c_void) };
+    };
+    let mut thread = THREAD.lock().unwrap_or_else(|e| e.into_inner());
+    if thread.is_none() {
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
+        let started =
+            std::thread::Builder::new().name("tms-sim-userobj".into()).spawn(move || rx.iter().for_each(call));
+        if started.is_ok() {
+            *thread = Some(tx);
+        }
+    }
+    match thread.as_ref().map(|tx| tx.send((destroy, ptr))) {
+        Some(Ok(())) => {}
+        // No thread could be started: late beats never.
+        Some(Err(std::sync::mpsc::SendError(job))) => call(job),
+        None => call((destroy, ptr)),
     }
 }
 
@@ -66,6 +117,12 @@ impl UserObject {
 /// from it are gone.
 #[derive(Default)]
 pub struct Retained(Mutex<Vec<(Arc<UserObject>, usize)>>);
+
+impl Retained {
+    pub fn retain(&self, obj: Arc<UserObject>, n: usize) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push((obj, n));
+    }
+}
 
 impl Drop for Retained {
     fn drop(&mut self) {
@@ -92,7 +149,13 @@ impl Graph {
     }
 
     pub fn retain(&self, obj: Arc<UserObject>, n: usize) {
-        self.retained.0.lock().unwrap_or_else(|e| e.into_inner()).push((obj, n));
+        self.retained.retain(obj, n);
+    }
+}
+
+impl Exec {
+    pub fn new(nodes: Arc<Vec<Node>>, retained: Arc<Retained>) -> Exec {
+        Exec { nodes, _retained: retained }
     }
 }
 
@@ -104,7 +167,15 @@ pub struct Graphs {
     /// Capturing stream -> capture id.
     streams: Mutex<HashMap<StreamId, u64>>,
     /// Capture id -> nodes recorded so far.
-    building: Mutex<HashMap<u64, Vec<Node>>>,
+    building: Mutex<HashMap<u64, Building>>,
+}
+
+/// A graph under capture: its nodes so far, and the user objects retained in it already (a
+/// capture's graph has a handle before the capture ends: `cudaStreamGetCaptureInfo`).
+#[derive(Default)]
+struct Building {
+    nodes: Vec<Node>,
+    retained: Arc<Retained>,
 }
 
 /// Why a capture call was refused (the CUDA runtime answers 900 and 901, and 1 for `NotCapturing`).
@@ -125,6 +196,8 @@ pub enum LaunchError {
     Earlier(i32),
     /// A node met bad memory.
     Memory(MemError),
+    /// A collective node failed with this (front-end) code.
+    Node(i32),
 }
 
 impl Graphs {
@@ -132,7 +205,7 @@ impl Graphs {
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn building(&self) -> MutexGuard<'_, HashMap<u64, Vec<Node>>> {
+    fn building(&self) -> MutexGuard<'_, HashMap<u64, Building>> {
         self.building.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -155,7 +228,7 @@ impl Graphs {
         }
         let id = self.next_id.fetch_add(1, Ordering::AcqRel) + 1;
         streams.insert(stream, id);
-        self.building().insert(id, Vec::new());
+        self.building().insert(id, Building::default());
         self.active.fetch_add(1, Ordering::AcqRel);
         Ok(id)
     }
@@ -171,12 +244,17 @@ impl Graphs {
     pub fn record(&self, stream: StreamId, node: impl FnOnce() -> Node) -> bool {
         let Some(id) = self.capture_of(stream) else { return false };
         match self.building().get_mut(&id) {
-            Some(nodes) => {
-                nodes.push(node());
+            Some(b) => {
+                b.nodes.push(node());
                 true
             }
             None => false,
         }
+    }
+
+    /// Where user objects retained in capture `id`'s graph are kept until its graph goes.
+    pub fn retained_of(&self, id: u64) -> Option<Arc<Retained>> {
+        self.building().get(&id).map(|b| b.retained.clone())
     }
 
     /// Ends the capture `stream` started; every stream that joined it stops capturing.
@@ -185,9 +263,9 @@ impl Graphs {
         let id = streams.get(&stream).copied().ok_or(CaptureError::NotCapturing)?;
         streams.retain(|_, c| *c != id);
         drop(streams);
-        let nodes = self.building().remove(&id).unwrap_or_default();
+        let b = self.building().remove(&id).unwrap_or_default();
         self.active.fetch_sub(1, Ordering::AcqRel);
-        Ok(Graph { nodes: Arc::new(nodes), retained: Arc::new(Retained::default()) })
+        Ok(Graph { nodes: Arc::new(b.nodes), retained: b.retained })
     }
 }
 
@@ -215,6 +293,10 @@ pub fn launch(exec: &Exec, stream: StreamId) -> Result<(), LaunchError> {
                 unsafe { f(*stream as *mut libc::c_void, 0, *data as *mut libc::c_void) };
             }
             Node::EventRecord { event } => event.complete_now(),
+            Node::Collective(run) => match run() {
+                0 => {}
+                code => return Err(LaunchError::Node(code)),
+            },
         }
     }
     Ok(())
@@ -245,9 +327,47 @@ mod tests {
             for t in threads {
                 t.join().unwrap();
             }
-            assert_eq!(destroyed.load(Ordering::SeqCst), 1);
+            wait_for(|| destroyed.load(Ordering::SeqCst) >= 1);
             obj.release(1);
+            // Destructors run in order on one thread: a second one would have run by the time
+            // this marker's has.
+            let marker = Box::leak(Box::new(AtomicUsize::new(0)));
+            UserObject::new(marker as *const AtomicUsize as usize, count_destroy as *const () as usize, 1).release(1);
+            wait_for(|| marker.load(Ordering::SeqCst) == 1);
             assert_eq!(destroyed.load(Ordering::SeqCst), 1, "a release after the last must not destroy again");
         }
+    }
+
+    fn wait_for(done: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "a destructor never ran");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    static HELD: Mutex<()> = Mutex::new(());
+
+    unsafe extern "C" fn destroy_under_lock(counter: *mut libc::c_void) {
+        let _held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the test passes a pointer to a live AtomicUsize.
+        unsafe { &*(counter as *const AtomicUsize) }.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// CUDA runs destructors on an internal thread, so a caller may drop the last reference while
+    /// holding a lock its destructor takes (PyTorch's NCCL process group does); run in the
+    /// releasing thread, this test deadlocks.
+    #[test]
+    fn a_destructor_runs_outside_the_thread_that_releases_the_object() {
+        let destroyed = Box::leak(Box::new(AtomicUsize::new(0)));
+        let obj =
+            UserObject::new(destroyed as *const AtomicUsize as usize, destroy_under_lock as *const () as usize, 1);
+        {
+            let _held = HELD.lock().unwrap();
+            obj.release(1);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert_eq!(destroyed.load(Ordering::SeqCst), 0, "the destructor ran while its lock was held");
+        }
+        wait_for(|| destroyed.load(Ordering::SeqCst) == 1);
     }
 }

@@ -409,30 +409,20 @@ impl Comm {
         for op in &ops {
             self.check(op)?;
         }
+        if sim().graphs.capture_of(stream).is_some() {
+            // Captured, not run: the graph performs it, with the peers, at each launch; the ranks
+            // number it then, so every rank replaying the same sequence matches.
+            let comm = self.clone();
+            let node = move || crate::core::graphs::Node::Collective(Arc::new(move || comm.replay(&ops, fault_code)));
+            if sim().graphs.record(stream, node) {
+                return Ok(());
+            }
+            return Err(CollError::Internal("the stream's capture ended while the collective was recorded".into()));
+        }
         let tagged = self.number(ops);
         self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).issued += 1;
         let comm = self.clone();
-        let job = Box::new(move || {
-            let code = match comm.run(&tagged) {
-                Ok(()) => 0,
-                Err(e) => {
-                    let code = if let CollError::Device(m) = e { fault_code(m) } else { 0 };
-                    let lost_peer = matches!(e, CollError::Remote(_));
-                    comm.fail(e);
-                    if lost_peer {
-                        // A kernel waiting for a peer that is gone never completes: the stream
-                        // stays blocked until the communicator is aborted (or destroyed), which
-                        // is what the caller's watchdog does on seeing the asynchronous error.
-                        comm.wait_stopped();
-                    }
-                    code
-                }
-            };
-            let (lock, cv) = &comm.pending;
-            lock.lock().unwrap_or_else(|e| e.into_inner()).done += 1;
-            cv.notify_all();
-            code
-        });
+        let job = Box::new(move || comm.execute(&tagged, fault_code));
         match sim().streams.submit_async(stream, self.device, job) {
             Ok(_) => Ok(()),
             Err(_) => {
@@ -442,6 +432,50 @@ impl Comm {
                 Err(CollError::InvalidArgument("the stream does not exist".into()))
             }
         }
+    }
+
+    /// Runs numbered operations counted in `pending`; returns the stream's code (a device fault's,
+    /// else 0: other failures are the communicator's asynchronous error).
+    fn execute(&self, tagged: &[(Op, u64)], fault_code: fn(MemError) -> i32) -> i32 {
+        let code = match self.run(tagged) {
+            Ok(()) => 0,
+            Err(e) => {
+                let code = if let CollError::Device(m) = e { fault_code(m) } else { 0 };
+                let lost_peer = matches!(e, CollError::Remote(_));
+                self.fail(e);
+                if lost_peer {
+                    // A kernel waiting for a peer that is gone never completes: the stream
+                    // stays blocked until the communicator is aborted (or destroyed), which
+                    // is what the caller's watchdog does on seeing the asynchronous error.
+                    self.wait_stopped();
+                }
+                code
+            }
+        };
+        let (lock, cv) = &self.pending;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).done += 1;
+        cv.notify_all();
+        code
+    }
+
+    /// A captured collective at a graph launch: numbered now, in launch order, and run in the
+    /// launching thread as the graph's other nodes are. A communicator that has failed or is
+    /// suspended runs nothing; the failure is its asynchronous error, as for a kernel that
+    /// cannot proceed.
+    fn replay(&self, ops: &[Op], fault_code: fn(MemError) -> i32) -> i32 {
+        if self.async_error().is_some() {
+            return 0;
+        }
+        if self.charges().suspended {
+            self.fail(CollError::InvalidUsage(
+                "a CUDA graph replayed a collective of a suspended communicator (ncclCommSuspend released its buffers)"
+                    .into(),
+            ));
+            return 0;
+        }
+        let tagged = self.number(ops.to_vec());
+        self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).issued += 1;
+        self.execute(&tagged, fault_code)
     }
 
     /// Gives each operation its message tag, in the order the host issued them.

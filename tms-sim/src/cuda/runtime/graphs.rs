@@ -1,11 +1,11 @@
 //! CUDA graphs: stream capture, instantiation, launch and user objects (see `crate::core::graphs`).
 
 use super::{INVALID_RESOURCE_HANDLE, INVALID_VALUE, SUCCESS, call, code_of, put};
-use crate::core::graphs::{CaptureError, Exec, Graph, LaunchError, UserObject};
+use crate::core::graphs::{CaptureError, Exec, LaunchError, Node, Retained, UserObject};
 use crate::core::sim::sim;
 use libc::{c_int, c_uint, c_ulonglong, c_void};
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Live handles, so a stale or foreign handle is an error instead of a wild pointer.
 struct Handles<T> {
@@ -33,7 +33,25 @@ impl<T> Handles<T> {
     }
 }
 
-static GRAPHS: Handles<Graph> = Handles::new();
+/// A graph handle. A capture's graph has one from its first `cudaStreamGetCaptureInfo` on (user
+/// objects can be retained in it then, as PyTorch's NCCL process group does), and
+/// `cudaStreamEndCapture` returns that same handle with the nodes filled in.
+struct GraphSlot {
+    nodes: OnceLock<Arc<Vec<Node>>>,
+    retained: Arc<Retained>,
+}
+
+static GRAPHS: Handles<GraphSlot> = Handles::new();
+/// Capture id -> the handle its graph already has.
+static CAPTURING: Mutex<Option<HashMap<u64, usize>>> = Mutex::new(None);
+
+/// The handle of capture `id`'s graph, made on first request; None once the capture has ended.
+pub fn capture_graph(id: u64) -> Option<usize> {
+    let retained = sim().graphs.retained_of(id)?;
+    let mut capturing = CAPTURING.lock().unwrap_or_else(|e| e.into_inner());
+    let map = capturing.get_or_insert_with(HashMap::new);
+    Some(*map.entry(id).or_insert_with(|| GRAPHS.insert(GraphSlot { nodes: OnceLock::new(), retained })))
+}
 static EXECS: Handles<Exec> = Handles::new();
 static USER_OBJECTS: Handles<Arc<UserObject>> = Handles::new();
 
@@ -59,8 +77,22 @@ pub unsafe extern "C" fn cuda_stream_end_capture(stream: *mut c_void, graph: *mu
         if graph.is_null() {
             return INVALID_VALUE;
         }
-        match sim().graphs.end(crate::cuda::stream_id(stream as usize)) {
-            Ok(g) => put(graph, GRAPHS.insert(g) as *mut c_void),
+        let stream = crate::cuda::stream_id(stream as usize);
+        let id = sim().graphs.capture_of(stream);
+        match sim().graphs.end(stream) {
+            Ok(g) => {
+                let early = id.and_then(|id| {
+                    CAPTURING.lock().unwrap_or_else(|e| e.into_inner()).as_mut().and_then(|m| m.remove(&id))
+                });
+                let handle = match early.and_then(|h| GRAPHS.get(h).map(|slot| (h, slot))) {
+                    Some((h, slot)) => {
+                        let _ = slot.nodes.set(g.nodes);
+                        h
+                    }
+                    None => GRAPHS.insert(GraphSlot { nodes: OnceLock::from(g.nodes), retained: g.retained }),
+                };
+                put(graph, handle as *mut c_void)
+            }
             Err(e) => capture_code(e),
         }
     })
@@ -80,7 +112,9 @@ fn capture_code(e: CaptureError) -> i32 {
 
 fn instantiate(exec: *mut *mut c_void, graph: *mut c_void) -> i32 {
     let Some(g) = GRAPHS.get(graph as usize) else { return INVALID_RESOURCE_HANDLE };
-    put(exec, EXECS.insert(g.instantiate()) as *mut c_void)
+    // A graph still being captured cannot be instantiated.
+    let Some(nodes) = g.nodes.get() else { return INVALID_VALUE };
+    put(exec, EXECS.insert(Exec::new(nodes.clone(), g.retained.clone())) as *mut c_void)
 }
 
 pub unsafe extern "C" fn cuda_graph_instantiate(
@@ -116,6 +150,7 @@ pub unsafe extern "C" fn cuda_graph_launch(exec: *mut c_void, stream: *mut c_voi
             Ok(()) => SUCCESS,
             Err(LaunchError::Earlier(code)) => code,
             Err(LaunchError::Memory(m)) => code_of(m),
+            Err(LaunchError::Node(code)) => code,
         }
     })
 }
@@ -138,16 +173,18 @@ pub unsafe extern "C" fn cuda_graph_get_nodes(graph: *mut c_void, nodes: *mut *m
         if count.is_null() {
             return INVALID_VALUE;
         }
+        let empty = Arc::new(Vec::new());
+        let g = g.nodes.get().unwrap_or(&empty);
         if nodes.is_null() {
-            return put(count, g.nodes.len());
+            return put(count, g.len());
         }
         // SAFETY: checked non-null; the caller passes room for *count handles.
         let room = unsafe { *count };
-        for (i, node) in g.nodes.iter().take(room).enumerate() {
+        for (i, node) in g.iter().take(room).enumerate() {
             // SAFETY: i < room.
             unsafe { *nodes.add(i) = node as *const _ as *mut c_void };
         }
-        put(count, room.min(g.nodes.len()))
+        put(count, room.min(g.len()))
     })
 }
 
@@ -194,7 +231,7 @@ pub unsafe extern "C" fn cuda_graph_retain_user_object(
         if flags & USER_OBJECT_MOVE == 0 {
             obj.retain(count as usize);
         }
-        g.retain((*obj).clone(), count as usize);
+        g.retained.retain((*obj).clone(), count as usize);
         SUCCESS
     })
 }

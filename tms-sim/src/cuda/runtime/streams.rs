@@ -228,9 +228,9 @@ pub unsafe extern "C" fn cuda_stream_get_capture_info(
         if !id.is_null() {
             put(id, capture);
         }
-        // The graph under construction has no handle yet; no dependency nodes are exposed.
+        // No dependency nodes are exposed.
         if !graph.is_null() {
-            put(graph, std::ptr::null_mut());
+            put(graph, super::graphs::capture_graph(capture).unwrap_or(0) as *mut c_void);
         }
         if !deps.is_null() {
             put(deps, std::ptr::null());
