@@ -69,3 +69,171 @@ def test_an_all_reduce_captured_in_a_cuda_graph_replays_with_the_peers(sim):
             assert head == want, (i, head, want)
             assert last == 2 * ((n - 1) + i) + 2 * ((n - 1) * 2 + i) + 1, (i, last)
         assert r["eager_after"] == [3.0, 3.0], r
+
+
+# ---- registration pins physical memory ----------------------------------------------------
+
+REGISTRATION_PROGRAM = r"""
+import ctypes, json, os, struct, sys, time
+cudart = ctypes.CDLL("libcudart.so.13")
+cuda = ctypes.CDLL("libcuda.so.1")
+nccl = ctypes.CDLL("libnccl.so.2")
+nccl.ncclGetLastError.restype = ctypes.c_char_p
+MODE = os.environ["MODE"]  # "local": ncclCommRegister; "graph": a captured all-reduce
+SIZE, COUNT = 2 << 20, 1024
+out = {"mode": MODE}
+
+class Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+class Prop(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int), ("location", Location),
+                ("win32", ctypes.c_void_p), ("flags", ctypes.c_uint8 * 8)]
+class Access(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+def on(dev):
+    assert cudart.cudaSetDevice(dev) == 0 and cudart.cudaFree(None) == 0
+
+def physical(dev, va, value):
+    # cuMemCreate + cuMemMap + cuMemSetAccess at va, filled with `value`: a pause/resume's remap.
+    on(dev)
+    h = ctypes.c_uint64()
+    assert cuda.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(SIZE), ctypes.byref(Prop(1, 0, Location(1, dev))), ctypes.c_uint64(0)) == 0
+    assert cuda.cuMemMap(ctypes.c_uint64(va), ctypes.c_size_t(SIZE), ctypes.c_size_t(0), h, ctypes.c_uint64(0)) == 0
+    assert cuda.cuMemSetAccess(ctypes.c_uint64(va), ctypes.c_size_t(SIZE), ctypes.byref(Access(Location(1, dev), 3)), ctypes.c_size_t(1)) == 0
+    write(dev, va, value)
+    return h
+
+def write(dev, va, value):
+    on(dev)
+    raw = struct.pack(f"<{COUNT}f", *([value] * COUNT))
+    assert cudart.cudaMemcpy(ctypes.c_void_p(va), raw, len(raw), 1) == 0
+
+def read(dev, va):
+    on(dev)
+    buf = ctypes.create_string_buffer(COUNT * 4)
+    assert cudart.cudaMemcpy(buf, ctypes.c_void_p(va), COUNT * 4, 2) == 0
+    return sorted(set(struct.unpack(f"<{COUNT}f", buf.raw)))
+
+assert cuda.cuInit(0) == 0
+comms = (ctypes.c_void_p * 2)()
+assert nccl.ncclCommInitAll(comms, 2, None) == 0
+comms = [ctypes.c_void_p(c) for c in comms]
+vas, handles = [], []
+for d in range(2):
+    on(d)
+    va = ctypes.c_uint64()
+    assert cuda.cuMemAddressReserve(ctypes.byref(va), ctypes.c_size_t(SIZE), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)) == 0
+    vas.append(va.value)
+    handles.append(physical(d, va.value, float(d + 1)))
+
+streams = []
+for d in range(2):
+    on(d)
+    s = ctypes.c_void_p()
+    assert cudart.cudaStreamCreate(ctypes.byref(s)) == 0
+    streams.append(s)
+
+def all_reduce():
+    assert nccl.ncclGroupStart() == 0
+    for d in range(2):
+        on(d)
+        assert nccl.ncclAllReduce(ctypes.c_void_p(vas[d]), ctypes.c_void_p(vas[d]), ctypes.c_size_t(COUNT), 7, 0, comms[d], streams[d]) == 0
+    assert nccl.ncclGroupEnd() == 0
+
+if MODE == "local":
+    regs = []
+    for d in range(2):
+        r = ctypes.c_void_p()
+        assert nccl.ncclCommRegister(comms[d], ctypes.c_void_p(vas[d]), ctypes.c_size_t(SIZE), ctypes.byref(r)) == 0
+        regs.append(r)
+    run = all_reduce
+else:
+    for d in range(2):
+        on(d)
+        assert cudart.cudaStreamBeginCapture(streams[d], 0) == 0
+    all_reduce()
+    execs = []
+    for d in range(2):
+        on(d)
+        g, e = ctypes.c_void_p(), ctypes.c_void_p()
+        assert cudart.cudaStreamEndCapture(streams[d], ctypes.byref(g)) == 0
+        assert cudart.cudaGraphInstantiate(ctypes.byref(e), g, ctypes.c_uint64(0)) == 0
+        execs.append(e)
+    def run():
+        # One thread launches both ranks' graphs, as a one-process multi-GPU program does.
+        for d in range(2):
+            on(d)
+            assert cudart.cudaGraphLaunch(execs[d], streams[d]) == 0
+
+def synchronize():
+    return [on(d) or cudart.cudaStreamSynchronize(streams[d]) for d in range(2)]
+
+def async_errors():
+    errs = []
+    out["messages"] = []
+    for d in range(2):
+        e = ctypes.c_int()
+        assert nccl.ncclCommGetAsyncError(comms[d], ctypes.byref(e)) == 0
+        errs.append(e.value)
+        # NCCL's last error is the process's: read it after each communicator's query.
+        out["messages"].append(nccl.ncclGetLastError(comms[d]).decode())
+    return errs
+
+run()
+out["fresh_sync"] = synchronize()
+out["fresh"] = [read(d, vas[d]) for d in range(2)]
+out["fresh_errors"] = async_errors()
+
+# Rank 0's memory is released and other physical memory mapped at the same address (a pause
+# without the communicator's knowledge, then a resume).
+on(0)
+assert cuda.cuMemUnmap(ctypes.c_uint64(vas[0]), ctypes.c_size_t(SIZE)) == 0
+assert cuda.cuMemRelease(handles[0]) == 0
+physical(0, vas[0], 10.0)
+write(1, vas[1], 2.0)
+start = time.monotonic()
+run()
+out["stale_sync"] = synchronize()
+out["stale_seconds"] = time.monotonic() - start
+out["stale_errors"] = async_errors()
+out["after"] = [read(d, vas[d]) for d in range(2)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["local", "graph"])
+def test_a_registration_whose_memory_was_released_and_remapped_fails_within_a_bound(sim, mode):
+    # NCCL keeps using the physical pages it registered (ncclCommRegister, or a captured
+    # collective's buffers under NCCL_GRAPH_REGISTER=1, its default); after they were released
+    # and new memory mapped at the address, an operation through the registration must not run
+    # on the new memory: it fails, on both ranks, after the bounded wait.
+    proc = sim.python(
+        REGISTRATION_PROGRAM,
+        devices=2,
+        memory="1GiB",
+        extra={"MODE": mode, "TMS_SIM_NCCL_STALE_TIMEOUT": "1"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["fresh_sync"] == [0, 0] and out["fresh_errors"] == [0, 0], out
+    assert out["fresh"] == [[3.0], [3.0]], out
+    assert out["stale_sync"] == [0, 0], out  # no device fault: the communicator fails
+    assert out["stale_errors"] == [2, 2], out  # ncclSystemError on both ranks
+    assert 1.0 <= out["stale_seconds"] < 30, out
+    what = "ncclCommRegister's registration" if mode == "local" else "CUDA graph's registration"
+    assert what in out["messages"][0] and "now" in out["messages"][0], out
+    assert "stale" in out["messages"][1], out
+    # Neither the new memory nor the peer's was written with a result.
+    assert out["after"] == [[10.0], [2.0]], out
+
+
+def test_without_graph_registration_a_replay_uses_the_memory_mapped_now(sim):
+    proc = sim.python(
+        REGISTRATION_PROGRAM, devices=2, memory="1GiB", extra={"MODE": "graph", "NCCL_GRAPH_REGISTER": "0"}, timeout=120
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stale_errors"] == [0, 0], out
+    assert out["after"] == [[12.0], [12.0]], out

@@ -269,16 +269,52 @@ impl Graphs {
     }
 }
 
-/// Runs an instantiated graph's nodes in order in the calling thread, after the stream's
-/// earlier work. Stops at the first failure.
-pub fn launch(exec: &Exec, stream: StreamId) -> Result<(), LaunchError> {
+/// Launches an instantiated graph on `stream` (`device`: whose default stream it names when it
+/// is the default stream). A graph with collectives is queued there and returns at once, as on a
+/// GPU: a launch that waited for its collectives would deadlock one thread that launches every
+/// rank's graph in turn (one process driving several devices, as nccl-tests' graph mode does).
+/// Other graphs run in the calling thread after the stream's earlier work (the CPU layer's
+/// host functions want the caller's interpreter); they stop at the first failure.
+/// `fault_code` turns a queued graph's device fault into the stream's code.
+pub fn launch(
+    exec: &Exec,
+    stream: StreamId,
+    device: usize,
+    fault_code: fn(MemError) -> i32,
+) -> Result<(), LaunchError> {
     let s = sim();
+    if exec.nodes.iter().any(|n| matches!(n, Node::Collective(_))) {
+        if exec.nodes.iter().any(|n| matches!(n, Node::Host { .. } | Node::Callback { .. })) {
+            // Host functions (the CPU layer's kernels among them) may run Python on the worker.
+            crate::core::gil::python_runs_on_streams();
+        }
+        let nodes = exec.nodes.clone();
+        let retained = exec._retained.clone();
+        let job = Box::new(move || {
+            let _alive = retained;
+            match run_nodes(&nodes) {
+                Ok(()) => 0,
+                Err(LaunchError::Memory(m)) => fault_code(m),
+                Err(LaunchError::Earlier(code) | LaunchError::Node(code)) => code,
+            }
+        });
+        return s
+            .streams
+            .submit_async(stream, device, job)
+            .map(|_| ())
+            .map_err(|_| LaunchError::Memory(MemError::Invalid));
+    }
     if let Ok(code) = s.streams.synchronize(stream)
         && code != 0
     {
         return Err(LaunchError::Earlier(code));
     }
-    for node in exec.nodes.iter() {
+    run_nodes(&exec.nodes)
+}
+
+fn run_nodes(nodes: &[Node]) -> Result<(), LaunchError> {
+    let s = sim();
+    for node in nodes.iter() {
         match node {
             Node::Copy { dst, src, n, kind } => s.copy_now(*dst, *src, *n, *kind).map_err(LaunchError::Memory)?,
             Node::Memset { dst, value, n } => s.memset(*dst, *value, *n).map_err(LaunchError::Memory)?,

@@ -664,6 +664,25 @@ impl Memory {
         Some(any.and_then(|m| self.handles.get(&m.handle)).map_or(0, |h| h.device))
     }
 
+    /// The physical memory behind `[addr, addr+len)`, as (address, identity) for each piece: a
+    /// virtual-memory mapping names its handle (never reused), a plain allocation its place in
+    /// the pool (with the top bit set, apart from handles). Unmapped parts have no piece. What a
+    /// registration pins: the same address naming other physical memory later is another buffer.
+    pub fn physical_pieces(&self, addr: usize, len: usize) -> Vec<(usize, u64)> {
+        let end = addr.saturating_add(len.max(1));
+        if let Some((&start, p)) = self.plain.range(..=addr).next_back()
+            && addr < start + p.len
+        {
+            return vec![(start, (1 << 63) | p.offset)];
+        }
+        let Some((&rstart, r)) = self.reservations.range(..=addr).next_back() else { return Vec::new() };
+        if addr >= rstart + r.len {
+            return Vec::new();
+        }
+        let first = r.mappings.range(..=addr).next_back().map_or(addr, |(s, _)| *s);
+        r.mappings.range(first..end).filter(|(s, m)| **s + m.len > addr).map(|(s, m)| (*s, m.handle)).collect()
+    }
+
     /// Whether `addr` lies in a plain (cudaMalloc/aclrtMalloc) allocation.
     pub fn in_plain(&self, addr: usize) -> bool {
         self.plain.range(..=addr).next_back().is_some_and(|(&start, p)| addr < start + p.len)

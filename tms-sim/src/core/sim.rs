@@ -364,6 +364,11 @@ impl Sim {
         }
     }
 
+    /// The physical memory behind a device range (`Memory::physical_pieces`).
+    pub fn physical_pieces(&self, addr: usize, len: usize) -> Vec<(usize, u64)> {
+        self.read().physical_pieces(addr, len)
+    }
+
     /// A copy run in the caller (the default stream: the synchronous APIs, and asynchronous ones that
     /// `copy_async` does not queue), or queued on a created stream. Errors found before queuing
     /// are returned at once; errors while running are reported by the stream's next synchronize.

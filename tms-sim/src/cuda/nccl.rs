@@ -956,22 +956,40 @@ pub unsafe extern "C" fn comm_mem_stats(comm: *mut c_void, stat: c_int, out: *mu
     })
 }
 
-/// Buffer registration is an optimisation NCCL may use or ignore; the simulator accepts it and
-/// moves the same bytes.
+/// Buffer registration moves the same bytes, but pins the physical memory mapped at the buffer
+/// now, as NCCL does: an operation on the range after that memory was replaced fails
+/// (core::collectives::comm, "Registration").
 pub unsafe extern "C" fn comm_register(
     comm: *mut c_void,
     buf: *mut c_void,
-    _size: usize,
+    size: usize,
     handle: *mut *mut c_void,
 ) -> c_int {
-    call(|| match lookup(comm) {
-        Ok(_) => put(handle, if buf.is_null() { std::ptr::dangling_mut::<c_void>() } else { buf }),
-        Err(code) => code,
+    call(|| {
+        if handle.is_null() {
+            return INVALID_ARGUMENT;
+        }
+        let core = match lookup(comm).and_then(|c| c.core()) {
+            Ok(core) => core,
+            Err(code) => return code,
+        };
+        put(handle, core.register(buf as usize, size) as *mut c_void)
     })
 }
 
-pub unsafe extern "C" fn comm_deregister(comm: *mut c_void, _handle: *mut c_void) -> c_int {
-    call(|| lookup(comm).map_or_else(|c| c, |_| SUCCESS))
+pub unsafe extern "C" fn comm_deregister(comm: *mut c_void, handle: *mut c_void) -> c_int {
+    call(|| {
+        let core = match lookup(comm).and_then(|c| c.core()) {
+            Ok(core) => core,
+            Err(code) => return code,
+        };
+        if core.deregister(handle as u64) {
+            SUCCESS
+        } else {
+            set_last_error(format!("ncclCommDeregister: {handle:p} is not a registration of this communicator"));
+            INVALID_ARGUMENT
+        }
+    })
 }
 
 /// ncclMemAlloc: device memory on the current device (plain memory: it can be shared by IPC).

@@ -17,6 +17,14 @@
 //!   (what ncclCommGetAsyncError reports); later operations fail at once. A device fault (a
 //!   buffer unmapped by a pause) is also returned to the stream, where the front end makes it
 //!   the runtime's sticky error, as a faulting kernel does.
+//! - Registration: a buffer registered with the communicator (`register`, ncclCommRegister) or
+//!   by a graph's capture (NCCL registers captured collectives' buffers unless
+//!   `NCCL_GRAPH_REGISTER=0`) pins the physical memory mapped there at that moment. A device's
+//!   NCCL goes on using those pages whatever is mapped at the address later, so an operation on
+//!   a registered range whose physical memory changed since (unmapped, released, another
+//!   allocation mapped at the same address) is never run on the new memory: it waits
+//!   `TMS_SIM_NCCL_STALE_TIMEOUT` seconds (10) and fails on every rank with ncclSystemError,
+//!   naming the registration.
 
 use super::reduce;
 use super::transport::{Mesh, UniqueId};
@@ -29,6 +37,56 @@ use std::time::Duration;
 
 /// Bytes moved per message.
 pub const CHUNK: usize = 4 << 20;
+
+/// The header a rank sends instead of its call when it cannot take part (a stale registration),
+/// so that the others fail too instead of waiting for data that will never come.
+const STALE: u64 = u64::MAX;
+
+/// Physical memory a registration pinned: what made it, the range, and each piece's identity
+/// then (`Memory::physical_pieces`).
+#[derive(Debug, Clone)]
+pub struct Pins {
+    what: String,
+    addr: usize,
+    len: usize,
+    pieces: Vec<(usize, u64)>,
+}
+
+impl Pins {
+    pub fn take(what: String, addr: usize, len: usize) -> Pins {
+        Pins { what, addr, len, pieces: sim().physical_pieces(addr, len) }
+    }
+
+    fn overlaps(&self, addr: usize, len: usize) -> bool {
+        addr < self.addr.saturating_add(self.len) && self.addr < addr.saturating_add(len)
+    }
+
+    /// Why this registration no longer describes the memory at its address, if it does not.
+    fn stale(&self) -> Option<String> {
+        self.pieces.iter().find_map(|&(at, id)| {
+            let now = sim().physical_pieces(at, 1).first().map(|p| p.1);
+            (now != Some(id)).then(|| {
+                let since = match now {
+                    None => "is unmapped now".to_string(),
+                    Some(other) => format!("maps physical allocation {other:#x} now"),
+                };
+                format!(
+                    "{} of {:#x} ({} bytes) pinned physical allocation {id:#x} at {at:#x}, which {since}: \
+                     NCCL would go on using the pinned pages, never the memory mapped there since; \
+                     deregister and register again after remapping (or capture the graph again)",
+                    self.what, self.addr, self.len
+                )
+            })
+        })
+    }
+}
+
+/// How long a rank whose registration went stale waits before failing: on a device its
+/// kernels would wait for peers writing to pages it no longer reads.
+fn stale_timeout() -> Duration {
+    let secs = std::env::var("TMS_SIM_NCCL_STALE_TIMEOUT").ok().and_then(|v| v.parse::<f64>().ok());
+    Duration::from_secs_f64(secs.filter(|s| s.is_finite() && *s >= 0.0).unwrap_or(10.0))
+}
 
 const P2P: u64 = 1 << 63;
 /// Host-side exchanges of communicator splits.
@@ -190,6 +248,9 @@ pub struct Comm {
     charges: Mutex<Charges>,
     /// Set by abort and destroy: operations stuck on a lost peer may end.
     stopped: (Mutex<bool>, Condvar),
+    /// Buffers registered with ncclCommRegister, by the handle it returned.
+    registrations: Mutex<std::collections::HashMap<u64, Pins>>,
+    next_registration: AtomicU64,
 }
 
 impl Comm {
@@ -240,6 +301,8 @@ impl Comm {
             persistent_bytes: cfg.persistent_bytes,
             charges: Mutex::new(Charges { persistent: true, buffers: true, suspended: false }),
             stopped: (Mutex::new(false), Condvar::new()),
+            registrations: Mutex::new(std::collections::HashMap::new()),
+            next_registration: AtomicU64::new(0x7e61_0000_0001),
         }))
     }
 
@@ -297,6 +360,59 @@ impl Comm {
 
     pub fn async_error(&self) -> Option<CollError> {
         self.error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Registers `[addr, addr+len)` (ncclCommRegister): pins the physical memory mapped there
+    /// now. Returns the registration's handle.
+    pub fn register(&self, addr: usize, len: usize) -> u64 {
+        let handle = self.next_registration.fetch_add(1, Ordering::AcqRel);
+        let pins = Pins::take(format!("ncclCommRegister's registration {handle:#x}"), addr, len);
+        self.registrations.lock().unwrap_or_else(|e| e.into_inner()).insert(handle, pins);
+        handle
+    }
+
+    /// Drops a registration (ncclCommDeregister); false for a handle this communicator never gave.
+    pub fn deregister(&self, handle: u64) -> bool {
+        self.registrations.lock().unwrap_or_else(|e| e.into_inner()).remove(&handle).is_some()
+    }
+
+    /// The device ranges `op` reads or writes on this rank.
+    pub fn ranges(&self, op: &Op) -> Vec<(usize, usize)> {
+        let n = self.nranks;
+        let (send, recv, send_len, recv_len) = match *op {
+            Op::Broadcast { send, recv, count, dtype, .. }
+            | Op::Reduce { send, recv, count, dtype, .. }
+            | Op::AllReduce { send, recv, count, dtype, .. } => {
+                (send, recv, count * dtype.size(), count * dtype.size())
+            }
+            Op::AllGather { send, recv, count, dtype } | Op::Gather { send, recv, count, dtype, .. } => {
+                (send, recv, count * dtype.size(), count * dtype.size() * n)
+            }
+            Op::ReduceScatter { send, recv, count, dtype, .. } => {
+                (send, recv, count * dtype.size() * n, count * dtype.size())
+            }
+            Op::AllToAll { send, recv, count, dtype } => {
+                (send, recv, count * dtype.size() * n, count * dtype.size() * n)
+            }
+            Op::Send { buf, count, dtype, .. } | Op::Recv { buf, count, dtype, .. } => {
+                (buf, 0, count * dtype.size(), 0)
+            }
+            Op::Barrier => (0, 0, 0, 0),
+        };
+        [(send, send_len), (recv, recv_len)].into_iter().filter(|&(p, len)| p != 0 && len > 0).collect()
+    }
+
+    /// Why `op` cannot run on the memory its registrations pinned (ncclCommRegister's, and
+    /// `graph`'s: the capture's), if one went stale.
+    fn stale_registration(&self, op: &Op, graph: &[Pins]) -> Option<String> {
+        let ranges = self.ranges(op);
+        let registered: Vec<Pins> =
+            self.registrations.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        registered
+            .iter()
+            .filter(|p| ranges.iter().any(|&(a, l)| p.overlaps(a, l)))
+            .chain(graph.iter())
+            .find_map(Pins::stale)
     }
 
     fn fail(&self, e: CollError) {
@@ -412,8 +528,15 @@ impl Comm {
         if sim().graphs.capture_of(stream).is_some() {
             // Captured, not run: the graph performs it, with the peers, at each launch; the ranks
             // number it then, so every rank replaying the same sequence matches.
+            let pins: Vec<Pins> = if graph_register() {
+                let what = "the CUDA graph's registration at capture (NCCL_GRAPH_REGISTER)";
+                ops.iter().flat_map(|op| self.ranges(op)).map(|(a, l)| Pins::take(what.into(), a, l)).collect()
+            } else {
+                Vec::new()
+            };
             let comm = self.clone();
-            let node = move || crate::core::graphs::Node::Collective(Arc::new(move || comm.replay(&ops, fault_code)));
+            let node =
+                move || crate::core::graphs::Node::Collective(Arc::new(move || comm.replay(&ops, &pins, fault_code)));
             if sim().graphs.record(stream, node) {
                 return Ok(());
             }
@@ -422,7 +545,7 @@ impl Comm {
         let tagged = self.number(ops);
         self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).issued += 1;
         let comm = self.clone();
-        let job = Box::new(move || comm.execute(&tagged, fault_code));
+        let job = Box::new(move || comm.execute(&tagged, &[], fault_code));
         match sim().streams.submit_async(stream, self.device, job) {
             Ok(_) => Ok(()),
             Err(_) => {
@@ -436,8 +559,8 @@ impl Comm {
 
     /// Runs numbered operations counted in `pending`; returns the stream's code (a device fault's,
     /// else 0: other failures are the communicator's asynchronous error).
-    fn execute(&self, tagged: &[(Op, u64)], fault_code: fn(MemError) -> i32) -> i32 {
-        let code = match self.run(tagged) {
+    fn execute(&self, tagged: &[(Op, u64)], graph: &[Pins], fault_code: fn(MemError) -> i32) -> i32 {
+        let code = match self.run(tagged, graph) {
             Ok(()) => 0,
             Err(e) => {
                 let code = if let CollError::Device(m) = e { fault_code(m) } else { 0 };
@@ -462,7 +585,7 @@ impl Comm {
     /// launching thread as the graph's other nodes are. A communicator that has failed or is
     /// suspended runs nothing; the failure is its asynchronous error, as for a kernel that
     /// cannot proceed.
-    fn replay(&self, ops: &[Op], fault_code: fn(MemError) -> i32) -> i32 {
+    fn replay(&self, ops: &[Op], graph: &[Pins], fault_code: fn(MemError) -> i32) -> i32 {
         if self.async_error().is_some() {
             return 0;
         }
@@ -475,7 +598,7 @@ impl Comm {
         }
         let tagged = self.number(ops.to_vec());
         self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).issued += 1;
-        self.execute(&tagged, fault_code)
+        self.execute(&tagged, graph, fault_code)
     }
 
     /// Gives each operation its message tag, in the order the host issued them.
@@ -606,14 +729,31 @@ impl Comm {
         }
     }
 
-    fn run(&self, ops: &[(Op, u64)]) -> Result<(), CollError> {
+    fn run(&self, ops: &[(Op, u64)], graph: &[Pins]) -> Result<(), CollError> {
         if let Some(e) = self.async_error() {
             return Err(e);
         }
         for (op, tag) in ops {
+            if let Some(why) = self.stale_registration(op, graph) {
+                return Err(self.give_up(op, *tag, why));
+            }
             self.run_one(op, *tag)?;
         }
         Ok(())
+    }
+
+    /// A rank that cannot take part in `op`: after the bounded wait, it tells the others (their
+    /// collective fails too) and fails with `why`.
+    fn give_up(&self, op: &Op, tag: u64, why: String) -> CollError {
+        std::thread::sleep(stale_timeout());
+        if !matches!(op, Op::Send { .. } | Op::Recv { .. }) {
+            let header = [STALE, self.rank as u64, 0, 0, 0];
+            let bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
+            for p in self.others() {
+                let _ = self.mesh.send(p, tag, &bytes);
+            }
+        }
+        CollError::System(format!("rank {}: {} #{}: {why}", self.rank, op.name(), tag >> STEP_BITS))
     }
 
     fn run_one(&self, op: &Op, tag: u64) -> Result<(), CollError> {
@@ -658,6 +798,13 @@ impl Comm {
         }
         for p in self.others() {
             let theirs = decode_header(&self.mesh.recv(p, tag)?)?;
+            if theirs[0] == STALE {
+                return Err(CollError::System(format!(
+                    "collective #{}: rank {p} gave up on it, a buffer registration of its went stale \
+                     (the physical memory registered was unmapped or released and other memory mapped there)",
+                    tag >> STEP_BITS
+                )));
+            }
             if theirs != mine {
                 return Err(CollError::InvalidUsage(format!(
                     "ranks disagree on collective #{}: rank {} called {}, rank {p} called {}",
@@ -950,4 +1097,10 @@ fn read(addr: usize, len: usize) -> Result<Vec<u8>, CollError> {
 
 fn write(addr: usize, data: &[u8]) -> Result<(), CollError> {
     sim().kernel_write(addr, data).map_err(CollError::Device)
+}
+
+/// NCCL registers the buffers of collectives captured in a CUDA graph unless
+/// `NCCL_GRAPH_REGISTER=0` (NCCL environment variables; user guide, "User Buffer Registration").
+fn graph_register() -> bool {
+    std::env::var("NCCL_GRAPH_REGISTER").map_or(true, |v| v.trim() != "0")
 }

@@ -146,7 +146,8 @@ pub unsafe extern "C" fn cuda_graph_launch(exec: *mut c_void, stream: *mut c_voi
         if !sim().streams.exists(crate::cuda::stream_id(stream as usize)) {
             return INVALID_RESOURCE_HANDLE;
         }
-        match crate::core::graphs::launch(&e, crate::cuda::stream_id(stream as usize)) {
+        let stream = crate::cuda::stream_id(stream as usize);
+        match crate::core::graphs::launch(&e, stream, crate::cuda::current_device(), code_of) {
             Ok(()) => SUCCESS,
             Err(LaunchError::Earlier(code)) => code,
             Err(LaunchError::Memory(m)) => code_of(m),
