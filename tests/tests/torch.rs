@@ -148,6 +148,13 @@ fn torch_collectives_captured_in_cuda_graphs_replay_with_the_peers() {
     pytest("test_nccl_graphs.py");
 }
 
+/// CUDA IPC when the exporter frees what it shared: the importer keeps reading the pages it
+/// opened, and the exporter's next allocation is other memory (test_cuda_ipc.py).
+#[test]
+fn cuda_ipc_importers_keep_the_pages_they_opened() {
+    pytest("test_cuda_ipc.py");
+}
+
 /// Tag `nccl` under an unchanged torch.distributed program: 2 ranks with the hook, a default and a
 /// second NCCL process group, paused and resumed through tms's Python API and tms-ctl; a
 /// collective while suspended, idempotence, groups destroyed while suspended

@@ -258,6 +258,8 @@ pub struct Memory {
     plain: BTreeMap<usize, Plain>,
     /// Other processes' plain allocations opened here through CUDA IPC, by device address.
     imported: BTreeMap<usize, Imported>,
+    /// Pool offsets of plain allocations handed to other processes (`retain_for_importers`).
+    exported: std::collections::HashSet<u64>,
 }
 
 /// What a freed or released range gives back to the device. Its memfd range is out of every
@@ -345,6 +347,7 @@ impl Memory {
             reservations: BTreeMap::new(),
             plain: BTreeMap::new(),
             imported: BTreeMap::new(),
+            exported: std::collections::HashSet::new(),
         })
     }
 
@@ -599,12 +602,23 @@ impl Memory {
         Ok(addr)
     }
 
-    /// Frees a plain allocation; returns its host range and the size it was asked with.
-    pub fn plain_free(&mut self, addr: usize) -> MemResult<(Freed, usize)> {
+    /// Frees a plain allocation; returns its host range, the size it was asked with, and whether
+    /// the range must stay as it is (`retain_for_importers`): then it is neither emptied nor
+    /// handed out again.
+    pub fn plain_free(&mut self, addr: usize) -> MemResult<(Freed, usize, bool)> {
         let p = self.plain.remove(&addr).ok_or(MemError::Invalid)?;
         unmap_range(addr, p.len);
         unmap_range(p.mirror, p.len);
-        Ok((Freed { device: p.device, bytes: p.len as u64, offset: p.offset }, p.requested))
+        let retained = self.exported.remove(&p.offset);
+        Ok((Freed { device: p.device, bytes: p.len as u64, offset: p.offset }, p.requested, retained))
+    }
+
+    /// Another process may map the pool range at `offset` (a CUDA IPC handle was made for it).
+    /// An importer keeps the pages it opened until it closes its handle, whatever the exporter
+    /// does meanwhile; the simulator cannot see other processes' closes, so once freed such a
+    /// range keeps its bytes and is never reused for the rest of this process.
+    pub fn retain_for_importers(&mut self, offset: u64) {
+        self.exported.insert(offset);
     }
 
     // ---- CUDA IPC -----------------------------------------------------------------------------

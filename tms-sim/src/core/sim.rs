@@ -220,8 +220,10 @@ impl Sim {
         self.streams.synchronize_all(None);
         let _no_view = crate::core::streams::VIEWS.close();
         let _no_copy = self.copying.write().unwrap_or_else(|e| e.into_inner());
-        let (freed, requested) = self.write().plain_free(addr)?;
-        self.give_back_host(&freed);
+        let (freed, requested, retained) = self.write().plain_free(addr)?;
+        if !retained {
+            self.give_back_host(&freed);
+        }
         self.uncharge_plain(freed.device, requested);
         Ok(())
     }

@@ -67,11 +67,12 @@ impl MemHandle {
 pub unsafe extern "C" fn cuda_ipc_get_mem_handle(handle: *mut IpcHandle, ptr: *mut c_void) -> i32 {
     call("cudaIpcGetMemHandle", || {
         enter!();
-        let mem = sim().mem.read().unwrap_or_else(|e| e.into_inner());
+        let mut mem = sim().mem.write().unwrap_or_else(|e| e.into_inner());
         let (_, len, device, offset) = match mem.ipc_export(ptr as usize) {
             Ok(found) => found,
             Err(e) => return code_of(e),
         };
+        mem.retain_for_importers(offset);
         let pid = std::process::id();
         let h = MemHandle {
             pid,
