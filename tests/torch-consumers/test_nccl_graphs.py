@@ -237,3 +237,112 @@ def test_without_graph_registration_a_replay_uses_the_memory_mapped_now(sim):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["stale_errors"] == [0, 0], out
     assert out["after"] == [[12.0], [12.0]], out
+
+
+# ---- SGLang's pattern: the decode graph's all-reduce in a pausable graph pool ------------------
+
+POOL_PROGRAM = r"""
+import json, os, time, torch, torch.distributed as dist, torch_memory_saver
+from datetime import timedelta
+saver = torch_memory_saver.torch_memory_saver
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+out = {}
+def save():
+    with open(os.environ["OUT"], "w") as f:
+        json.dump(out, f)
+n = 1 << 16
+x = torch.zeros(n, device="cuda")  # the runner's static input, outside the regions
+def step():
+    y = x * 2  # an intermediate in the graph's pool: in the cuda_graph region
+    dist.all_reduce(y)
+    return y + 1
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    step()
+torch.cuda.current_stream().wait_stream(s)
+torch.cuda.synchronize()
+g = torch.cuda.CUDAGraph()
+with saver.cuda_graph(cuda_graph=g, stream=s, tag="cuda_graph"):
+    z = step()
+def replay(i):
+    x.copy_(torch.arange(n, dtype=torch.float32, device="cuda") * (rank + 1) + i)
+    g.replay()
+    torch.cuda.synchronize()
+    return z[:3].tolist()
+out["before"] = replay(0)
+# release_memory_occupation / resume_memory_occupation of the graphs (no backup: SGLang's tag).
+saver.pause(tag="cuda_graph")
+saver.resume(tag="cuda_graph")
+start = time.monotonic()
+out["after"] = replay(1)
+out["seconds"] = time.monotonic() - start
+save()
+w = torch.ones(8, device="cuda")
+try:
+    dist.all_reduce(w)
+    torch.cuda.synchronize()
+    out["eager_after"] = w[:2].tolist()
+except Exception as e:
+    out["eager_after"] = f"{type(e).__name__}: {e}"
+save()
+os._exit(0)  # the process group may be failed: no teardown
+"""
+
+
+@pytest.mark.parametrize("register", ["1", "0"])
+def test_a_decode_graphs_all_reduce_after_its_pool_was_paused_and_resumed(sim, register):
+    # SGLang captures its tensor-parallel all-reduce in each decode graph, in a graph pool that
+    # torch_memory_saver's `cuda_graph` tag releases and takes back. The all-reduce's buffer then
+    # is other physical memory. PyTorch registers every segment of its caching allocator with
+    # ncclCommRegister, and NCCL registers a captured collective's buffers (both NCCL's
+    # defaults): the collective still names the released pages and must fail, never reduce the
+    # new memory as if nothing had happened. With both registrations off
+    # (NCCL_LOCAL_REGISTER=0, NCCL_GRAPH_REGISTER=0) the replay reduces the new memory.
+    import os
+    import subprocess
+    import sys
+    import time as _time
+
+    script = sim.tmp / "pool_program.py"
+    script.write_text(POOL_PROGRAM)
+    port = 29000 + (os.getpid() * 11 + int(_time.time()) + int(register) * 97) % 20000
+    procs = []
+    for rank in range(2):
+        env = sim.env(
+            devices=2,
+            memory="2GiB",
+            preload=sim.compat_dir() / "torch_memory_saver_hook_mode_preload.abi3.so",
+            extra={
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OUT": str(sim.tmp / f"pool{rank}.json"),
+                "OMP_NUM_THREADS": "1",
+                "NCCL_GRAPH_REGISTER": register,
+                "NCCL_LOCAL_REGISTER": register,
+                "TMS_SIM_NCCL_STALE_TIMEOUT": "1",
+            },
+        )
+        procs.append(
+            subprocess.Popen([sys.executable, str(script)], env=env, cwd=sim.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for rank, (p, text) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{text}"
+    results = [json.loads((sim.tmp / f"pool{r}.json").read_text()) for r in range(2)]
+    exact = lambda i: [2 * (k + i) + 2 * (2 * k + i) + 1 for k in range(3)]  # noqa: E731
+    for r in results:
+        assert r["before"] == exact(0), r
+    if register == "0":
+        for r in results:
+            assert r["after"] == exact(1), r
+            assert r["eager_after"] == [2.0, 2.0], r
+    else:
+        for rank, r in enumerate(results):
+            assert r["after"] != exact(1), r  # not reduced as if the registration still held
+            assert 1.0 <= r["seconds"] < 60, r
+            assert "NCCL" in r["eager_after"] and "registration" in r["eager_after"], r

@@ -54,7 +54,8 @@ pub struct Pins {
 
 impl Pins {
     pub fn take(what: String, addr: usize, len: usize) -> Pins {
-        Pins { what, addr, len, pieces: sim().physical_pieces(addr, len) }
+        let pieces = if len == 0 { Vec::new() } else { sim().physical_pieces(addr, len) };
+        Pins { what, addr, len, pieces }
     }
 
     fn overlaps(&self, addr: usize, len: usize) -> bool {
@@ -366,7 +367,10 @@ impl Comm {
     /// now. Returns the registration's handle.
     pub fn register(&self, addr: usize, len: usize) -> u64 {
         let handle = self.next_registration.fetch_add(1, Ordering::AcqRel);
-        let pins = Pins::take(format!("ncclCommRegister's registration {handle:#x}"), addr, len);
+        let what = format!("ncclCommRegister's registration {handle:#x}");
+        // With local registration off NCCL keeps the handle but works through the address.
+        let len = if register_switch("NCCL_LOCAL_REGISTER") { len } else { 0 };
+        let pins = Pins::take(what, addr, len);
         self.registrations.lock().unwrap_or_else(|e| e.into_inner()).insert(handle, pins);
         handle
     }
@@ -528,7 +532,7 @@ impl Comm {
         if sim().graphs.capture_of(stream).is_some() {
             // Captured, not run: the graph performs it, with the peers, at each launch; the ranks
             // number it then, so every rank replaying the same sequence matches.
-            let pins: Vec<Pins> = if graph_register() {
+            let pins: Vec<Pins> = if register_switch("NCCL_GRAPH_REGISTER") {
                 let what = "the CUDA graph's registration at capture (NCCL_GRAPH_REGISTER)";
                 ops.iter().flat_map(|op| self.ranges(op)).map(|(a, l)| Pins::take(what.into(), a, l)).collect()
             } else {
@@ -1099,8 +1103,10 @@ fn write(addr: usize, data: &[u8]) -> Result<(), CollError> {
     sim().kernel_write(addr, data).map_err(CollError::Device)
 }
 
-/// NCCL registers the buffers of collectives captured in a CUDA graph unless
-/// `NCCL_GRAPH_REGISTER=0` (NCCL environment variables; user guide, "User Buffer Registration").
-fn graph_register() -> bool {
-    std::env::var("NCCL_GRAPH_REGISTER").map_or(true, |v| v.trim() != "0")
+/// NCCL's registration switches, both on unless set to 0: `NCCL_GRAPH_REGISTER` (the buffers of
+/// collectives captured in a CUDA graph; NCCL environment variables, user guide "User Buffer
+/// Registration") and `NCCL_LOCAL_REGISTER` (buffers given to ncclCommRegister; NCCL's
+/// `ncclParamLocalRegister`, src/include/register.h).
+fn register_switch(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v.trim() != "0")
 }
