@@ -50,7 +50,16 @@ typedef struct tms_report {
   uint64_t device_total;
   uint64_t backup_ns;           /* time of the backup/restore pipeline: copies, with the releases
                                    (pause) or creates (resume) overlapped into it (part of elapsed_ns) */
+  uint64_t backup_bytes_skipped; /* bytes of backed-up allocations not copied because they were
+                                    marked dead (tms_mark_dead); plus backup_bytes, what a
+                                    whole-allocation backup copies */
 } tms_report;
+
+/* Bytes at a device address (tms_mark_dead). */
+typedef struct tms_range {
+  uint64_t addr;
+  uint64_t len;
+} tms_range;
 
 typedef struct tms_tag_status {
   const char *tag;              /* valid until this thread's next tms_status */
@@ -114,6 +123,15 @@ void tms_torch_free(void *ptr, ssize_t size, int device, void *stream);
 /* As tms_pause/tms_resume, and fill *out (may be NULL). */
 int tms_pause_report(const char *tag, tms_report *out);
 int tms_resume_report(const char *tag, tms_report *out);
+/* Declares the contents of `count` ranges dead for the next pause of the region allocations they
+ * lie in (e.g. blocks a caching allocator holds free): that pause's backup copies only the rest,
+ * merged into few large copies, and after the resume the dead bytes are undefined (as after
+ * freeing them) while the others are restored byte for byte. The pause consumes the marks (the
+ * allocator may reuse a block after the resume); freeing the allocation drops them. Ranges in an
+ * allocation already paused, and zero-length ones, are ignored. All or nothing: a range that is
+ * not inside one region allocation (from an address in it to at most the end of its requested
+ * size) returns TMS_ERR_INVALID and marks nothing; so does ranges == NULL with count > 0. */
+int tms_mark_dead(const tms_range *ranges, size_t count);
 /* Write up to `capacity` per-tag entries to out; *count receives the number of tags. */
 int tms_status(tms_tag_status *out, size_t capacity, size_t *count);
 /* Free retained backup buffers of active allocations; *bytes_freed may be NULL. */

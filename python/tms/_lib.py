@@ -74,6 +74,7 @@ class Report(ctypes.Structure):
         ("device_free_after", ctypes.c_uint64),
         ("device_total", ctypes.c_uint64),
         ("backup_ns", ctypes.c_uint64),
+        ("backup_bytes_skipped", ctypes.c_uint64),
     ]
 
     def as_dict(self):
@@ -90,6 +91,15 @@ class TagStatus(ctypes.Structure):
         ("bytes_active", ctypes.c_uint64),
         ("bytes_paused", ctypes.c_uint64),
         ("backup_bytes", ctypes.c_uint64),
+    ]
+
+
+class MemRange(ctypes.Structure):
+    """``tms_range`` of include/tms.h: bytes at a device address, as ``tms_mark_dead`` takes them."""
+
+    _fields_ = [
+        ("addr", ctypes.c_uint64),
+        ("len", ctypes.c_uint64),
     ]
 
 
@@ -129,6 +139,7 @@ TMS_API = {
     "tms_resume_report": ([_c_char_p, ctypes.POINTER(Report)], _c_int),
     "tms_status": ([ctypes.POINTER(TagStatus), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)], _c_int),
     "tms_release_cpu_backups": ([ctypes.POINTER(_c_uint64)], _c_int),
+    "tms_mark_dead": ([ctypes.POINTER(MemRange), ctypes.c_size_t], _c_int),
     "tms_strerror": ([_c_int], _c_char_p),
     "tms_version": ([], _c_char_p),
 }

@@ -400,6 +400,18 @@ fn disk_backup_keeps_contents_in_a_file_and_survives_an_unreadable_one() {
 }
 
 #[test]
+fn a_range_marked_dead_is_not_copied_and_the_live_bytes_come_back() {
+    // One handle, and 2 MiB pieces the dead range crosses; every loading style sees the export.
+    for (chunk, style) in [("16", Style::Linked), ("2", Style::Linked), ("2", Style::Dlsym)] {
+        for api in ["cuda", "acl"] {
+            let node = SimNode::new("1GiB").env("TMS_PHYSICAL_CHUNK_MB", chunk).env("TMS_BACKUP_CHUNK_MB", "2");
+            let out = hooked(&node, style, &["live-only", api]);
+            assert!(out.contains("live-only ok: copied=5246976 skipped=3145728"), "{chunk} {style:?} {api}: {out}");
+        }
+    }
+}
+
+#[test]
 fn restore_verification_catches_a_written_backup_and_a_bad_copy_naming_allocation_tag_and_offset() {
     for api in ["cuda", "acl"] {
         let node = SimNode::new("1GiB");

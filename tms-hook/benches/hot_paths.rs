@@ -26,6 +26,8 @@ fn entry(tag: u32) -> Allocation {
         disk: false,
         disk_file: None,
         doomed: false,
+        dead: Vec::new(),
+        live: None,
     }
 }
 

@@ -71,6 +71,12 @@ pub struct Allocation {
     /// The application freed it but a driver call failed half-way; freeing again finishes the job,
     /// and pause/resume leave it alone.
     pub doomed: bool,
+    /// Offsets the application marked dead for the next pause (`tms_mark_dead`): sorted,
+    /// disjoint. That pause consumes them.
+    pub dead: Vec<std::ops::Range<usize>>,
+    /// What the backup holds: the ranges the last pause with backup copied (None: all of
+    /// `size`). Everything else is undefined after the resume.
+    pub live: Option<Vec<std::ops::Range<usize>>>,
 }
 
 impl Allocation {
@@ -84,6 +90,17 @@ impl Allocation {
     pub fn piece_data_len(&self, i: usize) -> usize {
         let (offset, len) = self.piece_range(i);
         self.size.saturating_sub(offset).min(len)
+    }
+
+    /// The ranges of piece `i` that its backup holds.
+    pub fn piece_live(&self, i: usize) -> Vec<std::ops::Range<usize>> {
+        let (offset, len) = self.piece_range(i);
+        crate::saver::live::clip(self.live.as_deref(), self.size, offset..offset + len)
+    }
+
+    /// The ranges the backup holds, in order.
+    pub fn backup_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        crate::saver::live::clip(self.live.as_deref(), self.size, 0..self.size)
     }
 
     pub fn all_mapped(&self) -> bool {
@@ -138,6 +155,8 @@ mod tests {
             disk: false,
             disk_file: None,
             doomed: false,
+            dead: Vec::new(),
+            live: None,
         };
         assert_eq!(a.piece_range(0), (0, 4 << 20));
         assert_eq!(a.piece_range(1), (4 << 20, 2 << 20));

@@ -113,6 +113,12 @@ c_struct! {
         /// hooks older than the field.
         #[serde(default)]
         pub backup_ns: u64,
+        /// Bytes of backed-up allocations not copied to (pause) or from (resume) their backups
+        /// because they were marked dead (`tms_mark_dead`); `backup_bytes` plus these is what a
+        /// whole-allocation backup copies. Absent from the replies of hooks older than the
+        /// field.
+        #[serde(default)]
+        pub backup_bytes_skipped: u64,
     }
 }
 
@@ -131,8 +137,17 @@ c_struct! {
     }
 }
 
+c_struct! {
+    /// `tms_range`: bytes at a device address, as `tms_mark_dead` takes them.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    pub struct MemRange = "tms_range" {
+        pub addr: u64,
+        pub len: u64,
+    }
+}
+
 /// The C structs, for the tests that hold the header and the Python mirror to them.
-pub const LAYOUTS: [Layout; 2] = [Report::LAYOUT, TagStatus::LAYOUT];
+pub const LAYOUTS: [Layout; 3] = [Report::LAYOUT, TagStatus::LAYOUT, MemRange::LAYOUT];
 
 /// Declares the `TMS_*` codes and `CODES`, their names and values, from one list.
 macro_rules! codes {
@@ -169,13 +184,17 @@ mod tests {
     #[test]
     fn layouts_are_those_of_the_structs() {
         let r = Report::LAYOUT;
-        assert_eq!((r.name, r.c_name, r.size, r.fields.len()), ("Report", "tms_report", 104, 14));
+        assert_eq!((r.name, r.c_name, r.size, r.fields.len()), ("Report", "tms_report", 112, 15));
         assert_eq!(
             r.fields[1],
             Field { name: "driver_error", c_type: "int32_t", ctypes: "c_int32", offset: 4, size: 4 }
         );
         assert_eq!(r.fields[13].name, "backup_ns");
         assert_eq!(r.fields[13].offset, 96);
+        // New fields go at the end: every older field keeps its offset.
+        assert_eq!((r.fields[14].name, r.fields[14].offset), ("backup_bytes_skipped", 104));
+        let m = MemRange::LAYOUT;
+        assert_eq!((m.c_name, m.size, m.fields[1].offset), ("tms_range", 16, 8));
         let t = TagStatus::LAYOUT;
         assert_eq!((t.c_name, t.size), ("tms_tag_status", 48));
         assert_eq!((t.fields[0].c_type, t.fields[0].ctypes), ("const char *", "c_char_p"));

@@ -886,6 +886,7 @@ mod tests {
             device_free_after: 10,
             device_total: 11,
             backup_ns: 12,
+            backup_bytes_skipped: 13,
         };
         let report = OpReport::new(Some("kv".into()), &c, Some(ProtoError::new(ErrorCode::DriverError, "x")));
         let line = serde_json::to_string(&report).unwrap();
@@ -893,12 +894,14 @@ mod tests {
             line,
             r#"{"tag":"kv","allocations_done":1,"bytes_done":2,"allocations_skipped":3,"bytes_skipped":4,"#.to_owned()
                 + r#""allocations_failed":5,"bytes_failed":6,"backup_bytes":7,"elapsed_ns":8,"device_free_before":9,"#
-                + r#""device_free_after":10,"device_total":11,"backup_ns":12,"error":{"code":"driver_error","message":"x"}}"#
+                + r#""device_free_after":10,"device_total":11,"backup_ns":12,"backup_bytes_skipped":13,"error":{"code":"driver_error","message":"x"}}"#
         );
         assert_eq!(serde_json::from_str::<OpReport>(&line).unwrap(), report);
-        // Hooks older than backup_ns send none; every other counter is required.
-        let old = line.replace(r#","backup_ns":12"#, "");
-        assert_eq!(serde_json::from_str::<OpReport>(&old).unwrap().backup_ns, 0);
+        // Hooks older than backup_ns or backup_bytes_skipped send none; every other counter is
+        // required.
+        let old = line.replace(r#","backup_ns":12"#, "").replace(r#","backup_bytes_skipped":13"#, "");
+        let read = serde_json::from_str::<OpReport>(&old).unwrap();
+        assert_eq!((read.backup_ns, read.backup_bytes_skipped), (0, 0));
         assert!(serde_json::from_str::<OpReport>(&line.replace(r#""bytes_done":2,"#, "")).is_err());
     }
 

@@ -5,7 +5,7 @@ use super::{api, opt_str};
 use crate::{region, saver};
 use libc::c_char;
 use tms_proto::abi::{
-    Report as CReport, TMS_ERR_CORRUPT, TMS_ERR_DRIVER, TMS_ERR_INTERNAL, TMS_ERR_INVALID, TMS_ERR_IO,
+    MemRange, Report as CReport, TMS_ERR_CORRUPT, TMS_ERR_DRIVER, TMS_ERR_INTERNAL, TMS_ERR_INVALID, TMS_ERR_IO,
     TMS_ERR_NO_DRIVER, TMS_ERR_OUT_OF_MEMORY, TMS_OK, TagStatus as CTagStatus,
 };
 
@@ -85,6 +85,34 @@ pub unsafe extern "C" fn tms_status(out: *mut CTagStatus, capacity: usize, count
             // SAFETY: checked non-null.
             unsafe { count.write(tags.len()) };
             TMS_OK
+        },
+        TMS_ERR_INTERNAL,
+    )
+}
+
+/// Marks `count` ranges dead for the next pause of their allocations (include/tms.h). All or
+/// nothing: TMS_ERR_INVALID, nothing marked, when one is not inside a region allocation.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn tms_mark_dead(ranges: *const MemRange, count: usize) -> i32 {
+    if count == 0 {
+        return TMS_OK;
+    }
+    if ranges.is_null() {
+        return TMS_ERR_INVALID;
+    }
+    // SAFETY: the caller passes `count` ranges at `ranges` (the exported contract).
+    let ranges = unsafe { std::slice::from_raw_parts(ranges, count) };
+    api(
+        || {
+            let pairs: Vec<(u64, u64)> = ranges.iter().map(|r| (r.addr, r.len)).collect();
+            let Some(s) = crate::existing_saver() else {
+                // No saver yet: no region allocation either, so any non-empty range is outside one.
+                return if pairs.iter().all(|r| r.1 == 0) { TMS_OK } else { TMS_ERR_INVALID };
+            };
+            match s.mark_dead(&pairs) {
+                Ok(()) => TMS_OK,
+                Err(e) => e.codes().0,
+            }
         },
         TMS_ERR_INTERNAL,
     )

@@ -91,6 +91,8 @@ impl Saver {
             disk,
             disk_file: None,
             doomed: false,
+            dead: Vec::new(),
+            live: None,
         };
         for i in 0..entry.pieces.len() {
             if let Err(e) = map_piece(dev, device, addr, &mut entry, i) {

@@ -9,7 +9,8 @@
 //! One idea per file: `alloc` (region allocations and frees), `pause` and `resume` (the two
 //! operations), `pipeline` (their copies to and from host backups over the copy streams), `pool`
 //! (which host buffers resumed allocations keep), `verify` (restores checked against the pause's
-//! checksums), `inspect` (status, devices, backup pointers),
+//! checksums), `live` (which bytes a pause copies: the application's dead marks), `inspect`
+//! (status, devices, backup pointers),
 //! `pieces` (physical pieces and host buffers), `drivers` (each vendor's driver, loaded once),
 //! `error` (what callers get back).
 
@@ -17,6 +18,7 @@ mod alloc;
 mod drivers;
 mod error;
 mod inspect;
+pub(crate) mod live;
 mod pause;
 mod pieces;
 mod pipeline;
@@ -343,6 +345,8 @@ mod tests {
             disk: false,
             disk_file: None,
             doomed: false,
+            dead: Vec::new(),
+            live: None,
         };
         lock(&saver.registry).map.insert(addr, a);
         saver.tracked.fetch_add(1, Ordering::AcqRel);
@@ -377,6 +381,30 @@ mod tests {
         assert!(panicked.is_err());
         assert!(within_5s(move || saver.free(0x1000)).is_some());
         assert_eq!(lock(&saver.registry).map[&0x1000].state, State::Active);
+    }
+
+    #[test]
+    fn dead_marks_are_all_or_nothing_and_consumed_by_the_pause() {
+        let saver = Saver::new();
+        fake_allocation(&saver, 0x10_0000, Vendor::Cuda); // 1 MiB asked for, 2 MiB mapped
+        let marks = |s: &Saver| lock(&s.registry).map[&0x10_0000].dead.clone();
+        let invalid = Err(Error::Invalid("a range is not inside one region allocation"));
+        // Past the requested size (inside the rounding), before the allocation, far away: each
+        // refuses the whole call, the good range beside it included.
+        for bad in [(0x10_0000 + (1 << 20) - 8, 16), (0x0f_0000, 16), (0x9000_0000, 1), (0x10_0000, u64::MAX)] {
+            assert_eq!(saver.mark_dead(&[(0x10_0000, 4096), bad]), invalid, "{bad:x?}");
+            assert!(marks(&saver).is_empty());
+        }
+        assert_eq!(saver.mark_dead(&[(0x10_0000 + 8192, 4096), (0x10_0000, 4096), (0x10_0000 + 4096, 4096)]), Ok(()));
+        assert_eq!(saver.mark_dead(&[(0x10_0000, 0)]), Ok(()));
+        assert_eq!(marks(&saver), vec![0..12288]);
+        // The pause takes them (its driver is missing here, so it fails, but they are gone).
+        saver.pause(None);
+        assert!(marks(&saver).is_empty());
+        // A paused allocation's marks would outlive its blocks: accepted, ignored.
+        lock(&saver.registry).map.get_mut(&0x10_0000).unwrap().state = State::Paused;
+        assert_eq!(saver.mark_dead(&[(0x10_0000, 4096)]), Ok(()));
+        assert!(marks(&saver).is_empty());
     }
 
     #[test]

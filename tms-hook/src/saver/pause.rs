@@ -1,7 +1,7 @@
 //! Pause: synchronize, copy to the host backup where enabled, unmap, release.
 
-use super::pieces::{free_host_buf, map_piece, piece_copy, release_piece, unmap_piece};
-use super::{Error, Job, Report, Saver, lock, pipeline};
+use super::pieces::{free_host_buf, map_piece, piece_copies, release_piece, unmap_piece};
+use super::{Error, Job, Report, Saver, live, lock, pipeline};
 use crate::backup;
 use crate::device::{Device, Stream};
 use crate::disk;
@@ -18,6 +18,7 @@ impl Saver {
         let name = tag;
         let tag = tag.map(region::lookup);
         let (mut jobs, mut report) = self.begin(tag, State::Active);
+        jobs.iter_mut().for_each(Self::consume_marks);
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };
             let previous = match dev.bind_thread(device) {
@@ -81,7 +82,9 @@ impl Saver {
                 self.take_checksums(&mut jobs[i]);
                 jobs[i].a.backup_valid = true;
                 jobs[i].ok = true;
-                report.backup_bytes += jobs[i].a.size as u64;
+                let copied = live::bytes(&jobs[i].a.backup_ranges());
+                report.backup_bytes += copied as u64;
+                report.backup_bytes_skipped += (jobs[i].a.size - copied) as u64;
             }
         }
         report.backup_ns += started.elapsed().as_nanos() as u64;
@@ -147,11 +150,11 @@ impl Saver {
                 Ok(false) => {}
                 Ok(true) => {
                     *again = true;
-                    if let Some(c) = piece_copy(j, p)
-                        && let Err(e) = dev
-                            .copy_to_device_async(c.device_addr, c.host, c.len, stream)
-                            .and_then(|()| dev.stream_synchronize(stream))
-                    {
+                    let copied = piece_copies(j, p)
+                        .iter()
+                        .try_for_each(|c| dev.copy_to_device_async(c.device_addr, c.host, c.len, stream))
+                        .and_then(|()| dev.stream_synchronize(stream));
+                    if let Err(e) = copied {
                         // The copy may still be running: it must end before the piece is
                         // unmapped below, and its error must not stay on the stream for the next
                         // resume to fail on.

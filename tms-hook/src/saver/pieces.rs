@@ -56,16 +56,18 @@ pub(super) fn missing_bytes(a: &Allocation) -> usize {
     (0..a.pieces.len()).filter(|&p| a.pieces[p].handle.is_none()).map(|p| a.piece_range(p).1).sum()
 }
 
-/// The copy that saves or restores the data in piece `p` of a job (None: no data there).
-pub(super) fn piece_copy(j: &Job, p: usize) -> Option<CopyJob> {
-    let len = j.a.piece_data_len(p);
-    let b = j.a.backup?;
-    (len > 0).then(|| {
-        let offset = j.a.piece_range(p).0;
-        // SAFETY: the backup holds `size` bytes and offset + len <= size.
-        let host = unsafe { (b.ptr as *mut u8).add(offset) };
-        CopyJob { device_addr: j.addr + offset as u64, host, len }
-    })
+/// The copies that save or restore the data of piece `p` of a job: its live ranges (all of its
+/// data unless the pause was told of dead ones), none where it holds no live data.
+pub(super) fn piece_copies(j: &Job, p: usize) -> Vec<CopyJob> {
+    let Some(b) = j.a.backup else { return Vec::new() };
+    j.a.piece_live(p)
+        .into_iter()
+        .map(|r| {
+            // SAFETY: the backup holds `size` bytes and every live range ends at or before `size`.
+            let host = unsafe { (b.ptr as *mut u8).add(r.start) };
+            CopyJob { device_addr: j.addr + r.start as u64, host, len: r.len() }
+        })
+        .collect()
 }
 
 /// Maps piece `i` of `a` at its place, creating physical memory unless the piece kept its handle.

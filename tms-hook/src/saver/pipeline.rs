@@ -2,18 +2,20 @@
 //! about one chunk over the saver's copy streams (backup.rs's window), while the calling thread
 //! releases (pause) or creates and maps (resume) the physical memory of the other batches.
 
-use super::pieces::{ensure_backup_buffer, map_piece, piece_copy, release_piece, unmap_piece};
+use super::pieces::{ensure_backup_buffer, map_piece, piece_copies, release_piece, unmap_piece};
 use super::{Error, Job, Report, Saver};
 use crate::backup::{self, CopyJob, Direction, Window};
 use crate::config::config;
 use crate::device::{DevResult, Device, Stream};
 use std::ops::Range;
 
-/// Consecutive runs of `count` units of about one chunk each; `unit` gives a unit's (job, piece).
+/// Consecutive runs of `count` units of about one chunk of copies each; `unit` gives a unit's
+/// (job, piece). A piece counts the live bytes it copies, so pieces with little or nothing live
+/// share a batch.
 fn batches(jobs: &[Job], count: usize, unit: impl Fn(usize) -> (usize, usize)) -> Vec<Range<usize>> {
     backup::batches(count, config().backup_chunk, |u| {
         let (i, p) = unit(u);
-        jobs[i].a.piece_range(p).1
+        super::live::bytes(&jobs[i].a.piece_live(p))
     })
 }
 
@@ -35,7 +37,7 @@ pub(super) fn save(
         if live.is_empty() {
             continue;
         }
-        let copies: Vec<CopyJob> = live.iter().filter_map(|&u| piece_copy(&jobs[units[u].0], units[u].1)).collect();
+        let copies: Vec<CopyJob> = live.iter().flat_map(|&u| piece_copies(&jobs[units[u].0], units[u].1)).collect();
         window
             .send(live, &copies, Direction::ToHost, |done| retire_saved(dev, jobs, &units, &mut failed, done, report));
     }
@@ -160,13 +162,13 @@ pub(super) fn restore(
                 continue;
             };
             r.units[u].2 = created;
-            // A piece that kept its memory kept its contents.
-            if created
-                && j.a.backup_valid
-                && let Some(c) = piece_copy(j, p)
-            {
-                copies.push(c);
-                live.push(u);
+            // A piece that kept its memory kept its contents; one with nothing live has no copy.
+            if created && j.a.backup_valid {
+                let before = copies.len();
+                copies.extend(piece_copies(j, p));
+                if copies.len() > before {
+                    live.push(u);
+                }
             }
         }
         if copies.is_empty() {

@@ -145,7 +145,9 @@ impl Saver {
         }
         for &(i, p, created) in &units {
             if !failed[i] && created && jobs[i].a.backup_valid {
-                report.backup_bytes += jobs[i].a.piece_data_len(p) as u64;
+                let copied = super::live::bytes(&jobs[i].a.piece_live(p));
+                report.backup_bytes += copied as u64;
+                report.backup_bytes_skipped += (jobs[i].a.piece_data_len(p) - copied) as u64;
             }
         }
         for &i in idx {
