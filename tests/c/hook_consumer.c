@@ -582,7 +582,7 @@ static int churn_for(long seconds) {
 }
 
 /* Driven over stdin by a test to make two processes take turns on one device:
- * commands alloc MiB | alloc-env MiB | fill | pause | resume | verify | free | info | quit; one reply
+ * commands alloc MiB | alloc-env MiB | dead MiB | fill | pause | resume | verify | free | info | quit; one reply
  * line each. */
 static int serve(void) {
   char line[128];
@@ -606,6 +606,10 @@ static int serve(void) {
       no_region();
       void *q;
       printf("rc=%d\n", dev_malloc(&q, (size_t)arg * MiB));
+    } else if (sscanf(line, "dead %ld", &arg) == 1) {
+      /* `arg` MiB from 1 MiB into the allocation need not survive the next pause. */
+      tms_range r = {(uint64_t)(uintptr_t)p + MiB, (uint64_t)arg * MiB};
+      printf("rc=%d\n", TMS(tms_mark_dead)(&r, 1));
     } else if (!strncmp(line, "fill", 4)) {
       dev_fill(p, n, 42);
       sum = dev_checksum(p, n);

@@ -97,6 +97,50 @@ fn external_pause_frees_memory_another_process_uses_and_resume_restores_it() {
 }
 
 #[test]
+fn status_shows_what_the_last_pause_copied_and_skipped_adding_fields_only() {
+    let node = SimNode::new("1GiB");
+    let mut trainer = Served::start(&node, "cuda");
+    assert_eq!(trainer.ask("alloc 64"), "rc=0");
+    assert_eq!(trainer.ask("fill"), "rc=0");
+    let pid = trainer.pid().to_string();
+    socket_of(&node, trainer.pid());
+    let (_, before) = json(node.ctl(&["status", &pid, "--json"]));
+    // Every field a status had before this one is still there, unchanged in kind.
+    let st = &before[0]["status"];
+    let old = ["pid", "name", "hook_version", "protocol", "devices", "tags", "margin_bytes", "retain_backup"];
+    for key in old.into_iter().chain(["default_backup", "pooled_backup_bytes"]) {
+        assert!(st.get(key).is_some(), "{key} missing: {st}");
+    }
+    assert!(st.get("last_pause").is_none(), "no pause yet: {st}");
+
+    assert_eq!(trainer.ask("dead 16"), "rc=0");
+    assert!(trainer.ask("pause").starts_with("rc=0 done=67108864"));
+    let (code, status) = json(node.ctl(&["status", &pid, "--json"]));
+    assert_eq!(code, 0);
+    let last = &status[0]["status"]["last_pause"];
+    assert_eq!(
+        (last["backup_bytes"].as_u64(), last["backup_bytes_skipped"].as_u64()),
+        (Some(48 * MIB), Some(16 * MIB))
+    );
+    assert_eq!(last["bytes_done"], 64 * MIB, "{last}");
+    let human = run_ok(&mut node.ctl(&["status", &pid]));
+    assert!(human.contains("last pause (every tag): paused 1 allocations, 64.0 MiB"), "{human}");
+    assert!(human.contains("backup copied 48.0 MiB, skipped 16.0 MiB (marked dead)"), "{human}");
+
+    // The resume restores what the pause copied; from outside, with no marks, the whole
+    // allocation is copied, as before.
+    let resumed = run_ok(&mut node.ctl(&["resume", &pid]));
+    assert!(resumed.contains("backup copied 48.0 MiB, skipped 16.0 MiB (marked dead)"), "{resumed}");
+    let (code, paused) = json(node.ctl(&["pause", &pid, "--json"]));
+    assert_eq!(code, 0, "{paused}");
+    let report = &paused[0]["report"];
+    assert_eq!((report["backup_bytes"].as_u64(), report["backup_bytes_skipped"].as_u64()), (Some(64 * MIB), Some(0)));
+    let resumed = run_ok(&mut node.ctl(&["resume", &pid]));
+    assert!(resumed.contains("backup copied 64.0 MiB, skipped 0 B (marked dead)"), "{resumed}");
+    trainer.quit();
+}
+
+#[test]
 fn unknown_targets_and_bad_usage_exit_2() {
     let node = SimNode::new("1GiB");
     for args in [vec!["pause", "nobody"], vec!["pause"], vec!["resume", "12345678"], vec!["set", "--all"]] {

@@ -627,6 +627,11 @@ fn show_status(ctx: &Ctx, procs: &[SocketEntry]) -> Result<u8, Failure> {
                         st.default_backup,
                         human(st.pooled_backup_bytes)
                     );
+                    if let Some(p) = &st.last_pause {
+                        let tag =
+                            p.tag.as_deref().map_or_else(|| "every tag".into(), |t| format!("tag {}", printable(t)));
+                        println!("  last pause ({tag}): {}", op_summary("paused", p));
+                    }
                     for t in &st.tags {
                         println!(
                             "  tag {:<14} active {} ({}), paused {} ({}), backup {}",
@@ -717,15 +722,7 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool, for
         if !ctx.json {
             let mut line = format!("{}: ", label(row.pid, row.name.as_deref()));
             if let Some(r) = &row.report {
-                line.push_str(&format!(
-                    "{verb} {} allocations, {} in {:.1} ms (skipped {}, failed {}); device free {}",
-                    r.allocations_done,
-                    human(r.bytes_done),
-                    r.elapsed_ns as f64 / 1e6,
-                    r.allocations_skipped,
-                    r.allocations_failed,
-                    tms_proto::size::format_change(r.device_free_before, r.device_free_after)
-                ));
+                line.push_str(&op_summary(verb, r));
             }
             if let Some(e) = &row.error {
                 line.push_str(&format!("{}error: {e}", if row.report.is_some() { "; " } else { "" }));
@@ -750,6 +747,28 @@ fn operate(ctx: &Ctx, procs: &[SocketEntry], tag: Option<&str>, pause: bool, for
         println!("{}", serde_json::to_string_pretty(&rows).expect("serializes"));
     }
     Ok(if rows.iter().all(|r| r.ok) { 0 } else { 1 })
+}
+
+/// What a pause or resume did, in one line: counts, time, device free memory, and the bytes its
+/// backups copied and skipped (marked dead) where it had any.
+fn op_summary(verb: &str, r: &OpReport) -> String {
+    let mut line = format!(
+        "{verb} {} allocations, {} in {:.1} ms (skipped {}, failed {}); device free {}",
+        r.allocations_done,
+        human(r.bytes_done),
+        r.elapsed_ns as f64 / 1e6,
+        r.allocations_skipped,
+        r.allocations_failed,
+        tms_proto::size::format_change(r.device_free_before, r.device_free_after)
+    );
+    if r.backup_bytes + r.backup_bytes_skipped > 0 {
+        line += &format!(
+            "; backup copied {}, skipped {} (marked dead)",
+            human(r.backup_bytes),
+            human(r.backup_bytes_skipped)
+        );
+    }
+    line
 }
 
 /// How an output line names a process: its pid, and its TMS_NAME where it set one.

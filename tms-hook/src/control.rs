@@ -423,6 +423,7 @@ pub fn status() -> Status {
             })
             .collect(),
         managed_by: manager(),
+        last_pause: s.last_pause().map(|(tag, r)| op_report(tag, &r)),
     }
 }
 

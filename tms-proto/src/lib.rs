@@ -337,6 +337,12 @@ pub struct Status {
     /// Absent when nobody does, and from hooks older than this field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub managed_by: Option<String>,
+    /// The report of the last pause that took any allocation, from inside the process or over
+    /// the socket: its `backup_bytes` were copied to the host, its `backup_bytes_skipped` were
+    /// marked dead and not copied. Absent before the first such pause, and from hooks older
+    /// than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_pause: Option<OpReport>,
 }
 
 /// One communicator: NCCL's as `ncclCommMemStats` describes its device memory; HCCL's with its

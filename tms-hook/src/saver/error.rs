@@ -101,7 +101,7 @@ impl Report {
     /// One line for people: what was done, skipped and failed, how long, and device free memory.
     pub fn summary(&self, verb: &str) -> String {
         use tms_proto::size::{format_change, format_size};
-        format!(
+        let mut line = format!(
             "{verb} {} allocation(s), {} in {:.1} ms (skipped {}, failed {}); device free {}",
             self.allocations_done,
             format_size(self.bytes_done),
@@ -109,7 +109,15 @@ impl Report {
             self.allocations_skipped,
             self.allocations_failed,
             format_change(self.device_free_before, self.device_free_after)
-        )
+        );
+        if self.backup_bytes_skipped > 0 {
+            line += &format!(
+                "; backup copied {}, skipped {} marked dead",
+                format_size(self.backup_bytes),
+                format_size(self.backup_bytes_skipped)
+            );
+        }
+        line
     }
 }
 

@@ -50,6 +50,8 @@ pub struct Saver {
     drivers: Drivers,
     granularity: Mutex<HashMap<(Vendor, i32, MemKind), usize>>,
     streams: Mutex<HashMap<(Vendor, i32), Vec<Stream>>>,
+    /// The tag asked for and the report of the last pause that took any allocation (status).
+    last_pause: Mutex<Option<(Option<String>, Report)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -135,6 +137,7 @@ impl Saver {
             drivers: Drivers::new(),
             granularity: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
+            last_pause: Mutex::new(None),
         }
     }
 

@@ -42,7 +42,15 @@ impl Saver {
         }
         report.elapsed_ns = start.elapsed().as_nanos() as u64;
         tracing::info!("tms: pause {}: {}", super::error::tag_label(name), report.summary("paused"));
+        if report.allocations_done + report.allocations_failed > 0 {
+            *lock(&self.last_pause) = Some((name.map(String::from), report.clone()));
+        }
         report
+    }
+
+    /// The tag asked for and the report of the last pause that took any allocation.
+    pub fn last_pause(&self) -> Option<(Option<String>, Report)> {
+        lock(&self.last_pause).clone()
     }
 
     pub(super) fn pause_group(
