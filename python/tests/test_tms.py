@@ -63,6 +63,8 @@ class PreloadMode(unittest.TestCase):
         rep = tms.pause_report("py-weights")
         self.assertEqual(rep["allocations_done"], 1)
         self.assertEqual(rep["bytes_done"], 6 * MiB)
+        # Without torch no allocator says which bytes are free: the whole allocation is copied.
+        self.assertEqual((rep["backup_bytes"], rep["backup_bytes_skipped"]), (6 * MiB, 0))
         self.assertEqual(free_mem(rt) - before, 6 * MiB)
         st = {s["tag"]: s for s in tms.status()}
         self.assertEqual(st["py-weights"]["allocations_paused"], 1)
@@ -323,6 +325,55 @@ def private_tms_references(package_dir):
                     if parts[0] == "tms" and any(p.startswith("_") for p in parts[1:]):
                         found.append((os.path.relpath(path, package_dir), node.lineno, n))
     return found
+
+
+class LiveOnly(unittest.TestCase):
+    def test_free_blocks_are_read_from_a_segment_end_to_end(self):
+        from tms.saver import _dead_blocks
+
+        segment = {
+            "address": 1 << 30,
+            "total_size": 10 * MiB,
+            "blocks": [
+                {"size": 2 * MiB, "state": "active_allocated"},
+                {"size": 3 * MiB, "state": "inactive"},
+                {"size": 1 * MiB, "state": "active_pending_free"},
+                {"size": 4 * MiB, "state": "inactive"},
+            ],
+        }
+        self.assertEqual(_dead_blocks(segment), [((1 << 30) + 2 * MiB, 3 * MiB), ((1 << 30) + 6 * MiB, 4 * MiB)])
+
+    def test_the_variable_turns_it_off_and_a_bad_value_keeps_it_on(self):
+        from tms.saver import _live_only_default
+
+        for value, want in [(None, True), ("0", False), ("off", False), ("1", True), ("maybe", True)]:
+            with tms.change_env("TMS_BACKUP_LIVE_ONLY", value) if value is not None else _unset("TMS_BACKUP_LIVE_ONLY"):
+                self.assertEqual(_live_only_default(), want, value)
+
+    def test_a_range_outside_every_region_allocation_is_refused(self):
+        from tms._lib import MemRange
+
+        rt = cudart()
+        rc, p = malloc(rt, MiB)
+        self.assertEqual(rc, 0)
+        r = (MemRange * 1)(MemRange(p.value, 4096))
+        self.assertEqual(tms.saver.shared().cdll.tms_mark_dead(r, 1), tms.TMS_ERR_INVALID)
+        self.assertEqual(rt.cudaFree(p), 0)
+
+
+def _unset(name):
+    import contextlib
+
+    @contextlib.contextmanager
+    def gone():
+        old = os.environ.pop(name, None)
+        try:
+            yield
+        finally:
+            if old is not None:
+                os.environ[name] = old
+
+    return gone()
 
 
 class Boundaries(unittest.TestCase):

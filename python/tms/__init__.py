@@ -5,6 +5,7 @@ for argument. This module is the same machinery with tms's extras:
 
 - errors raise ``TmsError`` with the hook's code and what was done, instead of being ignored;
 - ``pause_report``/``resume_report`` return what happened (counts, bytes, timings, free memory);
+- pauses back up only the blocks PyTorch's caching allocator has in use (``set_backup_live_only``);
 - ``status()`` lists each tag's active and paused allocations and backup bytes;
 - ``library_path()``/``hook_mode()`` say which library serves the process, and how.
 
@@ -64,6 +65,7 @@ __all__ = [
     "set_memory_margin_bytes",
     "set_retain_cpu_backup",
     "set_verify_restore",
+    "set_backup_live_only",
     "set_managed_by",
     "set_disk_backup_dir",
     "library_path",
@@ -112,9 +114,12 @@ def cuda_graph(
     return shared().cuda_graph(cuda_graph, pool, stream, capture_error_mode, tag, enable_cpu_backup, cpu_backup_backend)
 
 
-def pause_report(tag=None):
-    """Pause ``tag`` (None: every tag); returns the report, raises TmsError on failure."""
-    return shared().pause_report(tag)
+def pause_report(tag=None, live_only=None):
+    """Pause ``tag`` (None: every tag); returns the report, raises TmsError on failure.
+    ``live_only`` (default: ``set_backup_live_only``, from ``TMS_BACKUP_LIVE_ONLY``, on): with
+    PyTorch, backups copy only the blocks its caching allocator has in use (``backup_bytes``);
+    its free blocks are not copied (``backup_bytes_skipped``) and are undefined after resume."""
+    return shared().pause_report(tag, live_only)
 
 
 def resume_report(tag=None):
@@ -151,6 +156,12 @@ def set_memory_margin_bytes(value):
 def set_retain_cpu_backup(value):
     """Keep the CPU backup readable after resume (default off, as torch_memory_saver)."""
     shared().retain_cpu_backup = value
+
+
+def set_backup_live_only(value):
+    """Whether pauses from Python back up only the live blocks of PyTorch's caching allocator
+    (default ``TMS_BACKUP_LIVE_ONLY``, on); off: whole segments, as a pause from outside."""
+    shared().backup_live_only = bool(value)
 
 
 def set_verify_restore(value):

@@ -9,7 +9,8 @@ torch_memory_saver keeps them, and ``disable()`` gets a fresh one each time.
 This is tms's public core: ``torch_memory_saver`` (upstream's API) is a facade over it and
 imports nothing else of tms but its top-level names. Public here: ``shared()`` (the process's one
 ``Saver``), ``Saver`` (its ``region``, ``disable``, ``cuda_graph``, ``pause_report``,
-``resume_report``, ``status``, ``with_region_config``, ``get_cpu_backup``, the settings, and
+``resume_report``, ``status``, ``with_region_config``, ``get_cpu_backup``, the settings
+(``backup_live_only`` among them), and
 ``handle``/``mem_pools`` for code that reaches into torch_memory_saver's ``_impl``),
 ``HookHandle`` (the loaded library, typed), ``check_region_arguments`` and ``DEFAULT_TAG``.
 """
@@ -25,6 +26,7 @@ from ._lib import (
     TMS_ERR_INVALID,
     TMS_ERR_NO_DRIVER,
     TMS_OK,
+    MemRange,
     Report,
     TagStatus,
     TmsError,
@@ -40,6 +42,47 @@ DEFAULT_TAG = "default"
 
 def _encode(tag):
     return None if tag is None else tag.encode("utf-8")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _live_only_default():
+    """``TMS_BACKUP_LIVE_ONLY`` (default on); a value that is not a boolean warns and keeps it on."""
+    value = os.environ.get("TMS_BACKUP_LIVE_ONLY")
+    if value is None or value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    print(f"tms: TMS_BACKUP_LIVE_ONLY={value!r} is not a boolean; using 1 (on)", file=sys.stderr)
+    return True
+
+
+def _dead_blocks(segment):
+    """The (address, length) of each block the caching allocator holds free in ``segment`` (a
+    ``memory_snapshot()`` entry): its blocks lie end to end from the segment's address."""
+    at = segment["address"]
+    dead = []
+    for block in segment["blocks"]:
+        if block["state"] == "inactive":
+            dead.append((at, block["size"]))
+        at += block["size"]
+    return dead
+
+
+def _snapshot(mod, pool_id=None):
+    """The caching allocator's segments, of one pool or of all; without the allocation history,
+    where this torch can leave it out."""
+    try:
+        if pool_id is None:
+            return mod.memory_snapshot(include_traces=False)
+        return mod.memory_snapshot(pool_id, include_traces=False)
+    except TypeError:  # an older torch: every segment, each naming its pool
+        segments = mod.memory_snapshot()
+        if pool_id is None:
+            return segments
+        return [s for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool_id)]
 
 
 def _torch():
@@ -110,6 +153,7 @@ class Saver:
         self._pools_lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._allocator = None
+        self.backup_live_only = _live_only_default()
 
     # ---- the library -------------------------------------------------------------------------
 
@@ -309,8 +353,34 @@ class Saver:
             )
         return out
 
-    def pause_report(self, tag=None):
+    def _mark_dead_blocks(self, tag):
+        """Tells the hook which bytes of the segments this pause takes are free blocks of the
+        caching allocator, so that their backups copy only the live ones. Every tag: every
+        segment the allocator holds (regions of the default pool too, when the whole process is
+        tracked); one tag: the segments of its pools. A segment that is no region allocation is
+        refused by the hook and left alone. Best effort: a failure here costs only bytes copied."""
+        mod = self._torch_in_use()
+        if mod is None or not getattr(mod, "is_initialized", lambda: True)():
+            return
+        if tag is None:
+            segments = _snapshot(mod)
+        else:
+            with self._pools_lock:
+                pools = [pool for key, pool in self._mem_pools.items() if key[0] == tag]
+            segments = [s for pool in pools for s in _snapshot(mod, pool.id)]
+        mark = self.cdll.tms_mark_dead
+        for segment in segments:
+            dead = _dead_blocks(segment)
+            if dead:
+                mark((MemRange * len(dead))(*dead), len(dead))
+
+    def pause_report(self, tag=None, live_only=None):
+        """Pauses ``tag`` (None: every tag). ``live_only`` (default ``backup_live_only``, from
+        ``TMS_BACKUP_LIVE_ONLY``): backups copy only the blocks PyTorch's caching allocator has
+        in use; its free blocks come back with undefined contents, as after ``empty_cache``."""
         self._finish_queued_work()
+        if self.backup_live_only if live_only is None else live_only:
+            self._mark_dead_blocks(tag)
         return self._operation(self.cdll.tms_pause_report, tag)
 
     def resume_report(self, tag=None):

@@ -189,6 +189,13 @@ fn our_python_package_isolates_regions_in_pytorch() {
     pytest("test_tms_package.py");
 }
 
+/// A fragmented pool paused through tms and torch_memory_saver copies only the blocks PyTorch's
+/// caching allocator has in use; with TMS_BACKUP_LIVE_ONLY=0, whole segments (test_live_only.py).
+#[test]
+fn a_fragmented_pool_backs_up_only_its_live_blocks() {
+    pytest("test_live_only.py");
+}
+
 #[test]
 fn sglang_and_slime_call_sequences_with_ours_the_wheel_and_upstream() {
     pytest_with("test_frameworks.py", true);

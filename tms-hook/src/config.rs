@@ -93,6 +93,7 @@ pub const HOOK_VARIABLES: &[&str] = &[
 /// mode, which our torch_memory_saver package honours too.
 const OTHER_VARIABLES: &[&str] = &[
     "TMS_HOOK_MODE",
+    "TMS_BACKUP_LIVE_ONLY",
     "TMS_LIBRARY",
     "TMS_HOOK",
     "TMS_PREFIX",
