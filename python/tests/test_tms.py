@@ -376,6 +376,34 @@ def _unset(name):
     return gone()
 
 
+class GraphRegistration(unittest.TestCase):
+    def run_child(self, value):
+        # A child of its own: the setting is the process's, said once per process.
+        env = {k: v for k, v in os.environ.items() if k != "NCCL_GRAPH_REGISTER"}
+        if value is not None:
+            env["NCCL_GRAPH_REGISTER"] = value
+        code = textwrap.dedent(
+            """
+            import os
+            from tms import saver
+            saver.graph_registration_off()
+            saver.graph_registration_off()
+            print(os.environ["NCCL_GRAPH_REGISTER"])
+            """
+        )
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    def test_a_pausable_graph_pool_turns_graph_registration_off_saying_so_when_the_user_had_it_on(self):
+        out = self.run_child("1")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "0")
+        self.assertEqual(out.stderr.count("NCCL_GRAPH_REGISTER=0 set for this process (was 1)"), 1, out.stderr)
+        # NCCL's default (unset) is filled in without a word, and a 0 left as it is.
+        for value in [None, "0"]:
+            out = self.run_child(value)
+            self.assertEqual((out.returncode, out.stdout.strip(), out.stderr), (0, "0", ""), value)
+
+
 class Boundaries(unittest.TestCase):
     def test_torch_memory_saver_is_a_facade_over_public_tms(self):
         import torch_memory_saver  # noqa: PLC0415

@@ -52,6 +52,8 @@ fn header_declares_exactly_the_exports() {
         "ncclCommShrink",
         "ncclCommDestroy",
         "ncclCommAbort",
+        "ncclCommRegister",
+        "ncclCommDeregister",
         "HcclCommInitRootInfo",
         "HcclCommInitRootInfoConfig",
         "HcclCommInitClusterInfo",

@@ -91,7 +91,7 @@ fn python_package_tests_pass_on_the_simulator() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "python tests failed:\n{err}");
     assert!(err.contains("\nOK"), "{err}");
-    assert!(err.contains("Ran 27 tests"), "{err}");
+    assert!(err.contains("Ran 28 tests"), "{err}");
     assert!(!err.contains("FAIL") && !err.contains("ERROR"), "{err}");
 }
 

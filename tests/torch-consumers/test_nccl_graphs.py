@@ -292,15 +292,18 @@ os._exit(0)  # the process group may be failed: no teardown
 """
 
 
-@pytest.mark.parametrize("register", ["1", "0"])
+@pytest.mark.parametrize("register", ["1", "0", "1-unfixed"])
 def test_a_decode_graphs_all_reduce_after_its_pool_was_paused_and_resumed(sim, register):
     # SGLang captures its tensor-parallel all-reduce in each decode graph, in a graph pool that
     # torch_memory_saver's `cuda_graph` tag releases and takes back. The all-reduce's buffer then
     # is other physical memory. PyTorch registers every segment of its caching allocator with
     # ncclCommRegister, and NCCL registers a captured collective's buffers (both NCCL's
     # defaults): the collective still names the released pages and must fail, never reduce the
-    # new memory as if nothing had happened. With both registrations off
-    # (NCCL_LOCAL_REGISTER=0, NCCL_GRAPH_REGISTER=0) the replay reduces the new memory.
+    # new memory as if nothing had happened ("1-unfixed": the hook's fix turned off with
+    # TMS_NCCL_REREGISTER=0, as without tms). With the hook, registration on ("1") is exact: it
+    # turns graph registration off before the first region allocation and takes ncclCommRegister's
+    # registrations down at the pause and makes them again at the resume. With both registrations
+    # off ("0") the replay reduces the new memory too.
     import os
     import subprocess
     import sys
@@ -308,7 +311,7 @@ def test_a_decode_graphs_all_reduce_after_its_pool_was_paused_and_resumed(sim, r
 
     script = sim.tmp / "pool_program.py"
     script.write_text(POOL_PROGRAM)
-    port = 29000 + (os.getpid() * 11 + int(_time.time()) + int(register) * 97) % 20000
+    port = 29000 + (os.getpid() * 11 + int(_time.time()) + len(register) * 97 + int(register[0]) * 31) % 20000
     procs = []
     for rank in range(2):
         env = sim.env(
@@ -322,8 +325,9 @@ def test_a_decode_graphs_all_reduce_after_its_pool_was_paused_and_resumed(sim, r
                 "MASTER_PORT": str(port),
                 "OUT": str(sim.tmp / f"pool{rank}.json"),
                 "OMP_NUM_THREADS": "1",
-                "NCCL_GRAPH_REGISTER": register,
-                "NCCL_LOCAL_REGISTER": register,
+                "NCCL_GRAPH_REGISTER": register[0],
+                "NCCL_LOCAL_REGISTER": register[0],
+                "TMS_NCCL_REREGISTER": "0" if register == "1-unfixed" else "1",
                 "TMS_SIM_NCCL_STALE_TIMEOUT": "1",
             },
         )
@@ -337,7 +341,7 @@ def test_a_decode_graphs_all_reduce_after_its_pool_was_paused_and_resumed(sim, r
     exact = lambda i: [2 * (k + i) + 2 * (2 * k + i) + 1 for k in range(3)]  # noqa: E731
     for r in results:
         assert r["before"] == exact(0), r
-    if register == "0":
+    if register != "1-unfixed":
         for r in results:
             assert r["after"] == exact(1), r
             assert r["eager_after"] == [2.0, 2.0], r

@@ -94,6 +94,7 @@ pub const HOOK_VARIABLES: &[&str] = &[
 const OTHER_VARIABLES: &[&str] = &[
     "TMS_HOOK_MODE",
     "TMS_BACKUP_LIVE_ONLY",
+    "TMS_NCCL_REREGISTER",
     "TMS_LIBRARY",
     "TMS_HOOK",
     "TMS_PREFIX",

@@ -369,6 +369,7 @@ pub fn proto_error(e: &Error) -> ProtoError {
         Error::Invalid(_) => ErrorCode::BadRequest,
         Error::Disk(_) => ErrorCode::Internal,
         Error::Corrupt { .. } => ErrorCode::Corrupt,
+        Error::Registration(_) => ErrorCode::DriverError,
     };
     ProtoError::new(code, e.to_string())
 }

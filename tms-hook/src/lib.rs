@@ -20,6 +20,7 @@ pub mod forward;
 pub mod host_memory;
 pub mod log;
 pub mod region;
+pub mod registrations;
 pub mod registry;
 pub mod saver;
 

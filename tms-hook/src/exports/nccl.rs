@@ -1,6 +1,8 @@
 //! NCCL's communicator creation and destruction (nccl.h of NCCL 2.30): each call goes to the
 //! real library first, unchanged, and the communicator it made or ends is then recorded or
-//! forgotten (comms.rs) so that the reserved tag `nccl` can suspend and resume it.
+//! forgotten (comms.rs) so that the reserved tag `nccl` can suspend and resume it. Its buffer
+//! registrations (`ncclCommRegister`/`ncclCommDeregister`) are recorded too, so that a pause of
+//! the memory under one deregisters it and the resume registers it again (registrations.rs).
 //!
 //! These are reached only by a process that calls NCCL, and NCCL is never needed to build or load
 //! the hook. Unlike the allocation hooks they do not mark the thread as inside the hook: NCCL's
@@ -9,6 +11,7 @@
 
 use crate::comms;
 use crate::forward::Target;
+use crate::registrations;
 use libc::{c_int, c_void};
 use std::ffi::CStr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -26,6 +29,8 @@ pub(crate) static SPLIT: Target = Target::new(c"ncclCommSplit", NCCL);
 pub(crate) static SHRINK: Target = Target::new(c"ncclCommShrink", NCCL);
 pub(crate) static DESTROY: Target = Target::new(c"ncclCommDestroy", NCCL);
 pub(crate) static ABORT: Target = Target::new(c"ncclCommAbort", NCCL);
+pub(crate) static REGISTER: Target = Target::new(c"ncclCommRegister", NCCL);
+pub(crate) static DEREGISTER: Target = Target::new(c"ncclCommDeregister", NCCL);
 
 use tms_vendor::nccl::UniqueId as NcclUniqueId;
 
@@ -44,6 +49,8 @@ pub(crate) fn interposed(name: &[u8]) -> Option<(&'static Target, usize)> {
         b"ncclCommShrink" => (&SHRINK, own(ncclCommShrink as *const ())),
         b"ncclCommDestroy" => (&DESTROY, own(ncclCommDestroy as *const ())),
         b"ncclCommAbort" => (&ABORT, own(ncclCommAbort as *const ())),
+        b"ncclCommRegister" => (&REGISTER, own(ncclCommRegister as *const ())),
+        b"ncclCommDeregister" => (&DEREGISTER, own(ncclCommDeregister as *const ())),
         _ => return None,
     })
 }
@@ -175,6 +182,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut c_void) -> c_int {
     type F = unsafe extern "C" fn(*mut c_void) -> c_int;
     let Some(f) = real(&DESTROY, ncclCommDestroy as *const () as usize) else { return INTERNAL_ERROR };
     let guard = catch_unwind(AssertUnwindSafe(|| comms::destroying(comm))).ok();
+    let _ = catch_unwind(AssertUnwindSafe(|| registrations::forget_comm(comm)));
     // SAFETY: NCCL's function, with the caller's argument.
     let rc = unsafe { std::mem::transmute::<usize, F>(f)(comm) };
     drop(guard);
@@ -190,6 +198,52 @@ pub unsafe extern "C" fn ncclCommAbort(comm: *mut c_void) -> c_int {
     let Some(f) = real(&ABORT, ncclCommAbort as *const () as usize) else { return INTERNAL_ERROR };
     // Forgotten first: once NCCL has freed it, a new communicator may get the same address.
     let _ = catch_unwind(AssertUnwindSafe(|| comms::forget(comm)));
+    let _ = catch_unwind(AssertUnwindSafe(|| registrations::forget_comm(comm)));
     // SAFETY: NCCL's function, with the caller's argument.
     unsafe { std::mem::transmute::<usize, F>(f)(comm) }
+}
+
+type RegisterFn = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, *mut *mut c_void) -> c_int;
+type DeregisterFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+
+/// NCCL's own `ncclCommRegister`, for the saver's registering again after a resume.
+pub(crate) fn real_register(comm: *mut c_void, buff: *mut c_void, size: usize, handle: *mut *mut c_void) -> c_int {
+    let Some(f) = real(&REGISTER, ncclCommRegister as *const () as usize) else { return INTERNAL_ERROR };
+    // SAFETY: NCCL's function; `comm` is one the application registered with, `handle` ours.
+    unsafe { std::mem::transmute::<usize, RegisterFn>(f)(comm, buff, size, handle) }
+}
+
+/// NCCL's own `ncclCommDeregister`, for the saver's deregistering before a pause.
+pub(crate) fn real_deregister(comm: *mut c_void, handle: *mut c_void) -> c_int {
+    let Some(f) = real(&DEREGISTER, ncclCommDeregister as *const () as usize) else { return INTERNAL_ERROR };
+    // SAFETY: NCCL's function, with a handle it gave for `comm`.
+    unsafe { std::mem::transmute::<usize, DeregisterFn>(f)(comm, handle) }
+}
+
+/// Registers as NCCL does, and records the registration (registrations.rs).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommRegister(
+    comm: *mut c_void,
+    buff: *mut c_void,
+    size: usize,
+    handle: *mut *mut c_void,
+) -> c_int {
+    let rc = real_register(comm, buff, size, handle);
+    if rc == SUCCESS && !handle.is_null() {
+        // SAFETY: NCCL succeeded and wrote the handle there.
+        let h = unsafe { *handle };
+        let _ = catch_unwind(AssertUnwindSafe(|| registrations::registered(comm, buff as u64, size as u64, h)));
+    }
+    rc
+}
+
+/// Deregisters the handle the application was given: NCCL's handle for it now, or nothing when a
+/// pause has deregistered it already.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn ncclCommDeregister(comm: *mut c_void, handle: *mut c_void) -> c_int {
+    let current = catch_unwind(AssertUnwindSafe(|| registrations::deregistering(comm, handle))).unwrap_or(Some(handle));
+    match current {
+        Some(h) => real_deregister(comm, h),
+        None => SUCCESS,
+    }
 }

@@ -39,6 +39,9 @@ impl Saver {
         // call we intercepted): the driver calls below need one. A thread that had none keeps the
         // device's primary context current afterwards, as the runtime call would have left it.
         let previous = dev.bind_thread(device).map_err(Error::Driver)?;
+        if vendor == Vendor::Cuda {
+            crate::registrations::graph_registration_off();
+        }
         let result = self.malloc_on(dev.as_ref(), (vendor, device, kind), size, flags);
         dev.restore_thread(previous);
         result.map(Some)

@@ -20,6 +20,9 @@ pub enum Error {
     /// A restore checked with `TMS_VERIFY_RESTORE` did not bring the paused bytes back: `what`
     /// went wrong, first at `offset` into the allocation at `addr` (mapped, with what it got).
     Corrupt { addr: u64, size: u64, tag: String, offset: u64, what: &'static str },
+    /// An NCCL registration of the memory could not be taken down before a pause or made again
+    /// after a resume (registrations.rs): what, and what it means.
+    Registration(String),
 }
 
 impl Error {
@@ -32,6 +35,7 @@ impl Error {
             Error::Invalid(_) => (abi::TMS_ERR_INVALID, 0),
             Error::Disk(_) => (abi::TMS_ERR_IO, 0),
             Error::Corrupt { .. } => (abi::TMS_ERR_CORRUPT, 0),
+            Error::Registration(_) => (abi::TMS_ERR_DRIVER, 0),
         }
     }
 
@@ -40,7 +44,11 @@ impl Error {
         match self {
             Error::Driver(e) => e.code,
             Error::OutOfMemory { code, .. } => *code,
-            Error::NoDriver(_) | Error::Invalid(_) | Error::Disk(_) | Error::Corrupt { .. } => invalid,
+            Error::NoDriver(_)
+            | Error::Invalid(_)
+            | Error::Disk(_)
+            | Error::Corrupt { .. }
+            | Error::Registration(_) => invalid,
         }
     }
 }
@@ -55,6 +63,7 @@ impl std::fmt::Display for Error {
             Error::NoDriver(v) => write!(f, "no {} driver could be loaded", v.name()),
             Error::Invalid(what) => write!(f, "invalid argument: {what}"),
             Error::Disk(what) => write!(f, "disk backup unreadable: {what}"),
+            Error::Registration(what) => write!(f, "{what}"),
             Error::Corrupt { addr, size, tag, offset, what } => write!(
                 f,
                 "restore verification failed for allocation {addr:#x} ({size} bytes, tag {tag}): {what} at offset \

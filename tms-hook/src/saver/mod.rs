@@ -66,6 +66,9 @@ struct Job {
     /// Not `ok`, yet left paused (a pause that failed part-way and could not be undone parks
     /// the allocation with its contents safe): counted failed, with the error, but paused.
     parked: bool,
+    /// Left as it is, untouched (an NCCL registration over it could not be taken down): counted
+    /// failed, with the error.
+    held: bool,
 }
 
 /// Entries taken out for work (marked Busy). Settled by `finish` (or `disarm`); dropped
@@ -187,7 +190,7 @@ impl Saver {
         loop {
             let a = reg.map.get_mut(&addr)?;
             if a.state != State::Busy {
-                let job = Job { addr, a: a.clone(), ok: false, parked: false };
+                let job = Job { addr, a: a.clone(), ok: false, parked: false, held: false };
                 a.state = State::Busy;
                 return Some(Claimed { saver: self, jobs: vec![job] });
             }
@@ -268,7 +271,7 @@ impl Saver {
                 continue;
             }
             if a.state == want {
-                jobs.push(Job { addr, a: a.clone(), ok: false, parked: false });
+                jobs.push(Job { addr, a: a.clone(), ok: false, parked: false, held: false });
                 a.state = State::Busy;
             } else {
                 report.allocations_skipped += 1;
@@ -317,7 +320,7 @@ impl Saver {
 
     fn groups(jobs: &mut [Job]) -> BTreeMap<(Vendor, i32), Vec<usize>> {
         let mut groups: BTreeMap<(Vendor, i32), Vec<usize>> = BTreeMap::new();
-        for (i, j) in jobs.iter().enumerate() {
+        for (i, j) in jobs.iter().enumerate().filter(|(_, j)| !j.held) {
             groups.entry((j.a.vendor, j.a.device)).or_default().push(i);
         }
         groups

@@ -19,6 +19,7 @@ impl Saver {
         let tag = tag.map(region::lookup);
         let (mut jobs, mut report) = self.begin(tag, State::Active);
         jobs.iter_mut().for_each(Self::consume_marks);
+        Self::take_down_registrations(&mut jobs, &mut report);
         for ((vendor, device), idx) in Self::groups(&mut jobs) {
             let Some(dev) = self.loaded(vendor) else { continue };
             let previous = match dev.bind_thread(device) {
@@ -46,6 +47,18 @@ impl Saver {
             *lock(&self.last_pause) = Some((name.map(String::from), report.clone()));
         }
         report
+    }
+
+    /// NCCL registrations over the memory about to be released are deregistered first (the
+    /// resume makes them again); an allocation under one NCCL keeps is held back, untouched.
+    fn take_down_registrations(jobs: &mut [Job], report: &mut Report) {
+        let ranges: Vec<(u64, u64)> = jobs.iter().map(|j| (j.addr, j.a.rounded as u64)).collect();
+        for ((addr, _), why) in crate::registrations::suspend(&ranges) {
+            if let Some(j) = jobs.iter_mut().find(|j| j.addr == addr && !j.held) {
+                j.held = true;
+                Self::note(report, Error::Registration(why));
+            }
+        }
     }
 
     /// The tag asked for and the report of the last pause that took any allocation.

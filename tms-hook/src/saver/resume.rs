@@ -23,6 +23,7 @@ impl Saver {
         let (jobs, mut report) = self.begin(tag, State::Paused);
         let (mut jobs, unreadable) = self.load_from_disk(jobs, &mut report);
         self.resume_groups(&mut jobs, &mut report);
+        self.restore_registrations(&jobs, &mut report);
         if let Some((free, _)) = self.device_memory(&jobs) {
             report.device_free_after = free;
         }
@@ -59,6 +60,37 @@ impl Saver {
             None => tracing::info!("tms: resume {}: {}", super::error::tag_label(name), report.summary("resumed")),
         }
         report
+    }
+
+    /// NCCL registrations a pause took down are made again where all their memory is mapped:
+    /// by this resume, or already active.
+    fn restore_registrations(&self, jobs: &[Job], report: &mut Report) {
+        // The registry's lock is taken per question, never held while NCCL registers (it may
+        // allocate, which takes it).
+        let mapped = |addr: u64, len: u64| {
+            let reg = lock(&self.registry);
+            let end = addr.saturating_add(len);
+            let mut covered = addr;
+            // Allocations never overlap: walk the ones under the range in address order.
+            for (&a, alloc) in reg.map.range(..end) {
+                let a_end = a + alloc.rounded as u64;
+                if a_end <= covered {
+                    continue;
+                }
+                let active = match jobs.iter().find(|j| j.addr == a) {
+                    Some(j) => j.ok,
+                    None => alloc.state == State::Active,
+                };
+                if a > covered || !active {
+                    return false;
+                }
+                covered = a_end;
+            }
+            covered >= end
+        };
+        for why in crate::registrations::restore(mapped) {
+            Self::note(report, Error::Registration(why));
+        }
     }
 
     /// Resumes the jobs one (vendor, device) group at a time; a group whose device lacks the
