@@ -82,10 +82,10 @@ prepare() {
   echo "$arch" >"$dir/ARCH"
   cp "$root"/tests/c/*.c "$root"/tests/c/*.h "$root"/include/*.h "$dir/src/"
   mkdir -p "$dir/tests/torch-consumers"
-  cp "$root"/tests/torch-consumers/{conftest.py,variants.py,torch_build.py,test_wheel.py,test_frameworks.py,test_upstream_scenarios.py,test_tms_package.py,test_live_only.py,test_hook_under_torch.py,test_device_only.py,test_npu_programs.py,test_nccl_pause.py} "$dir/tests/torch-consumers/"
+  cp "$root"/tests/torch-consumers/{conftest.py,variants.py,torch_build.py,test_wheel.py,test_frameworks.py,test_upstream_scenarios.py,test_tms_package.py,test_live_only.py,test_soak_verify.py,test_hook_under_torch.py,test_device_only.py,test_npu_programs.py,test_nccl_pause.py} "$dir/tests/torch-consumers/"
   # The PyTorch worker of relax-colocate run, and the tms package it imports (found in python/
   # beside scripts/, as in a checkout); relax-colocate gives it its worker-protocol client.
-  cp "$root/scripts/torch_worker.py" "$dir/scripts/"
+  cp "$root/scripts/torch_worker.py" "$root/scripts/soak-verify.py" "$dir/scripts/"
   cp -r "$root/python/tms" "$dir/python/"
   find "$dir/python" -name __pycache__ -prune -exec rm -rf {} +
   cp "$root/scripts/gpu-check.sh" "$root/scripts/npu-check.sh" "$dir/"

@@ -196,6 +196,13 @@ fn a_fragmented_pool_backs_up_only_its_live_blocks() {
     pytest("test_live_only.py");
 }
 
+/// scripts/soak-verify.py for 30 cycles: a churning pool paused and resumed with every restore
+/// verified, no tensor changed, free memory back where cycle 1 left it (test_soak_verify.py).
+#[test]
+fn verified_cycles_of_a_churning_pool_change_nothing_and_leak_nothing() {
+    pytest("test_soak_verify.py");
+}
+
 #[test]
 fn sglang_and_slime_call_sequences_with_ours_the_wheel_and_upstream() {
     pytest_with("test_frameworks.py", true);

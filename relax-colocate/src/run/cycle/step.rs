@@ -25,7 +25,7 @@ impl Colocate {
         let trained =
             job.run_to_end(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec, &trainers)?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;
-        self.write_metrics(&trained, wall.elapsed().as_secs_f64());
+        super::row::write_metrics(&mut self.rig, &trained, wall.elapsed().as_secs_f64());
         Ok(())
     }
 

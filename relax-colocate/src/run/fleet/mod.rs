@@ -10,6 +10,7 @@ pub(super) mod ray;
 pub(super) mod ray_python;
 mod supervise;
 mod together;
+pub(super) use together::call_together;
 
 pub(super) use supervise::InFlight;
 pub(super) mod tmpfiles;

@@ -13,11 +13,13 @@ mod sampling;
 use super::config::Config;
 use super::fleet::Fleet;
 use super::{Cursor, FailKind, R, RunError, setup_err};
+use checks::Checks;
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
+use tms_proto::OpReport;
 
 /// Device memory at one phase boundary (a line of memory.jsonl).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -84,18 +86,6 @@ struct StepRecord {
     metrics: BTreeMap<String, f64>,
 }
 
-/// What the checks count and compare against.
-#[derive(Default)]
-struct Checks {
-    passed: u64,
-    /// Per phase: each device's memory in use at its end in the baseline step (the second), for
-    /// the leak check.
-    leak_baseline: BTreeMap<String, Vec<u64>>,
-    /// Elastic mode: each trainer and the lent engine on its device, at most one of which may
-    /// hold its tagged memory at a phase boundary.
-    shared_devices: Vec<(String, String)>,
-}
-
 #[derive(Default)]
 struct Timeline {
     /// When the phase under way began (what a failure's sample spans).
@@ -150,7 +140,7 @@ impl Recorder {
             step: StepRecord::default(),
             steps_completed: 0,
             peak_used: vec![0; cfg.total_devices()],
-            checks: Checks::default(),
+            checks: Checks::new(cfg.run.checks),
             comm_suspended: BTreeMap::new(),
             out,
             progress,
@@ -235,7 +225,45 @@ impl Recorder {
     }
 
     pub(super) fn checks_enabled(&self) -> bool {
-        self.cfg.run.checks
+        self.checks.enabled
+    }
+
+    /// A check the driver made itself passed (e.g. no sample over the staleness bound trained on).
+    pub(in crate::run) fn count_check(&mut self) {
+        self.checks.pass();
+    }
+
+    /// A failed check as the run's failure, in the phase it was made in.
+    fn failed(&self, f: checks::Failed) -> RunError {
+        self.fail(FailKind::Check, f.worker.as_deref(), f.cause)
+    }
+
+    /// After a pause of `what`: each worker's device free memory rose by the bytes it reports
+    /// paused (checks.rs; a real device's driver may take up to 4 MiB of it for itself).
+    pub(in crate::run) fn check_paused(&mut self, what: &str, reports: &[(String, OpReport)]) -> R<()> {
+        const DRIVER_SLACK: u64 = 4 << 20;
+        let slack = if self.cfg.run.device == crate::run::config::DeviceChoice::Sim { 0 } else { DRIVER_SLACK };
+        self.checks.paused(what, reports, slack).map_err(|f| self.failed(f))
+    }
+
+    /// Each worker's weights checksum (`sums`: name, checksum) is `expected`; `when` says at which
+    /// point of the cycle.
+    pub(in crate::run) fn check_weights(&mut self, sums: &[(String, String)], expected: &str, when: &str) -> R<()> {
+        self.checks.weights(sums, expected, when).map_err(|f| self.failed(f))
+    }
+
+    /// Elastic mode: pairs of workers that share a device, whose one-holder rule is checked at
+    /// every phase boundary.
+    pub(in crate::run) fn add_shared_devices(&mut self, pairs: Vec<(String, String)>) {
+        self.checks.share_devices(pairs);
+    }
+
+    /// A pause of tag `nccl` suspended these communicator bytes (the reports' `bytes_done`:
+    /// ncclCommMemStats' suspendable figure of each communicator suspended), for the summary.
+    pub(in crate::run) fn record_comm_suspended(&mut self, reports: &[(String, OpReport)]) {
+        for (name, report) in reports {
+            self.comm_suspended.insert(name.clone(), report.bytes_done);
+        }
     }
 
     /// The step's row, under slime's names (metrics.rs renames it for verl): to metrics.jsonl, the

@@ -3,7 +3,7 @@
 
 use super::{MemSample, Recorder};
 use crate::run::fleet::WorkerStatus;
-use crate::run::{FailKind, MIB, NCCL_TAG, R};
+use crate::run::{FailKind, NCCL_TAG, R};
 use std::collections::BTreeMap;
 use std::io::Write as _;
 
@@ -11,8 +11,10 @@ impl Recorder {
     pub(super) fn sample_memory(&mut self, start_s: f64, statuses: Vec<WorkerStatus>) -> R<()> {
         let s = self.sample_of(start_s, statuses);
         let _ = writeln!(self.out.memory_file, "{}", serde_json::to_string(&s).expect("serializes"));
-        self.leak_check(&s)?;
-        self.check_one_holder(&s)?;
+        let cfg = &self.cfg;
+        if let Err(f) = self.checks.leak(&s, cfg).and_then(|()| self.checks.one_holder(&s)) {
+            return Err(self.failed(f));
+        }
         for (peak, used) in self.peak_used.iter_mut().zip(&s.device_used) {
             *peak = (*peak).max(*used);
         }
@@ -77,39 +79,6 @@ impl Recorder {
             }
         }
         s
-    }
-
-    fn leak_check(&mut self, s: &MemSample) -> R<()> {
-        if !self.cfg.run.checks || s.step == 0 {
-            return Ok(());
-        }
-        let baseline_step = if self.cfg.run.steps >= 2 { 2 } else { 1 };
-        if s.step == baseline_step {
-            self.checks.leak_baseline.insert(s.phase.clone(), s.device_used.clone());
-            return Ok(());
-        }
-        let tolerance = (self.cfg.run.leak_tolerance_mib * MIB as f64) as u64;
-        if let Some(base) = self.checks.leak_baseline.get(&s.phase) {
-            for (d, (now, was)) in s.device_used.iter().zip(base).enumerate() {
-                if *now > was + tolerance {
-                    return Err(self.fail(
-                        FailKind::Check,
-                        None,
-                        format!(
-                            "leak check: device {d} uses {} after {} at step {}, {} more than at step {baseline_step} \
-                             (tolerance run.leak_tolerance_mib = {})",
-                            super::report::human(*now),
-                            s.phase,
-                            s.step,
-                            super::report::human(now - was),
-                            self.cfg.run.leak_tolerance_mib
-                        ),
-                    ));
-                }
-            }
-            self.checks.passed += 1;
-        }
-        Ok(())
     }
 }
 

@@ -12,7 +12,7 @@ use super::{Moved, Transport, Weights, WorkerHalf};
 use crate::collective::{self, CollError, Group, Library};
 use crate::run::answer::{Failure, answer, bad, dev_err};
 use crate::run::device::Device;
-use crate::run::fleet::Fleet;
+use crate::run::fleet::{Fleet, call_together};
 use crate::run::protocol::{Ack, Method, Step};
 use crate::run::recorder::Recorder;
 use crate::run::{Cursor, R, Role};
@@ -120,7 +120,7 @@ impl Transport for Broadcast {
         let params = (0..world)
             .map(|rank| GroupInitParams { library: library.clone(), id: id.clone(), rank, world, step: 0 })
             .collect();
-        fleet.call_together::<GroupInit>(&members, params, "the weight-sync group")?;
+        call_together::<GroupInit>(fleet, &members, params, "the weight-sync group")?;
         self.joined = true;
         self.setup_s = t0.elapsed().as_secs_f64();
         rec.end(span, fleet)
@@ -132,7 +132,7 @@ impl Transport for Broadcast {
         let members = members(fleet);
         let p = BroadcastWeightsParams { bucket_bytes, version, step: at.step() };
         let replies =
-            fleet.call_together::<BroadcastWeights>(&members, vec![p; members.len()], "the weight broadcast")?;
+            call_together::<BroadcastWeights>(fleet, &members, vec![p; members.len()], "the weight broadcast")?;
         let root = &replies[0];
         Ok(Moved {
             bytes: root.bytes,
@@ -149,7 +149,7 @@ impl Transport for Broadcast {
         }
         let span = rec.begin("group_destroy");
         let members = members(fleet);
-        fleet.call_together::<GroupDestroy>(&members, vec![Step::default(); members.len()], "the group's destroy")?;
+        call_together::<GroupDestroy>(fleet, &members, vec![Step::default(); members.len()], "the group's destroy")?;
         self.joined = false;
         rec.end(span, fleet)
     }
