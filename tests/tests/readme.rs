@@ -127,6 +127,16 @@ fn plan(line: &str) -> Option<Plan> {
 fn run_elsewhere(line: &str) -> Option<&'static str> {
     match line {
         "cargo test --workspace" => Some(".ci/run (this test is part of it)"),
+        // The measured comparisons of the layout tables: tens of minutes each on this CPU;
+        // compare's own tests run its flags and a job file for one step.
+        "relax-colocate compare --devices 4 --steps 10 --repeats 1 --set rollout.prompts_per_step=24 \\"
+        | "--set memory.profile=qwen3-4b --set memory.scale=0.002 \\"
+        | "--set compute.token_scale=300 --set task.max_new_tokens=24"
+        | "relax-colocate compare --devices 4 --steps 8 --repeats 1 --config jobs/long-tail.toml"
+        | "--set compute.token_scale=150 --set compute.token_scale_final=600 \\"
+        | "--set task.max_new_tokens=24 --set algo.lr=1e-9 --set run.phase_timeout_s=600" => {
+            Some("the tables' measurements, docs/perf.md (run_async::compare_* run compare's flags and a job file)")
+        }
         // The modelled job takes minutes; the test runs the same file for one step on this CPU.
         "target/release/relax-colocate compare --devices 4 --steps 8 --config jobs/long-tail.toml" => {
             Some("run_async::compare_takes_a_job_file_for_every_layout_and_its_own_flags_win")
