@@ -42,6 +42,7 @@ const RUNTIME_NAMES: &[&str] = &[
         TMS_SIM_CONTEXT_MEMORY  device memory a process's context takes (default 300MiB CUDA, 200MiB ACL)\n  \
         TMS_SIM_LINK_GBPS  collectives' link, INTRA[,INTER] GB/s within and between nodes (default 450,50; 0: no modelled time)\n  \
         TMS_SIM_NCCL_CONNECT_TIMEOUT, TMS_SIM_HCCL_CONNECT_TIMEOUT  seconds ranks wait for each other to join\n  \
+        TMS_SIM_NCCL_STALE_TIMEOUT  seconds a collective through a stale NCCL registration waits before it fails (default 10)\n  \
         TMS_SIM_COMMIT     1: commit host pages when device memory is created\n  \
         TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2;\n                     \
         NAME:N[+]:corrupt flips a byte a copy wrote (cuMemcpyHtoDAsync_v2:1:corrupt)\n\n\
