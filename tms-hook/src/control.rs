@@ -102,15 +102,25 @@ fn serve() -> std::io::Result<()> {
     let pid = std::process::id();
     let start = tms_proto::process_start_time(pid).unwrap_or(0);
     let path: PathBuf = dir.join(tms_proto::socket_name(pid, start));
-    if path.as_os_str().len() >= 108 {
+    // The socket is bound under its `.binding` name first (below), three bytes longer.
+    if path.with_extension("binding").as_os_str().len() >= 108 {
         return Err(std::io::Error::other(format!(
             "socket path {} is too long for a Unix socket; set TMS_CONTROL_DIR to a shorter folder",
             path.display()
         )));
     }
     let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path)?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    // Bound under a name clients do not look for, then renamed into place: binding creates the
+    // file before the socket listens, and a client that found it in between (this process
+    // stopped there, say) would be refused instead of told the process does not answer.
+    let binding = path.with_extension("binding");
+    let _ = std::fs::remove_file(&binding);
+    let listener = UnixListener::bind(&binding)?;
+    std::fs::set_permissions(&binding, std::fs::Permissions::from_mode(0o600))?;
+    if let Err(e) = std::fs::rename(&binding, &path) {
+        let _ = std::fs::remove_file(&binding);
+        return Err(e);
+    }
     let name_path = tms_proto::name_file(&path);
     let name = own_name();
     // Best effort: without the file, clients ask the process its name instead.
