@@ -127,31 +127,6 @@ class HookHandle:
         }
 
 
-_graph_registration_said = False
-
-
-def graph_registration_off():
-    """A graph captured in a pausable pool must not keep NCCL's registration of its buffers:
-    NCCL registers the buffers of a collective captured in a CUDA graph (NCCL_GRAPH_REGISTER, on
-    by default) and keeps using the physical pages it registered, so after a pause and resume of
-    the pool the graph's collective would go through pages that are no longer there (it hangs on
-    a device; torch_memory_saver issue 88). NCCL reads the variable at its first captured
-    collective, so it is set to 0 before the capture, whatever it was (as SGLang does when its
-    graph pool is pausable); a value of the user's it replaces is said once."""
-    global _graph_registration_said
-    value = os.environ.get("NCCL_GRAPH_REGISTER")
-    os.environ["NCCL_GRAPH_REGISTER"] = "0"
-    # Overriding the user's own setting is said (once); filling in NCCL's default is not.
-    if _graph_registration_said or value is None or value.strip() == "0":
-        return
-    _graph_registration_said = True
-    print(
-        f"tms: NCCL_GRAPH_REGISTER=0 set for this process (was {value}): its CUDA graph pool can be paused, and "
-        "a collective captured with registration would keep using the pages a pause releases",
-        file=sys.stderr,
-    )
-
-
 def check_region_arguments(enable_cpu_backup, enable_disk_backup, cpu_backup_backend):
     if enable_cpu_backup and enable_disk_backup:
         raise ValueError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
@@ -347,7 +322,6 @@ class Saver:
             # The graph's private pool allocates with the caching allocator's own cudaMalloc,
             # which only an LD_PRELOADed hook sees.
             raise TmsError(TMS_ERR_INVALID, "cuda_graph() needs hook_mode='preload' (the hook in LD_PRELOAD)")
-        graph_registration_off()
         torch = _torch()
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             with self.with_region_config(tag, enable_cpu_backup, cpu_backup_backend):

@@ -65,22 +65,21 @@ impl Saver {
     /// NCCL registrations a pause took down are made again where all their memory is mapped:
     /// by this resume, or already active.
     fn restore_registrations(&self, jobs: &[Job], report: &mut Report) {
+        let resumed: std::collections::BTreeMap<u64, bool> = jobs.iter().map(|j| (j.addr, j.ok)).collect();
         // The registry's lock is taken per question, never held while NCCL registers (it may
         // allocate, which takes it).
         let mapped = |addr: u64, len: u64| {
             let reg = lock(&self.registry);
             let end = addr.saturating_add(len);
+            // Allocations never overlap: from the one that may hold `addr`, in address order.
+            let first = reg.map.range(..=addr).next_back().map_or(addr, |(&a, _)| a);
             let mut covered = addr;
-            // Allocations never overlap: walk the ones under the range in address order.
-            for (&a, alloc) in reg.map.range(..end) {
+            for (&a, alloc) in reg.map.range(first..end) {
                 let a_end = a + alloc.rounded as u64;
                 if a_end <= covered {
                     continue;
                 }
-                let active = match jobs.iter().find(|j| j.addr == a) {
-                    Some(j) => j.ok,
-                    None => alloc.state == State::Active,
-                };
+                let active = resumed.get(&a).copied().unwrap_or(alloc.state == State::Active);
                 if a > covered || !active {
                     return false;
                 }
