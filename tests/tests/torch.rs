@@ -149,9 +149,11 @@ fn torch_collectives_captured_in_cuda_graphs_replay_with_the_peers() {
 }
 
 /// CUDA IPC when the exporter frees what it shared: the importer keeps reading the pages it
-/// opened, and the exporter's next allocation is other memory (test_cuda_ipc.py).
+/// opened, and the exporter's next allocation is other memory; so the preloaded hook refuses
+/// every export of region memory (CUDA IPC, Ascend IPC keys, NCCL windows), naming the tag
+/// (test_cuda_ipc.py).
 #[test]
-fn cuda_ipc_importers_keep_the_pages_they_opened() {
+fn cuda_ipc_importers_keep_the_pages_they_opened_and_region_memory_is_never_exported() {
     pytest("test_cuda_ipc.py");
 }
 

@@ -85,3 +85,56 @@ def test_an_importer_keeps_the_pages_it_opened_after_the_exporter_frees_them(sim
     assert out["new_memory_opened"] == [0, [0x22]], out
     assert out["closed"][0] == 0, out
     assert out["new_memory_after_close"] == [0, [0x22]], out
+
+
+REGION_EXPORTS = r"""
+import ctypes, json
+hook = ctypes.CDLL(None)  # the preloaded hook's API
+hook.tms_set_current_tag.argtypes = [ctypes.c_char_p]
+cudart = ctypes.CDLL("libcudart.so.13")
+acl = ctypes.CDLL("libascendcl.so")
+nccl = ctypes.CDLL("libnccl.so.2")
+acl.aclrtIpcMemGetExportKey.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64]
+nccl.ncclCommWindowRegister.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int]
+N = 4 << 20
+assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+
+def both(region):
+    hook.tms_set_interesting_region(region)
+    hook.tms_set_current_tag(b"weights" if region else None)
+    c, a = ctypes.c_void_p(), ctypes.c_void_p()
+    assert cudart.cudaMalloc(ctypes.byref(c), N) == 0
+    assert acl.aclrtMalloc(ctypes.byref(a), N, 0) == 0
+    hook.tms_set_interesting_region(False)
+    return c, a
+
+out = {}
+for name, region in (("plain", False), ("region", True)):
+    c, a = both(region)
+    handle = (ctypes.c_uint8 * 64)()
+    key = ctypes.create_string_buffer(65)
+    win = ctypes.c_void_p()
+    out[name] = {
+        "cuda_ipc": cudart.cudaIpcGetMemHandle(handle, c),
+        "acl_key": acl.aclrtIpcMemGetExportKey(a, N, key, 65, 0),
+        "nccl_window": nccl.ncclCommWindowRegister(None, c, N, ctypes.byref(win), 0),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_the_hook_refuses_exports_of_region_memory_naming_the_tag(sim):
+    # An importer of region memory would keep the pages a pause releases (the test above: an
+    # importer keeps what it opened). Devices already refuse to export virtual-memory allocations;
+    # the hook refuses every export call on region memory itself, whatever the driver does, and
+    # names the tag and the fix. Memory outside regions is exported as before.
+    proc = sim.python(REGION_EXPORTS, devices=1, memory="1GiB", timeout=120, preload=sim.hook)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["plain"]["cuda_ipc"] == 0 and out["plain"]["acl_key"] == 0, out
+    # cudaErrorInvalidValue, ACL_ERROR_RT_PARAM_INVALID, ncclInvalidUsage.
+    assert out["region"] == {"cuda_ipc": 1, "acl_key": 107000, "nccl_window": 5}, out
+    for call in ("cudaIpcGetMemHandle", "aclrtIpcMemGetExportKey", "ncclCommWindowRegister"):
+        said = [line for line in proc.stderr.splitlines() if f"{call}(" in line and "refused" in line]
+        assert len(said) == 1, f"{call}: {said}\n{proc.stderr}"
+        assert "tag 'weights'" in said[0] and "outside" in said[0], said[0]

@@ -34,7 +34,10 @@ extern "C" fn decide(handle: *mut c_void, name: *const c_char) -> usize {
                 (&forward::ACL_MALLOC_ALIGN32, super::acl::aclrtMallocAlign32 as *const () as usize)
             }
             b"aclrtFree" => (&forward::ACL_FREE, super::acl::aclrtFree as *const () as usize),
-            other => match super::nccl::interposed(other).or_else(|| super::hccl::interposed(other)) {
+            other => match super::nccl::interposed(other)
+                .or_else(|| super::hccl::interposed(other))
+                .or_else(|| super::ipc::interposed(other))
+            {
                 Some(found) => found,
                 None => return vendor_through_own_handle(handle, n),
             },

@@ -7,6 +7,7 @@ pub mod compat;
 pub mod cuda;
 pub mod dlsym;
 pub mod hccl;
+pub mod ipc;
 pub mod nccl;
 pub mod torch;
 

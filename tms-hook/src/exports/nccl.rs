@@ -16,7 +16,7 @@ use libc::{c_int, c_void};
 use std::ffi::CStr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-const NCCL: &[&CStr] = &[c"libnccl.so.2", c"libnccl.so"];
+pub(crate) const NCCL: &[&CStr] = &[c"libnccl.so.2", c"libnccl.so"];
 const SUCCESS: c_int = 0;
 const INTERNAL_ERROR: c_int = 3;
 const IN_PROGRESS: c_int = 7;

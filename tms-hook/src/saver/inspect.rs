@@ -83,6 +83,14 @@ impl Saver {
         by_tag.into_values().collect()
     }
 
+    /// The region allocation holding `ptr`, as (its address, the bytes asked for, its tag), for
+    /// the messages of calls that must not reach region memory.
+    pub fn region_allocation_at(&self, ptr: u64) -> Option<(u64, usize, String)> {
+        let reg = lock(&self.registry);
+        let (start, a) = reg.containing(ptr)?;
+        Some((start, a.size, crate::region::tag_name(a.tag)))
+    }
+
     /// The host address holding the backup of `[ptr, ptr+size)`, if that range lies in one
     /// allocation that has a backup buffer.
     pub fn backup_pointer(&self, ptr: u64, size: u64) -> Option<usize> {
