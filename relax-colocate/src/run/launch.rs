@@ -12,7 +12,9 @@ use super::fleet::tmpfiles::Scratch;
 use super::profile::Profile;
 use super::recorder::report::{Progress, human};
 use super::recorder::{Outputs, Recorder};
-use super::sizing::{Footprint, check_host_memory_for_sim, footprint, round_up, sim_communicator_bytes};
+use super::sizing::{
+    Footprint, check_host_memory_for_sim, footprint, host_footprint, round_up, sim_communicator_bytes,
+};
 use super::task::{Addition, VOCAB};
 use super::{Cursor, FailKind, GRANULARITY, MIB, Options, R, RunError, config_err, model, profile, setup_err};
 use crate::environment::{SimNode, find_hook, provide_relax_worker, sim_environment};
@@ -188,12 +190,13 @@ pub(super) fn plan(cfg: &Config, hook: Option<&Path>) -> R<Plan> {
 
 /// Sizes the simulated device, or refuses a run the host or the configured size cannot hold.
 fn plan_sim(cfg: &Config, api: ApiKind, shape: &model::Shape, bucket_bytes: u64, fp: &Footprint) -> R<SimDevice> {
-    let per_device_at = |scale: f64| {
+    let host_at = |scale: f64| {
         let p = profile::build(&cfg.memory.profile, cfg.memory.tp, scale, cfg.memory.kv_cache_gib).ok()?;
-        let f = footprint(cfg, shape, &p, bucket_bytes);
+        let f = host_footprint(cfg, shape, &p, bucket_bytes);
         Some(f.trainer + f.rollout)
     };
-    check_host_memory_for_sim(cfg, fp.trainer + fp.rollout, per_device_at)
+    let host = host_at(cfg.memory.scale).unwrap_or(fp.trainer + fp.rollout);
+    check_host_memory_for_sim(cfg, host, host_at)
         .map_err(|cause| RunError { kind: FailKind::Config, ..setup_err(cause) })?;
     // Asked here too so that a missing tms-sim fails the plan, before anything is made.
     let sim_env = sim_environment(&SimNode::default()).map_err(setup_err)?;

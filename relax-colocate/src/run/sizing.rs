@@ -18,25 +18,48 @@ pub(super) struct Footprint {
     pub(super) transfer: u64,
 }
 
-/// What the hook charges for allocations of these sizes (each rounded up to the granularity).
-fn charged<'a>(sizes: impl IntoIterator<Item = &'a u64>) -> u64 {
-    sizes.into_iter().map(|s| round_up(*s, GRANULARITY)).sum()
+/// Allocations of these sizes, each rounded up to `unit`.
+fn rounded<'a>(sizes: impl IntoIterator<Item = &'a u64>, unit: u64) -> u64 {
+    sizes.into_iter().map(|s| round_up(*s, unit)).sum()
 }
 
+/// What the hook charges the device for each role (every allocation rounded up to the granularity).
 pub(super) fn footprint(cfg: &Config, shape: &model::Shape, profile: &Profile, bucket: u64) -> Footprint {
+    footprint_in(cfg, shape, profile, bucket, GRANULARITY)
+}
+
+/// What each role costs the host on the simulator. Its device memory is a file whose pages exist
+/// only once written (unless TMS_SIM_COMMIT=1 commits them at create), and the workers write the
+/// bytes they asked for, not the granularity's rounding: an allocation costs its size rounded to
+/// host pages. A profile scaled down has hundreds of small allocations per role, each charged a
+/// whole 2 MiB on the device but holding a few pages of the host.
+pub(super) fn host_footprint(cfg: &Config, shape: &model::Shape, profile: &Profile, bucket: u64) -> Footprint {
+    let committed = std::env::var("TMS_SIM_COMMIT").is_ok_and(|v| v.trim() == "1");
+    let unit = if committed { GRANULARITY } else { host_page_size() };
+    footprint_in(cfg, shape, profile, bucket, unit)
+}
+
+fn host_page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 { n as u64 } else { 4096 }
+}
+
+fn footprint_in(cfg: &Config, shape: &model::Shape, profile: &Profile, bucket: u64, unit: u64) -> Footprint {
+    let charged = |sizes: &mut dyn Iterator<Item = &u64>| rounded(sizes, unit);
     let tensors: Vec<u64> = model::layout(shape).iter().map(|(_, n)| *n as u64 * 4).collect();
-    let policy = charged(&tensors);
+    let policy = charged(&mut tensors.iter());
     let max_batch = (cfg.rollout.prompts_per_step / cfg.total_devices() * cfg.rollout.samples_per_prompt) as u64;
     let weight_pads: Vec<u64> =
         profile.rollout.tags.iter().filter(|(t, _)| t == "weights").flat_map(|(_, s)| s).copied().collect();
     let weights_exact = tensors.iter().sum::<u64>() + weight_pads.iter().sum::<u64>();
     Footprint {
-        trainer: 5 * policy + charged(profile.trainer.tags.iter().flat_map(|(_, s)| s)),
+        trainer: 5 * policy + charged(&mut profile.trainer.tags.iter().flat_map(|(_, s)| s)),
         rollout: policy
-            + round_up(max_batch * shape.hidden as u64 * 8, GRANULARITY)
-            + round_up(max_batch * shape.vocab as u64 * 8, GRANULARITY)
-            + charged(profile.rollout.tags.iter().flat_map(|(_, s)| s)),
-        rollout_weights: policy + charged(&weight_pads),
+            + round_up(max_batch * shape.hidden as u64 * 8, unit)
+            + round_up(max_batch * shape.vocab as u64 * 8, unit)
+            + charged(&mut profile.rollout.tags.iter().flat_map(|(_, s)| s)),
+        rollout_weights: policy + charged(&mut weight_pads.iter()),
         transfer: round_up(bucket.min(weights_exact), 4096),
     }
 }
@@ -99,4 +122,28 @@ fn host_memory_available() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scaled_profile_costs_the_host_its_bytes_not_the_devices_rounding() {
+        let cfg = super::super::config::load(None, &["memory.profile=qwen3-4b".into(), "memory.scale=0.002".into()])
+            .expect("config");
+        let shape = model::Shape { vocab: 64, context: 32, hidden: cfg.model.hidden };
+        let p = super::super::profile::build("qwen3-4b", 1, 0.002, 0.0).expect("profile");
+        let device = footprint(&cfg, &shape, &p, 4 << 20);
+        let host = footprint_in(&cfg, &shape, &p, 4 << 20, 4096);
+        let (device, host) = (device.trainer + device.rollout, host.trainer + host.rollout);
+        // Hundreds of allocations of a few pages each: the device charges 2 MiB apiece.
+        assert!(host * 4 < device, "host {host} vs device {device}");
+        // Eight devices of the seeds' Qwen3-4B job fit a 24 GiB host (they did not when the
+        // check counted the device's rounding: about 23 GiB).
+        assert!(8 * host < 8 << 30, "8 devices need {host} x 8");
+        // Nothing is rounded below what the workers write.
+        let exact = footprint_in(&cfg, &shape, &p, 4 << 20, 1);
+        assert!(host >= exact.trainer + exact.rollout);
+    }
 }
