@@ -11,6 +11,8 @@ use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
 
+mod reward;
+
 #[derive(clap::Args)]
 pub struct Options {
     /// Total devices, the same for every layout [run.devices].
@@ -53,6 +55,11 @@ pub struct Options {
     /// libtms_hook.so to preload (default: next to this binary, or ../lib).
     #[arg(long)]
     pub hook: Option<PathBuf>,
+    /// The reward level each layout is timed to (time to reward). Default: 90% of the way from the
+    /// highest smoothed reward any run started at to the lowest best any run reached, when the
+    /// reward rose by at least 0.05 in every run; otherwise layouts are judged by throughput alone.
+    #[arg(long, value_name = "REWARD")]
+    pub reward_target: Option<f64>,
     /// Print compare.json on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -203,6 +210,15 @@ fn figures(l: &Layout) -> Value {
 /// The throughputs whose every run and spread the figures keep, and the verdict weighs.
 const THROUGHPUTS: [&str; 2] = ["samples_per_s", "samples_per_s_after_first_step"];
 
+/// Seconds of wall time a run took to reach the reward target (null: it did not), kept like a
+/// throughput: every run and the spread.
+const TIME_TO_REWARD: &str = "time_to_reward_s";
+
+/// A run's steps as (wall time, mean reward).
+fn reward_steps(l: &Layout) -> Vec<(f64, f64)> {
+    l.rows.iter().filter_map(|r| Some((l.get(r, "perf/wall_step_time")?, l.get(r, "rollout/raw_reward")?))).collect()
+}
+
 /// One layout's figures over its runs: a number the runs disagree on is their mean, the
 /// staleness histograms are summed, and beside each throughput stand every run's figure
 /// (`KEY_runs`) and their spread (`KEY_spread`: max - min over the mean).
@@ -218,12 +234,17 @@ fn combined(runs: &[Value]) -> Value {
     if !hist.is_empty() {
         out["staleness_histogram"] = Value::Object(hist);
     }
-    for key in THROUGHPUTS {
+    let timed = runs.iter().any(|r| r.get(TIME_TO_REWARD).is_some());
+    for key in THROUGHPUTS.into_iter().chain(timed.then_some(TIME_TO_REWARD)) {
         let each: Vec<f64> = runs.iter().map(|r| r[key].as_f64().unwrap_or(f64::NAN)).collect();
         let (lo, hi) = each.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
         let mean = each.iter().sum::<f64>() / each.len() as f64;
         out[format!("{key}_runs")] = json!(each);
         out[format!("{key}_spread")] = json!((hi - lo) / mean);
+        // A run that never got there leaves no mean to speak of.
+        if each.iter().any(|x| x.is_nan()) {
+            out[key] = Value::Null;
+        }
     }
     out["repeats"] = json!(runs.len());
     out["run_dirs"] = runs.iter().map(|r| r["run_dir"].clone()).collect();
@@ -294,7 +315,7 @@ fn print_table(names: &[&str], figs: &[Value]) {
     if repeats > 1 {
         println!("(each figure the mean of {repeats} runs)");
     }
-    let rows: [TableRow; 23] = [
+    let rows: [TableRow; 24] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
         ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
         ("  spread over the runs", "samples_per_s_after_first_step_spread", |x| {
@@ -320,6 +341,7 @@ fn print_table(names: &[&str], figs: &[Value]) {
         }),
         ("reward, first 3 steps", "reward_first3", |x| format!("{x:.3}")),
         ("reward, last 3 steps", "reward_last3", |x| format!("{x:.3}")),
+        ("time to reward target (s)", TIME_TO_REWARD, secs),
         ("wall time (s)", "wall_time_s", |x| format!("{x:.1}")),
         ("lent tokens", "elastic.lent_tokens", |x| if x.is_nan() { "-".into() } else { format!("{x:.0}") }),
     ];
@@ -342,9 +364,10 @@ fn print_table(names: &[&str], figs: &[Value]) {
     println!("compute: {}", figs[0]["compute"].as_str().unwrap_or("?"));
 }
 
-/// Reward against wall time for every layout (each run's step ends on its own clock).
-fn reward_plot(layouts: &[Layout]) -> String {
-    let series = layouts
+/// Reward against wall time for every layout (each run's step ends on its own clock), and the
+/// target each is timed to.
+fn reward_plot(layouts: &[Layout], target: Option<f64>) -> String {
+    let mut series: Vec<Series> = layouts
         .iter()
         .enumerate()
         .map(|(k, l)| {
@@ -360,6 +383,16 @@ fn reward_plot(layouts: &[Layout]) -> String {
             Series { name: l.name.into(), points, shape: Shape::Line, color: plot::color(k), width: 2 }
         })
         .collect();
+    let end = series.iter().flat_map(|s| s.points.last()).map(|p| p.0).fold(0.0, f64::max);
+    if let Some(level) = target.filter(|_| end > 0.0) {
+        series.push(Series {
+            name: format!("target {level:.3}"),
+            points: vec![(0.0, level), (end, level)],
+            shape: Shape::Dashed,
+            color: plot::RGBColor(120, 120, 120),
+            width: 1,
+        });
+    }
     plot::svg(&Chart {
         title: format!("Reward against time: {} on the same job", names(layouts).join(", ")),
         width: 900,
@@ -490,7 +523,7 @@ fn verdict_line(v: &Value, max_staleness: i64) -> String {
     if v["elastic_lent_nothing"] == true {
         line.push_str("; elastic lent nothing, so it ran async's layout and is not ranked apart from it");
     }
-    if best != "colocate" {
+    if best != "colocate" && v["reward"]["learned"] != true {
         line.push_str(&format!(
             "; {best} trains on samples up to {max_staleness} weight version(s) stale: check reward against wall \
              time (reward_vs_time.svg) too"
@@ -563,7 +596,18 @@ pub fn main(o: &Options) -> u8 {
             }
         }
     }
-    let figs: Vec<Value> = runs.iter().map(|r| combined(&r.iter().map(figures).collect::<Vec<_>>())).collect();
+    let mut per_run: Vec<Vec<Value>> = runs.iter().map(|r| r.iter().map(figures).collect()).collect();
+    let curves: Vec<Vec<Vec<(f64, f64)>>> =
+        runs.iter().map(|r| r.iter().map(|l| reward::curve(&reward_steps(l))).collect()).collect();
+    let target = reward::target(&curves.iter().flatten().cloned().collect::<Vec<_>>(), o.reward_target);
+    if let Ok(t) = &target {
+        for (figs, cs) in per_run.iter_mut().zip(&curves) {
+            for (f, c) in figs.iter_mut().zip(cs) {
+                f[TIME_TO_REWARD] = json!(reward::time_to(c, t.level));
+            }
+        }
+    }
+    let figs: Vec<Value> = per_run.iter().map(|r| combined(r)).collect();
     // The plot and the names follow each layout's first run.
     let layouts: Vec<Layout> = runs.into_iter().filter_map(|r| r.into_iter().next()).collect();
     let names = names(&layouts);
@@ -571,11 +615,22 @@ pub fn main(o: &Options) -> u8 {
         names.iter().zip(&figs).map(|(n, f)| (n.to_string(), f.clone())).collect();
     let ratios = ratios(&names, &figs);
     report.extend(ratios.clone());
-    let verdict = verdict(&names, &figs, o.steps);
+    let mut verdict = verdict(&names, &figs, o.steps);
+    verdict["reward"] = match &target {
+        Ok(t) => {
+            let left_out = (verdict["elastic_lent_nothing"] == true).then_some("elastic");
+            let by_throughput = verdict["layout"].as_str().unwrap_or_default().to_string();
+            let mut v = reward::verdict(&names, &figs, t, TIE_MARGIN, left_out, &by_throughput);
+            v["learned"] = json!(true);
+            v
+        }
+        Err(why) => json!({"learned": false, "reason": why}),
+    };
     report.insert("verdict".into(), verdict.clone());
     let report = Value::Object(report);
     let _ = std::fs::write(o.out.join("compare.json"), serde_json::to_string_pretty(&report).expect("serializes"));
-    let _ = std::fs::write(o.out.join("reward_vs_time.svg"), reward_plot(&layouts));
+    let _ =
+        std::fs::write(o.out.join("reward_vs_time.svg"), reward_plot(&layouts, target.as_ref().ok().map(|t| t.level)));
     if o.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("serializes"));
         return 0;
@@ -598,6 +653,10 @@ pub fn main(o: &Options) -> u8 {
         println!("elastic / the better of the others: {all:.2}x (samples/s); {after:.2}x after step 1");
     }
     println!("{}", verdict_line(&verdict, o.max_staleness));
+    match &target {
+        Ok(_) => println!("{}", reward::line(&verdict["reward"])),
+        Err(why) => println!("learning: {why}"),
+    }
     let dirs: Vec<String> = names.iter().map(|n| format!("{n}/")).collect();
     println!("written: {} (compare.json, reward_vs_time.svg, {})", o.out.display(), dirs.join(", "));
     0

@@ -141,6 +141,11 @@ fn run_elsewhere(line: &str) -> Option<&'static str> {
         "target/release/relax-colocate compare --devices 4 --steps 8 --config jobs/long-tail.toml" => {
             Some("run_async::compare_takes_a_job_file_for_every_layout_and_its_own_flags_win")
         }
+        // Minutes of 20 steps; the tests time a given reward target (run_async) and the arithmetic
+        // of an automatic one (compare::reward's unit tests); the README's figures are its run.
+        "target/release/relax-colocate compare --devices 4 --steps 20 --config jobs/learning.toml" => {
+            Some("run_async::compare_takes_a_job_file_for_every_layout_and_its_own_flags_win (--reward-target)")
+        }
         "scripts/build-wheel.sh dist/"
         | "pip uninstall -y torch_memory_saver && pip install dist/tms_memory_saver-*.whl" => {
             Some("torch::the_wheel_installs_with_pip_and_replaces_torch_memory_saver")

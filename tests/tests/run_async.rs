@@ -633,6 +633,10 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     assert!(!lent_nothing || stdout.contains("elastic lent nothing, so it ran async's layout"), "{stdout}");
     assert_eq!((verdict["short_run"].as_bool(), verdict["clear"].as_bool()), (Some(true), Some(false)), "{report}");
     assert!(stdout.contains("for this job: ") && stdout.contains("use --steps 5 or more"), "{stdout}");
+    // Three steps are too few to see the reward rise: no time to reward, and the line says why.
+    assert_eq!(verdict["reward"]["learned"].as_bool(), Some(false), "{report}");
+    assert!(report["colocate"].get("time_to_reward_s").is_none(), "{report}");
+    assert!(stdout.contains("learning: the reward did not rise by 0.05 in every run"), "{stdout}");
     // A key that does not exist is the run's configuration error, exit 2 with its name.
     let bad = std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
         .args(["compare", "--steps", "1", "--set", "algo.lrr=1", "--out"])
@@ -652,7 +656,7 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
         std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
             .current_dir(&tms_e2e::workspace().root)
             .args(["compare", "--devices", "2", "--steps", "1", "--repeats", "2", "--layouts", "colocate,async"])
-            .args(["--config", config])
+            .args(["--config", config, "--reward-target=-1"])
             .args(["--model-compute", "false", "--set", "rollout.prompts_per_step=2", "--set", "run.device=\"sim\""])
             .arg("--out")
             .arg(out)
@@ -673,6 +677,33 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
         assert!(report[layout]["samples_per_s_spread"].as_f64().unwrap() >= 0.0, "{report}");
     }
     assert_eq!(report["verdict"]["repeats"].as_u64(), Some(2), "{report}");
+    // A reward level every run starts above is reached at the end of each run's first step.
+    for layout in ["colocate", "async"] {
+        let times: Vec<f64> = report[layout]["time_to_reward_s_runs"]
+            .as_array()
+            .expect("every run's time to reward")
+            .iter()
+            .map(|t| t.as_f64().unwrap())
+            .collect();
+        for (k, t) in times.iter().enumerate() {
+            let dir = dir.path().join(if k == 0 { layout.to_string() } else { format!("{layout}-{}", k + 1) });
+            let first: serde_json::Value = serde_json::from_str(
+                std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().next().unwrap(),
+            )
+            .unwrap();
+            let step = first["perf/wall_step_time"].as_f64().unwrap();
+            assert!((t - step).abs() < 1e-9, "{layout} run {}: {t} s to reward, step 1 took {step} s", k + 1);
+        }
+    }
+    let reward = &report["verdict"]["reward"];
+    assert_eq!((reward["learned"].as_bool(), reward["target"].as_f64()), (Some(true), Some(-1.0)), "{report}");
+    let soonest = if report["colocate"]["time_to_reward_s"].as_f64() < report["async"]["time_to_reward_s"].as_f64() {
+        "colocate"
+    } else {
+        "async"
+    };
+    assert_eq!(reward["layout"], soonest, "{report}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("learning: time to reward -1.000 (--reward-target)"));
     let progress = String::from_utf8_lossy(&out.stderr);
     let order: Vec<usize> =
         ["colocate layout (1 steps, run 1", "async layout (1 steps, run 1", "colocate layout (1 steps, run 2"]
