@@ -1,12 +1,15 @@
 # Sourced by torch-env.sh and ray-env.sh: a cached virtual environment holding the pinned
 # packages of one requirements file, created once and reused while the pins stay the same.
 #
-#   pinned_venv TOOL REQUIREMENTS VENV CHECK SIZE_NOTE FAIL_HINT
+#   pinned_venv TOOL REQUIREMENTS VENV CHECK SIZE_NOTE FAIL_HINT [PIP_OPTION...]
+#
+# PIP_OPTIONs go to pip install (--no-deps for a file that pins every package itself).
 #
 # CHECK=1: exit 0 if the environment is ready, 1 if not (no install). Otherwise install if needed
 # (progress on stderr) and print the environment's python on stdout.
 pinned_venv() {
   local tool="$1" req="$2" venv="$3" check="$4" size_note="$5" fail_hint="$6"
+  shift 6
   local stamp="$venv/.tms-requirements" py="$venv/bin/python"
   ready() { [ -x "$py" ] && [ -f "$stamp" ] && cmp -s "$req" "$stamp"; }
   if [ "$check" = 1 ]; then
@@ -26,7 +29,7 @@ pinned_venv() {
       }
     fi
     echo "$tool: installing $(grep -cv '^#' "$req") pinned package(s) into $venv$size_note" >&2
-    "$py" -m pip install --disable-pip-version-check --progress-bar off -q -r "$req" >&2 || {
+    "$py" -m pip install --disable-pip-version-check --progress-bar off -q "$@" -r "$req" >&2 || {
       echo "$tool: pip install failed (is the package index reachable?).$fail_hint" >&2
       exit 1
     }

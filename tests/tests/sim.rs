@@ -185,6 +185,7 @@ fn cli_env_takes_every_launcher_input() {
         "--connect-timeout",
         "7",
         "--commit",
+        "--npu-only",
     ]);
     let set = &doc["set"];
     for (name, value) in [
@@ -195,6 +196,7 @@ fn cli_env_takes_every_launcher_input() {
         ("TMS_SIM_NCCL_CONNECT_TIMEOUT", "7"),
         ("TMS_SIM_HCCL_CONNECT_TIMEOUT", "7"),
         ("TMS_SIM_COMMIT", "1"),
+        ("TMS_SIM_CUDA", "0"),
     ] {
         assert_eq!(set[name], value, "{name}: {doc}");
     }

@@ -23,20 +23,32 @@ fn torch12_python() -> Option<&'static PathBuf> {
     PY.get_or_init(|| prepared_python(12)).as_ref()
 }
 
+/// The Ascend test environment's Python (torch_npu 2.9.1 beside PyTorch 2.9.1), or None when the
+/// user opted out.
+fn torch_npu_python() -> Option<&'static PathBuf> {
+    static PY: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PY.get_or_init(|| prepared_env(&["--npu"])).as_ref()
+}
+
 fn prepared_python(cuda_major: u32) -> Option<PathBuf> {
+    prepared_env(&["--cuda", &cuda_major.to_string()])
+}
+
+fn prepared_env(args: &[&str]) -> Option<PathBuf> {
     if std::env::var("TMS_TORCH_TESTS").is_ok_and(|v| v == "0") {
         eprintln!("TMS_TORCH_TESTS=0: skipping the real-PyTorch tests");
         return None;
     }
     let ws = workspace();
     let out = Command::new(ws.root.join("scripts/torch-env.sh"))
-        .args(["--cuda", &cuda_major.to_string()])
+        .args(args)
         .stderr(std::process::Stdio::inherit())
         .output()
         .expect("run scripts/torch-env.sh");
     assert!(
         out.status.success(),
-        "scripts/torch-env.sh --cuda {cuda_major} could not prepare PyTorch (see above); TMS_TORCH_TESTS=0 skips these tests"
+        "scripts/torch-env.sh {} could not prepare PyTorch (see above); TMS_TORCH_TESTS=0 skips these tests",
+        args.join(" ")
     );
     Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
 }
@@ -132,6 +144,16 @@ fn pytorch_built_for_cuda_12_runs_on_the_simulator_with_the_hook() {
     let Some(python) = torch12_python() else { return };
     pytest_under(python, "test_sim_torch.py", false);
     pytest_under(python, "test_hook_under_torch.py", false);
+}
+
+/// torch_npu 2.9.1 unchanged on the simulator's Ascend devices (test_torch_npu.py): its caching
+/// allocator's memory path, the tms-memory-saver wheel pausing and resuming its memory in preload
+/// and torch modes (with tms-ctl looking on), and torch.distributed's "hccl" backend between two
+/// simulated NPUs.
+#[test]
+fn torch_npu_runs_on_the_simulator_with_the_wheel_and_hccl() {
+    let Some(python) = torch_npu_python() else { return };
+    pytest_under(python, "test_torch_npu.py", true);
 }
 
 /// torch.distributed's "nccl" backend on the simulator's libnccl.so.2 (2 and 4 ranks, against

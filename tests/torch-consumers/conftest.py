@@ -62,7 +62,7 @@ class SimRun:
         self.lib_dir = Path(prepend["LD_LIBRARY_PATH"])
         self.sim_python = prepend["PYTHONPATH"]
 
-    def env(self, devices=1, memory="4GiB", preload=None, extra=None):
+    def env(self, devices=1, memory="4GiB", preload=None, extra=None, npu_only=False):
         if REAL_DEVICE:
             # The machine's own environment (a dry run of the kit on the simulator keeps its
             # TMS_SIM_* and PYTHONPATH, which a GPU machine does not have).
@@ -74,7 +74,9 @@ class SimRun:
             env.update(extra or {})
             return env
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "LD_PRELOAD"))}
-        doc = sim_env("--node", self.node, "--dir", str(self.tmp), "--devices", str(devices), "--memory", memory)
+        args = ["--node", self.node, "--dir", str(self.tmp), "--devices", str(devices), "--memory", memory]
+        # torch_npu refuses to start beside a CUDA device: its scenarios see NPUs only.
+        doc = sim_env(*args, *(["--npu-only"] if npu_only else []))
         # Folders the simulator prepends replace the outer ones: each scenario sees only its own;
         # on PYTHONPATH, after a test's own folders.
         for name, folder in doc["prepend"].items():

@@ -2,7 +2,7 @@
 //! (`libhccl.so`). cudart.map gives them the simulator's own version node, to which the
 //! unversioned references of programs linked against the real libraries bind.
 
-use super::{acl, acl_ipc, hccl};
+use super::{acl, acl_events, acl_ipc, cann, hccl};
 
 export! {
     // ACL (libascendcl.so)
@@ -43,7 +43,61 @@ export! {
     aclrtIpcMemGetExportKey => acl_ipc::aclrt_ipc_mem_get_export_key;
     aclrtIpcMemSetImportPid => acl_ipc::aclrt_ipc_mem_set_import_pid;
     aclrtIpcMemImportByKey => acl_ipc::aclrt_ipc_mem_import_by_key;
-    aclrtIpcMemClose => acl_ipc::aclrt_ipc_mem_close;    // HCCL (libhccl.so)
+    aclrtIpcMemClose => acl_ipc::aclrt_ipc_mem_close;
+    aclrtCreateEvent => acl_events::aclrt_create_event;
+    aclrtCreateEventWithFlag => acl_events::aclrt_create_event_with_flag;
+    aclrtCreateEventExWithFlag => acl_events::aclrt_create_event_ex_with_flag;
+    aclrtDestroyEvent => acl_events::aclrt_destroy_event;
+    aclrtRecordEvent => acl_events::aclrt_record_event;
+    aclrtResetEvent => acl_events::aclrt_reset_event;
+    aclrtSynchronizeEvent => acl_events::aclrt_synchronize_event;
+    aclrtQueryEventStatus => acl_events::aclrt_query_event_status;
+    aclrtQueryEventWaitStatus => acl_events::aclrt_query_event_wait_status;
+    aclrtEventElapsedTime => acl_events::aclrt_event_elapsed_time;
+    aclrtStreamWaitEvent => acl_events::aclrt_stream_wait_event;
+    aclrtStreamQuery => acl_events::aclrt_stream_query;
+    aclrtCreateStreamWithConfig => acl_events::aclrt_create_stream_with_config;
+    aclrtDestroyStreamForce => acl_events::aclrt_destroy_stream_force;
+    aclrtSynchronizeStreamWithTimeout => acl_events::aclrt_synchronize_stream_with_timeout;
+    aclrtSetStreamFailureMode => acl_events::aclrt_set_stream_failure_mode;
+    aclrtLaunchHostFunc => acl_events::aclrt_launch_host_func;
+    aclrtSubscribeReport => acl_events::aclrt_subscribe_report;
+    aclrtUnSubscribeReport => acl_events::aclrt_unsubscribe_report;
+    aclrtLaunchCallback => acl_events::aclrt_launch_callback;
+    aclrtProcessReport => acl_events::aclrt_process_report;
+    aclrtSetDeviceSatMode => acl_events::aclrt_set_device_sat_mode;
+    aclrtGetDeviceSatMode => acl_events::aclrt_get_device_sat_mode;
+    aclrtSetStreamOverflowSwitch => acl_events::aclrt_set_stream_overflow_switch;
+    aclrtGetStreamOverflowSwitch => acl_events::aclrt_get_stream_overflow_switch;
+    aclrtSetOpWaitTimeout => acl_events::aclrt_set_op_wait_timeout;
+    aclrtSetOpExecuteTimeOut => acl_events::aclrt_set_op_execute_timeout;
+    aclrtSetOpExecuteTimeOutV2 => acl_events::aclrt_set_op_execute_timeout_v2;
+    aclrtGetSocName => acl_events::aclrt_get_soc_name;
+    aclrtDeviceCanAccessPeer => acl_events::aclrt_device_can_access_peer;
+    aclrtDeviceEnablePeerAccess => acl_events::aclrt_device_enable_peer_access;
+    aclrtGetLastError => acl_events::aclrt_get_last_error;
+    aclrtPeekAtLastError => acl_events::aclrt_peek_at_last_error;
+    aclGetDeviceCapability => acl_events::acl_get_device_capability;
+    aclrtGetDeviceInfo => acl_events::aclrt_get_device_info;
+    aclrtSetSysParamOpt => acl_events::aclrt_set_sys_param_opt;
+    aclrtGetSysParamOpt => acl_events::aclrt_get_sys_param_opt;
+    aclrtCtxSetSysParamOpt => acl_events::aclrt_ctx_set_sys_param_opt;
+    aclrtCtxGetSysParamOpt => acl_events::aclrt_ctx_get_sys_param_opt;
+    aclAppLog => cann::acl_app_log;
+    aclSetCompileopt => cann::acl_set_compileopt;
+    aclGetCompileopt => cann::acl_get_compileopt;
+    aclGetCompileoptSize => cann::acl_get_compileopt_size;
+    // The profiler's reporting calls and CANN's libc_sec (cann.rs).
+    MsprofReportApi => cann::msprof_report_api;
+    MsprofReportCompactInfo => cann::msprof_report_compact_info;
+    MsprofReportAdditionalInfo => cann::msprof_report_additional_info;
+    MsprofRegisterCallback => cann::msprof_register_callback;
+    MsprofSysCycleTime => cann::msprof_sys_cycle_time;
+    MsprofGetHashId => cann::msprof_get_hash_id;
+    strcpy_s => cann::strcpy_s;
+    vsnprintf_s => cann::vsnprintf_s;
+    // HCCL (libhccl.so)
+    HcclSetConfig => hccl::set_config;
     HcclGetErrorString => hccl::get_error_string;
     HcclGetRootInfo => hccl::get_root_info;
     HcclCommInitRootInfo => hccl::comm_init_root_info;

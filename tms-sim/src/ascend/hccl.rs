@@ -52,6 +52,13 @@ pub fn code_of(e: &CollError) -> i32 {
     }
 }
 
+/// `HcclSetConfig(HcclConfig, HcclConfigValue)`: HCCL_DETERMINISTIC (0) with 0 or 1. The simulator's
+/// reductions are always computed in rank order, so both settings give the same (deterministic)
+/// results.
+pub unsafe extern "C" fn set_config(config: i32, value: i32) -> i32 {
+    if config == 0 && (0..=1).contains(&value) { SUCCESS } else { E_PARA }
+}
+
 pub unsafe extern "C" fn get_error_string(code: i32) -> *const c_char {
     let text: &'static CStr = match code {
         SUCCESS => c"success",

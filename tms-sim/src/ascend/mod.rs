@@ -7,7 +7,9 @@
 mod exports;
 
 pub mod acl;
+pub mod acl_events;
 pub mod acl_ipc;
+pub mod cann;
 pub mod hccl;
 
 use crate::core::config::MAX_DEVICES;

@@ -17,6 +17,14 @@ const RUNTIME_NAMES: &[&str] = &[
     "libnccl.so.2",
     "libnccl.so",
     "libhccl.so",
+    // The rest of CANN that torch_npu's libraries need (ascend/cann.rs).
+    "libacl_op_compiler.so",
+    "libge_runner.so",
+    "libgraph.so",
+    "libacl_tdt_channel.so",
+    "libfmk_parser.so",
+    "libascend_protobuf.so",
+    "libatb.so",
 ];
 
 #[derive(Parser)]
@@ -44,6 +52,7 @@ const RUNTIME_NAMES: &[&str] = &[
         TMS_SIM_NCCL_CONNECT_TIMEOUT, TMS_SIM_HCCL_CONNECT_TIMEOUT  seconds ranks wait for each other to join\n  \
         TMS_SIM_NCCL_STALE_TIMEOUT  seconds a collective through a stale NCCL registration waits before it fails (default 10)\n  \
         TMS_SIM_COMMIT     1: commit host pages when device memory is created\n  \
+        TMS_SIM_CUDA       0: CUDA sees no device, the node's devices are Ascend NPUs only (as on a 910B host)\n  \
         TMS_SIM_FAIL       fault injection, NAME:N[+][:CODE],... e.g. cuMemCreate:3:2;\n                     \
         NAME:N[+]:corrupt flips a byte a copy wrote (cuMemcpyHtoDAsync_v2:1:corrupt)\n\n\
         A node's devices and capacity are fixed by the first process that attaches while no live \
@@ -90,6 +99,10 @@ enum Command {
 /// the simulator pass these instead of naming its variables themselves.
 #[derive(clap::Args)]
 struct EnvArgs {
+    /// The node's devices are Ascend NPUs only: CUDA sees no device, as on a 910B host (sets
+    /// TMS_SIM_CUDA=0; torch_npu refuses to load beside a CUDA device).
+    #[arg(long)]
+    npu_only: bool,
     /// Simulated node name (sets TMS_SIM_NODE).
     #[arg(long)]
     node: Option<String>,
@@ -175,6 +188,9 @@ fn environment(a: &EnvArgs) -> Result<(Vars, Vars), String> {
     }
     if a.commit {
         set.push(("TMS_SIM_COMMIT", "1".to_string()));
+    }
+    if a.npu_only {
+        set.push(("TMS_SIM_CUDA", "0".to_string()));
     }
     Ok((set, prepend))
 }

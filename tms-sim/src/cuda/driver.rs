@@ -73,6 +73,9 @@ pub unsafe extern "C" fn cu_init(flags: c_uint) -> i32 {
         if flags != 0 {
             return INVALID_VALUE;
         }
+        if crate::cuda::cuda_hidden() {
+            return crate::cuda::NO_DEVICE;
+        }
         fault::check("cuInit", NOT_INITIALIZED).unwrap_or_else(|| {
             sim();
             DRIVER_INIT.store(true, Ordering::Release);
@@ -93,7 +96,12 @@ pub unsafe extern "C" fn cu_device_get(dev: *mut c_int, ordinal: c_int) -> i32 {
 }
 
 pub unsafe extern "C" fn cu_device_get_count(count: *mut c_int) -> i32 {
-    call("cuDeviceGetCount", || put(count, sim().devices() as c_int))
+    call("cuDeviceGetCount", || {
+        if crate::cuda::cuda_hidden() {
+            return put(count, 0);
+        }
+        put(count, sim().devices() as c_int)
+    })
 }
 
 pub unsafe extern "C" fn cu_device_get_attribute(value: *mut c_int, attr: c_int, dev: c_int) -> i32 {

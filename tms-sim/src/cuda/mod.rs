@@ -64,6 +64,17 @@ pub fn copy_direction(kind: i32) -> Option<CopyDirection> {
 }
 
 /// Set by cuInit and by any runtime call (the runtime initializes the driver implicitly).
+/// `TMS_SIM_CUDA=0`: the node's devices are Ascend NPUs only, and CUDA sees none, as on a 910B
+/// host where a CUDA build of PyTorch finds no NVIDIA driver. torch_npu refuses to load beside a
+/// CUDA device ("Two accelerators cannot be used at the same time").
+pub fn cuda_hidden() -> bool {
+    static HIDDEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HIDDEN.get_or_init(|| std::env::var("TMS_SIM_CUDA").is_ok_and(|v| v.trim() == "0"))
+}
+
+/// cudaErrorNoDevice and CUDA_ERROR_NO_DEVICE, what both APIs report with no device.
+pub const NO_DEVICE: i32 = 100;
+
 pub static DRIVER_INIT: AtomicBool = AtomicBool::new(false);
 
 thread_local! {

@@ -416,7 +416,13 @@ pub unsafe extern "C" fn cuda_set_device(dev: c_int) -> i32 {
 }
 
 pub unsafe extern "C" fn cuda_get_device_count(count: *mut c_int) -> i32 {
-    call("cudaGetDeviceCount", || put(count, sim().devices() as c_int))
+    call("cudaGetDeviceCount", || {
+        if crate::cuda::cuda_hidden() {
+            put(count, 0);
+            return crate::cuda::NO_DEVICE;
+        }
+        put(count, sim().devices() as c_int)
+    })
 }
 
 pub unsafe extern "C" fn cuda_get_device_properties(prop: *mut DeviceProp, dev: c_int) -> i32 {

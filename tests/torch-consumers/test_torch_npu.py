@@ -1,0 +1,273 @@
+"""torch_npu 2.9.1, unchanged, on the simulator's Ascend devices (scripts/torch-env.sh --npu; the
+harness is tests/tests/torch.rs). torch_npu loads its Ascend stack (libascendcl.so, libhccl.so and
+the rest of CANN's names, all the simulator under `tms-sim env`) and takes device memory through
+its own caching allocator, which finds `aclrtMallocAlign32` with dlopen + dlsym.
+
+- the memory path: `.to("npu")`, `.cpu()`, `mem_get_info`, `empty_cache`, pinned host memory,
+  copies on a side stream timed by events, a second device;
+- tms-memory-saver's wheel in place of sgl-kernel-npu's torch_memory_saver, in preload mode (the
+  hook catches the caching allocator's `aclrtMallocAlign32` through `dlsym(handle)`) and torch
+  mode (`NPUPluggableAllocator` + MemPool): pause frees the device memory, resume brings the bytes
+  back at the same addresses, tms-ctl sees the process and its tags;
+- torch.distributed's `hccl` backend between two simulated NPUs: broadcast and all_reduce exact;
+- what torch_npu refuses here: an operator that computes fails with torch_npu's own error naming
+  it (docs/simulator.md, "torch_npu").
+
+Few processes, each checking many things, so the file stays quick in CI.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REAL_DEVICE
+
+pytestmark = pytest.mark.skipif(REAL_DEVICE, reason="the NPU kit runs test_npu_programs.py")
+
+MIB = 1 << 20
+
+
+def _json(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    return json.loads(lines[-1])
+
+
+MEMORY = r"""
+import json, torch, torch_npu
+out = {"available": torch.npu.is_available(), "count": torch.npu.device_count(),
+       "cuda": torch.cuda.is_available()}
+a = (torch.arange(4 << 20, dtype=torch.int64) * 2654435761 >> 11).to(torch.uint8)
+f0, out["total"] = torch.npu.mem_get_info()
+x = a.to("npu")
+f1 = torch.npu.mem_get_info()[0]
+out["charged"] = f0 - f1
+out["allocated"] = torch.npu.memory_allocated()
+out["exact"] = torch.equal(x.cpu(), a)
+del x
+out["cached"] = torch.npu.mem_get_info()[0] - f1
+torch.npu.empty_cache()
+out["returned"] = torch.npu.mem_get_info()[0] - f1
+pinned = a.pin_memory()
+out["pinned"], out["plain_pinned"] = pinned.is_pinned(), a.is_pinned()
+back = torch.empty_like(a).pin_memory()
+s = torch.npu.Stream()
+ev0, ev1 = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+with torch.npu.stream(s):
+    ev0.record()
+    y = pinned.to("npu", non_blocking=True)
+    back.copy_(y, non_blocking=True)
+    ev1.record()
+ev1.synchronize()
+out["stream_exact"] = torch.equal(back, a)
+out["elapsed_ms"] = ev0.elapsed_time(ev1)
+out["done"] = ev1.query()
+z = y.to("npu:1")
+out["peer_device"], out["peer_exact"] = str(z.device), torch.equal(z.cpu(), a)
+w = torch.empty(1 << 20, dtype=torch.uint8, device="npu:1")
+w.copy_(z[: 1 << 20])
+out["d2d_exact"] = torch.equal(w.cpu(), a[: 1 << 20])
+out["dev1_allocated"] = torch.npu.memory_allocated(1)
+# The runtime calls torch_npu makes, with the codes CANN's runtime reference documents.
+import ctypes, threading
+acl = ctypes.CDLL("libascendcl.so")
+ev = ctypes.c_void_p()
+out["event_bad_flag"] = acl.aclrtCreateEventExWithFlag(ctypes.byref(ev), 0x100)
+out["event_ipc"] = acl.aclrtCreateEventExWithFlag(ctypes.byref(ev), 0x40)
+out["sat_mode_bad"] = acl.aclrtSetDeviceSatMode(2)
+out["sat_mode_ok"] = acl.aclrtSetDeviceSatMode(0)
+mode = ctypes.c_int(-1)
+acl.aclrtGetDeviceSatMode(ctypes.byref(mode))
+out["sat_mode_read"] = mode.value
+acl.aclrtSetDeviceSatMode(1)
+raw = ctypes.c_void_p(s.npu_stream)
+CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+ran = []
+cb = CB(lambda data: ran.append(data))
+out["callback_unsubscribed"] = acl.aclrtLaunchCallback(cb, ctypes.c_void_p(7), 0, raw)
+tid = threading.get_ident()
+out["subscribe"] = acl.aclrtSubscribeReport(ctypes.c_uint64(tid), raw)
+out["subscribe_twice"] = acl.aclrtSubscribeReport(ctypes.c_uint64(tid), raw)
+out["callback"] = acl.aclrtLaunchCallback(cb, ctypes.c_void_p(7), 0, raw)
+out["report"] = acl.aclrtProcessReport(10000)
+out["ran"] = ran
+out["report_idle"] = acl.aclrtProcessReport(0)
+out["unsubscribe"] = acl.aclrtUnSubscribeReport(ctypes.c_uint64(tid), raw)
+acl.aclrtGetSocName.restype = ctypes.c_char_p
+out["soc"] = acl.aclrtGetSocName().decode()
+try:
+    torch.ones(4, device="npu").cpu()
+    out["compute"] = "ran"
+except RuntimeError as e:
+    out["compute"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_the_memory_path_of_torch_npu(sim):
+    out = _json(sim.python(MEMORY, devices=2, memory="4GiB", npu_only=True, timeout=240))
+    assert out["available"] and out["count"] == 2, out
+    assert out["cuda"] is False, out  # an Ascend host: torch_npu starts only without a CUDA device
+    assert out["total"] == 4 << 30, out
+    # The caching allocator takes a 20 MiB segment for a 4 MiB tensor (torch_npu's large-block
+    # rounding), keeps it when the tensor dies, and gives it back on empty_cache.
+    assert out["charged"] == 20 * MIB and out["allocated"] >= 4 * MIB, out
+    assert out["exact"], out
+    assert out["cached"] == 0 and out["returned"] == 20 * MIB, out
+    assert out["pinned"] and not out["plain_pinned"], out
+    assert out["stream_exact"] and out["done"] and out["elapsed_ms"] >= 0, out
+    assert out["peer_device"] == "npu:1" and out["peer_exact"] and out["d2d_exact"], out
+    assert out["dev1_allocated"] >= 5 * MIB, out
+    assert (out["event_bad_flag"], out["event_ipc"]) == (100000, 207000), out
+    assert (out["sat_mode_bad"], out["sat_mode_ok"], out["sat_mode_read"]) == (100000, 0, 0), out
+    assert out["callback_unsubscribed"] == 107015, out
+    assert (out["subscribe"], out["subscribe_twice"], out["callback"]) == (0, 107011, 0), out
+    assert out["report"] == 0 and out["ran"] == [7] and out["report_idle"] == 507012, out
+    assert out["unsubscribe"] == 0 and out["soc"] == "Ascend910B2", out
+    # Operators are not computed on the NPU side (docs/simulator.md): torch_npu's own error names
+    # the operator that failed.
+    assert "OnesLike" in out["compute"], out
+
+
+SAVER = r"""
+import json, os, subprocess, torch, torch_npu
+from torch_memory_saver import torch_memory_saver as saver
+saver.hook_mode = os.environ["MODE"]
+MIB = 1 << 20
+out = {}
+def free():
+    torch.npu.synchronize()
+    return torch.npu.mem_get_info()[0]
+def ctl(*args):
+    p = subprocess.run([os.environ["TMS_CTL"], "--dir", os.environ["TMS_CONTROL_DIR"], "--json", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout)
+pattern = (torch.arange(32 * MIB, dtype=torch.int64) * 2654435761 >> 11).to(torch.uint8)
+other = (torch.arange(8 * MIB, dtype=torch.int64) * 40503 >> 7).to(torch.uint8)
+outside = pattern[: 4 * MIB].to("npu")
+with saver.region(tag="weights", enable_cpu_backup=True):
+    w = pattern.to("npu")
+with saver.region(tag="kv_cache"):
+    kv = other.to("npu")
+w_ptr, kv_ptr = w.data_ptr(), kv.data_ptr()
+out["mode"] = saver.hook_mode
+out["listed"] = ctl("list")
+f0 = free()
+saver.pause("weights")
+f1 = free()
+out["freed_weights"] = f1 - f0
+out["backup_while_paused"] = torch.equal(saver.get_cpu_backup(w), pattern)
+saver.pause("kv_cache")
+f2 = free()
+out["freed_kv"] = f2 - f1
+out["status_paused"] = ctl("status", os.environ["TMS_NAME"])
+saver.resume("weights")
+saver.resume("kv_cache")
+out["regained"] = f2 - free()
+out["same_ptrs"] = w.data_ptr() == w_ptr and kv.data_ptr() == kv_ptr
+out["weights_exact"] = torch.equal(w.cpu(), pattern)
+out["outside_kept"] = torch.equal(outside.cpu(), pattern[: 4 * MIB])
+kv.copy_(other.flip(0).to("npu"))
+out["kv_usable"] = torch.equal(kv.cpu(), other.flip(0))
+# Through tms-ctl from outside the program, as an operator would: the bytes come back again.
+ctl("pause", os.environ["TMS_NAME"], "--tag", "weights")
+out["ctl_freed"] = free() - f0
+ctl("resume", os.environ["TMS_NAME"], "--tag", "weights")
+out["ctl_exact"] = torch.equal(w.cpu(), pattern) and w.data_ptr() == w_ptr
+print(json.dumps(out, default=str))
+"""
+
+
+def _ctl_binary(hook):
+    for p in (Path(hook).parent / "tms-ctl", Path(hook).parent.parent / "bin" / "tms-ctl"):
+        if p.is_file():
+            return p
+    pytest.fail("tms-ctl not found beside the hook")
+
+
+@pytest.mark.parametrize("mode", ["preload", "torch"])
+def test_our_wheel_pauses_and_resumes_torch_npu_memory(sim, fresh_venv, mode):
+    python, site = fresh_venv
+    control = sim.tmp / "control"
+    control.mkdir(mode=0o700, exist_ok=True)
+    name = f"npu-{mode}-{os.getpid()}"
+    extra = {
+        "MODE": mode,
+        "TMS_CTL": str(_ctl_binary(sim.hook)),
+        "TMS_CONTROL_DIR": str(control),
+        "TMS_NAME": name,
+        "TMS_CONTROL": "1",
+    }
+    preload = site / "torch_memory_saver_hook_mode_preload.abi3.so" if mode == "preload" else None
+    out = _json(sim.python(SAVER, python=python, preload=preload, memory="2GiB", npu_only=True, extra=extra))
+    assert out["mode"] == mode, out
+    # tms-ctl sees the process under its name, on the Ascend device, with both tags; while
+    # paused, their bytes are counted as paused.
+    listed = [p["status"] for p in out["listed"] if p["status"].get("name") == name]
+    assert len(listed) == 1, out["listed"]
+    assert [d["vendor"] for d in listed[0]["devices"]] == ["acl"], listed
+    assert {"weights", "kv_cache"} <= {t["tag"] for t in listed[0]["tags"]}, listed
+    paused = {t["tag"]: t for row in out["status_paused"] for t in row["status"]["tags"]}
+    assert paused["weights"]["bytes_paused"] >= 32 * MIB and paused["weights"]["bytes_active"] == 0, paused
+    assert paused["kv_cache"]["bytes_paused"] >= 8 * MIB, paused
+    assert out["freed_weights"] >= 32 * MIB, out
+    assert out["backup_while_paused"], out
+    assert out["freed_kv"] >= 8 * MIB, out
+    assert out["regained"] >= 40 * MIB, out
+    assert out["same_ptrs"] and out["weights_exact"] and out["outside_kept"] and out["kv_usable"], out
+    assert out["ctl_freed"] >= 32 * MIB and out["ctl_exact"], out
+
+
+HCCL_RANK = r"""
+import json, os, torch, torch_npu
+import torch.distributed as dist
+rank = int(os.environ["RANK"])
+torch.npu.set_device(rank)
+dist.init_process_group("hccl", rank=rank, world_size=2)
+out = {"rank": rank, "backend": dist.get_backend()}
+n = 1 << 20
+src = (torch.arange(n, dtype=torch.int64) * 2654435761 % 1000003).to(torch.float32)
+t = (src if rank == 0 else torch.zeros(n)).to("npu")
+dist.broadcast(t, src=0)
+out["broadcast_exact"] = torch.equal(t.cpu(), src)
+mine = (torch.arange(n, dtype=torch.int64) % 977 + rank * 1000).to(torch.int32)
+r = mine.to("npu")
+dist.all_reduce(r)
+expect = (torch.arange(n, dtype=torch.int64) % 977 * 2 + 1000).to(torch.int32)
+out["all_reduce_exact"] = torch.equal(r.cpu(), expect)
+f = (torch.arange(4096, dtype=torch.float32) / 7 + rank).to("npu")
+dist.all_reduce(f, op=dist.ReduceOp.MAX)
+out["max_exact"] = torch.equal(f.cpu(), torch.arange(4096, dtype=torch.float32) / 7 + 1)
+# No dist.barrier(): torch_npu's barrier all-reduces a tensor made by torch.ones, an operator.
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_torch_distributed_hccl_backend_between_two_npus(sim):
+    port = 29500 + (os.getpid() * 7 + int(time.time())) % 20000
+    procs = []
+    for rank in range(2):
+        extra = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "TMS_SIM_HCCL_CONNECT_TIMEOUT": "60"}
+        env = sim.env(devices=2, memory="2GiB", npu_only=True, extra=extra)
+        procs.append(subprocess.Popen([sys.executable, "-c", HCCL_RANK], env=env, cwd=sim.tmp,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(_json(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)))
+    for out in outs:
+        assert out["backend"] == "hccl", out
+        assert out["broadcast_exact"] and out["all_reduce_exact"] and out["max_exact"], out
