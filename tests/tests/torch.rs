@@ -148,8 +148,8 @@ fn pytorch_built_for_cuda_12_runs_on_the_simulator_with_the_hook() {
 
 /// torch_npu 2.9.1 unchanged on the simulator's Ascend devices (test_torch_npu.py): its caching
 /// allocator's memory path, the tms-memory-saver wheel pausing and resuming its memory in preload
-/// and torch modes (with tms-ctl looking on), and torch.distributed's "hccl" backend between two
-/// simulated NPUs.
+/// and torch modes (with tms-ctl looking on), torch.distributed's "hccl" backend between two
+/// simulated NPUs, and verl's stateless HCCL weight sync on the same tensors.
 #[test]
 fn torch_npu_runs_on_the_simulator_with_the_wheel_and_hccl() {
     let Some(python) = torch_npu_python() else { return };

@@ -10,6 +10,7 @@ its own caching allocator, which finds `aclrtMallocAlign32` with dlopen + dlsym.
   mode (`NPUPluggableAllocator` + MemPool): pause frees the device memory, resume brings the bytes
   back at the same addresses, tms-ctl sees the process and its tags;
 - torch.distributed's `hccl` backend between two simulated NPUs: broadcast and all_reduce exact;
+  then verl's stateless HCCL weight sync (a TCPStore and a ctypes communicator) on the same NPUs;
 - what torch_npu refuses here: an operator that computes fails with torch_npu's own error naming
   it (docs/simulator.md, "torch_npu").
 
@@ -246,16 +247,48 @@ dist.all_reduce(f, op=dist.ReduceOp.MAX)
 out["max_exact"] = torch.equal(f.cpu(), torch.arange(4096, dtype=torch.float32) / 7 + 1)
 # No dist.barrier(): torch_npu's barrier all-reduces a tensor made by torch.ones, an operator.
 dist.destroy_process_group()
+
+# verl's stateless weight sync on Ascend (verl/utils/distributed.py `stateless_init_process_group`
+# with vllm-ascend's pyhccl communicator): a TCPStore outside any process group carries rank 0's
+# HcclRootInfo, both ranks init an HCCL communicator on it, warm it up with a one-element
+# all_reduce, and broadcast torch_npu tensors in place on torch_npu's current stream.
+import ctypes
+from datetime import timedelta
+hccl = ctypes.CDLL("libhccl.so")
+class RootInfo(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 4108)]
+store = dist.TCPStore("127.0.0.1", int(os.environ["SYNC_PORT"]), 2, rank == 0, timedelta(seconds=60))
+info = RootInfo()
+if rank == 0:
+    assert hccl.HcclGetRootInfo(ctypes.byref(info)) == 0
+    store.set("root", bytes(info.internal))
+ctypes.memmove(ctypes.byref(info), store.get("root"), 4108)
+comm = ctypes.c_void_p()
+out["init"] = hccl.HcclCommInitRootInfo(2, ctypes.byref(info), rank, ctypes.byref(comm))
+stream = ctypes.c_void_p(torch.npu.current_stream().npu_stream)
+warm = torch.zeros(1, dtype=torch.float32).to("npu")
+out["warm"] = hccl.HcclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
+                                 ctypes.c_uint64(1), 4, 0, comm, stream)
+torch.manual_seed(1234)
+weights = {"embed": torch.randn(512, 256), "proj": torch.randn(1024).to(torch.bfloat16)}
+HCCL_DTYPE = {torch.float32: 4, torch.bfloat16: 11}
+dev = {k: (v if rank == 0 else torch.zeros_like(v)).to("npu") for k, v in weights.items()}
+codes = [hccl.HcclBroadcast(ctypes.c_void_p(t.data_ptr()), ctypes.c_uint64(t.numel()), HCCL_DTYPE[t.dtype], 0,
+                            comm, stream) for t in dev.values()]
+torch.npu.current_stream().synchronize()
+out["sync_codes"] = codes
+out["sync_exact"] = all(torch.equal(dev[k].cpu(), weights[k]) for k in weights)
+out["destroy"] = hccl.HcclCommDestroy(comm)
 print(json.dumps(out))
 """
 
 
-def test_torch_distributed_hccl_backend_between_two_npus(sim):
+def test_torch_distributed_hccl_backend_and_verl_s_stateless_sync_between_two_npus(sim):
     port = 29500 + (os.getpid() * 7 + int(time.time())) % 20000
     procs = []
     for rank in range(2):
         extra = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                 "TMS_SIM_HCCL_CONNECT_TIMEOUT": "60"}
+                 "SYNC_PORT": str(port + 1), "TMS_SIM_HCCL_CONNECT_TIMEOUT": "60"}
         env = sim.env(devices=2, memory="2GiB", npu_only=True, extra=extra)
         procs.append(subprocess.Popen([sys.executable, "-c", HCCL_RANK], env=env, cwd=sim.tmp,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -271,3 +304,5 @@ def test_torch_distributed_hccl_backend_between_two_npus(sim):
     for out in outs:
         assert out["backend"] == "hccl", out
         assert out["broadcast_exact"] and out["all_reduce_exact"] and out["max_exact"], out
+        assert (out["init"], out["warm"], out["sync_codes"], out["destroy"]) == (0, 0, [0, 0], 0), out
+        assert out["sync_exact"], out
