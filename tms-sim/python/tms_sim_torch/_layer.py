@@ -67,7 +67,7 @@ _memmove = ctypes.memmove
 _STRIDED = torch.strided
 _CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _ASYNC = os.environ.get("TMS_SIM_TORCH_ASYNC", "1") != "0"
-_NOTE = "(raised by the CPU kernel that tms_sim_torch runs for this CUDA op on the simulated device)"
+_NOTE = "(raised by the CPU kernel that tms_sim_torch runs for this {} op on the simulated device)"
 
 # Ops with a CUDA kernel that launch nothing on a GPU (allocation, metadata, host-side queries,
 # plain copies): they keep their real CUDA kernel. View ops (returns alias an input without
@@ -160,6 +160,27 @@ def _sync(dev_index):
         raise RuntimeError(f"CUDA error {rc}: reported by the current stream before a CPU-computed op")
 
 
+class Accel:
+    """A device type whose kernels the layer computes: CUDA, or torch_npu's "npu" (PrivateUse1,
+    see `_npu`). Kernels, aliases and results only differ in how a tensor on it is recognized,
+    how its current stream is synchronized and which device is current; queuing on streams and
+    graph capture are CUDA's only."""
+
+    __slots__ = ("type", "key", "is_dev", "sync", "current", "queue", "note")
+
+    def __init__(self, type, key, is_dev, sync, current, queue, name):
+        self.type = type  # torch.device type
+        self.key = key  # the dispatch key its kernels are registered for
+        self.is_dev = is_dev  # tensor -> whether it is on this device type (a fast getter)
+        self.sync = sync  # device index -> None, after the current stream's work is done
+        self.current = current  # () -> the current device index
+        self.queue = queue  # whether kernels may be queued on its streams
+        self.note = _NOTE.format(name)
+
+
+CUDA = Accel("cuda", "CUDA", _Tensor.is_cuda.__get__, _sync, torch.cuda.current_device, True, "CUDA")
+
+
 def _view(ptr, nbytes):
     """Where the host reaches device range `[ptr, ptr + nbytes)`. Memory the memory saver has
     paused (or that was freed) raises cudaErrorIllegalAddress: one query per storage and op, and a
@@ -190,14 +211,15 @@ def _end_view(ptr, nbytes):
 class _Call:
     """State of one op call: alias storages by device pointer, aliases by id."""
 
-    __slots__ = ("storages", "by_view", "aliases", "device", "synced")
+    __slots__ = ("storages", "by_view", "aliases", "device", "synced", "accel")
 
-    def __init__(self):
-        self.storages = {}  # device data_ptr -> (cpu storage, cuda untyped storage, device)
+    def __init__(self, accel=CUDA):
+        self.storages = {}  # device data_ptr -> (cpu storage, device untyped storage, device)
         self.by_view = {}  # host view address -> the same entries
         self.aliases = {}  # id(alias) -> (alias, original)
-        self.device = None  # where new results go: the first CUDA operand's device
+        self.device = None  # where new results go: the first device operand's device
         self.synced = ()  # device indices whose current stream was synchronized
+        self.accel = accel
 
     def end(self):
         """Ends the use of every view this call took (after the op and the results' mapping)."""
@@ -214,7 +236,7 @@ class _Call:
             if self.device is None:
                 self.device = dev
             if dev.index not in self.synced:
-                _sync(dev.index)
+                self.accel.sync(dev.index)
                 self.synced = self.synced + (dev.index,)
             n = st.nbytes()
             view = _view(ptr, n)
@@ -258,7 +280,7 @@ class _Call:
 
     def _device(self):
         if self.device is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device(self.accel.type, self.accel.current())
         return self.device
 
     def new(self, r):
@@ -369,9 +391,9 @@ def _number_tensor(v):
     return v
 
 
-def _add_note(e, op):
+def _add_note(e, op, note=CUDA.note):
     try:
-        e.add_note(f"{_NOTE}: {op}")
+        e.add_note(f"{note}: {op}")
     except Exception:
         pass
 
@@ -386,7 +408,7 @@ def _resizable(call, t, keep_values):
         tmp = call.alias(t).clone(memory_format=torch.preserve_format)
     else:
         if t.device.index not in call.synced:
-            _sync(t.device.index)
+            call.accel.sync(t.device.index)
             call.synced = call.synced + (t.device.index,)
         tmp = _empty_cpu(0, dtype=t.dtype)
     call.aliases[id(tmp)] = (tmp, t)
@@ -394,7 +416,7 @@ def _resizable(call, t, keep_values):
 
 
 def _written_arg(call, t, out, resizable):
-    if not isinstance(t, _Tensor) or not t.is_cuda:
+    if not isinstance(t, _Tensor) or not call.accel.is_dev(t):
         return t
     if out and not t.untyped_storage().nbytes():
         return _resizable(call, t, False)
@@ -403,16 +425,17 @@ def _written_arg(call, t, out, resizable):
     return call.alias(t)
 
 
-def _make_kernel(op, spec, impl=None, cpu=None):
-    """The CUDA kernel of `op`: runs `impl` (a decomposition into other ops) or `cpu` (a CPU
-    function with the op's signature) on CPU aliases of the CUDA operands; by default `op` itself,
-    which then dispatches to its CPU kernel."""
+def _make_kernel(op, spec, impl=None, cpu=None, accel=CUDA):
+    """The kernel of `op` for `accel`'s devices (CUDA by default): runs `impl` (a decomposition
+    into other ops) or `cpu` (a CPU function with the op's signature) on CPU aliases of the device
+    operands; by default `op` itself, which then dispatches to its CPU kernel."""
     fn = cpu if cpu is not None else (op if impl is None else impl)
     written = tuple(s for s in spec if s[4])
     has_written = any(s[4] for s in spec)
     numbers_ok = torch._C._should_allow_numbers_as_tensors(op._schema.name.split("::")[-1])
     # None: may be queued (its meta kernel is looked up at the first call); False: never.
-    queueable = None if impl is None and cpu is None and _maybe_queueable(op, spec) else False
+    queueable = None if accel.queue and impl is None and cpu is None and _maybe_queueable(op, spec) else False
+    is_dev, dev_type, sync, note = accel.is_dev, accel.type, accel.sync, accel.note
 
     def convert(call, args, kwargs, resizable=False):
         args = list(args)
@@ -427,7 +450,7 @@ def _make_kernel(op, spec, impl=None, cpu=None):
             v = where[key]
             if kind == "T":
                 if isinstance(v, _Tensor):
-                    if v.is_cuda:
+                    if is_dev(v):
                         if call.device is not None and v.device != call.device:
                             raise RuntimeError(
                                 "Expected all tensors to be on the same device, but found at least two "
@@ -437,20 +460,20 @@ def _make_kernel(op, spec, impl=None, cpu=None):
                 elif v is not None and not numbers_ok:
                     where[key] = _number_tensor(v)
             elif kind == "L":
-                if any(isinstance(x, _Tensor) and x.is_cuda for x in v):
+                if any(isinstance(x, _Tensor) and is_dev(x) for x in v):
                     if w:
                         where[key] = [_written_arg(call, x, out, resizable) for x in v]
                     else:
-                        where[key] = [call.alias(x) if isinstance(x, _Tensor) and x.is_cuda else x for x in v]
+                        where[key] = [call.alias(x) if isinstance(x, _Tensor) and is_dev(x) else x for x in v]
             elif kind == "D":
                 if v is not None:
                     d = torch.device(v) if not isinstance(v, torch.device) else v
-                    if d.type == "cuda":
-                        idx = d.index if d.index is not None else torch.cuda.current_device()
+                    if d.type == dev_type:
+                        idx = d.index if d.index is not None else accel.current()
                         if call.device is None:
-                            call.device = torch.device("cuda", idx)
+                            call.device = torch.device(dev_type, idx)
                         if idx not in call.synced:
-                            _sync(idx)
+                            sync(idx)
                             call.synced = call.synced + (idx,)
                         where[key] = _CPU
             elif v is not None:  # an explicit generator (None: the CPU default generator)
@@ -468,7 +491,7 @@ def _make_kernel(op, spec, impl=None, cpu=None):
                 r = _queue(op, spec, fn, args, kwargs)
                 if r is not _SYNC:
                     return r
-        call = _Call()
+        call = _Call(accel)
         ckwargs = dict(kwargs) if kwargs else {}
         try:
             cargs, gen_slot = convert(call, args, ckwargs)
@@ -484,24 +507,24 @@ def _make_kernel(op, spec, impl=None, cpu=None):
             except _graphs.CaptureError:
                 raise
             except Exception as e:
-                _add_note(e, op)
+                _add_note(e, op, note)
                 raise
         first = call
         try:
             try:
                 try:
-                    result = _run(fn, cargs, ckwargs, gen_slot)
+                    result = _run(fn, cargs, ckwargs, gen_slot, dev_type)
                 except RuntimeError as e:
                     if not has_written or "not resizable" not in str(e):
                         raise
                     # A written tensor had to grow beyond its storage: compute into resizable CPU
                     # tensors and give the CUDA tensors new memory (as `resize_` does on a device).
-                    call = _Call()
+                    call = _Call(accel)
                     ckwargs = dict(kwargs)
                     cargs, gen_slot = convert(call, args, ckwargs, resizable=True)
-                    result = _run(fn, cargs, ckwargs, gen_slot)
+                    result = _run(fn, cargs, ckwargs, gen_slot, dev_type)
             except Exception as e:
-                _add_note(e, op)
+                _add_note(e, op, note)
                 raise
             for i, name, kind, kwonly, _, _ in written:
                 _propagate(call, cargs[i] if (not kwonly and i < len(cargs)) else ckwargs.get(name))
@@ -598,13 +621,13 @@ def _queue(op, spec, fn, args, kwargs):
         return _SYNC
 
 
-def _run(fn, args, kwargs, gen_slot):
-    """fn(*args, **kwargs) on CPU aliases; an explicit CUDA generator at gen_slot (where, key,
+def _run(fn, args, kwargs, gen_slot, dev_type="cuda"):
+    """fn(*args, **kwargs) on CPU aliases; an explicit device generator at gen_slot (where, key,
     generator) draws from its CPU stand-in (see "Random numbers")."""
     if gen_slot is not None:
         where, key, g = gen_slot
-        if g.device.type != "cuda":
-            raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{g.device.type}'")
+        if g.device.type != dev_type:
+            raise RuntimeError(f"Expected a '{dev_type}' device type for generator but found '{g.device.type}'")
         rng = _explicit_rng
         with rng.lock:
             k = rng.enter(g)
@@ -721,8 +744,8 @@ def _op_of(qualname):
     return getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
 
 
-def _keep(name, op):
-    if name in KEEP:
+def _keep(name, op, keep=KEEP):
+    if name in keep:
         return True
     if torch.Tag.inplace_view in op.tags:
         return True
