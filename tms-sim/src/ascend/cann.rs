@@ -329,6 +329,20 @@ fn compile_options() -> std::sync::MutexGuard<'static, std::collections::HashMap
 /// CANN); values beyond are refused as invalid.
 const COMPILE_OPT_LAST: i32 = 31;
 
+/// ACL_OP_JIT_COMPILE: CANN's default on a 910B is "disable" (binary operators), which torch_npu
+/// reads at start-up; with it unset, torch_npu would take jit compilation and turn BatchNorm and
+/// Conv2d weights into NPU-private formats in `Module.to("npu")`, an operator of its own.
+const ACL_OP_JIT_COMPILE: i32 = 10;
+
+/// An option's value: what the process set, else CANN's default on a 910B.
+fn compile_option(opt: i32) -> Vec<u8> {
+    match compile_options().get(&opt) {
+        Some(v) => v.clone(),
+        None if opt == ACL_OP_JIT_COMPILE => b"disable".to_vec(),
+        None => Vec::new(),
+    }
+}
+
 /// `aclSetCompileopt(aclCompileOpt opt, const char *value)`: torch_npu sets its operator
 /// compiler's options at start-up; no operator is compiled here, so they are only kept.
 pub unsafe extern "C" fn acl_set_compileopt(opt: i32, value: *const c_char) -> i32 {
@@ -343,7 +357,7 @@ pub unsafe extern "C" fn acl_set_compileopt(opt: i32, value: *const c_char) -> i
 
 /// `size_t aclGetCompileoptSize(aclCompileOpt opt)`: the room a value needs, its NUL included.
 pub unsafe extern "C" fn acl_get_compileopt_size(opt: i32) -> usize {
-    compile_options().get(&opt).map_or(1, |v| v.len() + 1)
+    compile_option(opt).len() + 1
 }
 
 /// `aclGetCompileopt(aclCompileOpt opt, char *value, size_t length)`.
@@ -351,7 +365,7 @@ pub unsafe extern "C" fn acl_get_compileopt(opt: i32, value: *mut c_char, length
     if !(0..=COMPILE_OPT_LAST).contains(&opt) || value.is_null() {
         return 100_000;
     }
-    let v = compile_options().get(&opt).cloned().unwrap_or_default();
+    let v = compile_option(opt);
     if v.len() + 1 > length {
         return 100_000;
     }
