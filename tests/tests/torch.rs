@@ -83,19 +83,27 @@ fn pytest_with(file: &str, with_wheel: bool) {
 }
 
 fn pytest_under(python: &PathBuf, file: &str, with_wheel: bool) {
+    pytest_files(python, &[file], with_wheel, &[]);
+}
+
+/// Runs pytest files of tests/torch-consumers/ in one pytest process (they share its
+/// session fixtures, such as the venv with the wheel), with `env` set.
+fn pytest_files(python: &PathBuf, files: &[&str], with_wheel: bool, env: &[(&str, &str)]) {
     let ws = workspace();
     let scratch = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(python);
     if with_wheel {
         cmd.env("TMS_TEST_WHEEL", wheel());
     }
+    cmd.envs(env.iter().copied());
     cmd.current_dir(ws.root.join("tests/torch-consumers"))
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", file])
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs"])
+        .args(files)
         .env("TMS_TEST_SIM", ws.bin("tms-sim"))
         .env("TMS_TEST_HOOK", ws.hook())
         .env("TMS_TEST_TMP", scratch.path())
         .env_remove("LD_PRELOAD");
-    run_pytest(cmd, file);
+    run_pytest(cmd, &files.join(" "));
 }
 
 /// Runs a pytest file whose own process is on the simulator, as after `eval "$(tms-sim env)"`.
@@ -148,12 +156,15 @@ fn pytorch_built_for_cuda_12_runs_on_the_simulator_with_the_hook() {
 
 /// torch_npu 2.9.1 unchanged on the simulator's Ascend devices (test_torch_npu.py): its caching
 /// allocator's memory path, the tms-memory-saver wheel pausing and resuming its memory in preload
-/// and torch modes (with tms-ctl looking on), torch.distributed's "hccl" backend between two
-/// simulated NPUs, and verl's stateless HCCL weight sync on the same tensors.
+/// and torch modes (with tms-ctl looking on), operators computed on the CPU (a model's training
+/// steps exact against the CPU's, torch_npu's own operators refused by name), torch.distributed's
+/// "hccl" backend between two simulated NPUs, and verl's stateless HCCL weight sync on the same
+/// tensors. In the same pytest process, the Ascend kit's programs (test_npu_programs.py, which
+/// npu-check.sh runs on a 910B) on device "npu" through the wheel.
 #[test]
 fn torch_npu_runs_on_the_simulator_with_the_wheel_and_hccl() {
     let Some(python) = torch_npu_python() else { return };
-    pytest_under(python, "test_torch_npu.py", true);
+    pytest_files(python, &["test_torch_npu.py", "test_npu_programs.py"], true, &[("TMS_TEST_DEVICE", "npu")]);
 }
 
 /// torch.distributed's "nccl" backend on the simulator's libnccl.so.2 (2 and 4 ranks, against
@@ -242,13 +253,6 @@ fn torch_memory_saver_s_example_scenarios_with_ours_the_wheel_and_upstream() {
 #[test]
 fn the_wheel_installs_with_pip_and_replaces_torch_memory_saver() {
     pytest_with("test_wheel.py", true);
-}
-
-/// The torch_npu programs of the Ascend kit (npu-check.sh runs them on an NPU with device "npu"),
-/// here on the simulated CUDA device: the same code, so it is known to work before an NPU runs it.
-#[test]
-fn the_npu_kits_programs_run_through_the_wheel() {
-    pytest_with("test_npu_programs.py", true);
 }
 
 #[test]

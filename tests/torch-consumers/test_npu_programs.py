@@ -4,9 +4,10 @@ On an Ascend NPU with torch_npu (the kit: `npu-check.sh run DIR OUT` sets TMS_TE
 TMS_TEST_REAL_DEVICE=1) each program imports torch_npu and runs on device "npu", with
 `torch.npu.mem_get_info` as the free-memory probe: torch_npu's caching allocator takes its memory
 with `aclrtMalloc`/`aclrtMallocAlign32` (preload mode: the hook catches them) or through
-`NPUPluggableAllocator` (torch mode). Everywhere else the very same programs run on device "cuda"
-(on the simulator in CI), so their logic is exercised on every run and only the device differs
-on a 910B.
+`NPUPluggableAllocator` (torch mode). In CI the very same programs run with torch_npu on the
+simulator's Ascend devices (TMS_TEST_DEVICE=npu, set by tests/tests/torch.rs; their operators
+computed by tms_sim_torch's CPU layer), so only the hardware differs on a 910B. Unset, the device
+is "cuda" (a GPU, or the simulator's CUDA devices).
 
 Each program checks what an RL framework relies on when it pauses a rollout or trainer: pause
 frees the region's device memory, resume gives the same addresses and contents, memory outside the
@@ -107,7 +108,8 @@ def _run(sim, fresh_venv, mode, body):
     # torch_npu's torch is a CPU build (no CUDA major): the wheel's unversioned name serves it.
     name = torch_build.upstream_preload_name() if DEVICE == "cuda" else "torch_memory_saver_hook_mode_preload.abi3.so"
     preload = site / name if mode == "preload" else None
-    return sim.ok(code, python=python, preload=preload, memory="2GiB")
+    # torch_npu starts only where CUDA has no device: on the simulator its NPUs come alone.
+    return sim.ok(code, python=python, preload=preload, memory="2GiB", npu_only=DEVICE == "npu")
 
 
 @pytest.mark.parametrize("mode", ["preload", "torch"])

@@ -11,8 +11,11 @@ its own caching allocator, which finds `aclrtMallocAlign32` with dlopen + dlsym.
   back at the same addresses, tms-ctl sees the process and its tags;
 - torch.distributed's `hccl` backend between two simulated NPUs: broadcast and all_reduce exact;
   then verl's stateless HCCL weight sync (a TCPStore and a ctypes communicator) on the same NPUs;
-- what torch_npu refuses here: an operator that computes fails with torch_npu's own error naming
-  it (docs/simulator.md, "torch_npu").
+- operators, computed on the CPU behind torch_npu's operator calls (tms_sim_torch's layer for the
+  PrivateUse1 key): a small model's forward, backward and AdamW steps bit-identical to the CPU's,
+  a battery of operators exact against the CPU, a second device, a side stream, printing; torch_npu's
+  own operators refused at the call with an error naming them; `dist.barrier()` and an all_reduce of
+  computed tensors over hccl (docs/simulator.md, "torch_npu on the simulator").
 
 Few processes, each checking many things, so the file stays quick in CI.
 """
@@ -40,7 +43,7 @@ def _json(proc):
 
 
 MEMORY = r"""
-import json, torch, torch_npu
+import torch, torch_npu
 out = {"available": torch.npu.is_available(), "count": torch.npu.device_count(),
        "cuda": torch.cuda.is_available()}
 a = (torch.arange(4 << 20, dtype=torch.int64) * 2654435761 >> 11).to(torch.uint8)
@@ -101,17 +104,22 @@ out["report_idle"] = acl.aclrtProcessReport(0)
 out["unsubscribe"] = acl.aclrtUnSubscribeReport(ctypes.c_uint64(tid), raw)
 acl.aclrtGetSocName.restype = ctypes.c_char_p
 out["soc"] = acl.aclrtGetSocName().decode()
-try:
-    torch.ones(4, device="npu").cpu()
-    out["compute"] = "ran"
-except RuntimeError as e:
-    out["compute"] = str(e)
-print(json.dumps(out))
+results["memory"] = out
 """
 
 
-def test_the_memory_path_of_torch_npu(sim):
-    out = _json(sim.python(MEMORY, devices=2, memory="4GiB", npu_only=True, timeout=240))
+@pytest.fixture(scope="module")
+def memory_then_compute(tmp_path_factory):
+    """MEMORY, then COMPUTE, in one process: one torch_npu start-up for both."""
+    from conftest import SimRun
+
+    code = "import json\nresults = {}\n" + MEMORY + COMPUTE + "print(json.dumps(results))\n"
+    sim = SimRun(tmp_path_factory.mktemp("npu-memory-compute"))
+    return _json(sim.python(code, devices=2, memory="4GiB", npu_only=True, timeout=240))
+
+
+def test_the_memory_path_of_torch_npu(memory_then_compute):
+    out = memory_then_compute["memory"]
     assert out["available"] and out["count"] == 2, out
     assert out["cuda"] is False, out  # an Ascend host: torch_npu starts only without a CUDA device
     assert out["total"] == 4 << 30, out
@@ -130,9 +138,129 @@ def test_the_memory_path_of_torch_npu(sim):
     assert (out["subscribe"], out["subscribe_twice"], out["callback"]) == (0, 107011, 0), out
     assert out["report"] == 0 and out["ran"] == [7] and out["report_idle"] == 507012, out
     assert out["unsubscribe"] == 0 and out["soc"] == "Ascend910B2", out
-    # Operators are not computed on the NPU side (docs/simulator.md): torch_npu's own error names
-    # the operator that failed.
-    assert "OnesLike" in out["compute"], out
+
+
+COMPUTE = r"""
+import torch, torch_npu
+import torch.nn as nn, torch.nn.functional as F
+out = {}
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.LayerNorm(32), nn.Dropout(0.1),
+                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+def train(dev, steps=3):
+    model = build().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16).to(dev), torch.randint(0, 5, (8,)).to(dev)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # The state (parameters and BatchNorm's running statistics) and the last gradients.
+    return losses, [t.cpu() for t in model.state_dict().values()], [p.grad.cpu() for p in model.parameters()]
+
+cpu, npu = train("cpu"), train("npu")
+out["losses"] = [cpu[0], npu[0]]
+out["state_exact"] = len(cpu[1]) == 13 and all(torch.equal(a, b) for a, b in zip(cpu[1], npu[1]))
+out["grads_exact"] = all(torch.equal(a, b) for a, b in zip(cpu[2], npu[2]))
+out["learned"] = npu[0][-1] < npu[0][0]
+
+def same(f):
+    torch.manual_seed(5)
+    a = f("cpu")
+    torch.manual_seed(5)
+    b = f("npu")
+    return str(b.device).startswith("npu") and a.dtype == b.dtype and torch.equal(a, b.cpu())
+
+def matmul_grad(d):
+    # torch_npu's own autograd for matmul would call its NPU-only matmul_backward.
+    a = torch.randn(2, 3, 4, device=d, requires_grad=True)
+    torch.matmul(a, torch.randn(4, 5, device=d)).square().sum().backward()
+    return a.grad
+
+checks = {
+    "matmul_grad": matmul_grad,
+    "full": lambda d: torch.full((3, 5), 2.5, device=d),
+    "ones_add": lambda d: torch.ones(7, device=d).add_(3),
+    "arange": lambda d: torch.arange(3, 40, 3, device=d),
+    "randn": lambda d: torch.randn(64, device=d),
+    "matmul": lambda d: torch.randn(33, 17, device=d) @ torch.randn(17, 9, device=d),
+    "bmm": lambda d: torch.bmm(torch.randn(3, 4, 5, device=d), torch.randn(3, 5, 2, device=d)),
+    "strided_inplace": lambda d: (lambda x: (x[:, ::2].mul_(3), x)[1])(torch.randn(6, 8, device=d)),
+    "transpose_contig": lambda d: torch.randn(5, 7, device=d).t().contiguous(),
+    "to_bf16": lambda d: torch.randn(9, 4, device=d).t().to(torch.bfloat16),
+    "softmax": lambda d: torch.randn(4, 10, device=d).softmax(-1),
+    "reductions": lambda d: torch.stack([torch.randn(6, 5, device=d).sum(0), torch.randn(6, 5, device=d).amax(0)]),
+    "argmax": lambda d: torch.randn(6, 5, device=d).argmax(1),
+    "mask": lambda d: (lambda x: x[x > 0])(torch.randn(50, device=d)),
+    "gather": lambda d: torch.randn(4, 6, device=d).gather(1, torch.randint(0, 6, (4, 3), device=d)),
+    "cumsum": lambda d: torch.randn(20, device=d).cumsum(0),
+    "where": lambda d: (lambda x: torch.where(x > 0, x, -x))(torch.randn(12, device=d)),
+    "conv2d": lambda d: F.conv2d(torch.randn(2, 3, 8, 8, device=d), torch.randn(4, 3, 3, 3, device=d), padding=1),
+    "conv_module": lambda d: nn.Conv2d(3, 4, 3).to(d)(torch.randn(2, 3, 8, 8).to(d)).detach(),
+    "sdpa": lambda d: F.scaled_dot_product_attention(*(torch.randn(2, 4, 6, 8, device=d) for _ in range(3)), is_causal=True),
+    "embedding": lambda d: F.embedding(torch.tensor([[1, 3], [0, 2]], device=d), torch.randn(5, 4, device=d)),
+}
+out["ops_exact"] = {k: same(f) for k, f in checks.items()}
+# CANN's default on a 910B (binary operators): Module.to("npu") keeps BatchNorm and Conv2d weights
+# in the plain format instead of casting them to NPU-private ones with an operator.
+out["jit_compile_false"] = torch.npu.is_jit_compile_false()
+x = torch.arange(6, dtype=torch.float32).to("npu")
+out["repr"] = repr(x * 2)
+out["item"] = (x * x).sum().item()
+# A second device: results stay on the operands' device; mixing devices raises as on a GPU.
+y = x.to("npu:1")
+z = y * 3
+out["device1"] = [str(z.device), torch.equal(z.cpu(), torch.arange(6.0) * 3)]
+try:
+    x + y
+    out["mixed"] = "ran"
+except RuntimeError as e:
+    out["mixed"] = str(e)
+# A side stream: copies queued on it land before an op that follows them on it reads.
+s = torch.npu.Stream()
+src = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
+with torch.npu.stream(s):
+    dev = src.to("npu", non_blocking=True)
+    again = torch.empty_like(dev)
+    again.copy_(dev)  # device to device, queued on the side stream
+    doubled = again * 2
+s.synchronize()
+out["side_stream"] = torch.equal(doubled.cpu(), src * 2)
+# torch_npu's own operators have no CPU kernel: refused at the call, naming the operator; later
+# operators still compute.
+try:
+    torch_npu.npu_rms_norm(x.view(2, 3), torch.ones(3, device="npu"))
+    out["refused"] = "ran"
+except NotImplementedError as e:
+    out["refused"] = str(e)
+out["after_refused"] = torch.equal((x + 1).cpu(), torch.arange(6.0) + 1)
+results["compute"] = out
+"""
+
+
+def test_operators_compute_on_the_cpu_as_the_cpu_does(memory_then_compute):
+    out = memory_then_compute["compute"]
+    # Forward, backward and AdamW (Linear, BatchNorm1d, GELU, LayerNorm, Dropout, ReLU,
+    # cross-entropy): the very numbers the CPU gives, dropout masks included (the CPU's generator
+    # draws them).
+    assert out["losses"][0] == out["losses"][1], out["losses"]
+    assert out["state_exact"] and out["grads_exact"] and out["learned"], out
+    assert all(out["ops_exact"].values()), out["ops_exact"]
+    assert out["jit_compile_false"], out
+    assert out["repr"] == "tensor([ 0.,  2.,  4.,  6.,  8., 10.], device='npu:0')", out
+    assert out["item"] == 55.0, out
+    assert out["device1"] == ["npu:1", True], out
+    assert "npu:0 and npu:1" in out["mixed"], out
+    assert out["side_stream"], out
+    assert out["refused"].startswith("npu::npu_rms_norm has no CPU implementation"), out
+    assert out["after_refused"], out
 
 
 SAVER = r"""
@@ -245,7 +373,11 @@ out["all_reduce_exact"] = torch.equal(r.cpu(), expect)
 f = (torch.arange(4096, dtype=torch.float32) / 7 + rank).to("npu")
 dist.all_reduce(f, op=dist.ReduceOp.MAX)
 out["max_exact"] = torch.equal(f.cpu(), torch.arange(4096, dtype=torch.float32) / 7 + 1)
-# No dist.barrier(): torch_npu's barrier all-reduces a tensor made by torch.ones, an operator.
+# torch_npu's barrier all-reduces a tensor made by torch.ones, an operator computed on the CPU.
+dist.barrier()
+c = torch.ones(4096, device="npu") * (rank + 1)
+dist.all_reduce(c)
+out["computed_exact"] = torch.equal((c - 1).cpu(), torch.full((4096,), 2.0))
 dist.destroy_process_group()
 
 # verl's stateless weight sync on Ascend (verl/utils/distributed.py `stateless_init_process_group`
@@ -304,5 +436,6 @@ def test_torch_distributed_hccl_backend_and_verl_s_stateless_sync_between_two_np
     for out in outs:
         assert out["backend"] == "hccl", out
         assert out["broadcast_exact"] and out["all_reduce_exact"] and out["max_exact"], out
+        assert out["computed_exact"], out
         assert (out["init"], out["warm"], out["sync_codes"], out["destroy"]) == (0, 0, [0, 0], 0), out
         assert out["sync_exact"], out

@@ -5,8 +5,9 @@ Then, before torch loads, it loads the simulator ($TMS_SIM_LIB, soname libcudart
 CUDA 12 name (cuda12/libtms_sim_cuda12.so beside it, soname libcudart.so.12) so that torch's `NEEDED libcudart.so.13` (or
 `.12`, for a CUDA 12 build) binds to it instead of the runtime its RPATH names (a simulator
 already loaded with LD_PRELOAD is fine too); right after torch has loaded, it installs the CPU
-compute layer (`tms_sim_torch.install()`) unless TMS_SIM_TORCH_LAYER=0. The layer itself checks
-that the simulator is the CUDA runtime in use, so on a real GPU nothing changes.
+compute layer (`tms_sim_torch.install()`) unless TMS_SIM_TORCH_LAYER=0, and its kernels for
+torch_npu's device right after torch_npu loads (`tms_sim_torch.install_npu()`). The layer itself
+checks that the simulator is the CUDA runtime in use, so on a real GPU or NPU nothing changes.
 
 A `sitecustomize` later on sys.path (which this file shadows) is run too.
 """
@@ -57,18 +58,41 @@ def _install_layer():
         sys.stderr.write(f"tms-sim: the CPU compute layer for torch is not installed: {exc!r}\n")
 
 
+def _install_npu_layer():
+    # torch_npu imported after torch (its device-backend autoload off): its kernels are registered
+    # now, so the layer's PrivateUse1 kernels can replace them. Within torch's own import (the
+    # autoload), `install()` after torch does it instead.
+    if os.environ.get("TMS_SIM_TORCH_LAYER", "1") == "0":
+        return
+    try:
+        import tms_sim_torch
+
+        tms_sim_torch.install_npu()
+    except Exception as exc:  # never break `import torch_npu`; its operators then fail as without
+        sys.stderr.write(f"tms-sim: the CPU compute layer for torch_npu is not installed: {exc!r}\n")
+
+
 class _TorchImportHook:
-    """A meta path finder that wraps the loading of the top-level `torch` package, once."""
+    """A meta path finder that wraps the loading of the top-level `torch` package, and then of
+    `torch_npu`, once each."""
+
+    def __init__(self):
+        self.pending = {"torch": (_load_simulator, _install_layer), "torch_npu": (None, _install_npu_layer)}
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        hooks = self.pending.pop(name, None)
+        if hooks is None:
             return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
+        if not self.pending:
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
+        before, after = hooks
         spec = None
         for finder in list(sys.meta_path):
+            if finder is self:
+                continue
             find = getattr(finder, "find_spec", None)
             if find is not None:
                 spec = find(name, path, target)
@@ -79,9 +103,10 @@ class _TorchImportHook:
         original_exec = spec.loader.exec_module
 
         def exec_module(module):
-            _load_simulator()
+            if before is not None:
+                before()
             original_exec(module)
-            _install_layer()
+            after()
 
         spec.loader.exec_module = exec_module
         return spec

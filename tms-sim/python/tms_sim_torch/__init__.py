@@ -5,18 +5,21 @@ memory but runs no kernels. This package registers CPU implementations for the C
 every aten op that would launch a kernel, so those ops compute on the CPU, directly in the
 simulated device memory, while allocation, frees, views, streams, events and plain copies stay on
 the simulated device. See `_layer` for how, and README.md next to this package for the limits.
+torch_npu's "npu" device (PrivateUse1) on the simulated Ascend devices gets the same kernels
+(`_npu`), registered once torch_npu is imported (`install_npu()`).
 
 `install()` is called by the simulator's `sitecustomize` right after `import torch` (unless
 `TMS_SIM_TORCH_LAYER=0`); it only activates when the simulator's runtime is the one loaded.
 """
 
 import os
+import sys
 import threading
 
-__all__ = ["install", "installed", "on_simulator", "set_async"]
+__all__ = ["install", "install_npu", "installed", "on_simulator", "set_async"]
 
 _lock = threading.Lock()
-_state = {"installed": False, "error": None}
+_state = {"installed": False, "npu": False, "error": None}
 
 
 def on_simulator():
@@ -52,7 +55,28 @@ def install(force=False):
             return False
         _layer.register()
         _state["installed"] = True
+        if "torch_npu" in sys.modules:  # loaded with torch (its device-backend autoload)
+            _install_npu()
         return True
+
+
+def install_npu():
+    """Registers the CPU kernels of torch_npu's "npu" device, once torch_npu is imported (its own
+    registrations would replace them otherwise); sitecustomize calls it right after `import
+    torch_npu`. Does nothing unless the layer is installed. Returns True when they are active."""
+    with _lock:
+        if not _state["installed"]:
+            return False
+        return _install_npu()
+
+
+def _install_npu():
+    if not _state["npu"]:
+        from . import _layer, _npu
+
+        _npu.register(_layer._rt)
+        _state["npu"] = True
+    return True
 
 
 def set_async(on=True):
