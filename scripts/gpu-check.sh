@@ -36,6 +36,9 @@
 # rollout-bound job (the waiting trainer lends its GPU to an engine and gets its exact bytes back;
 # built-in and PyTorch workers) and `relax-colocate bench`.
 # Exit: 0 every check passed (skips allowed), 1 a check failed, 2 usage or a missing prerequisite.
+# TMS_KIT_PYTEST_K: a pytest -k expression narrowing torch-consumers to some of its tests (every
+# file is still collected). The test suite's dry run of the kit sets it: the suite itself runs
+# every one of those tests on the simulator.
 set -uo pipefail
 
 usage() { sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -373,9 +376,11 @@ run() {
     local upstream_env=()
     python3 -c 'import torch_memory_saver' 2>/dev/null || [ ! -d "$kit/upstream/torch_memory_saver" ] ||
       upstream_env=(TMS_TEST_UPSTREAM_SITE="$kit/upstream" PYTHONPATH="$kit/upstream${PYTHONPATH:+:$PYTHONPATH}")
+    local select=()
+    [ -z "${TMS_KIT_PYTEST_K:-}" ] || select=(-k "$TMS_KIT_PYTEST_K")
     check torch-consumers 600 env -C "$kit/tests/torch-consumers" "${upstream_env[@]}" TMS_TEST_REAL_DEVICE=1 TMS_TEST_HOOK="$hook" \
       TMS_TEST_WHEEL="$wheel" TMS_TEST_TMP="$outdir/torch" python3 -m pytest -v -p no:cacheprovider -rfEs \
-      --junitxml="$outdir/torch-consumers.xml" .
+      --junitxml="$outdir/torch-consumers.xml" "${select[@]}" .
   fi
 
   summarize "$device"
