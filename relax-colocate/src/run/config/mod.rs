@@ -129,6 +129,9 @@ pub struct ComputeSection {
     /// The modelled tokens per task token of the last step's samples: responses grow linearly
     /// from token_scale over the run, as RL responses lengthen while the policy learns. 0: constant.
     pub token_scale_final: f64,
+    /// With token_scale_final: a sample's growth follows the weight version that generated it
+    /// (stale samples cheaper), not its place in the run's order of prompts.
+    pub cost_by_version: bool,
     pub hbm_gbps: f64,
     pub decode_step_ms: f64,
 }
@@ -405,6 +408,19 @@ impl Config {
         let last = self.run.steps.saturating_sub(1).max(1) as f64;
         let at = (version / last).clamp(0.0, 1.0);
         Some(c.token_scale + (c.token_scale_final - c.token_scale) * at)
+    }
+
+    /// Where a sample stands on the growth's clock (`token_scale_at`): the batch its prompt was
+    /// drawn for (`started`, its group's place in the run's order of prompts, over the batch
+    /// size), whatever weights generated it; with compute.cost_by_version, the mean `version` of
+    /// the weights that generated its tokens. Colocated the two agree (step s draws batch s - 1
+    /// and generates with version s - 1); apart, a version clock makes stale samples cheaper,
+    /// which favours the layouts that make them.
+    pub fn cost_clock(&self, version: f64, started: u64) -> f64 {
+        if self.compute.cost_by_version {
+            return version;
+        }
+        (started / self.rollout.prompts_per_step.max(1) as u64) as f64
     }
 
     /// The off-policy correction the run applies: `auto` resolved by the layout. Colocated, the
@@ -692,6 +708,37 @@ mod tests {
             let err = load(None, &sets(bad)).unwrap_err();
             assert!(err.contains("compute.token_scale_final must be >= 0"), "{bad}: {err}");
         }
+    }
+
+    /// By default a sample costs by the batch it was drawn for, whatever weights made it; only
+    /// compute.cost_by_version ties it to the version.
+    #[test]
+    fn a_sample_s_cost_ignores_its_weight_version_unless_asked() {
+        let sets = |by_version: bool| {
+            [
+                "compute.model=true",
+                "memory.profile=qwen3-4b",
+                "run.steps=10",
+                "rollout.prompts_per_step=24",
+                "compute.token_scale=150",
+                "compute.token_scale_final=600",
+            ]
+            .into_iter()
+            .map(String::from)
+            .chain([format!("compute.cost_by_version={by_version}")])
+            .collect::<Vec<_>>()
+        };
+        let fair = load(None, &sets(false)).unwrap();
+        assert!(!load(None, &[]).unwrap().compute.cost_by_version, "off by default");
+        // Group 100 belongs to the fifth batch (index 4: 100 / 24) whichever version made it.
+        let scales: Vec<f64> =
+            [0.0, 1.0, 2.0, 4.0, 7.5].iter().map(|v| fair.token_scale_at(fair.cost_clock(*v, 100)).unwrap()).collect();
+        assert!(scales.iter().all(|s| *s == 350.0), "{scales:?}");
+        assert_eq!(fair.token_scale_at(fair.cost_clock(0.0, 23)), Some(150.0), "the first batch");
+        let by_version = load(None, &sets(true)).unwrap();
+        let stale = by_version.token_scale_at(by_version.cost_clock(2.0, 100)).unwrap();
+        let fresh = by_version.token_scale_at(by_version.cost_clock(4.0, 100)).unwrap();
+        assert_eq!((stale, fresh), (250.0, 350.0), "two versions stale: cheaper, as asked");
     }
 
     #[test]
