@@ -702,8 +702,10 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
 
 /// A rollout-bound job: a 4B model's device time on the modelled device, decoding at 1% of its
 /// peak, keeps the trainer waiting for samples about half the time, long past a switch, and
-/// makes updates land while sequences are in flight.
-const ROLLOUT_BOUND: [&str; 8] = [
+/// makes updates land while sequences are in flight. The host link is not charged: these jobs
+/// test lending's mechanism, and the 4B trainer's modelled switch (3.5 s) would outlast their
+/// short waits.
+const ROLLOUT_BOUND: [&str; 12] = [
     "--memory-profile",
     "qwen3-4b",
     "--set",
@@ -712,6 +714,10 @@ const ROLLOUT_BOUND: [&str; 8] = [
     "compute.model=true",
     "--set",
     "compute.rollout_mfu=0.01",
+    "--set",
+    "compute.h2d_gbps=0",
+    "--set",
+    "compute.d2h_gbps=0",
 ];
 
 /// The rollout-bound job in elastic mode: the waiting trainer lends its device.
@@ -892,7 +898,11 @@ const TRAINER_BOUND: [&str; 13] = [
 
 fn trainer_bound(lend_rollout: bool) -> Vec<String> {
     let mut args: Vec<String> = TRAINER_BOUND.iter().map(|s| s.to_string()).collect();
+    // The host link not charged, as ROLLOUT_BOUND's: the lent trainers' modelled wake would
+    // outlast the step it is for.
+    let free_link = ["compute.h2d_gbps=0", "--set", "compute.d2h_gbps=0", "--set"];
     args.extend(["compute.model=true", "--set", "compute.train_mfu=0.08", "--set"].map(String::from));
+    args.extend(free_link.map(String::from));
     args.push(format!("elastic.lend_rollout={lend_rollout}"));
     args
 }
