@@ -525,7 +525,7 @@ fn a_segment_budget_ends_segments_mid_token_and_the_sequences_keep_their_tokens(
 }
 
 #[test]
-fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated_it_in_every_mode() {
+fn responses_that_grow_over_the_run_cost_each_step_by_the_batch_drawn_for_it_in_every_mode() {
     // Each task token stands for 1 modelled token at step 1 and 100 at step 3; every modelled
     // decode step pays 10 ms, so one task decode step at step 3 lasts at least 1 s.
     let job = [
@@ -551,7 +551,7 @@ fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated
     // Staleness 0: every sample of step k comes from version k - 1, as colocated.
     for mode in [&["--mode", "colocate"][..], &["--mode", "async", "--max-staleness", "0"]] {
         let dir = tempfile::tempdir().unwrap();
-        run_ok(dir.path(), &[mode, &job[..]].concat());
+        let (_, summary) = run_ok(dir.path(), &[mode, &job[..]].concat());
         let m = metrics(dir.path());
         let scales: Vec<f64> = m.iter().map(|r| r["compute/token_scale"].as_f64().unwrap()).collect();
         assert_eq!(scales, vec![1.0, 50.5, 100.0], "{mode:?}");
@@ -566,8 +566,34 @@ fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated
         if mode[1] == "colocate" {
             let generate = last["perf/rollout_time"].as_f64().unwrap();
             assert!(generate >= 1.0, "step 3 generated in {generate} s: under one decode step at 100 x 10 ms");
+            the_switch_was_charged_at_the_h100_s_host_link(&summary, last);
         }
     }
+}
+
+/// The colocated switch of Qwen3-4B at memory.scale 0.002: each sleep and wake-up charged the
+/// full-scale trainer state (about 73 GB) over the H100 preset's D2H and H2D rates, not what the
+/// simulator's 1/500 of it took, and the phases lasted at least that.
+fn the_switch_was_charged_at_the_h100_s_host_link(summary: &Value, last: &Value) {
+    let sw = &summary["switch"];
+    assert_eq!(sw["device"], "h100", "{sw}");
+    assert!(summary["compute"].as_str().unwrap().contains("the switch charged from the profile's full-scale bytes"));
+    let stage = |name: &str| {
+        let s = sw["stages"].as_array().unwrap().iter().find(|s| s["stage"] == name).cloned();
+        s.unwrap_or_else(|| panic!("no stage {name}: {sw}"))
+    };
+    let each = |s: &Value| s["modelled_s"].as_f64().unwrap() / s["count"].as_f64().unwrap();
+    let (sleep, wake) = (each(&stage("sleep")), each(&stage("wake_up")));
+    assert!((72e9 / 52.8e9..74e9 / 52.8e9).contains(&sleep), "sleep modelled at {sleep} s");
+    // The same bytes both ways: the times stand as the preset's two rates.
+    assert!((wake / sleep - 52.8 / 35.0).abs() < 1e-9, "wake {wake} s against sleep {sleep} s");
+    for s in sw["stages"].as_array().unwrap() {
+        let f = |k: &str| s[k].as_f64().unwrap();
+        assert!(f("charged_s") >= f("modelled_s") && f("charged_s") >= f("measured_s"), "{s}");
+    }
+    let f = |k: &str| last[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {last}"));
+    assert!(f("perf/sleep_time") >= sleep && f("perf/wake_up_time") >= wake, "{last}");
+    assert!(f("perf/switch_time") >= f("perf/switch_modelled_time") && f("perf/switch_modelled_time") >= sleep + wake);
 }
 
 #[test]
