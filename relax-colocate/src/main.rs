@@ -75,6 +75,15 @@ memory.jsonl, summary.json, memory_timeline.svg, memory_per_step.svg, reward.svg
 --logger tensorboard also tensorboard/events.out.tfevents.*, with --logger wandb a wandb run
 (WANDB_MODE=offline keeps it in wandb/; needs `pip install wandb`).
 
+Device presets (compute.device, --compute-device): h100 (the default), h800, h20, 910b, 910c. With
+compute.model each fills the compute model's figures the job does not set (peak TFLOPS, HBM, host
+copies, collective and pinning rates, driver map/unmap costs), each from a source named in
+docs/device-figures.md; a figure a preset has no source for is left unset, and a job that needs it
+must set it (the 910b has no published HBM bandwidth: --set compute.hbm_gbps=...). A [compute]
+key the job sets always wins. The switch (sleep, wake-up, offload, onload, update_weights) is then
+charged from the memory profile's full-scale bytes at those figures; summary.json's switch block
+keeps the measured times beside the modelled ones.
+
 Checks every step (run.checks): device free memory rose by at least the bytes each pause reported;
 trainer weights after wake_up and rollout weights after update_weights match the trainer's
 checksum; device memory at each phase does not grow past its step-2 level. A failed check stops
@@ -218,6 +227,9 @@ struct RunArgs {
     /// Memory shape preset: none, tiny, qwen3-0.6b, qwen3-4b, qwen3-8b [memory.profile].
     #[arg(long)]
     memory_profile: Option<String>,
+    /// The device compute.model charges at: h100, h800, h20, 910b or 910c [compute.device].
+    #[arg(long, value_name = "DEVICE")]
+    compute_device: Option<String>,
     /// Tensor-parallel size of the memory profile [memory.tp].
     #[arg(long)]
     tp: Option<u32>,
@@ -314,6 +326,7 @@ impl RunArgs {
             ("run.nodes", self.nodes.map(|x| x.to_string())),
             ("run.ray_address", text(self.ray_address.as_deref())),
             ("memory.profile", text(self.memory_profile.as_deref())),
+            ("compute.device", text(self.compute_device.as_deref())),
             ("memory.tp", self.tp.map(|x| x.to_string())),
             ("run.offload", self.offload.map(|x| x.to_string())),
             ("memory.backup", self.backup.map(|x| x.to_string())),

@@ -525,7 +525,7 @@ fn a_segment_budget_ends_segments_mid_token_and_the_sequences_keep_their_tokens(
 }
 
 #[test]
-fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated_it_in_every_mode() {
+fn responses_that_grow_over_the_run_cost_each_step_by_the_batch_drawn_for_it_in_every_mode() {
     // Each task token stands for 1 modelled token at step 1 and 100 at step 3; every modelled
     // decode step pays 10 ms, so one task decode step at step 3 lasts at least 1 s.
     let job = [
@@ -551,7 +551,7 @@ fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated
     // Staleness 0: every sample of step k comes from version k - 1, as colocated.
     for mode in [&["--mode", "colocate"][..], &["--mode", "async", "--max-staleness", "0"]] {
         let dir = tempfile::tempdir().unwrap();
-        run_ok(dir.path(), &[mode, &job[..]].concat());
+        let (_, summary) = run_ok(dir.path(), &[mode, &job[..]].concat());
         let m = metrics(dir.path());
         let scales: Vec<f64> = m.iter().map(|r| r["compute/token_scale"].as_f64().unwrap()).collect();
         assert_eq!(scales, vec![1.0, 50.5, 100.0], "{mode:?}");
@@ -566,8 +566,34 @@ fn responses_that_grow_over_the_run_cost_each_step_by_the_weights_that_generated
         if mode[1] == "colocate" {
             let generate = last["perf/rollout_time"].as_f64().unwrap();
             assert!(generate >= 1.0, "step 3 generated in {generate} s: under one decode step at 100 x 10 ms");
+            the_switch_was_charged_at_the_h100_s_host_link(&summary, last);
         }
     }
+}
+
+/// The colocated switch of Qwen3-4B at memory.scale 0.002: each sleep and wake-up charged the
+/// full-scale trainer state (about 73 GB) over the H100 preset's D2H and H2D rates, not what the
+/// simulator's 1/500 of it took, and the phases lasted at least that.
+fn the_switch_was_charged_at_the_h100_s_host_link(summary: &Value, last: &Value) {
+    let sw = &summary["switch"];
+    assert_eq!(sw["device"], "h100", "{sw}");
+    assert!(summary["compute"].as_str().unwrap().contains("the switch charged from the profile's full-scale bytes"));
+    let stage = |name: &str| {
+        let s = sw["stages"].as_array().unwrap().iter().find(|s| s["stage"] == name).cloned();
+        s.unwrap_or_else(|| panic!("no stage {name}: {sw}"))
+    };
+    let each = |s: &Value| s["modelled_s"].as_f64().unwrap() / s["count"].as_f64().unwrap();
+    let (sleep, wake) = (each(&stage("sleep")), each(&stage("wake_up")));
+    assert!((72e9 / 52.8e9..74e9 / 52.8e9).contains(&sleep), "sleep modelled at {sleep} s");
+    // The same bytes both ways: the times stand as the preset's two rates.
+    assert!((wake / sleep - 52.8 / 35.0).abs() < 1e-9, "wake {wake} s against sleep {sleep} s");
+    for s in sw["stages"].as_array().unwrap() {
+        let f = |k: &str| s[k].as_f64().unwrap();
+        assert!(f("charged_s") >= f("modelled_s") && f("charged_s") >= f("measured_s"), "{s}");
+    }
+    let f = |k: &str| last[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {last}"));
+    assert!(f("perf/sleep_time") >= sleep && f("perf/wake_up_time") >= wake, "{last}");
+    assert!(f("perf/switch_time") >= f("perf/switch_modelled_time") && f("perf/switch_modelled_time") >= sleep + wake);
 }
 
 #[test]
@@ -733,8 +759,10 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
 
 /// A rollout-bound job: a 4B model's device time on the modelled device, decoding at 1% of its
 /// peak, keeps the trainer waiting for samples about half the time, long past a switch, and
-/// makes updates land while sequences are in flight.
-const ROLLOUT_BOUND: [&str; 8] = [
+/// makes updates land while sequences are in flight. The host link is not charged: these jobs
+/// test lending's mechanism, and the 4B trainer's modelled switch (3.5 s) would outlast their
+/// short waits.
+const ROLLOUT_BOUND: [&str; 12] = [
     "--memory-profile",
     "qwen3-4b",
     "--set",
@@ -743,6 +771,10 @@ const ROLLOUT_BOUND: [&str; 8] = [
     "compute.model=true",
     "--set",
     "compute.rollout_mfu=0.01",
+    "--set",
+    "compute.h2d_gbps=0",
+    "--set",
+    "compute.d2h_gbps=0",
 ];
 
 /// The rollout-bound job in elastic mode: the waiting trainer lends its device.
@@ -923,7 +955,11 @@ const TRAINER_BOUND: [&str; 13] = [
 
 fn trainer_bound(lend_rollout: bool) -> Vec<String> {
     let mut args: Vec<String> = TRAINER_BOUND.iter().map(|s| s.to_string()).collect();
+    // The host link not charged, as ROLLOUT_BOUND's: the lent trainers' modelled wake would
+    // outlast the step it is for.
+    let free_link = ["compute.h2d_gbps=0", "--set", "compute.d2h_gbps=0", "--set"];
     args.extend(["compute.model=true", "--set", "compute.train_mfu=0.08", "--set"].map(String::from));
+    args.extend(free_link.map(String::from));
     args.push(format!("elastic.lend_rollout={lend_rollout}"));
     args
 }

@@ -9,7 +9,9 @@ use super::config::Config;
 use super::fleet::Fleet;
 use super::protocol::{Checksum, LoadState, SaveState, Step};
 use super::recorder::Recorder;
+use super::switch::{self, SwitchModel};
 use super::{NCCL_TAG, R};
+use std::time::Instant;
 
 /// How the side giving its devices up goes to sleep.
 #[derive(Debug, Clone, Copy, Default)]
@@ -61,6 +63,9 @@ pub(super) struct Handover<'a> {
     /// The weights checksum `to` must hold at the end, and when that is (for the failure).
     pub(super) expect: Option<(&'a str, &'a str)>,
     pub(super) phases: Option<Phases>,
+    /// With compute.model: the sleep and the wakes last at least their modelled device time
+    /// (the cargo charges its own: weights.rs, the lend's transfer).
+    pub(super) model: Option<&'a SwitchModel>,
 }
 
 /// What a hand-over did.
@@ -84,19 +89,31 @@ impl Handover<'_> {
     ) -> R<Handed<T>> {
         let mut saver_s = 0.0;
         let mut comms_suspended = false;
+        let role = |f: &Fleet, i: usize| f.worker(i).role;
         if !self.from.is_empty() {
             let name = self.phases.map(|p| p.sleep);
-            (saver_s, comms_suspended) = in_phase(fleet, rec, name, |f, r| self.put_to_sleep(f, r))?;
+            // The sleepers pause in parallel, each on its own device: the slowest is the stage's.
+            let modelled =
+                self.model.map(|m| self.from.iter().map(|&i| m.pause_s(role(fleet, i), None)).fold(0.0, f64::max));
+            (saver_s, comms_suspended) =
+                in_phase(fleet, rec, name, ("sleep", modelled), |f, r| self.put_to_sleep(f, r))?;
         }
         let name = self.phases.map(|p| p.wake);
-        saver_s += in_phase(fleet, rec, name, |f, r| self.wake_up(f, r))?;
-        let cargo = in_phase(fleet, rec, self.phases.and_then(|p| p.cargo), cargo)?;
+        let to_role = self.to.first().map(|&i| role(fleet, i));
+        let modelled = |tag: Option<&str>| self.model.zip(to_role).map(|(m, r)| m.resume_s(r, tag));
+        let woken = match self.wake {
+            Wake::Serving => modelled(Some("weights")),
+            Wake::Whole { .. } => modelled(None),
+        };
+        saver_s += in_phase(fleet, rec, name, ("wake", woken), |f, r| self.wake_up(f, r))?;
+        let cargo = in_phase(fleet, rec, self.phases.and_then(|p| p.cargo), ("cargo", None), cargo)?;
         if let Some((expected, when)) = self.expect {
             expect_weights(fleet, rec, self.to, expected, when)?;
         }
         if matches!(self.wake, Wake::Serving) {
             let name = self.phases.map(|p| p.finish);
-            saver_s += in_phase(fleet, rec, name, |f, _| {
+            let rest = modelled(Some("kv_cache")).zip(modelled(Some("cuda_graph"))).map(|(a, b)| a + b);
+            saver_s += in_phase(fleet, rec, name, ("finish", rest), |f, _| {
                 Ok(resume(f, self.to, Some("kv_cache"))? + resume(f, self.to, Some("cuda_graph"))?)
             })?;
         }
@@ -145,17 +162,26 @@ impl Handover<'_> {
 }
 
 /// `f` inside the recorder's phase `name` (timed, the fleet's memory sampled at its end), or
-/// plainly when None.
+/// plainly when None (inside the caller's phase). `charge`: the stage's name and, with
+/// compute.model, its modelled seconds, which it then lasts at least (recorded under the phase's
+/// name, or the caller's phase and the stage's).
 fn in_phase<T>(
     fleet: &mut Fleet,
     rec: &mut Recorder,
     name: Option<&str>,
+    charge: (&str, Option<f64>),
     f: impl FnOnce(&mut Fleet, &mut Recorder) -> R<T>,
 ) -> R<T> {
-    let Some(name) = name else { return f(fleet, rec) };
-    let span = rec.begin(name);
+    let label = name.map_or_else(|| format!("{}:{}", rec.cursor().phase(), charge.0), String::from);
+    let span = name.map(|n| rec.begin(n));
+    let t0 = Instant::now();
     let out = f(fleet, rec)?;
-    rec.end(span, fleet)?;
+    if let Some(modelled) = charge.1 {
+        switch::charge(rec, &label, t0, modelled);
+    }
+    if let Some(span) = span {
+        rec.end(span, fleet)?;
+    }
     Ok(out)
 }
 

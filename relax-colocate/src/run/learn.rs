@@ -340,12 +340,17 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
     if c.decode_step_ms > 0.0 {
         memory += &format!(", each decode step {} ms more (launches, scheduler, sampling)", c.decode_step_ms);
     }
+    let switch = match super::switch::describe(cfg) {
+        Some(s) => format!("; {s}"),
+        None => String::new(),
+    };
     format!(
-        "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device at MFU {} (train) and {} (rollout){memory}, \
-         each task token standing for {}; every request lasts at least that{caveat}",
+        "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device ({}) at MFU {} (train) and {} \
+         (rollout){memory}, each task token standing for {}; every request lasts at least that{caveat}{switch}",
         cfg.memory.profile,
         profile.params_per_device as f64 / 1e9,
         c.tflops,
+        c.device,
         c.train_mfu,
         c.rollout_mfu,
         c.token_scale

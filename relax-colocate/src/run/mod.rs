@@ -37,6 +37,7 @@ mod rig;
 mod signals;
 mod sizing;
 pub(crate) mod summary;
+mod switch;
 mod transport;
 mod weights;
 

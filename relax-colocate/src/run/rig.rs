@@ -8,6 +8,7 @@ use super::launch::Plan;
 use super::profile::Profile;
 use super::protocol::InitParams;
 use super::recorder::Recorder;
+use super::switch::SwitchModel;
 use super::task::Addition;
 use super::weights::WeightSync;
 use super::{Cursor, Role, learn, model};
@@ -26,6 +27,8 @@ pub(super) struct Rig {
     pub(super) rec: Recorder,
     /// How update_weights moves the weights, and what it moved.
     pub(super) sync: WeightSync,
+    /// With compute.model: the switch's device time (switch.rs).
+    pub(super) switch: Option<Rc<SwitchModel>>,
 }
 
 impl Rig {
@@ -36,7 +39,8 @@ impl Rig {
     }
 
     pub(super) fn new(cfg: &Config, plan: Plan, fleet: Fleet, rec: Recorder) -> Rig {
-        let sync = WeightSync::new(cfg, &plan, &fleet);
+        let switch = SwitchModel::new(cfg).map(Rc::new);
+        let sync = WeightSync::new(cfg, &plan, &fleet, switch.clone());
         Rig {
             cfg: cfg.clone(),
             at: rec.cursor(),
@@ -47,6 +51,7 @@ impl Rig {
             fleet,
             rec,
             sync,
+            switch,
         }
     }
 }

@@ -100,8 +100,33 @@ pub struct RunSummary {
     pub reward: Ends,
     pub run_dir: PathBuf,
     pub steps_requested: u64,
+    /// With compute.model: the switch's phases, measured and modelled (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub switch: Option<SwitchSummary>,
     pub wall_time_s: f64,
     pub weight_sync: WeightSyncSummary,
+}
+
+/// The switch as compute.model charged it: each stage's time measured on this machine (the
+/// profile's bytes at memory.scale) and modelled on compute.device (its full-scale bytes); every
+/// stage lasted the longer of the two, `charged_s` in all.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SwitchSummary {
+    pub charged_s: f64,
+    pub device: String,
+    pub measured_s: f64,
+    pub modelled_s: f64,
+    pub stages: Vec<SwitchStage>,
+}
+
+/// One stage of the switch over the run (a phase, or a part of a lend or reclaim).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct SwitchStage {
+    pub charged_s: f64,
+    pub count: u64,
+    pub measured_s: f64,
+    pub modelled_s: f64,
+    pub stage: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -9,8 +9,11 @@ use super::protocol::{Checksum, Step};
 use super::recorder::Recorder;
 use super::recorder::report::human;
 use super::summary::{Transport as TransportSummary, WeightSyncSummary};
+use super::switch::{self, SwitchModel};
 use super::transport::{self, Moved, Transport};
 use super::{Cursor, FailKind, R, Role};
+use std::rc::Rc;
+use std::time::Instant;
 
 /// Every worker of `role`'s weights checksum, in the fleet's order.
 pub(super) fn checksums(fleet: &mut Fleet, role: Role, step: u64) -> R<Vec<String>> {
@@ -38,10 +41,12 @@ pub(super) struct WeightSync {
     link_gbps: Option<f64>,
     updates: u64,
     moved: Moved,
+    /// With compute.model: each update lasts at least the full-scale weights' time on the device.
+    switch: Option<Rc<SwitchModel>>,
 }
 
 impl WeightSync {
-    pub(super) fn new(cfg: &Config, plan: &Plan, fleet: &Fleet) -> WeightSync {
+    pub(super) fn new(cfg: &Config, plan: &Plan, fleet: &Fleet, switch: Option<Rc<SwitchModel>>) -> WeightSync {
         let (intra, inter) = cfg.link_gbps().unwrap_or((0.0, 0.0));
         // A group across the run's nodes is as fast as the link between nodes.
         let node = |i: usize| fleet.worker(i).rank / cfg.run.devices.max(1);
@@ -61,6 +66,7 @@ impl WeightSync {
             link_gbps: Some(gbps).filter(|g| *g > 0.0 && plan.device == DeviceChoice::Sim),
             updates: 0,
             moved: Moved::default(),
+            switch,
         }
     }
 
@@ -80,7 +86,11 @@ impl WeightSync {
     /// The trainer's weights to every engine, as version `version`; the update's bytes, buckets
     /// and rate join the step's metrics row.
     pub(super) fn transfer(&mut self, fleet: &mut Fleet, at: &Cursor, rec: &mut Recorder, version: u64) -> R<Moved> {
+        let t0 = Instant::now();
         let moved = self.transport.transfer(fleet, at, self.bucket_bytes, version)?;
+        if let Some(m) = &self.switch {
+            switch::charge(rec, "update_weights", t0, m.update_s(self.transport.kind()));
+        }
         self.updates += 1;
         self.moved.bytes += moved.bytes;
         self.moved.buckets += moved.buckets;

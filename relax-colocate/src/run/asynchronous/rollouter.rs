@@ -86,6 +86,21 @@ fn partial(cfg: &Config) -> bool {
     segment(cfg).is_some() || cfg.segment_budget().is_some()
 }
 
+/// A generate request's modelled tokens per task token: the mean of its sequences' (one request
+/// charges one scale), each by the batch its group was drawn for (`started`), or with
+/// compute.cost_by_version by the engines' weights `version`. None: no growth.
+fn request_token_scale(cfg: &Config, version: u64, started: impl Iterator<Item = u64>) -> Option<f64> {
+    let (mut sum, mut n) = (0.0, 0usize);
+    for s in started {
+        sum += cfg.token_scale_at(cfg.cost_clock(version as f64, s))?;
+        n += 1;
+    }
+    if n == 0 {
+        return cfg.token_scale_at(version as f64);
+    }
+    Some(sum / n as f64)
+}
+
 impl Rollouter {
     /// The engines of their own devices start awake, elastic mode's lent ones asleep.
     pub(super) fn new(cfg: &Config, fleet: &Fleet) -> Rollouter {
@@ -327,7 +342,7 @@ impl Rollouter {
             // flag false, so that a worker that predates `cached` charges every prefix.
             prefix_cached: continued && cached.iter().all(|c| *c),
             cached: if cached.iter().all(|c| *c) || cached.iter().all(|c| !*c) { Vec::new() } else { cached },
-            token_scale: cfg.token_scale_at(self.version as f64),
+            token_scale: request_token_scale(cfg, self.version, order.iter().map(|o| e.groups[o.group].started)),
             segment_s: budget,
             progress,
             sequence_seeds,
@@ -535,5 +550,38 @@ impl Rollouter {
         for e in self.engines.iter_mut().filter(|e| !e.lent) {
             e.state = if awake { State::Awake } else { State::Asleep };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(by_version: bool) -> Config {
+        let sets = [
+            "compute.model=true".to_string(),
+            "memory.profile=qwen3-4b".into(),
+            "run.mode=async".into(),
+            "run.devices=2".into(),
+            "run.steps=10".into(),
+            "rollout.prompts_per_step=24".into(),
+            "compute.token_scale=150".into(),
+            "compute.token_scale_final=600".into(),
+            format!("compute.cost_by_version={by_version}"),
+        ];
+        crate::run::config::load(None, &sets).unwrap()
+    }
+
+    /// The engines' weights may be any version behind; the request costs what its groups' batches
+    /// cost unless the job asks for the version's discount.
+    #[test]
+    fn a_request_costs_by_its_groups_not_by_the_engines_weights() {
+        let c = cfg(false);
+        let groups = [48, 48, 49, 60];
+        let by_group: Vec<_> = (0..4).map(|v| request_token_scale(&c, v, groups.iter().copied())).collect();
+        assert!(by_group.iter().all(|s| *s == Some(250.0)), "{by_group:?}");
+        let c = cfg(true);
+        let by_version: Vec<_> = (0..3).map(|v| request_token_scale(&c, v, groups.iter().copied())).collect();
+        assert_eq!(by_version, vec![Some(150.0), Some(200.0), Some(250.0)]);
     }
 }

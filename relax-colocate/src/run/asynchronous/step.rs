@@ -40,7 +40,7 @@ impl Async {
             for s in &g.seqs {
                 let versions = s.versions.iter().map(|v| *v as f64);
                 let version = versions.clone().sum::<f64>() / s.versions.len().max(1) as f64;
-                scaled.push((g.prompt.len() + s.response.len(), version));
+                scaled.push((g.prompt.len() + s.response.len(), self.rig.cfg.cost_clock(version, g.started)));
                 samples.push(Sample {
                     prompt: g.prompt.clone(),
                     response: s.response.clone(),

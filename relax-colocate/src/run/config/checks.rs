@@ -113,7 +113,58 @@ impl Config {
         .into_iter()
         .filter(|(ok, _)| !ok)
         .map(|(_, msg)| msg.to_string())
+        .chain(self.figure_errors())
         .collect()
+    }
+
+    /// The device's figures: each >= 0, and each the run needs given by the job or its preset.
+    fn figure_errors(&self) -> Vec<String> {
+        let c = &self.compute;
+        let mut errors = Vec::new();
+        let figures = [
+            ("h2d_gbps", c.h2d_gbps),
+            ("d2h_gbps", c.d2h_gbps),
+            ("collective_gbps", c.collective_gbps),
+            ("pin_gbps", c.pin_gbps),
+            ("map_ms_per_gib", c.map_ms_per_gib),
+            ("unmap_ms_per_gib", c.unmap_ms_per_gib),
+        ];
+        for (key, v) in figures {
+            if !(v >= 0.0 && v.is_finite()) {
+                errors.push(format!("compute.{key} must be >= 0 (0: not charged)"));
+            }
+        }
+        let Ok(preset) = devices::find(&c.device) else { return errors };
+        for (key, why) in self.figures_needed() {
+            if c.unset.iter().any(|k| k == key) {
+                errors.push(format!(
+                    "compute.{key} is unset: compute.device = \"{}\" ({}) has no sourced figure for it \
+                     (docs/device-figures.md), and this run needs one ({why}); set it in the job's [compute] or \
+                     with --set compute.{key}=VALUE, or choose another compute.device",
+                    preset.name, preset.what
+                ));
+            }
+        }
+        errors
+    }
+
+    /// The figures this run's model charges, each with what it is for. The driver's costs
+    /// (devices::OPTIONAL_KEYS) are never required: no preset has them.
+    fn figures_needed(&self) -> Vec<(&'static str, &'static str)> {
+        let mut needed = vec![
+            ("tflops", "every stage's FLOPs run at it"),
+            ("hbm_gbps", "decode steps read the weights and KV cache at it; 0 turns that floor off"),
+        ];
+        let host = self.weight_transport() == WeightTransport::Host;
+        let switches = (self.run.mode == Mode::Colocate && self.run.offload) || self.run.mode == Mode::Elastic;
+        if switches || host {
+            needed.push(("d2h_gbps", "a trainer's sleep backs its state up to the host at it"));
+            needed.push(("h2d_gbps", "a trainer's wake-up restores its state from the host at it"));
+        }
+        if matches!(self.weight_transport(), WeightTransport::Broadcast | WeightTransport::Auto) {
+            needed.push(("collective_gbps", "the weight update broadcasts at it"));
+        }
+        needed
     }
 
     /// The devices' layout: colocated prompts over every device, or async mode's device sets and

@@ -6,6 +6,7 @@ use super::task::RewardKind;
 use serde::{Deserialize, Serialize};
 
 mod checks;
+pub mod devices;
 
 pub const DEFAULT_TOML: &str = include_str!("../default.toml");
 
@@ -122,6 +123,8 @@ pub struct AsyncSection {
 #[serde(deny_unknown_fields)]
 pub struct ComputeSection {
     pub model: bool,
+    /// The device preset (config/devices.rs) whose figures fill the keys the job left out.
+    pub device: String,
     pub tflops: f64,
     pub train_mfu: f64,
     pub rollout_mfu: f64,
@@ -129,8 +132,21 @@ pub struct ComputeSection {
     /// The modelled tokens per task token of the last step's samples: responses grow linearly
     /// from token_scale over the run, as RL responses lengthen while the policy learns. 0: constant.
     pub token_scale_final: f64,
+    /// With token_scale_final: a sample's growth follows the weight version that generated it
+    /// (stale samples cheaper), not its place in the run's order of prompts.
+    pub cost_by_version: bool,
     pub hbm_gbps: f64,
     pub decode_step_ms: f64,
+    pub h2d_gbps: f64,
+    pub d2h_gbps: f64,
+    pub collective_gbps: f64,
+    pub pin_gbps: f64,
+    pub map_ms_per_gib: f64,
+    pub unmap_ms_per_gib: f64,
+    /// Figure keys neither the job nor its device's preset gives (0 above): refused where the
+    /// run needs one.
+    #[serde(skip)]
+    pub unset: Vec<String>,
 }
 
 /// Who places the workers: child processes of the runner, or Ray (docs/ray.md).
@@ -341,6 +357,22 @@ fn file_sets_key(file: Option<&std::path::Path>, section: &str, key: &str) -> Re
     Ok(user.get(section).and_then(toml::Value::as_table).is_some_and(|t| t.contains_key(key)))
 }
 
+/// The `[compute]` keys the job sets itself, in its file or with --set: a device preset fills
+/// only the others.
+fn explicit_compute_keys(file: Option<&std::path::Path>, sets: &[String]) -> Result<Vec<String>, String> {
+    let mut keys = Vec::new();
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
+        if let Some(t) = user.get("compute").and_then(toml::Value::as_table) {
+            keys.extend(t.keys().cloned());
+        }
+    }
+    let given = sets.iter().filter_map(|s| s.split_once('=')?.0.trim().strip_prefix("compute.").map(String::from));
+    keys.extend(given);
+    Ok(keys)
+}
+
 /// `--trainer-devices 0 --rollout-devices 1` name two devices: with no device count given, the
 /// run has as many per node as the lists reach (a malformed list is left to the checks, which
 /// name it).
@@ -379,8 +411,12 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     if !devices_given {
         devices_from_lists(&mut root);
     }
-    let cfg: Config =
+    let explicit = explicit_compute_keys(file, sets)?;
+    let compute = root.get_mut("compute").and_then(toml::Value::as_table_mut).expect("defaults have [compute]");
+    let unset = devices::apply(compute, &explicit)?;
+    let mut cfg: Config =
         toml::Value::Table(root.clone()).try_into().map_err(|e: toml::de::Error| with_key(&root, e.message()))?;
+    cfg.compute.unset = unset;
     cfg.validate()?;
     Ok(cfg)
 }
@@ -405,6 +441,19 @@ impl Config {
         let last = self.run.steps.saturating_sub(1).max(1) as f64;
         let at = (version / last).clamp(0.0, 1.0);
         Some(c.token_scale + (c.token_scale_final - c.token_scale) * at)
+    }
+
+    /// Where a sample stands on the growth's clock (`token_scale_at`): the batch its prompt was
+    /// drawn for (`started`, its group's place in the run's order of prompts, over the batch
+    /// size), whatever weights generated it; with compute.cost_by_version, the mean `version` of
+    /// the weights that generated its tokens. Colocated the two agree (step s draws batch s - 1
+    /// and generates with version s - 1); apart, a version clock makes stale samples cheaper,
+    /// which favours the layouts that make them.
+    pub fn cost_clock(&self, version: f64, started: u64) -> f64 {
+        if self.compute.cost_by_version {
+            return version;
+        }
+        (started / self.rollout.prompts_per_step.max(1) as u64) as f64
     }
 
     /// The off-policy correction the run applies: `auto` resolved by the layout. Colocated, the
@@ -692,6 +741,94 @@ mod tests {
             let err = load(None, &sets(bad)).unwrap_err();
             assert!(err.contains("compute.token_scale_final must be >= 0"), "{bad}: {err}");
         }
+    }
+
+    /// By default a sample costs by the batch it was drawn for, whatever weights made it; only
+    /// compute.cost_by_version ties it to the version.
+    #[test]
+    fn a_sample_s_cost_ignores_its_weight_version_unless_asked() {
+        let sets = |by_version: bool| {
+            [
+                "compute.model=true",
+                "memory.profile=qwen3-4b",
+                "run.steps=10",
+                "rollout.prompts_per_step=24",
+                "compute.token_scale=150",
+                "compute.token_scale_final=600",
+            ]
+            .into_iter()
+            .map(String::from)
+            .chain([format!("compute.cost_by_version={by_version}")])
+            .collect::<Vec<_>>()
+        };
+        let fair = load(None, &sets(false)).unwrap();
+        assert!(!load(None, &[]).unwrap().compute.cost_by_version, "off by default");
+        // Group 100 belongs to the fifth batch (index 4: 100 / 24) whichever version made it.
+        let scales: Vec<f64> =
+            [0.0, 1.0, 2.0, 4.0, 7.5].iter().map(|v| fair.token_scale_at(fair.cost_clock(*v, 100)).unwrap()).collect();
+        assert!(scales.iter().all(|s| *s == 350.0), "{scales:?}");
+        assert_eq!(fair.token_scale_at(fair.cost_clock(0.0, 23)), Some(150.0), "the first batch");
+        let by_version = load(None, &sets(true)).unwrap();
+        let stale = by_version.token_scale_at(by_version.cost_clock(2.0, 100)).unwrap();
+        let fresh = by_version.token_scale_at(by_version.cost_clock(4.0, 100)).unwrap();
+        assert_eq!((stale, fresh), (250.0, 350.0), "two versions stale: cheaper, as asked");
+    }
+
+    fn with(sets: &[&str]) -> Result<Config, String> {
+        load(None, &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    }
+
+    /// A preset fills the figures the job leaves out; the default device is the H100 the
+    /// defaults always modelled.
+    #[test]
+    fn a_device_preset_fills_the_figures_the_job_leaves_out() {
+        let h100 = with(&["compute.model=true", "memory.profile=qwen3-4b"]).unwrap().compute;
+        assert_eq!((h100.device.as_str(), h100.tflops, h100.hbm_gbps), ("h100", 989.0, 3350.0));
+        assert_eq!((h100.h2d_gbps, h100.d2h_gbps, h100.collective_gbps), (35.0, 52.8, 365.0));
+        assert!((h100.pin_gbps - 3.0246).abs() < 1e-3 && h100.map_ms_per_gib == 0.0, "{h100:?}");
+        let h20 = with(&["compute.device=h20", "run.mode=async", "run.devices=2"]).unwrap().compute;
+        assert_eq!((h20.tflops, h20.hbm_gbps), (148.0, 4000.0));
+        let c910 = with(&["compute.device=910c"]).unwrap().compute;
+        assert_eq!((c910.tflops, c910.hbm_gbps, c910.h2d_gbps, c910.d2h_gbps), (752.0, 3200.0, 33.9, 29.5));
+        let err = with(&["compute.device=h200"]).unwrap_err();
+        assert!(err.contains("compute.device \"h200\" is not a preset") && err.contains("910b"), "{err}");
+    }
+
+    /// A key the job sets wins over its preset, whether given with --set or in its file.
+    #[test]
+    fn an_explicit_key_overrides_the_preset() {
+        let c = with(&["compute.device=h20", "compute.tflops=100", "compute.h2d_gbps=20"]).unwrap().compute;
+        assert_eq!((c.tflops, c.hbm_gbps, c.h2d_gbps), (100.0, 4000.0, 20.0));
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("job.toml");
+        std::fs::write(&f, "[compute]\ndevice = \"910c\"\nhbm_gbps = 1000.0\n").unwrap();
+        let c = load(Some(&f), &["compute.tflops=700".into()]).unwrap().compute;
+        assert_eq!((c.device.as_str(), c.tflops, c.hbm_gbps, c.h2d_gbps), ("910c", 700.0, 1000.0, 33.9));
+        // Explicit 0 is a choice (no memory floor), not a hole the preset fills.
+        assert_eq!(with(&["compute.hbm_gbps=0"]).unwrap().compute.hbm_gbps, 0.0);
+    }
+
+    /// The 910B has no published HBM bandwidth: a modelled job on it must give one, and is told
+    /// which key and why; a run that models nothing is not held to it.
+    #[test]
+    fn a_figure_the_preset_lacks_must_be_given_by_a_job_that_needs_it() {
+        let base = ["compute.model=true", "memory.profile=qwen3-4b", "compute.device=910b"];
+        let err = with(&base).unwrap_err();
+        assert!(err.contains("compute.hbm_gbps is unset: compute.device = \"910b\" (Huawei Ascend 910B)"), "{err}");
+        assert!(err.contains("compute.d2h_gbps is unset") && err.contains("compute.h2d_gbps is unset"), "{err}");
+        assert!(!err.contains("compute.tflops"), "{err}");
+        let given = [&base[..], &["compute.hbm_gbps=1600", "compute.h2d_gbps=20", "compute.d2h_gbps=20"]].concat();
+        let c = with(&given).unwrap().compute;
+        assert_eq!((c.tflops, c.hbm_gbps, c.collective_gbps), (328.0, 1600.0, 72.0));
+        assert!(with(&["compute.device=910b"]).is_ok(), "nothing modelled: no figure needed");
+        // Async broadcasts the weights and never pauses: the host link is not needed, the
+        // collective is (the H20 has none published).
+        let apart = ["compute.model=true", "memory.profile=qwen3-4b", "run.mode=async", "run.devices=2"];
+        assert!(with(&[&apart[..], &["compute.device=h800"]].concat()).is_ok());
+        let err = with(&[&apart[..], &["compute.device=h20"]].concat()).unwrap_err();
+        assert!(err.starts_with("compute.collective_gbps is unset") && !err.contains("h2d"), "{err}");
+        let err = with(&[&apart[..], &["compute.pin_gbps=-1"]].concat()).unwrap_err();
+        assert!(err.contains("compute.pin_gbps must be >= 0"), "{err}");
     }
 
     #[test]

@@ -111,6 +111,7 @@ impl Colocate {
                 cargo: Some("update_weights"),
                 finish: "onload_kv",
             }),
+            model: self.rig.switch.as_deref(),
         }
         .run(&mut self.rig.fleet, &mut self.rig.rec, update)?;
         self.comms_suspended = handed.comms_suspended;

@@ -97,6 +97,7 @@ impl Colocate {
             wake: Wake::Whole { comms, load_state: !self.rig.cfg.memory.backup },
             expect: Some((&expected, "after wake_up")),
             phases: Some(Phases { sleep: "rollout_offload", wake: "wake_up", cargo: None, finish: "" }),
+            model: self.rig.switch.as_deref(),
         }
         .run(&mut self.rig.fleet, &mut self.rig.rec, |_, _| Ok(()))
         .map(drop)

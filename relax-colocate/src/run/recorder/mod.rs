@@ -118,6 +118,8 @@ pub(super) struct Recorder {
     progress: report::Progress,
     /// The memory timeline's marks: when the phase under way began, where the run failed.
     timeline: Timeline,
+    /// With compute.model: each switch stage's measured and modelled time over the run.
+    switch: BTreeMap<String, crate::run::summary::SwitchStage>,
 }
 
 impl Recorder {
@@ -145,6 +147,7 @@ impl Recorder {
             out,
             progress,
             timeline: Timeline::default(),
+            switch: BTreeMap::new(),
         }
     }
 
@@ -190,6 +193,25 @@ impl Recorder {
     /// A number for this step's row, under slime's name.
     pub(super) fn add_step_metric(&mut self, key: &str, v: f64) {
         self.step.metrics.insert(key.to_string(), v);
+    }
+
+    /// A switch stage ran `measured` seconds and was charged at least `modelled` (switch.rs):
+    /// both join the step's row and the run's switch block.
+    pub(super) fn record_switch(&mut self, stage: &str, measured: f64, modelled: f64) {
+        let charged = measured.max(modelled);
+        for (key, v) in [
+            ("perf/switch_measured_time", measured),
+            ("perf/switch_modelled_time", modelled),
+            ("perf/switch_time", charged),
+        ] {
+            *self.step.metrics.entry(key.to_string()).or_default() += v;
+        }
+        let s = self.switch.entry(stage.to_string()).or_default();
+        s.stage = stage.to_string();
+        s.count += 1;
+        s.measured_s += measured;
+        s.modelled_s += modelled;
+        s.charged_s += charged;
     }
 
     /// Elastic mode: one lending decision, its reason and figures, to lending.jsonl, stamped with

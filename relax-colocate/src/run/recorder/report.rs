@@ -6,7 +6,7 @@ use crate::plot::{self, Axis, Chart, Quantity, RGBColor, Series, Shape, Span, co
 use crate::run::profile::Profile;
 use crate::run::summary::{
     AsyncSummary, Checks, Correction, ElasticSummary, Ends, Memory, PhaseStats, RolloutLendSummary, RunSummary, Status,
-    Summary, WeightSyncSummary,
+    Summary, SwitchStage, SwitchSummary, WeightSyncSummary,
 };
 use crate::run::{FailKind, RunError};
 use serde_json::Value;
@@ -202,6 +202,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         run_dir: r.run_dir.clone(),
         asynchronous: None,
         weight_sync: WeightSyncSummary::default(),
+        switch: switch_summary(r),
     };
     Summary {
         status: match err {
@@ -213,6 +214,22 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         steps_completed: r.steps_completed,
         run: Some(run),
     }
+}
+
+/// The switch block: every stage measured and modelled, when compute.model charged any.
+fn switch_summary(r: &Recorder) -> Option<SwitchSummary> {
+    if !r.cfg.compute.model || r.switch.is_empty() {
+        return None;
+    }
+    let stages: Vec<SwitchStage> = r.switch.values().cloned().collect();
+    let sum = |f: fn(&SwitchStage) -> f64| stages.iter().map(f).sum();
+    Some(SwitchSummary {
+        charged_s: sum(|s| s.charged_s),
+        measured_s: sum(|s| s.measured_s),
+        modelled_s: sum(|s| s.modelled_s),
+        device: r.cfg.compute.device.clone(),
+        stages,
+    })
 }
 
 /// Steps averaged at each end for "reward before -> after": three, fewer on runs under six steps

@@ -15,13 +15,13 @@ use super::super::accounts::Window;
 use super::super::queue::Group;
 use super::super::rollouter::{Finished, LendView, Rollouter};
 use super::{Cx, Direction, Lend};
-use crate::run::config::Config;
+use crate::run::config::{Config, WeightTransport};
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
 use crate::run::rig::Rig;
 use crate::run::summary::ElasticSummary;
-use crate::run::{R, Role, transport, weights};
+use crate::run::{R, Role, switch, transport, weights};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -298,6 +298,7 @@ impl Lending {
         let trainers = rig.fleet.indices(Role::Trainer);
         let sum = weights::trainer_checksum(&mut rig.fleet, &rig.at)?;
         let (at, bucket_bytes) = (rig.at.clone(), rig.sync.bucket_bytes());
+        let (switch, phase) = (rig.switch.clone(), self.lend.lend_phase());
         let handed = Handover {
             from: &trainers,
             sleep: Sleep::of_trainer(&rig.cfg),
@@ -305,8 +306,17 @@ impl Lending {
             wake: Wake::Serving,
             expect: Some((&sum, "on the lent engines after their weights arrived")),
             phases: None,
+            model: rig.switch.as_deref(),
         }
-        .run(&mut rig.fleet, &mut rig.rec, |f, _| transport::lend_transfer(f, &at, bucket_bytes, &pairs))?;
+        .run(&mut rig.fleet, &mut rig.rec, |f, r| {
+            let t0 = Instant::now();
+            let moved = transport::lend_transfer(f, &at, bucket_bytes, &pairs)?;
+            if let Some(m) = switch.as_deref() {
+                let kind = if moved.host_bytes > 0 { WeightTransport::Host } else { WeightTransport::Ipc };
+                switch::charge(r, &format!("{phase}:update_weights"), t0, m.update_s(kind));
+            }
+            Ok(moved)
+        })?;
         let moved = handed.cargo;
         self.comms_suspended = handed.comms_suspended;
         rig.rec.end(span, &rig.fleet)?;
@@ -423,6 +433,7 @@ impl Lending {
             wake: Wake::Whole { comms, load_state: !rig.cfg.memory.backup },
             expect: Some((&sum, "after the reclaim (the lent device's memory back to the trainer's bytes)")),
             phases: None,
+            model: rig.switch.as_deref(),
         }
         .run(&mut rig.fleet, &mut rig.rec, |_, _| Ok(()))?;
         rig.rec.end(span, &rig.fleet)?;

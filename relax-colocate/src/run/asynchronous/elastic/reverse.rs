@@ -223,6 +223,7 @@ impl RolloutLending {
             wake: Wake::Whole { comms: false, load_state: false },
             expect: Some((&sum, "on the lent trainers after they loaded the trainer's state")),
             phases: None,
+            model: rig.switch.as_deref(),
         }
         .run(&mut rig.fleet, &mut rig.rec, import)?;
         rig.rec.end(span, &rig.fleet)?;
@@ -259,6 +260,7 @@ impl RolloutLending {
             wake: Wake::Whole { comms, load_state: false },
             expect: None,
             phases: None,
+            model: rig.switch.as_deref(),
         }
         .run(&mut rig.fleet, &mut rig.rec, |_, _| Ok(()))?;
         expect_held(rig, &engines, &engines_held)?;
