@@ -623,7 +623,15 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for line in ["samples/s", "trainer busy", "rollout busy", "staleness", "async / colocate throughput", "modelled:"] {
+    for line in [
+        "samples/s",
+        "trainer busy",
+        "rollout busy",
+        "rollout batch slots filled",
+        "staleness",
+        "async / colocate throughput",
+        "modelled:",
+    ] {
         assert!(stdout.contains(line), "table lacks {line}:\n{stdout}");
     }
     let report = json(&dir.path().join("compare.json"));
@@ -631,6 +639,9 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
         assert!(report[layout]["samples_per_s"].as_f64().unwrap() > 0.0, "{report}");
         assert_eq!(report[layout]["steps"].as_u64(), Some(3), "{report}");
         assert!(dir.path().join(layout).join("summary.json").is_file());
+        // The rollout engines' batch slots: some filled, never more than all.
+        let filled = report[layout]["slot_occupancy"].as_f64().unwrap_or_else(|| panic!("{report}"));
+        assert!(filled > 0.0 && filled <= 1.0, "{layout}: {filled}");
     }
     let ratio = report["async_over_colocate_samples_per_s"].as_f64().unwrap();
     let expected =
