@@ -191,6 +191,8 @@ fn figures(l: &Layout) -> Value {
         "tokens_per_s": tokens / run_s,
         "tokens_per_device_s": tokens / run_s / devices,
         "step_time_median_s": median(step_times),
+        "slot_occupancy": run.decode.get("rollout").and_then(|d| d.slot_occupancy),
+        "kv_preemptions": run.decode.get("rollout").map(|d| d.preemptions),
         "trainer_busy": train / run_s,
         "rollout_busy": rollout_busy,
         "update_weights_median_s": median(update),
@@ -315,7 +317,7 @@ fn print_table(names: &[&str], figs: &[Value]) {
     if repeats > 1 {
         println!("(each figure the mean of {repeats} runs)");
     }
-    let rows: [TableRow; 24] = [
+    let rows: [TableRow; 26] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
         ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
         ("  spread over the runs", "samples_per_s_after_first_step_spread", |x| {
@@ -331,6 +333,8 @@ fn print_table(names: &[&str], figs: &[Value]) {
         ("trainer devices idle", "elastic.trainer_device_idle", pct),
         ("rollout busy", "rollout_busy", pct),
         ("rollout devices idle (lent = work)", "elastic.rollout_device_idle", pct),
+        ("rollout batch slots filled", "slot_occupancy", pct),
+        ("KV preemptions", "kv_preemptions", |x| if x.is_nan() { "-".into() } else { format!("{x:.0}") }),
         ("weight update, median (s)", "update_weights_median_s", secs),
         ("sleep/wake switch, median (s)", "switch_median_s", secs),
         ("lends per step", "elastic.lends_per_step", |x| if x.is_nan() { "-".into() } else { format!("{x:.2}") }),

@@ -623,7 +623,15 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for line in ["samples/s", "trainer busy", "rollout busy", "staleness", "async / colocate throughput", "modelled:"] {
+    for line in [
+        "samples/s",
+        "trainer busy",
+        "rollout busy",
+        "rollout batch slots filled",
+        "staleness",
+        "async / colocate throughput",
+        "modelled:",
+    ] {
         assert!(stdout.contains(line), "table lacks {line}:\n{stdout}");
     }
     let report = json(&dir.path().join("compare.json"));
@@ -631,6 +639,9 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
         assert!(report[layout]["samples_per_s"].as_f64().unwrap() > 0.0, "{report}");
         assert_eq!(report[layout]["steps"].as_u64(), Some(3), "{report}");
         assert!(dir.path().join(layout).join("summary.json").is_file());
+        // The rollout engines' batch slots: some filled, never more than all.
+        let filled = report[layout]["slot_occupancy"].as_f64().unwrap_or_else(|| panic!("{report}"));
+        assert!(filled > 0.0 && filled <= 1.0, "{layout}: {filled}");
     }
     let ratio = report["async_over_colocate_samples_per_s"].as_f64().unwrap();
     let expected =
@@ -1081,4 +1092,57 @@ fn lend_rollout_outside_elastic_mode_or_with_a_trainer_that_cannot_transfer_stat
     let said = "elastic.lend_rollout = true needs every trainer to answer export_state and import_state";
     assert!(err.contains(said) && err.contains("trainer-0"), "{err}");
     assert_eq!(json(&example.join("summary.json"))["steps_completed"], 0);
+}
+
+/// Qwen3-4B's engines with 0.1 GiB of KV cache hold about 730 modelled tokens, some 10 of the
+/// 32 sequences each of two colocated engines is asked for (each about 7 task tokens of 10
+/// modelled).
+const SMALL_KV: [&str; 14] = [
+    "--steps",
+    "2",
+    "--devices",
+    "2",
+    "--memory-profile",
+    "qwen3-4b",
+    "--set",
+    "memory.scale=0.002",
+    "--set",
+    "compute.model=true",
+    "--set",
+    "rollout.prompts_per_step=8",
+    "--set",
+    "memory.kv_cache_gib=0.1",
+];
+
+#[test]
+fn engines_whose_kv_cache_holds_less_than_the_batch_queue_and_preempt_and_ample_ones_never_do() {
+    for mode in ["colocate", "async"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, s) = run_ok(dir.path(), &[&["--mode", mode][..], &SMALL_KV].concat());
+        let d = &s["decode"]["rollout"];
+        let f = |k: &str| d[k].as_f64().unwrap_or_else(|| panic!("{mode}: no {k}: {d}"));
+        assert!(f("preemptions") > 0.0 && f("recomputed_tokens") > 0.0 && f("kv_queued_s") > 0.0, "{mode}: {d}");
+        assert!(f("kv_peak_share") <= 1.0 && f("slot_occupancy") > 0.0 && f("slot_occupancy") < 1.0, "{mode}: {d}");
+        // Every sample still generated and trained, the checks passing.
+        assert_eq!(s["steps_completed"], 2, "{mode}");
+        assert!(s["checks"]["passed"].as_u64().unwrap() > 0, "{mode}");
+        let rows = metrics(dir.path());
+        assert!(rows.iter().all(|r| r["rollout/response_len/mean"].as_f64().unwrap() > 0.0), "{mode}");
+        if mode == "async" {
+            assert_eq!(s["async"]["samples_trained"], 2 * 64, "{}", s["async"]);
+        }
+    }
+    // The preset's own 40 GiB holds every sequence; the switch turns the bound off.
+    for kv in ["memory.kv_cache_gib=0", "compute.kv_capacity=false"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, s) = run_ok(dir.path(), &[&SMALL_KV[..], &["--set", kv]].concat());
+        let d = &s["decode"]["rollout"];
+        assert_eq!((d["preemptions"].as_u64(), d["recomputed_tokens"].as_f64()), (Some(0), Some(0.0)), "{kv}: {d}");
+        assert_eq!(d["kv_queued_s"].as_f64(), Some(0.0), "{kv}: {d}");
+        if kv.starts_with("compute") {
+            assert!(d["kv_peak_share"].is_null(), "no capacity modelled: {d}");
+        } else {
+            assert!(d["kv_peak_share"].as_f64().unwrap() < 0.1, "{d}");
+        }
+    }
 }

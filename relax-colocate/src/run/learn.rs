@@ -313,6 +313,8 @@ fn compute_model(cfg: &Config, fleet: &Fleet, profile: &Profile) -> Option<Compu
         weight_bytes: 2.0 * profile.params_per_device as f64,
         kv_bytes_per_token: profile.kv_bytes_per_token as f64,
         decode_step_ms: c.decode_step_ms,
+        kv_capacity_tokens: (c.kv_capacity && profile.kv_bytes_per_token > 0)
+            .then(|| profile.kv_cache_bytes as f64 / profile.kv_bytes_per_token as f64),
     })
 }
 

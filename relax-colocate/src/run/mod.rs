@@ -22,6 +22,7 @@ pub mod task;
 pub mod wire;
 pub mod worker;
 
+mod admission;
 mod answer;
 mod asynchronous;
 mod compute;

@@ -17,6 +17,8 @@ pub(crate) struct Pacer {
     budget: Option<f64>,
     /// Modelled seconds of decoding charged so far.
     pub(crate) spent: f64,
+    /// Modelled decode steps the last `advance` ran (what occupancy is weighed by).
+    pub(crate) last_steps: f64,
     /// Steps this close to a whole token, as a share of `scale`, complete it (the compute model's
     /// token_tolerance).
     tolerance: f64,
@@ -25,7 +27,7 @@ pub(crate) struct Pacer {
 impl Pacer {
     pub(crate) fn new(scale: f64, budget: Option<f64>) -> Pacer {
         let tolerance = FIGURES.token_tolerance;
-        Pacer { scale: scale.max(f64::MIN_POSITIVE), budget, spent: 0.0, tolerance }
+        Pacer { scale: scale.max(f64::MIN_POSITIVE), budget, spent: 0.0, last_steps: 0.0, tolerance }
     }
 
     /// Advances the `live` sequences, `done[i]` steps into their next token, to the first token
@@ -40,6 +42,7 @@ impl Pacer {
             .filter(|(_, l)| **l)
             .map(|(d, _)| (self.scale - d).max(0.0))
             .fold(f64::INFINITY, f64::min);
+        self.last_steps = 0.0;
         if !need.is_finite() {
             return Some(Vec::new());
         }
@@ -53,6 +56,7 @@ impl Pacer {
             }
         }
         self.spent += steps * per_step;
+        self.last_steps = steps;
         for (d, _) in done.iter_mut().zip(live).filter(|(_, l)| **l) {
             *d += steps;
         }

@@ -101,6 +101,10 @@ pub struct Profile {
     /// decode step reads per token of context.
     #[serde(default)]
     pub kv_bytes_per_token: u64,
+    /// The rollout's KV cache on one device at full scale (memory.scale aside): with
+    /// `kv_bytes_per_token`, the tokens an engine holds.
+    #[serde(default)]
+    pub kv_cache_bytes: u64,
 }
 
 fn weight_tensors(a: &Arch, tp: u64) -> Vec<u64> {
@@ -179,6 +183,7 @@ pub fn build(name: &str, tp: u32, scale: f64, kv_cache_gib: f64) -> Result<Profi
         },
         params_per_device: params,
         kv_bytes_per_token: 2 * a.layers * a.kv_heads.div_ceil(tp).max(1) * a.head_dim * 2,
+        kv_cache_bytes: per_buffer * 2 * a.layers,
     })
 }
 
@@ -200,6 +205,8 @@ mod tests {
         assert_eq!(p.rollout.tags[1].1.len(), 72);
         // 36 layers x (K + V) x 8 KV heads x 128 x 2 bytes.
         assert_eq!(p.kv_bytes_per_token, 147_456);
+        // The preset's 40 GiB of KV (each of its 72 buffers rounded up to 2 MiB): about 292k tokens.
+        assert_eq!(p.kv_cache_bytes / p.kv_bytes_per_token, 291_840);
         // Tensor parallelism halves the big tensors.
         let tp2 = build("qwen3-4b", 2, 1.0, 0.0).unwrap();
         assert!(tp2.params_per_device < p.params_per_device * 55 / 100);

@@ -209,6 +209,11 @@ pub struct ComputeModel {
     /// predates it): 0, the roofline alone.
     #[serde(default)]
     pub decode_step_ms: f64,
+    /// Modelled tokens of KV cache one engine holds (the profile's KV-cache bytes at full scale
+    /// over `kv_bytes_per_token`): sequences are admitted while their tokens fit, and preempted
+    /// when a decode step's growth does not (docs/async.md, "KV capacity"). None: unbounded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_capacity_tokens: Option<f64>,
 }
 
 impl ComputeModel {
@@ -364,6 +369,36 @@ fn one() -> f64 {
 pub struct GenerateReply {
     /// `n` samples per prompt, grouped by prompt.
     pub samples: Vec<Generated>,
+    /// How the request's decode filled the engine. Absent: a worker that does not report it (the
+    /// runner says so once and leaves its engines out of the occupancy and KV figures).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<DecodeStats>,
+}
+
+/// A generate request's decode as its engine scheduled it (docs/metrics.md, "Decode").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DecodeStats {
+    /// Decode steps run (modelled steps with compute.model, task tokens without).
+    pub steps: f64,
+    /// Over those steps, the sequences decoding in each, summed: `slot_steps / (steps * slots)`
+    /// is the share of the batch slots filled.
+    pub slot_steps: f64,
+    /// The engine's batch slots (init's `max_batch`).
+    pub slots: usize,
+    /// With a KV capacity (compute.kv_capacity_tokens): sequences preempted for want of KV.
+    #[serde(default)]
+    pub preemptions: u64,
+    /// Modelled tokens prefilled again when preempted sequences were readmitted.
+    #[serde(default)]
+    pub recomputed_tokens: f64,
+    /// The most of the KV capacity the running sequences held at once, as a share. None: no
+    /// capacity modelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_peak_share: Option<f64>,
+    /// Modelled seconds sequences spent waiting for KV (admission or readmission), summed over
+    /// sequences.
+    #[serde(default)]
+    pub kv_queued_s: f64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -591,6 +626,7 @@ mod tests {
             weight_bytes: 2.0 * 4.0e9,
             kv_bytes_per_token: 147_456.0,
             decode_step_ms,
+            kv_capacity_tokens: None,
         }
     }
 

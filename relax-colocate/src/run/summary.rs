@@ -92,6 +92,13 @@ pub struct RunSummary {
     pub asynchronous: Option<AsyncSummary>,
     pub checks: Checks,
     pub compute: String,
+    /// How the engines filled their batch slots and KV cache, by role ("rollout"; elastic's lent
+    /// engines "lent"). Absent: no engine reported it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub decode: BTreeMap<String, RoleDecode>,
+    /// Engines whose generate replies report no decode figures (left out of `decode`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decode_unreported: Vec<String>,
     pub device: String,
     pub memory: Memory,
     pub off_policy_correction: Correction,
@@ -166,6 +173,29 @@ pub struct Ends {
     pub first3_mean: Option<f64>,
     pub last3_mean: Option<f64>,
     pub window_steps: usize,
+}
+
+/// A role's engines over the run: their batch slots and KV cache (docs/metrics.md, "Decode").
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct RoleDecode {
+    /// Decode steps over the run (modelled steps with compute.model).
+    pub decode_steps: f64,
+    /// Its devices (distinct).
+    pub devices: usize,
+    /// The most of an engine's KV capacity running sequences held at once; null: no capacity
+    /// modelled (compute.model off, or compute.kv_capacity = false).
+    pub kv_peak_share: Option<f64>,
+    /// Modelled seconds sequences waited for KV, summed over sequences.
+    pub kv_queued_s: f64,
+    pub preemptions: u64,
+    /// Modelled tokens prefilled again on preempted sequences' readmission.
+    pub recomputed_tokens: f64,
+    /// The share of the engines' batch slots filled, over their decode steps.
+    pub slot_occupancy: Option<f64>,
+    /// Task tokens its engines generated.
+    pub tokens: u64,
+    /// `tokens` per second of the run's steps per device of the role.
+    pub tokens_per_device_s: Option<f64>,
 }
 
 /// One phase over the run's steps.

@@ -385,6 +385,8 @@ impl Rollouter {
         let (segment, partial, version) = (segment(&rig.cfg), partial(&rig.cfg), self.version);
         let mut mid_token = false;
         let tokens: u64 = reply.samples.iter().map(|s| s.response.len() as u64).sum();
+        let role = if self.engines[k].lent { "lent" } else { "rollout" };
+        rig.rec.record_decode(role, &name, tokens, reply.decode.as_ref());
         for (s, slot) in reply.samples.into_iter().zip(&order) {
             if s.prompt_index != slot.prompt_index || s.logprobs.len() != s.response.len() {
                 return Err(bad("generate returned a malformed sample".into()));

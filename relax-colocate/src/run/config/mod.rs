@@ -118,6 +118,10 @@ pub struct AsyncSection {
     pub segment_s: f64,
 }
 
+fn yes() -> bool {
+    true
+}
+
 /// Modelled device compute time (docs/async.md, "Modelled compute").
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -137,6 +141,10 @@ pub struct ComputeSection {
     pub cost_by_version: bool,
     pub hbm_gbps: f64,
     pub decode_step_ms: f64,
+    /// Engines admit sequences while the profile's KV cache holds them, and preempt when it does
+    /// not (docs/async.md, "KV capacity"); false: every sequence of a request decodes at once.
+    #[serde(default = "yes")]
+    pub kv_capacity: bool,
     pub h2d_gbps: f64,
     pub d2h_gbps: f64,
     pub collective_gbps: f64,

@@ -70,6 +70,8 @@ impl Colocate {
         let mut all = Vec::new();
         for ((k, &i), reply) in rollouts.iter().enumerate().zip(replies) {
             let name = self.rig.fleet.worker(i).name.clone();
+            let tokens = reply.samples.iter().map(|s| s.response.len() as u64).sum();
+            self.rig.rec.record_decode("rollout", &name, tokens, reply.decode.as_ref());
             if reply.samples.len() != shard * n {
                 let cause = format!("generate returned {} samples, expected {}", reply.samples.len(), shard * n);
                 return Err(self.fail(FailKind::Worker, Some(&name), cause));

@@ -120,6 +120,20 @@ pub(super) struct Recorder {
     timeline: Timeline,
     /// With compute.model: each switch stage's measured and modelled time over the run.
     switch: BTreeMap<String, crate::run::summary::SwitchStage>,
+    /// What the engines' generate replies said of their decode, by role ("rollout", elastic's
+    /// "lent"), and the workers whose replies say nothing.
+    decode: BTreeMap<String, DecodeTally>,
+    unreported: std::collections::BTreeSet<String>,
+}
+
+/// A role's decode over the run: sums of its engines' replies, and its devices.
+#[derive(Default)]
+pub(super) struct DecodeTally {
+    pub(super) stats: crate::run::protocol::DecodeStats,
+    /// Steps times slots summed (engines may differ in slots): occupancy's denominator.
+    pub(super) slot_capacity: f64,
+    pub(super) tokens: u64,
+    pub(super) devices: std::collections::BTreeSet<u32>,
 }
 
 impl Recorder {
@@ -148,7 +162,44 @@ impl Recorder {
             progress,
             timeline: Timeline::default(),
             switch: BTreeMap::new(),
+            decode: BTreeMap::new(),
+            unreported: Default::default(),
         }
+    }
+
+    /// A generate reply of `worker`'s, an engine of `role`, generated `tokens` with the decode
+    /// `stats` it reports; a worker that reports none is named once and left out of the figures.
+    pub(super) fn record_decode(
+        &mut self,
+        role: &str,
+        worker: &str,
+        tokens: u64,
+        stats: Option<&crate::run::protocol::DecodeStats>,
+    ) {
+        let Some(s) = stats else {
+            if self.unreported.insert(worker.to_string()) {
+                self.note(&format!(
+                    "{worker} does not report its decode (generate's `decode`, docs/worker-protocol.md): its engine \
+                     is left out of the occupancy and KV figures, and it admits every sequence whatever the KV capacity"
+                ));
+            }
+            return;
+        };
+        let device = self.names.iter().find(|(n, _)| n == worker).map(|(_, d)| *d);
+        let t = self.decode.entry(role.to_string()).or_default();
+        t.devices.extend(device);
+        t.tokens += tokens;
+        t.slot_capacity += s.steps * s.slots as f64;
+        let a = &mut t.stats;
+        a.steps += s.steps;
+        a.slot_steps += s.slot_steps;
+        a.preemptions += s.preemptions;
+        a.recomputed_tokens += s.recomputed_tokens;
+        a.kv_queued_s += s.kv_queued_s;
+        a.kv_peak_share = match (a.kv_peak_share, s.kv_peak_share) {
+            (Some(x), Some(y)) => Some(x.max(y)),
+            (x, y) => x.or(y),
+        };
     }
 
     /// The run directory.

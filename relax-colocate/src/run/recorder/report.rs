@@ -152,6 +152,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
     let mut keys: Vec<String> = phase_names.iter().map(|p| super::metrics::phase_time(p)).collect();
     keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
     keys.extend(CORRECTION_KEYS.iter().map(|k| k.to_string()));
+    keys.push("perf/wall_step_time".into());
     let all = metric_series(r, &keys);
     let series = |k: &str| -> Vec<f64> { all.get(k).cloned().unwrap_or_default() };
     let total_step: f64 = series("perf/step_time").iter().sum();
@@ -198,6 +199,8 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         },
         off_policy_correction: correction_summary(r, &all),
         compute: crate::run::learn::compute_label(&r.cfg, profile),
+        decode: decode_summary(r, series("perf/wall_step_time").iter().sum()),
+        decode_unreported: r.unreported.iter().cloned().collect(),
         wall_time_s: r.started.elapsed().as_secs_f64(),
         run_dir: r.run_dir.clone(),
         asynchronous: None,
@@ -214,6 +217,28 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         steps_completed: r.steps_completed,
         run: Some(run),
     }
+}
+
+/// The roles' decode figures, `run_s` the run's steps' time in all.
+fn decode_summary(r: &Recorder, run_s: f64) -> BTreeMap<String, crate::run::summary::RoleDecode> {
+    r.decode
+        .iter()
+        .map(|(role, t)| {
+            let device_s = run_s * t.devices.len() as f64;
+            let d = crate::run::summary::RoleDecode {
+                decode_steps: t.stats.steps,
+                devices: t.devices.len(),
+                kv_peak_share: t.stats.kv_peak_share,
+                kv_queued_s: t.stats.kv_queued_s,
+                preemptions: t.stats.preemptions,
+                recomputed_tokens: t.stats.recomputed_tokens,
+                slot_occupancy: (t.slot_capacity > 0.0).then(|| t.stats.slot_steps / t.slot_capacity),
+                tokens: t.tokens,
+                tokens_per_device_s: (device_s > 0.0).then(|| t.tokens as f64 / device_s),
+            };
+            (role.clone(), d)
+        })
+        .collect()
 }
 
 /// The switch block: every stage measured and modelled, when compute.model charged any.
@@ -273,6 +298,25 @@ fn print_reward(steps_completed: u64, reward: &Ends, pass: &Ends) {
     }
 }
 
+/// Each role's batch-slot occupancy and throughput, and its KV capacity's figures when modelled.
+fn print_decode(decode: &BTreeMap<String, crate::run::summary::RoleDecode>) {
+    for (role, d) in decode {
+        let filled = d.slot_occupancy.map_or_else(|| "-".into(), |x| format!("{:.0}%", 100.0 * x));
+        let rate = d.tokens_per_device_s.map_or_else(|| "-".into(), |x| format!("{x:.1}"));
+        let kv = match d.kv_peak_share {
+            Some(peak) => format!(
+                "; KV: peak {:.0}% held, {} preemptions, {:.0} tokens recomputed, {:.2} s queued",
+                100.0 * peak,
+                d.preemptions,
+                d.recomputed_tokens,
+                d.kv_queued_s
+            ),
+            None => String::new(),
+        };
+        println!("decode ({role}): {filled} of the batch slots filled, {rate} tokens/s per device{kv}");
+    }
+}
+
 pub(in crate::run) fn print_table(r: &Recorder, summary: &Summary) {
     let Some(run) = summary.run.as_ref() else { return };
     println!("\nPhase times over {} steps ({})", summary.steps_completed, r.device_label);
@@ -289,6 +333,7 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Summary) {
         print_totals_legend(run.asynchronous.is_some());
     }
     print_reward(summary.steps_completed, &run.reward, &run.pass_rate);
+    print_decode(&run.decode);
     if let Some(a) = &run.asynchronous {
         print_async(a, &run.compute);
         print_correction(&run.off_policy_correction);

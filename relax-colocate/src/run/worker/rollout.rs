@@ -2,6 +2,7 @@
 //! segments bounded in tokens or modelled time, and the weights it receives.
 
 use super::*;
+use crate::run::admission::Admission;
 
 pub(super) struct Rollout {
     pub(super) c: Common,
@@ -59,18 +60,25 @@ impl Rollout {
         let mut pacer = Pacer::new(model.map_or(1.0, |m| m.token_scale), model.and(segment_s));
         let mut done = if model.is_some() && !progress.is_empty() { progress } else { vec![0.0; batch] };
         let mut emitted = vec![0usize; batch];
+        let scale = model.map_or(1.0, |m| m.token_scale);
+        let capacity = model.and_then(|m| m.kv_capacity_tokens).map(|c| c / scale);
+        let mut admission = Admission::new(batch, self.max_batch, capacity, scale);
+        let mut recomputed = 0;
         loop {
             let live: Vec<bool> = seqs.iter().zip(&emitted).map(|(q, e)| !q.3 && *e < segment).collect();
-            let (active, context) = seqs
-                .iter()
-                .zip(&live)
-                .filter(|(_, l)| **l)
-                .fold((0, 0), |(a, c), (q, _)| (a + 1, c + prompts[q.0].len() + q.1.len()));
+            let contexts: Vec<usize> = seqs.iter().map(|q| prompts[q.0].len() + q.1.len()).collect();
+            let (live, again) = admission.schedule(&live, &contexts);
+            recomputed += again;
+            let (active, context) =
+                contexts.iter().zip(&live).filter(|(_, l)| **l).fold((0, 0), |(a, c), (n, _)| (a + 1, c + n));
             if active == 0 {
                 break;
             }
             let step_s = model.map_or(0.0, |m| m.decode_step_seconds(active, context));
-            let Some(now) = pacer.advance(&mut done, &live, step_s) else { break };
+            let spent_before = pacer.spent;
+            let advanced = pacer.advance(&mut done, &live, step_s);
+            admission.ran(pacer.last_steps, pacer.spent - spent_before, active);
+            let Some(now) = advanced else { break };
             self.c.dev.read(as_bytes_mut(&mut kv_host), self.kv.ptr).map_err(dev_err)?;
             let sample_now =
                 Sampling { pol: &pol, prompts: &prompts, temperature, eos, max_new, seeds: &sequence_seeds };
@@ -83,10 +91,13 @@ impl Rollout {
             }
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
-        // Prefill is compute-bound like the trainer's passes; decoding is charged step by step.
+        // Prefill is compute-bound like the trainer's passes, a preempted sequence's again on its
+        // readmission; decoding is charged step by step.
         let decode_s = pacer.spent;
-        self.c.pace(t0, token_scale, |m| m.stage_seconds(&FIGURES.stages.prefill, prefill, 1.0) + decode_s);
-        Ok(GenerateReply { samples: generated(seqs, &before, &done, max_new) })
+        let prefilled = prefill + recomputed;
+        self.c.pace(t0, token_scale, |m| m.stage_seconds(&FIGURES.stages.prefill, prefilled, 1.0) + decode_s);
+        let samples = generated(seqs, &before, &done, max_new);
+        Ok(GenerateReply { samples, decode: Some(admission.stats) })
     }
 
     /// A generate request this engine can serve: within its batch, context and vocabulary.
