@@ -90,27 +90,65 @@ impl UserObject {
 /// thread" (CUDA Runtime API, cudaUserObjectCreate). Callers rely on it: PyTorch's NCCL process
 /// group releases a graph's user object while holding the lock its destructor takes.
 fn run_destructor(destroy: usize, ptr: usize) {
-    static THREAD: Mutex<Option<std::sync::mpsc::Sender<(usize, usize)>>> = Mutex::new(None);
-    let call = |(destroy, ptr): (usize, usize)| {
-        // SAFETY: the destructor the caller registered, with its pointer, called once.
-        let f: HostFn = unsafe { std::mem::transmute(destroy) };
-        unsafe { f(ptr as *mut libc::c_void) };
-    };
-    let mut thread = THREAD.lock().unwrap_or_else(|e| e.into_inner());
-    if thread.is_none() {
-        let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
-        let started =
-            std::thread::Builder::new().name("tms-sim-userobj".into()).spawn(move || rx.iter().for_each(call));
-        if started.is_ok() {
-            *thread = Some(tx);
+    static STARTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*STARTED.get_or_init(start_destructor_thread) {
+        // No thread could be started: late beats never.
+        call_destructor(destroy, ptr);
+        return;
+    }
+    DESTRUCTORS.0.lock().unwrap_or_else(|e| e.into_inner()).push_back((destroy, ptr));
+    DESTRUCTORS.1.notify_one();
+}
+
+/// Destructors waiting for the thread, and its wake-up.
+static DESTRUCTORS: (Mutex<std::collections::VecDeque<(usize, usize)>>, std::sync::Condvar) =
+    (Mutex::new(std::collections::VecDeque::new()), std::sync::Condvar::new());
+
+/// A destructor may unwind: PyTorch's takes the GIL, and CPython ends a thread that does so once
+/// the interpreter is finalizing with `pthread_exit`, a forced unwind.
+type Destructor = unsafe extern "C-unwind" fn(*mut libc::c_void);
+
+fn call_destructor(destroy: usize, ptr: usize) {
+    // SAFETY: the destructor the caller registered, with its pointer, called once.
+    let f: Destructor = unsafe { std::mem::transmute(destroy) };
+    unsafe { f(ptr as *mut libc::c_void) };
+}
+
+/// The destructors' thread is a plain pthread, not a `std::thread`: the forced unwind of a
+/// destructor ended by `pthread_exit` (above) must end the thread, and `std::thread` would catch
+/// it and abort the process ("FATAL: exception not rethrown") as a Python program exits.
+fn start_destructor_thread() -> bool {
+    extern "C-unwind" fn run(_: *mut libc::c_void) -> *mut libc::c_void {
+        loop {
+            // Nothing with a destructor is alive across the call, so an unwind through this frame
+            // has nothing to clean up.
+            let (destroy, ptr) = {
+                let mut queue = DESTRUCTORS.0.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    match queue.pop_front() {
+                        Some(job) => break job,
+                        None => queue = DESTRUCTORS.1.wait(queue).unwrap_or_else(|e| e.into_inner()),
+                    }
+                }
+            };
+            call_destructor(destroy, ptr);
         }
     }
-    match thread.as_ref().map(|tx| tx.send((destroy, ptr))) {
-        Some(Ok(())) => {}
-        // No thread could be started: late beats never.
-        Some(Err(std::sync::mpsc::SendError(job))) => call(job),
-        None => call((destroy, ptr)),
+    type Start = extern "C" fn(*mut libc::c_void) -> *mut libc::c_void;
+    // SAFETY: the same signature and calling convention; only the unwinding contract differs,
+    // and glibc's thread start lets a forced unwind end the thread.
+    let start: Start =
+        unsafe { std::mem::transmute(run as extern "C-unwind" fn(*mut libc::c_void) -> *mut libc::c_void) };
+    let mut thread: libc::pthread_t = 0;
+    // SAFETY: a new detached thread running `run`, which takes no argument.
+    unsafe {
+        if libc::pthread_create(&mut thread, std::ptr::null(), start, std::ptr::null_mut()) != 0 {
+            return false;
+        }
+        libc::pthread_setname_np(thread, c"tms-sim-userobj".as_ptr());
+        libc::pthread_detach(thread);
     }
+    true
 }
 
 /// References a graph holds on user objects, released when the graph and every executable made
