@@ -8,6 +8,7 @@ mod bench;
 mod collective;
 mod compare;
 mod environment;
+mod plan;
 mod plot;
 mod run;
 mod runtime;
@@ -49,6 +50,11 @@ enum Command {
     /// layout rather than this machine's CPU.
     #[command(after_long_help = COMPARE_HELP)]
     Compare(Box<compare::Options>),
+    /// Predict each layout's step time, phase times and samples/s for a job without running it:
+    /// the compute model, the switch model and the schedules compare's runs are charged by,
+    /// played on a modelled clock in milliseconds (the runner's own overhead is not in it).
+    #[command(after_long_help = PLAN_HELP)]
+    Plan(Box<plan::Options>),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
     /// Print the manual page (roff; scripts/install.sh puts it in PREFIX/share/man/man1).
@@ -60,6 +66,20 @@ enum Command {
     #[command(hide = true)]
     BenchWorker { args: Vec<String> },
 }
+
+const PLAN_HELP: &str = "\
+Takes the flags compare takes (--config, --set, --devices, the device split, --steps,
+--max-staleness, --layouts) and predicts what compare's runs of the same job would take, from the
+same models: each engine's prefill and decode steps (roofline, fixed latency, KV capacity), the
+trainer's passes, the switch (sleep, wake, offload, onload, the weight update) and the async
+queue, staleness bound and weight updates on a modelled clock. Response lengths are the ones the
+built-in policy samples at its initial weights on the run's prompts.
+
+Output: a table, or with --json {\"job\": {...}, \"layouts\": {\"colocate\": {\"samples_per_s\", \"step_s\",
+\"phases\": {...}, ...}, \"async\": {...}, \"elastic\": {...}}, \"verdict\": {...}}. Times are seconds
+of the modelled device; step_s is the mean after the first step.
+
+Exit codes: 0 predicted, 2 the job does not run as configured (the run's own checks, named).";
 
 const RUN_HELP: &str = "\
 Configuration: defaults, then --config FILE, then the flags above, then each --set. Every key is
@@ -501,6 +521,7 @@ fn main() -> ExitCode {
             }
         },
         Command::Compare(o) => ExitCode::from(compare::main(&o)),
+        Command::Plan(o) => ExitCode::from(plan::main(&o)),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "relax-colocate", &mut std::io::stdout());
             ExitCode::SUCCESS

@@ -301,20 +301,36 @@ fn trainer_group(cfg: &Config, fleet: &Fleet, api: crate::vendor::ApiKind) -> Op
 
 /// The device time the workers model (compute.model), from the profile's parameters per device.
 fn compute_model(cfg: &Config, fleet: &Fleet, profile: &Profile) -> Option<ComputeModel> {
+    compute_model_of(cfg, fleet.indices(Role::Trainer).len(), profile)
+}
+
+/// The compute model of a run whose batch `trainers` replicas share (`relax-colocate plan` asks
+/// it of a run it does not start).
+///
+/// With tensor parallelism (memory.tp) the runner still has one engine and one trainer per
+/// device, each serving its own share of the sequences, where a real TP group's devices serve
+/// tp times as many together, each computing 1/tp of every token and reading 1/tp of the weights
+/// and of each token's KV. Per device that is the whole model's FLOPs and KV bytes per token of
+/// its own share, and its shard of the weights per decode step: charged so, a device here costs
+/// what a device of the TP group does.
+pub(crate) fn compute_model_of(cfg: &Config, trainers: usize, profile: &Profile) -> Option<ComputeModel> {
     let c = &cfg.compute;
+    let m = &cfg.memory;
+    let whole = if m.tp > 1 { super::profile::build(&m.profile, 1, m.scale, m.kv_cache_gib).ok() } else { None };
+    let whole = whole.as_ref().unwrap_or(profile);
     c.model.then(|| ComputeModel {
-        forward_flops_per_token: 2.0 * profile.params_per_device as f64,
+        forward_flops_per_token: 2.0 * whole.params_per_device as f64,
         tflops: c.tflops,
         train_mfu: c.train_mfu,
         rollout_mfu: c.rollout_mfu,
         token_scale: c.token_scale,
-        trainers: fleet.indices(Role::Trainer).len() as f64,
+        trainers: trainers as f64,
         hbm_gbps: (c.hbm_gbps > 0.0).then_some(c.hbm_gbps),
         weight_bytes: 2.0 * profile.params_per_device as f64,
-        kv_bytes_per_token: profile.kv_bytes_per_token as f64,
+        kv_bytes_per_token: whole.kv_bytes_per_token as f64,
         decode_step_ms: c.decode_step_ms,
-        kv_capacity_tokens: (c.kv_capacity && profile.kv_bytes_per_token > 0)
-            .then(|| profile.kv_cache_bytes as f64 / profile.kv_bytes_per_token as f64),
+        kv_capacity_tokens: (c.kv_capacity && whole.kv_bytes_per_token > 0)
+            .then(|| profile.kv_cache_bytes as f64 / whole.kv_bytes_per_token as f64),
     })
 }
 
@@ -363,6 +379,28 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
 mod tests {
     use super::*;
     use crate::run::config;
+
+    /// A device of a TP-2 group charges the whole model's FLOPs and KV bytes per token of its
+    /// own sequences, and reads its half of the weights each decode step.
+    #[test]
+    fn tensor_parallel_devices_charge_whole_tokens_and_read_their_shard_of_the_weights() {
+        let model = |tp: &str| {
+            let sets = ["compute.model=true", "memory.profile=qwen3-4b", tp].map(String::from);
+            let cfg = config::load(None, &sets).unwrap();
+            let m = &cfg.memory;
+            let p = super::super::profile::build(&m.profile, m.tp, m.scale, m.kv_cache_gib).unwrap();
+            compute_model_of(&cfg, 4, &p).unwrap()
+        };
+        let (one, two) = (model("memory.tp=1"), model("memory.tp=2"));
+        assert_eq!(two.forward_flops_per_token, one.forward_flops_per_token);
+        assert_eq!(two.kv_bytes_per_token, one.kv_bytes_per_token);
+        assert_eq!(two.kv_capacity_tokens, one.kv_capacity_tokens);
+        assert!(
+            (0.45..0.55).contains(&(two.weight_bytes / one.weight_bytes)),
+            "{}",
+            two.weight_bytes / one.weight_bytes
+        );
+    }
 
     fn scores(old_lp: Vec<Vec<f64>>) -> Scores {
         Scores { old_lp, ref_lp: Vec::new(), entropy: Vec::new(), values: Vec::new() }

@@ -22,23 +22,23 @@ pub mod task;
 pub mod wire;
 pub mod worker;
 
-mod admission;
+pub(crate) mod admission;
 mod answer;
 mod asynchronous;
-mod compute;
+pub(crate) mod compute;
 mod cycle;
 mod fleet;
 mod handover;
 mod job;
 mod launch;
-mod learn;
+pub(crate) mod learn;
 mod pacer;
 mod recorder;
 mod rig;
 mod signals;
 mod sizing;
 pub(crate) mod summary;
-mod switch;
+pub(crate) mod switch;
 mod transport;
 mod weights;
 
@@ -138,7 +138,7 @@ impl RunError {
 type R<T> = Result<T, RunError>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
+pub(crate) enum Role {
     Trainer,
     Rollout,
 }

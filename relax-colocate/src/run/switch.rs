@@ -29,7 +29,7 @@ struct Rates {
 
 /// The modelled switch of one run: the device's figures and the bytes each role's tags hold on
 /// one device at full scale.
-pub(super) struct SwitchModel {
+pub(crate) struct SwitchModel {
     rates: Rates,
     full: Profile,
     /// The trainer's memory is paused with a host backup (memory.backup).
@@ -54,7 +54,7 @@ fn seconds(bytes: u64, gbps: f64) -> f64 {
 
 impl SwitchModel {
     /// None without compute.model, or without a profile whose bytes to charge.
-    pub(super) fn new(cfg: &Config) -> Option<SwitchModel> {
+    pub(crate) fn new(cfg: &Config) -> Option<SwitchModel> {
         if !cfg.compute.model {
             return None;
         }
@@ -93,7 +93,7 @@ impl SwitchModel {
     /// Seconds a worker of `role` takes to pause `tag` (None: every tag): its backup copied to the
     /// host (pinned first when the hook does not keep its buffers), then its memory unmapped. A
     /// communicator's buffers (tag nccl) are not the profile's: not charged.
-    pub(super) fn pause_s(&self, role: Role, tag: Option<&str>) -> f64 {
+    pub(crate) fn pause_s(&self, role: Role, tag: Option<&str>) -> f64 {
         if tag == Some(NCCL_TAG) {
             return 0.0;
         }
@@ -108,7 +108,7 @@ impl SwitchModel {
 
     /// Seconds a worker of `role` takes to resume `tag` (None: every tag): its memory mapped, then
     /// its backup copied back when it has one.
-    pub(super) fn resume_s(&self, role: Role, tag: Option<&str>) -> f64 {
+    pub(crate) fn resume_s(&self, role: Role, tag: Option<&str>) -> f64 {
         if tag == Some(NCCL_TAG) {
             return 0.0;
         }
@@ -129,7 +129,7 @@ impl SwitchModel {
     /// device (each byte read and written: half the HBM bandwidth), host copies them out and back
     /// in, a broadcast moves them at the collective's bus bandwidth. Producing them (gathering
     /// shards, converting) is not modelled.
-    pub(super) fn update_s(&self, transport: WeightTransport) -> f64 {
+    pub(crate) fn update_s(&self, transport: WeightTransport) -> f64 {
         let w = self.weights_bytes();
         match transport {
             WeightTransport::Ipc => seconds(w, self.rates.hbm / 2.0),

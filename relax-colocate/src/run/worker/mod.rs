@@ -175,6 +175,7 @@ impl Common {
 }
 
 mod rollout;
+pub(crate) use rollout::{sample as sample_token, token_rng};
 mod trainer;
 
 use rollout::Rollout;

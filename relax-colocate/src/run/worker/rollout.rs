@@ -271,12 +271,12 @@ fn prefill_cache(
 }
 
 /// The stream a sequence of seed `seed` draws its `position`-th response token from.
-fn token_rng(seed: u64, position: usize) -> Rng {
+pub(crate) fn token_rng(seed: u64, position: usize) -> Rng {
     Rng::new(Rng::new(seed ^ (position as u64).rotate_left(32)).next_u64())
 }
 
 /// Draws a token from `logits` at `temperature`: the token and its log-probability.
-fn sample(logits: &[f64], temperature: f64, rng: &mut Rng) -> (usize, f64) {
+pub(crate) fn sample(logits: &[f64], temperature: f64, rng: &mut Rng) -> (usize, f64) {
     let scaled: Vec<f64> = logits.iter().map(|z| z / temperature).collect();
     let (logp, probs) = crate::run::algo::log_softmax(&scaled);
     let mut u = rng.uniform();

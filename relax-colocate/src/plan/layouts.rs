@@ -1,0 +1,525 @@
+//! Each layout's run in modelled time, without devices or processes: the same steps the runner
+//! takes (run/cycle for colocate, run/asynchronous for async and elastic), each request and each
+//! stage of the switch charged what the runner's workers and switch charge (engine.rs, the
+//! compute model, run/switch.rs). What a run measures on top (the runner's round trips, the
+//! checks, the built-in policy's CPU time where it exceeds the model) is not here.
+
+use super::engine::{self, Limits, Seq};
+use super::responses::Responses;
+use crate::run::Role;
+use crate::run::compute::{FIGURES, Stage};
+use crate::run::config::{AlgoName, Config, Mode};
+use crate::run::protocol::ComputeModel;
+use crate::run::switch::SwitchModel;
+use std::collections::BTreeMap;
+
+/// What a layout's run is predicted to take.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Predicted {
+    /// Each step's wall time, as the run's `perf/wall_step_time`.
+    pub(super) step_s: Vec<f64>,
+    /// Seconds per step of each phase, summed over the run (the runner's phase names).
+    pub(super) phases: BTreeMap<&'static str, f64>,
+    /// Modelled decode steps and the sequences they held, every engine together.
+    pub(super) steps: f64,
+    pub(super) slot_steps: f64,
+    pub(super) slots: f64,
+    pub(super) preemptions: u64,
+    /// Elastic: lends of the trainer's devices.
+    pub(super) lends: u64,
+}
+
+impl Predicted {
+    fn add(&mut self, phase: &'static str, seconds: f64) {
+        *self.phases.entry(phase).or_default() += seconds;
+    }
+
+    fn request(&mut self, r: &engine::Request) {
+        self.steps += r.steps;
+        self.slot_steps += r.slot_steps;
+        self.preemptions += r.preemptions;
+    }
+
+    /// Mean share of the batch slots the decode steps filled.
+    pub(super) fn slot_occupancy(&self) -> Option<f64> {
+        (self.steps > 0.0 && self.slots > 0.0).then(|| self.slot_steps / (self.steps * self.slots))
+    }
+}
+
+/// One layout's job: its configuration and the models it is charged by.
+pub(super) struct Job<'a> {
+    pub(super) cfg: &'a Config,
+    pub(super) model: ComputeModel,
+    pub(super) switch: Option<SwitchModel>,
+    pub(super) responses: &'a Responses,
+}
+
+impl Job<'_> {
+    /// Modelled tokens per task token of a sample drawn for batch `batch` (responses that grow
+    /// over the run: compute.token_scale_final).
+    fn scale(&self, batch: f64) -> f64 {
+        self.cfg.token_scale_at(batch).unwrap_or(self.cfg.compute.token_scale)
+    }
+
+    fn prompt_len(&self) -> usize {
+        2 * self.cfg.task.digits as usize + 2
+    }
+
+    /// The sequences of prompt group `started`, none begun.
+    fn group(&self, started: u64) -> Vec<Seq> {
+        let batch = started as f64 / self.cfg.rollout.prompts_per_step.max(1) as f64;
+        let scale = self.scale(self.cfg.cost_clock(batch.floor(), started));
+        (0..self.cfg.rollout.samples_per_prompt)
+            .map(|j| Seq {
+                prompt: self.prompt_len(),
+                length: self.responses.length(started, j) as f64,
+                done: 0.0,
+                scale,
+            })
+            .collect()
+    }
+
+    /// The trainer's stages over a batch of `groups`, each shared by `trainers` replicas: the
+    /// reference's and the actor's log-probs, PPO's values, then training (3 passes an epoch).
+    fn train_stages(&self, groups: &[Vec<Seq>], trainers: f64) -> Vec<(&'static str, f64)> {
+        let seqs = || groups.iter().flatten();
+        let count = seqs().count().max(1) as f64;
+        let scale = seqs().map(|s| s.scale).sum::<f64>() / count;
+        let tokens: f64 = seqs().map(|s| s.prompt as f64 + s.length.ceil()).sum();
+        let m = self.model.scaled(Some(scale));
+        let charge = |stage: &Stage, times: f64| m.stage_seconds(stage, 1, trainers) * tokens * times;
+        let st = &FIGURES.stages;
+        let mut out = vec![("ref_log_probs", charge(&st.log_probs, 1.0)), ("log_probs", charge(&st.log_probs, 1.0))];
+        if self.cfg.algo.name == AlgoName::Ppo {
+            out.push(("values", charge(&st.values, 1.0)));
+        }
+        out.push(("actor_train", charge(&st.train, self.cfg.algo.epochs.max(1) as f64)));
+        out
+    }
+
+    fn switch_s(&self, f: impl Fn(&SwitchModel) -> f64) -> f64 {
+        self.switch.as_ref().map_or(0.0, f)
+    }
+}
+
+/// Colocated (run/cycle): each device's engine generates its shard of the step's prompts, the
+/// rollout offloads, the trainer wakes, trains, sleeps, and the new weights reach the rollout.
+pub(super) fn colocate(job: &Job) -> Predicted {
+    let cfg = job.cfg;
+    let engines = cfg.total_devices().max(1);
+    let per_step = cfg.rollout.prompts_per_step;
+    let shard = per_step / engines;
+    let n = cfg.rollout.samples_per_prompt;
+    let trainers = engines as f64;
+    let mut p = Predicted { slots: (shard * n * engines) as f64, ..Predicted::default() };
+    let transport = cfg.weight_transport();
+    for step in 0..cfg.run.steps {
+        let first = step * per_step as u64;
+        let mut groups: Vec<Vec<Seq>> = (first..first + per_step as u64).map(|g| job.group(g)).collect();
+        let mut generate: f64 = 0.0;
+        for k in 0..engines {
+            let mut seqs: Vec<&mut Seq> = groups[k * shard..(k + 1) * shard].iter_mut().flatten().collect();
+            let limits = Limits { slots: shard * n, budget_s: None, segment_tokens: None };
+            let r = engine::request(&job.model, &mut seqs, &[], limits);
+            p.request(&r);
+            generate = generate.max(r.seconds);
+        }
+        let mut phases = vec![("generate", generate)];
+        if cfg.run.offload {
+            phases.push(("rollout_offload", job.switch_s(|s| s.pause_s(Role::Rollout, None))));
+            phases.push(("wake_up", job.switch_s(|s| s.resume_s(Role::Trainer, None))));
+        }
+        phases.extend(job.train_stages(&groups[..shard * engines], trainers));
+        if cfg.run.offload {
+            phases.push(("sleep", job.switch_s(|s| s.pause_s(Role::Trainer, None))));
+            phases.push(("onload_weights", job.switch_s(|s| s.resume_s(Role::Rollout, Some("weights")))));
+        }
+        phases.push(("update_weights", job.switch_s(|s| s.update_s(transport))));
+        if cfg.run.offload {
+            let kv = |s: &SwitchModel| {
+                s.resume_s(Role::Rollout, Some("kv_cache")) + s.resume_s(Role::Rollout, Some("cuda_graph"))
+            };
+            phases.push(("onload_kv", job.switch_s(kv)));
+        }
+        for (name, s) in &phases {
+            p.add(name, *s);
+        }
+        p.step_s.push(phases.iter().map(|(_, s)| s).sum());
+    }
+    p
+}
+
+/// A prompt group of an async run.
+struct Group {
+    started: u64,
+    seqs: Vec<Seq>,
+    /// The oldest weight version that generated any of its tokens.
+    oldest: Option<u64>,
+}
+
+impl Group {
+    fn finished(&self) -> bool {
+        self.seqs.iter().all(Seq::finished)
+    }
+}
+
+/// An async run's engine: the groups it generates, and its request in flight.
+struct Engine {
+    groups: Vec<Group>,
+    /// When its request in flight ends.
+    busy_until: Option<f64>,
+    /// The weight version its cache holds prefixes under.
+    version: u64,
+    /// Elastic mode's engine on a trainer's device.
+    lent: bool,
+}
+
+/// Where the trainer stands.
+enum Trainer {
+    Idle {
+        since: f64,
+    },
+    Training {
+        until: f64,
+    },
+    /// Its batch is trained; the weights go out once the segments in flight end.
+    Publishing,
+    /// Elastic: its devices generate.
+    Lent,
+    /// Elastic: its batch is ready; the lent engines finish their segments first.
+    Reclaiming {
+        batch: Vec<Vec<Seq>>,
+    },
+}
+
+/// The async and elastic runs' shared state, on a modelled clock.
+struct Apart<'a> {
+    job: &'a Job<'a>,
+    engines: Vec<Engine>,
+    queue: Vec<Group>,
+    /// Groups a reclaimed lent engine left: the others continue them first.
+    orphans: Vec<Group>,
+    trainer: Trainer,
+    now: f64,
+    last_row: f64,
+    version: u64,
+    started: u64,
+    step: u64,
+    since_update: u64,
+    /// Groups the trainer holds (training, or waiting for a reclaim).
+    in_training: usize,
+    stages: Vec<(&'static str, f64)>,
+    limits: Limits,
+    per_request: usize,
+    capacity: usize,
+    p: Predicted,
+}
+
+/// Async and elastic (run/asynchronous): the engines generate in segments into a bounded queue,
+/// the trainer trains on the oldest batch the queue holds, and every
+/// `async.train_iters_per_update` steps the weights go out once the segments in flight end.
+/// Elastic: a trainer that has waited `elastic.lend_after_s` (0: a lend and a reclaim's modelled
+/// switch) sleeps and an engine on each of its devices generates until its batch is ready.
+pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
+    let cfg = job.cfg;
+    let per_step = cfg.rollout.prompts_per_step;
+    let n = cfg.rollout.samples_per_prompt;
+    let per_request = (per_step / rollouts.max(1)).max(1);
+    let staleness = cfg.asynchronous.max_staleness.max(0) as usize;
+    let capacity = match cfg.asynchronous.queue_groups {
+        0 => per_step * (staleness + 1),
+        q => q as usize,
+    };
+    let elastic = cfg.run.mode == Mode::Elastic;
+    let limits = Limits {
+        slots: per_request * n,
+        budget_s: cfg.segment_budget(),
+        segment_tokens: Some(cfg.asynchronous.segment_tokens as usize).filter(|s| *s > 0),
+    };
+    let engine = |lent| Engine { groups: Vec::new(), busy_until: None, version: 0, lent };
+    let lent = if elastic { trainers } else { 0 };
+    let mut a = Apart {
+        job,
+        engines: (0..rollouts).map(|_| engine(false)).chain((0..lent).map(|_| engine(true))).collect(),
+        queue: Vec::new(),
+        orphans: Vec::new(),
+        trainer: Trainer::Idle { since: 0.0 },
+        now: 0.0,
+        last_row: 0.0,
+        version: 0,
+        started: 0,
+        step: 0,
+        since_update: 0,
+        in_training: 0,
+        stages: Vec::new(),
+        limits,
+        per_request,
+        capacity,
+        p: Predicted { slots: (per_request * n * rollouts) as f64, ..Predicted::default() },
+    };
+    a.run(trainers as f64, elastic);
+    a.p
+}
+
+impl Apart<'_> {
+    fn run(&mut self, trainers: f64, elastic: bool) {
+        let cfg = self.job.cfg;
+        let per_update = cfg.asynchronous.train_iters_per_update.max(1);
+        let update_s = self.job.switch_s(|s| s.update_s(cfg.weight_transport()));
+        let lend_s = self.job.switch_s(|s| s.pause_s(Role::Trainer, None) + s.resume_s(Role::Rollout, None));
+        let reclaim_s = self.job.switch_s(|s| s.pause_s(Role::Rollout, None) + s.resume_s(Role::Trainer, None));
+        let lend_after = if cfg.elastic.lend_after_s > 0.0 { cfg.elastic.lend_after_s } else { lend_s + reclaim_s };
+        loop {
+            if self.step < cfg.run.steps && matches!(self.trainer, Trainer::Idle { .. } | Trainer::Lent) {
+                if let Some(batch) = self.take_batch() {
+                    self.in_training = batch.len();
+                    if matches!(self.trainer, Trainer::Lent) {
+                        self.trainer = Trainer::Reclaiming { batch };
+                    } else {
+                        self.train(batch, trainers);
+                    }
+                    continue;
+                }
+                if let Trainer::Idle { since } = self.trainer
+                    && elastic
+                    && self.now - since >= lend_after
+                {
+                    self.p.add("lend", lend_s);
+                    self.now += lend_s;
+                    for e in self.engines.iter_mut().filter(|e| e.lent) {
+                        e.version = u64::MAX;
+                    }
+                    self.p.lends += 1;
+                    self.trainer = Trainer::Lent;
+                    continue;
+                }
+            }
+            if matches!(self.trainer, Trainer::Reclaiming { .. })
+                && self.engines.iter().all(|e| !e.lent || e.busy_until.is_none())
+            {
+                for e in self.engines.iter_mut().filter(|e| e.lent) {
+                    self.orphans.append(&mut e.groups);
+                }
+                self.p.add("reclaim", reclaim_s);
+                self.now += reclaim_s;
+                if let Trainer::Reclaiming { batch } = std::mem::replace(&mut self.trainer, Trainer::Lent) {
+                    self.train(batch, trainers);
+                }
+                continue;
+            }
+            if matches!(self.trainer, Trainer::Publishing) && self.engines.iter().all(|e| e.busy_until.is_none()) {
+                self.now += update_s;
+                self.p.add("update_weights", update_s);
+                self.version += 1;
+                self.row();
+                continue;
+            }
+            if !matches!(self.trainer, Trainer::Publishing) {
+                self.feed();
+            }
+            let busy =
+                matches!(self.trainer, Trainer::Training { .. } | Trainer::Publishing | Trainer::Reclaiming { .. });
+            if !busy && self.step >= cfg.run.steps {
+                break;
+            }
+            let next_engine = self.engines.iter().filter_map(|e| e.busy_until).fold(f64::INFINITY, f64::min);
+            let next_trainer = if let Trainer::Training { until } = self.trainer { until } else { f64::INFINITY };
+            let next = next_engine.min(next_trainer);
+            if !next.is_finite() {
+                if matches!(self.trainer, Trainer::Lent) {
+                    // Lent with nothing left to generate: the devices go back.
+                    self.p.add("reclaim", reclaim_s);
+                    self.now += reclaim_s;
+                    self.trainer = Trainer::Idle { since: self.now };
+                    continue;
+                }
+                // Nothing under way and nothing can start: the queue can never fill.
+                break;
+            }
+            self.now = next;
+            self.settle();
+            if next_trainer <= self.now {
+                for (name, s) in self.stages.drain(..) {
+                    self.p.add(name, s);
+                }
+                self.in_training = 0;
+                self.since_update += 1;
+                if self.since_update == per_update {
+                    self.since_update = 0;
+                    self.trainer = Trainer::Publishing;
+                } else {
+                    self.row();
+                }
+            }
+        }
+    }
+
+    fn train(&mut self, batch: Vec<Vec<Seq>>, trainers: f64) {
+        self.stages = self.job.train_stages(&batch, trainers);
+        self.step += 1;
+        let until = self.now + self.stages.iter().map(|(_, s)| s).sum::<f64>();
+        self.trainer = Trainer::Training { until };
+    }
+
+    /// A step's row: its window closes.
+    fn row(&mut self) {
+        self.p.step_s.push(self.now - self.last_row);
+        self.last_row = self.now;
+        self.trainer = Trainer::Idle { since: self.now };
+    }
+
+    /// The oldest batch the queue holds, none overtaking a group still generating; groups too
+    /// stale are dropped first (queue.rs).
+    fn take_batch(&mut self) -> Option<Vec<Vec<Seq>>> {
+        let staleness = self.job.cfg.asynchronous.max_staleness.max(0) as u64;
+        let version = self.version;
+        self.queue.retain(|g| g.oldest.is_none_or(|o| version - o.min(version) <= staleness));
+        self.queue.sort_by_key(|g| g.started);
+        let first = self.engines.iter().flat_map(|e| &e.groups).chain(&self.orphans).map(|g| g.started).min();
+        let ready = self.queue.iter().take_while(|g| first.is_none_or(|f| g.started < f)).count();
+        let per_step = self.job.cfg.rollout.prompts_per_step;
+        (ready >= per_step).then(|| self.queue.drain(..per_step).map(|g| g.seqs).collect())
+    }
+
+    /// Every idle engine continues its groups and starts new ones while the queue has room
+    /// (rollouter.rs, `fresh_groups_for`); lent engines only while lent.
+    fn feed(&mut self) {
+        if self.step >= self.job.cfg.run.steps {
+            return;
+        }
+        let lent_now = matches!(self.trainer, Trainer::Lent);
+        for k in 0..self.engines.len() {
+            if self.engines[k].busy_until.is_some() || (self.engines[k].lent && !lent_now) {
+                continue;
+            }
+            let room = self.per_request.saturating_sub(self.engines[k].groups.len()).min(self.orphans.len());
+            let adopted: Vec<Group> = self.orphans.drain(..room).collect();
+            self.engines[k].groups.extend(adopted);
+            let fresh = self.fresh_groups_for(k);
+            for _ in 0..fresh {
+                let seqs = self.job.group(self.started);
+                self.engines[k].groups.push(Group { started: self.started, seqs, oldest: None });
+                self.started += 1;
+            }
+            if self.engines[k].groups.is_empty() {
+                continue;
+            }
+            let version = self.version;
+            let e = &mut self.engines[k];
+            let held = vec![e.version == version; e.groups.iter().map(|g| g.seqs.len()).sum()];
+            let mut seqs: Vec<&mut Seq> = e.groups.iter_mut().flat_map(|g| g.seqs.iter_mut()).collect();
+            let r = engine::request(&self.job.model, &mut seqs, &held, self.limits);
+            for g in e.groups.iter_mut() {
+                g.oldest = Some(g.oldest.map_or(version, |o| o.min(version)));
+            }
+            e.version = version;
+            e.busy_until = Some(self.now + r.seconds);
+            self.p.request(&r);
+        }
+    }
+
+    fn fresh_groups_for(&self, k: usize) -> usize {
+        let e = &self.engines[k];
+        let continued = e.groups.len();
+        let free = self.per_request.saturating_sub(continued);
+        let generating: usize = self.engines.iter().map(|e| e.groups.len()).sum::<usize>() + self.orphans.len();
+        let under_way = generating + self.in_training;
+        if free == 0 {
+            return 0;
+        }
+        if under_way == 0 {
+            return free;
+        }
+        let room = self.capacity.saturating_sub(self.queue.len() + under_way);
+        if continued == 0 && room < free && !e.lent { 0 } else { free.min(room) }
+    }
+
+    /// Engines whose requests have ended hand their finished groups to the queue.
+    fn settle(&mut self) {
+        let now = self.now;
+        for e in self.engines.iter_mut() {
+            if e.busy_until.is_some_and(|t| t <= now + 1e-12) {
+                e.busy_until = None;
+                let (done, left): (Vec<Group>, Vec<Group>) = e.groups.drain(..).partition(Group::finished);
+                e.groups = left;
+                self.queue.extend(done);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::config;
+
+    /// A job on `devices` devices of Qwen3-4B's profile, the long-tail job's responses.
+    fn predict(mode: &str, devices: u32, extra: &[&str]) -> (Config, Predicted) {
+        let mut sets: Vec<String> = [
+            "compute.model=true",
+            "memory.profile=qwen3-4b",
+            "memory.scale=0.002",
+            "compute.token_scale=40",
+            "task.max_new_tokens=96",
+            "rollout.prompts_per_step=8",
+            "run.steps=4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        sets.push(format!("run.mode={mode}"));
+        sets.push(format!("run.devices={devices}"));
+        sets.extend(extra.iter().map(|s| s.to_string()));
+        let cfg = config::load(None, &sets).unwrap();
+        let prof = crate::run::profile::build("qwen3-4b", 1, 0.002, 0.0).unwrap();
+        let split = cfg.mode_layout().unwrap();
+        let (t, r) =
+            split.as_ref().map_or((devices as usize, devices as usize), |s| (s.trainer.len(), s.rollout.len()));
+        let model = crate::run::learn::compute_model_of(&cfg, t, &prof).unwrap();
+        let responses = Responses::sample(&cfg, 64);
+        let job = Job { cfg: &cfg, model, switch: SwitchModel::new(&cfg), responses: &responses };
+        let p = if split.is_some() { apart(&job, t, r) } else { colocate(&job) };
+        (cfg, p)
+    }
+
+    /// Every colocated step is its phases end to end, the switch's the switch model's own.
+    #[test]
+    fn a_colocated_step_is_its_phases_end_to_end_with_the_switch_models_charges() {
+        let (cfg, p) = predict("colocate", 2, &[]);
+        assert_eq!(p.step_s.len(), 4);
+        let total: f64 = p.phases.values().sum();
+        assert!((p.step_s.iter().sum::<f64>() - total).abs() < 1e-9);
+        let s = SwitchModel::new(&cfg).unwrap();
+        assert!((p.phases["wake_up"] - 4.0 * s.resume_s(Role::Trainer, None)).abs() < 1e-9);
+        assert!((p.phases["sleep"] - 4.0 * s.pause_s(Role::Trainer, None)).abs() < 1e-9);
+        assert!(p.phases["generate"] > p.phases["actor_train"], "a rollout-heavy job: {:?}", p.phases);
+    }
+
+    /// Apart, the engines keep generating while the trainer trains: a step is shorter than
+    /// generating and training its batch one after the other, and a staleness bound of 0 (the
+    /// engines may not run ahead) costs throughput.
+    #[test]
+    fn async_overlaps_generation_with_training_within_the_staleness_bound() {
+        let (_, ahead) = predict("async", 2, &["async.max_staleness=2", "algo.off_policy_correction=\"tis\""]);
+        let (_, lockstep) = predict("async", 2, &["async.max_staleness=0"]);
+        assert_eq!(ahead.step_s.len(), 4);
+        let steady = |p: &Predicted| p.step_s[1..].iter().sum::<f64>() / 3.0;
+        let train = ahead.phases["actor_train"] / 4.0;
+        assert!(steady(&ahead) >= train, "a step holds its training at least");
+        assert!(steady(&ahead) < steady(&lockstep), "{} vs {}", steady(&ahead), steady(&lockstep));
+        assert!(ahead.phases.contains_key("update_weights") && !ahead.phases.contains_key("wake_up"));
+    }
+
+    /// A waiting elastic trainer lends its devices, each lend paid at the switch's rates; a
+    /// threshold nobody reaches leaves it async's layout, step for step.
+    #[test]
+    fn an_elastic_trainer_that_waits_lends_and_one_that_never_waits_long_enough_is_async() {
+        let tis = "algo.off_policy_correction=\"tis\"";
+        let (_, lending) = predict("elastic", 2, &[tis]);
+        assert!(lending.lends > 0 && lending.phases["lend"] > 0.0, "{:?}", lending.phases);
+        let (_, never) = predict("elastic", 2, &[tis, "elastic.lend_after_s=1e9"]);
+        let (_, plain) = predict("async", 2, &[tis]);
+        assert_eq!(never.lends, 0);
+        assert_eq!(never.step_s, plain.step_s);
+    }
+}

@@ -1,0 +1,205 @@
+//! `relax-colocate plan`: each layout's step time, phase times and samples per second predicted
+//! from a job's configuration, without running it: the same compute model, switch model and
+//! schedules `relax-colocate compare` charges its runs, played on a modelled clock in
+//! milliseconds. What a run measures beyond its model (the runner's round trips and checks on
+//! this machine) is left out, so a plan is a lower bound on a simulated run's step time.
+
+mod engine;
+mod layouts;
+mod responses;
+
+use crate::run::config::{self, Config, Mode};
+use crate::run::profile;
+use layouts::{Job, Predicted};
+use responses::Responses;
+use serde_json::{Value, json};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// A TOML job file (`run --config`), e.g. jobs/long-tail.toml; this command's own flags and
+    /// every --set win over its keys, as in compare.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Any configuration key: --set memory.profile=qwen3-4b (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Total devices, the same for every layout [run.devices].
+    #[arg(long, default_value_t = 2)]
+    pub devices: u32,
+    /// Async and elastic: the trainer's devices (default: the first half).
+    #[arg(long)]
+    pub trainer_devices: Option<String>,
+    /// Async and elastic: the rollout engines' devices (default: the rest).
+    #[arg(long)]
+    pub rollout_devices: Option<String>,
+    /// The layouts to predict, comma-separated: colocate, async, elastic.
+    #[arg(long, value_delimiter = ',', default_value = "colocate,async,elastic")]
+    pub layouts: Vec<Mode>,
+    /// Trainer steps of each run.
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// Async and elastic: the staleness bound [async.max_staleness].
+    #[arg(long, default_value_t = 2)]
+    pub max_staleness: i64,
+    /// Print the prediction as JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What compare's runs of this layout would be given: its own flags, then every --set.
+fn layout_sets(o: &Options, mode: Mode) -> Vec<String> {
+    let mut sets = vec![
+        format!("run.mode={}", mode.as_str()),
+        format!("run.steps={}", o.steps),
+        format!("run.devices={}", o.devices),
+        "compute.model=true".to_string(),
+    ];
+    if mode.split() {
+        sets.push(format!("async.max_staleness={}", o.max_staleness));
+        for (key, v) in [("run.trainer_devices", &o.trainer_devices), ("run.rollout_devices", &o.rollout_devices)] {
+            if let Some(v) = v {
+                sets.push(format!("{key}={v:?}"));
+            }
+        }
+    }
+    sets.extend(o.sets.iter().cloned());
+    sets
+}
+
+/// One layout's prediction: its configuration and what its run would take.
+fn predict(o: &Options, mode: Mode) -> Result<(Config, Predicted), String> {
+    let cfg = config::load(o.config.as_deref(), &layout_sets(o, mode))?;
+    // The run's own checks, so that a plan refuses what the run would refuse, in its words.
+    cfg.validate()?;
+    let split = cfg.mode_layout()?;
+    let (trainers, rollouts) = match &split {
+        Some(s) => (s.trainer.len(), s.rollout.len()),
+        None => (cfg.total_devices(), cfg.total_devices()),
+    };
+    let m = &cfg.memory;
+    let prof = profile::build(&m.profile, m.tp, m.scale, m.kv_cache_gib)?;
+    let model = crate::run::learn::compute_model_of(&cfg, trainers, &prof).expect("compute.model is on");
+    let switch = crate::run::switch::SwitchModel::new(&cfg);
+    let responses = responses_of(&cfg);
+    let job = Job { cfg: &cfg, model, switch, responses: &responses };
+    let predicted = match split {
+        None => layouts::colocate(&job),
+        Some(_) => layouts::apart(&job, trainers, rollouts),
+    };
+    Ok((cfg, predicted))
+}
+
+/// The responses of every group a run of `cfg` may start (async engines run up to the staleness
+/// bound ahead of the trainer).
+fn responses_of(cfg: &Config) -> Responses {
+    let ahead = cfg.asynchronous.max_staleness.max(0) as u64 + 2;
+    Responses::sample(cfg, (cfg.run.steps + ahead) as usize * cfg.rollout.prompts_per_step)
+}
+
+/// A layout's figures, under compare.json's names where it has them.
+fn figures(cfg: &Config, p: &Predicted) -> Value {
+    let steps = p.step_s.len();
+    let batch = (cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt) as f64;
+    let run_s: f64 = p.step_s.iter().sum();
+    let after: f64 = p.step_s.iter().skip(1).sum();
+    let per_step = |s: f64| if steps > 0 { s / steps as f64 } else { 0.0 };
+    let phases: serde_json::Map<String, Value> =
+        p.phases.iter().map(|(k, v)| (k.to_string(), json!(per_step(*v)))).collect();
+    json!({
+        "steps": steps,
+        "samples_per_s": if run_s > 0.0 { steps as f64 * batch / run_s } else { 0.0 },
+        "samples_per_s_after_first_step": (steps > 1 && after > 0.0).then(|| (steps - 1) as f64 * batch / after),
+        "step_s": if steps > 1 { after / (steps - 1) as f64 } else { run_s },
+        "first_step_s": p.step_s.first(),
+        "run_s": run_s,
+        "phases": phases,
+        "slot_occupancy": p.slot_occupancy(),
+        "kv_preemptions": p.preemptions,
+        "lends": (cfg.run.mode == Mode::Elastic).then_some(p.lends),
+    })
+}
+
+/// The fastest layout by samples per second after the first step, and each one's ratio to it.
+fn verdict(layouts: &serde_json::Map<String, Value>) -> Value {
+    let rate = |v: &Value| v["samples_per_s_after_first_step"].as_f64().or(v["samples_per_s"].as_f64()).unwrap_or(0.0);
+    let best = layouts.iter().max_by(|a, b| rate(a.1).total_cmp(&rate(b.1)));
+    let Some((name, fig)) = best else { return Value::Null };
+    let ratios: serde_json::Map<String, Value> = layouts
+        .iter()
+        .filter(|(n, _)| *n != name)
+        .map(|(n, v)| (format!("{name}_over_{n}"), json!(rate(fig) / rate(v).max(f64::MIN_POSITIVE))))
+        .collect();
+    json!({"layout": name, "by": "samples_per_s_after_first_step", "ratios": ratios})
+}
+
+pub fn main(o: &Options) -> u8 {
+    let mut layouts = serde_json::Map::new();
+    let mut about = Value::Null;
+    for &mode in &o.layouts {
+        match predict(o, mode) {
+            Ok((cfg, p)) => {
+                if about.is_null() {
+                    about = json!({
+                        "profile": cfg.memory.profile,
+                        "device": cfg.compute.device,
+                        "devices": cfg.total_devices(),
+                        "prompts_per_step": cfg.rollout.prompts_per_step,
+                        "samples_per_prompt": cfg.rollout.samples_per_prompt,
+                        "token_scale": cfg.compute.token_scale,
+                    });
+                    let (mean, p90, max) = responses_of(&cfg).stats();
+                    about["responses"] = json!({"source": "the built-in policy at its initial weights", "mean_tokens": mean * cfg.compute.token_scale, "p90_tokens": p90 as f64 * cfg.compute.token_scale, "max_tokens": max as f64 * cfg.compute.token_scale});
+                }
+                layouts.insert(mode.as_str().to_string(), figures(&cfg, &p));
+            }
+            Err(e) => {
+                eprintln!("relax-colocate plan: the {} layout: {e}", mode.as_str());
+                return 2;
+            }
+        }
+    }
+    let verdict = verdict(&layouts);
+    let report = json!({"job": about, "layouts": layouts, "verdict": verdict});
+    if o.json {
+        println!("{}", serde_json::to_string_pretty(&report).expect("json"));
+    } else {
+        print!("{}", table(&report));
+    }
+    0
+}
+
+fn table(report: &Value) -> String {
+    let layouts = report["layouts"].as_object().cloned().unwrap_or_default();
+    let mut out = String::from(
+        "Predicted from the compute and switch models, without running (the runner's own overhead on this machine \
+         is not in it):\n\n",
+    );
+    out += &format!(
+        "{:<10} {:>12} {:>12} {:>16} {:>10} {:>10} {:>10}\n",
+        "layout", "step (s)", "samples/s", "after step 1", "generate", "train", "occupancy"
+    );
+    for (name, f) in &layouts {
+        let ph = |k: &str| f["phases"][k].as_f64().unwrap_or(0.0);
+        let train = ph("ref_log_probs") + ph("log_probs") + ph("values") + ph("actor_train");
+        let num = |v: &Value, d: usize| v.as_f64().map_or("-".to_string(), |x| format!("{x:.d$}"));
+        out += &format!(
+            "{:<10} {:>12} {:>12} {:>16} {:>10} {:>10} {:>10}\n",
+            name,
+            num(&f["step_s"], 2),
+            num(&f["samples_per_s"], 1),
+            num(&f["samples_per_s_after_first_step"], 1),
+            format!("{:.2}", ph("generate")),
+            format!("{train:.2}"),
+            num(&f["slot_occupancy"], 2),
+        );
+    }
+    if let Some(best) = report["verdict"]["layout"].as_str() {
+        out += &format!("\nfastest: {best} (samples/s after step 1)");
+        for (k, v) in report["verdict"]["ratios"].as_object().into_iter().flatten() {
+            out += &format!("; {k} {:.2}x", v.as_f64().unwrap_or(0.0));
+        }
+        out += "\n";
+    }
+    out
+}
