@@ -23,6 +23,7 @@ pub(super) struct Predicted {
     /// Modelled decode steps and the sequences they held, every engine together.
     pub(super) steps: f64,
     pub(super) slot_steps: f64,
+    /// Batch slots of one engine.
     pub(super) slots: f64,
     pub(super) preemptions: u64,
     /// Elastic: lends of the trainer's devices.
@@ -111,7 +112,7 @@ pub(super) fn colocate(job: &Job) -> Predicted {
     let shard = per_step / engines;
     let n = cfg.rollout.samples_per_prompt;
     let trainers = engines as f64;
-    let mut p = Predicted { slots: (shard * n * engines) as f64, ..Predicted::default() };
+    let mut p = Predicted { slots: (shard * n) as f64, ..Predicted::default() };
     let transport = cfg.weight_transport();
     for step in 0..cfg.run.steps {
         let first = step * per_step as u64;
@@ -255,7 +256,7 @@ pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
         limits,
         per_request,
         capacity,
-        p: Predicted { slots: (per_request * n * rollouts) as f64, ..Predicted::default() },
+        p: Predicted { slots: (per_request * n) as f64, ..Predicted::default() },
     };
     a.run(trainers as f64, elastic);
     a.p

@@ -90,9 +90,13 @@ fn predict(o: &Options, mode: Mode) -> Result<(Config, Predicted), String> {
     Ok((cfg, predicted))
 }
 
-/// The responses of every group a run of `cfg` may start (async engines run up to the staleness
-/// bound ahead of the trainer).
+/// The responses a run of `cfg` samples: colocated, each engine's request from one stream; apart,
+/// every group async engines may start (up to the staleness bound ahead of the trainer), each
+/// sequence from its own.
 fn responses_of(cfg: &Config) -> Responses {
+    if cfg.run.mode == Mode::Colocate {
+        return Responses::sample_colocated(cfg, cfg.run.steps, cfg.total_devices());
+    }
     let ahead = cfg.asynchronous.max_staleness.max(0) as u64 + 2;
     Responses::sample(cfg, (cfg.run.steps + ahead) as usize * cfg.rollout.prompts_per_step)
 }
