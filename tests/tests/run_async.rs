@@ -684,29 +684,44 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("algo.lrr"));
 }
 
+/// `relax-colocate compare` of colocate and async with the job file `config`, into `out`: the file's
+/// job shrunk to a step of 2 prompts on this CPU's time, each layout run twice.
+fn compare_job(config: &str, out: &std::path::Path) -> std::process::Output {
+    std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
+        .current_dir(&tms_e2e::workspace().root)
+        .args(["compare", "--devices", "2", "--steps", "1", "--repeats", "2", "--layouts", "colocate,async"])
+        .args(["--config", config, "--reward-target=-1"])
+        .args(["--model-compute", "false", "--set", "rollout.prompts_per_step=2", "--set", "run.device=\"sim\""])
+        .arg("--out")
+        .arg(out)
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap()
+}
+
+/// Where compare ran `layout`'s run `k` (from 1).
+fn compare_run(out: &std::path::Path, layout: &str, k: usize) -> std::path::PathBuf {
+    if k == 1 { out.join(layout) } else { out.join(format!("{layout}-{k}")) }
+}
+
+/// How long step 1 of the run in `dir` took (its first metrics row's wall step time).
+fn first_step_s(dir: &std::path::Path) -> f64 {
+    let rows = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let first: Value = serde_json::from_str(rows.lines().next().unwrap()).unwrap();
+    first["perf/wall_step_time"].as_f64().unwrap()
+}
+
 #[test]
 fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
-    // The shipped long-tail job, shrunk to a step of 2 prompts on this CPU's time: what matters
-    // here is that every layout ran the file's job, not how fast.
+    // The shipped long-tail job: what matters here is that every layout ran the file's job, not
+    // how fast.
     let dir = tempfile::tempdir().unwrap();
-    let compare = |config: &str, out: &std::path::Path| {
-        std::process::Command::new(tms_e2e::workspace().bin("relax-colocate"))
-            .current_dir(&tms_e2e::workspace().root)
-            .args(["compare", "--devices", "2", "--steps", "1", "--repeats", "2", "--layouts", "colocate,async"])
-            .args(["--config", config, "--reward-target=-1"])
-            .args(["--model-compute", "false", "--set", "rollout.prompts_per_step=2", "--set", "run.device=\"sim\""])
-            .arg("--out")
-            .arg(out)
-            .env_remove("LD_PRELOAD")
-            .output()
-            .unwrap()
-    };
-    let out = compare("jobs/long-tail.toml", dir.path());
+    let out = compare_job("jobs/long-tail.toml", dir.path());
     assert!(out.status.success(), "{}", text(&out));
     // Each layout ran twice, interleaved; the report holds both runs' figures and their spread.
     let report = json(&dir.path().join("compare.json"));
     for layout in ["colocate", "async"] {
-        assert!(dir.path().join(format!("{layout}-2")).join("summary.json").is_file(), "{layout}'s second run");
+        assert!(compare_run(dir.path(), layout, 2).join("summary.json").is_file(), "{layout}'s second run");
         let runs = report[layout]["samples_per_s_runs"].as_array().expect("every run's samples/s");
         assert_eq!(runs.len(), 2, "{report}");
         let mean = runs.iter().map(|r| r.as_f64().unwrap()).sum::<f64>() / 2.0;
@@ -716,19 +731,9 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
     assert_eq!(report["verdict"]["repeats"].as_u64(), Some(2), "{report}");
     // A reward level every run starts above is reached at the end of each run's first step.
     for layout in ["colocate", "async"] {
-        let times: Vec<f64> = report[layout]["time_to_reward_s_runs"]
-            .as_array()
-            .expect("every run's time to reward")
-            .iter()
-            .map(|t| t.as_f64().unwrap())
-            .collect();
-        for (k, t) in times.iter().enumerate() {
-            let dir = dir.path().join(if k == 0 { layout.to_string() } else { format!("{layout}-{}", k + 1) });
-            let first: serde_json::Value = serde_json::from_str(
-                std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().next().unwrap(),
-            )
-            .unwrap();
-            let step = first["perf/wall_step_time"].as_f64().unwrap();
+        let times = report[layout]["time_to_reward_s_runs"].as_array().expect("every run's time to reward");
+        for (k, t) in times.iter().map(|t| t.as_f64().unwrap()).enumerate() {
+            let step = first_step_s(&compare_run(dir.path(), layout, k + 1));
             assert!((t - step).abs() < 1e-9, "{layout} run {}: {t} s to reward, step 1 took {step} s", k + 1);
         }
     }
@@ -748,20 +753,25 @@ fn compare_takes_a_job_file_for_every_layout_and_its_own_flags_win() {
             .map(|l| progress.find(l).unwrap_or_else(|| panic!("no '{l}' in:\n{progress}")))
             .collect();
     assert!(order[0] < order[1] && order[1] < order[2], "runs not interleaved:\n{progress}");
-    for (layout, mode) in [("colocate", "colocate"), ("async", "async")] {
+    for layout in ["colocate", "async"] {
         let config: toml::Table =
             std::fs::read_to_string(dir.path().join(layout).join("config.toml")).unwrap().parse().unwrap();
         // The file's keys reached the run; compare's --steps, its layout and every --set won.
-        assert_eq!(config["task"]["max_new_tokens"].as_integer(), Some(96), "{layout}: {config}");
-        assert_eq!(config["compute"]["token_scale"].as_float(), Some(40.0), "{layout}: {config}");
-        assert_eq!(config["memory"]["profile"].as_str(), Some("qwen3-4b"), "{layout}: {config}");
-        assert_eq!(config["compute"]["model"].as_bool(), Some(false), "{layout}: {config}");
-        assert_eq!(config["rollout"]["prompts_per_step"].as_integer(), Some(2), "{layout}: {config}");
-        assert_eq!(config["run"]["steps"].as_integer(), Some(1), "{layout}: {config}");
-        assert_eq!(config["run"]["mode"].as_str(), Some(mode), "{layout}: {config}");
+        let want: [(&str, &str, toml::Value); 7] = [
+            ("task", "max_new_tokens", 96.into()),
+            ("compute", "token_scale", 40.0.into()),
+            ("memory", "profile", "qwen3-4b".into()),
+            ("compute", "model", false.into()),
+            ("rollout", "prompts_per_step", 2.into()),
+            ("run", "steps", 1.into()),
+            ("run", "mode", layout.into()),
+        ];
+        for (section, key, value) in want {
+            assert_eq!(config[section][key], value, "{layout}: {config}");
+        }
     }
     // A job file that is not there is compare's own error, before any layout runs.
-    let missing = compare("jobs/no-such-job.toml", &dir.path().join("missing"));
+    let missing = compare_job("jobs/no-such-job.toml", &dir.path().join("missing"));
     assert_eq!(missing.status.code(), Some(2), "{}", text(&missing));
     let err = String::from_utf8_lossy(&missing.stderr);
     assert!(err.contains("--config jobs/no-such-job.toml") && !err.contains("running the"), "{err}");
