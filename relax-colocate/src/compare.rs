@@ -566,40 +566,64 @@ fn checked_layouts(o: &Options) -> Result<Vec<crate::run::config::Mode>, String>
 /// Runs the layouts one after the other; returns the exit code (the failed run's when one fails:
 /// 2 for its configuration, 1 otherwise).
 pub fn main(o: &Options) -> u8 {
-    let modes = match checked_layouts(o) {
-        Ok(m) => m,
-        Err(msg) => {
+    match compare(o) {
+        Ok(()) => 0,
+        Err((code, msg)) => {
             eprintln!("relax-colocate compare: {msg}");
-            return 2;
+            code
         }
-    };
-    if let Err(e) = std::fs::create_dir_all(&o.out) {
-        eprintln!("relax-colocate compare: cannot create {}: {e}", o.out.display());
-        return 1;
     }
+}
+
+/// The comparison's steps, each failure with the exit code it ends the command with.
+fn compare(o: &Options) -> Result<(), (u8, String)> {
+    let modes = checked_layouts(o).map_err(|msg| (2, msg))?;
+    std::fs::create_dir_all(&o.out).map_err(|e| (1, format!("cannot create {}: {e}", o.out.display())))?;
+    let runs = run_all(o, &modes)?;
+    let (figs, target) = figures_and_target(o, &runs);
+    // The plot and the names follow each layout's first run.
+    let layouts: Vec<Layout> = runs.into_iter().filter_map(|r| r.into_iter().next()).collect();
+    let outcome = Outcome::judge(o, names(&layouts), figs, target);
+    let report = outcome.report();
+    write_files(o, &report, &layouts, &outcome.target);
+    if o.json {
+        println!("{}", serde_json::to_string_pretty(&report).expect("serializes"));
+    } else {
+        outcome.print(o);
+    }
+    Ok(())
+}
+
+/// Every layout's runs, `o.repeats` of each.
+fn run_all(o: &Options, modes: &[crate::run::config::Mode]) -> Result<Vec<Vec<Layout>>, (u8, String)> {
     // Interleaved, so that a change in the machine's load reaches every layout alike.
     let mut runs: Vec<Vec<Layout>> = modes.iter().map(|_| Vec::new()).collect();
     for k in 1..=o.repeats {
         for (mode, done) in modes.iter().zip(runs.iter_mut()) {
-            let mut args = vec!["--mode".to_string(), mode.as_str().into()];
-            if mode.split() {
-                args.extend(["--max-staleness".into(), o.max_staleness.to_string()]);
-                for (flag, v) in [("--trainer-devices", &o.trainer_devices), ("--rollout-devices", &o.rollout_devices)]
-                {
-                    if let Some(v) = v {
-                        args.extend([flag.into(), v.clone()]);
-                    }
-                }
-            }
-            match run_layout(o, mode.as_str(), &args, k) {
-                Ok(l) => done.push(l),
-                Err((code, msg)) => {
-                    eprintln!("relax-colocate compare: {msg}");
-                    return code;
-                }
+            done.push(run_layout(o, mode.as_str(), &mode_args(o, *mode), k)?);
+        }
+    }
+    Ok(runs)
+}
+
+/// The flags that set `mode`'s layout on its run; the split layouts take the device split and the
+/// staleness bound too.
+fn mode_args(o: &Options, mode: crate::run::config::Mode) -> Vec<String> {
+    let mut args = vec!["--mode".to_string(), mode.as_str().into()];
+    if mode.split() {
+        args.extend(["--max-staleness".into(), o.max_staleness.to_string()]);
+        for (flag, v) in [("--trainer-devices", &o.trainer_devices), ("--rollout-devices", &o.rollout_devices)] {
+            if let Some(v) = v {
+                args.extend([flag.into(), v.clone()]);
             }
         }
     }
+    args
+}
+
+/// Each layout's figures combined over its runs, and the reward target every run was timed to
+/// (or why there is none).
+fn figures_and_target(o: &Options, runs: &[Vec<Layout>]) -> (Vec<Value>, Result<reward::Target, String>) {
     let mut per_run: Vec<Vec<Value>> = runs.iter().map(|r| r.iter().map(figures).collect()).collect();
     let curves: Vec<Vec<Vec<(f64, f64)>>> =
         runs.iter().map(|r| r.iter().map(|l| reward::curve(&reward_steps(l))).collect()).collect();
@@ -611,59 +635,80 @@ pub fn main(o: &Options) -> u8 {
             }
         }
     }
-    let figs: Vec<Value> = per_run.iter().map(|r| combined(r)).collect();
-    // The plot and the names follow each layout's first run.
-    let layouts: Vec<Layout> = runs.into_iter().filter_map(|r| r.into_iter().next()).collect();
-    let names = names(&layouts);
-    let mut report: serde_json::Map<String, Value> =
-        names.iter().zip(&figs).map(|(n, f)| (n.to_string(), f.clone())).collect();
-    let ratios = ratios(&names, &figs);
-    report.extend(ratios.clone());
-    let mut verdict = verdict(&names, &figs, o.steps);
-    verdict["reward"] = match &target {
-        Ok(t) => {
-            let left_out = (verdict["elastic_lent_nothing"] == true).then_some("elastic");
-            let by_throughput = verdict["layout"].as_str().unwrap_or_default().to_string();
-            let mut v = reward::verdict(&names, &figs, t, TIE_MARGIN, left_out, &by_throughput);
-            v["learned"] = json!(true);
-            v
+    (per_run.iter().map(|r| combined(r)).collect(), target)
+}
+
+/// What the comparison found: compare.json and the printed table both say it.
+struct Outcome {
+    names: Vec<&'static str>,
+    figs: Vec<Value>,
+    ratios: serde_json::Map<String, Value>,
+    verdict: Value,
+    target: Result<reward::Target, String>,
+}
+
+impl Outcome {
+    /// The ratios and the verdict on throughput, with the verdict on reward under its `reward`.
+    fn judge(o: &Options, names: Vec<&'static str>, figs: Vec<Value>, target: Result<reward::Target, String>) -> Self {
+        let ratios = ratios(&names, &figs);
+        let mut verdict = verdict(&names, &figs, o.steps);
+        verdict["reward"] = match &target {
+            Ok(t) => {
+                let left_out = (verdict["elastic_lent_nothing"] == true).then_some("elastic");
+                let by_throughput = verdict["layout"].as_str().unwrap_or_default().to_string();
+                let mut v = reward::verdict(&names, &figs, t, TIE_MARGIN, left_out, &by_throughput);
+                v["learned"] = json!(true);
+                v
+            }
+            Err(why) => json!({"learned": false, "reason": why}),
+        };
+        Outcome { names, figs, ratios, verdict, target }
+    }
+
+    /// compare.json: each layout's figures under its name, the ratios, and the verdict.
+    fn report(&self) -> Value {
+        let mut report: serde_json::Map<String, Value> =
+            self.names.iter().zip(&self.figs).map(|(n, f)| (n.to_string(), f.clone())).collect();
+        report.extend(self.ratios.clone());
+        report.insert("verdict".into(), self.verdict.clone());
+        Value::Object(report)
+    }
+
+    /// The table, the ratios, the verdicts and where it all was written.
+    fn print(&self, o: &Options) {
+        let names = &self.names;
+        print_table(names, &self.figs);
+        println!();
+        let ratio = |k: String| self.ratios.get(&k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+        for (i, a) in names.iter().enumerate() {
+            for b in names.iter().take(i) {
+                let (all, after) =
+                    (ratio(format!("{a}_over_{b}_samples_per_s")), ratio(format!("{a}_over_{b}_after_first_step")));
+                println!("{a} / {b} throughput: {all:.2}x (samples/s); {after:.2}x after step 1");
+            }
         }
-        Err(why) => json!({"learned": false, "reason": why}),
-    };
-    report.insert("verdict".into(), verdict.clone());
-    let report = Value::Object(report);
-    let _ = std::fs::write(o.out.join("compare.json"), serde_json::to_string_pretty(&report).expect("serializes"));
+        if names.contains(&"elastic") {
+            let (all, after) = (
+                ratio("elastic_over_best_other_samples_per_s".into()),
+                ratio("elastic_over_best_other_after_first_step".into()),
+            );
+            println!("elastic / the better of the others: {all:.2}x (samples/s); {after:.2}x after step 1");
+        }
+        println!("{}", verdict_line(&self.verdict, o.max_staleness));
+        match &self.target {
+            Ok(_) => println!("{}", reward::line(&self.verdict["reward"])),
+            Err(why) => println!("learning: {why}"),
+        }
+        let dirs: Vec<String> = names.iter().map(|n| format!("{n}/")).collect();
+        println!("written: {} (compare.json, reward_vs_time.svg, {})", o.out.display(), dirs.join(", "));
+    }
+}
+
+/// compare.json and the plot, written whether --json prints the report or the table is printed.
+fn write_files(o: &Options, report: &Value, layouts: &[Layout], target: &Result<reward::Target, String>) {
+    let _ = std::fs::write(o.out.join("compare.json"), serde_json::to_string_pretty(report).expect("serializes"));
     let _ =
-        std::fs::write(o.out.join("reward_vs_time.svg"), reward_plot(&layouts, target.as_ref().ok().map(|t| t.level)));
-    if o.json {
-        println!("{}", serde_json::to_string_pretty(&report).expect("serializes"));
-        return 0;
-    }
-    print_table(&names, &figs);
-    println!();
-    let ratio = |k: String| ratios.get(&k).and_then(Value::as_f64).unwrap_or(f64::NAN);
-    for (i, a) in names.iter().enumerate() {
-        for b in names.iter().take(i) {
-            let (all, after) =
-                (ratio(format!("{a}_over_{b}_samples_per_s")), ratio(format!("{a}_over_{b}_after_first_step")));
-            println!("{a} / {b} throughput: {all:.2}x (samples/s); {after:.2}x after step 1");
-        }
-    }
-    if names.contains(&"elastic") {
-        let (all, after) = (
-            ratio("elastic_over_best_other_samples_per_s".into()),
-            ratio("elastic_over_best_other_after_first_step".into()),
-        );
-        println!("elastic / the better of the others: {all:.2}x (samples/s); {after:.2}x after step 1");
-    }
-    println!("{}", verdict_line(&verdict, o.max_staleness));
-    match &target {
-        Ok(_) => println!("{}", reward::line(&verdict["reward"])),
-        Err(why) => println!("learning: {why}"),
-    }
-    let dirs: Vec<String> = names.iter().map(|n| format!("{n}/")).collect();
-    println!("written: {} (compare.json, reward_vs_time.svg, {})", o.out.display(), dirs.join(", "));
-    0
+        std::fs::write(o.out.join("reward_vs_time.svg"), reward_plot(layouts, target.as_ref().ok().map(|t| t.level)));
 }
 
 #[cfg(test)]
