@@ -91,33 +91,34 @@ impl SwitchModel {
     }
 
     /// Seconds a worker of `role` takes to pause `tag` (None: every tag): its backup copied to the
-    /// host (pinned first when the hook does not keep its buffers), then its memory unmapped. A
-    /// communicator's buffers (tag nccl) are not the profile's: not charged.
+    /// host (pinned first when the hook does not keep its buffers), then its memory unmapped.
     pub(crate) fn pause_s(&self, role: Role, tag: Option<&str>) -> f64 {
-        if tag == Some(NCCL_TAG) {
-            return 0.0;
-        }
-        let bytes = self.bytes(role, tag);
-        let unmap = bytes as f64 * self.rates.unmap_s_per_byte;
-        if !self.backed_up(role) {
-            return unmap;
-        }
-        let pin = if self.repins { seconds(bytes, self.rates.pin) } else { 0.0 };
-        pin + seconds(bytes, self.rates.d2h) + unmap
+        self.phase_s(role, tag, self.rates.unmap_s_per_byte, |bytes| {
+            let pin = if self.repins { seconds(bytes, self.rates.pin) } else { 0.0 };
+            pin + seconds(bytes, self.rates.d2h)
+        })
     }
 
     /// Seconds a worker of `role` takes to resume `tag` (None: every tag): its memory mapped, then
     /// its backup copied back when it has one.
     pub(crate) fn resume_s(&self, role: Role, tag: Option<&str>) -> f64 {
+        self.phase_s(role, tag, self.rates.map_s_per_byte, |bytes| seconds(bytes, self.rates.h2d))
+    }
+
+    /// A pause's or a resume's seconds: the driver's (un)mapping of `tag`'s bytes at
+    /// `driver_s_per_byte`, plus `backup_s` of them where `role` keeps a host backup. A
+    /// communicator's buffers (tag nccl) are not the profile's: not charged.
+    fn phase_s(&self, role: Role, tag: Option<&str>, driver_s_per_byte: f64, backup_s: impl Fn(u64) -> f64) -> f64 {
         if tag == Some(NCCL_TAG) {
             return 0.0;
         }
         let bytes = self.bytes(role, tag);
-        let map = bytes as f64 * self.rates.map_s_per_byte;
+        let driver = bytes as f64 * driver_s_per_byte;
         if !self.backed_up(role) {
-            return map;
+            return driver;
         }
-        map + seconds(bytes, self.rates.h2d)
+        // IEEE addition commutes, so for a pause this is bit for bit its copy plus its unmap.
+        driver + backup_s(bytes)
     }
 
     /// The weights' bytes on one device at full scale.
