@@ -93,3 +93,18 @@ pub fn failing_run(fault: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
     assert!(survivors(dir.path()).is_empty(), "workers left behind");
     (dir, out)
 }
+
+/// Qwen3-4B on the modelled device: the profile's allocations shrunk to fit the simulator, the
+/// device time charged for the full-scale model.
+pub const MODELLED_4B: [&str; 6] =
+    ["--memory-profile", "qwen3-4b", "--set", "memory.scale=0.002", "--set", "compute.model=true"];
+
+/// The model of a trainer-bound elastic job, local or through Ray: MODELLED_4B with the trainer's
+/// passes at 8% of the peak (decoding at the default 30%), and elastic.lend_rollout as given. The
+/// host link is not charged: the 4B trainer's full-scale state over it (about 4 s of modelled
+/// switch) would outweigh the train stage a lend saves, and these tests are about the lend.
+pub fn trainer_bound_model(lend_rollout: bool) -> Vec<&'static str> {
+    let lend = if lend_rollout { "elastic.lend_rollout=true" } else { "elastic.lend_rollout=false" };
+    let free_link = ["--set", "compute.h2d_gbps=0", "--set", "compute.d2h_gbps=0"];
+    [&MODELLED_4B[..], &["--set", "compute.train_mfu=0.08"], &free_link, &["--set", lend]].concat()
+}

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+use tms_e2e::runner::{MODELLED_4B, trainer_bound_model};
 use tms_e2e::*;
 
 /// The marker every process of a test run inherits (the runner, the bridge, Ray's processes and
@@ -258,11 +259,7 @@ fn the_reverse_lend_places_the_lent_trainer_beside_the_engine_on_its_node() {
     let Some(py) = ray_python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let mut args = vec!["--mode", "elastic", "--nodes", "2", "--devices", "1", "--steps", "3", "--max-staleness", "1"];
-    args.extend(["--memory-profile", "qwen3-4b", "--set", "memory.scale=0.002", "--set", "compute.model=true"]);
-    args.extend(["--set", "compute.train_mfu=0.08", "--set", "elastic.lend_rollout=true"]);
-    // The host link left out of the model: Qwen3-4B's full-scale state would make the modelled
-    // switch (about 4 s) outweigh the train stage a lend saves, and this is about placement.
-    args.extend(["--set", "compute.h2d_gbps=0", "--set", "compute.d2h_gbps=0"]);
+    args.extend(trainer_bound_model(true));
     let out = ray_run(py, dir.path(), &args).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let summary: Value =
@@ -290,26 +287,9 @@ fn the_reverse_lend_places_the_lent_trainer_beside_the_engine_on_its_node() {
 fn elastic_mode_lends_the_trainers_device_on_its_node_to_the_engine_beside_it() {
     let Some(py) = ray_python() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let args = [
-        "--mode",
-        "elastic",
-        "--nodes",
-        "2",
-        "--devices",
-        "1",
-        "--steps",
-        "2",
-        "--memory-profile",
-        "qwen3-4b",
-        "--set",
-        "memory.scale=0.002",
-        "--set",
-        "compute.model=true",
-        "--set",
-        "compute.rollout_mfu=0.05",
-        "--set",
-        "elastic.lend_after_s=0.05",
-    ];
+    let layout = ["--mode", "elastic", "--nodes", "2", "--devices", "1", "--steps", "2"];
+    let rollout_bound = ["--set", "compute.rollout_mfu=0.05", "--set", "elastic.lend_after_s=0.05"];
+    let args = [&layout[..], &MODELLED_4B, &rollout_bound].concat();
     let out = ray_run(py, dir.path(), &args).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(metrics_lines(dir.path()), 2);

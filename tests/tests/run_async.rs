@@ -955,34 +955,13 @@ fn a_trainer_ahead_of_the_engines_weights_lends_its_device_too() {
     assert_eq!(summary["status"], "ok");
 }
 
-/// A trainer-bound job: the same model, its passes at 8% of the peak and decoding at the default
-/// 30%, with one version of staleness: the engines fill the queue to its capacity early in each
+/// A trainer-bound job (trainer_bound_model): the same model, its passes at 8% of the peak and
+/// decoding at the default 30%, with one version of staleness: the engines fill the queue to its capacity early in each
 /// step and then have nothing they may start while the trainer trains.
-const TRAINER_BOUND: [&str; 13] = [
-    "--mode",
-    "elastic",
-    "--devices",
-    "2",
-    "--steps",
-    "3",
-    "--max-staleness",
-    "1",
-    "--memory-profile",
-    "qwen3-4b",
-    "--set",
-    "memory.scale=0.002",
-    "--set",
-];
+const TRAINER_BOUND: [&str; 8] = ["--mode", "elastic", "--devices", "2", "--steps", "3", "--max-staleness", "1"];
 
-fn trainer_bound(lend_rollout: bool) -> Vec<String> {
-    let mut args: Vec<String> = TRAINER_BOUND.iter().map(|s| s.to_string()).collect();
-    // The host link not charged, as ROLLOUT_BOUND's: the lent trainers' modelled wake would
-    // outlast the step it is for.
-    let free_link = ["compute.h2d_gbps=0", "--set", "compute.d2h_gbps=0", "--set"];
-    args.extend(["compute.model=true", "--set", "compute.train_mfu=0.08", "--set"].map(String::from));
-    args.extend(free_link.map(String::from));
-    args.push(format!("elastic.lend_rollout={lend_rollout}"));
-    args
+fn trainer_bound(lend_rollout: bool) -> Vec<&'static str> {
+    [&TRAINER_BOUND[..], &trainer_bound_model(lend_rollout)].concat()
 }
 
 /// Each row's modelled train seconds per trained token, and the replicas that shared it.
@@ -998,7 +977,7 @@ fn train_shares(dir: &std::path::Path) -> Vec<(f64, f64)> {
 fn lend_rollout_lends_the_idle_engines_device_to_a_trainer_bound_step_and_gives_it_back() {
     let (off, on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let args = trainer_bound(true);
-    let (_, summary) = run_ok(on.path(), &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let (_, summary) = run_ok(on.path(), &args);
     assert_eq!(summary["status"], "ok");
     let r = &summary["async"]["elastic"]["rollout_lend"];
     assert!(r["calibration_switch_s"].as_f64().unwrap() > 0.0, "{r}");
@@ -1046,7 +1025,7 @@ fn lend_rollout_lends_the_idle_engines_device_to_a_trainer_bound_step_and_gives_
     // The lent step's train stage is paced at half the batch per replica; without the key every
     // step is paced at the whole batch.
     let args = trainer_bound(false);
-    run_ok(off.path(), &args.iter().map(String::as_str).collect::<Vec<_>>());
+    run_ok(off.path(), &args);
     let alone: Vec<(f64, f64)> = train_shares(off.path());
     assert!(alone.iter().all(|(_, n)| *n == 1.0), "{alone:?}");
     let per_token = alone.iter().map(|(s, _)| s).sum::<f64>() / alone.len() as f64;
