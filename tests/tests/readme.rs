@@ -101,6 +101,9 @@ fn plan(line: &str) -> Option<Plan> {
             0,
             &["async / colocate throughput", "elastic / the better of the others", "samples/s"],
         ),
+        "target/release/relax-colocate plan --devices 4 --steps 8 --config jobs/long-tail.toml" => {
+            run(as_written, 0, &["colocate", "async", "elastic", "fastest:"])
+        }
         "target/release/relax-colocate run --print-config" => run(as_written, 0, &["steps", "phase_timeout_s"]),
         "target/release/relax-colocate run --metrics-style verl --logger tensorboard" => {
             run(two_steps, 0, &["checks:", "passed"])
@@ -283,6 +286,7 @@ fn lay_out(root: &Path) {
     link(Path::new(python3.trim()), &root.join("bin/python"));
     std::fs::write(root.join("bin/cargo"), "#!/bin/sh\n# The test's binaries are built already.\nexit 0\n").unwrap();
     link(&ws.root.join("scripts"), &root.join("scripts"));
+    link(&ws.root.join("jobs"), &root.join("jobs"));
     std::fs::write(root.join("train.py"), TRAIN_PY).unwrap();
     std::fs::write(root.join("my_cuda_program"), MY_CUDA_PROGRAM).unwrap();
     for exe in ["bin/cargo", "my_cuda_program"] {

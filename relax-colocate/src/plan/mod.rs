@@ -168,22 +168,37 @@ pub fn main(o: &Options) -> u8 {
     if o.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("json"));
     } else {
-        print!("{}", table(&report));
+        let order: Vec<&str> = o.layouts.iter().map(|m| m.as_str()).collect();
+        print!("{}", table(&report, &order));
     }
     0
 }
 
-fn table(report: &Value) -> String {
-    let layouts = report["layouts"].as_object().cloned().unwrap_or_default();
-    let mut out = String::from(
-        "Predicted from the compute and switch models, without running (the runner's own overhead on this machine \
-         is not in it):\n\n",
+/// The table, its rows in the order the layouts were asked for.
+fn table(report: &Value, order: &[&str]) -> String {
+    let j = &report["job"];
+    let r = &j["responses"];
+    let tokens = |k: &str| r[k].as_f64().unwrap_or(0.0);
+    let mut out = format!(
+        "job: {} on {} {} device(s), {} prompts x {} samples a step; responses ({}): mean {:.0}, p90 {:.0}, \
+         longest {:.0} tokens\npredicted from the compute and switch models, without running (the runner's own \
+         overhead on this machine is not in it):\n\n",
+        j["profile"].as_str().unwrap_or("?"),
+        j["devices"],
+        j["device"].as_str().unwrap_or("?"),
+        j["prompts_per_step"],
+        j["samples_per_prompt"],
+        r["source"].as_str().unwrap_or("?"),
+        tokens("mean_tokens"),
+        tokens("p90_tokens"),
+        tokens("max_tokens"),
     );
     out += &format!(
         "{:<10} {:>12} {:>12} {:>16} {:>10} {:>10} {:>10}\n",
         "layout", "step (s)", "samples/s", "after step 1", "generate", "train", "occupancy"
     );
-    for (name, f) in &layouts {
+    for name in order {
+        let f = &report["layouts"][name];
         let ph = |k: &str| f["phases"][k].as_f64().unwrap_or(0.0);
         let train = ph("ref_log_probs") + ph("log_probs") + ph("values") + ph("actor_train");
         let num = |v: &Value, d: usize| v.as_f64().map_or("-".to_string(), |x| format!("{x:.d$}"));
@@ -193,7 +208,7 @@ fn table(report: &Value) -> String {
             num(&f["step_s"], 2),
             num(&f["samples_per_s"], 1),
             num(&f["samples_per_s_after_first_step"], 1),
-            format!("{:.2}", ph("generate")),
+            num(&f["phases"]["generate"], 2),
             format!("{train:.2}"),
             num(&f["slot_occupancy"], 2),
         );
