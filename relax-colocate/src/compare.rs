@@ -178,6 +178,11 @@ fn figures(l: &Layout) -> Value {
         })
         .collect();
     let devices = f64::from(l.config.run.devices.max(1));
+    let trained: f64 = l.series("train/tokens").iter().sum();
+    let trainer_devices = match l.config.mode_layout() {
+        Ok(Some(split)) => split.trainer.len() as f64,
+        _ => devices,
+    };
     let rollout_busy = match a {
         Some(a) => 1.0 - a.rollout_idle_ratio,
         None => l.series(&metrics::phase_time("generate")).iter().sum::<f64>() / run_s,
@@ -190,6 +195,10 @@ fn figures(l: &Layout) -> Value {
         "samples_per_s_after_first_step": steady,
         "tokens_per_s": tokens / run_s,
         "tokens_per_device_s": tokens / run_s / devices,
+        // Each role's own devices: how hard a device of each works, where busy only says how long.
+        "rollout_tokens_per_device_s": run.decode.get("rollout").and_then(|d| d.tokens_per_device_s),
+        "trainer_tokens_per_device_s": trained / run_s / trainer_devices,
+        "lent_slot_occupancy": run.decode.get("lent").and_then(|d| d.slot_occupancy),
         "step_time_median_s": median(step_times),
         "slot_occupancy": run.decode.get("rollout").and_then(|d| d.slot_occupancy),
         "kv_preemptions": run.decode.get("rollout").map(|d| d.preemptions),
@@ -317,7 +326,7 @@ fn print_table(names: &[&str], figs: &[Value]) {
     if repeats > 1 {
         println!("(each figure the mean of {repeats} runs)");
     }
-    let rows: [TableRow; 26] = [
+    let rows: [TableRow; 29] = [
         ("samples/s", "samples_per_s", |x| format!("{x:.1}")),
         ("samples/s after step 1", "samples_per_s_after_first_step", |x| format!("{x:.1}")),
         ("  spread over the runs", "samples_per_s_after_first_step_spread", |x| {
@@ -325,6 +334,8 @@ fn print_table(names: &[&str], figs: &[Value]) {
         }),
         ("tokens/s", "tokens_per_s", |x| format!("{x:.1}")),
         ("tokens/s per device", "tokens_per_device_s", |x| format!("{x:.1}")),
+        ("  per rollout device", "rollout_tokens_per_device_s", |x| format!("{x:.1}")),
+        ("trained tokens/s per trainer device", "trainer_tokens_per_device_s", |x| format!("{x:.1}")),
         ("step time, median (s)", "step_time_median_s", |x| format!("{x:.3}")),
         ("trainer busy", "trainer_busy", pct),
         ("trainer idle (wait + flush)", "trainer_idle", pct),
@@ -334,6 +345,7 @@ fn print_table(names: &[&str], figs: &[Value]) {
         ("rollout busy", "rollout_busy", pct),
         ("rollout devices idle (lent = work)", "elastic.rollout_device_idle", pct),
         ("rollout batch slots filled", "slot_occupancy", pct),
+        ("lent engines' batch slots filled", "lent_slot_occupancy", pct),
         ("KV preemptions", "kv_preemptions", |x| if x.is_nan() { "-".into() } else { format!("{x:.0}") }),
         ("weight update, median (s)", "update_weights_median_s", secs),
         ("sleep/wake switch, median (s)", "switch_median_s", secs),

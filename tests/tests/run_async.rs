@@ -628,6 +628,7 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
         "trainer busy",
         "rollout busy",
         "rollout batch slots filled",
+        "trained tokens/s per trainer device",
         "staleness",
         "async / colocate throughput",
         "modelled:",
@@ -642,6 +643,11 @@ fn compare_runs_the_same_job_in_every_layout_and_prints_one_table() {
         // The rollout engines' batch slots: some filled, never more than all.
         let filled = report[layout]["slot_occupancy"].as_f64().unwrap_or_else(|| panic!("{report}"));
         assert!(filled > 0.0 && filled <= 1.0, "{layout}: {filled}");
+        // Each role's work per device of its own: the trainer's devices train, the rollout's
+        // generate; apart, the rollout's few devices each make more than the whole run's mean.
+        let per = |k: &str| report[layout][k].as_f64().unwrap_or_else(|| panic!("{layout} {k}: {report}"));
+        assert!(per("trainer_tokens_per_device_s") > 0.0, "{report}");
+        assert!(per("rollout_tokens_per_device_s") >= per("tokens_per_device_s") * 0.999, "{report}");
     }
     let ratio = report["async_over_colocate_samples_per_s"].as_f64().unwrap();
     let expected =
