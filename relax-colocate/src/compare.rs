@@ -46,6 +46,11 @@ pub struct Options {
     /// its keys.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// A file of your job's response lengths for every run (`run --lengths`): each sample's
+    /// modelled response length is drawn from it by the sample's identity, the same in every
+    /// layout [compute.lengths].
+    #[arg(long, value_name = "FILE")]
+    pub lengths: Option<PathBuf>,
     /// Any configuration key for every run: --set memory.profile=qwen3-4b (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub sets: Vec<String>,
@@ -111,6 +116,10 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String], k: u32) -> 
     }
     // Said either way: a job file's compute.model must not outvote this command's flag.
     cmd.args(["--set", &format!("compute.model={}", o.model_compute)]);
+    if let Some(file) = &o.lengths {
+        // Absolute, so that every run reads the same file whatever its own directory.
+        cmd.arg("--lengths").arg(std::path::absolute(file).unwrap_or_else(|_| file.clone()));
+    }
     for s in &o.sets {
         cmd.args(["--set", s]);
     }
@@ -571,6 +580,9 @@ fn checked_layouts(o: &Options) -> Result<Vec<crate::run::config::Mode>, String>
         if let Err(e) = parsed {
             return Err(format!("--config {}: {e} (a TOML job file, see jobs/)", file.display()));
         }
+    }
+    if let Some(file) = &o.lengths {
+        crate::run::lengths::Lengths::load(file).map_err(|e| format!("--lengths: {e}"))?;
     }
     Ok(modes)
 }

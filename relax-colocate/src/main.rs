@@ -250,6 +250,11 @@ struct RunArgs {
     /// The device compute.model charges at: h100, h800, h20, 910b or 910c [compute.device].
     #[arg(long, value_name = "DEVICE")]
     compute_device: Option<String>,
+    /// A file of your job's response lengths (one per line in tokens, or JSON lines with a
+    /// "length" field): each sample's modelled response length is drawn from it, the same in
+    /// every layout; needs compute.model [compute.lengths].
+    #[arg(long, value_name = "FILE")]
+    lengths: Option<PathBuf>,
     /// Tensor-parallel size of the memory profile [memory.tp].
     #[arg(long)]
     tp: Option<u32>,
@@ -347,6 +352,7 @@ impl RunArgs {
             ("run.ray_address", text(self.ray_address.as_deref())),
             ("memory.profile", text(self.memory_profile.as_deref())),
             ("compute.device", text(self.compute_device.as_deref())),
+            ("compute.lengths", self.lengths.as_ref().map(|p| quoted(&p.display().to_string()))),
             ("memory.tp", self.tp.map(|x| x.to_string())),
             ("run.offload", self.offload.map(|x| x.to_string())),
             ("memory.backup", self.backup.map(|x| x.to_string())),

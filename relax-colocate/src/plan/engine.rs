@@ -65,10 +65,10 @@ pub(super) fn request(model: &ComputeModel, seqs: &mut [&mut Seq], cached: &[boo
     let scale = live_seqs.iter().map(|&i| seqs[i].scale).sum::<f64>() / live_seqs.len() as f64;
     let m = model.scaled(Some(scale));
     let begun = |s: &Seq| s.done > 0.0;
-    let mut prefill: usize = live_seqs
+    let mut prefill: f64 = live_seqs
         .iter()
         .filter(|&&i| !(cached.get(i).copied().unwrap_or(false) && begun(seqs[i])))
-        .map(|&i| seqs[i].context())
+        .map(|&i| seqs[i].context() as f64)
         .sum();
     let capacity = m.kv_capacity_tokens.map(|c| c / m.token_scale);
     let mut admission = Admission::new(seqs.len(), limits.slots, capacity, m.token_scale);
@@ -80,14 +80,14 @@ pub(super) fn request(model: &ComputeModel, seqs: &mut [&mut Seq], cached: &[boo
     loop {
         let live: Vec<bool> =
             seqs.iter().zip(&start).map(|(s, d0)| !s.finished() && s.done - d0 < segment - tolerance).collect();
-        let contexts: Vec<usize> = seqs.iter().map(|s| s.context()).collect();
+        let contexts: Vec<f64> = seqs.iter().map(|s| s.context() as f64).collect();
         let (now, again) = admission.schedule(&live, &contexts);
         prefill += again;
         let active: Vec<usize> = (0..seqs.len()).filter(|&i| now[i]).collect();
         if active.is_empty() {
             break;
         }
-        let context: usize = active.iter().map(|&i| contexts[i]).sum();
+        let context: f64 = active.iter().map(|&i| contexts[i]).sum();
         let step_s = m.decode_step_seconds(active.len(), context);
         // To the first token any active sequence completes, or its response's end.
         let need = active
@@ -125,7 +125,7 @@ pub(super) fn request(model: &ComputeModel, seqs: &mut [&mut Seq], cached: &[boo
         }
     }
     out.preemptions = admission.stats.preemptions;
-    out.seconds = m.stage_seconds(&FIGURES.stages.prefill, prefill, 1.0) + spent;
+    out.seconds = m.stage_modelled_seconds(&FIGURES.stages.prefill, prefill * m.token_scale, 1.0) + spent;
     out
 }
 
@@ -166,9 +166,9 @@ mod tests {
         let mut refs: Vec<&mut Seq> = s.iter_mut().collect();
         let r = request(&m, &mut refs, &[], unlimited(2));
         let want = m.stage_seconds(&FIGURES.stages.prefill, 8, 1.0)
-            + m.decode_step_seconds(2, 8)
-            + m.decode_step_seconds(2, 10)
-            + m.decode_step_seconds(1, 6);
+            + m.decode_step_seconds(2, 8.0)
+            + m.decode_step_seconds(2, 10.0)
+            + m.decode_step_seconds(1, 6.0);
         assert!((r.seconds - want).abs() < 1e-12, "{} vs {want}", r.seconds);
         assert_eq!(r.steps, 3.0 * 40.0);
         assert_eq!(r.slot_steps, 5.0 * 40.0);
@@ -186,7 +186,7 @@ mod tests {
             request(&m, &mut refs, &[], unlimited(1)).seconds
         };
         let mut s = seqs(&[5.0]);
-        let step = m.decode_step_seconds(1, 4);
+        let step = m.decode_step_seconds(1, 4.0);
         let limits = Limits { slots: 1, budget_s: Some(step * 1.5), segment_tokens: None };
         let first = request(&m, &mut s.iter_mut().collect::<Vec<_>>(), &[], limits).seconds;
         assert!(s[0].done > 1.4 && s[0].done < 1.5, "part-way through its second token: {}", s[0].done);

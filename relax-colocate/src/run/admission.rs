@@ -35,14 +35,15 @@ impl Admission {
     }
 
     /// The sequences that decode this step, given which are `live` (not finished, segment not
-    /// spent) and each one's `context` (prompt and response, task tokens). Returns the task tokens
-    /// prefilled again for readmitted sequences.
-    pub(crate) fn schedule(&mut self, live: &[bool], context: &[usize]) -> (Vec<bool>, usize) {
+    /// spent) and each one's `context` (prompt and response in task tokens; with drawn lengths,
+    /// compute.lengths, the prompt's task tokens plus the modelled steps done over token_scale,
+    /// not whole). Returns the task tokens prefilled again for readmitted sequences.
+    pub(crate) fn schedule(&mut self, live: &[bool], context: &[f64]) -> (Vec<bool>, f64) {
         // A sequence that stopped frees its KV; one waiting that stopped leaves the queue.
         self.running.retain(|&i| live[i]);
         self.waiting.retain(|&i| live[i]);
-        let used = |running: &[usize]| running.iter().map(|&i| context[i] as f64).sum::<f64>();
-        let mut recomputed = 0;
+        let used = |running: &[usize]| running.iter().map(|&i| context[i]).sum::<f64>();
+        let mut recomputed = 0.0;
         match self.capacity {
             None => self.running.extend(self.waiting.drain(..)),
             Some(cap) => {
@@ -58,7 +59,7 @@ impl Admission {
                 // beside them. An empty engine takes the head whatever its size: nothing else
                 // would run.
                 while let Some(&next) = self.waiting.front() {
-                    let need = used(&self.running) + self.running.len() as f64 + context[next] as f64 + 1.0;
+                    let need = used(&self.running) + self.running.len() as f64 + context[next] + 1.0;
                     if !self.running.is_empty() && need > cap {
                         break;
                     }
@@ -72,7 +73,7 @@ impl Admission {
                 self.stats.kv_peak_share = Some(self.stats.kv_peak_share.unwrap_or(0.0).max(held));
             }
         }
-        self.stats.recomputed_tokens += recomputed as f64 * self.scale;
+        self.stats.recomputed_tokens += recomputed * self.scale;
         let mut now = vec![false; live.len()];
         for &i in &self.running {
             now[i] = true;
@@ -95,16 +96,16 @@ mod tests {
     /// Decodes sequences of prompt `prompt` task tokens wanting `lengths[i]` tokens each, a step a
     /// token, one step costing 1 s. Returns the stats, the tokens each got and the task tokens
     /// prefilled again.
-    fn run(prompt: usize, lengths: &[usize], slots: usize, capacity: Option<f64>) -> (DecodeStats, Vec<usize>, usize) {
+    fn run(prompt: usize, lengths: &[usize], slots: usize, capacity: Option<f64>) -> (DecodeStats, Vec<usize>, f64) {
         let mut a = Admission::new(lengths.len(), slots, capacity, 1.0);
         let mut got = vec![0; lengths.len()];
-        let mut again = 0;
+        let mut again = 0.0;
         loop {
             let live: Vec<bool> = got.iter().zip(lengths).map(|(g, l)| g < l).collect();
             if !live.iter().any(|l| *l) {
                 break;
             }
-            let context: Vec<usize> = got.iter().map(|g| prompt + g).collect();
+            let context: Vec<f64> = got.iter().map(|g| (prompt + g) as f64).collect();
             let (now, recomputed) = a.schedule(&live, &context);
             again += recomputed;
             let active = now.iter().filter(|n| **n).count();
@@ -124,7 +125,7 @@ mod tests {
         let (s, got, again) = run(2, &[1, 2, 3, 4], 4, None);
         assert_eq!((s.steps, s.slot_steps, s.slots), (4.0, 10.0, 4));
         assert_eq!(s.slot_steps / (s.steps * s.slots as f64), 0.625);
-        assert_eq!((got, again, s.preemptions, s.kv_peak_share), (vec![1, 2, 3, 4], 0, 0, None));
+        assert_eq!((got, again, s.preemptions, s.kv_peak_share), (vec![1, 2, 3, 4], 0.0, 0, None));
         // A colocated engine decoding its last 3 sequences of 48 fills 3/48 of its slots.
         let (s, ..) = run(2, &[5, 5, 5], 48, None);
         assert_eq!(s.slot_steps / (s.steps * s.slots as f64), 0.0625);
@@ -133,7 +134,7 @@ mod tests {
     #[test]
     fn ample_capacity_never_queues_or_preempts() {
         let (s, got, again) = run(4, &[3, 6, 2, 5], 4, Some(1000.0));
-        assert_eq!((s.preemptions, s.recomputed_tokens, s.kv_queued_s, again), (0, 0.0, 0.0, 0));
+        assert_eq!((s.preemptions, s.recomputed_tokens, s.kv_queued_s, again), (0, 0.0, 0.0, 0.0));
         assert_eq!(got, vec![3, 6, 2, 5]);
         // Peak: the second step, all four still running, each holding 4 + 1 and growing one more:
         // 24 of 1000.
@@ -146,25 +147,25 @@ mod tests {
         let (s, got, again) = run(2, &lengths, 6, Some(10.0));
         assert_eq!(got, lengths.to_vec(), "every sequence generates all its tokens");
         assert!(s.preemptions > 0, "{s:?}");
-        assert!(again > 0 && s.recomputed_tokens == again as f64, "{s:?}");
+        assert!(again > 0.0 && s.recomputed_tokens == again, "{s:?}");
         assert!(s.kv_queued_s > 0.0);
         assert!(s.kv_peak_share.unwrap() <= 1.0, "{s:?}");
         // By hand, capacity 10 task tokens, prompts of 2: three are admitted (6 + 3 tokens of
         // growth, and a fourth's 2 + 1 would make 12).
         let mut a = Admission::new(6, 6, Some(10.0), 100.0);
-        let (now, _) = a.schedule(&[true; 6], &[2; 6]);
+        let (now, _) = a.schedule(&[true; 6], &[2.0; 6]);
         assert_eq!(now, [true, true, true, false, false, false]);
         assert_eq!((a.stats.preemptions, a.stats.kv_peak_share), (0, Some(0.9)));
         a.ran(100.0, 2.0, 3);
         assert_eq!(a.stats.kv_queued_s, 6.0, "three sequences waited 2 s each");
         // Next step their growth (9 + 3) does not fit: the latest admitted goes back to the front.
-        let (now, _) = a.schedule(&[true; 6], &[3, 3, 3, 2, 2, 2]);
+        let (now, _) = a.schedule(&[true; 6], &[3.0, 3.0, 3.0, 2.0, 2.0, 2.0]);
         assert_eq!(now, [true, true, false, false, false, false]);
         assert_eq!((a.stats.preemptions, a.waiting.front()), (1, Some(&2)));
         // Once the first two end it is readmitted first, its prompt and token prefilled again,
         // charged in modelled tokens.
-        let (now, again) = a.schedule(&[false, false, true, true, true, true], &[4, 4, 3, 2, 2, 2]);
+        let (now, again) = a.schedule(&[false, false, true, true, true, true], &[4.0, 4.0, 3.0, 2.0, 2.0, 2.0]);
         assert_eq!(now, [false, false, true, true, true, false]);
-        assert_eq!((again, a.stats.recomputed_tokens), (3, 300.0));
+        assert_eq!((again, a.stats.recomputed_tokens), (3.0, 300.0));
     }
 }

@@ -154,7 +154,9 @@ mod tests {
             if active == 0 {
                 break;
             }
-            let Some(now) = pacer.advance(&mut done, &live, m.decode_step_seconds(active, context)) else { break };
+            let Some(now) = pacer.advance(&mut done, &live, m.decode_step_seconds(active, context as f64)) else {
+                break;
+            };
             for i in now {
                 emitted[i] += 1;
             }
@@ -175,7 +177,7 @@ mod tests {
     fn a_decode_step_charges_the_golden_seconds() {
         let c = cases();
         for (i, s) in c.decode_steps.iter().enumerate() {
-            let got = c.model(&s.model, s.token_scale).decode_step_seconds(s.active, s.context);
+            let got = c.model(&s.model, s.token_scale).decode_step_seconds(s.active, s.context as f64);
             assert!(close(got, s.seconds), "decode_steps[{i}] ({}): {got} s, golden {} s", s.model, s.seconds);
         }
     }

@@ -40,6 +40,11 @@ pub(super) struct Job {
     samples: Vec<Sample>,
     /// The modelled tokens per task token of the batch (compute.token_scale_final); None: init's.
     pub(super) token_scale: Option<f64>,
+    /// The batch's modelled tokens with the job's own response lengths (compute.lengths); None:
+    /// task tokens x the scale.
+    modelled_tokens: Option<f64>,
+    /// Of them, the samples' drawn response tokens (for the step's row).
+    drawn_response_tokens: Option<f64>,
     stage: Stage,
     span: Option<Span>,
     requests: Vec<InFlight>,
@@ -61,6 +66,8 @@ pub(super) struct Trained {
     pub(super) adv: Advantages,
     pub(super) train: TrainReply,
     pub(super) token_scale: Option<f64>,
+    /// With compute.lengths: the samples' drawn response tokens.
+    pub(super) drawn_response_tokens: Option<f64>,
 }
 
 impl Trained {
@@ -80,6 +87,8 @@ impl Job {
         Job {
             samples,
             token_scale,
+            modelled_tokens: None,
+            drawn_response_tokens: None,
             stage: Stage::RefLogProbs,
             span: None,
             requests: Vec::new(),
@@ -90,6 +99,14 @@ impl Job {
             train: None,
             replicas: 0,
         }
+    }
+
+    /// The trainer charges the batch at its modelled tokens (compute.lengths: prompts x
+    /// token_scale plus each sample's drawn response length; `drawn` gives both totals, as
+    /// Config::drawn_tokens does) instead of its task tokens x the scale.
+    pub(super) fn with_drawn(mut self, drawn: Option<(f64, f64)>) -> Job {
+        (self.modelled_tokens, self.drawn_response_tokens) = (drawn.map(|d| d.0), drawn.map(|d| d.1));
+        self
     }
 
     /// The stage under way, or the next to submit.
@@ -134,22 +151,23 @@ impl Job {
     ) -> R<()> {
         self.replicas = targets.len();
         self.span = Some(rec.begin(self.stage.phase()));
-        let (step, token_scale) = (rec.cursor().step(), self.token_scale);
+        let (step, token_scale, modelled_tokens) = (rec.cursor().step(), self.token_scale, self.modelled_tokens);
         let mut requests = Vec::new();
         for &i in targets {
             let r = match self.stage {
                 Stage::RefLogProbs | Stage::LogProbs => {
                     let model = if self.stage == Stage::RefLogProbs { Model::Ref } else { Model::Actor };
-                    let p = LogProbsParams { model, samples: self.pairs(), step, token_scale };
+                    let p = LogProbsParams { model, samples: self.pairs(), step, token_scale, modelled_tokens };
                     fleet.submit::<LogProbs>(i, p)?
                 }
                 Stage::Values => {
-                    fleet.submit::<Values>(i, SamplesParams { samples: self.pairs(), step, token_scale })?
+                    let p = SamplesParams { samples: self.pairs(), step, token_scale, modelled_tokens };
+                    fleet.submit::<Values>(i, p)?
                 }
                 Stage::Train => {
                     let adv = self.adv.as_ref().expect("advantages before train");
                     let params = learn::train_params(cfg, &self.samples, &self.scores(), adv, step, token_scale);
-                    fleet.submit::<Train>(i, TrainParams { replicas, ..params })?
+                    fleet.submit::<Train>(i, TrainParams { replicas, modelled_tokens, ..params })?
                 }
             };
             requests.push(r);
@@ -230,6 +248,7 @@ impl Job {
             adv: self.adv.take().expect("advantages before train"),
             train: self.train.take().unwrap_or_default(),
             token_scale: self.token_scale,
+            drawn_response_tokens: self.drawn_response_tokens,
         }
     }
 
@@ -287,6 +306,10 @@ pub(super) fn step_row(cfg: &Config, task: &Addition, rec: &Recorder, trained: &
     }
     if let Some(scale) = trained.token_scale {
         row.set("compute/token_scale", scale);
+    }
+    if let Some(tokens) = trained.drawn_response_tokens {
+        row.set("compute/drawn_samples", trained.samples.len() as f64);
+        row.set("compute/drawn_response_tokens", tokens);
     }
     learn::sample_metrics(&mut row, cfg, task, &trained.outcome());
     for s in rec.step_memory() {

@@ -154,7 +154,15 @@ pub(super) fn train_params(
         })
         .collect();
     let a = &cfg.algo;
-    TrainParams { samples, minibatches: a.minibatches, epochs: a.epochs, step, token_scale, replicas: None }
+    TrainParams {
+        samples,
+        minibatches: a.minibatches,
+        epochs: a.epochs,
+        step,
+        token_scale,
+        replicas: None,
+        modelled_tokens: None,
+    }
 }
 
 /// The batch's rollout and training metrics: rewards, pass rates, lengths, log-probs, KL,
@@ -362,9 +370,22 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
         Some(s) => format!("; {s}"),
         None => String::new(),
     };
+    let lengths = match &c.lengths_table {
+        Some(l) => format!(
+            "; response lengths drawn from {} ({} values, mean {:.0}, p90 {}, max {} tokens) in place of task tokens x \
+             token_scale",
+            c.lengths,
+            l.count(),
+            l.mean(),
+            l.p90(),
+            l.max()
+        ),
+        None => String::new(),
+    };
     format!(
         "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device ({}) at MFU {} (train) and {} \
-         (rollout){memory}, each task token standing for {}; every request lasts at least that{caveat}{switch}",
+         (rollout){memory}, each task token standing for {}{lengths}; every request lasts at least \
+         that{caveat}{switch}",
         cfg.memory.profile,
         profile.params_per_device as f64 / 1e9,
         c.tflops,

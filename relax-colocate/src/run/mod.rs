@@ -32,6 +32,7 @@ mod handover;
 mod job;
 mod launch;
 pub(crate) mod learn;
+pub(crate) mod lengths;
 mod pacer;
 mod recorder;
 mod rig;

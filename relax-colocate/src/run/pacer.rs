@@ -36,11 +36,31 @@ impl Pacer {
     /// when the budget ran out first, every live sequence's progress advanced by the steps it paid
     /// for.
     pub(crate) fn advance(&mut self, done: &mut [f64], live: &[bool], step_s: f64) -> Option<Vec<usize>> {
+        let whole = vec![self.scale; done.len()];
+        let complete = self.advance_to(done, live, &whole, step_s)?;
+        for &i in &complete {
+            done[i] = 0.0;
+        }
+        Some(complete)
+    }
+
+    /// `advance` towards each sequence's own `target` in modelled steps (`done` counting from
+    /// wherever the caller does): the live batch runs to the nearest target, and the sequences
+    /// that reach theirs are returned, their steps left as they are. A drawn response length
+    /// (compute.lengths) ends a sequence at a target that need not be a whole task token.
+    pub(crate) fn advance_to(
+        &mut self,
+        done: &mut [f64],
+        live: &[bool],
+        target: &[f64],
+        step_s: f64,
+    ) -> Option<Vec<usize>> {
         let need = done
             .iter()
             .zip(live)
-            .filter(|(_, l)| **l)
-            .map(|(d, _)| (self.scale - d).max(0.0))
+            .zip(target)
+            .filter(|((_, l), _)| **l)
+            .map(|((d, _), t)| (t - d).max(0.0))
             .fold(f64::INFINITY, f64::min);
         self.last_steps = 0.0;
         if !need.is_finite() {
@@ -63,14 +83,18 @@ impl Pacer {
         if ran_out {
             return None;
         }
-        let mut complete = Vec::new();
-        for (i, (d, _)) in done.iter_mut().zip(live).enumerate().filter(|(_, (_, l))| **l) {
-            if self.scale - *d <= self.tolerance * self.scale {
-                *d = 0.0;
-                complete.push(i);
-            }
-        }
-        Some(complete)
+        let reached = |i: usize| live[i] && target[i] - done[i] <= self.tolerance * self.scale;
+        Some((0..done.len()).filter(|&i| reached(i)).collect())
+    }
+
+    /// Modelled decode steps per task token.
+    pub(crate) fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// The steps within which a sequence `done` steps in counts as at `target`.
+    pub(crate) fn tolerance_steps(&self) -> f64 {
+        self.tolerance * self.scale
     }
 }
 

@@ -225,8 +225,23 @@ impl ComputeModel {
     /// Seconds for `tokens` task tokens through `passes` forward-pass equivalents (a forward pass
     /// is 1, training 3: forward and backward) at `mfu`, on one of `devices` sharing the work.
     pub fn seconds(&self, tokens: usize, passes: f64, mfu: f64, devices: f64) -> f64 {
-        let flops = tokens as f64 * self.token_scale * passes * self.forward_flops_per_token;
+        self.modelled_seconds(tokens as f64 * self.token_scale, passes, mfu, devices)
+    }
+
+    /// `seconds` for `modelled` tokens of the modelled job (task tokens already scaled, or a
+    /// sample's drawn length, compute.lengths).
+    pub fn modelled_seconds(&self, modelled: f64, passes: f64, mfu: f64, devices: f64) -> f64 {
+        let flops = modelled * passes * self.forward_flops_per_token;
         flops / (self.tflops * 1e12 * mfu * devices.max(1.0))
+    }
+
+    /// `stage_seconds` for `modelled` tokens of the modelled job.
+    pub fn stage_modelled_seconds(&self, stage: &Stage, modelled: f64, devices: f64) -> f64 {
+        let mfu = match stage.mfu {
+            Mfu::Train => self.train_mfu,
+            Mfu::Rollout => self.rollout_mfu,
+        };
+        self.modelled_seconds(modelled, stage.passes, mfu, devices)
     }
 
     /// Seconds for `tokens` task tokens through `stage` (its passes at its MFU, the compute model's
@@ -245,13 +260,15 @@ impl ComputeModel {
     /// KV cache, which grows over those steps) at the memory bandwidth: the roofline of a decode
     /// step, which small batches spend waiting on memory. Each modelled step then pays the fixed
     /// `decode_step_ms` whatever its batch, which is what makes a batch's last few sequences dear.
-    pub fn decode_step_seconds(&self, active: usize, context: usize) -> f64 {
+    /// `context` need not be whole: a sequence decoding to a drawn length (compute.lengths) holds
+    /// its prompt's task tokens plus its modelled steps over token_scale.
+    pub fn decode_step_seconds(&self, active: usize, context: f64) -> f64 {
         let s = self.token_scale;
         let fixed = s * self.decode_step_ms / 1e3;
         let compute = self.stage_seconds(&FIGURES.stages.decode, active, 1.0);
         let Some(gbps) = self.hbm_gbps.filter(|g| *g > 0.0) else { return compute + fixed };
         // Each sequence's cache grows over the modelled steps; it is charged at its size part-way.
-        let kv_tokens = s * (context as f64 + FIGURES.decode_kv_midpoint * active as f64);
+        let kv_tokens = s * (context + FIGURES.decode_kv_midpoint * active as f64);
         let bytes = s * (self.weight_bytes + self.kv_bytes_per_token * kv_tokens);
         compute.max(bytes / (gbps * 1e9)) + fixed
     }
@@ -359,6 +376,14 @@ pub struct GenerateParams {
     /// from `seed` for the whole request.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sequence_seeds: Vec<u64>,
+    /// Modelled compute with the job's own response lengths (compute.lengths): each sequence's
+    /// modelled response length in decode steps (reply order). A sequence decodes until its
+    /// `progress`, which then counts its modelled steps since its start, reaches its length;
+    /// a task token is sampled every `token_scale` steps while its task response is open; a task
+    /// response that ended (EOS, `max_new_tokens`) keeps decoding, unsampled, to the length; one
+    /// whose length comes first is cut there. Empty: today's lengths, task tokens x token_scale.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lengths: Vec<f64>,
 }
 
 fn one() -> f64 {
@@ -447,6 +472,11 @@ pub struct LogProbsParams {
     /// `compute.token_scale`. None: init's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_scale: Option<f64>,
+    /// Modelled compute with the job's own response lengths (compute.lengths): the batch's modelled
+    /// tokens (each sample's prompt task tokens x token_scale plus its drawn response length),
+    /// charged in place of its task tokens x token_scale. None: task tokens x token_scale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modelled_tokens: Option<f64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -459,6 +489,11 @@ pub struct SamplesParams {
     /// `compute.token_scale`. None: init's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_scale: Option<f64>,
+    /// Modelled compute with the job's own response lengths (compute.lengths): the batch's modelled
+    /// tokens (each sample's prompt task tokens x token_scale plus its drawn response length),
+    /// charged in place of its task tokens x token_scale. None: task tokens x token_scale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modelled_tokens: Option<f64>,
 }
 
 /// Per sequence, per response token.
@@ -492,6 +527,9 @@ pub struct TrainParams {
     /// init's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<f64>,
+    /// As log_probs' `modelled_tokens`: the batch's modelled tokens for one epoch (compute.lengths).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modelled_tokens: Option<f64>,
 }
 
 fn one_usize() -> usize {
@@ -569,6 +607,7 @@ mod tests {
             segment_s: Some(0.5),
             progress: vec![120.0],
             sequence_seeds: vec![9],
+            lengths: Vec::new(),
         };
         let v = serde_json::to_value(p).unwrap();
         assert_eq!(
@@ -601,13 +640,14 @@ mod tests {
             samples: vec![Pair { prompt: vec![1], response: vec![2] }],
             step: 3,
             token_scale: None,
+            modelled_tokens: None,
         };
         assert_eq!(
             serde_json::to_value(p).unwrap(),
             json!({"model": "ref", "samples": [{"prompt": [1], "response": [2]}], "step": 3})
         );
         // Growth over the run (compute.token_scale_final) says the request's own scale.
-        let p = SamplesParams { samples: Vec::new(), step: 4, token_scale: Some(650.0) };
+        let p = SamplesParams { samples: Vec::new(), step: 4, token_scale: Some(650.0), modelled_tokens: None };
         assert_eq!(serde_json::to_value(p).unwrap(), json!({"samples": [], "step": 4, "token_scale": 650.0}));
         assert_eq!(serde_json::to_value(Ack {}).unwrap(), json!({}));
         assert_eq!(serde_json::to_value(TrainReply::default()).unwrap(), json!({}));
@@ -635,20 +675,20 @@ mod tests {
         let (bare, floored) = (h100_4b(0.0), h100_4b(2.0));
         // One sequence at an empty context: the weights' 8 GB at 3,350 GB/s, then the 2 ms.
         let weights = 8.0e9 / 3350e9;
-        assert!((bare.decode_step_seconds(1, 0) - (weights + 147_456.0 * 0.5 / 3350e9)).abs() < 1e-9);
-        for (active, context) in [(1, 0), (1, 4096), (64, 64 * 512), (4096, 4096 * 2)] {
+        assert!((bare.decode_step_seconds(1, 0.0) - (weights + 147_456.0 * 0.5 / 3350e9)).abs() < 1e-9);
+        for (active, context) in [(1, 0.0), (1, 4096.0), (64, 64.0 * 512.0), (4096, 4096.0 * 2.0)] {
             let extra = floored.decode_step_seconds(active, context) - bare.decode_step_seconds(active, context);
             assert!((extra - 0.002).abs() < 1e-9, "{active} sequences: {extra} s more, not 2 ms");
         }
         // Each task step stands for token_scale modelled steps, each paying the latency.
         let scaled = ComputeModel { token_scale: 300.0, ..floored };
-        let extra =
-            scaled.decode_step_seconds(1, 0) - ComputeModel { decode_step_ms: 0.0, ..scaled }.decode_step_seconds(1, 0);
+        let extra = scaled.decode_step_seconds(1, 0.0)
+            - ComputeModel { decode_step_ms: 0.0, ..scaled }.decode_step_seconds(1, 0.0);
         assert!((extra - 0.6).abs() < 1e-9, "{extra}");
         // Without a memory floor the latency still adds to the FLOPs.
         let flops_only = ComputeModel { hbm_gbps: None, ..floored };
         let compute = flops_only.seconds(8, 1.0, 0.3, 1.0);
-        assert!((flops_only.decode_step_seconds(8, 0) - (compute + 0.002)).abs() < 1e-12);
+        assert!((flops_only.decode_step_seconds(8, 0.0) - (compute + 0.002)).abs() < 1e-12);
     }
 
     #[test]

@@ -100,6 +100,10 @@ pub struct RunSummary {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub decode_unreported: Vec<String>,
     pub device: String,
+    /// With compute.lengths: the file's lengths and what the trained samples drew (absent
+    /// otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lengths: Option<LengthsSummary>,
     pub memory: Memory,
     pub off_policy_correction: Correction,
     pub pass_rate: Ends,
@@ -134,6 +138,20 @@ pub struct SwitchStage {
     pub measured_s: f64,
     pub modelled_s: f64,
     pub stage: String,
+}
+
+/// The job's own response lengths (compute.lengths): the file, its figures, and the modelled
+/// response tokens of the samples the trainer trained on (each its drawn length).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LengthsSummary {
+    pub file: String,
+    pub values: usize,
+    pub mean: f64,
+    pub p50: u64,
+    pub p90: u64,
+    pub max: u64,
+    pub trained_samples: u64,
+    pub trained_response_tokens: f64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -317,9 +317,15 @@ impl Rollouter {
             (prompts, n, Vec::new(), order, Vec::new())
         };
         let budget = cfg.segment_budget();
-        // Carried steps go only with a budget (nothing else ends a segment mid-token), and only
-        // when some sequence has any.
-        let progress = if budget.is_some() && progress.iter().any(|p| *p > 0.0) { progress } else { Vec::new() };
+        // A sequence's drawn length (compute.lengths), by its group's place in the run's order of
+        // prompts and its own in the group: the same whichever engine continues it.
+        let lengths: Vec<f64> =
+            order.iter().filter_map(|o| cfg.drawn_length(e.groups[o.group].started, o.seq as u64)).collect();
+        // Carried steps go only with a budget (nothing else ends a segment mid-token), or with
+        // drawn lengths (they count a sequence's steps since its start), and only when some
+        // sequence has any.
+        let carry = budget.is_some() || !lengths.is_empty();
+        let progress = if carry && progress.iter().any(|p| *p > 0.0) { progress } else { Vec::new() };
         // A sequence's own seed, from where it stands in the run: its tokens are the same however
         // segments split it and whichever engines continue it.
         let base = cfg.run.seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
@@ -346,6 +352,7 @@ impl Rollouter {
             segment_s: budget,
             progress,
             sequence_seeds,
+            lengths,
         };
         let request = rig.fleet.submit::<Generate>(e.worker, params)?;
         // Its idle time ends, and its cache now holds every group it generates, under the
@@ -411,7 +418,10 @@ impl Rollouter {
             seq.versions.extend(std::iter::repeat_n(version, s.response.len()));
             seq.response.extend(s.response);
             seq.logprobs.extend(s.logprobs);
-            seq.finished = s.finished || seq.response.len() >= max_new || !partial;
+            // With drawn lengths a task response at max_new_tokens may still be decoding: the
+            // worker says when its length is done.
+            let full = seq.response.len() >= max_new && rig.cfg.compute.lengths_table.is_none();
+            seq.finished = s.finished || full || !partial;
             seq.progress = if seq.finished { 0.0 } else { s.progress };
             mid_token |= seq.progress > 0.0;
             if seq.response.is_empty() && seq.finished {

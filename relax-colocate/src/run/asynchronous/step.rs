@@ -36,8 +36,10 @@ impl Async {
         let now = self.roll.version();
         let mut samples = Vec::new();
         let (mut staleness, mut spans, mut scaled) = (Vec::new(), Vec::new(), Vec::new());
+        let mut identities = Vec::new();
         for g in &groups {
-            for s in &g.seqs {
+            for (j, s) in g.seqs.iter().enumerate() {
+                identities.push((g.prompt.len(), g.started, j as u64));
                 let versions = s.versions.iter().map(|v| *v as f64);
                 let version = versions.clone().sum::<f64>() / s.versions.len().max(1) as f64;
                 scaled.push((g.prompt.len() + s.response.len(), self.rig.cfg.cost_clock(version, g.started)));
@@ -57,7 +59,8 @@ impl Async {
         }
         self.rig.rec.count_check();
         self.roll.set_in_training(groups.len());
-        let job = Job::new(samples, learn::batch_token_scale(&self.rig.cfg, &scaled));
+        let job = Job::new(samples, learn::batch_token_scale(&self.rig.cfg, &scaled))
+            .with_drawn(self.rig.cfg.drawn_tokens(identities));
         let mut training = Training { job, staleness, spans, publishes };
         self.submit_stage(&mut training)?;
         Ok(training)

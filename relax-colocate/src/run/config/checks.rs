@@ -52,6 +52,7 @@ impl Config {
         need(self.sim.api == "cuda" || self.sim.api == "acl", "sim.api must be cuda or acl");
         need(self.sim.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0");
         errors.extend(self.compute_errors());
+        errors.extend(self.lengths_errors());
         if let Err(e) = self.link_gbps() {
             errors.push(e);
         }
@@ -82,6 +83,35 @@ impl Config {
         errors.extend(self.layout_errors());
         errors.extend(self.correction_errors());
         if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    /// compute.lengths: only the built-in workers under compute.model charge a sample's drawn
+    /// length, and it replaces the response's growth over the run rather than compounding it.
+    fn lengths_errors(&self) -> Vec<String> {
+        let c = &self.compute;
+        if c.lengths.trim().is_empty() {
+            return Vec::new();
+        }
+        let mut errors = Vec::new();
+        if !c.model {
+            errors.push(format!(
+                "compute.lengths = {:?} needs compute.model = true (--set compute.model=true): the lengths are                  modelled tokens, and nothing is modelled without it",
+                c.lengths
+            ));
+        }
+        if !self.builtin_workers() {
+            errors.push(
+                "compute.lengths needs the built-in workers: an external worker (run.trainer_cmd, run.rollout_cmd;                  scripts/torch_worker.py) does not charge drawn lengths; drop --lengths, or drop the worker commands"
+                    .to_string(),
+            );
+        }
+        if c.token_scale_final > 0.0 {
+            errors.push(
+                "compute.lengths and compute.token_scale_final both set a response's modelled length: keep one                  (--set compute.token_scale_final=0 to use the file's lengths)"
+                    .to_string(),
+            );
+        }
+        errors
     }
 
     /// compute.model's settings, when it is on.

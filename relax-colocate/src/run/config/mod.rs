@@ -151,6 +151,13 @@ pub struct ComputeSection {
     pub pin_gbps: f64,
     pub map_ms_per_gib: f64,
     pub unmap_ms_per_gib: f64,
+    /// A file of response lengths (lengths.rs) each sample's modelled response length is drawn
+    /// from, in place of its task tokens x token_scale; stored absolute. Empty: none.
+    #[serde(default)]
+    pub lengths: String,
+    /// The file's lengths, read when the configuration is loaded.
+    #[serde(skip)]
+    pub(crate) lengths_table: Option<std::sync::Arc<crate::run::lengths::Lengths>>,
     /// Figure keys neither the job nor its device's preset gives (0 above): refused where the
     /// run needs one.
     #[serde(skip)]
@@ -411,10 +418,17 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
         let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
         merge(&mut root, user, "").map_err(|e| format!("{}: {e}", path.display()))?;
     }
+    // A job file's relative path is the job's: beside it, wherever the job is run from.
+    if let Some(dir) = file.and_then(std::path::Path::parent) {
+        resolve_lengths(&mut root, dir)?;
+    }
     let mut devices_given = file_sets_key(file, "run", "devices")?;
     for s in sets {
         apply_override(&mut root, s)?;
         devices_given |= s.split_once('=').is_some_and(|(k, _)| k.trim() == "run.devices");
+        if s.split_once('=').is_some_and(|(k, _)| k.trim() == "compute.lengths") {
+            resolve_lengths(&mut root, std::path::Path::new("."))?;
+        }
     }
     if !devices_given {
         devices_from_lists(&mut root);
@@ -426,7 +440,28 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
         toml::Value::Table(root.clone()).try_into().map_err(|e: toml::de::Error| with_key(&root, e.message()))?;
     cfg.compute.unset = unset;
     cfg.validate()?;
+    if !cfg.compute.lengths.is_empty() {
+        let table = crate::run::lengths::Lengths::load(std::path::Path::new(&cfg.compute.lengths))
+            .map_err(|e| format!("compute.lengths: {e}"))?;
+        cfg.compute.lengths_table = Some(std::sync::Arc::new(table));
+    }
     Ok(cfg)
+}
+
+/// Makes a relative compute.lengths absolute, from `base` (a job file's folder, or the working
+/// directory for the command line's), so that the recorded config.toml names the file whatever
+/// directory it is read from.
+fn resolve_lengths(root: &mut toml::Table, base: &std::path::Path) -> Result<(), String> {
+    let compute = root.get_mut("compute").and_then(toml::Value::as_table_mut).expect("defaults have [compute]");
+    let Some(toml::Value::String(path)) = compute.get("lengths") else { return Ok(()) };
+    if path.trim().is_empty() {
+        return Ok(());
+    }
+    let joined = base.join(path.trim());
+    let absolute = std::path::absolute(&joined)
+        .map_err(|e| format!("compute.lengths={path:?}: cannot make it an absolute path: {e}"))?;
+    compute.insert("lengths".into(), toml::Value::String(absolute.display().to_string()));
+    Ok(())
 }
 
 impl Config {
@@ -462,6 +497,28 @@ impl Config {
             return version;
         }
         (started / self.rollout.prompts_per_step.max(1) as u64) as f64
+    }
+
+    /// With compute.lengths: the modelled response length (tokens, the decode steps it takes) of
+    /// sample `sample` of the group of the prompt at `prompt` in the run's order of prompts.
+    /// Every layout asks by the same identity, so they charge a sample alike. None: off.
+    pub(crate) fn drawn_length(&self, prompt: u64, sample: u64) -> Option<f64> {
+        let table = self.compute.lengths_table.as_ref()?;
+        Some(table.draw(self.run.seed, prompt, sample) as f64)
+    }
+
+    /// With compute.lengths: a batch's modelled tokens and, of them, its drawn response tokens;
+    /// each sample given as (its prompt's task tokens, the prompt's place in the run's order of
+    /// prompts, its place in the group) counts its prompt x compute.token_scale plus its drawn
+    /// length, whatever its task response. None: off.
+    pub(crate) fn drawn_tokens(&self, samples: impl IntoIterator<Item = (usize, u64, u64)>) -> Option<DrawnTokens> {
+        self.compute.lengths_table.as_ref()?;
+        let (mut prompts, mut responses) = (0.0, 0.0);
+        for (prompt_tokens, prompt, sample) in samples {
+            prompts += prompt_tokens as f64 * self.compute.token_scale;
+            responses += self.drawn_length(prompt, sample)?;
+        }
+        Some((prompts + responses, responses))
     }
 
     /// The off-policy correction the run applies: `auto` resolved by the layout. Colocated, the
@@ -605,6 +662,9 @@ impl Config {
         toml::to_string(self).expect("config serializes")
     }
 }
+
+/// A batch's modelled tokens and, of them, its drawn response tokens (compute.lengths).
+pub(crate) type DrawnTokens = (f64, f64);
 
 /// Async mode's devices per role, node-major indices, each list sorted and without repeats.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -780,6 +840,42 @@ mod tests {
         let stale = by_version.token_scale_at(by_version.cost_clock(2.0, 100)).unwrap();
         let fresh = by_version.token_scale_at(by_version.cost_clock(4.0, 100)).unwrap();
         assert_eq!((stale, fresh), (250.0, 350.0), "two versions stale: cheaper, as asked");
+    }
+
+    /// A job file's relative compute.lengths is beside the job; the recorded config names it
+    /// absolutely; the file's errors and the settings it needs are refused by name.
+    #[test]
+    fn lengths_resolve_beside_the_job_file_and_need_the_model_and_the_built_in_workers() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("lengths.txt"), "# tokens\n2000\n").unwrap();
+        let job = dir.path().join("job.toml");
+        std::fs::write(&job, "[compute]\nmodel = true\nlengths = \"lengths.txt\"\n[memory]\nprofile = \"qwen3-4b\"\n")
+            .unwrap();
+        let c = load(Some(&job), &[]).unwrap();
+        let want = dir.path().join("lengths.txt");
+        assert_eq!(std::path::Path::new(&c.compute.lengths), want);
+        assert_eq!(c.drawn_length(5, 1), Some(2000.0));
+        assert_eq!(c.drawn_tokens([(3, 0, 0), (3, 0, 1)]), Some((2.0 * (30.0 + 2000.0), 4000.0)));
+        let recorded = dir.path().join("config.toml");
+        std::fs::write(&recorded, c.to_toml()).unwrap();
+        assert_eq!(load(Some(&recorded), &[]).unwrap().compute.lengths, c.compute.lengths);
+        assert_eq!(load(None, &[]).unwrap().drawn_length(0, 0), None, "off by default");
+        // On the command line a relative path is from the working directory.
+        let err = with(&["compute.model=true", "memory.profile=qwen3-4b", "compute.lengths=no-such-lengths.txt"])
+            .unwrap_err();
+        let cwd = std::env::current_dir().unwrap().join("no-such-lengths.txt");
+        assert!(err.starts_with(&format!("compute.lengths: cannot read {}", cwd.display())), "{err}");
+        let file = format!("compute.lengths={}", want.display());
+        let err = with(&["memory.profile=qwen3-4b", &file]).unwrap_err();
+        assert!(err.contains("needs compute.model = true (--set compute.model=true)"), "{err}");
+        let err = with(&["compute.model=true", "memory.profile=qwen3-4b", "run.rollout_cmd=w", &file]).unwrap_err();
+        assert!(err.contains("compute.lengths needs the built-in workers") && err.contains("torch_worker"), "{err}");
+        let err = with(&["compute.model=true", "memory.profile=qwen3-4b", "compute.token_scale_final=300", &file])
+            .unwrap_err();
+        assert!(err.contains("--set compute.token_scale_final=0"), "{err}");
+        std::fs::write(&want, "2000\nlots\n").unwrap();
+        let err = with(&["compute.model=true", "memory.profile=qwen3-4b", &file]).unwrap_err();
+        assert!(err.contains("lengths.txt line 2: \"lots\" is not a response length"), "{err}");
     }
 
     fn with(sets: &[&str]) -> Result<Config, String> {

@@ -2,6 +2,7 @@
 //! advantages, training, and the hand-over of the new weights.
 
 use super::Colocate;
+use crate::run::config::DrawnTokens;
 use crate::run::handover::{Handover, Phases, Sleep, Wake};
 use crate::run::job::Job;
 use crate::run::learn::Sample;
@@ -16,12 +17,12 @@ impl Colocate {
         self.rig.rec.new_step();
         let wall = Instant::now();
         let prompts = self.prompts(rng);
-        let samples = self.phase("generate", |r| r.generate(&prompts))?;
+        let (samples, drawn) = self.phase("generate", |r| r.generate(&prompts))?;
         if self.rig.cfg.run.offload {
             self.wake_trainer()?;
         }
         let trainers = self.indices(Role::Trainer);
-        let job = Job::new(samples, self.token_scale());
+        let job = Job::new(samples, self.token_scale()).with_drawn(drawn);
         let trained =
             job.run_to_end(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec, &trainers)?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;
@@ -42,11 +43,20 @@ impl Colocate {
         self.rig.cfg.token_scale_at(self.step().saturating_sub(1) as f64)
     }
 
-    /// Each rollout takes a contiguous shard of the prompts, so groups stay contiguous.
-    fn generate(&mut self, prompts: &[Vec<u32>]) -> R<Vec<Sample>> {
+    /// Each rollout takes a contiguous shard of the prompts, so groups stay contiguous. Returns
+    /// the samples and, with compute.lengths, their modelled and drawn response tokens.
+    fn generate(&mut self, prompts: &[Vec<u32>]) -> R<(Vec<Sample>, Option<DrawnTokens>)> {
         let rollouts = self.indices(Role::Rollout);
         let shard = prompts.len() / rollouts.len();
         let n = self.rig.cfg.rollout.samples_per_prompt;
+        // Step s draws the run's batch s - 1: its prompts' places in the run's order of prompts.
+        let first = self.step().saturating_sub(1) * prompts.len() as u64;
+        let place = |k: usize, i: usize| first + (k * shard + i) as u64;
+        let cfg = &self.rig.cfg;
+        let drawn = |k: usize| -> Vec<f64> {
+            let each = (0..shard).flat_map(|i| (0..n).map(move |j| (i, j)));
+            each.filter_map(|(i, j)| cfg.drawn_length(place(k, i), j as u64)).collect()
+        };
         let params = (0..rollouts.len())
             .map(|k| GenerateParams {
                 prompts: prompts[k * shard..(k + 1) * shard].to_vec(),
@@ -64,10 +74,12 @@ impl Colocate {
                 segment_s: None,
                 progress: Vec::new(),
                 sequence_seeds: Vec::new(),
+                lengths: drawn(k),
             })
             .collect();
         let replies = self.call_each::<Generate>(&rollouts, params)?;
         let mut all = Vec::new();
+        let mut identities = Vec::new();
         for ((k, &i), reply) in rollouts.iter().enumerate().zip(replies) {
             let name = self.rig.fleet.worker(i).name.clone();
             let tokens = reply.samples.iter().map(|s| s.response.len() as u64).sum();
@@ -76,15 +88,18 @@ impl Colocate {
                 let cause = format!("generate returned {} samples, expected {}", reply.samples.len(), shard * n);
                 return Err(self.fail(FailKind::Worker, Some(&name), cause));
             }
+            let mut in_group = vec![0u64; shard];
             for s in reply.samples {
                 if s.prompt_index >= shard || s.response.is_empty() || s.logprobs.len() != s.response.len() {
                     return Err(self.fail(FailKind::Worker, Some(&name), "generate returned a malformed sample"));
                 }
                 let prompt = prompts[k * shard + s.prompt_index].clone();
+                identities.push((prompt.len(), place(k, s.prompt_index), in_group[s.prompt_index]));
+                in_group[s.prompt_index] += 1;
                 all.push(Sample { prompt, response: s.response, logprobs: s.logprobs });
             }
         }
-        Ok(all)
+        Ok((all, self.rig.cfg.drawn_tokens(identities)))
     }
 
     /// The rollout sleeps, the trainer wakes up with the weights it went to sleep with.

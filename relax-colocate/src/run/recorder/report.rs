@@ -5,8 +5,8 @@ use super::{MemSample, Recorder};
 use crate::plot::{self, Axis, Chart, Quantity, RGBColor, Series, Shape, Span, color};
 use crate::run::profile::Profile;
 use crate::run::summary::{
-    AsyncSummary, Checks, Correction, ElasticSummary, Ends, Memory, PhaseStats, RolloutLendSummary, RunSummary, Status,
-    Summary, SwitchStage, SwitchSummary, WeightSyncSummary,
+    AsyncSummary, Checks, Correction, ElasticSummary, Ends, LengthsSummary, Memory, PhaseStats, RolloutLendSummary,
+    RunSummary, Status, Summary, SwitchStage, SwitchSummary, WeightSyncSummary,
 };
 use crate::run::{FailKind, RunError};
 use serde_json::Value;
@@ -153,6 +153,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
     keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
     keys.extend(CORRECTION_KEYS.iter().map(|k| k.to_string()));
     keys.push("perf/wall_step_time".into());
+    keys.extend(["compute/drawn_samples".to_string(), "compute/drawn_response_tokens".to_string()]);
     let all = metric_series(r, &keys);
     let series = |k: &str| -> Vec<f64> { all.get(k).cloned().unwrap_or_default() };
     let total_step: f64 = series("perf/step_time").iter().sum();
@@ -199,6 +200,16 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         },
         off_policy_correction: correction_summary(r, &all),
         compute: crate::run::learn::compute_label(&r.cfg, profile),
+        lengths: r.cfg.compute.lengths_table.as_ref().map(|l| LengthsSummary {
+            file: r.cfg.compute.lengths.clone(),
+            values: l.count(),
+            mean: l.mean(),
+            p50: l.p50(),
+            p90: l.p90(),
+            max: l.max(),
+            trained_samples: series("compute/drawn_samples").iter().sum::<f64>() as u64,
+            trained_response_tokens: series("compute/drawn_response_tokens").iter().sum(),
+        }),
         decode: decode_summary(r, series("perf/wall_step_time").iter().sum()),
         decode_unreported: r.unreported.iter().cloned().collect(),
         wall_time_s: r.started.elapsed().as_secs_f64(),

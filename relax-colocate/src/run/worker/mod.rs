@@ -154,9 +154,21 @@ impl Common {
         }
     }
 
-    /// The trainer's passes: `tokens` through `stage`, the batch shared by the trainer replicas.
-    fn pace_trainer(&self, t0: std::time::Instant, token_scale: Option<f64>, tokens: usize, stage: &Stage) {
-        self.pace(t0, token_scale, |m| m.stage_seconds(stage, tokens, m.trainers));
+    /// The trainer's passes: `tokens` through `stage`, the batch shared by the trainer replicas;
+    /// `modelled`, when the request gives it (compute.lengths), the batch's modelled tokens in
+    /// place of `tokens` x the scale.
+    fn pace_trainer(
+        &self,
+        t0: std::time::Instant,
+        token_scale: Option<f64>,
+        tokens: usize,
+        modelled: Option<f64>,
+        stage: &Stage,
+    ) {
+        self.pace(t0, token_scale, |m| match modelled {
+            Some(t) => m.stage_modelled_seconds(stage, t, m.trainers),
+            None => m.stage_seconds(stage, tokens, m.trainers),
+        });
     }
 
     /// Every transport releases what it holds, whatever the first says: a failed IPC close

@@ -37,48 +37,81 @@ impl Rollout {
             segment_s,
             progress,
             sequence_seeds,
+            lengths,
             ..
         } = p;
         let s = self.c.shape;
         let batch = prompts.len() * n;
-        self.check_request(&prompts, &responses, batch, max_new)?;
+        let model = self.c.compute.map(|m| m.scaled(token_scale));
+        // Drawn lengths (compute.lengths) are modelled steps: without a model they mean nothing.
+        let drawn = check_lengths(&lengths, batch, model.is_some())?;
+        self.check_request(&prompts, &responses, batch, max_new, drawn)?;
         check_partial(segment_s, &progress, &sequence_seeds, batch)?;
-        let segment = segment_tokens.unwrap_or(max_new).max(1);
+        // Task tokens a sequence may complete in this request; with drawn lengths a sequence
+        // decodes past its task response, so only a segment bounds it.
+        let segment = match segment_tokens {
+            Some(t) => t.max(1),
+            None if drawn => usize::MAX,
+            None => max_new.max(1),
+        };
         let t0 = std::time::Instant::now();
-        let prefill = prefill_tokens(&prompts, &responses, &progress, n, Cached { all: prefix_cached, each: &cached });
+        let scale = model.map_or(1.0, |m| m.token_scale);
+        let held = Cached { all: prefix_cached, each: &cached };
+        let prefill = prefill_tokens(&prompts, &responses, &progress, n, held, drawn.then_some(scale));
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
         let pol = Policy { shape: s, params: &params };
         let (mut kv_host, mut seqs, before) = prefill_cache(&pol, &prompts, &responses, n);
+        if drawn {
+            // A continued sequence whose task response already ended only decodes in the model.
+            for q in &mut seqs {
+                q.3 = q.1.last().is_some_and(|t| Some(*t) == eos) || q.1.len() >= max_new;
+            }
+        }
         self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         let mut rng = Rng::new(seed);
         let mut logits_host = vec![0f64; batch * s.vocab];
         // Decoding in modelled steps: without a compute model a task token is one free step, so
         // every live sequence samples at each step, as the budget (which only a model gives a
-        // cost to) never binds.
-        let model = self.c.compute.map(|m| m.scaled(token_scale));
-        let mut pacer = Pacer::new(model.map_or(1.0, |m| m.token_scale), model.and(segment_s));
+        // cost to) never binds. With drawn lengths `done` counts each sequence's steps since its
+        // start, otherwise its steps towards its next task token.
+        let mut pacer = Pacer::new(scale, model.and(segment_s));
         let mut done = if model.is_some() && !progress.is_empty() { progress } else { vec![0.0; batch] };
         let mut emitted = vec![0usize; batch];
-        let scale = model.map_or(1.0, |m| m.token_scale);
+        // With drawn lengths: the sequences whose modelled length is decoded.
+        let mut ended = vec![false; batch];
         let capacity = model.and_then(|m| m.kv_capacity_tokens).map(|c| c / scale);
         let mut admission = Admission::new(batch, self.max_batch, capacity, scale);
-        let mut recomputed = 0;
+        let mut recomputed = 0.0;
         loop {
-            let live: Vec<bool> = seqs.iter().zip(&emitted).map(|(q, e)| !q.3 && *e < segment).collect();
-            let contexts: Vec<usize> = seqs.iter().map(|q| prompts[q.0].len() + q.1.len()).collect();
+            let open = |i: usize| if drawn { !ended[i] } else { !seqs[i].3 };
+            let live: Vec<bool> = (0..batch).map(|i| open(i) && emitted[i] < segment).collect();
+            // KV in task-token units, as the capacity is: a drawn length's steps over the scale.
+            let held = |i: usize| if drawn { done[i] / scale } else { seqs[i].1.len() as f64 };
+            let contexts: Vec<f64> = (0..batch).map(|i| prompts[seqs[i].0].len() as f64 + held(i)).collect();
             let (live, again) = admission.schedule(&live, &contexts);
             recomputed += again;
             let (active, context) =
-                contexts.iter().zip(&live).filter(|(_, l)| **l).fold((0, 0), |(a, c), (n, _)| (a + 1, c + n));
+                contexts.iter().zip(&live).filter(|(_, l)| **l).fold((0, 0.0), |(a, c), (n, _)| (a + 1, c + n));
             if active == 0 {
                 break;
             }
             let step_s = model.map_or(0.0, |m| m.decode_step_seconds(active, context));
             let spent_before = pacer.spent;
-            let advanced = pacer.advance(&mut done, &live, step_s);
+            let advanced = if drawn {
+                advance_drawn(&mut pacer, &mut done, &live, step_s, &lengths, &mut ended, &mut emitted, &seqs)
+            } else {
+                pacer.advance(&mut done, &live, step_s).inspect(|now| {
+                    for &i in now {
+                        emitted[i] += 1;
+                    }
+                })
+            };
             admission.ran(pacer.last_steps, pacer.spent - spent_before, active);
             let Some(now) = advanced else { break };
+            if now.is_empty() {
+                continue;
+            }
             self.c.dev.read(as_bytes_mut(&mut kv_host), self.kv.ptr).map_err(dev_err)?;
             let sample_now =
                 Sampling { pol: &pol, prompts: &prompts, temperature, eos, max_new, seeds: &sequence_seeds };
@@ -86,17 +119,18 @@ impl Rollout {
                 self.c.dev.write(self.workspace.ptr, as_bytes(logits)).map_err(dev_err)?;
                 self.c.dev.read(as_bytes_mut(logits), self.workspace.ptr).map_err(dev_err)
             })?;
-            for &i in &now {
-                emitted[i] += 1;
-            }
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
         // Prefill is compute-bound like the trainer's passes, a preempted sequence's again on its
         // readmission; decoding is charged step by step.
         let decode_s = pacer.spent;
         let prefilled = prefill + recomputed;
-        self.c.pace(t0, token_scale, |m| m.stage_seconds(&FIGURES.stages.prefill, prefilled, 1.0) + decode_s);
-        let samples = generated(seqs, &before, &done, max_new);
+        self.c.pace(t0, token_scale, |m| {
+            m.stage_modelled_seconds(&FIGURES.stages.prefill, prefilled * m.token_scale, 1.0) + decode_s
+        });
+        let finished: Vec<bool> =
+            if drawn { ended } else { seqs.iter().map(|q| q.3 || q.1.len() >= max_new).collect() };
+        let samples = generated(seqs, &before, &done, &finished);
         Ok(GenerateReply { samples, decode: Some(admission.stats) })
     }
 
@@ -107,6 +141,7 @@ impl Rollout {
         responses: &[Vec<u32>],
         batch: usize,
         max_new: usize,
+        drawn: bool,
     ) -> Result<(), Failure> {
         let s = self.c.shape;
         if batch > self.max_batch {
@@ -118,11 +153,83 @@ impl Rollout {
         if !responses.is_empty() && responses.len() != batch {
             return Err(bad(format!("responses has {} entries for {batch} sequences", responses.len())));
         }
-        if responses.iter().any(|r| r.len() >= max_new || r.iter().any(|t| *t as usize >= s.vocab)) {
+        // With drawn lengths a task response that reached max_new_tokens may still be decoding.
+        let full = |r: &Vec<u32>| r.len() > max_new || (r.len() == max_new && !drawn);
+        if responses.iter().any(|r| full(r) || r.iter().any(|t| *t as usize >= s.vocab)) {
             return Err(bad("a response prefix is already max_new_tokens long or leaves the vocabulary"));
         }
         Ok(())
     }
+}
+
+/// Whether a request carries drawn lengths (compute.lengths), and that they are one per sequence,
+/// each a finite number of modelled steps >= 1, under a compute model.
+fn check_lengths(lengths: &[f64], batch: usize, modelled: bool) -> Result<bool, Failure> {
+    if lengths.is_empty() {
+        return Ok(false);
+    }
+    if !modelled {
+        return Err(bad("lengths are modelled decode steps: they need init's `compute` (compute.model)"));
+    }
+    if lengths.len() != batch {
+        return Err(bad(format!("lengths has {} entries for {batch} sequences", lengths.len())));
+    }
+    if let Some(l) = lengths.iter().find(|l| !(**l >= 1.0 && l.is_finite())) {
+        return Err(bad(format!("length {l} is not a response length in modelled decode steps (finite, >= 1)")));
+    }
+    Ok(true)
+}
+
+/// With drawn lengths: a sequence `done` steps into its decode stops next at its next task token
+/// (every `scale` steps from its start) or at its `length`, whichever comes first.
+fn next_event(done: f64, length: f64, scale: f64) -> f64 {
+    let tolerance = FIGURES.token_tolerance * scale;
+    let token = ((done + tolerance) / scale).floor() + 1.0;
+    (token * scale).min(length)
+}
+
+/// With drawn lengths: runs the `live` batch to its next event, a sequence's next task token or
+/// its length (`next_event`), one task step costing `step_s`; `done` counts each sequence's
+/// modelled steps since its start. Marks the sequences whose length is decoded `ended` and counts
+/// each task token's steps in `emitted` (what segment_tokens bounds); returns the sequences that
+/// sample a task token now: those at a token whose task response (`seqs`) is still open, and one
+/// whose length ended before its first token (a sample has a response to score). None: the
+/// budget ran out first.
+#[allow(clippy::too_many_arguments)]
+fn advance_drawn(
+    pacer: &mut Pacer,
+    done: &mut [f64],
+    live: &[bool],
+    step_s: f64,
+    lengths: &[f64],
+    ended: &mut [bool],
+    emitted: &mut [usize],
+    seqs: &[Sequence],
+) -> Option<Vec<usize>> {
+    let scale = pacer.scale();
+    let targets: Vec<f64> = (0..done.len()).map(|i| next_event(done[i], lengths[i], scale)).collect();
+    let reached = pacer.advance_to(done, live, &targets, step_s)?;
+    let tolerance = pacer.tolerance_steps();
+    let mut sample = Vec::new();
+    for i in reached {
+        done[i] = targets[i];
+        ended[i] = done[i] >= lengths[i] - tolerance;
+        let first = ended[i] && seqs[i].1.is_empty();
+        if on_token(done[i], scale, tolerance) || first {
+            emitted[i] += 1;
+            // A task response that ended (EOS, max_new_tokens) decodes on in the model, unsampled.
+            if !seqs[i].3 {
+                sample.push(i);
+            }
+        }
+    }
+    Some(sample)
+}
+
+/// Whether `done` steps from a sequence's start fall on a task token (within `tolerance`).
+fn on_token(done: f64, scale: f64, tolerance: f64) -> bool {
+    let r = done - (done / scale).round() * scale;
+    done > 0.0 && r.abs() <= tolerance
 }
 
 /// What a segmented request may carry: a budget of positive seconds; carried steps and seeds one
@@ -203,15 +310,28 @@ struct Cached<'a> {
 /// Tokens a request prefills: the prompts and prefixes, a continued sequence's only when its
 /// cache is gone (`cached` says it is not), a new sequence's (no response yet, and no steps
 /// towards its first token: one with steps was prefilled by the segment that made them) always.
+/// With drawn lengths (`scale` given) a prefix is its modelled steps over the scale, in task-token
+/// units like the rest: a response that ended keeps growing in the model.
 /// This engine recomputes its small cache anyway; the model charges what one that keeps it would.
-fn prefill_tokens(prompts: &[Vec<u32>], responses: &[Vec<u32>], progress: &[f64], n: usize, held: Cached) -> usize {
+fn prefill_tokens(
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    progress: &[f64],
+    n: usize,
+    held: Cached,
+    scale: Option<f64>,
+) -> f64 {
     if responses.is_empty() {
-        return n * prompts.iter().map(Vec::len).sum::<usize>();
+        return (n * prompts.iter().map(Vec::len).sum::<usize>()) as f64;
     }
     let begun = |k: usize| !responses[k].is_empty() || progress.get(k).is_some_and(|p| *p > 0.0);
     let kept = |k: usize| if held.each.is_empty() { held.all } else { held.each.get(k).copied().unwrap_or(false) };
     let cached = |k: usize| kept(k) && begun(k);
-    (0..responses.len()).filter(|k| !cached(*k)).map(|k| prompts[k].len() + responses[k].len()).sum()
+    let prefix = |k: usize| match scale {
+        Some(s) => progress.get(k).copied().unwrap_or(0.0) / s,
+        None => responses[k].len() as f64,
+    };
+    (0..responses.len()).filter(|k| !cached(*k)).map(|k| prompts[k].len() as f64 + prefix(k)).sum()
 }
 
 /// One sequence of a request: its prompt's index, its response so far, the log-probabilities of
@@ -219,20 +339,18 @@ fn prefill_tokens(prompts: &[Vec<u32>], responses: &[Vec<u32>], progress: &[f64]
 type Sequence = (usize, Vec<u32>, Vec<f64>, bool);
 
 /// The reply's samples: each sequence's new tokens (after the `before` it came with), and for one
-/// still unfinished the modelled steps it has done towards its next token.
-fn generated(seqs: Vec<Sequence>, before: &[usize], done: &[f64], max_new: usize) -> Vec<Generated> {
+/// still unfinished the modelled steps it carries to the request that continues it.
+fn generated(seqs: Vec<Sequence>, before: &[usize], done: &[f64], finished: &[bool]) -> Vec<Generated> {
     seqs.into_iter()
         .zip(before)
         .zip(done)
-        .map(|(((prompt_index, response, logprobs, finished), &k), &steps)| {
-            let finished = finished || response.len() >= max_new;
-            Generated {
-                prompt_index,
-                response: response[k..].to_vec(),
-                logprobs,
-                finished,
-                progress: if finished { 0.0 } else { steps },
-            }
+        .zip(finished)
+        .map(|((((prompt_index, response, logprobs, _), &k), &steps), &finished)| Generated {
+            prompt_index,
+            response: response[k..].to_vec(),
+            logprobs,
+            finished,
+            progress: if finished { 0.0 } else { steps },
         })
         .collect()
 }
@@ -298,18 +416,117 @@ mod tests {
     const ALL: Cached = Cached { all: true, each: &[] };
     const NONE: Cached = Cached { all: false, each: &[] };
 
+    use crate::run::protocol::ComputeModel;
+
+    /// A 4B model at 300 modelled steps per task token, no memory floor: a decode step's cost
+    /// depends on the active sequences alone, so sums are easy to state.
+    fn flops_only() -> ComputeModel {
+        ComputeModel {
+            forward_flops_per_token: 8.0e9,
+            tflops: 989.0,
+            train_mfu: 0.4,
+            rollout_mfu: 0.3,
+            token_scale: 100.0,
+            trainers: 1.0,
+            hbm_gbps: None,
+            weight_bytes: 8.0e9,
+            kv_bytes_per_token: 147_456.0,
+            decode_step_ms: 2.0,
+            kv_capacity_tokens: None,
+        }
+    }
+
+    /// Decodes sequences whose task responses end after `task[i]` tokens to drawn `lengths` (as
+    /// generate's loop does, sampling a dummy token for each sequence it is told to), in requests
+    /// of `budget` modelled seconds. Returns the seconds charged, each sequence's task tokens and
+    /// its steps at the end.
+    fn decode_drawn(
+        m: &ComputeModel,
+        task: &[usize],
+        lengths: &[f64],
+        budget: Option<f64>,
+    ) -> (f64, Vec<usize>, Vec<f64>) {
+        let n = task.len();
+        let mut seqs: Vec<Sequence> = (0..n).map(|i| (i, Vec::new(), Vec::new(), false)).collect();
+        let (mut done, mut ended, mut charged) = (vec![0.0; n], vec![false; n], 0.0);
+        let mut requests = 0;
+        while ended.iter().any(|e| !e) {
+            requests += 1;
+            assert!(requests < 1000, "no progress");
+            let mut pacer = Pacer::new(m.token_scale, budget);
+            let mut emitted = vec![0; n];
+            loop {
+                let live: Vec<bool> = ended.iter().map(|e| !e).collect();
+                let active = live.iter().filter(|l| **l).count();
+                if active == 0 {
+                    break;
+                }
+                let step_s = m.decode_step_seconds(active, 0.0);
+                let advanced =
+                    advance_drawn(&mut pacer, &mut done, &live, step_s, lengths, &mut ended, &mut emitted, &seqs);
+                let Some(now) = advanced else { break };
+                for i in now {
+                    seqs[i].1.push(1);
+                    seqs[i].3 = seqs[i].1.len() == task[i];
+                }
+            }
+            charged += pacer.spent;
+        }
+        (charged, seqs.iter().map(|q| q.1.len()).collect(), done)
+    }
+
+    #[test]
+    fn a_sequence_decodes_to_its_drawn_length_whatever_its_task_response() {
+        let m = flops_only();
+        // A long length with a short task response (2 tokens) decodes on; a short length cuts a
+        // long response (9 tokens wanted, 250 steps give 2); one under a token still gets one.
+        let (seconds, tokens, steps) = decode_drawn(&m, &[2, 9, 9], &[1000.0, 250.0, 40.0], None);
+        assert_eq!(tokens, vec![2, 2, 1]);
+        assert_eq!(steps, vec![1000.0, 250.0, 40.0], "each ends exactly at its length");
+        // Three sequences for 40 steps, two to 250, one to 1000; each modelled step costs its
+        // batch's FLOPs and the fixed latency.
+        let per_step = |active: usize| m.decode_step_seconds(active, 0.0) / m.token_scale;
+        let want = 40.0 * per_step(3) + 210.0 * per_step(2) + 750.0 * per_step(1);
+        assert!((seconds - want).abs() < 1e-9 * want, "{seconds} s, by hand {want} s");
+    }
+
+    #[test]
+    fn segments_split_a_drawn_length_without_losing_or_repeating_steps() {
+        let m = flops_only();
+        let (whole_s, whole_tokens, _) = decode_drawn(&m, &[3, 9], &[1000.0, 650.0], None);
+        for budget in [0.05, 0.3, 1.7] {
+            let (split_s, tokens, steps) = decode_drawn(&m, &[3, 9], &[1000.0, 650.0], Some(budget));
+            assert_eq!(tokens, whole_tokens, "budget {budget}");
+            assert_eq!(steps, vec![1000.0, 650.0], "budget {budget}");
+            assert!((split_s - whole_s).abs() < 1e-9 * whole_s, "budget {budget}: {split_s} s against {whole_s} s");
+        }
+    }
+
+    #[test]
+    fn drawn_lengths_are_one_per_sequence_under_a_model() {
+        assert_eq!(check_lengths(&[], 3, false).map_err(|e| e.1), Ok(false));
+        assert_eq!(check_lengths(&[5.0, 7.0], 2, true).map_err(|e| e.1), Ok(true));
+        assert!(check_lengths(&[5.0], 1, false).unwrap_err().1.contains("need init's `compute`"));
+        assert!(check_lengths(&[5.0], 2, true).unwrap_err().1.contains("lengths has 1 entries for 2 sequences"));
+        assert!(check_lengths(&[0.0], 1, true).unwrap_err().1.contains("length 0 is not a response length"));
+        // A continued sequence's prefix counts its modelled steps, not its task tokens.
+        let prompts = vec![vec![1, 2], vec![3]];
+        let responses = vec![vec![4], vec![5]];
+        assert_eq!(prefill_tokens(&prompts, &responses, &[350.0, 50.0], 1, NONE, Some(100.0)), 2.0 + 3.5 + 1.0 + 0.5);
+    }
+
     #[test]
     fn a_sequence_with_steps_towards_its_first_token_is_not_prefilled_again() {
         let prompts = vec![vec![1, 2, 3], vec![4, 5], vec![6]];
         let responses = vec![vec![7], vec![], vec![]];
         // Cached: only the new sequence (no tokens, no steps) is prefilled; the second sequence's
         // steps came from a segment that prefilled its prompt.
-        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, ALL), 1);
-        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, ALL), 2 + 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, ALL, None), (1) as f64);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, ALL, None), (2 + 1) as f64);
         // After an update every continued sequence is prefilled again, with its prefix.
-        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, NONE), 4 + 2 + 1);
+        assert_eq!(prefill_tokens(&prompts, &responses, &[0.0, 40.0, 0.0], 1, NONE, None), (4 + 2 + 1) as f64);
         // A fresh request: every prompt, n times.
-        assert_eq!(prefill_tokens(&prompts, &[], &[], 2, ALL), 2 * 6);
+        assert_eq!(prefill_tokens(&prompts, &[], &[], 2, ALL, None), (2 * 6) as f64);
     }
 
     #[test]
@@ -319,10 +536,16 @@ mod tests {
         // The second sequence's group came from another engine: its prompt and prefix only. The
         // request-wide flag is false then (a worker that predates `cached` prefills all three).
         let each = [true, false, true];
-        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, Cached { all: false, each: &each }), 2 + 2);
-        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, NONE), 4 + 4 + 2);
+        assert_eq!(
+            prefill_tokens(&prompts, &responses, &[], 1, Cached { all: false, each: &each }, None),
+            (2 + 2) as f64
+        );
+        assert_eq!(prefill_tokens(&prompts, &responses, &[], 1, NONE, None), (4 + 4 + 2) as f64);
         // A new sequence is prefilled whatever its flag says.
         let fresh = vec![vec![7], vec![], vec![10]];
-        assert_eq!(prefill_tokens(&prompts, &fresh, &[], 1, Cached { all: false, each: &[true, true, true] }), 2);
+        assert_eq!(
+            prefill_tokens(&prompts, &fresh, &[], 1, Cached { all: false, each: &[true, true, true] }, None),
+            (2) as f64
+        );
     }
 }

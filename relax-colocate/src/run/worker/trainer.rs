@@ -61,7 +61,7 @@ impl Trainer {
     fn log_probs(&self, p: LogProbsParams) -> Result<LogProbsReply, Failure> {
         let t0 = std::time::Instant::now();
         let scores = self.token_scores(p.model, &p.samples)?;
-        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), &FIGURES.stages.log_probs);
+        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), p.modelled_tokens, &FIGURES.stages.log_probs);
         let pick = |f: fn(&model::TokenScore) -> f64| scores.iter().map(|s| s.iter().map(f).collect()).collect();
         Ok(LogProbsReply { logprobs: pick(|s| s.logprob), entropy: pick(|s| s.entropy) })
     }
@@ -69,7 +69,7 @@ impl Trainer {
     fn values(&self, p: SamplesParams) -> Result<ValuesReply, Failure> {
         let t0 = std::time::Instant::now();
         let scores = self.token_scores(Model::Actor, &p.samples)?;
-        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), &FIGURES.stages.values);
+        self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), p.modelled_tokens, &FIGURES.stages.values);
         Ok(ValuesReply { values: scores.iter().map(|s| s.iter().map(|t| t.value).collect()).collect() })
     }
 
@@ -201,9 +201,14 @@ impl Trainer {
             self.c.dev.write(pad.buf.ptr, &stamp[..(pad.buf.bytes as usize).min(8)]).map_err(dev_err)?;
         }
         self.take_snapshot()?;
-        let replicas = p.replicas;
-        let share =
-            |m: &ComputeModel| m.stage_seconds(&FIGURES.stages.train, tokens * epochs, replicas.unwrap_or(m.trainers));
+        let (replicas, modelled_tokens) = (p.replicas, p.modelled_tokens);
+        let share = |m: &ComputeModel| {
+            let devices = replicas.unwrap_or(m.trainers);
+            match modelled_tokens {
+                Some(t) => m.stage_modelled_seconds(&FIGURES.stages.train, t * epochs as f64, devices),
+                None => m.stage_seconds(&FIGURES.stages.train, tokens * epochs, devices),
+            }
+        };
         let modelled = self.c.compute.map(|m| share(&m.scaled(p.token_scale)));
         self.c.pace(t0, p.token_scale, share);
         let modelled = self.c.compute.zip(modelled).map(|(m, s)| (replicas.unwrap_or(m.trainers), s));
