@@ -1141,3 +1141,56 @@ fn engines_whose_kv_cache_holds_less_than_the_batch_queue_and_preempt_and_ample_
         }
     }
 }
+
+/// compute.lengths (`--lengths FILE`): every sample decodes and trains at the length drawn for it
+/// (here every length 2000 tokens, whatever the task's few), colocated and async alike, so both
+/// layouts charge the same modelled response tokens; a job that cannot charge them is refused.
+#[test]
+fn drawn_response_lengths_charge_every_sample_its_length_in_every_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("lengths.txt");
+    std::fs::write(&file, "# every response 2000 tokens\n2000\n").unwrap();
+    let file = file.to_str().unwrap();
+    // No fixed step latency and no KV bound: a request's decode is its longest length, exactly.
+    let modelled =
+        ["--set", "compute.model=true", "--set", "compute.decode_step_ms=0", "--set", "compute.kv_capacity=false"];
+    let job = [&["--devices", "2", "--steps", "2", "--lengths", file][..], &modelled].concat();
+    let run = |mode: &str| {
+        let out = dir.path().join(mode);
+        let (_, s) = run_ok(&out, &[&job[..], &["--mode", mode]].concat());
+        let recorded = std::fs::read_to_string(out.join("config.toml")).unwrap();
+        assert!(recorded.contains(&format!("lengths = {file:?}")), "{recorded}");
+        s
+    };
+    let (colocate, asynchronous) = (run("colocate"), run("async"));
+    for s in [&colocate, &asynchronous] {
+        let l = &s["lengths"];
+        assert_eq!((l["values"].as_u64(), l["mean"].as_f64(), l["p90"].as_u64()), (Some(1), Some(2000.0), Some(2000)));
+        let samples = l["trained_samples"].as_f64().unwrap();
+        assert_eq!(samples, 2.0 * 32.0 * 8.0, "{l}");
+        assert_eq!(l["trained_response_tokens"].as_f64(), Some(2000.0 * samples), "{l}");
+        let compute = s["compute"].as_str().unwrap();
+        assert!(compute.contains(&format!("response lengths drawn from {file} (1 values, mean 2000")), "{compute}");
+        // Every sequence decoded its 2000 modelled steps, whatever its task tokens.
+        assert!(s["decode"]["rollout"]["decode_steps"].as_f64().unwrap() >= 2000.0, "{s}");
+    }
+    // Colocated, each of the 2 engines' 2 requests decodes its batch for 2000 steps.
+    assert_eq!(colocate["decode"]["rollout"]["decode_steps"].as_f64(), Some(4.0 * 2000.0), "{colocate}");
+    assert_eq!(colocate["lengths"]["trained_response_tokens"], asynchronous["lengths"]["trained_response_tokens"]);
+
+    // Only the built-in workers under compute.model charge drawn lengths.
+    let refused = |extra: &[&str], says: &str| {
+        let out = run_cmd(&dir.path().join("refused"), &[&["--lengths", file][..], extra].concat()).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains(says), "{}", text(&out));
+    };
+    refused(&["--set", "compute.model=false"], "needs compute.model = true (--set compute.model=true)");
+    refused(
+        &[&modelled[..], &["--rollout-cmd", "python3 w.py"]].concat(),
+        "compute.lengths needs the built-in workers",
+    );
+    refused(
+        &["--set", "compute.model=true", "--set", "compute.lengths=/nonexistent/l.txt"],
+        "cannot read /nonexistent/l.txt",
+    );
+}

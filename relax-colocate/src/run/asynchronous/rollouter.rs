@@ -423,7 +423,15 @@ impl Rollouter {
             let full = seq.response.len() >= max_new && rig.cfg.compute.lengths_table.is_none();
             seq.finished = s.finished || full || !partial;
             seq.progress = if seq.finished { 0.0 } else { s.progress };
-            mid_token |= seq.progress > 0.0;
+            // With drawn lengths progress counts a sequence's steps since its start: mid-token is
+            // part-way between two of its tokens (every token_scale steps).
+            mid_token |= match rig.cfg.compute.lengths_table {
+                Some(_) => {
+                    let tokens = seq.progress / rig.cfg.compute.token_scale;
+                    (tokens - tokens.round()).abs() > 1e-9
+                }
+                None => seq.progress > 0.0,
+            };
             if seq.response.is_empty() && seq.finished {
                 return Err(bad("generate returned an empty response".into()));
             }

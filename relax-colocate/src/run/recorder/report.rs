@@ -345,6 +345,13 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Summary) {
     }
     print_reward(summary.steps_completed, &run.reward, &run.pass_rate);
     print_decode(&run.decode);
+    if let Some(l) = &run.lengths {
+        println!(
+            "lengths: drawn from {} ({} values, mean {:.0}, p50 {}, p90 {}, max {} tokens); the {} trained samples \
+             drew {:.0} modelled response tokens",
+            l.file, l.values, l.mean, l.p50, l.p90, l.max, l.trained_samples, l.trained_response_tokens
+        );
+    }
     if let Some(a) = &run.asynchronous {
         print_async(a, &run.compute);
         print_correction(&run.off_policy_correction);
