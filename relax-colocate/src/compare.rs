@@ -13,8 +13,10 @@ use std::process::Command;
 
 mod reward;
 
+/// The job and its layouts: what `compare` runs and `plan` predicts, so that both take the
+/// same flags and mean the same by them.
 #[derive(clap::Args)]
-pub struct Options {
+pub struct JobArgs {
     /// Total devices, the same for every layout [run.devices].
     #[arg(long, default_value_t = 2)]
     pub devices: u32,
@@ -24,26 +26,19 @@ pub struct Options {
     /// Async and elastic: the rollout engines' devices (default: the rest).
     #[arg(long)]
     pub rollout_devices: Option<String>,
-    /// The layouts to run, in this order, comma-separated: colocate, async, elastic (at least two).
+    /// The layouts, in this order, comma-separated: colocate, async, elastic (compare runs at
+    /// least two).
     #[arg(long, value_delimiter = ',', default_value = "colocate,async,elastic")]
     pub layouts: Vec<crate::run::config::Mode>,
     /// Trainer steps of each run.
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
-    /// Runs of every layout, interleaved (each layout once, then again): the table shows their
-    /// mean, and a winner is named only when its slowest run beats the runner-up's fastest.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
-    pub repeats: u32,
     /// Async and elastic: the staleness bound [async.max_staleness].
     #[arg(long, default_value_t = 2)]
     pub max_staleness: i64,
-    /// Model device compute time from the memory profile (true), or measure this CPU (false)
-    /// [compute.model].
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub model_compute: bool,
     /// A TOML job file for every run (`run --config`), e.g. jobs/long-tail.toml; this command's
-    /// own flags (--steps, --devices, the device split, --max-staleness) and every --set win over
-    /// its keys.
+    /// own flags (--steps, --devices, the device split, --max-staleness, --lengths) and every
+    /// --set win over its keys.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A file of your job's response lengths for every run (`run --lengths`): each sample's
@@ -54,6 +49,20 @@ pub struct Options {
     /// Any configuration key for every run: --set memory.profile=qwen3-4b (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub sets: Vec<String>,
+}
+
+#[derive(clap::Args)]
+pub struct Options {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Runs of every layout, interleaved (each layout once, then again): the table shows their
+    /// mean, and a winner is named only when its slowest run beats the runner-up's fastest.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub repeats: u32,
+    /// Model device compute time from the memory profile (true), or measure this CPU (false)
+    /// [compute.model].
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub model_compute: bool,
     /// Output folder.
     #[arg(long, default_value = "runs/compare")]
     pub out: PathBuf,
@@ -107,20 +116,28 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String], k: u32) -> 
     let exe = std::env::current_exe().map_err(|e| (1, format!("cannot find this program: {e}")))?;
     let dir = run_dir(o, name, k);
     let mut cmd = Command::new(exe);
-    cmd.args(["run", "--quiet", "--json", "--steps", &o.steps.to_string(), "--devices", &o.devices.to_string()])
-        .arg("--out")
-        .arg(&dir)
-        .args(mode_args);
-    if let Some(file) = &o.config {
+    cmd.args([
+        "run",
+        "--quiet",
+        "--json",
+        "--steps",
+        &o.job.steps.to_string(),
+        "--devices",
+        &o.job.devices.to_string(),
+    ])
+    .arg("--out")
+    .arg(&dir)
+    .args(mode_args);
+    if let Some(file) = &o.job.config {
         cmd.arg("--config").arg(file);
     }
     // Said either way: a job file's compute.model must not outvote this command's flag.
     cmd.args(["--set", &format!("compute.model={}", o.model_compute)]);
-    if let Some(file) = &o.lengths {
+    if let Some(file) = &o.job.lengths {
         // Absolute, so that every run reads the same file whatever its own directory.
         cmd.arg("--lengths").arg(std::path::absolute(file).unwrap_or_else(|_| file.clone()));
     }
-    for s in &o.sets {
+    for s in &o.job.sets {
         cmd.args(["--set", s]);
     }
     if let Some(h) = &o.hook {
@@ -128,7 +145,11 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String], k: u32) -> 
     }
     if !o.json {
         let of = if o.repeats > 1 { format!(", run {k} of {}", o.repeats) } else { String::new() };
-        eprintln!("relax-colocate compare: running the {name} layout ({} steps{of}) into {}", o.steps, dir.display());
+        eprintln!(
+            "relax-colocate compare: running the {name} layout ({} steps{of}) into {}",
+            o.job.steps,
+            dir.display()
+        );
     }
     let out = cmd.output().map_err(|e| (1, format!("cannot start the {name} run: {e}")))?;
     if !out.status.success() {
@@ -559,11 +580,11 @@ fn verdict_line(v: &Value, max_staleness: i64) -> String {
 
 /// The layouts to run, each once and in the order given, or the message for exit 2.
 fn checked_layouts(o: &Options) -> Result<Vec<crate::run::config::Mode>, String> {
-    if o.devices < 2 {
+    if o.job.devices < 2 {
         return Err("--devices must be at least 2 (async and elastic modes put each role on its own devices)".into());
     }
     let mut modes = Vec::new();
-    for m in &o.layouts {
+    for m in &o.job.layouts {
         if !modes.contains(m) {
             modes.push(*m);
         }
@@ -573,7 +594,7 @@ fn checked_layouts(o: &Options) -> Result<Vec<crate::run::config::Mode>, String>
     }
     // Read once here, so that a wrong path is not reported as the first layout's failure; each
     // run checks the keys against its own layout.
-    if let Some(file) = &o.config {
+    if let Some(file) = &o.job.config {
         let parsed = std::fs::read_to_string(file)
             .map_err(|e| e.to_string())
             .and_then(|t| t.parse::<toml::Table>().map(drop).map_err(|e| e.to_string()));
@@ -581,7 +602,7 @@ fn checked_layouts(o: &Options) -> Result<Vec<crate::run::config::Mode>, String>
             return Err(format!("--config {}: {e} (a TOML job file, see jobs/)", file.display()));
         }
     }
-    if let Some(file) = &o.lengths {
+    if let Some(file) = &o.job.lengths {
         crate::run::lengths::Lengths::load(file).map_err(|e| format!("--lengths: {e}"))?;
     }
     Ok(modes)
@@ -635,8 +656,9 @@ fn run_all(o: &Options, modes: &[crate::run::config::Mode]) -> Result<Vec<Vec<La
 fn mode_args(o: &Options, mode: crate::run::config::Mode) -> Vec<String> {
     let mut args = vec!["--mode".to_string(), mode.as_str().into()];
     if mode.split() {
-        args.extend(["--max-staleness".into(), o.max_staleness.to_string()]);
-        for (flag, v) in [("--trainer-devices", &o.trainer_devices), ("--rollout-devices", &o.rollout_devices)] {
+        args.extend(["--max-staleness".into(), o.job.max_staleness.to_string()]);
+        for (flag, v) in [("--trainer-devices", &o.job.trainer_devices), ("--rollout-devices", &o.job.rollout_devices)]
+        {
             if let Some(v) = v {
                 args.extend([flag.into(), v.clone()]);
             }
@@ -675,7 +697,7 @@ impl Outcome {
     /// The ratios and the verdict on throughput, with the verdict on reward under its `reward`.
     fn judge(o: &Options, names: Vec<&'static str>, figs: Vec<Value>, target: Result<reward::Target, String>) -> Self {
         let ratios = ratios(&names, &figs);
-        let mut verdict = verdict(&names, &figs, o.steps);
+        let mut verdict = verdict(&names, &figs, o.job.steps);
         verdict["reward"] = match &target {
             Ok(t) => {
                 let left_out = (verdict["elastic_lent_nothing"] == true).then_some("elastic");
@@ -718,7 +740,7 @@ impl Outcome {
             );
             println!("elastic / the better of the others: {all:.2}x (samples/s); {after:.2}x after step 1");
         }
-        println!("{}", verdict_line(&self.verdict, o.max_staleness));
+        println!("{}", verdict_line(&self.verdict, o.job.max_staleness));
         match &self.target {
             Ok(_) => println!("{}", reward::line(&self.verdict["reward"])),
             Err(why) => println!("learning: {why}"),

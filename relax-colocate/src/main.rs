@@ -69,10 +69,11 @@ enum Command {
 
 const PLAN_HELP: &str = "\
 Takes the flags compare takes (--config, --set, --devices, the device split, --steps,
---max-staleness, --layouts) and predicts what compare's runs of the same job would take, from the
+--max-staleness, --layouts, --lengths) and predicts what compare's runs of the same job would take, from the
 same models: each engine's prefill and decode steps (roofline, fixed latency, KV capacity), the
 trainer's passes, the switch (sleep, wake, offload, onload, the weight update) and the async
-queue, staleness bound and weight updates on a modelled clock. Response lengths are the ones the
+queue, staleness bound and weight updates on a modelled clock. Response lengths are drawn from
+--lengths FILE as the runs draw them (each sample by its identity), or else are the ones the
 built-in policy samples at its initial weights on the run's prompts.
 
 Output: a table, or with --json {\"job\": {...}, \"layouts\": {\"colocate\": {\"samples_per_s\", \"step_s\",

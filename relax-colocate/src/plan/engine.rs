@@ -21,6 +21,9 @@ pub(super) struct Seq {
     /// Modelled tokens per task token of this sequence (compute.token_scale_final grows it by
     /// the batch its prompt was drawn for).
     pub(super) scale: f64,
+    /// Its length drawn from compute.lengths: its KV then grows by every modelled step, not by
+    /// whole task tokens (run/worker/rollout.rs).
+    pub(super) drawn: bool,
 }
 
 impl Seq {
@@ -28,9 +31,11 @@ impl Seq {
         self.done >= self.length - 1e-9
     }
 
-    /// Task tokens in its KV cache: the prompt and the whole tokens generated.
-    fn context(&self) -> usize {
-        self.prompt + (self.done + 1e-9).floor() as usize
+    /// Task tokens in its KV cache: the prompt and the whole tokens generated, or with a drawn
+    /// length every modelled step decoded.
+    fn context(&self) -> f64 {
+        let generated = if self.drawn { self.done } else { (self.done + 1e-9).floor() };
+        self.prompt as f64 + generated
     }
 }
 
@@ -68,7 +73,7 @@ pub(super) fn request(model: &ComputeModel, seqs: &mut [&mut Seq], cached: &[boo
     let mut prefill: f64 = live_seqs
         .iter()
         .filter(|&&i| !(cached.get(i).copied().unwrap_or(false) && begun(seqs[i])))
-        .map(|&i| seqs[i].context() as f64)
+        .map(|&i| seqs[i].context())
         .sum();
     let capacity = m.kv_capacity_tokens.map(|c| c / m.token_scale);
     let mut admission = Admission::new(seqs.len(), limits.slots, capacity, m.token_scale);
@@ -80,7 +85,7 @@ pub(super) fn request(model: &ComputeModel, seqs: &mut [&mut Seq], cached: &[boo
     loop {
         let live: Vec<bool> =
             seqs.iter().zip(&start).map(|(s, d0)| !s.finished() && s.done - d0 < segment - tolerance).collect();
-        let contexts: Vec<f64> = seqs.iter().map(|s| s.context() as f64).collect();
+        let contexts: Vec<f64> = seqs.iter().map(|s| s.context()).collect();
         let (now, again) = admission.schedule(&live, &contexts);
         prefill += again;
         let active: Vec<usize> = (0..seqs.len()).filter(|&i| now[i]).collect();
@@ -150,7 +155,7 @@ mod tests {
     }
 
     fn seqs(lengths: &[f64]) -> Vec<Seq> {
-        lengths.iter().map(|&length| Seq { prompt: 4, length, done: 0.0, scale: 40.0 }).collect()
+        lengths.iter().map(|&length| Seq { prompt: 4, length, done: 0.0, scale: 40.0, drawn: false }).collect()
     }
 
     fn unlimited(slots: usize) -> Limits {

@@ -71,11 +71,11 @@ impl Job<'_> {
         let batch = started as f64 / self.cfg.rollout.prompts_per_step.max(1) as f64;
         let scale = self.scale(self.cfg.cost_clock(batch.floor(), started));
         (0..self.cfg.rollout.samples_per_prompt)
-            .map(|j| Seq {
-                prompt: self.prompt_len(),
-                length: self.responses.length(started, j) as f64,
-                done: 0.0,
-                scale,
+            .map(|j| {
+                // A drawn length is modelled tokens; the engine counts task tokens of `scale` each.
+                let drawn = self.cfg.drawn_length(started, j as u64);
+                let length = drawn.map_or(self.responses.length(started, j) as f64, |l| l / scale);
+                Seq { prompt: self.prompt_len(), length, done: 0.0, scale, drawn: drawn.is_some() }
             })
             .collect()
     }
@@ -86,7 +86,7 @@ impl Job<'_> {
         let seqs = || groups.iter().flatten();
         let count = seqs().count().max(1) as f64;
         let scale = seqs().map(|s| s.scale).sum::<f64>() / count;
-        let tokens: f64 = seqs().map(|s| s.prompt as f64 + s.length.ceil()).sum();
+        let tokens: f64 = seqs().map(|s| s.prompt as f64 + s.length).sum();
         let m = self.model.scaled(Some(scale));
         let charge = |stage: &Stage, times: f64| m.stage_seconds(stage, 1, trainers) * tokens * times;
         let st = &FIGURES.stages;

@@ -2,59 +2,40 @@
 //! from a job's configuration, without running it: the same compute model, switch model and
 //! schedules `relax-colocate compare` charges its runs, played on a modelled clock in
 //! milliseconds. What a run measures beyond its model (the runner's round trips and checks on
-//! this machine) is left out, so a plan is a lower bound on a simulated run's step time.
+//! this machine) is left out, so a plan reads a little faster than a simulated run.
 
 mod engine;
 mod layouts;
 mod responses;
 
+use crate::compare::JobArgs;
 use crate::run::config::{self, Config, Mode};
 use crate::run::profile;
 use layouts::{Job, Predicted};
 use responses::Responses;
 use serde_json::{Value, json};
-use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Options {
-    /// A TOML job file (`run --config`), e.g. jobs/long-tail.toml; this command's own flags and
-    /// every --set win over its keys, as in compare.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Any configuration key: --set memory.profile=qwen3-4b (repeatable).
-    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-    pub sets: Vec<String>,
-    /// Total devices, the same for every layout [run.devices].
-    #[arg(long, default_value_t = 2)]
-    pub devices: u32,
-    /// Async and elastic: the trainer's devices (default: the first half).
-    #[arg(long)]
-    pub trainer_devices: Option<String>,
-    /// Async and elastic: the rollout engines' devices (default: the rest).
-    #[arg(long)]
-    pub rollout_devices: Option<String>,
-    /// The layouts to predict, comma-separated: colocate, async, elastic.
-    #[arg(long, value_delimiter = ',', default_value = "colocate,async,elastic")]
-    pub layouts: Vec<Mode>,
-    /// Trainer steps of each run.
-    #[arg(long, default_value_t = 10)]
-    pub steps: u64,
-    /// Async and elastic: the staleness bound [async.max_staleness].
-    #[arg(long, default_value_t = 2)]
-    pub max_staleness: i64,
+    #[command(flatten)]
+    pub job: JobArgs,
     /// Print the prediction as JSON instead of the table.
     #[arg(long)]
     pub json: bool,
 }
 
 /// What compare's runs of this layout would be given: its own flags, then every --set.
-fn layout_sets(o: &Options, mode: Mode) -> Vec<String> {
+fn layout_sets(o: &JobArgs, mode: Mode) -> Vec<String> {
     let mut sets = vec![
         format!("run.mode={}", mode.as_str()),
         format!("run.steps={}", o.steps),
         format!("run.devices={}", o.devices),
         "compute.model=true".to_string(),
     ];
+    if let Some(file) = &o.lengths {
+        let path = std::path::absolute(file).unwrap_or_else(|_| file.clone());
+        sets.push(format!("compute.lengths={:?}", path.display().to_string()));
+    }
     if mode.split() {
         sets.push(format!("async.max_staleness={}", o.max_staleness));
         for (key, v) in [("run.trainer_devices", &o.trainer_devices), ("run.rollout_devices", &o.rollout_devices)] {
@@ -68,7 +49,7 @@ fn layout_sets(o: &Options, mode: Mode) -> Vec<String> {
 }
 
 /// One layout's prediction: its configuration and what its run would take.
-fn predict(o: &Options, mode: Mode) -> Result<(Config, Predicted), String> {
+fn predict(o: &JobArgs, mode: Mode) -> Result<(Config, Predicted), String> {
     let cfg = config::load(o.config.as_deref(), &layout_sets(o, mode))?;
     // The run's own checks, so that a plan refuses what the run would refuse, in its words.
     cfg.validate()?;
@@ -99,6 +80,27 @@ fn responses_of(cfg: &Config) -> Responses {
     }
     let ahead = cfg.asynchronous.max_staleness.max(0) as u64 + 2;
     Responses::sample(cfg, (cfg.run.steps + ahead) as usize * cfg.rollout.prompts_per_step)
+}
+
+/// Where the job's response lengths come from, and their mean, 90th percentile and longest in
+/// modelled tokens.
+fn responses_about(cfg: &Config) -> Value {
+    if let Some(t) = &cfg.compute.lengths_table {
+        return json!({
+            "source": cfg.compute.lengths,
+            "mean_tokens": t.mean(),
+            "p90_tokens": t.p90(),
+            "max_tokens": t.quantile(1.0),
+        });
+    }
+    let (mean, p90, max) = responses_of(cfg).stats();
+    let scale = cfg.compute.token_scale;
+    json!({
+        "source": "the built-in policy at its initial weights",
+        "mean_tokens": mean * scale,
+        "p90_tokens": p90 as f64 * scale,
+        "max_tokens": max as f64 * scale,
+    })
 }
 
 /// A layout's figures, under compare.json's names where it has them.
@@ -140,8 +142,8 @@ fn verdict(layouts: &serde_json::Map<String, Value>) -> Value {
 pub fn main(o: &Options) -> u8 {
     let mut layouts = serde_json::Map::new();
     let mut about = Value::Null;
-    for &mode in &o.layouts {
-        match predict(o, mode) {
+    for &mode in &o.job.layouts {
+        match predict(&o.job, mode) {
             Ok((cfg, p)) => {
                 if about.is_null() {
                     about = json!({
@@ -152,8 +154,7 @@ pub fn main(o: &Options) -> u8 {
                         "samples_per_prompt": cfg.rollout.samples_per_prompt,
                         "token_scale": cfg.compute.token_scale,
                     });
-                    let (mean, p90, max) = responses_of(&cfg).stats();
-                    about["responses"] = json!({"source": "the built-in policy at its initial weights", "mean_tokens": mean * cfg.compute.token_scale, "p90_tokens": p90 as f64 * cfg.compute.token_scale, "max_tokens": max as f64 * cfg.compute.token_scale});
+                    about["responses"] = responses_about(&cfg);
                 }
                 layouts.insert(mode.as_str().to_string(), figures(&cfg, &p));
             }
@@ -168,7 +169,7 @@ pub fn main(o: &Options) -> u8 {
     if o.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("json"));
     } else {
-        let order: Vec<&str> = o.layouts.iter().map(|m| m.as_str()).collect();
+        let order: Vec<&str> = o.job.layouts.iter().map(|m| m.as_str()).collect();
         print!("{}", table(&report, &order));
     }
     0
