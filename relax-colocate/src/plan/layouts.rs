@@ -200,6 +200,9 @@ struct Apart<'a> {
     queue: Vec<Group>,
     /// Groups a reclaimed lent engine left: the others continue them first.
     orphans: Vec<Group>,
+    /// When the engines of their own devices finished their last groups (elastic's completion
+    /// rate).
+    finished_at: std::collections::VecDeque<f64>,
     trainer: Trainer,
     now: f64,
     last_row: f64,
@@ -244,6 +247,7 @@ pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
         engines: (0..rollouts).map(|_| engine(false)).chain((0..lent).map(|_| engine(true))).collect(),
         queue: Vec::new(),
         orphans: Vec::new(),
+        finished_at: std::collections::VecDeque::new(),
         trainer: Trainer::Idle { since: 0.0 },
         now: 0.0,
         last_row: 0.0,
@@ -284,6 +288,7 @@ impl Apart<'_> {
                 if let Trainer::Idle { since } = self.trainer
                     && elastic
                     && self.now - since >= lend_after
+                    && self.lend_pays(lend_s + reclaim_s)
                 {
                     self.p.add("lend", lend_s);
                     self.now += lend_s;
@@ -325,7 +330,12 @@ impl Apart<'_> {
             }
             let next_engine = self.engines.iter().filter_map(|e| e.busy_until).fold(f64::INFINITY, f64::min);
             let next_trainer = if let Trainer::Training { until } = self.trainer { until } else { f64::INFINITY };
-            let next = next_engine.min(next_trainer);
+            // An idle elastic trainer reconsiders lending when it has waited the threshold out.
+            let threshold = match self.trainer {
+                Trainer::Idle { since } if elastic && since + lend_after > self.now => since + lend_after,
+                _ => f64::INFINITY,
+            };
+            let next = next_engine.min(next_trainer).min(threshold);
             if !next.is_finite() {
                 if matches!(self.trainer, Trainer::Lent) {
                     // Lent with nothing left to generate: the devices go back.
@@ -353,6 +363,25 @@ impl Apart<'_> {
                 }
             }
         }
+    }
+
+    /// Whether a lend is worth its `switch` (lend.rs, `consider`): the lent engines would have
+    /// work, and the batch is not expected sooner than a switch takes at the rate the engines of
+    /// their own devices have been finishing groups (their last 64).
+    fn lend_pays(&self, switch: f64) -> bool {
+        let lent = self.engines.iter().position(|e| e.lent);
+        let fresh = lent.map_or(0, |k| self.fresh_groups_for(k));
+        let generating = self.engines.iter().any(|e| !e.groups.is_empty());
+        if self.orphans.is_empty() && !generating && fresh == 0 {
+            return false;
+        }
+        let (Some(first), Some(last)) = (self.finished_at.front(), self.finished_at.back()) else { return true };
+        if self.finished_at.len() < 2 || last <= first {
+            return true;
+        }
+        let rate = (self.finished_at.len() - 1) as f64 / (last - first);
+        let missing = self.job.cfg.rollout.prompts_per_step.saturating_sub(self.queue.len()).max(1);
+        missing as f64 / rate >= switch
     }
 
     fn train(&mut self, batch: Vec<Vec<Seq>>, trainers: f64) {
@@ -438,13 +467,20 @@ impl Apart<'_> {
     /// Engines whose requests have ended hand their finished groups to the queue.
     fn settle(&mut self) {
         let now = self.now;
+        let finished_at = &mut self.finished_at;
         for e in self.engines.iter_mut() {
             if e.busy_until.is_some_and(|t| t <= now + 1e-12) {
                 e.busy_until = None;
                 let (done, left): (Vec<Group>, Vec<Group>) = e.groups.drain(..).partition(Group::finished);
                 e.groups = left;
+                if !e.lent {
+                    finished_at.extend(std::iter::repeat_n(now, done.len()));
+                }
                 self.queue.extend(done);
             }
+        }
+        while finished_at.len() > 64 {
+            finished_at.pop_front();
         }
     }
 }
