@@ -245,7 +245,7 @@ struct RunArgs {
     /// local (a throwaway cluster on this machine), auto, or HOST:PORT [run.ray_address].
     #[arg(long)]
     ray_address: Option<String>,
-    /// Memory shape preset: none, tiny, qwen3-0.6b, qwen3-4b, qwen3-8b [memory.profile].
+    /// Memory shape preset: none, tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, qwen2.5-7b [memory.profile].
     #[arg(long)]
     memory_profile: Option<String>,
     /// The device compute.model charges at: h100, h800, h20, 910b or 910c [compute.device].

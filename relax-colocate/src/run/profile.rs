@@ -64,9 +64,22 @@ pub fn preset(name: &str) -> Result<Option<Arch>, String> {
         "qwen3-0.6b" => qwen3(28, 1024, 3072, 16, true, 16),
         "qwen3-4b" => qwen3(36, 2560, 9728, 32, true, 40),
         "qwen3-8b" => qwen3(36, 4096, 12288, 32, false, 36),
+        // Qwen2.5-7B (and Qwen2.5-Math-7B, the same shape): 28 layers, 4 KV heads, untied, vocab
+        // 152,064; its QKV biases (under 1 MiB a layer) are left out, as the norms' shapes are
+        // kept. KV cache: 60 GiB, about what an H20's 96 GB leaves at vLLM's
+        // gpu_memory_utilization 0.8 less the bf16 weights (15.2 GB).
+        "qwen2.5-7b" => Arch {
+            layers: 28,
+            hidden: 3584,
+            intermediate: 18944,
+            heads: 28,
+            kv_heads: 4,
+            vocab: 152_064,
+            ..qwen3(28, 3584, 18944, 28, false, 60)
+        },
         other => {
             return Err(format!(
-                "memory.profile {other:?} is not a preset; choose none, tiny, qwen3-0.6b, qwen3-4b or qwen3-8b"
+                "memory.profile {other:?} is not a preset; choose none, tiny, qwen3-0.6b, qwen3-4b, qwen3-8b or qwen2.5-7b"
             ));
         }
     }))
@@ -213,6 +226,21 @@ mod tests {
         // Qwen3-8B: about 8.2 billion, untied.
         let p8 = build("qwen3-8b", 1, 1.0, 0.0).unwrap();
         assert!((8.0e9..8.4e9).contains(&(p8.params_per_device as f64)), "{}", p8.params_per_device);
+    }
+
+    #[test]
+    fn qwen2_5_7b_matches_its_parameter_count_and_kv_per_token() {
+        let p = build("qwen2.5-7b", 1, 1.0, 0.0).unwrap();
+        // Qwen2.5-7B: 7.61 billion parameters (untied embeddings), the QKV biases aside.
+        assert!((7.5e9..7.7e9).contains(&(p.params_per_device as f64)), "{}", p.params_per_device);
+        // 28 layers x (K + V) x 4 KV heads x 128 x 2 bytes: under half of Qwen3-8B's.
+        assert_eq!(p.kv_bytes_per_token, 57_344);
+        assert!(build("qwen3-8b", 1, 1.0, 0.0).unwrap().kv_bytes_per_token > 2 * p.kv_bytes_per_token);
+        assert_eq!(p.rollout.tags[1].1.len(), 56);
+        // The preset's 60 GiB of KV (each of its 56 buffers rounded up to 2 MiB): about 1.12 million tokens.
+        assert_eq!(p.kv_cache_bytes / p.kv_bytes_per_token, 1_124_352);
+        // TP 4 splits the 4 KV heads one a rank.
+        assert_eq!(build("qwen2.5-7b", 4, 1.0, 0.0).unwrap().kv_bytes_per_token, 14_336);
     }
 
     #[test]
