@@ -113,3 +113,43 @@ fn plan_prints_a_table_and_refuses_what_the_run_would_refuse() {
     assert_eq!(ascend.status.code(), Some(2), "{}", text(&ascend));
     assert!(text(&ascend).contains("compute.hbm_gbps is unset"), "{}", text(&ascend));
 }
+
+/// The command a job file's header gives (`#     relax-colocate plan ...`), its words after the
+/// program's name.
+fn header_command(job: &str) -> Vec<String> {
+    let path = tms_e2e::workspace().root.join(job);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let line = text
+        .lines()
+        .map_while(|l| l.strip_prefix('#'))
+        .find_map(|l| l.trim().strip_prefix("relax-colocate plan "))
+        .unwrap_or_else(|| panic!("{job}: no `relax-colocate plan` command in its header"));
+    std::iter::once("plan".to_string()).chain(line.split_whitespace().map(String::from)).collect()
+}
+
+/// The published runs' job files (docs/perf.md, "2026-11-28: three published runs against the
+/// plan"), each planned with its header's command: what lands within 25% of the published figure
+/// is held there. vime's 910B colocated step (457.4 s) and verl's colocated 7B step (790.1 s), and
+/// Relax's async speed-up over colocate (1.76x, 225.9 / 128.6 s). Not asserted, because the plan
+/// misses them (docs/perf.md says why): Relax's step times themselves and verl's async step.
+#[test]
+fn published_runs_job_files_plan_within_25_percent_of_their_published_step_times() {
+    let plan = |job: &str| -> Value {
+        let args = header_command(job);
+        let mut words: Vec<&str> = args.iter().map(String::as_str).collect();
+        words.push("--json");
+        let out = relax(&words);
+        assert!(out.status.success(), "{job}: {}", text(&out));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let within = |what: &str, predicted: f64, published: f64| {
+        assert!((predicted / published - 1.0).abs() <= 0.25, "{what}: plan {predicted:.1}, published {published:.1}");
+    };
+    let step = |p: &Value, layout: &str| p["layouts"][layout]["step_s"].as_f64().unwrap();
+    let vime = plan("jobs/vime-910b.toml");
+    within("vime 910B colocated step (s)", step(&vime, "colocate"), 457.4);
+    let relax_run = plan("jobs/relax-qwen3-4b.toml");
+    within("Relax async over colocate", step(&relax_run, "colocate") / step(&relax_run, "async"), 225.9 / 128.6);
+    let verl = plan("jobs/verl-dapo-7b.toml");
+    within("verl colocated 7B step (s)", step(&verl, "colocate"), 790.1);
+}
