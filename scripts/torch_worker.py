@@ -447,11 +447,23 @@ def generate(p):
             samples[slot] = {"prompt_index": i, "response": new[:end], "logprobs": lps[r][:end], "finished": finished}
     torch.cuda.empty_cache()
     m = state["compute"]
+    prefixes = p.get("responses") or []
+    # The modelled schedule runs with or without a compute model, as the built-in rollout's: it is
+    # what the reply's `decode` reports. Without one a task token is a free step and no budget binds.
+    seqs = [(len(p["prompts"][x["prompt_index"]]) + (len(prefixes[k]) if prefixes else 0), len(x["response"]))
+            for k, x in enumerate(samples)]
+    spent, kept, carried, again, stats = paced_decode(seqs, (p.get("progress") or []) if m else [],
+                                                      p.get("segment_s") if m else None, slots=capacity)
+    for x, k, steps in zip(samples, kept, carried):
+        if k < len(x["response"]):
+            x.update(response=x["response"][:k], logprobs=x["logprobs"][:k], finished=False)
+        if not x["finished"] and steps > 0:
+            x["progress"] = steps
     if m:
         # Charged as an engine that keeps its cache between segments would be: the prefill only
         # when the prefixes are not cached (this worker re-prefills them every time regardless),
-        # compute-bound like the trainer's passes; decoding step by step.
-        prefixes = p.get("responses") or []
+        # compute-bound like the trainer's passes, and a preempted sequence's again on its
+        # readmission; decoding step by step.
         if not prefixes:
             prefill = n * sum(len(x) for x in p["prompts"])
         else:
@@ -462,43 +474,112 @@ def generate(p):
             held = p.get("cached") or [bool(p.get("prefix_cached"))] * len(prefixes)
             prefill = sum(len(x) + len(r) for x, r, d, c in zip(p["prompts"], prefixes, steps, held)
                           if not (c and (r or d > 0)))
-        seqs = [(len(p["prompts"][x["prompt_index"]]) + (len(prefixes[k]) if prefixes else 0), len(x["response"]))
-                for k, x in enumerate(samples)]
-        spent, kept, carried = paced_decode(seqs, p.get("progress") or [], p.get("segment_s"))
-        for x, k, steps in zip(samples, kept, carried):
-            if k < len(x["response"]):
-                x.update(response=x["response"][:k], logprobs=x["logprobs"][:k], finished=False)
-            if not x["finished"] and steps > 0:
-                x["progress"] = steps
-        pace(t0, stage_s("prefill", prefill) + spent)
-    return {"samples": samples}
+        pace(t0, stage_s("prefill", prefill + again) + spent)
+    return {"samples": samples, "decode": stats}
 
 
-def paced_decode(seqs, progress, budget):
-    """The modelled decode of a request, as the built-in rollout's Pacer runs it
-    (relax-colocate/src/run/pacer.rs): `seqs` as decode_s takes them (context before the first new
-    token, new tokens generated), `progress` the modelled steps each already did towards its next
-    token (empty: none). Every live sequence advances by the same steps, and a token completes when
-    its sequence's steps reach token_scale(); with a `budget` (modelled seconds, async.segment_s)
-    the decode ends once it is spent. Returns the seconds charged, the tokens each sequence
-    completed, and the steps each carries towards its next."""
-    scale, tolerance = token_scale(), FIGURES["token_tolerance"]
+class Admission:
+    """Which of a request's sequences the engine decodes at each step when its KV cache is bounded
+    (docs/async.md, "KV capacity"), as relax-colocate's built-in rollout schedules them
+    (src/run/admission.rs) and vLLM v1 does: the running sequences' growth first, the most recently
+    admitted preempted (its KV freed, back to the front of the queue, prefilled again when
+    readmitted) while it does not fit; then the queue's head admitted while its tokens and the
+    token it decodes fit, an empty engine taking it whatever its size. Without a capacity every
+    live sequence runs. Either way it tallies the reply's `decode` figures."""
+
+    def __init__(self, sequences, slots, capacity, scale):
+        # Task tokens of KV; a capacity that bounds nothing is none, but still reported as one.
+        self.capacity = capacity if capacity is not None and math.isfinite(capacity) and capacity > 0 else None
+        self.scale = scale
+        self.running, self.waiting = [], list(range(sequences))
+        self.preempted = [False] * sequences
+        self.stats = {"steps": 0.0, "slot_steps": 0.0, "slots": slots, "preemptions": 0, "recomputed_tokens": 0.0,
+                      "kv_queued_s": 0.0}
+        if capacity is not None:
+            self.stats["kv_peak_share"] = 0.0
+
+    def schedule(self, live, context):
+        """The sequences that decode this step (a flag each), given which are `live` and each
+        one's `context` (prompt and response, task tokens), and the task tokens prefilled again
+        for readmitted ones."""
+        # A sequence that stopped frees its KV; one waiting that stopped leaves the queue.
+        self.running = [i for i in self.running if live[i]]
+        self.waiting = [i for i in self.waiting if live[i]]
+
+        def used():
+            return sum(float(context[i]) for i in self.running)
+        recomputed = 0
+        cap = self.capacity
+        if cap is None:
+            self.running += self.waiting
+            self.waiting = []
+        else:
+            while len(self.running) > 1 and used() + len(self.running) > cap:
+                last = self.running.pop()
+                self.preempted[last] = True
+                self.stats["preemptions"] += 1
+                self.waiting.insert(0, last)
+            while self.waiting:
+                nxt = self.waiting[0]
+                need = used() + len(self.running) + context[nxt] + 1.0
+                if self.running and need > cap:
+                    break
+                self.waiting.pop(0)
+                if self.preempted[nxt]:
+                    recomputed += context[nxt]
+                self.running.append(nxt)
+            held = (used() + len(self.running)) / cap
+            self.stats["kv_peak_share"] = max(self.stats.get("kv_peak_share", 0.0), held)
+        self.stats["recomputed_tokens"] += recomputed * self.scale
+        now = [False] * len(live)
+        for i in self.running:
+            now[i] = True
+        return now, recomputed
+
+    def ran(self, steps, seconds, active):
+        """The step ran `steps` modelled decode steps over `seconds` with `active` sequences."""
+        self.stats["steps"] += steps
+        self.stats["slot_steps"] += steps * active
+        self.stats["kv_queued_s"] += seconds * len(self.waiting)
+
+
+def paced_decode(seqs, progress, budget, slots=None):
+    """The modelled decode of a request, as the built-in rollout runs it (relax-colocate's
+    src/run/pacer.rs and admission.rs): `seqs` as decode_s takes them (context before the first
+    new token, new tokens generated), `progress` the modelled steps each already did towards its
+    next token (empty: none), `slots` the engine's batch slots (None: one per sequence). The
+    sequences that fit the KV capacity (init's compute.kv_capacity_tokens; none: all) decode
+    together, every one advancing by the same steps, and a token completes when its sequence's
+    steps reach token_scale(); with a `budget` (modelled seconds, async.segment_s) the decode ends
+    once it is spent. Without a compute model a task token is one free step. Returns the seconds
+    charged, the tokens each sequence completed, the steps each carries towards its next, the task
+    tokens prefilled again for preempted sequences, and the `decode` figures of the reply."""
+    m = state["compute"]
+    scale, tolerance = (token_scale() if m else 1.0), FIGURES["token_tolerance"]
     done = [float(x) for x in progress] if progress else [0.0] * len(seqs)
     if len(done) != len(seqs) or any(not (x >= 0 and math.isfinite(x)) for x in done):
         raise rw.WorkerError("bad_request", f"progress {progress} is not one count >= 0 per sequence")
-    kept, spent = [0] * len(seqs), 0.0
+    capacity = (m or {}).get("kv_capacity_tokens")
+    admission = Admission(len(seqs), len(seqs) if slots is None else slots,
+                          None if capacity is None else capacity / scale, scale)
+    kept, spent, again = [0] * len(seqs), 0.0, 0
     while True:
-        live = [i for i, (_, g) in enumerate(seqs) if kept[i] < g]
+        contexts = [c + kept[i] for i, (c, _) in enumerate(seqs)]
+        now, recomputed = admission.schedule([kept[i] < g for i, (_, g) in enumerate(seqs)], contexts)
+        again += recomputed
+        live = [i for i, run in enumerate(now) if run]
         if not live:
-            return spent, kept, done
-        per_step = decode_s([(seqs[i][0] + kept[i], 1) for i in live]) / scale
+            return spent, kept, done, again, admission.stats
+        per_step = (decode_s([(contexts[i], 1) for i in live]) if m else 0.0) / scale
         need = min(max(scale - done[i], 0.0) for i in live)
-        if budget and per_step > 0 and (budget - spent) / per_step < need - tolerance * scale:
+        if budget and per_step > 0 and max(budget - spent, 0.0) / per_step < need - tolerance * scale:
             steps = max(budget - spent, 0.0) / per_step
             for i in live:
                 done[i] += steps
-            return spent + steps * per_step, kept, done
-        spent += need * per_step
+            admission.ran(steps, (spent + steps * per_step) - spent, len(live))
+            return spent + steps * per_step, kept, done, again, admission.stats
+        before, spent = spent, spent + need * per_step
+        admission.ran(need, spent - before, len(live))
         for i in live:
             done[i] += need
             if scale - done[i] <= tolerance * scale:

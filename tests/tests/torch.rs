@@ -542,6 +542,13 @@ fn the_async_loop_runs_with_pytorch_workers_and_continues_interrupted_sequences(
     assert_eq!(a["weight_transport"], "broadcast", "{a}");
     assert_eq!(a["weight_sync_library"], "nccl", "{a}");
     assert!(a["update_weights_buckets"].as_u64().unwrap() >= 4, "a bucket at least per update: {a}");
+    // The PyTorch engines report their modelled decode, so both are in the decode figures,
+    // scheduled against the profile's KV capacity.
+    let d = &summary["decode"]["rollout"];
+    assert_eq!(d["devices"].as_u64(), Some(2), "{d}");
+    assert!(d["tokens"].as_u64() > Some(0) && d["decode_steps"].as_f64() > Some(0.0), "{d}");
+    assert!(d["slot_occupancy"].as_f64().is_some_and(|x| x > 0.0 && x <= 1.0), "{d}");
+    assert!(d["kv_peak_share"].as_f64().is_some_and(|x| x > 0.0), "{d}");
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.path().join("run/metrics.jsonl"))
         .unwrap()
         .lines()

@@ -20,11 +20,11 @@ TORCH_WORKER = HERE.parents[2] / "scripts" / "torch_worker.py"
 CASES = json.loads((HERE / "compute_model_cases.json").read_text())
 # What the modelled compute and the bucket layout are made of in torch_worker.py, torch-free.
 PURE = {"load_figures", "FIGURES", "token_scale", "serve_scale", "modelled_s", "stage_s", "decode_s",
-        "paced_decode", "bucket_count", "layout_pieces"}
+        "Admission", "paced_decode", "bucket_count", "layout_pieces"}
 
 
 def defined_names(node):
-    if isinstance(node, ast.FunctionDef):
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
         return {node.name}
     if isinstance(node, ast.Assign):
         return {t.id for t in node.targets if isinstance(t, ast.Name)}
@@ -85,12 +85,24 @@ class ComputeModel(unittest.TestCase):
         for i, case in enumerate(CASES["decodes"]):
             serving(case)
             seqs = [tuple(s) for s in case["sequences"]]
-            seconds, tokens, carried = TW["paced_decode"](seqs, case["progress"], case["budget"])
-            self.assertTrue(close(seconds, case["seconds"]), f"decodes[{i}]: {seconds} s, golden {case['seconds']} s")
-            self.assertEqual(tokens, case["tokens"], f"decodes[{i}]: tokens")
-            self.assertEqual(len(carried), len(case["carried"]), f"decodes[{i}]: carried")
+            seconds, tokens, carried, recomputed, stats = TW["paced_decode"](
+                seqs, case["progress"], case["budget"], case["slots"])
+            figures = dict(seconds=seconds, tokens=tokens, carried=carried, recomputed=recomputed, stats=stats)
+            self.assertTrue(close(seconds, case["seconds"]), f"decodes[{i}]: golden {case['seconds']} s; {figures}")
+            self.assertEqual(tokens, case["tokens"], f"decodes[{i}]: tokens; {figures}")
+            self.assertEqual(len(carried), len(case["carried"]), f"decodes[{i}]: carried; {figures}")
             for got, want in zip(carried, case["carried"]):
-                self.assertTrue(close(got, want), f"decodes[{i}]: carried {carried}, golden {case['carried']}")
+                self.assertTrue(close(got, want), f"decodes[{i}]: carried, golden {case['carried']}; {figures}")
+            self.assertEqual(recomputed, case["recomputed"], f"decodes[{i}]: recomputed; {figures}")
+            # The reply's `decode` as the built-in rollout's serializes it: its fields, the peak
+            # share only with a capacity, the counts as integers.
+            want = dict(case["stats"])
+            self.assertEqual(set(stats), set(want), f"decodes[{i}]: stats' fields; {figures}")
+            for k, w in want.items():
+                if k in ("slots", "preemptions"):
+                    self.assertTrue(stats[k] == w and isinstance(stats[k], int), f"decodes[{i}]: {k}; {figures}")
+                else:
+                    self.assertTrue(close(stats[k], w), f"decodes[{i}]: {k}, golden {w}; {figures}")
 
 
 class WeightBuckets(unittest.TestCase):

@@ -56,8 +56,9 @@ pub static FIGURES: LazyLock<Figures> =
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run::admission::Admission;
     use crate::run::pacer::Pacer;
-    use crate::run::protocol::ComputeModel;
+    use crate::run::protocol::{ComputeModel, DecodeStats};
     use crate::run::transport::buckets::{bucket_count, bucket_pieces};
     use std::collections::BTreeMap;
 
@@ -98,9 +99,14 @@ mod tests {
         sequences: Vec<(usize, usize)>,
         progress: Vec<f64>,
         budget: Option<f64>,
+        /// The engine's batch slots (init's max_batch).
+        slots: usize,
         seconds: f64,
         tokens: Vec<usize>,
         carried: Vec<f64>,
+        /// Task tokens prefilled again for preempted sequences readmitted.
+        recomputed: f64,
+        stats: DecodeStats,
     }
 
     #[derive(Deserialize)]
@@ -139,29 +145,63 @@ mod tests {
         (got - want).abs() <= 1e-12 * got.abs().max(want.abs()) + 1e-18
     }
 
+    /// What a decode case's request did: the figures a golden case states.
+    struct Decoded {
+        seconds: f64,
+        /// The tokens each completed.
+        tokens: Vec<usize>,
+        /// The steps each carries towards its next token.
+        carried: Vec<f64>,
+        recomputed: f64,
+        stats: DecodeStats,
+    }
+
     /// A request's modelled decode as the built-in rollout runs it (worker/rollout.rs, generate):
-    /// each task step of the live batch charged by decode_step_seconds at its contexts, the Pacer
-    /// saying which sequences complete a token. The seconds charged, the tokens each completed,
-    /// the steps each carries.
-    fn decode(m: &ComputeModel, c: &DecodeCase) -> (f64, Vec<usize>, Vec<f64>) {
+    /// the sequences the KV capacity admits (Admission), each task step of them charged by
+    /// decode_step_seconds at their contexts, the Pacer saying which complete a token.
+    fn decode(m: &ComputeModel, c: &DecodeCase) -> Decoded {
         let mut pacer = Pacer::new(m.token_scale, c.budget);
         let mut done = if c.progress.is_empty() { vec![0.0; c.sequences.len()] } else { c.progress.clone() };
         let mut emitted = vec![0; c.sequences.len()];
+        let capacity = m.kv_capacity_tokens.map(|k| k / m.token_scale);
+        let mut admission = Admission::new(c.sequences.len(), c.slots, capacity, m.token_scale);
+        let mut recomputed = 0.0;
         loop {
             let live: Vec<bool> = c.sequences.iter().zip(&emitted).map(|((_, new), e)| e < new).collect();
-            let at = c.sequences.iter().zip(&emitted).zip(&live).filter(|(_, l)| **l).map(|(((ctx, _), e), _)| ctx + e);
-            let (active, context) = at.fold((0, 0), |(a, sum), ctx| (a + 1, sum + ctx));
+            let contexts: Vec<f64> = c.sequences.iter().zip(&emitted).map(|((ctx, _), e)| (ctx + e) as f64).collect();
+            let (live, again) = admission.schedule(&live, &contexts);
+            recomputed += again;
+            let at = contexts.iter().zip(&live).filter(|(_, l)| **l);
+            let (active, context) = at.fold((0, 0.0), |(a, sum), (ctx, _)| (a + 1, sum + ctx));
             if active == 0 {
                 break;
             }
-            let Some(now) = pacer.advance(&mut done, &live, m.decode_step_seconds(active, context as f64)) else {
-                break;
-            };
+            let before = pacer.spent;
+            let advanced = pacer.advance(&mut done, &live, m.decode_step_seconds(active, context));
+            admission.ran(pacer.last_steps, pacer.spent - before, active);
+            let Some(now) = advanced else { break };
             for i in now {
                 emitted[i] += 1;
             }
         }
-        (pacer.spent, emitted, done)
+        Decoded { seconds: pacer.spent, tokens: emitted, carried: done, recomputed, stats: admission.stats }
+    }
+
+    /// `got` is `want`: the counts exactly, the sums of floating-point steps but for their last bits.
+    fn same_stats(got: &DecodeStats, want: &DecodeStats) -> bool {
+        let floats = [
+            (got.steps, want.steps),
+            (got.slot_steps, want.slot_steps),
+            (got.recomputed_tokens, want.recomputed_tokens),
+            (got.kv_queued_s, want.kv_queued_s),
+        ];
+        let peak = match (got.kv_peak_share, want.kv_peak_share) {
+            (Some(g), Some(w)) => close(g, w),
+            (g, w) => g == w,
+        };
+        floats.iter().all(|(g, w)| close(*g, *w))
+            && peak
+            && (got.slots, got.preemptions) == (want.slots, want.preemptions)
     }
 
     #[test]
@@ -186,15 +226,26 @@ mod tests {
     fn a_paced_decode_charges_completes_and_carries_the_golden_figures() {
         let c = cases();
         for (i, d) in c.decodes.iter().enumerate() {
-            let (seconds, tokens, carried) = decode(&c.model(&d.model, d.token_scale), d);
-            assert!(close(seconds, d.seconds), "decodes[{i}]: {seconds} s, golden {} s", d.seconds);
-            assert_eq!(tokens, d.tokens, "decodes[{i}]: tokens");
-            let same = carried.iter().zip(&d.carried).all(|(g, w)| close(*g, *w));
+            let got = decode(&c.model(&d.model, d.token_scale), d);
+            let figures = serde_json::json!({
+                "seconds": got.seconds, "tokens": got.tokens, "carried": got.carried,
+                "recomputed": got.recomputed, "stats": got.stats,
+            });
             assert!(
-                same && carried.len() == d.carried.len(),
-                "decodes[{i}]: carried {carried:?}, golden {:?}",
+                close(got.seconds, d.seconds),
+                "decodes[{i}]: {} s, golden {} s; {figures}",
+                got.seconds,
+                d.seconds
+            );
+            assert_eq!(got.tokens, d.tokens, "decodes[{i}]: tokens; {figures}");
+            let same = got.carried.iter().zip(&d.carried).all(|(g, w)| close(*g, *w));
+            assert!(
+                same && got.carried.len() == d.carried.len(),
+                "decodes[{i}]: carried, golden {:?}; {figures}",
                 d.carried
             );
+            assert!(close(got.recomputed, d.recomputed), "decodes[{i}]: recomputed; {figures}");
+            assert!(same_stats(&got.stats, &d.stats), "decodes[{i}]: stats, golden {:?}; {figures}", d.stats);
         }
     }
 
