@@ -478,7 +478,7 @@ fn ratios(names: &[&str], figs: &[Value]) -> serde_json::Map<String, Value> {
 
 /// Throughput gaps under this share are called a tie: one run on a shared machine moves by that much
 /// (docs/perf.md measured the same elastic job at 1.28x, 1.13x and 1.27x of colocate in three runs).
-const TIE_MARGIN: f64 = 0.05;
+pub(crate) const TIE_MARGIN: f64 = 0.05;
 
 /// Runs shorter than this are mostly start-up (async fills its pipeline in step 1, elastic
 /// calibrates its switch): the verdict says so.

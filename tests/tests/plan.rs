@@ -96,7 +96,7 @@ fn plan_prints_a_table_and_refuses_what_the_run_would_refuse() {
     let table = relax(&[&["plan"][..], &JOB].concat());
     assert!(table.status.success(), "{}", text(&table));
     let stdout = String::from_utf8_lossy(&table.stdout);
-    for word in ["layout", "colocate", "async", "elastic", "samples/s", "fastest:"] {
+    for word in ["layout", "colocate", "async", "elastic", "samples/s", "_over_"] {
         assert!(stdout.contains(word), "{word}:\n{stdout}");
     }
     // A key that does not exist, and a device without a figure the job needs: exit 2, named.

@@ -102,7 +102,7 @@ fn plan(line: &str) -> Option<Plan> {
             &["async / colocate throughput", "elastic / the better of the others", "samples/s"],
         ),
         "target/release/relax-colocate plan --devices 4 --steps 8 --config jobs/long-tail.toml" => {
-            run(as_written, 0, &["colocate", "async", "elastic", "fastest:"])
+            run(as_written, 0, &["colocate", "async", "elastic", "_over_colocate"])
         }
         "target/release/relax-colocate run --print-config" => run(as_written, 0, &["steps", "phase_timeout_s"]),
         "target/release/relax-colocate run --metrics-style verl --logger tensorboard" => {

@@ -126,17 +126,24 @@ fn figures(cfg: &Config, p: &Predicted) -> Value {
     })
 }
 
-/// The fastest layout by samples per second after the first step, and each one's ratio to it.
+/// The fastest layout by samples per second after the first step, each one's ratio to it, and
+/// whether its lead over the next is under compare's tie margin (then no layout is named).
 fn verdict(layouts: &serde_json::Map<String, Value>) -> Value {
     let rate = |v: &Value| v["samples_per_s_after_first_step"].as_f64().or(v["samples_per_s"].as_f64()).unwrap_or(0.0);
-    let best = layouts.iter().max_by(|a, b| rate(a.1).total_cmp(&rate(b.1)));
-    let Some((name, fig)) = best else { return Value::Null };
-    let ratios: serde_json::Map<String, Value> = layouts
-        .iter()
-        .filter(|(n, _)| *n != name)
-        .map(|(n, v)| (format!("{name}_over_{n}"), json!(rate(fig) / rate(v).max(f64::MIN_POSITIVE))))
-        .collect();
-    json!({"layout": name, "by": "samples_per_s_after_first_step", "ratios": ratios})
+    let mut ranked: Vec<(&String, f64)> = layouts.iter().map(|(n, v)| (n, rate(v))).collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let Some(&(name, best)) = ranked.first() else { return Value::Null };
+    let ratios: serde_json::Map<String, Value> =
+        ranked[1..].iter().map(|(n, r)| (format!("{name}_over_{n}"), json!(best / r.max(f64::MIN_POSITIVE)))).collect();
+    let margin = ranked.get(1).map(|(_, r)| best / r.max(f64::MIN_POSITIVE) - 1.0);
+    json!({
+        "layout": name,
+        "runner_up": ranked.get(1).map(|(n, _)| n),
+        "margin": margin,
+        "tie": margin.is_some_and(|m| m < crate::compare::TIE_MARGIN),
+        "by": "samples_per_s_after_first_step",
+        "ratios": ratios,
+    })
 }
 
 pub fn main(o: &Options) -> u8 {
@@ -195,8 +202,8 @@ fn table(report: &Value, order: &[&str]) -> String {
         tokens("max_tokens"),
     );
     out += &format!(
-        "{:<10} {:>12} {:>12} {:>16} {:>10} {:>10} {:>10}\n",
-        "layout", "step (s)", "samples/s", "after step 1", "generate", "train", "occupancy"
+        "{:<10} {:>12} {:>12} {:>16} {:>10} {:>10} {:>10} {:>6}\n",
+        "layout", "step (s)", "samples/s", "after step 1", "generate", "train", "occupancy", "lends"
     );
     for name in order {
         let f = &report["layouts"][name];
@@ -204,7 +211,7 @@ fn table(report: &Value, order: &[&str]) -> String {
         let train = ph("ref_log_probs") + ph("log_probs") + ph("values") + ph("actor_train");
         let num = |v: &Value, d: usize| v.as_f64().map_or("-".to_string(), |x| format!("{x:.d$}"));
         out += &format!(
-            "{:<10} {:>12} {:>12} {:>16} {:>10} {:>10} {:>10}\n",
+            "{:<10} {:>12} {:>12} {:>16} {:>10} {:>10} {:>10} {:>6}\n",
             name,
             num(&f["step_s"], 2),
             num(&f["samples_per_s"], 1),
@@ -212,14 +219,48 @@ fn table(report: &Value, order: &[&str]) -> String {
             num(&f["phases"]["generate"], 2),
             format!("{train:.2}"),
             num(&f["slot_occupancy"], 2),
+            num(&f["lends"], 0),
         );
     }
-    if let Some(best) = report["verdict"]["layout"].as_str() {
-        out += &format!("\nfastest: {best} (samples/s after step 1)");
+    let v = &report["verdict"];
+    if let Some(best) = v["layout"].as_str() {
+        let margin = 100.0 * v["margin"].as_f64().unwrap_or(0.0);
+        out += &if v["tie"] == true {
+            format!(
+                "\nno clear winner: {best} leads {} by {margin:.1}%, under the {:.0}% compare calls a tie",
+                v["runner_up"].as_str().unwrap_or("?"),
+                100.0 * crate::compare::TIE_MARGIN
+            )
+        } else {
+            format!("\nfastest: {best} (samples/s after step 1)")
+        };
         for (k, v) in report["verdict"]["ratios"].as_object().into_iter().flatten() {
             out += &format!("; {k} {:.2}x", v.as_f64().unwrap_or(0.0));
         }
         out += "\n";
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layouts(rates: &[(&str, f64)]) -> serde_json::Map<String, Value> {
+        rates.iter().map(|(n, r)| (n.to_string(), json!({"samples_per_s_after_first_step": r}))).collect()
+    }
+
+    /// The fastest is named with its lead; a lead under compare's tie margin is a tie.
+    #[test]
+    fn the_verdict_names_the_fastest_and_calls_a_lead_under_5_percent_a_tie() {
+        let v = verdict(&layouts(&[("colocate", 9.0), ("async", 21.0), ("elastic", 21.3)]));
+        assert_eq!(
+            (v["layout"].as_str(), v["runner_up"].as_str(), v["tie"].as_bool()),
+            (Some("elastic"), Some("async"), Some(true))
+        );
+        assert!((v["ratios"]["elastic_over_colocate"].as_f64().unwrap() - 21.3 / 9.0).abs() < 1e-12);
+        let v = verdict(&layouts(&[("colocate", 9.0), ("async", 21.0)]));
+        assert_eq!((v["layout"].as_str(), v["tie"].as_bool()), (Some("async"), Some(false)));
+        assert!((v["margin"].as_f64().unwrap() - (21.0 / 9.0 - 1.0)).abs() < 1e-12);
+    }
 }
