@@ -105,6 +105,51 @@ fn ppo_run_uses_values_and_gae() {
     assert!(m.iter().all(|s| s["perf/values_time"].is_number() && s["train/value_loss"].as_f64().unwrap() > 0.0));
 }
 
+/// A run without a reference model takes no reference pass, and one whose old log-probs are the
+/// rollout's no actor pass: the skipped phase does not occur, what only it measured is left out
+/// of the rows, and the run passes its checks. A reference-less run that asks for a KL is refused.
+#[test]
+fn skipped_trainer_passes_do_not_occur_and_the_run_passes_its_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "no-ref",
+            vec!["--set", "algo.reference=false", "--set", "algo.kl_coef=0"],
+            ("ref_log_probs", ["rollout/kl", "rollout/ref_log_probs", "train/kl_loss"]),
+            "perf/log_probs_time",
+        ),
+        (
+            "rollout-lp",
+            vec!["--set", "algo.rollout_log_probs=true"],
+            ("log_probs", ["rollout/entropy", "rollout/log_probs", "train/rollout_train_logprob_diff"]),
+            "perf/ref_log_probs_time",
+        ),
+    ];
+    for (name, sets, (phase, gone), kept) in cases {
+        let out_dir = dir.path().join(name);
+        let (out, summary) = tms_e2e::runner::run_ok(&out_dir, &[&["--steps", "2"][..], &sets].concat());
+        assert_eq!(summary["status"], "ok");
+        assert!(summary["checks"]["passed"].as_u64().unwrap() >= 2, "{summary}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!stdout.lines().any(|l| l.split_whitespace().next() == Some(phase)), "{phase} in the table:\n{stdout}");
+        let m = metrics(&out_dir);
+        assert_eq!(m.len(), 2);
+        for row in &m {
+            assert!(row.get(format!("perf/{phase}_time")).is_none(), "{name}: {row}");
+            for k in gone {
+                assert!(row.get(k).is_none(), "{name}: {k} in {row}");
+            }
+            for k in [kept, "perf/actor_train_time", "train/pg_loss", "rollout/rollout_log_probs"] {
+                assert!(row[k].is_number(), "{name}: step lacks {k}: {row}");
+            }
+        }
+    }
+    let out = run_cmd(dir.path(), &["--set", "algo.reference=false"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("algo.reference = false") && err.contains("set algo.kl_coef = 0"), "{err}");
+}
+
 #[test]
 fn the_same_node_ooms_without_the_saver_and_runs_with_it() {
     // Trainer (236 MiB) + rollout (168 MiB) exceed the 300 MiB the two processes' contexts

@@ -387,6 +387,31 @@ fn uncorrected_stale_training_is_refused_unless_opted_out() {
     }
 }
 
+/// Async with the rollout's log-probs as the old ones and no reference: the trainer's first stage
+/// is training itself (no log-prob pass of either model), the clipped PPO ratio to the rollout's
+/// log-probs is the correction (no TIS weights), and the run passes its checks.
+#[test]
+fn async_with_rollout_log_probs_and_no_reference_trains_without_a_log_prob_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--mode", "async", "--devices", "2", "--steps", "3", "--max-staleness", "1"];
+    let sets = ["--set", "algo.rollout_log_probs=true", "--set", "algo.reference=false", "--set", "algo.kl_coef=0"];
+    let (_, summary) = run_ok(dir.path(), &[&args[..], &sets].concat());
+    assert_eq!(summary["status"], "ok");
+    assert_eq!(summary["off_policy_correction"]["method"], "rollout_log_probs", "{summary}");
+    assert!(summary["checks"]["passed"].as_u64().unwrap() >= 3, "{summary}");
+    let m = metrics(dir.path());
+    assert_eq!(m.len(), 3);
+    for row in &m {
+        for k in ["perf/log_probs_time", "perf/ref_log_probs_time", "rollout/kl", "rollout/entropy", "train/tis"] {
+            assert!(row.get(k).is_none(), "{k} in {row}");
+        }
+        for k in ["perf/advantages_time", "perf/actor_train_time", "train/pg_loss", "train/ppo_kl"] {
+            assert!(row[k].is_number(), "step lacks {k}: {row}");
+        }
+        assert_eq!(row["train/tis_weight_mean"].as_f64(), Some(1.0), "{row}");
+    }
+}
+
 #[test]
 fn device_sets_that_cannot_work_exit_2_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();

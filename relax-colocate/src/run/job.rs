@@ -1,6 +1,6 @@
 //! The trainer's work on one batch, declared once for every layout: its stages (reference and
-//! actor log-probs, PPO's values, the advantages, the train request) with their checks, and the
-//! step's metrics row. Colocate drives a job to its end (`run_to_end`); async submits a stage,
+//! actor log-probs unless algo.reference = false or algo.rollout_log_probs skip them, PPO's
+//! values, the advantages, the train request) with their checks, and the step's metrics row. Colocate drives a job to its end (`run_to_end`); async submits a stage,
 //! keeps the engines generating, and hands each answer to `take_reply`.
 
 use super::config::{AlgoName, Config};
@@ -33,6 +33,24 @@ impl Stage {
             Stage::Train => "actor_train",
         }
     }
+
+    /// Whether the run takes this stage: the reference's pass unless the run has none, the
+    /// actor's unless the rollout's log-probs stand for it, the critic's for PPO.
+    fn taken(self, cfg: &Config) -> bool {
+        match self {
+            Stage::RefLogProbs => cfg.algo.reference,
+            Stage::LogProbs => !cfg.algo.rollout_log_probs,
+            Stage::Values => cfg.algo.name == AlgoName::Ppo,
+            Stage::Train => true,
+        }
+    }
+
+    /// The stage the run takes after `from` (None: its first).
+    fn after(from: Option<Stage>, cfg: &Config) -> Stage {
+        const ORDER: [Stage; 4] = [Stage::RefLogProbs, Stage::LogProbs, Stage::Values, Stage::Train];
+        let start = from.map_or(0, |f| ORDER.iter().position(|s| *s == f).map_or(ORDER.len(), |i| i + 1));
+        ORDER.iter().skip(start).copied().find(|s| s.taken(cfg)).unwrap_or(Stage::Train)
+    }
 }
 
 /// The trainer's passes over one batch; every trainer (replicas) gets the same request.
@@ -55,6 +73,8 @@ pub(super) struct Job {
     train: Option<TrainReply>,
     /// The trainers the current stage went to.
     replicas: usize,
+    /// algo.rollout_log_probs: the samples' own log-probs are the old ones.
+    rollout_old: bool,
 }
 
 /// A trained batch: what its metrics row reads.
@@ -83,13 +103,13 @@ impl Trained {
 }
 
 impl Job {
-    pub(super) fn new(samples: Vec<Sample>, token_scale: Option<f64>) -> Job {
+    pub(super) fn new(cfg: &Config, samples: Vec<Sample>, token_scale: Option<f64>) -> Job {
         Job {
             samples,
             token_scale,
             modelled_tokens: None,
             drawn_response_tokens: None,
-            stage: Stage::RefLogProbs,
+            stage: Stage::after(None, cfg),
             span: None,
             requests: Vec::new(),
             reference: None,
@@ -98,7 +118,28 @@ impl Job {
             adv: None,
             train: None,
             replicas: 0,
+            rollout_old: cfg.algo.rollout_log_probs,
         }
+    }
+
+    /// Before the first stage is submitted: the rollout's log-probs checked where they stand for
+    /// the actor's, and the advantages computed at once when no pass precedes training.
+    pub(super) fn begin(&mut self, cfg: &Config, task: &Addition, fleet: &mut Fleet, rec: &mut Recorder) -> R<()> {
+        if self.rollout_old
+            && let Some(s) = self.samples.iter().find(|s| s.logprobs.len() != s.response.len())
+        {
+            let cause = format!(
+                "the rollout returned {} log-probs for a response of {} tokens, and algo.rollout_log_probs = true \
+                 takes the old log-probs from the rollout, one per token",
+                s.logprobs.len(),
+                s.response.len()
+            );
+            return Err(rec.cursor().fail(FailKind::Worker, None, cause));
+        }
+        if self.stage == Stage::Train && self.adv.is_none() {
+            self.advantages(cfg, task, fleet, rec)?;
+        }
+        Ok(())
     }
 
     /// The trainer charges the batch at its modelled tokens (compute.lengths: prompts x
@@ -127,8 +168,13 @@ impl Job {
     /// The trainer's per-token numbers so far.
     fn scores(&self) -> Scores {
         let actor = self.actor.as_ref();
+        let rollout = || self.samples.iter().map(|s| s.logprobs.clone()).collect();
         Scores {
-            old_lp: actor.map(|a| a.logprobs.clone()).unwrap_or_default(),
+            old_lp: match actor {
+                Some(a) => a.logprobs.clone(),
+                None if self.rollout_old => rollout(),
+                None => Vec::new(),
+            },
             ref_lp: self.reference.as_ref().map(|r| r.logprobs.clone()).unwrap_or_default(),
             entropy: actor.map(|a| a.entropy.clone()).unwrap_or_default(),
             values: self.values.as_ref().map(|v| v.values.clone()).unwrap_or_default(),
@@ -216,23 +262,25 @@ impl Job {
         fleet: &mut Fleet,
         rec: &mut Recorder,
     ) -> R<Option<Stage>> {
-        self.stage = match self.stage {
-            Stage::RefLogProbs => Stage::LogProbs,
-            Stage::LogProbs if cfg.algo.name == AlgoName::Ppo => Stage::Values,
-            Stage::LogProbs | Stage::Values => {
-                let span = rec.begin("advantages");
-                let reward = cfg.task.reward;
-                let rewards: Vec<f64> =
-                    self.samples.iter().map(|s| task.score(&s.prompt, &s.response, reward).0).collect();
-                let adv = learn::advantages(cfg, &self.samples, &rewards, &self.scores())
-                    .map_err(|e| rec.cursor().fail(FailKind::Worker, None, e))?;
-                self.adv = Some(adv);
-                rec.end(span, fleet)?;
-                Stage::Train
-            }
-            Stage::Train => return Ok(None),
-        };
+        if self.stage == Stage::Train {
+            return Ok(None);
+        }
+        self.stage = Stage::after(Some(self.stage), cfg);
+        if self.stage == Stage::Train {
+            self.advantages(cfg, task, fleet, rec)?;
+        }
         Ok(Some(self.stage))
+    }
+
+    /// The advantages, in a phase of their own.
+    fn advantages(&mut self, cfg: &Config, task: &Addition, fleet: &mut Fleet, rec: &mut Recorder) -> R<()> {
+        let span = rec.begin("advantages");
+        let reward = cfg.task.reward;
+        let rewards: Vec<f64> = self.samples.iter().map(|s| task.score(&s.prompt, &s.response, reward).0).collect();
+        let adv = learn::advantages(cfg, &self.samples, &rewards, &self.scores())
+            .map_err(|e| rec.cursor().fail(FailKind::Worker, None, e))?;
+        self.adv = Some(adv);
+        rec.end(span, fleet)
     }
 
     /// The trained batch's numbers, taken out of the job.
@@ -262,6 +310,7 @@ impl Job {
         rec: &mut Recorder,
         targets: &[usize],
     ) -> R<Trained> {
+        self.begin(cfg, task, fleet, rec)?;
         loop {
             self.submit(cfg, fleet, rec, targets, None)?;
             while !self.take_reply(fleet, rec, 0)? {}
@@ -316,4 +365,48 @@ pub(super) fn step_row(cfg: &Config, task: &Addition, rec: &Recorder, trained: &
         metrics::add_memory(&mut row, s);
     }
     row
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::config;
+
+    fn cfg(sets: &[&str]) -> Config {
+        config::load(None, &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
+    }
+
+    fn stages(cfg: &Config) -> Vec<Stage> {
+        let mut out = vec![Stage::after(None, cfg)];
+        while *out.last().unwrap() != Stage::Train {
+            out.push(Stage::after(out.last().copied(), cfg));
+        }
+        out
+    }
+
+    /// Each skipped pass is left out of the batch's stages, and the rest keep their order.
+    #[test]
+    fn skipped_passes_leave_the_stages_in_order() {
+        use Stage::*;
+        assert_eq!(stages(&cfg(&[])), [RefLogProbs, LogProbs, Train]);
+        assert_eq!(stages(&cfg(&["algo.name=ppo"])), [RefLogProbs, LogProbs, Values, Train]);
+        let no_ref = ["algo.reference=false", "algo.kl_coef=0"];
+        assert_eq!(stages(&cfg(&no_ref)), [LogProbs, Train]);
+        assert_eq!(stages(&cfg(&["algo.rollout_log_probs=true"])), [RefLogProbs, Train]);
+        let neither = [&no_ref[..], &["algo.rollout_log_probs=true"]].concat();
+        assert_eq!(stages(&cfg(&neither)), [Train]);
+        assert_eq!(stages(&cfg(&[&neither[..], &["algo.name=ppo"]].concat())), [Values, Train]);
+    }
+
+    /// With algo.rollout_log_probs the old log-probs are the samples' own, and there is no entropy
+    /// (the actor's pass measured it); otherwise they wait for the actor's pass.
+    #[test]
+    fn the_old_log_probs_come_from_the_rollout_only_when_asked() {
+        let samples = || vec![Sample { prompt: vec![1], response: vec![2, 3], logprobs: vec![-0.5, -1.5] }];
+        let rollout = Job::new(&cfg(&["algo.rollout_log_probs=true"]), samples(), None);
+        let s = rollout.scores();
+        assert_eq!(s.old_lp, vec![vec![-0.5, -1.5]]);
+        assert!(s.entropy.is_empty() && s.ref_lp.is_empty());
+        assert!(Job::new(&cfg(&[]), samples(), None).scores().old_lp.is_empty());
+    }
 }

@@ -21,8 +21,11 @@ pub(super) struct Sample {
 
 /// The trainer's per-token numbers for each sample.
 pub(super) struct Scores {
+    /// The actor's pass, or with algo.rollout_log_probs the rollout's own.
     pub(super) old_lp: Vec<Vec<f64>>,
+    /// Empty without a reference pass (algo.reference = false).
     pub(super) ref_lp: Vec<Vec<f64>>,
+    /// Empty without the actor's pass.
     pub(super) entropy: Vec<Vec<f64>>,
     /// PPO only.
     pub(super) values: Vec<Vec<f64>>,
@@ -32,7 +35,8 @@ pub(super) struct Advantages {
     pub(super) advantages: Vec<Vec<f64>>,
     /// PPO only.
     pub(super) returns: Vec<Vec<f64>>,
-    pub(super) kl_ref: f64,
+    /// None without a reference pass: there is nothing to measure a KL to.
+    pub(super) kl_ref: Option<f64>,
     /// The sequence reward after the KL penalty.
     pub(super) penalized: Vec<f64>,
 }
@@ -55,10 +59,16 @@ pub(super) fn advantages(
     scores: &Scores,
 ) -> Result<Advantages, String> {
     let kl_type = cfg.algo.kl_type;
-    let kl_tok: Vec<Vec<f64>> = (scores.old_lp.iter().zip(&scores.ref_lp))
-        .map(|(o, f)| o.iter().zip(f).map(|(a, b)| algo::kl(*a, *b, kl_type).0).collect())
-        .collect();
-    let kl_ref = mean(kl_tok.iter().flatten().copied());
+    let (kl_tok, kl_ref): (Vec<Vec<f64>>, _) = if scores.ref_lp.is_empty() {
+        // No reference: PPO's token rewards carry no KL term (algo.kl_coef is 0, checks.rs).
+        (samples.iter().map(|s| vec![0.0; s.response.len()]).collect(), None)
+    } else {
+        let kl_tok: Vec<Vec<f64>> = (scores.old_lp.iter().zip(&scores.ref_lp))
+            .map(|(o, f)| o.iter().zip(f).map(|(a, b)| algo::kl(*a, *b, kl_type).0).collect())
+            .collect();
+        let kl_ref = mean(kl_tok.iter().flatten().copied());
+        (kl_tok, Some(kl_ref))
+    };
     match cfg.algo.name {
         AlgoName::Grpo => {
             let a = algo::grpo_advantages(rewards, cfg.rollout.samples_per_prompt, cfg.algo.dr_grpo);
@@ -77,7 +87,7 @@ pub(super) fn advantages(
 }
 
 /// PPO: the KL in the token rewards, GAE over the critic's values.
-fn gae(cfg: &Config, rewards: &[f64], kl_tok: &[Vec<f64>], values: &[Vec<f64>], kl_ref: f64) -> Advantages {
+fn gae(cfg: &Config, rewards: &[f64], kl_tok: &[Vec<f64>], values: &[Vec<f64>], kl_ref: Option<f64>) -> Advantages {
     let a = &cfg.algo;
     let mut out = Advantages { advantages: Vec::new(), returns: Vec::new(), kl_ref, penalized: Vec::new() };
     for ((reward, kl), values) in rewards.iter().zip(kl_tok).zip(values) {
@@ -147,7 +157,10 @@ pub(super) fn train_params(
             response: samples[i].response.clone(),
             advantages: adv.advantages[i].clone(),
             old_logprobs: scores.old_lp[i].clone(),
-            ref_logprobs: scores.ref_lp[i].clone(),
+            // The protocol wants one reference log-prob a token; without a reference pass the
+            // KL term is weighted 0 (checks.rs), so the old log-probs hold the place, and the
+            // row leaves out the trainer's KL, which then measures nothing asked for.
+            ref_logprobs: scores.ref_lp.get(i).unwrap_or(&scores.old_lp[i]).clone(),
             returns: adv.returns.get(i).cloned().unwrap_or_default(),
             old_values: scores.values.get(i).cloned().unwrap_or_default(),
             is_weights: weights.next().unwrap_or_default(),
@@ -185,11 +198,23 @@ pub(super) fn sample_metrics(row: &mut metrics::Row, cfg: &Config, task: &Additi
         f64::from(u8::from(r.len() >= max_new && r.last() != Some(&task::EOS)))
     });
     row.set("rollout/truncated_ratio", mean(truncated));
-    row.set("rollout/log_probs", flat(&o.scores.old_lp));
-    row.set("rollout/ref_log_probs", flat(&o.scores.ref_lp));
+    // A pass the run skipped measured nothing: its metrics are left out, not written as zeros
+    // (and with the rollout's log-probs as the old ones, the trainer-rollout gaps are 0 by
+    // construction).
+    let rollout_old = cfg.algo.rollout_log_probs;
+    if !rollout_old {
+        row.set("rollout/log_probs", flat(&o.scores.old_lp));
+    }
+    if !o.scores.ref_lp.is_empty() {
+        row.set("rollout/ref_log_probs", flat(&o.scores.ref_lp));
+    }
     row.set("rollout/rollout_log_probs", mean(o.samples.iter().flat_map(|s| s.logprobs.iter().copied())));
-    row.set("rollout/entropy", flat(&o.scores.entropy));
-    row.set("rollout/kl", o.adv.kl_ref);
+    if !o.scores.entropy.is_empty() {
+        row.set("rollout/entropy", flat(&o.scores.entropy));
+    }
+    if let Some(kl) = o.adv.kl_ref {
+        row.set("rollout/kl", kl);
+    }
     row.set("rollout/advantages", flat(&o.adv.advantages));
     if !o.adv.returns.is_empty() {
         row.set("rollout/returns", flat(&o.adv.returns));
@@ -199,11 +224,17 @@ pub(super) fn sample_metrics(row: &mut metrics::Row, cfg: &Config, task: &Additi
         let pairs = o.samples.iter().zip(&o.scores.old_lp);
         pairs.flat_map(|(s, o)| s.logprobs.iter().zip(o).map(|(a, b)| (a - b).abs()))
     };
-    row.set("train/train_rollout_logprob_abs_diff", mean(diffs()));
-    row.set("rollout/logprob_abs_diff_max", diffs().fold(0.0, f64::max));
-    correction_metrics(row, cfg, o.samples, o.scores);
+    if !rollout_old {
+        row.set("train/train_rollout_logprob_abs_diff", mean(diffs()));
+        row.set("rollout/logprob_abs_diff_max", diffs().fold(0.0, f64::max));
+        correction_metrics(row, cfg, o.samples, o.scores);
+    }
     row.set("train/lr-pg_0", cfg.algo.lr);
     for (k, v) in &o.train.0 {
+        // Without a reference the trainer's KL is to the old log-probs standing in for it.
+        if k == "kl" && o.scores.ref_lp.is_empty() {
+            continue;
+        }
         if let Some(x) = v {
             row.set(&metrics::train_metric(k), *x);
         }
@@ -449,5 +480,67 @@ mod tests {
 
         let colocated = config::load(None, &[]).unwrap();
         assert!(is_weights(&colocated, &[sample], &sc).is_empty(), "no correction colocated by default");
+    }
+
+    /// Without a reference pass: no KL to report, PPO's token rewards carry none, the train
+    /// request's reference log-probs hold the old ones' place (the KL term weighs 0), and the
+    /// row leaves out what no pass measured.
+    #[test]
+    fn without_a_reference_the_kl_is_left_out_not_zero() {
+        let sets = ["algo.name=ppo", "algo.reference=false", "algo.kl_coef=0", "algo.whiten_advantages=false"];
+        let cfg = config::load(None, &sets.map(String::from)).unwrap();
+        let samples: Vec<Sample> =
+            (0..2).map(|_| Sample { prompt: vec![1], response: vec![2, 3], logprobs: vec![-0.5, -1.5] }).collect();
+        let sc = Scores {
+            old_lp: vec![vec![-0.4, -1.4]; 2],
+            ref_lp: Vec::new(),
+            entropy: vec![vec![0.7, 0.7]; 2],
+            values: vec![vec![0.0, 0.0]; 2],
+        };
+        let adv = advantages(&cfg, &samples, &[1.0, 0.0], &sc).unwrap();
+        assert_eq!(adv.kl_ref, None);
+        assert_eq!(adv.penalized, vec![1.0, 0.0]);
+        assert_eq!(adv.advantages[0].len(), 2, "every token has its advantage");
+        let p = train_params(&cfg, &samples, &sc, &adv, 1, None);
+        assert_eq!(p.samples[0].ref_logprobs, sc.old_lp[0]);
+        let mut train = TrainReply::default();
+        train.0.insert("kl".into(), Some(0.3));
+        let task = Addition::new(cfg.task.digits, cfg.task.max_new_tokens);
+        let o =
+            Outcome { samples: &samples, scored: &[(1.0, true), (0.0, false)], scores: &sc, adv: &adv, train: &train };
+        let mut row = metrics::Row::new(1);
+        sample_metrics(&mut row, &cfg, &task, &o);
+        for gone in ["rollout/kl", "rollout/ref_log_probs", "train/kl_loss"] {
+            assert!(row.get(gone).is_none(), "{gone}");
+        }
+        assert!(row.get("rollout/entropy").is_some() && row.get("rollout/log_probs").is_some());
+    }
+
+    /// With the rollout's log-probs as the old ones there is nothing to weight: no TIS weights,
+    /// the PPO ratio is taken to the rollout's log-probs, and the trainer-rollout gaps (0 by
+    /// construction) and the entropy (no actor pass) are left out.
+    #[test]
+    fn rollout_log_probs_are_the_old_ones_and_need_no_weights() {
+        let sets = ["run.mode=async", "run.devices=2", "algo.rollout_log_probs=true", "rollout.samples_per_prompt=2"];
+        let cfg = config::load(None, &sets.map(String::from)).unwrap();
+        let samples: Vec<Sample> =
+            (0..2).map(|_| Sample { prompt: vec![1], response: vec![2, 3], logprobs: vec![-0.5, -1.5] }).collect();
+        let old: Vec<Vec<f64>> = samples.iter().map(|s| s.logprobs.clone()).collect();
+        let sc = Scores { old_lp: old.clone(), ref_lp: old.clone(), entropy: Vec::new(), values: Vec::new() };
+        assert!(is_weights(&cfg, &samples, &sc).is_empty());
+        let adv = advantages(&cfg, &samples, &[1.0, 0.0], &sc).unwrap();
+        let p = train_params(&cfg, &samples, &sc, &adv, 1, None);
+        assert_eq!(p.samples[1].old_logprobs, vec![-0.5, -1.5]);
+        assert!(p.samples[1].is_weights.is_empty());
+        let task = Addition::new(cfg.task.digits, cfg.task.max_new_tokens);
+        let train = TrainReply::default();
+        let o =
+            Outcome { samples: &samples, scored: &[(1.0, true), (0.0, false)], scores: &sc, adv: &adv, train: &train };
+        let mut row = metrics::Row::new(1);
+        sample_metrics(&mut row, &cfg, &task, &o);
+        for gone in ["rollout/entropy", "rollout/log_probs", "train/rollout_train_logprob_diff", "train/tis"] {
+            assert!(row.get(gone).is_none(), "{gone}");
+        }
+        assert!(row.get("rollout/rollout_log_probs").is_some() && row.get("rollout/kl").is_some());
     }
 }

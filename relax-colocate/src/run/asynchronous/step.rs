@@ -59,8 +59,9 @@ impl Async {
         }
         self.rig.rec.count_check();
         self.roll.set_in_training(groups.len());
-        let job = Job::new(samples, learn::batch_token_scale(&self.rig.cfg, &scaled))
+        let mut job = Job::new(&self.rig.cfg, samples, learn::batch_token_scale(&self.rig.cfg, &scaled))
             .with_drawn(self.rig.cfg.drawn_tokens(identities));
+        job.begin(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec)?;
         let mut training = Training { job, staleness, spans, publishes };
         self.submit_stage(&mut training)?;
         Ok(training)

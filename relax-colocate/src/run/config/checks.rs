@@ -82,6 +82,7 @@ impl Config {
         }
         errors.extend(self.layout_errors());
         errors.extend(self.correction_errors());
+        errors.extend(self.pass_errors());
         if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
     }
 
@@ -303,7 +304,8 @@ impl Config {
         }
         let a = &self.asynchronous;
         let stale = a.max_staleness > 0 || a.train_iters_per_update > 1;
-        let uncorrected = self.off_policy_correction() == OffPolicyCorrection::None;
+        // With rollout log-probs as the old ones, the clipped PPO ratio is the correction.
+        let uncorrected = self.off_policy_correction() == OffPolicyCorrection::None && !self.algo.rollout_log_probs;
         if self.run.mode != Mode::Colocate && stale && uncorrected && !self.algo.allow_uncorrected_stale {
             errors.push(format!(
                 "algo.off_policy_correction = \"none\" in {mode} mode with async.max_staleness = {} and \
@@ -315,6 +317,30 @@ impl Config {
                 a.train_iters_per_update,
                 mode = self.run.mode.as_str()
             ));
+        }
+        errors
+    }
+
+    /// The trainer's passes the run skips: nothing may need what a skipped pass would give.
+    fn pass_errors(&self) -> Vec<String> {
+        let a = &self.algo;
+        let mut errors = Vec::new();
+        if !a.reference && a.kl_coef > 0.0 {
+            errors.push(format!(
+                "algo.reference = false runs no reference pass, and algo.kl_coef = {} needs the reference's \
+                 log-probs (GRPO's KL loss, PPO's KL penalty): set algo.kl_coef = 0 (no KL, as DAPO), or \
+                 algo.reference = true",
+                a.kl_coef
+            ));
+        }
+        if a.rollout_log_probs && a.off_policy_correction == OffPolicyCorrection::Tis {
+            errors.push(
+                "algo.off_policy_correction = \"tis\" weights each token by exp(old log-prob - rollout log-prob), \
+                 and algo.rollout_log_probs = true makes the old log-probs the rollout's, so every weight would be \
+                 1: the PPO ratio to the rollout's log-probs, clipped, is then the correction; set \
+                 algo.off_policy_correction = \"auto\" (or \"none\"), or algo.rollout_log_probs = false"
+                    .into(),
+            );
         }
         errors
     }

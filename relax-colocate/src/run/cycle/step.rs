@@ -22,7 +22,7 @@ impl Colocate {
             self.wake_trainer()?;
         }
         let trainers = self.indices(Role::Trainer);
-        let job = Job::new(samples, self.token_scale()).with_drawn(drawn);
+        let job = Job::new(&self.rig.cfg, samples, self.token_scale()).with_drawn(drawn);
         let trained =
             job.run_to_end(&self.rig.cfg, &self.rig.task, &mut self.rig.fleet, &mut self.rig.rec, &trainers)?;
         self.hand_weights_to_rollout("on the rollout after update_weights")?;

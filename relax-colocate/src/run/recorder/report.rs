@@ -41,15 +41,16 @@ impl Progress {
             return;
         }
         let g = |k: &str| m.get(k).unwrap_or(0.0);
+        // A run without a reference pass has no KL to show, not a KL of 0.
+        let kl = m.get("rollout/kl").map_or_else(|| "-".to_string(), |k| format!("{k:.4}"));
         let width = 24usize;
         let filled = (step as usize * width) / steps.max(1) as usize;
         let line = format!(
-            "[{}{}] step {step}/{steps}  reward {:.3}  pass {:.2}  kl {:.4}  step {:.2}s  sleep {:.3}s  update {:.3}s  wake {:.3}s",
+            "[{}{}] step {step}/{steps}  reward {:.3}  pass {:.2}  kl {kl}  step {:.2}s  sleep {:.3}s  update {:.3}s  wake {:.3}s",
             "#".repeat(filled),
             ".".repeat(width - filled),
             g("rollout/raw_reward"),
             g("passrate/pass@1"),
-            g("rollout/kl"),
             g("perf/step_time"),
             g("perf/sleep_time"),
             g("perf/update_weights_time"),
@@ -136,7 +137,9 @@ fn correction_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Correct
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     };
     Correction {
-        method: r.cfg.off_policy_correction().as_str().into(),
+        // The clipped PPO ratio to the rollout's log-probs is the correction then, not "none".
+        method: if r.cfg.algo.rollout_log_probs { "rollout_log_probs" } else { r.cfg.off_policy_correction().as_str() }
+            .into(),
         tis_cap: r.cfg.algo.tis_cap,
         tis_mean: avg("train/tis"),
         tis_max: series("train/tis_max").iter().copied().reduce(f64::max),
@@ -391,6 +394,12 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Summary) {
 
 /// The off-policy correction and what its importance ratios were over the run.
 fn print_correction(c: &Correction) {
+    if c.method == "rollout_log_probs" {
+        println!(
+            "       off-policy correction: the PPO ratio to the rollout's log-probs, clipped (algo.rollout_log_probs)"
+        );
+        return;
+    }
     if c.method != "tis" {
         println!("       off-policy correction: none");
         return;
