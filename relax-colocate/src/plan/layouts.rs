@@ -81,7 +81,9 @@ impl Job<'_> {
     }
 
     /// The trainer's stages over a batch of `groups`, each shared by `trainers` replicas: the
-    /// reference's and the actor's log-probs, PPO's values, then training (3 passes an epoch).
+    /// reference's and the actor's log-probs (unless algo.reference = false or
+    /// algo.rollout_log_probs skip them, as the runner's job.rs does), PPO's values, then
+    /// training (3 passes an epoch).
     fn train_stages(&self, groups: &[Vec<Seq>], trainers: f64) -> Vec<(&'static str, f64)> {
         let seqs = || groups.iter().flatten();
         let count = seqs().count().max(1) as f64;
@@ -90,7 +92,13 @@ impl Job<'_> {
         let m = self.model.scaled(Some(scale));
         let charge = |stage: &Stage, times: f64| m.stage_seconds(stage, 1, trainers) * tokens * times;
         let st = &FIGURES.stages;
-        let mut out = vec![("ref_log_probs", charge(&st.log_probs, 1.0)), ("log_probs", charge(&st.log_probs, 1.0))];
+        let mut out = Vec::new();
+        if self.cfg.algo.reference {
+            out.push(("ref_log_probs", charge(&st.log_probs, 1.0)));
+        }
+        if !self.cfg.algo.rollout_log_probs {
+            out.push(("log_probs", charge(&st.log_probs, 1.0)));
+        }
         if self.cfg.algo.name == AlgoName::Ppo {
             out.push(("values", charge(&st.values, 1.0)));
         }
@@ -545,6 +553,23 @@ mod tests {
         assert!(steady(&ahead) >= train, "a step holds its training at least");
         assert!(steady(&ahead) < steady(&lockstep), "{} vs {}", steady(&ahead), steady(&lockstep));
         assert!(ahead.phases.contains_key("update_weights") && !ahead.phases.contains_key("wake_up"));
+    }
+
+    /// A job without a reference model has no ref_log_probs phase, and each colocated step is
+    /// shorter by exactly that pass; rollout log-probs drop the actor's pass the same way.
+    #[test]
+    fn skipped_passes_are_not_charged() {
+        let (_, full) = predict("colocate", 2, &[]);
+        let (_, no_ref) = predict("colocate", 2, &["algo.reference=false", "algo.kl_coef=0"]);
+        assert!(!no_ref.phases.contains_key("ref_log_probs") && no_ref.phases.contains_key("log_probs"));
+        // The phases are the run's sums; each step's pass is its own (its lengths).
+        assert!(full.step_s.iter().zip(&no_ref.step_s).all(|(a, b)| a > b), "{:?} {:?}", full.step_s, no_ref.step_s);
+        let total = |p: &Predicted| p.step_s.iter().sum::<f64>();
+        let pass = full.phases["ref_log_probs"];
+        assert!((total(&full) - total(&no_ref) - pass).abs() < 1e-9, "{} - {} != {pass}", total(&full), total(&no_ref));
+        let (_, rollout) = predict("colocate", 2, &["algo.rollout_log_probs=true"]);
+        assert!(!rollout.phases.contains_key("log_probs") && rollout.phases.contains_key("ref_log_probs"));
+        assert!((total(&full) - total(&rollout) - full.phases["log_probs"]).abs() < 1e-9);
     }
 
     /// A waiting elastic trainer lends its devices, each lend paid at the switch's rates; a
