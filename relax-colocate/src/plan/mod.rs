@@ -103,6 +103,28 @@ fn responses_about(cfg: &Config) -> Value {
     })
 }
 
+/// What the plan of this job leaves out that its runs would do, said rather than hidden.
+fn notes(cfg: &Config) -> Vec<String> {
+    let mut notes = Vec::new();
+    // Below this the built-in policy's lengths do not move over a run (jobs/long-tail.toml holds
+    // it still at 1e-9).
+    if cfg.compute.lengths_table.is_none() && cfg.algo.lr > 1e-6 {
+        notes.push(format!(
+            "the policy learns (algo.lr = {}): the plan charges its initial responses at every step, where a run's \
+             change as it learns; give your lengths with --lengths FILE, or hold the policy still (algo.lr = 1e-9)",
+            cfg.algo.lr
+        ));
+    }
+    if cfg.elastic.lend_rollout {
+        notes.push(
+            "elastic.lend_rollout (idle rollout devices lent to the trainer) is not in the plan: its elastic figures \
+             lend the trainer's devices only"
+                .into(),
+        );
+    }
+    notes
+}
+
 /// A layout's figures, under compare.json's names where it has them.
 fn figures(cfg: &Config, p: &Predicted) -> Value {
     let steps = p.step_s.len();
@@ -162,6 +184,7 @@ pub fn main(o: &Options) -> u8 {
                         "token_scale": cfg.compute.token_scale,
                     });
                     about["responses"] = responses_about(&cfg);
+                    about["notes"] = json!(notes(&cfg));
                 }
                 layouts.insert(mode.as_str().to_string(), figures(&cfg, &p));
             }
@@ -222,6 +245,9 @@ fn table(report: &Value, order: &[&str]) -> String {
             num(&f["lends"], 0),
         );
     }
+    for note in report["job"]["notes"].as_array().into_iter().flatten() {
+        out += &format!("note: {}\n", note.as_str().unwrap_or_default());
+    }
     let v = &report["verdict"];
     if let Some(best) = v["layout"].as_str() {
         let margin = 100.0 * v["margin"].as_f64().unwrap_or(0.0);
@@ -248,6 +274,18 @@ mod tests {
 
     fn layouts(rates: &[(&str, f64)]) -> serde_json::Map<String, Value> {
         rates.iter().map(|(n, r)| (n.to_string(), json!({"samples_per_s_after_first_step": r}))).collect()
+    }
+
+    /// A learning policy without a lengths file, and lending the rollout's devices, are said.
+    #[test]
+    fn a_plan_says_what_it_leaves_out() {
+        let cfg = |sets: &[&str]| config::load(None, &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+        assert!(notes(&cfg(&["algo.lr=1e-9"])).is_empty());
+        let learning = notes(&cfg(&["algo.lr=0.05"]));
+        assert!(learning.len() == 1 && learning[0].contains("--lengths FILE"), "{learning:?}");
+        let lending =
+            notes(&cfg(&["algo.lr=1e-9", "run.mode=\"elastic\"", "run.devices=2", "elastic.lend_rollout=true"]));
+        assert!(lending.len() == 1 && lending[0].contains("elastic.lend_rollout"), "{lending:?}");
     }
 
     /// The fastest is named with its lead; a lead under compare's tie margin is a tie.
