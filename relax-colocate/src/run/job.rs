@@ -1,7 +1,8 @@
 //! The trainer's work on one batch, declared once for every layout: its stages (reference and
 //! actor log-probs unless algo.reference = false or algo.rollout_log_probs skip them, PPO's
-//! values, the advantages, the train request) with their checks, and the step's metrics row. Colocate drives a job to its end (`run_to_end`); async submits a stage,
-//! keeps the engines generating, and hands each answer to `take_reply`.
+//! values, the advantages, the train request) with their checks, and the step's metrics row.
+//! Colocate drives a job to its end (`run_to_end`); async submits a stage, keeps the engines
+//! generating, and hands each answer to `take_reply`.
 
 use super::config::{AlgoName, Config};
 use super::fleet::{Fleet, InFlight};
