@@ -229,6 +229,10 @@ fn figures(l: &Layout) -> Value {
         "rollout_tokens_per_device_s": run.decode.get("rollout").and_then(|d| d.tokens_per_device_s),
         "trainer_tokens_per_device_s": trained / run_s / trainer_devices,
         "lent_slot_occupancy": run.decode.get("lent").and_then(|d| d.slot_occupancy),
+        // With compute.lengths: the modelled response tokens a trained sample drew, which every
+        // layout must charge alike (the same samples draw the same lengths).
+        "drawn_tokens_per_sample": run.lengths.as_ref().filter(|l| l.trained_samples > 0)
+            .map(|l| l.trained_response_tokens / l.trained_samples as f64),
         "step_time_median_s": median(step_times),
         "slot_occupancy": run.decode.get("rollout").and_then(|d| d.slot_occupancy),
         "kv_preemptions": run.decode.get("rollout").map(|d| d.preemptions),

@@ -69,6 +69,11 @@ fn plan_predicts_what_compare_measures_on_a_users_own_lengths() {
         relax(&[&["compare", "--json", "--repeats", "1", "--out", out.to_str().unwrap()][..], &JOB, &own].concat());
     assert!(compare.status.success(), "{}", text(&compare));
     let measured: Value = serde_json::from_slice(&compare.stdout).unwrap();
+    // Every layout charged its samples lengths drawn from the file (1 to 4,096 tokens).
+    for layout in ["colocate", "async", "elastic"] {
+        let drawn = measured[layout]["drawn_tokens_per_sample"].as_f64().unwrap_or_else(|| panic!("{measured}"));
+        assert!((1.0..=4096.0).contains(&drawn), "{layout}: {drawn}");
+    }
     let close = |layout: &str, key: &str, within: f64| {
         let (p, m) = (plan["layouts"][layout][key].as_f64().unwrap(), measured[layout][key].as_f64().unwrap());
         assert!((p / m - 1.0).abs() <= within, "{layout} {key}: plan {p:.3}, compare {m:.3}\n{plan}\n{measured}");
