@@ -274,58 +274,34 @@ pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
     a.p
 }
 
+/// What an async or elastic run's trainer side costs and when it lends, fixed for the run.
+struct Costs {
+    trainers: f64,
+    elastic: bool,
+    per_update: u64,
+    update_s: f64,
+    lend_s: f64,
+    reclaim_s: f64,
+    /// How long an idle elastic trainer waits before lending.
+    lend_after: f64,
+}
+
 impl Apart<'_> {
     fn run(&mut self, trainers: f64, elastic: bool) {
         let cfg = self.job.cfg;
-        let per_update = cfg.asynchronous.train_iters_per_update.max(1);
-        let update_s = self.job.switch_s(|s| s.update_s(cfg.weight_transport()));
         let lend_s = self.job.switch_s(|s| s.pause_s(Role::Trainer, None) + s.resume_s(Role::Rollout, None));
         let reclaim_s = self.job.switch_s(|s| s.pause_s(Role::Rollout, None) + s.resume_s(Role::Trainer, None));
-        let lend_after = if cfg.elastic.lend_after_s > 0.0 { cfg.elastic.lend_after_s } else { lend_s + reclaim_s };
+        let c = Costs {
+            trainers,
+            elastic,
+            per_update: cfg.asynchronous.train_iters_per_update.max(1),
+            update_s: self.job.switch_s(|s| s.update_s(cfg.weight_transport())),
+            lend_s,
+            reclaim_s,
+            lend_after: if cfg.elastic.lend_after_s > 0.0 { cfg.elastic.lend_after_s } else { lend_s + reclaim_s },
+        };
         loop {
-            if self.step < cfg.run.steps && matches!(self.trainer, Trainer::Idle { .. } | Trainer::Lent) {
-                if let Some(batch) = self.take_batch() {
-                    self.in_training = batch.len();
-                    if matches!(self.trainer, Trainer::Lent) {
-                        self.trainer = Trainer::Reclaiming { batch };
-                    } else {
-                        self.train(batch, trainers);
-                    }
-                    continue;
-                }
-                if let Trainer::Idle { since } = self.trainer
-                    && elastic
-                    && self.now - since >= lend_after
-                    && self.lend_pays(lend_s + reclaim_s)
-                {
-                    self.p.add("lend", lend_s);
-                    self.now += lend_s;
-                    for e in self.engines.iter_mut().filter(|e| e.lent) {
-                        e.version = u64::MAX;
-                    }
-                    self.p.lends += 1;
-                    self.trainer = Trainer::Lent;
-                    continue;
-                }
-            }
-            if matches!(self.trainer, Trainer::Reclaiming { .. })
-                && self.engines.iter().all(|e| !e.lent || e.busy_until.is_none())
-            {
-                for e in self.engines.iter_mut().filter(|e| e.lent) {
-                    self.orphans.append(&mut e.groups);
-                }
-                self.p.add("reclaim", reclaim_s);
-                self.now += reclaim_s;
-                if let Trainer::Reclaiming { batch } = std::mem::replace(&mut self.trainer, Trainer::Lent) {
-                    self.train(batch, trainers);
-                }
-                continue;
-            }
-            if matches!(self.trainer, Trainer::Publishing) && self.engines.iter().all(|e| e.busy_until.is_none()) {
-                self.now += update_s;
-                self.p.add("update_weights", update_s);
-                self.version += 1;
-                self.row();
+            if self.trainer_turn(&c) || self.reclaim_when_lent_engines_rest(&c) || self.publish_when_flushed(&c) {
                 continue;
             }
             if !matches!(self.trainer, Trainer::Publishing) {
@@ -336,19 +312,13 @@ impl Apart<'_> {
             if !busy && self.step >= cfg.run.steps {
                 break;
             }
-            let next_engine = self.engines.iter().filter_map(|e| e.busy_until).fold(f64::INFINITY, f64::min);
             let next_trainer = if let Trainer::Training { until } = self.trainer { until } else { f64::INFINITY };
-            // An idle elastic trainer reconsiders lending when it has waited the threshold out.
-            let threshold = match self.trainer {
-                Trainer::Idle { since } if elastic && since + lend_after > self.now => since + lend_after,
-                _ => f64::INFINITY,
-            };
-            let next = next_engine.min(next_trainer).min(threshold);
+            let next = self.next_event(&c).min(next_trainer);
             if !next.is_finite() {
                 if matches!(self.trainer, Trainer::Lent) {
                     // Lent with nothing left to generate: the devices go back.
-                    self.p.add("reclaim", reclaim_s);
-                    self.now += reclaim_s;
+                    self.p.add("reclaim", c.reclaim_s);
+                    self.now += c.reclaim_s;
                     self.trainer = Trainer::Idle { since: self.now };
                     continue;
                 }
@@ -358,18 +328,96 @@ impl Apart<'_> {
             self.now = next;
             self.settle();
             if next_trainer <= self.now {
-                for (name, s) in self.stages.drain(..) {
-                    self.p.add(name, s);
-                }
-                self.in_training = 0;
-                self.since_update += 1;
-                if self.since_update == per_update {
-                    self.since_update = 0;
-                    self.trainer = Trainer::Publishing;
-                } else {
-                    self.row();
-                }
+                self.trained(&c);
             }
+        }
+    }
+
+    /// An idle (or lent) trainer takes the next batch when the queue holds one (a lent one then
+    /// reclaims its devices first); an idle elastic one that has waited the threshold out lends
+    /// them when that pays. Returns whether anything changed.
+    fn trainer_turn(&mut self, c: &Costs) -> bool {
+        if self.step >= self.job.cfg.run.steps || !matches!(self.trainer, Trainer::Idle { .. } | Trainer::Lent) {
+            return false;
+        }
+        if let Some(batch) = self.take_batch() {
+            self.in_training = batch.len();
+            if matches!(self.trainer, Trainer::Lent) {
+                self.trainer = Trainer::Reclaiming { batch };
+            } else {
+                self.train(batch, c.trainers);
+            }
+            return true;
+        }
+        let Trainer::Idle { since } = self.trainer else { return false };
+        if !(c.elastic && self.now - since >= c.lend_after && self.lend_pays(c.lend_s + c.reclaim_s)) {
+            return false;
+        }
+        self.p.add("lend", c.lend_s);
+        self.now += c.lend_s;
+        for e in self.engines.iter_mut().filter(|e| e.lent) {
+            e.version = u64::MAX;
+        }
+        self.p.lends += 1;
+        self.trainer = Trainer::Lent;
+        true
+    }
+
+    /// Once the lent engines' segments have ended: their unfinished groups go to the others, the
+    /// devices come back, and the trainer trains the batch it was waiting with.
+    fn reclaim_when_lent_engines_rest(&mut self, c: &Costs) -> bool {
+        if !matches!(self.trainer, Trainer::Reclaiming { .. })
+            || self.engines.iter().any(|e| e.lent && e.busy_until.is_some())
+        {
+            return false;
+        }
+        for e in self.engines.iter_mut().filter(|e| e.lent) {
+            self.orphans.append(&mut e.groups);
+        }
+        self.p.add("reclaim", c.reclaim_s);
+        self.now += c.reclaim_s;
+        if let Trainer::Reclaiming { batch } = std::mem::replace(&mut self.trainer, Trainer::Lent) {
+            self.train(batch, c.trainers);
+        }
+        true
+    }
+
+    /// Once every segment in flight has ended, the new weights go out and the step's row closes.
+    fn publish_when_flushed(&mut self, c: &Costs) -> bool {
+        if !matches!(self.trainer, Trainer::Publishing) || self.engines.iter().any(|e| e.busy_until.is_some()) {
+            return false;
+        }
+        self.now += c.update_s;
+        self.p.add("update_weights", c.update_s);
+        self.version += 1;
+        self.row();
+        true
+    }
+
+    /// The next engine's segment end, or the moment an idle elastic trainer has waited the
+    /// threshold out (it reconsiders lending then); infinite when neither comes.
+    fn next_event(&self, c: &Costs) -> f64 {
+        let next_engine = self.engines.iter().filter_map(|e| e.busy_until).fold(f64::INFINITY, f64::min);
+        let threshold = match self.trainer {
+            Trainer::Idle { since } if c.elastic && since + c.lend_after > self.now => since + c.lend_after,
+            _ => f64::INFINITY,
+        };
+        next_engine.min(threshold)
+    }
+
+    /// The trainer's batch is trained: its stages counted, then the weights go out every
+    /// `async.train_iters_per_update` steps, else the step's row closes now.
+    fn trained(&mut self, c: &Costs) {
+        for (name, s) in self.stages.drain(..) {
+            self.p.add(name, s);
+        }
+        self.in_training = 0;
+        self.since_update += 1;
+        if self.since_update == c.per_update {
+            self.since_update = 0;
+            self.trainer = Trainer::Publishing;
+        } else {
+            self.row();
         }
     }
 
