@@ -121,6 +121,77 @@ fn plan_prints_a_table_and_refuses_what_the_run_would_refuse() {
     assert!(text(&ascend).contains("compute.hbm_gbps is unset"), "{}", text(&ascend));
 }
 
+/// The CI job with responses ten times longer (steps of minutes on the modelled device), run on a
+/// clock 20 times the wall clock's (compute.time_scale): compare still agrees with plan within
+/// 15%, and takes a small share of the modelled time to do it.
+#[test]
+fn a_faster_clock_runs_minutes_of_modelled_steps_in_seconds_and_still_agrees_with_plan() {
+    let mut job: Vec<&str> =
+        JOB.iter().map(|a| if *a == "compute.token_scale=20" { "compute.token_scale=200" } else { a }).collect();
+    assert!(job.contains(&"compute.token_scale=200"));
+    job.extend(["--layouts", "colocate,async"]);
+    let plan = relax(&[&["plan", "--json"][..], &job].concat());
+    assert!(plan.status.success(), "{}", text(&plan));
+    let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("compare");
+    let clock = ["--set", "compute.time_scale=20", "--repeats", "1", "--out", out.to_str().unwrap()];
+    let started = std::time::Instant::now();
+    let compare = relax(&[&["compare", "--json"][..], &job, &clock].concat());
+    let real = started.elapsed().as_secs_f64();
+    assert!(compare.status.success(), "{}", text(&compare));
+    let measured: Value = serde_json::from_slice(&compare.stdout).unwrap();
+    let mut modelled = 0.0;
+    for layout in ["colocate", "async"] {
+        let (p, m) = (
+            plan["layouts"][layout]["samples_per_s"].as_f64().unwrap(),
+            measured[layout]["samples_per_s"].as_f64().unwrap(),
+        );
+        assert!((p / m - 1.0).abs() <= 0.15, "{layout}: plan {p:.3}, compare {m:.3}\n{plan}\n{measured}");
+        assert!(measured[layout]["compute"].as_str().unwrap().contains("compute.time_scale"), "{measured}");
+        let summary: Value =
+            serde_json::from_slice(&std::fs::read(out.join(layout).join("summary.json")).unwrap()).unwrap();
+        let (wall, clock) = (summary["wall_time_s"].as_f64().unwrap(), &summary["clock"]);
+        assert_eq!(clock["time_scale"], 20.0, "{summary}");
+        let ratio = wall / clock["real_wall_time_s"].as_f64().unwrap();
+        assert!((ratio - 20.0).abs() < 0.5, "{layout}: every time on the modelled clock: {ratio}\n{summary}");
+        modelled += measured[layout]["step_time_median_s"].as_f64().unwrap() * 3.0;
+    }
+    // Over two minutes a step modelled; the whole comparison, start-up included, in a fifth of it.
+    assert!(modelled > 400.0, "{measured}");
+    assert!(real < modelled / 5.0, "compare took {real:.0} s for {modelled:.0} modelled seconds of steps");
+}
+
+/// A faster clock only for modelled time, and only for workers that pace by it: refused before
+/// anything starts, naming the key and the fix.
+#[test]
+fn a_faster_clock_is_refused_where_it_would_only_multiply_measured_time() {
+    for (sets, words) in [
+        (&["--set", "compute.time_scale=10"][..], "needs compute.model = true"),
+        (
+            &["--set", "compute.model=true", "--set", "memory.profile=qwen3-4b", "--set", "compute.time_scale=0.5"][..],
+            "must be 1..1000",
+        ),
+        (
+            &[
+                "--set",
+                "compute.model=true",
+                "--set",
+                "memory.profile=qwen3-4b",
+                "--set",
+                "compute.time_scale=10",
+                "--set",
+                "run.trainer_cmd=\"python3 w.py\"",
+            ][..],
+            "needs the built-in workers",
+        ),
+    ] {
+        let out = relax(&[&["run"][..], sets].concat());
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains("compute.time_scale") && text(&out).contains(words), "{}", text(&out));
+    }
+}
+
 /// The command a job file's header gives (`#     relax-colocate plan ...`), its words after the
 /// program's name.
 fn header_command(job: &str) -> Vec<String> {

@@ -11,7 +11,7 @@ use super::protocol::{Checksum, LoadState, SaveState, Step};
 use super::recorder::Recorder;
 use super::switch::{self, SwitchModel};
 use super::{NCCL_TAG, R};
-use std::time::Instant;
+use crate::run::clock::Instant;
 
 /// How the side giving its devices up goes to sleep.
 #[derive(Debug, Clone, Copy, Default)]

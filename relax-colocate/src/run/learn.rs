@@ -314,6 +314,7 @@ pub(super) fn init_params(
         adam: Some(adam(cfg)),
         step: 0,
         compute: compute_model(cfg, fleet, profile),
+        time_scale: cfg.compute.time_scale,
         trainer_group: group.as_ref().map(|(backend, init_method)| TrainerGroup {
             backend: backend.to_string(),
             init_method: init_method.clone(),
@@ -413,10 +414,19 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
         ),
         None => String::new(),
     };
+    let clock = if c.time_scale != 1.0 {
+        format!(
+            "; on a clock {k}x the wall clock's (compute.time_scale): every time is modelled seconds, and what the \
+             simulator really spends counts {k} times",
+            k = c.time_scale
+        )
+    } else {
+        String::new()
+    };
     format!(
         "modelled: {} ({:.2}B parameters per device) on a {} TFLOPS device ({}) at MFU {} (train) and {} \
          (rollout){memory}, each task token standing for {}{lengths}; every request lasts at least \
-         that{caveat}{switch}",
+         that{caveat}{switch}{clock}",
         cfg.memory.profile,
         profile.params_per_device as f64 / 1e9,
         c.tflops,

@@ -25,6 +25,7 @@ pub mod worker;
 pub(crate) mod admission;
 mod answer;
 mod asynchronous;
+pub(crate) mod clock;
 pub(crate) mod compute;
 mod cycle;
 mod fleet;
@@ -247,6 +248,8 @@ pub fn run(opts: &Options) -> u8 {
         Err(e) => return refuse(e.kind, &e.cause),
     };
     signals::install();
+    // Before the recorder starts its clock: every time it keeps is on the modelled clock.
+    clock::set_scale(cfg.compute.time_scale);
     let run_dir = match make_run_dir(&cfg) {
         Ok(d) => d,
         Err(e) => return refuse(FailKind::Setup, &e.to_string()),

@@ -164,6 +164,19 @@ pub struct InitParams {
     /// a single trainer, or a layout the runner cannot give a rendezvous (a remote Ray cluster).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trainer_group: Option<TrainerGroup>,
+    /// Modelled seconds per wall-clock second (compute.time_scale): a worker paces its requests
+    /// at their modelled time over this and reports the times it measures times this. Absent
+    /// (a runner that predates it): 1, the wall clock.
+    #[serde(default = "wall_clock", skip_serializing_if = "is_wall_clock")]
+    pub time_scale: f64,
+}
+
+fn wall_clock() -> f64 {
+    1.0
+}
+
+fn is_wall_clock(k: &f64) -> bool {
+    *k == 1.0
 }
 
 /// Where the trainers meet for their data-parallel process group (torch.distributed's

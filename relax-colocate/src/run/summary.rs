@@ -115,7 +115,19 @@ pub struct RunSummary {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub switch: Option<SwitchSummary>,
     pub wall_time_s: f64,
+    /// With compute.time_scale above 1: the modelled clock against the wall clock (absent on the
+    /// wall clock, where `wall_time_s` is both).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock: Option<ClockSummary>,
     pub weight_sync: WeightSyncSummary,
+}
+
+/// The modelled clock (compute.time_scale): every time in the summary is on it, `wall_time_s`
+/// included; `real_wall_time_s` is what the run took here.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ClockSummary {
+    pub time_scale: f64,
+    pub real_wall_time_s: f64,
 }
 
 /// The switch as compute.model charged it: each stage's time measured on this machine (the

@@ -10,7 +10,7 @@ use super::config::{Config, WeightTransport};
 use super::profile::{self, Profile};
 use super::recorder::Recorder;
 use super::{NCCL_TAG, Role};
-use std::time::Instant;
+use crate::run::clock::Instant;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -145,7 +145,7 @@ impl SwitchModel {
 pub(super) fn charge(rec: &mut Recorder, stage: &str, t0: Instant, modelled: f64) {
     let measured = t0.elapsed().as_secs_f64();
     if modelled > measured {
-        std::thread::sleep(std::time::Duration::from_secs_f64(modelled - measured));
+        crate::run::clock::sleep(std::time::Duration::from_secs_f64(modelled - measured));
     }
     rec.record_switch(stage, measured, modelled);
 }

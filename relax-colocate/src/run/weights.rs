@@ -12,8 +12,8 @@ use super::summary::{Transport as TransportSummary, WeightSyncSummary};
 use super::switch::{self, SwitchModel};
 use super::transport::{self, Moved, Transport};
 use super::{Cursor, FailKind, R, Role};
+use crate::run::clock::Instant;
 use std::rc::Rc;
-use std::time::Instant;
 
 /// Every worker of `role`'s weights checksum, in the fleet's order.
 pub(super) fn checksums(fleet: &mut Fleet, role: Role, step: u64) -> R<Vec<String>> {

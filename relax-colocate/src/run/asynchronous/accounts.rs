@@ -3,8 +3,8 @@
 //! methods here (a wait, a flush, an engine's idle time, a lend, a reclaim, a trained batch), so
 //! each is counted in one place; the rows and the summary only read them.
 
+use crate::run::clock::Instant;
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 pub(super) struct Accounts {
     /// Since the last metrics row.

@@ -4,8 +4,8 @@
 
 use super::queue::Group;
 use super::rollouter::Slot;
+use crate::run::clock::Instant;
 use crate::run::fleet::InFlight;
-use std::time::Instant;
 
 /// Where an engine stands.
 pub(super) enum State {

@@ -33,10 +33,10 @@ use super::recorder::{Recorder, Span};
 use super::rig::Rig;
 use super::summary::AsyncSummary;
 use super::{FailKind, R, Role, RunError, weights};
+use crate::run::clock::Instant;
 use accounts::Accounts;
 use elastic::{Cx, Elastic};
 use rollouter::{Rollouter, capacity, max_staleness};
-use std::time::Instant;
 use step::{Finished, Training};
 
 /// The async driver: what every driver works with, the rollouter (engines, groups, queue), the
@@ -232,7 +232,7 @@ impl Async {
             if let Some(j) = job.as_ref() {
                 waiting.extend(j.job.requests().iter());
             }
-            let Some(k) = self.rig.fleet.wait_any_until(&waiting, until)? else {
+            let Some(k) = self.rig.fleet.wait_any_until(&waiting, until.map(|u| u.wall()))? else {
                 return Ok(None);
             };
             if k < engines { Answer::Engine(k) } else { Answer::Trainer(k - engines) }

@@ -8,13 +8,14 @@
 use super::accounts::Accounts;
 use super::engine::{Engine, State};
 use super::queue::{Group, Queue, Seq};
+use crate::run::clock::Instant;
 use crate::run::config::Config;
 use crate::run::fleet::{Fleet, InFlight};
 use crate::run::protocol::{Generate, GenerateParams, GenerateReply};
 use crate::run::rig::Rig;
 use crate::run::task::{self, Rng};
 use crate::run::{FailKind, R, Role};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Where a generated sample belongs: its group and sequence, and the `prompt_index` the reply
 /// must give it (a new group's prompt, or the position of a continued sequence).

@@ -53,6 +53,7 @@ impl Config {
         need(self.sim.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0");
         errors.extend(self.compute_errors());
         errors.extend(self.lengths_errors());
+        errors.extend(self.clock_errors());
         if let Err(e) = self.link_gbps() {
             errors.push(e);
         }
@@ -84,6 +85,35 @@ impl Config {
         errors.extend(self.correction_errors());
         errors.extend(self.pass_errors());
         if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    /// compute.time_scale: only modelled time may run faster; what the simulator really spends
+    /// would otherwise be all there is, counted k times.
+    fn clock_errors(&self) -> Vec<String> {
+        let k = self.compute.time_scale;
+        if k == 1.0 {
+            return Vec::new();
+        }
+        let mut errors = Vec::new();
+        if !(1.0..=1000.0).contains(&k) {
+            errors.push(format!(
+                "compute.time_scale = {k} must be 1..1000 modelled seconds per wall-clock second (1: the wall clock)"
+            ));
+        }
+        if !self.compute.model {
+            errors.push(format!(
+                "compute.time_scale = {k} needs compute.model = true (--set compute.model=true): without a model \
+                 every time is what this machine spends, and a faster clock would only multiply it"
+            ));
+        }
+        if !self.builtin_workers() {
+            errors.push(format!(
+                "compute.time_scale = {k} needs the built-in workers: an external worker (run.trainer_cmd, \
+                 run.rollout_cmd; scripts/torch_worker.py) paces at the wall clock; drop the worker commands, \
+                 or --set compute.time_scale=1"
+            ));
+        }
+        errors
     }
 
     /// compute.lengths: only the built-in workers under compute.model charge a sample's drawn

@@ -122,6 +122,10 @@ fn yes() -> bool {
     true
 }
 
+fn one() -> f64 {
+    1.0
+}
+
 /// Modelled device compute time (docs/async.md, "Modelled compute").
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -139,6 +143,10 @@ pub struct ComputeSection {
     /// With token_scale_final: a sample's growth follows the weight version that generated it
     /// (stale samples cheaper), not its place in the run's order of prompts.
     pub cost_by_version: bool,
+    /// Modelled seconds per wall-clock second (clock.rs): a job of modelled minutes a step runs
+    /// in seconds. 1: the wall clock.
+    #[serde(default = "one")]
+    pub time_scale: f64,
     pub hbm_gbps: f64,
     pub decode_step_ms: f64,
     /// Engines admit sequences while the profile's KV cache holds them, and preempt when it does

@@ -2,6 +2,7 @@
 //! advantages, training, and the hand-over of the new weights.
 
 use super::Colocate;
+use crate::run::clock::Instant;
 use crate::run::config::DrawnTokens;
 use crate::run::handover::{Handover, Phases, Sleep, Wake};
 use crate::run::job::Job;
@@ -9,7 +10,6 @@ use crate::run::learn::Sample;
 use crate::run::protocol::{Generate, GenerateParams};
 use crate::run::task::{self, Rng};
 use crate::run::{FailKind, R, Role};
-use std::time::Instant;
 
 impl Colocate {
     /// One step of the colocated cycle, phases in slime's order.

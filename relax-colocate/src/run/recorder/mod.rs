@@ -13,12 +13,12 @@ mod sampling;
 use super::config::Config;
 use super::fleet::Fleet;
 use super::{Cursor, FailKind, R, RunError, setup_err};
+use crate::run::clock::Instant;
 use checks::Checks;
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::time::Instant;
 use tms_proto::OpReport;
 
 /// Device memory at one phase boundary (a line of memory.jsonl).

@@ -216,6 +216,10 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         decode: decode_summary(r, series("perf/wall_step_time").iter().sum()),
         decode_unreported: r.unreported.iter().cloned().collect(),
         wall_time_s: r.started.elapsed().as_secs_f64(),
+        clock: (crate::run::clock::scale() != 1.0).then(|| crate::run::summary::ClockSummary {
+            time_scale: crate::run::clock::scale(),
+            real_wall_time_s: r.started.wall().elapsed().as_secs_f64(),
+        }),
         run_dir: r.run_dir.clone(),
         asynchronous: None,
         weight_sync: WeightSyncSummary::default(),

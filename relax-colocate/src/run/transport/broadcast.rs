@@ -11,6 +11,7 @@ use super::buckets::{bucket_count, bucket_pieces};
 use super::{Moved, Transport, Weights, WorkerHalf};
 use crate::collective::{self, CollError, Group, Library};
 use crate::run::answer::{Failure, answer, bad, dev_err};
+use crate::run::clock::Instant;
 use crate::run::device::Device;
 use crate::run::fleet::{Fleet, call_together};
 use crate::run::protocol::{Ack, Method, Step};
@@ -19,7 +20,6 @@ use crate::run::{Cursor, R, Role};
 use crate::vendor::ApiKind;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::time::Instant;
 
 // Both roles: the group's rank 0 (the first trainer) makes the id, every member joins, then each
 // update is broadcast from rank 0.

@@ -7,13 +7,13 @@ use super::WeightTransport;
 use super::buckets::{Piece, bucket_count, bucket_pieces};
 use super::{Moved, Transport, Weights, WorkerHalf, stream_size};
 use crate::run::answer::{Failure, answer, bad, dev_err};
+use crate::run::clock::Instant;
 use crate::run::fleet::Fleet;
 use crate::run::protocol::{
     Ack, BucketParams, BucketReply, Method, Step, UpdateBegin, UpdateBeginParams, UpdateBeginReply, UpdateEnd,
 };
 use crate::run::{Cursor, R, Role};
 use serde_json::Value;
-use std::time::Instant;
 
 // The rollout's and the trainer's methods of the host transport: the first trainer packs each
 // bucket into the run's bucket file, every rollout unpacks it.

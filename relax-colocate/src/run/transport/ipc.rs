@@ -14,6 +14,7 @@ use super::buckets::{Piece, bucket_count, bucket_pieces};
 use super::{Moved, Transport, Weights, WorkerHalf};
 use crate::collective::{from_hex, to_hex};
 use crate::run::answer::{Failure, answer, bad, dev_err};
+use crate::run::clock::Instant;
 use crate::run::device::Device;
 use crate::run::fleet::Fleet;
 use crate::run::protocol::{Ack, BucketParams, BucketReply, Method, Step};
@@ -21,7 +22,6 @@ use crate::run::{Cursor, FailKind, R, Role};
 use crate::vendor::ApiKind;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::time::Instant;
 
 // Both roles (colocate mode): per update every trainer exports a transfer buffer, the rollout on
 // its device opens it, each bucket is packed into it by the trainer and copied out device to

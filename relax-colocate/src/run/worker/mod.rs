@@ -146,11 +146,16 @@ impl Common {
     /// Modelled compute: a request that began at `t0` lasts at least what `modelled` says the
     /// device would take (nothing without a compute model).
     /// `token_scale`: the request's own, when responses grow over the run.
-    fn pace(&self, t0: std::time::Instant, token_scale: Option<f64>, modelled: impl FnOnce(&ComputeModel) -> f64) {
+    fn pace(
+        &self,
+        t0: crate::run::clock::Instant,
+        token_scale: Option<f64>,
+        modelled: impl FnOnce(&ComputeModel) -> f64,
+    ) {
         let Some(m) = &self.compute else { return };
         let modelled = std::time::Duration::from_secs_f64(modelled(&m.scaled(token_scale)));
         if let Some(rest) = modelled.checked_sub(t0.elapsed()) {
-            std::thread::sleep(rest);
+            crate::run::clock::sleep(rest);
         }
     }
 
@@ -159,7 +164,7 @@ impl Common {
     /// place of `tokens` x the scale.
     fn pace_trainer(
         &self,
-        t0: std::time::Instant,
+        t0: crate::run::clock::Instant,
         token_scale: Option<f64>,
         tokens: usize,
         modelled: Option<f64>,
@@ -214,6 +219,8 @@ fn init(role: &str, ip: InitParams) -> Result<(Role, InitReply), Failure> {
     }
     let device = i32::try_from(ip.device).map_err(|_| bad(format!("device {} is out of range", ip.device)))?;
     let dev = Device::open(&ip.api, device).map_err(|e| ("device".to_string(), e))?;
+    // The runner's clock (compute.time_scale): paced before anything is timed.
+    crate::run::clock::set_scale(ip.time_scale);
     let mut c = Common {
         dev,
         shape: ip.shape,

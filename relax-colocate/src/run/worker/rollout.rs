@@ -54,7 +54,7 @@ impl Rollout {
             None if drawn => usize::MAX,
             None => max_new.max(1),
         };
-        let t0 = std::time::Instant::now();
+        let t0 = crate::run::clock::Instant::now();
         let scale = model.map_or(1.0, |m| m.token_scale);
         let held = Cached { all: prefix_cached, each: &cached };
         let prefill = prefill_tokens(&prompts, &responses, &progress, n, held, drawn.then_some(scale));

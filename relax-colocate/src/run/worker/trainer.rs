@@ -59,7 +59,7 @@ impl Trainer {
     }
 
     fn log_probs(&self, p: LogProbsParams) -> Result<LogProbsReply, Failure> {
-        let t0 = std::time::Instant::now();
+        let t0 = crate::run::clock::Instant::now();
         let scores = self.token_scores(p.model, &p.samples)?;
         self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), p.modelled_tokens, &FIGURES.stages.log_probs);
         let pick = |f: fn(&model::TokenScore) -> f64| scores.iter().map(|s| s.iter().map(f).collect()).collect();
@@ -67,7 +67,7 @@ impl Trainer {
     }
 
     fn values(&self, p: SamplesParams) -> Result<ValuesReply, Failure> {
-        let t0 = std::time::Instant::now();
+        let t0 = crate::run::clock::Instant::now();
         let scores = self.token_scores(Model::Actor, &p.samples)?;
         self.c.pace_trainer(t0, p.token_scale, pair_tokens(&p.samples), p.modelled_tokens, &FIGURES.stages.values);
         Ok(ValuesReply { values: scores.iter().map(|s| s.iter().map(|t| t.value).collect()).collect() })
@@ -153,7 +153,7 @@ impl Trainer {
     }
 
     fn train(&mut self, p: TrainParams) -> Result<TrainReply, Failure> {
-        let t0 = std::time::Instant::now();
+        let t0 = crate::run::clock::Instant::now();
         let samples: Vec<TrainSample> = p.samples;
         let tokens: usize = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
         let minibatches = p.minibatches.max(1);

@@ -15,6 +15,7 @@ use super::super::accounts::Window;
 use super::super::queue::Group;
 use super::super::rollouter::{Finished, LendView, Rollouter};
 use super::{Cx, Direction, Lend};
+use crate::run::clock::Instant;
 use crate::run::config::{Config, WeightTransport};
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
@@ -24,7 +25,7 @@ use crate::run::summary::ElasticSummary;
 use crate::run::{R, Role, switch, transport, weights};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 enum State {
     /// The trainers hold their devices.

@@ -17,13 +17,13 @@ use super::accounts::Accounts;
 use super::queue::Group;
 use super::rollouter::{Finished, LendView, Rollouter};
 use crate::run::R;
+use crate::run::clock::Instant;
 use crate::run::config::{Config, Mode};
 use crate::run::fleet::Fleet;
 use crate::run::metrics::Row;
 use crate::run::rig::Rig;
 use crate::run::summary::ElasticSummary;
 use serde_json::{Value, json};
-use std::time::Instant;
 
 /// What a hook may act on: the rig, the rollouter and the accounts (the driver's other parts).
 pub(super) struct Cx<'a> {

@@ -15,6 +15,7 @@
 use super::super::accounts::Window;
 use super::super::rollouter::LendView;
 use super::{Cx, Direction, Lend};
+use crate::run::clock::Instant;
 use crate::run::fleet::Fleet;
 use crate::run::handover::{self, Handover, Sleep, Wake};
 use crate::run::metrics::Row;
@@ -24,7 +25,6 @@ use crate::run::rig::Rig;
 use crate::run::summary::RolloutLendSummary;
 use crate::run::{FailKind, NCCL_TAG, R, Role, RunError, weights};
 use serde_json::{Value, json};
-use std::time::Instant;
 
 /// What this direction counts beyond `Lend`'s counts.
 #[derive(Default)]
