@@ -7,7 +7,7 @@
 extern "C" {
 #endif
 
-#define TMS_SIM_MAX_DEVICES 16
+#define TMS_SIM_MAX_DEVICES 16 /* devices reported here; a node may have up to 64 */
 
 struct tms_sim_stats {
   uint32_t device_count;

@@ -200,6 +200,8 @@ fn cli_env_takes_every_launcher_input() {
     ] {
         assert_eq!(set[name], value, "{name}: {doc}");
     }
+    // A published multi-node job's devices on one simulated node (32 H20s, 64 in all).
+    assert_eq!(env(&["--devices", "64"])["set"]["TMS_SIM_DEVICES"], "64");
     // Nothing asked, nothing set beyond the library: the simulator's defaults stay in force.
     let plain = env(&[]);
     let names: Vec<&String> = plain["set"].as_object().unwrap().keys().collect();
@@ -214,6 +216,8 @@ fn cli_env_takes_every_launcher_input() {
         (["--link-gbps", "fast"], "--link-gbps \"fast\" is not INTRA[,INTER]"),
         (["--link-gbps", "1,2,3"], "--link-gbps \"1,2,3\" is not INTRA[,INTER]"),
         (["--copy-gbps", "inf"], "--copy-gbps inf is not a rate"),
+        (["--devices", "65"], "--devices must be 1 to 64"),
+        (["--devices", "0"], "--devices must be 1 to 64"),
     ] {
         let bad = Command::new(ws.bin("tms-sim")).arg("env").args(args).output().unwrap();
         assert_eq!(bad.status.code(), Some(1), "{args:?}");

@@ -50,7 +50,7 @@ pub mod cuda;
 pub mod introspect {
     //! What tests read back: device usage, host memory really held, live objects.
 
-    use crate::core::config::MAX_DEVICES;
+    use crate::core::config::STATS_DEVICES;
     use crate::core::sim::{guard, sim};
     use std::sync::atomic::Ordering;
 
@@ -61,10 +61,10 @@ pub mod introspect {
         pub device_count: u32,
         pub _pad: u32,
         pub capacity: u64,
-        /// Bytes used on each device by all processes of the node.
-        pub device_used: [u64; MAX_DEVICES],
-        /// Bytes used on each device by this process.
-        pub process_used: [u64; MAX_DEVICES],
+        /// Bytes used on each device by all processes of the node (the first STATS_DEVICES).
+        pub device_used: [u64; STATS_DEVICES],
+        /// Bytes used on each device by this process (the first STATS_DEVICES).
+        pub process_used: [u64; STATS_DEVICES],
         /// Host bytes physically held by this process's simulated device memory.
         pub host_resident_bytes: u64,
         pub live_handles: u64,
@@ -86,8 +86,8 @@ pub mod introspect {
                 device_count: s.devices() as u32,
                 _pad: 0,
                 capacity: s.node.capacity(),
-                device_used: [0; MAX_DEVICES],
-                process_used: [0; MAX_DEVICES],
+                device_used: [0; STATS_DEVICES],
+                process_used: [0; STATS_DEVICES],
                 host_resident_bytes: counts.resident,
                 live_handles: counts.handles,
                 live_mappings: counts.mappings,
@@ -95,7 +95,7 @@ pub mod introspect {
                 plain_allocations: counts.plain,
                 pinned_host_bytes: s.pinned_bytes.load(Ordering::Relaxed),
             };
-            for d in 0..s.devices() {
+            for d in 0..s.devices().min(STATS_DEVICES) {
                 st.device_used[d] = s.node.used(d);
                 st.process_used[d] = s.node.process_used(d);
             }

@@ -43,7 +43,7 @@ const RUNTIME_NAMES: &[&str] = &[
         Environment read by the simulator:\n  \
         TMS_SIM_NODE       node name; processes naming the same node share its devices (default: default)\n  \
         TMS_SIM_DIR        folder for node state files (default: /dev/shm, else the temp dir)\n  \
-        TMS_SIM_DEVICES    devices per node, 1-16 (default 1)\n  \
+        TMS_SIM_DEVICES    devices per node, 1-64 (default 1)\n  \
         TMS_SIM_MEMORY     capacity of each device, e.g. 16GiB (default 16GiB)\n  \
         TMS_SIM_COPY_GBPS  host<->device copy rate per direction per device, GB/s (default 50; 0: no modelled time)\n  \
         TMS_SIM_PIN_GBPS   cost of allocating pinned host memory, GB/s (default: none)\n  \

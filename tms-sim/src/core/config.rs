@@ -2,8 +2,12 @@
 
 use std::path::PathBuf;
 
-/// Most devices one simulated node can have (fixed so the shared state file has a fixed layout).
-pub const MAX_DEVICES: usize = 16;
+/// Most devices one simulated node can have (fixed so the shared state file has a fixed layout):
+/// enough for a published multi-node job's devices on one simulated node (32 H20s, 64 in all).
+pub const MAX_DEVICES: usize = 64;
+/// Devices `tms_sim_stats` reports: the C struct's arrays (include/tms_sim.h,
+/// TMS_SIM_MAX_DEVICES), kept at their published size so no caller's layout changes.
+pub const STATS_DEVICES: usize = 16;
 /// Granularity of physical allocations and reservations: what current GPUs and the 910B's huge
 /// pages report.
 pub const GRANULARITY: usize = 2 << 20;
@@ -142,7 +146,10 @@ pub fn state_file_for(dir: &std::path::Path, node: &str) -> PathBuf {
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' })
         .collect();
-    dir.join(format!("tms-sim-{uid}-{safe}"))
+    // The layout's version in the name: a build of another layout keeps a node file of its own
+    // rather than re-initialising one a live process of the other reads.
+    let version = crate::core::node::LAYOUT_VERSION;
+    dir.join(format!("tms-sim-{uid}-{safe}.v{version}"))
 }
 
 fn env_str(name: &str) -> Option<String> {

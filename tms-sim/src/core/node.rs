@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 const MAGIC: u64 = 0x746d_732d_7369_6d31; // "tms-sim1"
-const LAYOUT_VERSION: u32 = 1;
+/// 2: 64 devices a node (1 held 16); in the state file's name too (config::state_file_for).
+pub const LAYOUT_VERSION: u32 = 2;
 pub const MAX_SLOTS: usize = 256;
 /// A slot being reclaimed by another process.
 const RECLAIMING: u32 = u32::MAX;
