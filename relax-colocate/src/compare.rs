@@ -112,7 +112,8 @@ fn run_dir(o: &Options, name: &str, k: u32) -> PathBuf {
     if k == 1 { o.out.join(name) } else { o.out.join(format!("{name}-{k}")) }
 }
 
-fn run_layout(o: &Options, name: &'static str, mode_args: &[String], k: u32) -> Result<Layout, (u8, String)> {
+fn run_layout(o: &Options, mode: crate::run::config::Mode, k: u32) -> Result<Layout, (u8, String)> {
+    let name = mode.as_str();
     let exe = std::env::current_exe().map_err(|e| (1, format!("cannot find this program: {e}")))?;
     let dir = run_dir(o, name, k);
     let mut cmd = Command::new(exe);
@@ -127,7 +128,7 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String], k: u32) -> 
     ])
     .arg("--out")
     .arg(&dir)
-    .args(mode_args);
+    .args(mode_args(o, mode));
     if let Some(file) = &o.job.config {
         cmd.arg("--config").arg(file);
     }
@@ -137,7 +138,7 @@ fn run_layout(o: &Options, name: &'static str, mode_args: &[String], k: u32) -> 
         // Absolute, so that every run reads the same file whatever its own directory.
         cmd.arg("--lengths").arg(std::path::absolute(file).unwrap_or_else(|_| file.clone()));
     }
-    for s in &o.job.sets {
+    for s in o.job.sets.iter().chain(&layout_overrides(mode)) {
         cmd.args(["--set", s]);
     }
     if let Some(h) = &o.hook {
@@ -649,10 +650,20 @@ fn run_all(o: &Options, modes: &[crate::run::config::Mode]) -> Result<Vec<Vec<La
     let mut runs: Vec<Vec<Layout>> = modes.iter().map(|_| Vec::new()).collect();
     for k in 1..=o.repeats {
         for (mode, done) in modes.iter().zip(runs.iter_mut()) {
-            done.push(run_layout(o, mode.as_str(), &mode_args(o, *mode), k)?);
+            done.push(run_layout(o, *mode, k)?);
         }
     }
     Ok(runs)
+}
+
+/// What a layout's run is set after the job's own keys: elastic.lend_rollout asks for a way
+/// of lending that only elastic mode has, so the other layouts (whose runs would refuse it) run
+/// the job without it.
+pub(crate) fn layout_overrides(mode: crate::run::config::Mode) -> Vec<String> {
+    match mode {
+        crate::run::config::Mode::Elastic => Vec::new(),
+        _ => vec!["elastic.lend_rollout=false".into()],
+    }
 }
 
 /// The flags that set `mode`'s layout on its run; the split layouts take the device split and the

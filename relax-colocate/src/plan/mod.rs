@@ -45,6 +45,7 @@ fn layout_sets(o: &JobArgs, mode: Mode) -> Vec<String> {
         }
     }
     sets.extend(o.sets.iter().cloned());
+    sets.extend(crate::compare::layout_overrides(mode));
     sets
 }
 
