@@ -28,6 +28,8 @@ pub(super) struct Predicted {
     pub(super) preemptions: u64,
     /// Elastic: lends of the trainer's devices.
     pub(super) lends: u64,
+    /// Elastic with elastic.lend_rollout: lends of the engines' devices to a train stage.
+    pub(super) rollout_lends: u64,
 }
 
 impl Predicted {
@@ -188,6 +190,11 @@ enum Trainer {
     Idle {
         since: f64,
     },
+    /// Its passes before training (log-probs, values); the train stage begins at `until`.
+    Passes {
+        until: f64,
+    },
+    /// Its train stage, shared with the lent trainers while the engines' devices are lent.
     Training {
         until: f64,
     },
@@ -221,6 +228,12 @@ struct Apart<'a> {
     /// Groups the trainer holds (training, or waiting for a reclaim).
     in_training: usize,
     stages: Vec<(&'static str, f64)>,
+    /// elastic.lend_rollout: the batch's train stage shared with the lent trainers.
+    shared_train_s: f64,
+    /// The last train stage as the trainers alone would take it (the reverse lend's guide).
+    last_train_s: Option<f64>,
+    /// The engines' devices are lent to the train stage: the engines sleep.
+    rollout_lent: bool,
     limits: Limits,
     per_request: usize,
     capacity: usize,
@@ -231,7 +244,9 @@ struct Apart<'a> {
 /// the trainer trains on the oldest batch the queue holds, and every
 /// `async.train_iters_per_update` steps the weights go out once the segments in flight end.
 /// Elastic: a trainer that has waited `elastic.lend_after_s` (0: a lend and a reclaim's modelled
-/// switch) sleeps and an engine on each of its devices generates until its batch is ready.
+/// switch) sleeps and an engine on each of its devices generates until its batch is ready; with
+/// elastic.lend_rollout, the engines' devices go the other way, to a trainer-bound step's train
+/// stage.
 pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
     let cfg = job.cfg;
     let per_step = cfg.rollout.prompts_per_step;
@@ -265,12 +280,15 @@ pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
         since_update: 0,
         in_training: 0,
         stages: Vec::new(),
+        shared_train_s: 0.0,
+        last_train_s: None,
+        rollout_lent: false,
         limits,
         per_request,
         capacity,
         p: Predicted { slots: (per_request * n) as f64, ..Predicted::default() },
     };
-    a.run(trainers as f64, elastic);
+    a.run(trainers as f64, rollouts as f64, elastic);
     a.p
 }
 
@@ -284,13 +302,33 @@ struct Costs {
     reclaim_s: f64,
     /// How long an idle elastic trainer waits before lending.
     lend_after: f64,
+    /// elastic.lend_rollout: the engines' devices lent the other way.
+    rollout_lending: Option<RolloutLending>,
+}
+
+/// The reverse lend's figures (reverse.rs): a lent trainer on each engine's device.
+struct RolloutLending {
+    lent_trainers: f64,
+    /// The engines sleep and the lent trainers wake whole.
+    lend_s: f64,
+    /// The lent trainers sleep and the engines wake whole.
+    reclaim_s: f64,
 }
 
 impl Apart<'_> {
-    fn run(&mut self, trainers: f64, elastic: bool) {
+    fn run(&mut self, trainers: f64, rollouts: f64, elastic: bool) {
         let cfg = self.job.cfg;
         let lend_s = self.job.switch_s(|s| s.pause_s(Role::Trainer, None) + s.resume_s(Role::Rollout, None));
         let reclaim_s = self.job.switch_s(|s| s.pause_s(Role::Rollout, None) + s.resume_s(Role::Trainer, None));
+        // The reverse hand-overs are this direction's with the sides swapped: what the runner
+        // charges of them is each side's sleep and wake (run/handover.rs). The trainer's state
+        // file, exported and imported through the host, is measured by a run but charged by no
+        // model, so it is not here either.
+        let rollout_lending = (elastic && cfg.elastic.lend_rollout).then_some(RolloutLending {
+            lent_trainers: rollouts,
+            lend_s: reclaim_s,
+            reclaim_s: lend_s,
+        });
         let c = Costs {
             trainers,
             elastic,
@@ -299,6 +337,7 @@ impl Apart<'_> {
             lend_s,
             reclaim_s,
             lend_after: if cfg.elastic.lend_after_s > 0.0 { cfg.elastic.lend_after_s } else { lend_s + reclaim_s },
+            rollout_lending,
         };
         loop {
             if self.trainer_turn(&c) || self.reclaim_when_lent_engines_rest(&c) || self.publish_when_flushed(&c) {
@@ -307,12 +346,17 @@ impl Apart<'_> {
             if !matches!(self.trainer, Trainer::Publishing) {
                 self.feed();
             }
-            let busy =
-                matches!(self.trainer, Trainer::Training { .. } | Trainer::Publishing | Trainer::Reclaiming { .. });
+            let busy = matches!(
+                self.trainer,
+                Trainer::Passes { .. } | Trainer::Training { .. } | Trainer::Publishing | Trainer::Reclaiming { .. }
+            );
             if !busy && self.step >= cfg.run.steps {
                 break;
             }
-            let next_trainer = if let Trainer::Training { until } = self.trainer { until } else { f64::INFINITY };
+            let next_trainer = match self.trainer {
+                Trainer::Passes { until } | Trainer::Training { until } => until,
+                _ => f64::INFINITY,
+            };
             let next = self.next_event(&c).min(next_trainer);
             if !next.is_finite() {
                 if matches!(self.trainer, Trainer::Lent) {
@@ -328,7 +372,11 @@ impl Apart<'_> {
             self.now = next;
             self.settle();
             if next_trainer <= self.now {
-                self.trained(&c);
+                if matches!(self.trainer, Trainer::Passes { .. }) {
+                    self.train_stage(&c);
+                } else {
+                    self.trained(&c);
+                }
             }
         }
     }
@@ -345,7 +393,7 @@ impl Apart<'_> {
             if matches!(self.trainer, Trainer::Lent) {
                 self.trainer = Trainer::Reclaiming { batch };
             } else {
-                self.train(batch, c.trainers);
+                self.train(batch, c);
             }
             return true;
         }
@@ -377,7 +425,7 @@ impl Apart<'_> {
         self.p.add("reclaim", c.reclaim_s);
         self.now += c.reclaim_s;
         if let Trainer::Reclaiming { batch } = std::mem::replace(&mut self.trainer, Trainer::Lent) {
-            self.train(batch, c.trainers);
+            self.train(batch, c);
         }
         true
     }
@@ -405,9 +453,57 @@ impl Apart<'_> {
         next_engine.min(threshold)
     }
 
-    /// The trainer's batch is trained: its stages counted, then the weights go out every
-    /// `async.train_iters_per_update` steps, else the step's row closes now.
+    /// The passes are done and the train stage begins: with elastic.lend_rollout, shared with
+    /// the lent trainers when the engines' devices are lent to it (reverse.rs, `consider`).
+    fn train_stage(&mut self, c: &Costs) {
+        let alone = self.stages.iter().find(|(name, _)| *name == "actor_train").map_or(0.0, |(_, s)| *s);
+        let mut seconds = alone;
+        if let Some(r) = c.rollout_lending.as_ref().filter(|r| self.rollout_lend_pays(r, c)) {
+            self.p.add("lend_rollout", r.lend_s);
+            self.now += r.lend_s;
+            self.p.rollout_lends += 1;
+            self.rollout_lent = true;
+            seconds = self.shared_train_s;
+            for stage in self.stages.iter_mut().filter(|(name, _)| *name == "actor_train") {
+                stage.1 = seconds;
+            }
+        }
+        self.last_train_s = Some(alone);
+        self.trainer = Trainer::Training { until: self.now + seconds };
+    }
+
+    /// Whether the engines' devices go to this train stage (reverse.rs, `consider`): the step
+    /// ends with a weight update (the only thing that gives the slept engines weights again),
+    /// the engines have nothing they may do (no request, no unfinished group, no room for a
+    /// request's groups, the next batch already queued), and the share of the last train stage
+    /// the lent trainers would take off exceeds the switch.
+    ///
+    /// A run weighs the switch it measured (setup's calibration lend and reclaim, then each
+    /// reclaim's); each stage of that switch lasts at least its modelled time, which is what a
+    /// plan charges, so the modelled switch stands in for the measured one here.
+    fn rollout_lend_pays(&self, r: &RolloutLending, c: &Costs) -> bool {
+        let publishes = self.since_update + 1 == c.per_update;
+        let own = || self.engines.iter().enumerate().filter(|(_, e)| !e.lent);
+        let generating = own().any(|(_, e)| e.busy_until.is_some() || !e.groups.is_empty()) || !self.orphans.is_empty();
+        let may_start = own().next().is_some_and(|(k, _)| self.fresh_groups_for(k) > 0);
+        let next_batch_queued = self.queue.len() >= self.job.cfg.rollout.prompts_per_step;
+        let saving = self.last_train_s.map(|t| t * (1.0 - c.trainers / (c.trainers + r.lent_trainers)));
+        publishes
+            && !generating
+            && !may_start
+            && next_batch_queued
+            && saving.is_some_and(|s| s > r.lend_s + r.reclaim_s)
+    }
+
+    /// The trainer's batch is trained: the engines get back any devices lent to it, its stages
+    /// are counted, then the weights go out every `async.train_iters_per_update` steps, else the
+    /// step's row closes now.
     fn trained(&mut self, c: &Costs) {
+        if let Some(r) = c.rollout_lending.as_ref().filter(|_| self.rollout_lent) {
+            self.p.add("reclaim_rollout", r.reclaim_s);
+            self.now += r.reclaim_s;
+            self.rollout_lent = false;
+        }
         for (name, s) in self.stages.drain(..) {
             self.p.add(name, s);
         }
@@ -440,11 +536,16 @@ impl Apart<'_> {
         missing as f64 / rate >= switch
     }
 
-    fn train(&mut self, batch: Vec<Vec<Seq>>, trainers: f64) {
-        self.stages = self.job.train_stages(&batch, trainers);
+    /// The trainer begins its passes over `batch`.
+    fn train(&mut self, batch: Vec<Vec<Seq>>, c: &Costs) {
+        self.stages = self.job.train_stages(&batch, c.trainers);
+        if let Some(r) = &c.rollout_lending {
+            let shared = self.job.train_stages(&batch, c.trainers + r.lent_trainers);
+            self.shared_train_s = shared.iter().find(|(name, _)| *name == "actor_train").map_or(0.0, |(_, s)| *s);
+        }
         self.step += 1;
-        let until = self.now + self.stages.iter().map(|(_, s)| s).sum::<f64>();
-        self.trainer = Trainer::Training { until };
+        let passes: f64 = self.stages.iter().filter(|(name, _)| *name != "actor_train").map(|(_, s)| s).sum();
+        self.trainer = Trainer::Passes { until: self.now + passes };
     }
 
     /// A step's row: its window closes.
@@ -475,7 +576,8 @@ impl Apart<'_> {
         }
         let lent_now = matches!(self.trainer, Trainer::Lent);
         for k in 0..self.engines.len() {
-            if self.engines[k].busy_until.is_some() || (self.engines[k].lent && !lent_now) {
+            let asleep = if self.engines[k].lent { !lent_now } else { self.rollout_lent };
+            if self.engines[k].busy_until.is_some() || asleep {
                 continue;
             }
             let room = self.per_request.saturating_sub(self.engines[k].groups.len()).min(self.orphans.len());
@@ -631,5 +733,52 @@ mod tests {
         let (_, plain) = predict("async", 2, &[tis]);
         assert_eq!(never.lends, 0);
         assert_eq!(never.step_s, plain.step_s);
+    }
+
+    /// A trainer-bound job: the trainer's passes at 3% of the peak, one version of staleness,
+    /// so the engines fill the queue early in each step and then have nothing they may start.
+    const TRAINER_BOUND: [&str; 2] = ["compute.train_mfu=0.03", "async.max_staleness=1"];
+
+    fn trainer_bound(mode: &str, extra: &[&str]) -> Predicted {
+        predict(mode, 2, &[&TRAINER_BOUND[..], extra].concat()).1
+    }
+
+    /// The engines' devices go to the train stages of steps 2 and 3 (step 1 has no train stage
+    /// to go by, step 4 no next batch queued: the run ends), each lend and reclaim charged the
+    /// switch model's sleep and wake, each lent stage half the trainer's alone: the steps after
+    /// the first are shorter than async's and than elastic's without the key.
+    #[test]
+    fn lend_rollout_gives_a_trainer_bound_step_the_engines_devices_and_beats_async() {
+        let lending = trainer_bound("elastic", &["elastic.lend_rollout=true"]);
+        let unlent = trainer_bound("elastic", &[]);
+        let plain = trainer_bound("async", &[]);
+        assert_eq!(lending.rollout_lends, 2, "{:?}", lending.phases);
+        assert_eq!((unlent.rollout_lends, plain.rollout_lends), (0, 0));
+        let (cfg, _) = predict("elastic", 2, &TRAINER_BOUND);
+        let s = SwitchModel::new(&cfg).unwrap();
+        let lend = s.pause_s(Role::Rollout, None) + s.resume_s(Role::Trainer, None);
+        let reclaim = s.pause_s(Role::Trainer, None) + s.resume_s(Role::Rollout, None);
+        assert!(lend > 0.0 && reclaim > 0.0, "the host link is charged: {lend} + {reclaim}");
+        assert!((lending.phases["lend_rollout"] - 2.0 * lend).abs() < 1e-9, "{:?}", lending.phases);
+        assert!((lending.phases["reclaim_rollout"] - 2.0 * reclaim).abs() < 1e-9, "{:?}", lending.phases);
+        // Two of four train stages taken at half: three quarters of the whole.
+        let ratio = lending.phases["actor_train"] / unlent.phases["actor_train"];
+        assert!((ratio - 0.75).abs() < 0.05, "{ratio}");
+        let after_first = |p: &Predicted| p.step_s[1..].iter().sum::<f64>();
+        assert!(after_first(&lending) < after_first(&unlent), "{:?} vs {:?}", lending.step_s, unlent.step_s);
+        assert!(after_first(&lending) < after_first(&plain), "{:?} vs {:?}", lending.step_s, plain.step_s);
+        assert_eq!(lending.step_s[0], unlent.step_s[0], "step 1 does not lend");
+    }
+
+    /// A switch dearer than the train stage's expected saving (a host link of 0.5 GB/s: minutes
+    /// to wake the lent trainer's state) is not paid: the key changes nothing.
+    #[test]
+    fn lend_rollout_does_not_lend_when_the_switch_exceeds_the_saving() {
+        let slow_link = "compute.h2d_gbps=0.5";
+        let asked = trainer_bound("elastic", &[slow_link, "elastic.lend_rollout=true"]);
+        let unasked = trainer_bound("elastic", &[slow_link]);
+        assert_eq!(asked.rollout_lends, 0);
+        assert!(!asked.phases.contains_key("lend_rollout"), "{:?}", asked.phases);
+        assert_eq!(asked.step_s, unasked.step_s);
     }
 }
