@@ -8,7 +8,7 @@ use super::engine::{self, Limits, Seq};
 use super::responses::Responses;
 use crate::run::Role;
 use crate::run::compute::{FIGURES, Stage};
-use crate::run::config::{AlgoName, Config, Mode};
+use crate::run::config::{AlgoName, Config, Mode, WeightTransport};
 use crate::run::protocol::ComputeModel;
 use crate::run::switch::SwitchModel;
 use std::collections::BTreeMap;
@@ -318,16 +318,20 @@ struct RolloutLending {
 impl Apart<'_> {
     fn run(&mut self, trainers: f64, rollouts: f64, elastic: bool) {
         let cfg = self.job.cfg;
-        let lend_s = self.job.switch_s(|s| s.pause_s(Role::Trainer, None) + s.resume_s(Role::Rollout, None));
-        let reclaim_s = self.job.switch_s(|s| s.pause_s(Role::Rollout, None) + s.resume_s(Role::Trainer, None));
+        let to_engines = self.job.switch_s(|s| s.pause_s(Role::Trainer, None) + s.resume_s(Role::Rollout, None));
+        let to_trainers = self.job.switch_s(|s| s.pause_s(Role::Rollout, None) + s.resume_s(Role::Trainer, None));
+        // A lend of the trainer's devices also copies the trainer's weights into the lent
+        // engines (lend.rs: device to device with the built-in workers, charged as an IPC update).
+        let lend_s = to_engines + self.job.switch_s(|s| s.update_s(WeightTransport::Ipc));
+        let reclaim_s = to_trainers;
         // The reverse hand-overs are this direction's with the sides swapped: what the runner
         // charges of them is each side's sleep and wake (run/handover.rs). The trainer's state
         // file, exported and imported through the host, is measured by a run but charged by no
         // model, so it is not here either.
         let rollout_lending = (elastic && cfg.elastic.lend_rollout).then_some(RolloutLending {
             lent_trainers: rollouts,
-            lend_s: reclaim_s,
-            reclaim_s: lend_s,
+            lend_s: to_trainers,
+            reclaim_s: to_engines,
         });
         let c = Costs {
             trainers,
@@ -722,13 +726,19 @@ mod tests {
         assert!((total(&full) - total(&rollout) - full.phases["log_probs"]).abs() < 1e-9);
     }
 
-    /// A waiting elastic trainer lends its devices, each lend paid at the switch's rates; a
-    /// threshold nobody reaches leaves it async's layout, step for step.
+    /// A waiting elastic trainer lends its devices, each lend paid at the switch's rates (the
+    /// trainer's sleep, the engine's wake and the weights' device-to-device copy, as lend.rs
+    /// charges them); a threshold nobody reaches leaves it async's layout, step for step.
     #[test]
     fn an_elastic_trainer_that_waits_lends_and_one_that_never_waits_long_enough_is_async() {
         let tis = "algo.off_policy_correction=\"tis\"";
-        let (_, lending) = predict("elastic", 2, &[tis]);
+        let (cfg, lending) = predict("elastic", 2, &[tis]);
         assert!(lending.lends > 0 && lending.phases["lend"] > 0.0, "{:?}", lending.phases);
+        let s = SwitchModel::new(&cfg).unwrap();
+        let each = s.pause_s(Role::Trainer, None) + s.resume_s(Role::Rollout, None) + s.update_s(WeightTransport::Ipc);
+        assert!(s.update_s(WeightTransport::Ipc) > 0.0);
+        let charged = lending.phases["lend"] / lending.lends as f64;
+        assert!((charged - each).abs() < 1e-9, "a lend charged {charged}, its stages {each}");
         let (_, never) = predict("elastic", 2, &[tis, "elastic.lend_after_s=1e9"]);
         let (_, plain) = predict("async", 2, &[tis]);
         assert_eq!(never.lends, 0);
