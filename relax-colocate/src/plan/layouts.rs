@@ -113,6 +113,11 @@ impl Job<'_> {
     }
 }
 
+/// The train stage's seconds among a batch's stages (`Job::train_stages`).
+fn train_stage_s(stages: &[(&'static str, f64)]) -> f64 {
+    stages.iter().find(|(name, _)| *name == "actor_train").map_or(0.0, |(_, s)| *s)
+}
+
 /// Colocated (run/cycle): each device's engine generates its shard of the step's prompts, the
 /// rollout offloads, the trainer wakes, trains, sleeps, and the new weights reach the rollout.
 pub(super) fn colocate(job: &Job) -> Predicted {
@@ -460,7 +465,7 @@ impl Apart<'_> {
     /// The passes are done and the train stage begins: with elastic.lend_rollout, shared with
     /// the lent trainers when the engines' devices are lent to it (reverse.rs, `consider`).
     fn train_stage(&mut self, c: &Costs) {
-        let alone = self.stages.iter().find(|(name, _)| *name == "actor_train").map_or(0.0, |(_, s)| *s);
+        let alone = train_stage_s(&self.stages);
         let mut seconds = alone;
         if let Some(r) = c.rollout_lending.as_ref().filter(|r| self.rollout_lend_pays(r, c)) {
             self.p.add("lend_rollout", r.lend_s);
@@ -545,7 +550,7 @@ impl Apart<'_> {
         self.stages = self.job.train_stages(&batch, c.trainers);
         if let Some(r) = &c.rollout_lending {
             let shared = self.job.train_stages(&batch, c.trainers + r.lent_trainers);
-            self.shared_train_s = shared.iter().find(|(name, _)| *name == "actor_train").map_or(0.0, |(_, s)| *s);
+            self.shared_train_s = train_stage_s(&shared);
         }
         self.step += 1;
         let passes: f64 = self.stages.iter().filter(|(name, _)| *name != "actor_train").map(|(_, s)| s).sum();

@@ -216,10 +216,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         decode: decode_summary(r, series("perf/wall_step_time").iter().sum()),
         decode_unreported: r.unreported.iter().cloned().collect(),
         wall_time_s: r.started.elapsed().as_secs_f64(),
-        clock: (crate::run::clock::scale() != 1.0).then(|| crate::run::summary::ClockSummary {
-            time_scale: crate::run::clock::scale(),
-            real_wall_time_s: r.started.wall().elapsed().as_secs_f64(),
-        }),
+        clock: clock_summary(r),
         run_dir: r.run_dir.clone(),
         asynchronous: None,
         weight_sync: WeightSyncSummary::default(),
@@ -260,6 +257,15 @@ fn decode_summary(r: &Recorder, run_s: f64) -> BTreeMap<String, crate::run::summ
 }
 
 /// The switch block: every stage measured and modelled, when compute.model charged any.
+/// The modelled clock against the wall clock, when compute.time_scale runs it faster.
+fn clock_summary(r: &Recorder) -> Option<crate::run::summary::ClockSummary> {
+    let k = crate::run::clock::scale();
+    (k != 1.0).then(|| crate::run::summary::ClockSummary {
+        time_scale: k,
+        real_wall_time_s: r.started.wall().elapsed().as_secs_f64(),
+    })
+}
+
 fn switch_summary(r: &Recorder) -> Option<SwitchSummary> {
     if !r.cfg.compute.model || r.switch.is_empty() {
         return None;
