@@ -43,7 +43,8 @@ pub struct JobArgs {
     pub config: Option<PathBuf>,
     /// A file of your job's response lengths for every run (`run --lengths`): each sample's
     /// modelled response length is drawn from it by the sample's identity, the same in every
-    /// layout [compute.lengths].
+    /// layout; JSON lines that each name their "step" give each step its own lengths
+    /// [compute.lengths, compute.lengths_first_step].
     #[arg(long, value_name = "FILE")]
     pub lengths: Option<PathBuf>,
     /// Any configuration key for every run: --set memory.profile=qwen3-4b (repeatable).

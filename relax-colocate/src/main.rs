@@ -73,8 +73,9 @@ Takes the flags compare takes (--config, --set, --devices, the device split, --s
 same models: each engine's prefill and decode steps (roofline, fixed latency, KV capacity), the
 trainer's passes, the switch (sleep, wake, offload, onload, the weight update) and the async
 queue, staleness bound and weight updates on a modelled clock. Response lengths are drawn from
---lengths FILE as the runs draw them (each sample by its identity), or else are the ones the
-built-in policy samples at its initial weights on the run's prompts.
+--lengths FILE as the runs draw them (each sample by its identity, and by its batch's step when
+the file's lines name their step), or else are the ones the built-in policy samples at its
+initial weights on the run's prompts.
 
 Output: a table, or with --json {\"job\": {...}, \"layouts\": {\"colocate\": {\"samples_per_s\", \"step_s\",
 \"phases\": {...}, ...}, \"async\": {...}, \"elastic\": {...}}, \"verdict\": {...}}. Times are seconds
@@ -252,8 +253,10 @@ struct RunArgs {
     #[arg(long, value_name = "DEVICE")]
     compute_device: Option<String>,
     /// A file of your job's response lengths (one per line in tokens, or JSON lines with a
-    /// "length" field): each sample's modelled response length is drawn from it, the same in
-    /// every layout; needs compute.model [compute.lengths].
+    /// "length" field, and a "step" on every line for lengths that change over the run): each
+    /// sample's modelled response length is drawn from it (from its batch's step's lines), the
+    /// same in every layout; needs compute.model [compute.lengths; compute.lengths_first_step
+    /// picks the file's step that step 1 stands for].
     #[arg(long, value_name = "FILE")]
     lengths: Option<PathBuf>,
     /// Tensor-parallel size of the memory profile [memory.tp].

@@ -121,6 +121,47 @@ fn plan_prints_a_table_and_refuses_what_the_run_would_refuse() {
     assert!(text(&ascend).contains("compute.hbm_gbps is unset"), "{}", text(&ascend));
 }
 
+/// Lengths that grow over the run (a file whose lines name their step, as a learning policy's
+/// lengths do): each planned step charges its own step's lengths, from compute.lengths_first_step
+/// on, and a plan that runs past the file's last step says so.
+#[test]
+fn plan_follows_lengths_that_change_step_by_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("lengths.jsonl");
+    // Steps 1 to 4, each 16 lengths around 150 x the step (the longest 1.5 x that).
+    let lines: String = (1..=4u64)
+        .flat_map(|step| (0..16u64).map(move |i| (step, 150 * step * (10 + i % 6) / 10)))
+        .map(|(step, len)| format!("{{\"step\": {step}, \"length\": {len}}}\n"))
+        .collect();
+    std::fs::write(&file, lines).unwrap();
+    let plan = |extra: &[&str]| -> Value {
+        let base = ["plan", "--json", "--layouts", "colocate", "--set", "rollout.prompts_per_step=4", "--lengths"];
+        let out = relax(&[&base[..], &[file.to_str().unwrap()], &JOB, extra].concat());
+        assert!(out.status.success(), "{}", text(&out));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let from_first = plan(&[]);
+    let times = |p: &Value| -> Vec<f64> {
+        p["layouts"]["colocate"]["step_times_s"].as_array().unwrap().iter().map(|t| t.as_f64().unwrap()).collect()
+    };
+    let t = times(&from_first);
+    assert_eq!(t.len(), 3, "{from_first}");
+    // Generation is bound by the longest response: a step's longer lengths take longer.
+    assert!(t[0] < t[1] && t[1] < t[2], "{t:?}");
+    let responses = &from_first["job"]["responses"];
+    assert_eq!(responses["steps"]["first_drawn"], 1, "{responses}");
+    assert_eq!(responses["steps"]["last_drawn"], 3, "{responses}");
+    assert_eq!(responses["max_tokens"], 675, "steps 1 to 3: the longest is step 3's, 150 x 3 x 1.5");
+    assert_eq!(from_first["job"]["notes"], serde_json::json!([]), "{from_first}");
+    // From step 3: the plan's step 1 is the file's step 3 and its step 3 runs past the file's 4.
+    let later = plan(&["--set", "compute.lengths_first_step=3"]);
+    let l = times(&later);
+    assert!(l[0] > t[1], "the file's step 3 from the first: {l:?} against {t:?}");
+    assert_eq!(later["job"]["responses"]["steps"]["steps_past_last"], 1, "{later}");
+    let notes = later["job"]["notes"].to_string();
+    assert!(notes.contains("the job's last step stands for a step past the lengths file's last (4)"), "{notes}");
+}
+
 /// The CI job with responses ten times longer (steps of minutes on the modelled device), run on a
 /// clock 20 times the wall clock's (compute.time_scale): compare still agrees with plan within
 /// 15%, and takes a small share of the modelled time to do it.

@@ -1168,13 +1168,18 @@ fn engines_whose_kv_cache_holds_less_than_the_batch_queue_and_preempt_and_ample_
 }
 
 /// compute.lengths (`--lengths FILE`): every sample decodes and trains at the length drawn for it
-/// (here every length 2000 tokens, whatever the task's few), colocated and async alike, so both
-/// layouts charge the same modelled response tokens; a job that cannot charge them is refused.
+/// (here every length of a step alike: 2000 tokens at step 1, 3000 at step 2, whatever the task's
+/// few, from a file whose lines name their step), colocated and async alike, so both layouts
+/// charge the same modelled response tokens; a job that cannot charge them is refused.
 #[test]
 fn drawn_response_lengths_charge_every_sample_its_length_in_every_layout() {
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("lengths.txt");
-    std::fs::write(&file, "# every response 2000 tokens\n2000\n").unwrap();
+    let file = dir.path().join("lengths.jsonl");
+    std::fs::write(
+        &file,
+        "{\"step\": 1, \"length\": 2000}\n{\"step\": 2, \"length\": 3000}\n{\"step\": 3, \"length\": 9}\n",
+    )
+    .unwrap();
     let file = file.to_str().unwrap();
     // No fixed step latency and no KV bound: a request's decode is its longest length, exactly.
     let modelled =
@@ -1185,22 +1190,40 @@ fn drawn_response_lengths_charge_every_sample_its_length_in_every_layout() {
         let (_, s) = run_ok(&out, &[&job[..], &["--mode", mode]].concat());
         let recorded = std::fs::read_to_string(out.join("config.toml")).unwrap();
         assert!(recorded.contains(&format!("lengths = {file:?}")), "{recorded}");
-        s
+        let rows = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let per_step: Vec<f64> = rows
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap()["compute/drawn_response_tokens"].as_f64().unwrap())
+            .collect();
+        (s, per_step)
     };
-    let (colocate, asynchronous) = (run("colocate"), run("async"));
+    let ((colocate, colocate_steps), (asynchronous, async_steps)) = (run("colocate"), run("async"));
+    // Each step trained its 256 samples at its own step's length.
+    assert_eq!(colocate_steps, [256.0 * 2000.0, 256.0 * 3000.0]);
+    assert_eq!(async_steps, colocate_steps, "async's batches are step 1's and step 2's prompts too");
     for s in [&colocate, &asynchronous] {
         let l = &s["lengths"];
-        assert_eq!((l["values"].as_u64(), l["mean"].as_f64(), l["p90"].as_u64()), (Some(1), Some(2000.0), Some(2000)));
+        // The figures are of the lines the run's two steps drew from, not step 3's.
+        assert_eq!((l["values"].as_u64(), l["mean"].as_f64(), l["p90"].as_u64()), (Some(2), Some(2500.0), Some(3000)));
+        assert_eq!(
+            l["steps"],
+            serde_json::json!({"file_first": 1, "file_last": 3, "first_drawn": 1, "last_drawn": 2, "steps_past_last": 0})
+        );
         let samples = l["trained_samples"].as_f64().unwrap();
         assert_eq!(samples, 2.0 * 32.0 * 8.0, "{l}");
-        assert_eq!(l["trained_response_tokens"].as_f64(), Some(2000.0 * samples), "{l}");
+        assert_eq!(l["trained_response_tokens"].as_f64(), Some(2500.0 * samples), "{l}");
         let compute = s["compute"].as_str().unwrap();
-        assert!(compute.contains(&format!("response lengths drawn from {file} (1 values, mean 2000")), "{compute}");
-        // Every sequence decoded its 2000 modelled steps, whatever its task tokens.
+        assert!(
+            compute.contains(&format!(
+                "response lengths drawn from {file}, steps 1 to 2 of its 1 to 3 (2 values, mean 2500"
+            )),
+            "{compute}"
+        );
+        // Every sequence decoded its modelled steps, whatever its task tokens.
         assert!(s["decode"]["rollout"]["decode_steps"].as_f64().unwrap() >= 2000.0, "{s}");
     }
-    // Colocated, each of the 2 engines' 2 requests decodes its batch for 2000 steps.
-    assert_eq!(colocate["decode"]["rollout"]["decode_steps"].as_f64(), Some(4.0 * 2000.0), "{colocate}");
+    // Colocated, each of the 2 engines' requests decodes its batch for its step's length.
+    assert_eq!(colocate["decode"]["rollout"]["decode_steps"].as_f64(), Some(2.0 * 2000.0 + 2.0 * 3000.0), "{colocate}");
     assert_eq!(colocate["lengths"]["trained_response_tokens"], asynchronous["lengths"]["trained_response_tokens"]);
 
     // Only the built-in workers under compute.model charge drawn lengths.

@@ -86,13 +86,17 @@ fn responses_of(cfg: &Config) -> Responses {
 /// Where the job's response lengths come from, and their mean, 90th percentile and longest in
 /// modelled tokens.
 fn responses_about(cfg: &Config) -> Value {
-    if let Some(t) = &cfg.compute.lengths_table {
-        return json!({
+    if let Some((t, steps)) = cfg.lengths_drawn() {
+        let mut about = json!({
             "source": cfg.compute.lengths,
             "mean_tokens": t.mean(),
             "p90_tokens": t.p90(),
             "max_tokens": t.quantile(1.0),
         });
+        if let Some(steps) = steps {
+            about["steps"] = json!(steps);
+        }
+        return about;
     }
     let (mean, p90, max) = responses_of(cfg).stats();
     let scale = cfg.compute.token_scale;
@@ -116,6 +120,17 @@ fn notes(cfg: &Config) -> Vec<String> {
             cfg.algo.lr
         ));
     }
+    if let Some(s) = cfg.lengths_drawn().and_then(|(_, steps)| steps).filter(|s| s.steps_past_last > 0) {
+        let which = match s.steps_past_last {
+            1 => "the job's last step stands for a step".to_string(),
+            n => format!("the job's last {n} steps stand for steps"),
+        };
+        notes.push(format!(
+            "{which} past the lengths file's last ({}), charged that step's lengths; plan fewer steps, or an earlier \
+             compute.lengths_first_step",
+            s.file_last
+        ));
+    }
     notes
 }
 
@@ -134,6 +149,7 @@ fn figures(cfg: &Config, p: &Predicted) -> Value {
         "samples_per_s_after_first_step": (steps > 1 && after > 0.0).then(|| (steps - 1) as f64 * batch / after),
         "step_s": if steps > 1 { after / (steps - 1) as f64 } else { run_s },
         "first_step_s": p.step_s.first(),
+        "step_times_s": p.step_s,
         "run_s": run_s,
         "phases": phases,
         "slot_occupancy": p.slot_occupancy(),
@@ -205,8 +221,11 @@ fn table(report: &Value, order: &[&str]) -> String {
     let j = &report["job"];
     let r = &j["responses"];
     let tokens = |k: &str| r[k].as_f64().unwrap_or(0.0);
+    let steps = serde_json::from_value::<crate::run::summary::LengthsSteps>(r["steps"].clone())
+        .map(|s| s.describe())
+        .unwrap_or_default();
     let mut out = format!(
-        "job: {} on {} {} device(s), {} prompts x {} samples a step; responses ({}): mean {:.0}, p90 {:.0}, \
+        "job: {} on {} {} device(s), {} prompts x {} samples a step; responses ({}{steps}): mean {:.0}, p90 {:.0}, \
          longest {:.0} tokens\npredicted from the compute and switch models, without running (the runner's own \
          overhead on this machine is not in it):\n\n",
         j["profile"].as_str().unwrap_or("?"),

@@ -402,11 +402,12 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
         Some(s) => format!("; {s}"),
         None => String::new(),
     };
-    let lengths = match &c.lengths_table {
-        Some(l) => format!(
-            "; response lengths drawn from {} ({} values, mean {:.0}, p90 {}, max {} tokens) in place of task tokens x \
-             token_scale",
+    let lengths = match cfg.lengths_drawn() {
+        Some((l, steps)) => format!(
+            "; response lengths drawn from {}{} ({} values, mean {:.0}, p90 {}, max {} tokens) in place of task tokens \
+             x token_scale",
             c.lengths,
+            steps.as_ref().map(crate::run::summary::LengthsSteps::describe).unwrap_or_default(),
             l.count(),
             l.mean(),
             l.p90(),

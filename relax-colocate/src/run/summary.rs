@@ -157,6 +157,10 @@ pub struct SwitchStage {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct LengthsSummary {
     pub file: String,
+    /// For a file that names steps: which of them the run's steps stood for. The figures below
+    /// are then of those steps' lengths.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<LengthsSteps>,
     pub values: usize,
     pub mean: f64,
     pub p50: u64,
@@ -164,6 +168,35 @@ pub struct LengthsSummary {
     pub max: u64,
     pub trained_samples: u64,
     pub trained_response_tokens: f64,
+}
+
+/// The steps of a lengths file that names them: the file's first and last, the first and last the
+/// run's steps stood for (compute.lengths_first_step onward), and how many of the run's steps fell
+/// past the file's last (they drew its last step's lengths).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LengthsSteps {
+    pub file_first: u64,
+    pub file_last: u64,
+    pub first_drawn: u64,
+    pub last_drawn: u64,
+    pub steps_past_last: u64,
+}
+
+impl LengthsSteps {
+    /// Which steps of the file the run's steps stood for, as the lengths line, the compute line
+    /// and plan's table say it (after the file's name).
+    pub fn describe(&self) -> String {
+        let past = match self.steps_past_last {
+            0 => String::new(),
+            n => format!(", and {n} step{} past its last at step {}'s", if n == 1 { "" } else { "s" }, self.file_last),
+        };
+        let range = if self.first_drawn == self.last_drawn {
+            format!("step {}", self.first_drawn)
+        } else {
+            format!("steps {} to {}", self.first_drawn, self.last_drawn)
+        };
+        format!(", {range} of its {} to {}{past}", self.file_first, self.file_last)
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

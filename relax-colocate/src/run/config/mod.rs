@@ -163,6 +163,10 @@ pub struct ComputeSection {
     /// from, in place of its task tokens x token_scale; stored absolute. Empty: none.
     #[serde(default)]
     pub lengths: String,
+    /// With a lengths file that names steps: the file's step the run's step 1 stands for. 0: the
+    /// file's first.
+    #[serde(default)]
+    pub lengths_first_step: u64,
     /// The file's lengths, read when the configuration is loaded.
     #[serde(skip)]
     pub(crate) lengths_table: Option<std::sync::Arc<crate::run::lengths::Lengths>>,
@@ -457,7 +461,34 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
             .map_err(|e| format!("compute.lengths: {e}"))?;
         cfg.compute.lengths_table = Some(std::sync::Arc::new(table));
     }
+    lengths_steps_check(&cfg)?;
     Ok(cfg)
+}
+
+/// compute.lengths_first_step names a step of the lengths file: a step the file does not reach
+/// would charge every step the file's last lengths, which is not what was asked.
+fn lengths_steps_check(cfg: &Config) -> Result<(), String> {
+    let first = cfg.compute.lengths_first_step;
+    if first == 0 {
+        return Ok(());
+    }
+    let Some(table) = &cfg.compute.lengths_table else {
+        return Err(format!(
+            "compute.lengths_first_step = {first} needs a lengths file whose lines name their step (--lengths FILE)"
+        ));
+    };
+    match table.step_span() {
+        None => Err(format!(
+            "compute.lengths_first_step = {first}: {} names no steps; give each JSON line a \"step\" (e.g. \
+             {{\"step\": 12, \"length\": 1834}}), or drop the key",
+            cfg.compute.lengths
+        )),
+        Some((lo, hi)) if !(lo..=hi).contains(&first) => Err(format!(
+            "compute.lengths_first_step = {first} is outside the steps {} gives ({lo} to {hi}): name one of them",
+            cfg.compute.lengths
+        )),
+        Some(_) => Ok(()),
+    }
 }
 
 /// Makes a relative compute.lengths absolute, from `base` (a job file's folder, or the working
@@ -516,7 +547,37 @@ impl Config {
     /// Every layout asks by the same identity, so they charge a sample alike. None: off.
     pub(crate) fn drawn_length(&self, prompt: u64, sample: u64) -> Option<f64> {
         let table = self.compute.lengths_table.as_ref()?;
-        Some(table.draw(self.run.seed, prompt, sample) as f64)
+        let batch = prompt / self.rollout.prompts_per_step.max(1) as u64;
+        Some(table.draw(self.run.seed, prompt, sample, self.lengths_step(batch)) as f64)
+    }
+
+    /// The lengths file's step that the batch at `batch` in the run's order (0: step 1's) stands
+    /// for: compute.lengths_first_step (or the file's first step) onward, one a batch.
+    fn lengths_step(&self, batch: u64) -> u64 {
+        let span = self.compute.lengths_table.as_ref().and_then(|t| t.step_span());
+        let first = match (self.compute.lengths_first_step, span) {
+            (0, Some((lo, _))) => lo,
+            (first, _) => first,
+        };
+        first + batch
+    }
+
+    /// With compute.lengths: the lengths the run's steps draw from (for a file that names steps,
+    /// those of the steps the run's stand for), and those steps: the file's first and last, the
+    /// first and last the run stands for, and how many of the run's steps fall past the file's end.
+    pub(crate) fn lengths_drawn(
+        &self,
+    ) -> Option<(crate::run::lengths::Lengths, Option<crate::run::summary::LengthsSteps>)> {
+        let table = self.compute.lengths_table.as_ref()?;
+        let (from, to) = (self.lengths_step(0), self.lengths_step(self.run.steps.max(1) - 1));
+        let steps = table.step_span().map(|(lo, hi)| crate::run::summary::LengthsSteps {
+            file_first: lo,
+            file_last: hi,
+            first_drawn: from,
+            last_drawn: to.min(hi),
+            steps_past_last: to.saturating_sub(hi),
+        });
+        Some((table.between(from, to), steps))
     }
 
     /// With compute.lengths: a batch's modelled tokens and, of them, its drawn response tokens;
@@ -892,6 +953,60 @@ mod tests {
         std::fs::write(&want, "2000\nlots\n").unwrap();
         let err = with(&["compute.model=true", "memory.profile=qwen3-4b", &file]).unwrap_err();
         assert!(err.contains("lengths.txt line 2: \"lots\" is not a response length"), "{err}");
+    }
+
+    /// A lengths file that names steps: each batch draws from the step it stands for, from
+    /// compute.lengths_first_step on; a first step the file does not give is refused by name.
+    #[test]
+    fn a_lengths_file_with_steps_charges_each_batch_its_step_s_lengths() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("lengths.jsonl");
+        let lines: String = [(1, 500), (2, 1000), (4, 4000)]
+            .iter()
+            .map(|(step, len)| format!("{{\"step\": {step}, \"length\": {len}}}\n"))
+            .collect();
+        std::fs::write(&file, lines).unwrap();
+        let job = |extra: &[&str]| {
+            let base = ["compute.model=true", "memory.profile=qwen3-4b", "rollout.prompts_per_step=8", "run.steps=3"];
+            let lengths = format!("compute.lengths={}", file.display());
+            let sets: Vec<&str> = base.iter().copied().chain([lengths.as_str()]).chain(extra.iter().copied()).collect();
+            with(&sets)
+        };
+        // Prompts 0-7 are step 1's batch, 8-15 step 2's, 16-23 step 3's (the file skips it: step 2's).
+        let c = job(&[]).unwrap();
+        let by_batch: Vec<Option<f64>> = [0, 7, 8, 15, 16, 23].iter().map(|p| c.drawn_length(*p, 3)).collect();
+        assert_eq!(by_batch, [500.0, 500.0, 1000.0, 1000.0, 1000.0, 1000.0].map(Some));
+        let (drawn, steps) = c.lengths_drawn().unwrap();
+        assert_eq!((drawn.count(), drawn.max()), (2, 1000), "steps 1 to 3 draw step 1's and step 2's lines");
+        let steps = steps.unwrap();
+        assert_eq!((steps.file_first, steps.file_last, steps.first_drawn, steps.last_drawn), (1, 4, 1, 3));
+        assert_eq!(steps.steps_past_last, 0);
+        assert_eq!(steps.describe(), ", steps 1 to 3 of its 1 to 4");
+        // From step 2 on: the run's third step stands for the file's 4th; a longer run runs past it.
+        let later = job(&["compute.lengths_first_step=2", "run.steps=5"]).unwrap();
+        assert_eq!(later.drawn_length(0, 0), Some(1000.0));
+        assert_eq!(later.drawn_length(16, 0), Some(4000.0));
+        assert_eq!(later.drawn_length(39, 0), Some(4000.0), "step 5 stands for the file's 6th: its last, step 4's");
+        let steps = later.lengths_drawn().unwrap().1.unwrap();
+        assert_eq!((steps.first_drawn, steps.last_drawn, steps.steps_past_last), (2, 4, 2));
+        assert_eq!(steps.describe(), ", steps 2 to 4 of its 1 to 4, and 2 steps past its last at step 4's");
+        // Refused: a first step outside the file's, or given without steps to name.
+        let err = job(&["compute.lengths_first_step=5"]).unwrap_err();
+        assert!(
+            err.contains("compute.lengths_first_step = 5 is outside the steps") && err.contains("(1 to 4)"),
+            "{err}"
+        );
+        std::fs::write(dir.path().join("plain.txt"), "700\n").unwrap();
+        let plain = format!("compute.lengths={}", dir.path().join("plain.txt").display());
+        let err = with(&["compute.model=true", "memory.profile=qwen3-4b", &plain, "compute.lengths_first_step=3"])
+            .unwrap_err();
+        assert!(err.contains("names no steps; give each JSON line a \"step\""), "{err}");
+        let err = with(&["compute.lengths_first_step=3"]).unwrap_err();
+        assert!(err.contains("needs a lengths file whose lines name their step (--lengths FILE)"), "{err}");
+        assert_eq!(
+            with(&["compute.model=true", "memory.profile=qwen3-4b", &plain]).unwrap().lengths_drawn().unwrap().1,
+            None
+        );
     }
 
     fn with(sets: &[&str]) -> Result<Config, String> {

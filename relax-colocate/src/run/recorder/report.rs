@@ -5,8 +5,8 @@ use super::{MemSample, Recorder};
 use crate::plot::{self, Axis, Chart, Quantity, RGBColor, Series, Shape, Span, color};
 use crate::run::profile::Profile;
 use crate::run::summary::{
-    AsyncSummary, Checks, Correction, ElasticSummary, Ends, LengthsSummary, Memory, PhaseStats, RolloutLendSummary,
-    RunSummary, Status, Summary, SwitchStage, SwitchSummary, WeightSyncSummary,
+    AsyncSummary, Checks, Correction, ElasticSummary, Ends, LengthsSteps, LengthsSummary, Memory, PhaseStats,
+    RolloutLendSummary, RunSummary, Status, Summary, SwitchStage, SwitchSummary, WeightSyncSummary,
 };
 use crate::run::{FailKind, RunError};
 use serde_json::Value;
@@ -203,8 +203,9 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         },
         off_policy_correction: correction_summary(r, &all),
         compute: crate::run::learn::compute_label(&r.cfg, profile),
-        lengths: r.cfg.compute.lengths_table.as_ref().map(|l| LengthsSummary {
+        lengths: r.cfg.lengths_drawn().map(|(l, steps)| LengthsSummary {
             file: r.cfg.compute.lengths.clone(),
+            steps,
             values: l.count(),
             mean: l.mean(),
             p50: l.p50(),
@@ -360,9 +361,17 @@ pub(in crate::run) fn print_table(r: &Recorder, summary: &Summary) {
     print_decode(&run.decode);
     if let Some(l) = &run.lengths {
         println!(
-            "lengths: drawn from {} ({} values, mean {:.0}, p50 {}, p90 {}, max {} tokens); the {} trained samples \
+            "lengths: drawn from {}{} ({} values, mean {:.0}, p50 {}, p90 {}, max {} tokens); the {} trained samples \
              drew {:.0} modelled response tokens",
-            l.file, l.values, l.mean, l.p50, l.p90, l.max, l.trained_samples, l.trained_response_tokens
+            l.file,
+            l.steps.as_ref().map(LengthsSteps::describe).unwrap_or_default(),
+            l.values,
+            l.mean,
+            l.p50,
+            l.p90,
+            l.max,
+            l.trained_samples,
+            l.trained_response_tokens
         );
     }
     if let Some(a) = &run.asynchronous {
