@@ -21,117 +21,85 @@ impl Rollout {
         }
     }
 
+    /// A generate request: checked, prefilled, decoded, paced to its modelled time, answered.
     fn generate(&mut self, p: GenerateParams) -> Result<GenerateReply, Failure> {
-        let GenerateParams {
-            prompts,
-            n,
-            max_new_tokens: max_new,
-            temperature,
-            eos,
-            seed,
-            responses,
-            segment_tokens,
-            prefix_cached,
-            cached,
-            token_scale,
-            segment_s,
-            progress,
-            sequence_seeds,
-            lengths,
-            ..
-        } = p;
-        let s = self.c.shape;
-        let batch = prompts.len() * n;
-        let model = self.c.compute.map(|m| m.scaled(token_scale));
-        // Drawn lengths (compute.lengths) are modelled steps: without a model they mean nothing.
-        let drawn = check_lengths(&lengths, batch, model.is_some())?;
-        self.check_request(&prompts, &responses, batch, max_new, drawn)?;
-        check_partial(segment_s, &progress, &sequence_seeds, batch)?;
-        // Task tokens a sequence may complete in this request; with drawn lengths a sequence
-        // decodes past its task response, so only a segment bounds it.
-        let segment = match segment_tokens {
-            Some(t) => t.max(1),
-            None if drawn => usize::MAX,
-            None => max_new.max(1),
-        };
+        let model = self.c.compute.map(|m| m.scaled(p.token_scale));
+        let drawn = self.check_generate(&p, model.is_some())?;
         let t0 = crate::run::clock::Instant::now();
-        let scale = model.map_or(1.0, |m| m.token_scale);
-        let held = Cached { all: prefix_cached, each: &cached };
-        let prefill = prefill_tokens(&prompts, &responses, &progress, n, held, drawn.then_some(scale));
+        let mut decoding = Decoding::new(&p, model, drawn, self.max_batch);
+        let held = Cached { all: p.prefix_cached, each: &p.cached };
+        let prefill = prefill_tokens(&p.prompts, &p.responses, &p.progress, p.n, held, drawn.then_some(decoding.scale));
         // Weights come from device memory every time: that is what update_weights wrote.
         let params = self.c.read_params(&self.c.weights)?;
-        let pol = Policy { shape: s, params: &params };
-        let (mut kv_host, mut seqs, before) = prefill_cache(&pol, &prompts, &responses, n);
+        let pol = Policy { shape: self.c.shape, params: &params };
+        let (kv_host, mut seqs, before) = prefill_cache(&pol, &p.prompts, &p.responses, p.n);
         if drawn {
             // A continued sequence whose task response already ended only decodes in the model.
             for q in &mut seqs {
-                q.3 = q.1.last().is_some_and(|t| Some(*t) == eos) || q.1.len() >= max_new;
+                q.3 = q.1.last().is_some_and(|t| Some(*t) == p.eos) || q.1.len() >= p.max_new_tokens;
             }
         }
         self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
-        let mut rng = Rng::new(seed);
-        let mut logits_host = vec![0f64; batch * s.vocab];
-        // Decoding in modelled steps: without a compute model a task token is one free step, so
-        // every live sequence samples at each step, as the budget (which only a model gives a
-        // cost to) never binds. With drawn lengths `done` counts each sequence's steps since its
-        // start, otherwise its steps towards its next task token.
-        let mut pacer = Pacer::new(scale, model.and(segment_s));
-        let mut done = if model.is_some() && !progress.is_empty() { progress } else { vec![0.0; batch] };
-        let mut emitted = vec![0usize; batch];
-        // With drawn lengths: the sequences whose modelled length is decoded.
-        let mut ended = vec![false; batch];
-        let capacity = model.and_then(|m| m.kv_capacity_tokens).map(|c| c / scale);
-        let mut admission = Admission::new(batch, self.max_batch, capacity, scale);
-        let mut recomputed = 0.0;
+        self.decode(&mut decoding, &pol, &p, &mut seqs, kv_host)?;
+        // Prefill is compute-bound like the trainer's passes, a preempted sequence's again on its
+        // readmission; decoding is charged step by step.
+        let decode_s = decoding.pacer.spent;
+        let prefilled = prefill + decoding.recomputed;
+        self.c.pace(t0, p.token_scale, |m| {
+            m.stage_modelled_seconds(&FIGURES.stages.prefill, prefilled * m.token_scale, 1.0) + decode_s
+        });
+        Ok(decoding.reply(seqs, &before, p.max_new_tokens))
+    }
+
+    /// Every check a generate request must pass, in the order its refusals are reported; returns
+    /// whether it carries drawn lengths.
+    fn check_generate(&self, p: &GenerateParams, modelled: bool) -> Result<bool, Failure> {
+        let batch = p.prompts.len() * p.n;
+        // Drawn lengths (compute.lengths) are modelled steps: without a model they mean nothing.
+        let drawn = check_lengths(&p.lengths, batch, modelled)?;
+        self.check_request(&p.prompts, &p.responses, batch, p.max_new_tokens, drawn)?;
+        check_partial(p.segment_s, &p.progress, &p.sequence_seeds, batch)?;
+        Ok(drawn)
+    }
+
+    /// Decodes until no sequence has a step left in this request, or its budget runs out. The
+    /// caches and logits live in the engine's device buffers (its state is device memory, as a
+    /// real engine's is): every sampled token reads and writes them there.
+    fn decode(
+        &self,
+        d: &mut Decoding,
+        pol: &Policy,
+        p: &GenerateParams,
+        seqs: &mut [Sequence],
+        mut kv_host: Vec<f64>,
+    ) -> Result<(), Failure> {
+        let mut rng = Rng::new(p.seed);
+        let mut logits_host = vec![0f64; seqs.len() * pol.shape.vocab];
+        let sampling = Sampling {
+            pol,
+            prompts: &p.prompts,
+            temperature: p.temperature,
+            eos: p.eos,
+            max_new: p.max_new_tokens,
+            seeds: &p.sequence_seeds,
+        };
         loop {
-            let open = |i: usize| if drawn { !ended[i] } else { !seqs[i].3 };
-            let live: Vec<bool> = (0..batch).map(|i| open(i) && emitted[i] < segment).collect();
-            // KV in task-token units, as the capacity is: a drawn length's steps over the scale.
-            let held = |i: usize| if drawn { done[i] / scale } else { seqs[i].1.len() as f64 };
-            let contexts: Vec<f64> = (0..batch).map(|i| prompts[seqs[i].0].len() as f64 + held(i)).collect();
-            let (live, again) = admission.schedule(&live, &contexts);
-            recomputed += again;
-            let (active, context) =
-                contexts.iter().zip(&live).filter(|(_, l)| **l).fold((0, 0.0), |(a, c), (n, _)| (a + 1, c + n));
+            let (live, active, context) = d.admit(&p.prompts, seqs);
             if active == 0 {
                 break;
             }
-            let step_s = model.map_or(0.0, |m| m.decode_step_seconds(active, context));
-            let spent_before = pacer.spent;
-            let advanced = if drawn {
-                advance_drawn(&mut pacer, &mut done, &live, step_s, &lengths, &mut ended, &mut emitted, &seqs)
-            } else {
-                pacer.advance(&mut done, &live, step_s).inspect(|now| {
-                    for &i in now {
-                        emitted[i] += 1;
-                    }
-                })
-            };
-            admission.ran(pacer.last_steps, pacer.spent - spent_before, active);
-            let Some(now) = advanced else { break };
+            let Some(now) = d.advance(&live, active, context, &p.lengths, seqs) else { break };
             if now.is_empty() {
                 continue;
             }
             self.c.dev.read(as_bytes_mut(&mut kv_host), self.kv.ptr).map_err(dev_err)?;
-            let sample_now =
-                Sampling { pol: &pol, prompts: &prompts, temperature, eos, max_new, seeds: &sequence_seeds };
-            sample_now.step(&now, &mut kv_host, &mut logits_host, &mut seqs, &mut rng, |logits| {
+            sampling.step(&now, &mut kv_host, &mut logits_host, seqs, &mut rng, |logits| {
                 self.c.dev.write(self.workspace.ptr, as_bytes(logits)).map_err(dev_err)?;
                 self.c.dev.read(as_bytes_mut(logits), self.workspace.ptr).map_err(dev_err)
             })?;
             self.c.dev.write(self.kv.ptr, as_bytes(&kv_host)).map_err(dev_err)?;
         }
-        // Prefill is compute-bound like the trainer's passes, a preempted sequence's again on its
-        // readmission; decoding is charged step by step.
-        let decode_s = pacer.spent;
-        let prefilled = prefill + recomputed;
-        self.c.pace(t0, token_scale, |m| {
-            m.stage_modelled_seconds(&FIGURES.stages.prefill, prefilled * m.token_scale, 1.0) + decode_s
-        });
-        let finished: Vec<bool> =
-            if drawn { ended } else { seqs.iter().map(|q| q.3 || q.1.len() >= max_new).collect() };
-        let samples = generated(seqs, &before, &done, &finished);
-        Ok(GenerateReply { samples, decode: Some(admission.stats) })
+        Ok(())
     }
 
     /// A generate request this engine can serve: within its batch, context and vocabulary.
@@ -247,6 +215,109 @@ fn check_partial(segment_s: Option<f64>, progress: &[f64], seeds: &[u64], batch:
         return Err(bad(format!("progress {p} is not a count of modelled decode steps (finite, >= 0)")));
     }
     Ok(())
+}
+
+/// Where a generate request's decoding stands, in modelled steps. Without a compute model a task
+/// token is one free step, so every live sequence samples at each step, as the budget (which only
+/// a model gives a cost to) never binds.
+struct Decoding {
+    model: Option<ComputeModel>,
+    /// The request carries drawn lengths (compute.lengths).
+    drawn: bool,
+    /// Modelled steps per task token (1 without a model).
+    scale: f64,
+    /// Task tokens a sequence may complete in this request.
+    segment: usize,
+    pacer: Pacer,
+    /// With drawn lengths each sequence's steps since its start, otherwise its steps towards its
+    /// next task token.
+    done: Vec<f64>,
+    /// Task tokens each sequence completed in this request (what `segment` bounds).
+    emitted: Vec<usize>,
+    /// With drawn lengths: the sequences whose modelled length is decoded.
+    ended: Vec<bool>,
+    admission: Admission,
+    /// Task tokens prefilled again: preempted sequences' contexts on their readmission.
+    recomputed: f64,
+}
+
+impl Decoding {
+    fn new(p: &GenerateParams, model: Option<ComputeModel>, drawn: bool, max_batch: usize) -> Decoding {
+        let batch = p.prompts.len() * p.n;
+        let scale = model.map_or(1.0, |m| m.token_scale);
+        // With drawn lengths a sequence decodes past its task response, so only a segment bounds it.
+        let segment = match p.segment_tokens {
+            Some(t) => t.max(1),
+            None if drawn => usize::MAX,
+            None => p.max_new_tokens.max(1),
+        };
+        let carried = model.is_some() && !p.progress.is_empty();
+        let capacity = model.and_then(|m| m.kv_capacity_tokens).map(|c| c / scale);
+        Decoding {
+            model,
+            drawn,
+            scale,
+            segment,
+            pacer: Pacer::new(scale, model.and(p.segment_s)),
+            done: if carried { p.progress.clone() } else { vec![0.0; batch] },
+            emitted: vec![0; batch],
+            ended: vec![false; batch],
+            admission: Admission::new(batch, max_batch, capacity, scale),
+            recomputed: 0.0,
+        }
+    }
+
+    /// The sequences the next step runs (those with a step left in this request, as far as the
+    /// engine's slots and KV capacity admit them), how many, and their contexts in all.
+    fn admit(&mut self, prompts: &[Vec<u32>], seqs: &[Sequence]) -> (Vec<bool>, usize, f64) {
+        let batch = seqs.len();
+        let open = |i: usize| if self.drawn { !self.ended[i] } else { !seqs[i].3 };
+        let live: Vec<bool> = (0..batch).map(|i| open(i) && self.emitted[i] < self.segment).collect();
+        // KV in task-token units, as the capacity is: a drawn length's steps over the scale.
+        let held = |i: usize| if self.drawn { self.done[i] / self.scale } else { seqs[i].1.len() as f64 };
+        let contexts: Vec<f64> = (0..batch).map(|i| prompts[seqs[i].0].len() as f64 + held(i)).collect();
+        let (live, again) = self.admission.schedule(&live, &contexts);
+        self.recomputed += again;
+        let (active, context) =
+            contexts.iter().zip(&live).filter(|(_, l)| **l).fold((0, 0.0), |(a, c), (n, _)| (a + 1, c + n));
+        (live, active, context)
+    }
+
+    /// Runs the `live` batch of `active` sequences to its next event; returns the sequences that
+    /// sample a task token now (None: the budget ran out first).
+    fn advance(
+        &mut self,
+        live: &[bool],
+        active: usize,
+        context: f64,
+        lengths: &[f64],
+        seqs: &[Sequence],
+    ) -> Option<Vec<usize>> {
+        let step_s = self.model.map_or(0.0, |m| m.decode_step_seconds(active, context));
+        let spent_before = self.pacer.spent;
+        let advanced = if self.drawn {
+            let emitted = &mut self.emitted;
+            advance_drawn(&mut self.pacer, &mut self.done, live, step_s, lengths, &mut self.ended, emitted, seqs)
+        } else {
+            self.pacer.advance(&mut self.done, live, step_s).inspect(|now| {
+                for &i in now {
+                    self.emitted[i] += 1;
+                }
+            })
+        };
+        // Whether or not the budget ran out: the steps it paid for ran.
+        self.admission.ran(self.pacer.last_steps, self.pacer.spent - spent_before, active);
+        advanced
+    }
+
+    /// The reply: each sequence's new tokens, whether it finished, the steps an unfinished one
+    /// carries on, and the engine's decode figures.
+    fn reply(self, seqs: Vec<Sequence>, before: &[usize], max_new: usize) -> GenerateReply {
+        let finished: Vec<bool> =
+            if self.drawn { self.ended } else { seqs.iter().map(|q| q.3 || q.1.len() >= max_new).collect() };
+        let samples = generated(seqs, before, &self.done, &finished);
+        GenerateReply { samples, decode: Some(self.admission.stats) }
+    }
 }
 
 /// What sampling a decode step needs besides the engine's buffers.
