@@ -11,7 +11,7 @@ use super::queue::{Group, Queue, Seq};
 use crate::run::clock::Instant;
 use crate::run::config::Config;
 use crate::run::fleet::{Fleet, InFlight};
-use crate::run::protocol::{Generate, GenerateParams, GenerateReply};
+use crate::run::protocol::{Generate, GenerateParams, GenerateReply, Generated};
 use crate::run::rig::Rig;
 use crate::run::task::{self, Rng};
 use crate::run::{FailKind, R, Role};
@@ -100,6 +100,57 @@ fn request_token_scale(cfg: &Config, version: u64, started: impl Iterator<Item =
         return cfg.token_scale_at(version as f64);
     }
     Some(sum / n as f64)
+}
+
+/// Waits for `request`'s reply. A failure meanwhile names the phase "generate", whatever the
+/// caller was doing; the caller's phase is back once the reply is in.
+fn collect_reply(rig: &mut Rig, accounts: &mut Accounts, request: InFlight) -> R<GenerateReply> {
+    let phase = rig.at.phase();
+    rig.at.set_phase("generate");
+    let reply: GenerateReply = rig.fleet.collect::<Generate>(request)?;
+    rig.at.set_phase(&phase);
+    if rig.at.step() >= rig.cfg.run.steps {
+        accounts.reply_after_last_batch();
+    }
+    Ok(reply)
+}
+
+/// Whether a sample may join the sequence in `slot`: it answers that slot, has a log-probability
+/// per token, fits the segment, and carries a count of modelled steps (finite, >= 0). Err: why not.
+fn check_sample(s: &Generated, slot: &Slot, segment: Option<usize>) -> Result<(), String> {
+    if s.prompt_index != slot.prompt_index || s.logprobs.len() != s.response.len() {
+        return Err("generate returned a malformed sample".into());
+    }
+    if let Some(limit) = segment
+        && s.response.len() > limit
+    {
+        return Err(format!(
+            "generate returned {} tokens for a segment of {limit} (async.segment_tokens): the worker does not \
+             support partial rollouts (docs/worker-protocol.md); set async.segment_tokens=0",
+            s.response.len()
+        ));
+    }
+    if !(s.progress >= 0.0 && s.progress.is_finite()) {
+        return Err(format!(
+            "generate returned field `progress` = {} for a sequence: it must be the modelled decode steps \
+             done towards its next token (finite, >= 0)",
+            s.progress
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `seq`'s segment stopped it part-way through a token. With drawn lengths its progress
+/// counts its steps since its start, so part-way is between two of its tokens (every
+/// token_scale steps); otherwise any steps towards its next token are.
+fn stopped_mid_token(cfg: &Config, seq: &Seq) -> bool {
+    match cfg.compute.lengths_table {
+        Some(_) => {
+            let tokens = seq.progress / cfg.compute.token_scale;
+            (tokens - tokens.round()).abs() > 1e-9
+        }
+        None => seq.progress > 0.0,
+    }
 }
 
 impl Rollouter {
@@ -377,67 +428,50 @@ impl Rollouter {
         let k = self.nth_generating(nth);
         let (request, order) = self.engines[k].answered();
         let name = rig.fleet.worker(request.worker).name.clone();
-        let phase = rig.at.phase();
-        rig.at.set_phase("generate");
-        let reply: GenerateReply = rig.fleet.collect::<Generate>(request)?;
-        rig.at.set_phase(&phase);
-        if rig.at.step() >= rig.cfg.run.steps {
-            accounts.reply_after_last_batch();
-        }
+        let reply = collect_reply(rig, accounts, request)?;
         let at = rig.at.clone();
         let bad = |cause: String| at.fail(FailKind::Worker, Some(&name), cause);
         if reply.samples.len() != order.len() {
             return Err(bad(format!("generate returned {} samples, expected {}", reply.samples.len(), order.len())));
         }
-        let max_new = rig.task.max_new_tokens();
-        let (segment, partial, version) = (segment(&rig.cfg), partial(&rig.cfg), self.version);
-        let mut mid_token = false;
         let tokens: u64 = reply.samples.iter().map(|s| s.response.len() as u64).sum();
         let role = if self.engines[k].lent { "lent" } else { "rollout" };
         rig.rec.record_decode(role, &name, tokens, reply.decode.as_ref());
-        for (s, slot) in reply.samples.into_iter().zip(&order) {
-            if s.prompt_index != slot.prompt_index || s.logprobs.len() != s.response.len() {
-                return Err(bad("generate returned a malformed sample".into()));
-            }
-            if let Some(limit) = segment
-                && s.response.len() > limit
-            {
-                return Err(bad(format!(
-                    "generate returned {} tokens for a segment of {limit} (async.segment_tokens): the worker does not \
-                     support partial rollouts (docs/worker-protocol.md); set async.segment_tokens=0",
-                    s.response.len()
-                )));
-            }
-            if !(s.progress >= 0.0 && s.progress.is_finite()) {
-                return Err(bad(format!(
-                    "generate returned field `progress` = {} for a sequence: it must be the modelled decode steps \
-                     done towards its next token (finite, >= 0)",
-                    s.progress
-                )));
-            }
+        let mid_token = self.join_samples(rig, k, reply.samples, &order).map_err(bad)?;
+        accounts.segment_ended(mid_token);
+        Ok(self.settle(k, lend, tokens))
+    }
+
+    /// Joins a reply's samples to engine `k`'s sequences in `order`, under the current version,
+    /// each checked before it joins; returns whether any sequence stopped part-way through a
+    /// token. Err: what is wrong with the reply.
+    fn join_samples(&mut self, rig: &Rig, k: usize, samples: Vec<Generated>, order: &[Slot]) -> Result<bool, String> {
+        let cfg = &rig.cfg;
+        let max_new = rig.task.max_new_tokens();
+        let (segment, partial, version) = (segment(cfg), partial(cfg), self.version);
+        let mut mid_token = false;
+        for (s, slot) in samples.into_iter().zip(order) {
+            check_sample(&s, slot, segment)?;
             let seq = &mut self.engines[k].groups[slot.group].seqs[slot.seq];
             seq.versions.extend(std::iter::repeat_n(version, s.response.len()));
             seq.response.extend(s.response);
             seq.logprobs.extend(s.logprobs);
             // With drawn lengths a task response at max_new_tokens may still be decoding: the
             // worker says when its length is done.
-            let full = seq.response.len() >= max_new && rig.cfg.compute.lengths_table.is_none();
+            let full = seq.response.len() >= max_new && cfg.compute.lengths_table.is_none();
             seq.finished = s.finished || full || !partial;
             seq.progress = if seq.finished { 0.0 } else { s.progress };
-            // With drawn lengths progress counts a sequence's steps since its start: mid-token is
-            // part-way between two of its tokens (every token_scale steps).
-            mid_token |= match rig.cfg.compute.lengths_table {
-                Some(_) => {
-                    let tokens = seq.progress / rig.cfg.compute.token_scale;
-                    (tokens - tokens.round()).abs() > 1e-9
-                }
-                None => seq.progress > 0.0,
-            };
+            mid_token |= stopped_mid_token(cfg, seq);
             if seq.response.is_empty() && seq.finished {
-                return Err(bad("generate returned an empty response".into()));
+                return Err("generate returned an empty response".into());
             }
         }
-        accounts.segment_ended(mid_token);
+        Ok(mid_token)
+    }
+
+    /// Engine `k`'s segment is in: the engine idles until its next request, its finished groups
+    /// go to the queue, and while lent one of its own shares its oldest groups.
+    fn settle(&mut self, k: usize, lend: LendView, tokens: u64) -> Finished {
         // A lent engine idles only while lent: once the reclaim begins it takes no more work.
         let e = &mut self.engines[k];
         if !e.lent || lend.lent {
@@ -454,7 +488,7 @@ impl Rollouter {
         if !finished.lent && lend.lent {
             self.share_with_lent(k);
         }
-        Ok(finished)
+        finished
     }
 
     /// Elastic mode, while lent: engine `k`, between segments, hands its oldest unfinished groups
