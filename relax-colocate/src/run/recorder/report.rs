@@ -128,93 +128,137 @@ fn metric_series(r: &Recorder, keys: &[String]) -> BTreeMap<String, Vec<f64>> {
 const CORRECTION_KEYS: [&str; 4] =
     ["train/tis", "train/tis_max", "train/tis_clipfrac", "train/rollout_train_logprob_diff"];
 
+/// The series `k` of `all` (empty when no step recorded it).
+fn series<'a>(all: &'a BTreeMap<String, Vec<f64>>, k: &str) -> &'a [f64] {
+    all.get(k).map(Vec::as_slice).unwrap_or_default()
+}
+
+/// The mean of `v`; None for no values, which a summary leaves out rather than call 0.
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
 /// The run's off-policy correction and its importance ratios over the steps: mean of the steps'
 /// means, the largest, the mean share truncated; and the mean rollout - trainer log-prob gap.
 fn correction_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Correction {
-    let series = |k: &str| all.get(k).map(Vec::as_slice).unwrap_or_default();
-    let avg = |k: &str| {
-        let v = series(k);
-        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-    };
+    let avg = |k: &str| mean(series(all, k));
     Correction {
         // The clipped PPO ratio to the rollout's log-probs is the correction then, not "none".
         method: if r.cfg.algo.rollout_log_probs { "rollout_log_probs" } else { r.cfg.off_policy_correction().as_str() }
             .into(),
         tis_cap: r.cfg.algo.tis_cap,
         tis_mean: avg("train/tis"),
-        tis_max: series("train/tis_max").iter().copied().reduce(f64::max),
+        tis_max: series(all, "train/tis_max").iter().copied().reduce(f64::max),
         tis_clipfrac_mean: avg("train/tis_clipfrac"),
         rollout_train_logprob_diff_mean: avg("train/rollout_train_logprob_diff"),
+    }
+}
+
+/// The phases the summary's table gives: every step phase, then the trainer's compute, its wait
+/// and the whole step.
+fn summary_phases() -> Vec<&'static str> {
+    STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect()
+}
+
+/// The metrics.jsonl series the summary reads: the `phases`' times, reward and pass rate, the
+/// correction's, the wall step time and the drawn lengths' counts.
+fn summary_keys(phases: &[&str]) -> Vec<String> {
+    let mut keys: Vec<String> = phases.iter().map(|p| super::metrics::phase_time(p)).collect();
+    keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
+    keys.extend(CORRECTION_KEYS.iter().map(|k| k.to_string()));
+    keys.push("perf/wall_step_time".into());
+    keys.extend(["compute/drawn_samples".to_string(), "compute/drawn_response_tokens".to_string()]);
+    keys
+}
+
+/// Each of the `phases` some step timed: its median, p90 and mean per step, and its share of
+/// the steps' time.
+fn phase_stats(phases: &[&str], all: &BTreeMap<String, Vec<f64>>) -> Vec<PhaseStats> {
+    let total_step: f64 = series(all, "perf/step_time").iter().sum();
+    let mut stats = Vec::new();
+    for &p in phases {
+        let v = series(all, &super::metrics::phase_time(p));
+        if v.is_empty() {
+            continue;
+        }
+        let sum: f64 = v.iter().sum();
+        stats.push(PhaseStats {
+            phase: p.into(),
+            median_s: percentile(v.to_vec(), 0.5),
+            p90_s: percentile(v.to_vec(), 0.9),
+            mean_s: sum / v.len() as f64,
+            share_of_step: if total_step > 0.0 { sum / total_step } else { 0.0 },
+        });
+    }
+    stats
+}
+
+/// The means of `v`'s first and last `window` steps (all of it when shorter).
+fn ends(v: &[f64], window: usize) -> Ends {
+    let n = window.min(v.len());
+    Ends { first3_mean: mean(&v[..n]), last3_mean: mean(&v[v.len() - n..]), window_steps: window }
+}
+
+/// The memory block: what the profile allocates on each device, and what the run saw.
+fn memory_summary(r: &Recorder, profile: &Profile) -> Memory {
+    Memory {
+        profile: r.cfg.memory.profile.clone(),
+        trainer_bytes_per_device: profile.trainer.bytes(),
+        rollout_bytes_per_device: profile.rollout.bytes(),
+        weights_bytes_per_device: profile.rollout.tag_bytes("weights"),
+        trainer_allocations: profile.trainer.count() as u64,
+        rollout_allocations: profile.rollout.count() as u64,
+        peak_device_used: r.peak_used.clone(),
+        communicator_bytes_suspended: r.comm_suspended.clone(),
+    }
+}
+
+/// The lengths block, when the job draws its response lengths (compute.lengths): the table's
+/// figures and what the trained samples drew from it.
+fn lengths_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Option<LengthsSummary> {
+    r.cfg.lengths_drawn().map(|(l, steps)| LengthsSummary {
+        file: r.cfg.compute.lengths.clone(),
+        steps,
+        values: l.count(),
+        mean: l.mean(),
+        p50: l.p50(),
+        p90: l.p90(),
+        max: l.max(),
+        trained_samples: series(all, "compute/drawn_samples").iter().sum::<f64>() as u64,
+        trained_response_tokens: series(all, "compute/drawn_response_tokens").iter().sum(),
+    })
+}
+
+/// How the run ended, by the error that ended it, if any.
+fn status(err: Option<&RunError>) -> Status {
+    match err {
+        None => Status::Ok,
+        Some(e) if e.kind == FailKind::Interrupted => Status::Interrupted,
+        Some(_) => Status::Failed,
     }
 }
 
 /// The run's summary as the recorder saw it; the drivers add their blocks (`async`,
 /// `weight_sync`).
 pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Profile) -> Summary {
-    let phase_names: Vec<&str> = STEP_PHASES.iter().copied().chain(["train", "train_wait", "step"]).collect();
-    let mut keys: Vec<String> = phase_names.iter().map(|p| super::metrics::phase_time(p)).collect();
-    keys.extend(["rollout/raw_reward".to_string(), "passrate/pass@1".to_string()]);
-    keys.extend(CORRECTION_KEYS.iter().map(|k| k.to_string()));
-    keys.push("perf/wall_step_time".into());
-    keys.extend(["compute/drawn_samples".to_string(), "compute/drawn_response_tokens".to_string()]);
-    let all = metric_series(r, &keys);
-    let series = |k: &str| -> Vec<f64> { all.get(k).cloned().unwrap_or_default() };
-    let total_step: f64 = series("perf/step_time").iter().sum();
-    let mut phases = Vec::new();
-    for p in phase_names {
-        let v = series(&super::metrics::phase_time(p));
-        if v.is_empty() {
-            continue;
-        }
-        let sum: f64 = v.iter().sum();
-        phases.push(PhaseStats {
-            phase: p.into(),
-            median_s: percentile(v.clone(), 0.5),
-            p90_s: percentile(v.clone(), 0.9),
-            mean_s: sum / v.len() as f64,
-            share_of_step: if total_step > 0.0 { sum / total_step } else { 0.0 },
-        });
-    }
-    let rewards = series("rollout/raw_reward");
-    let pass = series("passrate/pass@1");
+    let phases = summary_phases();
+    let all = metric_series(r, &summary_keys(&phases));
+    let rewards = series(&all, "rollout/raw_reward");
+    // The pass rate is recorded at the same steps as the reward: one window serves both.
     let k = before_after_window(rewards.len());
-    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
-    let ends = |v: &[f64]| {
-        let n = k.min(v.len());
-        Ends { first3_mean: mean(&v[..n]), last3_mean: mean(&v[v.len() - n..]), window_steps: k }
-    };
     let run = RunSummary {
         device: r.device_label.clone(),
         algo: Some(r.cfg.algo.name),
         steps_requested: r.cfg.run.steps,
-        phases,
-        reward: ends(&rewards),
-        pass_rate: ends(&pass),
+        phases: phase_stats(&phases, &all),
+        reward: ends(rewards, k),
+        pass_rate: ends(series(&all, "passrate/pass@1"), k),
         checks: Checks { enabled: r.cfg.run.checks, passed: r.checks.passed },
-        memory: Memory {
-            profile: r.cfg.memory.profile.clone(),
-            trainer_bytes_per_device: profile.trainer.bytes(),
-            rollout_bytes_per_device: profile.rollout.bytes(),
-            weights_bytes_per_device: profile.rollout.tag_bytes("weights"),
-            trainer_allocations: profile.trainer.count() as u64,
-            rollout_allocations: profile.rollout.count() as u64,
-            peak_device_used: r.peak_used.clone(),
-            communicator_bytes_suspended: r.comm_suspended.clone(),
-        },
+        memory: memory_summary(r, profile),
         off_policy_correction: correction_summary(r, &all),
         compute: crate::run::learn::compute_label(&r.cfg, profile),
-        lengths: r.cfg.lengths_drawn().map(|(l, steps)| LengthsSummary {
-            file: r.cfg.compute.lengths.clone(),
-            steps,
-            values: l.count(),
-            mean: l.mean(),
-            p50: l.p50(),
-            p90: l.p90(),
-            max: l.max(),
-            trained_samples: series("compute/drawn_samples").iter().sum::<f64>() as u64,
-            trained_response_tokens: series("compute/drawn_response_tokens").iter().sum(),
-        }),
-        decode: decode_summary(r, series("perf/wall_step_time").iter().sum()),
+        lengths: lengths_summary(r, &all),
+        decode: decode_summary(r, series(&all, "perf/wall_step_time").iter().sum()),
         decode_unreported: r.unreported.iter().cloned().collect(),
         wall_time_s: r.started.elapsed().as_secs_f64(),
         clock: clock_summary(r),
@@ -224,11 +268,7 @@ pub(in crate::run) fn summary(r: &Recorder, err: Option<&RunError>, profile: &Pr
         switch: switch_summary(r),
     };
     Summary {
-        status: match err {
-            None => Status::Ok,
-            Some(e) if e.kind == FailKind::Interrupted => Status::Interrupted,
-            Some(_) => Status::Failed,
-        },
+        status: status(err),
         failure: err.map(RunError::failure),
         steps_completed: r.steps_completed,
         run: Some(run),
@@ -257,7 +297,6 @@ fn decode_summary(r: &Recorder, run_s: f64) -> BTreeMap<String, crate::run::summ
         .collect()
 }
 
-/// The switch block: every stage measured and modelled, when compute.model charged any.
 /// The modelled clock against the wall clock, when compute.time_scale runs it faster.
 fn clock_summary(r: &Recorder) -> Option<crate::run::summary::ClockSummary> {
     let k = crate::run::clock::scale();
@@ -267,6 +306,7 @@ fn clock_summary(r: &Recorder) -> Option<crate::run::summary::ClockSummary> {
     })
 }
 
+/// The switch block: every stage measured and modelled, when compute.model charged any.
 fn switch_summary(r: &Recorder) -> Option<SwitchSummary> {
     if !r.cfg.compute.model || r.switch.is_empty() {
         return None;
