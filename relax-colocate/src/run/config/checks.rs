@@ -3,57 +3,117 @@
 
 use super::*;
 
+/// The messages of the `checks` that fail, in their order.
+fn failed(checks: &[(bool, &str)]) -> Vec<String> {
+    checks.iter().filter(|(ok, _)| !ok).map(|(_, msg)| msg.to_string()).collect()
+}
+
 impl Config {
+    /// Every section's checks, in the order their errors are reported; Err: all of them, joined
+    /// by "; " (one refusal names all that a job must fix).
     pub fn validate(&self) -> Result<(), String> {
-        let mut errors = Vec::new();
-        let mut need = |ok: bool, msg: &str| {
-            if !ok {
-                errors.push(msg.to_string());
-            }
-        };
-        need(self.run.steps >= 1, "run.steps must be at least 1");
-        need((1..=64).contains(&self.run.devices), "run.devices must be 1..64");
-        need((1..=64).contains(&self.run.nodes), "run.nodes must be 1..64");
-        need(
-            self.run.nodes == 1 || self.run.launcher == Launcher::Ray,
-            "run.nodes > 1 needs run.launcher = \"ray\" (--launcher ray)",
-        );
-        need(
-            self.run.launcher == Launcher::Local || !self.run.ray_address.trim().is_empty(),
-            "run.ray_address must be local, auto or a Ray address (host:port)",
-        );
-        need(self.run.phase_timeout_s > 0.0, "run.phase_timeout_s must be > 0");
-        need((1..=6).contains(&self.task.digits), "task.digits must be 1..6");
-        let answer = self.task.digits as usize + 2;
-        need(
-            self.task.max_new_tokens == 0 || (answer..=4096).contains(&self.task.max_new_tokens),
-            &format!(
-                "task.max_new_tokens must be 0 (the longest answer) or {answer}..4096 (room for the answer and EOS)"
+        let errors = [
+            self.run_errors(),
+            self.task_errors(),
+            self.rollout_errors(),
+            self.algo_errors(),
+            self.model_and_memory_errors(),
+            self.sim_errors(),
+            self.compute_errors(),
+            self.lengths_errors(),
+            self.clock_errors(),
+            self.weight_update_errors(),
+            self.text_value_errors(),
+            self.layout_errors(),
+            self.correction_errors(),
+            self.pass_errors(),
+        ]
+        .concat();
+        if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+    }
+
+    /// run.*: the steps, the devices and nodes, the launcher that reaches them, the phase timeout.
+    fn run_errors(&self) -> Vec<String> {
+        let r = &self.run;
+        failed(&[
+            (r.steps >= 1, "run.steps must be at least 1"),
+            ((1..=64).contains(&r.devices), "run.devices must be 1..64"),
+            ((1..=64).contains(&r.nodes), "run.nodes must be 1..64"),
+            (
+                r.nodes == 1 || r.launcher == Launcher::Ray,
+                "run.nodes > 1 needs run.launcher = \"ray\" (--launcher ray)",
             ),
+            (
+                r.launcher == Launcher::Local || !r.ray_address.trim().is_empty(),
+                "run.ray_address must be local, auto or a Ray address (host:port)",
+            ),
+            (r.phase_timeout_s > 0.0, "run.phase_timeout_s must be > 0"),
+        ])
+    }
+
+    /// task.*: the operands' digits, and room in max_new_tokens for the longest answer and EOS.
+    fn task_errors(&self) -> Vec<String> {
+        let t = &self.task;
+        let answer = t.digits as usize + 2;
+        let max_new = format!(
+            "task.max_new_tokens must be 0 (the longest answer) or {answer}..4096 (room for the answer and EOS)"
         );
-        need(self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be at least 1");
-        need(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt must be at least 2 (groups)");
-        need(self.rollout.temperature > 0.0, "rollout.temperature must be > 0");
-        need(self.algo.lr > 0.0 && self.algo.lr.is_finite(), "algo.lr must be > 0");
-        need(self.algo.minibatches >= 1 && self.algo.epochs >= 1, "algo.minibatches and algo.epochs must be >= 1");
-        need(
-            self.algo.clip_eps_low > 0.0 && self.algo.clip_eps_low < 1.0 && self.algo.clip_eps_high > 0.0,
-            "algo.clip_eps_low must be in (0, 1) and algo.clip_eps_high > 0",
-        );
-        need(self.algo.dual_clip == 0.0 || self.algo.dual_clip > 1.0, "algo.dual_clip must be 0 (off) or > 1");
-        need(
-            (0.0..=1.0).contains(&self.algo.gamma) && (0.0..=1.0).contains(&self.algo.lambda),
-            "gamma, lambda in [0, 1]",
-        );
-        need(self.model.hidden >= 1 && self.model.hidden <= 4096, "model.hidden must be 1..4096");
-        need(self.memory.tp >= 1, "memory.tp must be >= 1");
-        need(self.memory.scale > 0.0, "memory.scale must be > 0");
-        need(self.memory.kv_cache_gib >= 0.0, "memory.kv_cache_gib must be >= 0");
-        need(self.sim.api == "cuda" || self.sim.api == "acl", "sim.api must be cuda or acl");
-        need(self.sim.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0");
-        errors.extend(self.compute_errors());
-        errors.extend(self.lengths_errors());
-        errors.extend(self.clock_errors());
+        failed(&[
+            ((1..=6).contains(&t.digits), "task.digits must be 1..6"),
+            (t.max_new_tokens == 0 || (answer..=4096).contains(&t.max_new_tokens), &max_new),
+        ])
+    }
+
+    /// rollout.*: a batch of prompts, groups of at least two samples, a positive temperature.
+    fn rollout_errors(&self) -> Vec<String> {
+        let r = &self.rollout;
+        failed(&[
+            (r.prompts_per_step >= 1, "rollout.prompts_per_step must be at least 1"),
+            (r.samples_per_prompt >= 2, "rollout.samples_per_prompt must be at least 2 (groups)"),
+            (r.temperature > 0.0, "rollout.temperature must be > 0"),
+        ])
+    }
+
+    /// algo.*'s ranges: the learning rate, the passes over a batch, the clip bounds, gamma and
+    /// lambda.
+    fn algo_errors(&self) -> Vec<String> {
+        let a = &self.algo;
+        failed(&[
+            (a.lr > 0.0 && a.lr.is_finite(), "algo.lr must be > 0"),
+            (a.minibatches >= 1 && a.epochs >= 1, "algo.minibatches and algo.epochs must be >= 1"),
+            (
+                a.clip_eps_low > 0.0 && a.clip_eps_low < 1.0 && a.clip_eps_high > 0.0,
+                "algo.clip_eps_low must be in (0, 1) and algo.clip_eps_high > 0",
+            ),
+            (a.dual_clip == 0.0 || a.dual_clip > 1.0, "algo.dual_clip must be 0 (off) or > 1"),
+            ((0.0..=1.0).contains(&a.gamma) && (0.0..=1.0).contains(&a.lambda), "gamma, lambda in [0, 1]"),
+        ])
+    }
+
+    /// The policy's size (model.hidden) and the memory profile's scaling (memory.*).
+    fn model_and_memory_errors(&self) -> Vec<String> {
+        let m = &self.memory;
+        failed(&[
+            (self.model.hidden >= 1 && self.model.hidden <= 4096, "model.hidden must be 1..4096"),
+            (m.tp >= 1, "memory.tp must be >= 1"),
+            (m.scale > 0.0, "memory.scale must be > 0"),
+            (m.kv_cache_gib >= 0.0, "memory.kv_cache_gib must be >= 0"),
+        ])
+    }
+
+    /// The simulated device's API and copy speed.
+    fn sim_errors(&self) -> Vec<String> {
+        let s = &self.sim;
+        failed(&[
+            (s.api == "cuda" || s.api == "acl", "sim.api must be cuda or acl"),
+            (s.copy_gbps >= 0.0, "sim.copy_gbps must be >= 0"),
+        ])
+    }
+
+    /// How the weights reach the rollout: the simulator's link, the transport the layout allows,
+    /// and update_weights' bucket size.
+    fn weight_update_errors(&self) -> Vec<String> {
+        let mut errors = Vec::new();
         if let Err(e) = self.link_gbps() {
             errors.push(e);
         }
@@ -70,6 +130,13 @@ impl Config {
             Ok(_) => {}
             Err(e) => errors.push(format!("memory.update_weight_buffer_size: {e}")),
         }
+        errors
+    }
+
+    /// The keys given as text that must parse: the simulated device's memory size, the loggers'
+    /// list, the memory profile's name.
+    fn text_value_errors(&self) -> Vec<String> {
+        let mut errors = Vec::new();
         if self.sim.memory != "auto"
             && let Err(e) = parse_size(&self.sim.memory)
         {
@@ -81,10 +148,7 @@ impl Config {
         if let Err(e) = crate::run::profile::preset(&self.memory.profile) {
             errors.push(e);
         }
-        errors.extend(self.layout_errors());
-        errors.extend(self.correction_errors());
-        errors.extend(self.pass_errors());
-        if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+        errors
     }
 
     /// compute.time_scale: only modelled time may run faster; what the simulator really spends
@@ -152,7 +216,7 @@ impl Config {
             return Vec::new();
         }
         let mfu = |m: f64| m > 0.0 && m <= 1.0;
-        [
+        let mut errors = failed(&[
             (c.tflops > 0.0 && c.tflops.is_finite(), "compute.tflops must be > 0"),
             (mfu(c.train_mfu) && mfu(c.rollout_mfu), "compute.train_mfu and compute.rollout_mfu must be in (0, 1]"),
             (c.token_scale > 0.0 && c.token_scale.is_finite(), "compute.token_scale must be > 0"),
@@ -170,12 +234,9 @@ impl Config {
                 "compute.model = true needs a memory profile (memory.profile): its parameter count sets the FLOPs \
                  per token",
             ),
-        ]
-        .into_iter()
-        .filter(|(ok, _)| !ok)
-        .map(|(_, msg)| msg.to_string())
-        .chain(self.figure_errors())
-        .collect()
+        ]);
+        errors.extend(self.figure_errors());
+        errors
     }
 
     /// The device's figures: each >= 0, and each the run needs given by the job or its preset.
