@@ -493,6 +493,24 @@ mod tests {
         assert!(is_weights(&colocated, &[sample], &sc).is_empty(), "no correction colocated by default");
     }
 
+    /// Two samples of one prompt with the same response and rollout log-probs; `SCORED` scores
+    /// the first right and the second wrong.
+    fn two_samples() -> Vec<Sample> {
+        (0..2).map(|_| Sample { prompt: vec![1], response: vec![2, 3], logprobs: vec![-0.5, -1.5] }).collect()
+    }
+
+    /// (reward, exact) of `two_samples`.
+    const SCORED: [(f64, bool); 2] = [(1.0, true), (0.0, false)];
+
+    /// The metrics row of a step that trained on `samples`, scored as `SCORED`.
+    fn sample_row(cfg: &Config, samples: &[Sample], sc: &Scores, adv: &Advantages, train: &TrainReply) -> metrics::Row {
+        let task = Addition::new(cfg.task.digits, cfg.task.max_new_tokens);
+        let o = Outcome { samples, scored: &SCORED, scores: sc, adv, train };
+        let mut row = metrics::Row::new(1);
+        sample_metrics(&mut row, cfg, &task, &o);
+        row
+    }
+
     /// Without a reference pass: no KL to report, PPO's token rewards carry none, the train
     /// request's reference log-probs hold the old ones' place (the KL term weighs 0), and the
     /// row leaves out what no pass measured.
@@ -500,15 +518,14 @@ mod tests {
     fn without_a_reference_the_kl_is_left_out_not_zero() {
         let sets = ["algo.name=ppo", "algo.reference=false", "algo.kl_coef=0", "algo.whiten_advantages=false"];
         let cfg = config::load(None, &sets.map(String::from)).unwrap();
-        let samples: Vec<Sample> =
-            (0..2).map(|_| Sample { prompt: vec![1], response: vec![2, 3], logprobs: vec![-0.5, -1.5] }).collect();
+        let samples = two_samples();
         let sc = Scores {
             old_lp: vec![vec![-0.4, -1.4]; 2],
             ref_lp: Vec::new(),
             entropy: vec![vec![0.7, 0.7]; 2],
             values: vec![vec![0.0, 0.0]; 2],
         };
-        let adv = advantages(&cfg, &samples, &[1.0, 0.0], &sc).unwrap();
+        let adv = advantages(&cfg, &samples, &SCORED.map(|s| s.0), &sc).unwrap();
         assert_eq!(adv.kl_ref, None);
         assert_eq!(adv.penalized, vec![1.0, 0.0]);
         assert_eq!(adv.advantages[0].len(), 2, "every token has its advantage");
@@ -516,11 +533,7 @@ mod tests {
         assert_eq!(p.samples[0].ref_logprobs, sc.old_lp[0]);
         let mut train = TrainReply::default();
         train.0.insert("kl".into(), Some(0.3));
-        let task = Addition::new(cfg.task.digits, cfg.task.max_new_tokens);
-        let o =
-            Outcome { samples: &samples, scored: &[(1.0, true), (0.0, false)], scores: &sc, adv: &adv, train: &train };
-        let mut row = metrics::Row::new(1);
-        sample_metrics(&mut row, &cfg, &task, &o);
+        let row = sample_row(&cfg, &samples, &sc, &adv, &train);
         for gone in ["rollout/kl", "rollout/ref_log_probs", "train/kl_loss"] {
             assert!(row.get(gone).is_none(), "{gone}");
         }
@@ -534,21 +547,15 @@ mod tests {
     fn rollout_log_probs_are_the_old_ones_and_need_no_weights() {
         let sets = ["run.mode=async", "run.devices=2", "algo.rollout_log_probs=true", "rollout.samples_per_prompt=2"];
         let cfg = config::load(None, &sets.map(String::from)).unwrap();
-        let samples: Vec<Sample> =
-            (0..2).map(|_| Sample { prompt: vec![1], response: vec![2, 3], logprobs: vec![-0.5, -1.5] }).collect();
+        let samples = two_samples();
         let old: Vec<Vec<f64>> = samples.iter().map(|s| s.logprobs.clone()).collect();
         let sc = Scores { old_lp: old.clone(), ref_lp: old.clone(), entropy: Vec::new(), values: Vec::new() };
         assert!(is_weights(&cfg, &samples, &sc).is_empty());
-        let adv = advantages(&cfg, &samples, &[1.0, 0.0], &sc).unwrap();
+        let adv = advantages(&cfg, &samples, &SCORED.map(|s| s.0), &sc).unwrap();
         let p = train_params(&cfg, &samples, &sc, &adv, 1, None);
         assert_eq!(p.samples[1].old_logprobs, vec![-0.5, -1.5]);
         assert!(p.samples[1].is_weights.is_empty());
-        let task = Addition::new(cfg.task.digits, cfg.task.max_new_tokens);
-        let train = TrainReply::default();
-        let o =
-            Outcome { samples: &samples, scored: &[(1.0, true), (0.0, false)], scores: &sc, adv: &adv, train: &train };
-        let mut row = metrics::Row::new(1);
-        sample_metrics(&mut row, &cfg, &task, &o);
+        let row = sample_row(&cfg, &samples, &sc, &adv, &TrainReply::default());
         for gone in ["rollout/entropy", "rollout/log_probs", "train/rollout_train_logprob_diff", "train/tis"] {
             assert!(row.get(gone).is_none(), "{gone}");
         }
