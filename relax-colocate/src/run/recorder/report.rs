@@ -213,8 +213,8 @@ fn memory_summary(r: &Recorder, profile: &Profile) -> Memory {
     }
 }
 
-/// The lengths block, when the job draws its response lengths (compute.lengths): the table's
-/// figures and what the trained samples drew from it.
+/// The lengths block, when the job draws its response lengths (compute.lengths): the figures of
+/// the lengths the run's steps draw from, and what the trained samples drew.
 fn lengths_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Option<LengthsSummary> {
     r.cfg.lengths_drawn().map(|(l, steps)| LengthsSummary {
         file: r.cfg.compute.lengths.clone(),
