@@ -190,19 +190,22 @@ impl Config {
         let mut errors = Vec::new();
         if !c.model {
             errors.push(format!(
-                "compute.lengths = {:?} needs compute.model = true (--set compute.model=true): the lengths are                  modelled tokens, and nothing is modelled without it",
+                "compute.lengths = {:?} needs compute.model = true (--set compute.model=true): the lengths are \
+                 modelled tokens, and nothing is modelled without it",
                 c.lengths
             ));
         }
         if !self.builtin_workers() {
             errors.push(
-                "compute.lengths needs the built-in workers: an external worker (run.trainer_cmd, run.rollout_cmd;                  scripts/torch_worker.py) does not charge drawn lengths; drop --lengths, or drop the worker commands"
+                "compute.lengths needs the built-in workers: an external worker (run.trainer_cmd, run.rollout_cmd; \
+                 scripts/torch_worker.py) does not charge drawn lengths; drop --lengths, or drop the worker commands"
                     .to_string(),
             );
         }
         if c.token_scale_final > 0.0 {
             errors.push(
-                "compute.lengths and compute.token_scale_final both set a response's modelled length: keep one                  (--set compute.token_scale_final=0 to use the file's lengths)"
+                "compute.lengths and compute.token_scale_final both set a response's modelled length: keep one \
+                 (--set compute.token_scale_final=0 to use the file's lengths)"
                     .to_string(),
             );
         }

@@ -725,12 +725,12 @@ impl Config {
         }
     }
 
-    /// Devices in the whole run: `run.devices` on each of `run.nodes` nodes.
     /// The device API the simulated device serves the workers (sim.api, checked when loaded).
     pub fn sim_api(&self) -> crate::vendor::ApiKind {
         crate::vendor::ApiKind::parse(&self.sim.api).unwrap_or(crate::vendor::ApiKind::Cuda)
     }
 
+    /// Devices in the whole run: `run.devices` on each of `run.nodes` nodes.
     pub fn total_devices(&self) -> usize {
         self.run.devices as usize * self.run.nodes as usize
     }
@@ -944,12 +944,19 @@ mod tests {
         assert!(err.starts_with(&format!("compute.lengths: cannot read {}", cwd.display())), "{err}");
         let file = format!("compute.lengths={}", want.display());
         let err = with(&["memory.profile=qwen3-4b", &file]).unwrap_err();
-        assert!(err.contains("needs compute.model = true (--set compute.model=true)"), "{err}");
+        assert!(
+            err.contains("needs compute.model = true (--set compute.model=true): the lengths are modelled"),
+            "{err}"
+        );
         let err = with(&["compute.model=true", "memory.profile=qwen3-4b", "run.rollout_cmd=w", &file]).unwrap_err();
-        assert!(err.contains("compute.lengths needs the built-in workers") && err.contains("torch_worker"), "{err}");
+        assert!(
+            err.contains("compute.lengths needs the built-in workers")
+                && err.contains("run.rollout_cmd; scripts/torch_worker.py"),
+            "{err}"
+        );
         let err = with(&["compute.model=true", "memory.profile=qwen3-4b", "compute.token_scale_final=300", &file])
             .unwrap_err();
-        assert!(err.contains("--set compute.token_scale_final=0"), "{err}");
+        assert!(err.contains("keep one (--set compute.token_scale_final=0"), "{err}");
         std::fs::write(&want, "2000\nlots\n").unwrap();
         let err = with(&["compute.model=true", "memory.profile=qwen3-4b", &file]).unwrap_err();
         assert!(err.contains("lengths.txt line 2: \"lots\" is not a response length"), "{err}");
