@@ -390,31 +390,12 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
     } else {
         ""
     };
-    let mut memory = if c.hbm_gbps > 0.0 {
-        format!(", decode steps no faster than their weight and KV reads at {} GB/s", c.hbm_gbps)
-    } else {
-        String::new()
-    };
-    if c.decode_step_ms > 0.0 {
-        memory += &format!(", each decode step {} ms more (launches, scheduler, sampling)", c.decode_step_ms);
-    }
+    let memory = decode_label(c);
     let switch = match super::switch::describe(cfg) {
         Some(s) => format!("; {s}"),
         None => String::new(),
     };
-    let lengths = match cfg.lengths_drawn() {
-        Some((l, steps)) => format!(
-            "; response lengths drawn from {}{} ({} values, mean {:.0}, p90 {}, max {} tokens) in place of task tokens \
-             x token_scale",
-            c.lengths,
-            steps.as_ref().map(crate::run::summary::LengthsSteps::describe).unwrap_or_default(),
-            l.count(),
-            l.mean(),
-            l.p90(),
-            l.max()
-        ),
-        None => String::new(),
-    };
+    let lengths = lengths_label(cfg);
     let clock = if c.time_scale != 1.0 {
         format!(
             "; on a clock {k}x the wall clock's (compute.time_scale): every time is modelled seconds, and what the \
@@ -435,6 +416,34 @@ pub(super) fn compute_label(cfg: &Config, profile: &Profile) -> String {
         c.train_mfu,
         c.rollout_mfu,
         c.token_scale
+    )
+}
+
+/// What bounds a modelled decode step beyond its FLOPs, for the compute label.
+fn decode_label(c: &crate::run::config::ComputeSection) -> String {
+    let mut label = if c.hbm_gbps > 0.0 {
+        format!(", decode steps no faster than their weight and KV reads at {} GB/s", c.hbm_gbps)
+    } else {
+        String::new()
+    };
+    if c.decode_step_ms > 0.0 {
+        label += &format!(", each decode step {} ms more (launches, scheduler, sampling)", c.decode_step_ms);
+    }
+    label
+}
+
+/// Where the response lengths come from, for the compute label: empty without a lengths file.
+fn lengths_label(cfg: &Config) -> String {
+    let Some((l, steps)) = cfg.lengths_drawn() else { return String::new() };
+    format!(
+        "; response lengths drawn from {}{} ({} values, mean {:.0}, p90 {}, max {} tokens) in place of task tokens x \
+         token_scale",
+        cfg.compute.lengths,
+        steps.as_ref().map(crate::run::summary::LengthsSteps::describe).unwrap_or_default(),
+        l.count(),
+        l.mean(),
+        l.p90(),
+        l.max()
     )
 }
 

@@ -25,6 +25,65 @@ pub(super) struct Slot {
     pub(super) prompt_index: usize,
 }
 
+/// The sequences of one generate request, each with its place in the engine's groups.
+struct Batch {
+    prompts: Vec<Vec<u32>>,
+    /// Samples a prompt: the group size for new groups, 1 when every sequence is listed.
+    n: usize,
+    responses: Vec<Vec<u32>>,
+    order: Vec<Slot>,
+    /// Modelled steps each continued sequence has carried; empty for new groups.
+    progress: Vec<f64>,
+    /// Whether the engine's cache still holds each continued sequence's prefix.
+    cached: Vec<bool>,
+}
+
+impl Batch {
+    /// New groups: each prompt once, `n` samples of it.
+    fn fresh(e: &Engine, n: usize) -> Batch {
+        let prompts = e.groups.iter().map(|g| g.prompt.clone()).collect();
+        let slots = |g| (0..n).map(move |j| Slot { group: g, seq: j, prompt_index: g });
+        let order = (0..e.groups.len()).flat_map(slots).collect();
+        Batch { prompts, n, responses: Vec::new(), order, progress: Vec::new(), cached: Vec::new() }
+    }
+
+    /// The engine's unfinished sequences, one entry each (a new group's start with an empty
+    /// response); a prefix is cached when the engine's cache is and the group never moved.
+    fn continued(e: &Engine, same_cache: bool) -> Batch {
+        let mut b = Batch {
+            prompts: Vec::new(),
+            n: 1,
+            responses: Vec::new(),
+            order: Vec::new(),
+            progress: Vec::new(),
+            cached: Vec::new(),
+        };
+        for (g, group) in e.groups.iter().enumerate() {
+            for (j, s) in group.seqs.iter().enumerate().filter(|(_, s)| !s.finished) {
+                b.prompts.push(group.prompt.clone());
+                b.responses.push(s.response.clone());
+                b.progress.push(s.progress);
+                b.cached.push(same_cache && !group.moved);
+                b.order.push(Slot { group: g, seq: j, prompt_index: b.order.len() });
+            }
+        }
+        b
+    }
+}
+
+/// Each sequence's own seed, from where it stands in the run: its tokens are the same however
+/// segments split it and whichever engines continue it.
+fn sequence_seeds(cfg: &Config, e: &Engine, order: &[Slot]) -> Vec<u64> {
+    let base = cfg.run.seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
+    order
+        .iter()
+        .map(|o| {
+            let started = e.groups[o.group].started;
+            Rng::new(base ^ (started << 20) ^ o.seq as u64).next_u64()
+        })
+        .collect()
+}
+
 /// Where elastic mode's lend of the trainer's devices stands, as feeding the engines needs to
 /// know it (all false outside elastic mode).
 #[derive(Clone, Copy, Default)]
@@ -344,30 +403,9 @@ impl Rollouter {
         // The engine's cache holds a sequence's prefix when no update came since its last segment,
         // the engine kept its cache (a lent engine wakes with none), and the group stayed on it.
         let same_cache = e.version == self.version && !e.cold_cache;
-        let mut cached = Vec::new();
-        let (prompts, n, responses, order, progress) = if continued {
-            // One entry per sequence; a new group's sequences start with an empty response.
-            let mut prompts = Vec::new();
-            let mut responses = Vec::new();
-            let mut order = Vec::new();
-            let mut progress = Vec::new();
-            for (g, group) in e.groups.iter().enumerate() {
-                for (j, s) in group.seqs.iter().enumerate().filter(|(_, s)| !s.finished) {
-                    prompts.push(group.prompt.clone());
-                    responses.push(s.response.clone());
-                    progress.push(s.progress);
-                    cached.push(same_cache && !group.moved);
-                    order.push(Slot { group: g, seq: j, prompt_index: order.len() });
-                }
-            }
-            (prompts, 1, responses, order, progress)
-        } else {
-            let n = cfg.rollout.samples_per_prompt;
-            let prompts = e.groups.iter().map(|g| g.prompt.clone()).collect();
-            let slots = |g| (0..n).map(move |j| Slot { group: g, seq: j, prompt_index: g });
-            let order = (0..e.groups.len()).flat_map(slots).collect();
-            (prompts, n, Vec::new(), order, Vec::new())
-        };
+        let batch =
+            if continued { Batch::continued(e, same_cache) } else { Batch::fresh(e, cfg.rollout.samples_per_prompt) };
+        let Batch { prompts, n, responses, order, progress, cached } = batch;
         let budget = cfg.segment_budget();
         // A sequence's drawn length (compute.lengths), by its group's place in the run's order of
         // prompts and its own in the group: the same whichever engine continues it.
@@ -378,14 +416,6 @@ impl Rollouter {
         // sequence has any.
         let carry = budget.is_some() || !lengths.is_empty();
         let progress = if carry && progress.iter().any(|p| *p > 0.0) { progress } else { Vec::new() };
-        // A sequence's own seed, from where it stands in the run: its tokens are the same however
-        // segments split it and whichever engines continue it.
-        let base = cfg.run.seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let seeds = order.iter().map(|o| {
-            let started = e.groups[o.group].started;
-            Rng::new(base ^ (started << 20) ^ o.seq as u64).next_u64()
-        });
-        let sequence_seeds = seeds.collect();
         let params = GenerateParams {
             prompts,
             n,
@@ -403,7 +433,7 @@ impl Rollouter {
             token_scale: request_token_scale(cfg, self.version, order.iter().map(|o| e.groups[o.group].started)),
             segment_s: budget,
             progress,
-            sequence_seeds,
+            sequence_seeds: sequence_seeds(cfg, e, &order),
             lengths,
         };
         let request = rig.fleet.submit::<Generate>(e.worker, params)?;
