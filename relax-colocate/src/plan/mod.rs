@@ -89,9 +89,9 @@ fn responses_about(cfg: &Config) -> Value {
     if let Some((t, steps)) = cfg.lengths_drawn() {
         let mut about = json!({
             "source": cfg.compute.lengths,
-            "mean_tokens": t.mean(),
-            "p90_tokens": t.p90(),
-            "max_tokens": t.quantile(1.0),
+            "mean_tokens": t.mean,
+            "p90_tokens": t.p90,
+            "max_tokens": t.max,
         });
         if let Some(steps) = steps {
             about["steps"] = json!(steps);

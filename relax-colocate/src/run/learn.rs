@@ -440,10 +440,10 @@ fn lengths_label(cfg: &Config) -> String {
          token_scale",
         cfg.compute.lengths,
         steps.as_ref().map(crate::run::summary::LengthsSteps::describe).unwrap_or_default(),
-        l.count(),
-        l.mean(),
-        l.p90(),
-        l.max()
+        l.count,
+        l.mean,
+        l.p90,
+        l.max
     )
 }
 

@@ -16,8 +16,6 @@ use std::path::Path;
 pub(crate) struct Lengths {
     /// As the file gives them (at least one, each >= 1).
     values: Vec<u64>,
-    /// The same, sorted, for the percentiles.
-    sorted: Vec<u64>,
     /// With a step on every line: each step's lengths, by step ascending. Empty: the file names no
     /// steps, and every sample draws from all of it.
     steps: Vec<(u64, Vec<u64>)>,
@@ -70,9 +68,7 @@ impl Lengths {
     }
 
     fn of(values: Vec<u64>, steps: Vec<(u64, Vec<u64>)>) -> Lengths {
-        let mut sorted = values.clone();
-        sorted.sort_unstable();
-        Lengths { values, sorted, steps }
+        Lengths { values, steps }
     }
 
     /// The first and last step the file names; None for a file without steps.
@@ -91,16 +87,35 @@ impl Lengths {
         (Some(self.steps[k].0), &self.steps[k].1)
     }
 
-    /// The lengths the file's steps `from..=to` draw from (each step the file gives once), as a
-    /// file of their own: what a run over those steps charges. A file without steps: itself.
-    pub(crate) fn between(&self, from: u64, to: u64) -> Lengths {
+    /// The figures of what a run whose steps stand for the file's steps `from..=to` draws: the
+    /// lines those steps draw from, each of the run's steps weighing the same (a step's lines
+    /// share its weight, a logged step that stands for several weighs as many), as the run
+    /// charges them. A file without steps: all of it, every line alike.
+    pub(crate) fn figures_between(&self, from: u64, to: u64) -> Figures {
         if self.steps.is_empty() {
-            return self.clone();
+            return self.figures();
         }
-        let mut logged: Vec<u64> = (from..=to.max(from)).filter_map(|s| self.at_step(s).0).collect();
-        logged.dedup();
-        let values = logged.iter().flat_map(|s| self.at_step(*s).1.iter().copied()).collect();
-        Lengths::of(values, Vec::new())
+        let to = to.max(from);
+        let (mut count, mut weighted) = (0, Vec::new());
+        for (k, (step, values)) in self.steps.iter().enumerate() {
+            // The steps this one's lines stand for: itself up to the next logged one (the first
+            // also stands for any before it, the last for any after).
+            let lo = if k == 0 { 0 } else { *step };
+            let hi = self.steps.get(k + 1).map_or(u64::MAX, |(next, _)| next - 1);
+            let (a, b) = (lo.max(from), hi.min(to));
+            if a > b {
+                continue;
+            }
+            count += values.len();
+            let weight = (b - a) as f64 + 1.0;
+            weighted.extend(values.iter().map(|v| (*v, weight / values.len() as f64)));
+        }
+        Figures::weighted(count, weighted)
+    }
+
+    /// The figures of the whole file, every line alike.
+    pub(crate) fn figures(&self) -> Figures {
+        Figures::weighted(self.values.len(), self.values.iter().map(|v| (*v, 1.0)).collect())
     }
 
     /// The modelled response length (tokens) of sample `sample` of the group of the prompt at
@@ -114,33 +129,37 @@ impl Lengths {
         let k = ((u128::from(h) * values.len() as u128) >> 64) as usize;
         values[k]
     }
+}
 
-    /// How many lengths the file gives.
-    pub(crate) fn count(&self) -> usize {
-        self.values.len()
-    }
+/// How many lengths a run draws from, and their mean, median, 90th percentile and longest.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Figures {
+    pub(crate) count: usize,
+    pub(crate) mean: f64,
+    pub(crate) p50: u64,
+    pub(crate) p90: u64,
+    pub(crate) max: u64,
+}
 
-    pub(crate) fn mean(&self) -> f64 {
-        self.values.iter().map(|v| *v as f64).sum::<f64>() / self.values.len() as f64
-    }
-
-    /// The `q`-quantile (0..=1) by nearest rank: a length the file gives.
-    pub(crate) fn quantile(&self, q: f64) -> u64 {
-        let n = self.sorted.len();
-        let rank = (q.clamp(0.0, 1.0) * n as f64).ceil() as usize;
-        self.sorted[rank.clamp(1, n) - 1]
-    }
-
-    pub(crate) fn p50(&self) -> u64 {
-        self.quantile(0.5)
-    }
-
-    pub(crate) fn p90(&self) -> u64 {
-        self.quantile(0.9)
-    }
-
-    pub(crate) fn max(&self) -> u64 {
-        *self.sorted.last().expect("at least one length")
+impl Figures {
+    /// From lengths with their weights (at least one, every weight above 0); the percentiles
+    /// by nearest rank: the least length whose share of the weight at or below it reaches q.
+    fn weighted(count: usize, mut values: Vec<(u64, f64)>) -> Figures {
+        values.sort_by_key(|(v, _)| *v);
+        let total: f64 = values.iter().map(|(_, w)| w).sum();
+        let mean = values.iter().map(|(v, w)| *v as f64 * w).sum::<f64>() / total;
+        // The slack keeps a rank that is a whole number (q = 0.5 of 10 lines) from missing it by
+        // a rounding error.
+        let quantile = |q: f64| {
+            let target = q * total * (1.0 - 1e-12);
+            let mut seen = 0.0;
+            values.iter().find(|(_, w)| {
+                seen += w;
+                seen >= target
+            })
+        };
+        let at = |q: f64| quantile(q).or(values.last()).map_or(0, |(v, _)| *v);
+        Figures { count, mean, p50: at(0.5), p90: at(0.9), max: values.last().map_or(0, |(v, _)| *v) }
     }
 }
 
@@ -179,7 +198,7 @@ fn json_length(line: &str, at: &str) -> Result<(u64, Option<u64>), String> {
         None => None,
         Some(s) => match s.as_f64() {
             Some(f) if f.fract() == 0.0 && (0.0..=1e12).contains(&f) => Some(f as u64),
-            _ => return Err(format!("{at}: \"step\": {s} is not a training step (a whole number, 0 or more)")),
+            _ => return Err(format!("{at}: \"step\": {s} is not a training step (a whole number from 0 to 10^12)")),
         },
     };
     match x.as_f64() {
@@ -199,8 +218,9 @@ mod tests {
     fn plain_lines_skip_blanks_and_comments() {
         let l = Lengths::parse("# from last week's run\n1834\n\n  512  \n# tail\n9000\n", "l.txt").unwrap();
         assert_eq!(l.values, vec![1834, 512, 9000]);
-        assert_eq!((l.count(), l.p50(), l.p90(), l.max()), (3, 1834, 9000, 9000));
-        assert!((l.mean() - 3782.0).abs() < 1e-9);
+        let f = l.figures();
+        assert_eq!((f.count, f.p50, f.p90, f.max), (3, 1834, 9000, 9000));
+        assert!((f.mean - 3782.0).abs() < 1e-9);
     }
 
     #[test]
@@ -262,7 +282,8 @@ mod tests {
         for (got, want) in counts.iter().zip([0.8, 0.15, 0.05]) {
             assert!((share(*got) - want).abs() < 0.005, "{counts:?}");
         }
-        assert!((sum / n as f64 - l.mean()).abs() < 0.02 * l.mean(), "{} against {}", sum / n as f64, l.mean());
+        let mean = l.figures().mean;
+        assert!((sum / n as f64 - mean).abs() < 0.02 * mean, "{} against {mean}", sum / n as f64);
     }
 
     #[test]
@@ -271,7 +292,7 @@ mod tests {
                     {\"step\": 5, \"response_length\": 3000}\n# logged every few steps\n{\"step\": 3, \"length\": 900}\n";
         let l = Lengths::parse(text, "l.jsonl").unwrap();
         assert_eq!(l.step_span(), Some((1, 5)));
-        assert_eq!(l.count(), 4, "the file's figures cover every line");
+        assert_eq!(l.figures().count, 4, "the file's figures cover every line");
         let drawn = |step: u64| -> Vec<u64> { (0..64).map(|p| l.draw(9, p, 0, step)).collect() };
         // Step 1 draws both of its lines and nothing else.
         let first = drawn(1);
@@ -280,13 +301,19 @@ mod tests {
         assert!(drawn(3).iter().chain(&drawn(4)).all(|v| *v == 900));
         assert!(drawn(5).iter().chain(&drawn(400)).all(|v| *v == 3000));
         assert!(drawn(0).iter().all(|v| [500, 700].contains(v)));
-        // What steps 2..=4 draw from: step 1's lines (step 2) and step 3's (steps 3 and 4), once each.
-        let window = l.between(2, 4);
-        assert_eq!((window.count(), window.max(), window.step_span()), (3, 900, None));
-        assert!((window.mean() - 700.0).abs() < 1e-9);
+        // What steps 2..=4 draw from: step 1's two lines (for step 2) and step 3's one (for steps 3
+        // and 4), each run step weighing the same: 600 once, 900 twice.
+        let window = l.figures_between(2, 4);
+        assert_eq!((window.count, window.p50, window.p90, window.max), (3, 900, 900, 900));
+        assert!((window.mean - 800.0).abs() < 1e-9, "{window:?}");
+        // Steps 5 to 10: step 5's line alone, whichever of them.
+        assert_eq!(l.figures_between(5, 10), Figures { count: 1, mean: 3000.0, p50: 3000, p90: 3000, max: 3000 });
+        // Steps 1 to 2: step 1's lines stand for both; the median is the lower (nearest rank).
+        let early = l.figures_between(1, 2);
+        assert_eq!((early.count, early.p50, early.p90, early.max), (2, 500, 700, 700));
         // A file without steps draws from all its lines at any step.
         let plain = Lengths::parse("10\n20\n", "p").unwrap();
-        assert_eq!((plain.step_span(), plain.between(7, 9).count()), (None, 2));
+        assert_eq!((plain.step_span(), plain.figures_between(7, 9)), (None, plain.figures()));
         assert_eq!(plain.draw(1, 2, 3, 0), plain.draw(1, 2, 3, 99));
     }
 

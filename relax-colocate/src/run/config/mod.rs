@@ -484,7 +484,7 @@ fn lengths_steps_check(cfg: &Config) -> Result<(), String> {
             cfg.compute.lengths
         )),
         Some((lo, hi)) if !(lo..=hi).contains(&first) => Err(format!(
-            "compute.lengths_first_step = {first} is outside the steps {} gives ({lo} to {hi}): name one of them",
+            "compute.lengths_first_step = {first} is outside the steps {} gives ({lo} to {hi}): name a step from {lo} to {hi}",
             cfg.compute.lengths
         )),
         Some(_) => Ok(()),
@@ -559,7 +559,7 @@ impl Config {
             (0, Some((lo, _))) => lo,
             (first, _) => first,
         };
-        first + batch
+        first.saturating_add(batch)
     }
 
     /// With compute.lengths: the lengths the run's steps draw from (for a file that names steps,
@@ -567,7 +567,7 @@ impl Config {
     /// first and last the run stands for, and how many of the run's steps fall past the file's end.
     pub(crate) fn lengths_drawn(
         &self,
-    ) -> Option<(crate::run::lengths::Lengths, Option<crate::run::summary::LengthsSteps>)> {
+    ) -> Option<(crate::run::lengths::Figures, Option<crate::run::summary::LengthsSteps>)> {
         let table = self.compute.lengths_table.as_ref()?;
         let (from, to) = (self.lengths_step(0), self.lengths_step(self.run.steps.max(1) - 1));
         let steps = table.step_span().map(|(lo, hi)| crate::run::summary::LengthsSteps {
@@ -577,7 +577,7 @@ impl Config {
             last_drawn: to.min(hi),
             steps_past_last: to.saturating_sub(hi),
         });
-        Some((table.between(from, to), steps))
+        Some((table.figures_between(from, to), steps))
     }
 
     /// With compute.lengths: a batch's modelled tokens and, of them, its drawn response tokens;
@@ -984,7 +984,8 @@ mod tests {
         let by_batch: Vec<Option<f64>> = [0, 7, 8, 15, 16, 23].iter().map(|p| c.drawn_length(*p, 3)).collect();
         assert_eq!(by_batch, [500.0, 500.0, 1000.0, 1000.0, 1000.0, 1000.0].map(Some));
         let (drawn, steps) = c.lengths_drawn().unwrap();
-        assert_eq!((drawn.count(), drawn.max()), (2, 1000), "steps 1 to 3 draw step 1's and step 2's lines");
+        assert_eq!((drawn.count, drawn.max), (2, 1000), "steps 1 to 3 draw step 1's and step 2's lines");
+        assert!((drawn.mean - 2500.0 / 3.0).abs() < 1e-9, "step 2's line stands for two of the three: {drawn:?}");
         let steps = steps.unwrap();
         assert_eq!((steps.file_first, steps.file_last, steps.first_drawn, steps.last_drawn), (1, 4, 1, 3));
         assert_eq!(steps.steps_past_last, 0);

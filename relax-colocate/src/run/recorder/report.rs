@@ -219,11 +219,11 @@ fn lengths_summary(r: &Recorder, all: &BTreeMap<String, Vec<f64>>) -> Option<Len
     r.cfg.lengths_drawn().map(|(l, steps)| LengthsSummary {
         file: r.cfg.compute.lengths.clone(),
         steps,
-        values: l.count(),
-        mean: l.mean(),
-        p50: l.p50(),
-        p90: l.p90(),
-        max: l.max(),
+        values: l.count,
+        mean: l.mean,
+        p50: l.p50,
+        p90: l.p90,
+        max: l.max,
         trained_samples: series(all, "compute/drawn_samples").iter().sum::<f64>() as u64,
         trained_response_tokens: series(all, "compute/drawn_response_tokens").iter().sum(),
     })
