@@ -13,6 +13,7 @@ scenarios run on the machine's device, and the simulator's variables are neither
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,16 @@ import pytest
 from variants import SITE, UPSTREAM_PRELOAD
 
 REAL_DEVICE = os.environ.get("TMS_TEST_REAL_DEVICE") == "1"
+
+
+def free_port():
+    """A TCP port nothing listens on now, for a rendezvous: the kernel's pick, bound and released,
+    as the frameworks choose theirs. A port derived from the pid and the clock can land on one in
+    use (a peer test's store, another program's ephemeral port) and fail the rendezvous with
+    EADDRINUSE."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _required(name):

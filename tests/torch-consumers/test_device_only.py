@@ -2,23 +2,16 @@
 skipped, saying why): collective communication through NCCL on region memory."""
 
 import os
-import socket
 
 import pytest
 import torch_build
-from conftest import REAL_DEVICE
+from conftest import REAL_DEVICE, free_port
 
 # The kit's dry run in CI is "a real device" whose driver is the simulator (TMS_SIM_* set): no NCCL.
 ON_SIMULATOR = not REAL_DEVICE or bool(os.environ.get("TMS_SIM_NODE"))
 pytestmark = pytest.mark.skipif(ON_SIMULATOR, reason="NCCL needs a real GPU (scripts/gpu-check.sh run)")
 
 MIB = 1 << 20
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 NCCL_ON_REGION_MEMORY = """
@@ -49,7 +42,7 @@ dist.destroy_process_group()
 def test_single_rank_nccl_all_reduce_on_region_memory_across_a_pause(sim, fresh_venv):
     python, site = fresh_venv
     out = sim.ok(
-        NCCL_ON_REGION_MEMORY.format(port=_free_port(), mib=MIB),
+        NCCL_ON_REGION_MEMORY.format(port=free_port(), mib=MIB),
         python=python,
         preload=site / torch_build.upstream_preload_name(),
     )

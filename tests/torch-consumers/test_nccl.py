@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import REAL_DEVICE
+from conftest import REAL_DEVICE, free_port
 
 pytestmark = pytest.mark.skipif(REAL_DEVICE, reason="simulator-only: the real NCCL needs as many GPUs as ranks")
 
@@ -96,7 +96,7 @@ def _launch(sim, world, program, extra=None, devices=None):
     """Starts `world` ranks of `program` on one simulated node; returns the processes."""
     script = sim.tmp / f"rank_program_{world}.py"
     script.write_text(program)
-    port = 29000 + (os.getpid() * 7 + world * 131 + int(time.time())) % 20000
+    port = free_port()
     procs = []
     for rank in range(world):
         env = sim.env(

@@ -6,7 +6,7 @@ NCCL 2.9, and every rank captures and replays the same sequence)."""
 import json
 
 import pytest
-from conftest import REAL_DEVICE
+from conftest import REAL_DEVICE, free_port
 from test_nccl import _launch
 
 pytestmark = pytest.mark.skipif(REAL_DEVICE, reason="simulator-only: the real NCCL needs as many GPUs as ranks")
@@ -304,14 +304,12 @@ def test_a_decode_graphs_all_reduce_after_its_pool_was_paused_and_resumed(sim, r
     # turns graph registration off before the first region allocation and takes ncclCommRegister's
     # registrations down at the pause and makes them again at the resume. With both registrations
     # off ("0") the replay reduces the new memory too.
-    import os
     import subprocess
     import sys
-    import time as _time
 
     script = sim.tmp / "pool_program.py"
     script.write_text(POOL_PROGRAM)
-    port = 29000 + (os.getpid() * 11 + int(_time.time()) + len(register) * 97 + int(register[0]) * 31) % 20000
+    port = free_port()
     procs = []
     for rank in range(2):
         env = sim.env(

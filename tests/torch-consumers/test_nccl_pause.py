@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REAL_DEVICE, SimRun
+from conftest import REAL_DEVICE, SimRun, free_port
 
 RANK_SERVER = r"""
 import json, os, sys, time, traceback
@@ -107,7 +107,7 @@ class Ranks:
         self.control_dir.mkdir(mode=0o700, exist_ok=True)
         script = sim.tmp / "rank_server.py"
         script.write_text(RANK_SERVER)
-        port = 29500 + (os.getpid() * 13 + int(time.time())) % 20000
+        port = free_port()
         self.name = f"pg-{os.getpid()}"
         package = Path(__file__).resolve().parents[2] / "python"
         self.procs = []

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REAL_DEVICE
+from conftest import REAL_DEVICE, free_port
 
 pytestmark = pytest.mark.skipif(REAL_DEVICE, reason="the NPU kit runs test_npu_programs.py")
 
@@ -416,7 +416,7 @@ print(json.dumps(out))
 
 
 def test_torch_distributed_hccl_backend_and_verl_s_stateless_sync_between_two_npus(sim):
-    port = 29500 + (os.getpid() * 7 + int(time.time())) % 20000
+    port = free_port()
     procs = []
     for rank in range(2):
         extra = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),

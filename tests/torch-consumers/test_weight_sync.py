@@ -10,13 +10,12 @@ process has one.
 """
 
 import json
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import REAL_DEVICE
+from conftest import REAL_DEVICE, free_port
 
 pytestmark = pytest.mark.skipif(REAL_DEVICE, reason="simulator-only: needs as many devices as ranks")
 
@@ -218,13 +217,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _free_port():
-    # Bind-and-release, as the frameworks pick their rendezvous ports.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(sim, program, ranks, devices, extra=None, timeout=120):
     """Starts one process per entry of `ranks` (its own environment), waits for all, and returns
     each one's RESULT object; any failure or timeout fails the test with every rank's output."""
@@ -297,7 +289,7 @@ def test_sglang_weights_update_group_with_slime_s_bucket_loop(sim):
     # pin. (This torch's default "nccl2" splits a new group from a default group bound to a
     # device, and a group made with no global ranks, as SGLang's helper makes it, is then not
     # joined: `_new_process_group_helper` returns NON_GROUP_MEMBER.)
-    ports = {k: str(_free_port()) for k in ("TRAIN_PORT", "ENGINE_PORT", "GROUP_PORT")}
+    ports = {k: str(free_port()) for k in ("TRAIN_PORT", "ENGINE_PORT", "GROUP_PORT")}
     common = {"ENGINE_TP": "2", "TORCH_DIST_USE_NCCL2": "0", "TMS_SIM_NCCL_CONNECT_TIMEOUT": "60", **ports}
     trainer, e0, e1 = _run_ranks(
         sim,
@@ -519,7 +511,7 @@ def test_verl_stateless_group_ctypes_nccl_and_hccl_and_the_creation_race(sim):
       the stateless group, `HcclCommInitRootInfo`, a warm-up all-reduce, `HcclBroadcast` on an
       ACL stream), after a training step; the rollouts get the new weights byte for byte.
     """
-    ports = {k: str(_free_port()) for k in ("RACE_PORT", "GROUP_PORT", "HCCL_PORT")}
+    ports = {k: str(free_port()) for k in ("RACE_PORT", "GROUP_PORT", "HCCL_PORT")}
     common = {
         "WORLD": "3",
         "RACE_STORE_TIMEOUT": "3",
