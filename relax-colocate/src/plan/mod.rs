@@ -120,7 +120,7 @@ fn notes(cfg: &Config) -> Vec<String> {
             cfg.algo.lr
         ));
     }
-    if let Some(s) = cfg.lengths_drawn().and_then(|(_, steps)| steps).filter(|s| s.steps_past_last > 0) {
+    if let Some(s) = cfg.lengths_steps().filter(|s| s.steps_past_last > 0) {
         let which = match s.steps_past_last {
             1 => "the job's last step stands for a step".to_string(),
             n => format!("the job's last {n} steps stand for steps"),

@@ -64,11 +64,7 @@ impl Lengths {
                  \"length\" field"
             ));
         }
-        Ok(Lengths::of(values, by_step.into_iter().collect()))
-    }
-
-    fn of(values: Vec<u64>, steps: Vec<(u64, Vec<u64>)>) -> Lengths {
-        Lengths { values, steps }
+        Ok(Lengths { values, steps: by_step.into_iter().collect() })
     }
 
     /// The first and last step the file names; None for a file without steps.

@@ -562,22 +562,33 @@ impl Config {
         first.saturating_add(batch)
     }
 
-    /// With compute.lengths: the lengths the run's steps draw from (for a file that names steps,
-    /// those of the steps the run's stand for), and those steps: the file's first and last, the
-    /// first and last the run stands for, and how many of the run's steps fall past the file's end.
+    /// With compute.lengths: the figures of the lengths the run's steps draw from (for a file that
+    /// names steps, those of the steps the run's stand for), and those steps (`lengths_steps`).
     pub(crate) fn lengths_drawn(
         &self,
     ) -> Option<(crate::run::lengths::Figures, Option<crate::run::summary::LengthsSteps>)> {
         let table = self.compute.lengths_table.as_ref()?;
-        let (from, to) = (self.lengths_step(0), self.lengths_step(self.run.steps.max(1) - 1));
-        let steps = table.step_span().map(|(lo, hi)| crate::run::summary::LengthsSteps {
+        let (from, to) = self.lengths_window();
+        Some((table.figures_between(from, to), self.lengths_steps()))
+    }
+
+    /// With a lengths file that names steps: the file's first and last, the first and last the
+    /// run's steps stand for, and how many of the run's steps fall past the file's end.
+    pub(crate) fn lengths_steps(&self) -> Option<crate::run::summary::LengthsSteps> {
+        let (lo, hi) = self.compute.lengths_table.as_ref()?.step_span()?;
+        let (from, to) = self.lengths_window();
+        Some(crate::run::summary::LengthsSteps {
             file_first: lo,
             file_last: hi,
             first_drawn: from,
             last_drawn: to.min(hi),
             steps_past_last: to.saturating_sub(hi),
-        });
-        Some((table.figures_between(from, to), steps))
+        })
+    }
+
+    /// The file's steps the run's first and last stand for.
+    fn lengths_window(&self) -> (u64, u64) {
+        (self.lengths_step(0), self.lengths_step(self.run.steps.max(1) - 1))
     }
 
     /// With compute.lengths: a batch's modelled tokens and, of them, its drawn response tokens;
