@@ -508,6 +508,12 @@ fn verdict(names: &[&str], figs: &[Value], steps: u64) -> Value {
         names.contains(&"async") && names.iter().zip(figs).any(|(n, f)| *n == "elastic" && lent_nothing(f));
     let mut ranked: Vec<(&str, &Value)> =
         names.iter().copied().zip(figs).filter(|(n, _)| !(idle_elastic && *n == "elastic")).collect();
+    // Async against an elastic run that lent nothing: the same layout twice, ranked only to fill
+    // the fields, and never a winner.
+    let same_layout_twice = ranked.len() < 2;
+    if same_layout_twice {
+        ranked = names.iter().copied().zip(figs).collect();
+    }
     ranked.sort_by(|a, b| figure(b.1, key).total_cmp(&figure(a.1, key)));
     let ((best, top), (runner_up, next)) = (ranked[0], ranked[1]);
     let margin = figure(top, key) / figure(next, key) - 1.0;
@@ -521,7 +527,7 @@ fn verdict(names: &[&str], figs: &[Value], steps: u64) -> Value {
     let fastest = next_runs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     // NaN runs count as overlapping.
     let within_spread = repeats > 1 && slowest.partial_cmp(&fastest) != Some(std::cmp::Ordering::Greater);
-    let tie = margin.is_nan() || margin < TIE_MARGIN || within_spread;
+    let tie = margin.is_nan() || margin < TIE_MARGIN || within_spread || same_layout_twice;
     let short = steps < STEPS_TO_JUDGE;
     json!({
         "layout": best,
@@ -545,7 +551,15 @@ fn verdict_line(v: &Value, max_staleness: i64) -> String {
     let margin = v["margin"].as_f64().unwrap_or(f64::NAN);
     let by = if v["by"] == "samples_per_s" { "samples/s" } else { "samples/s after step 1" };
     let repeats = v["repeats"].as_u64().unwrap_or(1);
-    let mut line = if v["within_spread"] == true {
+    let lent_nothing = v["elastic_lent_nothing"] == true;
+    let same_layout = lent_nothing && [best, other].contains(&"async") && [best, other].contains(&"elastic");
+    let mut line = if same_layout {
+        format!(
+            "for this job: no winner: elastic lent nothing, so both runs are async's layout ({:.2}x apart in {by}: the \
+             machine's noise, not a layout's)",
+            1.0 + margin
+        )
+    } else if v["within_spread"] == true {
         format!(
             "for this job: no clear winner: {best} leads {other} by {:.2}x in {by}, but across {repeats} runs each \
              {best}'s slowest ({:.2}) is not faster than {other}'s fastest ({:.2}); run more --repeats or --steps \
@@ -572,7 +586,7 @@ fn verdict_line(v: &Value, max_staleness: i64) -> String {
             "; a run of fewer than {STEPS_TO_JUDGE} steps is mostly start-up, use --steps {STEPS_TO_JUDGE} or more"
         ));
     }
-    if v["elastic_lent_nothing"] == true {
+    if lent_nothing && !same_layout {
         line.push_str("; elastic lent nothing, so it ran async's layout and is not ranked apart from it");
     }
     if best != "colocate" && v["reward"]["learned"] != true {
@@ -845,6 +859,17 @@ mod tests {
         assert_eq!((v["layout"].as_str(), v["runner_up"].as_str()), (Some("colocate"), Some("async")), "{v}");
         assert_eq!(v["elastic_lent_nothing"], true);
         assert!(verdict_line(&v, 2).contains("elastic lent nothing, so it ran async's layout"));
+        // Async and an elastic run that lent nothing alone: the same layout twice, no winner.
+        let v = verdict(&["async", "elastic"], &f[1..], 10);
+        assert_eq!(
+            (v["tie"].as_bool(), v["clear"].as_bool(), v["elastic_lent_nothing"].as_bool()),
+            (Some(true), Some(false), Some(true))
+        );
+        let line = verdict_line(&v, 2);
+        assert!(
+            line.starts_with("for this job: no winner: elastic lent nothing, so both runs are async's layout"),
+            "{line}"
+        );
         // Lending once is a layout of its own.
         f[2]["elastic"]["lends_per_step"] = json!(0.5);
         assert_eq!(verdict(&["colocate", "async", "elastic"], &f, 10)["layout"], "elastic");
