@@ -113,23 +113,15 @@ fn run_dir(o: &Options, name: &str, k: u32) -> PathBuf {
     if k == 1 { o.out.join(name) } else { o.out.join(format!("{name}-{k}")) }
 }
 
-fn run_layout(o: &Options, mode: crate::run::config::Mode, k: u32) -> Result<Layout, (u8, String)> {
+fn run_layout(o: &Options, mode: crate::run::config::Mode, k: u32, steps: u64) -> Result<Layout, (u8, String)> {
     let name = mode.as_str();
     let exe = std::env::current_exe().map_err(|e| (1, format!("cannot find this program: {e}")))?;
     let dir = run_dir(o, name, k);
     let mut cmd = Command::new(exe);
-    cmd.args([
-        "run",
-        "--quiet",
-        "--json",
-        "--steps",
-        &o.job.steps.to_string(),
-        "--devices",
-        &o.job.devices.to_string(),
-    ])
-    .arg("--out")
-    .arg(&dir)
-    .args(mode_args(o, mode));
+    cmd.args(["run", "--quiet", "--json", "--steps", &steps.to_string(), "--devices", &o.job.devices.to_string()])
+        .arg("--out")
+        .arg(&dir)
+        .args(mode_args(o, mode));
     if let Some(file) = &o.job.config {
         cmd.arg("--config").arg(file);
     }
@@ -147,11 +139,7 @@ fn run_layout(o: &Options, mode: crate::run::config::Mode, k: u32) -> Result<Lay
     }
     if !o.json {
         let of = if o.repeats > 1 { format!(", run {k} of {}", o.repeats) } else { String::new() };
-        eprintln!(
-            "relax-colocate compare: running the {name} layout ({} steps{of}) into {}",
-            o.job.steps,
-            dir.display()
-        );
+        eprintln!("relax-colocate compare: running the {name} layout ({steps} steps{of}) into {}", dir.display());
     }
     let out = cmd.output().map_err(|e| (1, format!("cannot start the {name} run: {e}")))?;
     if !out.status.success() {
@@ -223,6 +211,7 @@ fn figures(l: &Layout) -> Value {
         "layout": l.name,
         "run_dir": l.dir,
         "steps": l.rows.len(),
+        "prompts_per_step": l.config.rollout.prompts_per_step,
         "samples_per_s": samples / run_s,
         "samples_per_s_after_first_step": steady,
         "tokens_per_s": tokens / run_s,
@@ -643,12 +632,19 @@ pub fn main(o: &Options) -> u8 {
 /// The comparison's steps, each failure with the exit code it ends the command with.
 fn compare(o: &Options) -> Result<(), (u8, String)> {
     let modes = checked_layouts(o).map_err(|msg| (2, msg))?;
+    let steps: Vec<u64> = modes
+        .iter()
+        .map(|m| layout_steps(&o.job, *m, o.model_compute))
+        .collect::<Result<_, _>>()
+        .map_err(|msg| (2, msg))?;
     std::fs::create_dir_all(&o.out).map_err(|e| (1, format!("cannot create {}: {e}", o.out.display())))?;
-    let runs = run_all(o, &modes)?;
+    let runs = run_all(o, &modes, &steps)?;
     let (figs, target) = figures_and_target(o, &runs);
     // The plot and the names follow each layout's first run.
     let layouts: Vec<Layout> = runs.into_iter().filter_map(|r| r.into_iter().next()).collect();
-    let outcome = Outcome::judge(o, names(&layouts), figs, target);
+    let mut outcome = Outcome::judge(o, names(&layouts), figs, target);
+    outcome.notes =
+        layouts.iter().zip(&steps).filter(|(_, s)| **s != o.job.steps).map(|(l, s)| own_batch_note(o, l, *s)).collect();
     let report = outcome.report();
     write_files(o, &report, &layouts, &outcome.target);
     if o.json {
@@ -660,15 +656,43 @@ fn compare(o: &Options) -> Result<(), (u8, String)> {
 }
 
 /// Every layout's runs, `o.repeats` of each.
-fn run_all(o: &Options, modes: &[crate::run::config::Mode]) -> Result<Vec<Vec<Layout>>, (u8, String)> {
+fn run_all(o: &Options, modes: &[crate::run::config::Mode], steps: &[u64]) -> Result<Vec<Vec<Layout>>, (u8, String)> {
     // Interleaved, so that a change in the machine's load reaches every layout alike.
     let mut runs: Vec<Vec<Layout>> = modes.iter().map(|_| Vec::new()).collect();
     for k in 1..=o.repeats {
-        for (mode, done) in modes.iter().zip(runs.iter_mut()) {
-            done.push(run_layout(o, *mode, k)?);
+        for ((mode, done), steps) in modes.iter().zip(runs.iter_mut()).zip(steps) {
+            done.push(run_layout(o, *mode, k, *steps)?);
         }
     }
     Ok(runs)
+}
+
+/// The steps a run of `mode` takes for the job's `--steps`: as many, unless the job file's
+/// `[layouts.MODE]` section gives the layout a batch of its own (verl's and Relax's fully async
+/// trainers take theirs in parts as they arrive); then as many of its own as hold the same
+/// prompts, so that every layout trains on the same samples. A batch that does not divide the
+/// job's prompts is refused, with the --steps that would.
+pub(crate) fn layout_steps(o: &JobArgs, mode: crate::run::config::Mode, model: bool) -> Result<u64, String> {
+    let cfg = crate::run::config::load(o.config.as_deref(), &crate::plan::layout_sets(o, mode, o.steps, model))?;
+    let (own, job) = (cfg.rollout.prompts_per_step as u64, cfg.clock_prompts());
+    if own == job {
+        return Ok(o.steps);
+    }
+    let prompts = o.steps * job;
+    if !prompts.is_multiple_of(own) {
+        return Err(format!(
+            "the {} layout's batch, {own} prompts (its [layouts] section of the job file), does not divide the job's \
+             --steps {} x {job} prompts: give --steps a multiple of {}, so that every layout trains on the same prompts",
+            mode.as_str(),
+            o.steps,
+            own / gcd(own, job),
+        ));
+    }
+    Ok(prompts / own)
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// What a layout's run is set after the job's own keys: elastic.lend_rollout asks for a way
@@ -721,6 +745,17 @@ struct Outcome {
     ratios: serde_json::Map<String, Value>,
     verdict: Value,
     target: Result<reward::Target, String>,
+    /// Layouts whose batches the job file's `[layouts]` section changed, and what their steps are.
+    notes: Vec<String>,
+}
+
+/// What a layout's steps are when the job file's `[layouts]` section gave it a batch of its own.
+fn own_batch_note(o: &Options, l: &Layout, steps: u64) -> String {
+    format!(
+        "{}: the job file's [layouts] section gives it batches of {} prompts, so {steps} steps of its own for the job's \
+         {} (the same prompts); its step times are its own steps', samples/s compares the layouts",
+        l.name, l.config.rollout.prompts_per_step, o.job.steps,
+    )
 }
 
 impl Outcome {
@@ -738,7 +773,7 @@ impl Outcome {
             }
             Err(why) => json!({"learned": false, "reason": why}),
         };
-        Outcome { names, figs, ratios, verdict, target }
+        Outcome { names, figs, ratios, verdict, target, notes: Vec::new() }
     }
 
     /// compare.json: each layout's figures under its name, the ratios, and the verdict.
@@ -754,6 +789,9 @@ impl Outcome {
     fn print(&self, o: &Options) {
         let names = &self.names;
         print_table(names, &self.figs);
+        for note in &self.notes {
+            println!("note: {note}");
+        }
         println!();
         let ratio = |k: String| self.ratios.get(&k).and_then(Value::as_f64).unwrap_or(f64::NAN);
         for (i, a) in names.iter().enumerate() {

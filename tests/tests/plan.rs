@@ -337,4 +337,62 @@ fn published_runs_job_files_plan_within_25_percent_of_their_published_step_times
     within("Relax async over colocate", step(&relax_run, "colocate") / step(&relax_run, "async"), 225.9 / 128.6);
     let verl = plan("jobs/verl-dapo-7b.toml");
     within("verl colocated 7B step (s)", step(&verl, "colocate"), 790.1);
+    // verl's async trainer streams: its file's [layouts.async] gives it 128 prompts a step, a
+    // weight sync every 4, so the job's 3 steps of 512 are 12 of its own, with no old_log_prob pass.
+    let async_7b = &verl["layouts"]["async"];
+    assert_eq!((async_7b["steps"].as_u64(), async_7b["prompts_per_step"].as_u64()), (Some(12), Some(128)), "{verl}");
+    assert!(
+        async_7b["phases"]["log_probs"].is_null() && verl["layouts"]["colocate"]["phases"]["log_probs"].is_number()
+    );
+}
+
+/// A job file whose `[layouts.async]` section gives the async trainer batches of its own (half
+/// the job's, a weight update every two: verl's fully async trainer taking its batch in parts):
+/// plan and compare give that layout twice the steps, so that both layouts train on the same
+/// prompts, say so under their tables, and still agree; a batch that does not divide the job's
+/// prompts is refused with the --steps that would.
+#[test]
+fn a_layouts_own_batch_trains_on_the_jobs_prompts_in_plan_and_compare() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    let body = "[compute]\nmodel = true\ntoken_scale = 20.0\n[task]\nmax_new_tokens = 48\n[algo]\nlr = 1e-9\n\
+                [memory]\nprofile = \"qwen3-4b\"\nscale = 0.002\n[rollout]\nprompts_per_step = 4\n";
+    std::fs::write(
+        &job,
+        format!("{body}[layouts.async]\nrollout.prompts_per_step = 2\nasync.train_iters_per_update = 2\n"),
+    )
+    .unwrap();
+    let args = ["--config", job.to_str().unwrap(), "--devices", "2", "--steps", "2", "--layouts", "colocate,async"];
+    let plan = relax(&[&["plan", "--json"][..], &args].concat());
+    assert!(plan.status.success(), "{}", text(&plan));
+    let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let shape = |v: &Value| (v["steps"].as_u64().unwrap(), v["prompts_per_step"].as_u64().unwrap());
+    assert_eq!(shape(&plan["layouts"]["colocate"]), (2, 4), "{plan}");
+    assert_eq!(shape(&plan["layouts"]["async"]), (4, 2), "{plan}");
+    let note = "async: the job file's [layouts] section gives it batches of 2 prompts, so 4 steps of its own";
+    assert!(plan["job"]["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().starts_with(note)), "{plan}");
+    let out = dir.path().join("compare");
+    let compare = relax(&[&["compare", "--repeats", "1", "--out", out.to_str().unwrap()][..], &args].concat());
+    assert!(compare.status.success(), "{}", text(&compare));
+    assert!(text(&compare).contains(&format!("note: {note}")), "{}", text(&compare));
+    let measured: Value = serde_json::from_slice(&std::fs::read(out.join("compare.json")).unwrap()).unwrap();
+    for layout in ["colocate", "async"] {
+        assert_eq!(shape(&measured[layout]), shape(&plan["layouts"][layout]), "{layout}: {measured}");
+        let (p, m) = (
+            plan["layouts"][layout]["samples_per_s"].as_f64().unwrap(),
+            measured[layout]["samples_per_s"].as_f64().unwrap(),
+        );
+        assert!((p / m - 1.0).abs() <= 0.15, "{layout} samples/s: plan {p:.3}, compare {m:.3}\n{plan}\n{measured}");
+    }
+    let summary: Value = serde_json::from_slice(&std::fs::read(out.join("async/summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["async"]["train_iters_per_update"], 2, "the section reached the run: {summary}");
+    std::fs::write(&job, format!("{body}[layouts.async]\nrollout.prompts_per_step = 8\n")).unwrap();
+    let args = ["--config", job.to_str().unwrap(), "--devices", "2", "--steps", "3", "--layouts", "colocate,async"];
+    for command in ["plan", "compare"] {
+        let refused = relax(&[&[command][..], &args].concat());
+        assert_eq!(refused.status.code(), Some(2), "{command}: {}", text(&refused));
+        let words = "the async layout's batch, 8 prompts (its [layouts] section of the job file), does not divide the \
+                     job's --steps 3 x 4 prompts: give --steps a multiple of 2";
+        assert!(text(&refused).contains(words), "{command}: {}", text(&refused));
+    }
 }

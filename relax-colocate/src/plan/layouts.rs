@@ -70,7 +70,7 @@ impl Job<'_> {
 
     /// The sequences of prompt group `started`, none begun.
     fn group(&self, started: u64) -> Vec<Seq> {
-        let batch = started as f64 / self.cfg.rollout.prompts_per_step.max(1) as f64;
+        let batch = started as f64 / self.cfg.clock_prompts() as f64;
         let scale = self.scale(self.cfg.cost_clock(batch.floor(), started));
         (0..self.cfg.rollout.samples_per_prompt)
             .map(|j| {

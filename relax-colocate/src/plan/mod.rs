@@ -24,13 +24,14 @@ pub struct Options {
     pub json: bool,
 }
 
-/// What compare's runs of this layout would be given: its own flags, then every --set.
-fn layout_sets(o: &JobArgs, mode: Mode) -> Vec<String> {
+/// What compare's runs of this layout would be given, `steps` steps and compute modelled or not:
+/// its own flags, then every --set.
+pub(crate) fn layout_sets(o: &JobArgs, mode: Mode, steps: u64, model: bool) -> Vec<String> {
     let mut sets = vec![
         format!("run.mode={}", mode.as_str()),
-        format!("run.steps={}", o.steps),
+        format!("run.steps={steps}"),
         format!("run.devices={}", o.devices),
-        "compute.model=true".to_string(),
+        format!("compute.model={model}"),
     ];
     if let Some(file) = &o.lengths {
         let path = std::path::absolute(file).unwrap_or_else(|_| file.clone());
@@ -51,7 +52,8 @@ fn layout_sets(o: &JobArgs, mode: Mode) -> Vec<String> {
 
 /// One layout's prediction: its configuration and what its run would take.
 fn predict(o: &JobArgs, mode: Mode) -> Result<(Config, Predicted), String> {
-    let cfg = config::load(o.config.as_deref(), &layout_sets(o, mode))?;
+    let steps = crate::compare::layout_steps(o, mode, true)?;
+    let cfg = config::load(o.config.as_deref(), &layout_sets(o, mode, steps, true))?;
     // The run's own checks, so that a plan refuses what the run would refuse, in its words.
     cfg.validate()?;
     let split = cfg.mode_layout()?;
@@ -134,6 +136,20 @@ fn notes(cfg: &Config) -> Vec<String> {
     notes
 }
 
+/// A layout whose batch the job file's `[layouts]` section changed: what its steps are.
+fn own_batch_note(cfg: &Config) -> Option<String> {
+    let (own, job) = (cfg.rollout.prompts_per_step as u64, cfg.clock_prompts());
+    (own != job).then(|| {
+        format!(
+            "{}: the job file's [layouts] section gives it batches of {own} prompts, so {} steps of its own for the \
+             job's {} of {job}; its step (s) is one of its own, samples/s compares the layouts",
+            cfg.run.mode.as_str(),
+            cfg.run.steps,
+            cfg.run.steps * own / job,
+        )
+    })
+}
+
 /// A layout's figures, under compare.json's names where it has them.
 fn figures(cfg: &Config, p: &Predicted) -> Value {
     let steps = p.step_s.len();
@@ -145,6 +161,7 @@ fn figures(cfg: &Config, p: &Predicted) -> Value {
         p.phases.iter().map(|(k, v)| (k.to_string(), json!(per_step(*v)))).collect();
     json!({
         "steps": steps,
+        "prompts_per_step": cfg.rollout.prompts_per_step,
         "samples_per_s": if run_s > 0.0 { steps as f64 * batch / run_s } else { 0.0 },
         "samples_per_s_after_first_step": (steps > 1 && after > 0.0).then(|| (steps - 1) as f64 * batch / after),
         "step_s": if steps > 1 { after / (steps - 1) as f64 } else { run_s },
@@ -182,9 +199,11 @@ fn verdict(layouts: &serde_json::Map<String, Value>) -> Value {
 pub fn main(o: &Options) -> u8 {
     let mut layouts = serde_json::Map::new();
     let mut about = Value::Null;
+    let mut own_batches = Vec::new();
     for &mode in &o.job.layouts {
         match predict(&o.job, mode) {
             Ok((cfg, p)) => {
+                own_batches.extend(own_batch_note(&cfg));
                 if about.is_null() {
                     about = json!({
                         "profile": cfg.memory.profile,
@@ -204,6 +223,9 @@ pub fn main(o: &Options) -> u8 {
                 return 2;
             }
         }
+    }
+    if let Some(notes) = about["notes"].as_array_mut() {
+        notes.extend(own_batches.into_iter().map(Value::from));
     }
     let verdict = verdict(&layouts);
     let report = json!({"job": about, "layouts": layouts, "verdict": verdict});

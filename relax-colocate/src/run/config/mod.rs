@@ -208,6 +208,11 @@ pub struct RolloutSection {
     pub prompts_per_step: usize,
     pub samples_per_prompt: usize,
     pub temperature: f64,
+    /// The job's prompts per step before a `[layouts.MODE]` section of the job file changed them
+    /// for this layout: the batch the run's clock of prompts counts in (a lengths file's steps,
+    /// responses that grow), so that every layout draws a sample alike. 0: prompts_per_step.
+    #[serde(skip)]
+    pub(crate) job_prompts_per_step: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -346,18 +351,16 @@ fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<(), String
 
 fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Result<(), String> {
     for (k, v) in over {
+        let at = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
         match (base.get_mut(&k), v) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o, &k)?,
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o, &at)?,
             (Some(slot), v) => {
                 *slot = match (&*slot, v) {
                     (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
                     (_, v) => v,
                 }
             }
-            (None, _) => {
-                let at = if path.is_empty() { k } else { format!("{path}.{k}") };
-                return Err(format!("unknown key {at:?}; see relax-colocate run --print-config"));
-            }
+            (None, _) => return Err(format!("unknown key {at:?}; see relax-colocate run --print-config")),
         }
     }
     Ok(())
@@ -426,13 +429,72 @@ fn devices_from_lists(root: &mut toml::Table) {
     }
 }
 
-/// The default configuration, overlaid with `file` (if any), then with each `--set`.
+/// The layouts a job file's `[layouts.NAME]` section applies to, in the order they apply: async's
+/// reaches elastic runs too (elastic is async's layout with lending), then elastic's own.
+fn layout_sections(mode: Mode) -> &'static [&'static str] {
+    match mode {
+        Mode::Colocate => &["colocate"],
+        Mode::Async => &["async"],
+        Mode::Elastic => &["async", "elastic"],
+    }
+}
+
+/// A job file's `[layouts]` table, checked: a section per layout name, none changing the layout.
+fn checked_layouts(layouts: toml::Value) -> Result<toml::Table, String> {
+    let toml::Value::Table(layouts) = layouts else {
+        return Err("layouts: expected sections such as [layouts.async], each with keys of the job's sections".into());
+    };
+    for (name, section) in &layouts {
+        if !["colocate", "async", "elastic"].contains(&name.as_str()) {
+            return Err(format!("[layouts.{name}]: no such layout; the layouts are colocate, async and elastic"));
+        }
+        let Some(section) = section.as_table() else {
+            return Err(format!(
+                "layouts.{name}: expected a section, [layouts.{name}], with keys such as algo.minibatches = 4"
+            ));
+        };
+        if section.get("run").and_then(toml::Value::as_table).is_some_and(|run| run.contains_key("mode")) {
+            return Err(format!(
+                "[layouts.{name}] sets run.mode: a layout's section cannot change the layout it applies to; remove the key"
+            ));
+        }
+    }
+    Ok(layouts)
+}
+
+/// The layout a run of this configuration takes: its mode after the file and every --set.
+fn mode_of(root: &toml::Table) -> Result<Mode, String> {
+    let mode = root.get("run").and_then(|r| r.get("mode")).cloned().ok_or("built-in defaults: no run.mode")?;
+    mode.try_into()
+        .map_err(|e: toml::de::Error| format!("run.mode: {}; see relax-colocate run --print-config", e.message()))
+}
+
+/// The default configuration, overlaid with `file` (if any), then with the file's sections for
+/// the run's layout (`[layouts.async]`, ...), then with each `--set`.
 pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, String> {
     let mut root: toml::Table = DEFAULT_TOML.parse().map_err(|e| format!("built-in defaults: {e}"))?;
+    let mut layouts = None;
     if let Some(path) = file {
         let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
+        layouts =
+            user.remove("layouts").map(checked_layouts).transpose().map_err(|e| format!("{}: {e}", path.display()))?;
         merge(&mut root, user, "").map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    // The job without its layout sections: which layout this run takes, and the batch the job's
+    // clock of prompts counts in.
+    let mut job = root.clone();
+    for s in sets {
+        apply_override(&mut job, s)?;
+    }
+    let job_prompts = job.get("rollout").and_then(|r| r.get("prompts_per_step")).and_then(toml::Value::as_integer);
+    if let (Some(layouts), Some(path)) = (layouts, file) {
+        for name in layout_sections(mode_of(&job)?) {
+            if let Some(toml::Value::Table(section)) = layouts.get(*name) {
+                merge(&mut root, section.clone(), &format!("layouts.{name}"))
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+            }
+        }
     }
     // A job file's relative path is the job's: beside it, wherever the job is run from.
     if let Some(dir) = file.and_then(std::path::Path::parent) {
@@ -455,6 +517,7 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     let mut cfg: Config =
         toml::Value::Table(root.clone()).try_into().map_err(|e: toml::de::Error| with_key(&root, e.message()))?;
     cfg.compute.unset = unset;
+    cfg.rollout.job_prompts_per_step = job_prompts.map_or(0, |n| n.max(0) as usize);
     cfg.validate()?;
     if !cfg.compute.lengths.is_empty() {
         let table = crate::run::lengths::Lengths::load(std::path::Path::new(&cfg.compute.lengths))
@@ -524,7 +587,7 @@ impl Config {
         if !c.model || c.token_scale_final <= 0.0 {
             return None;
         }
-        let last = self.run.steps.saturating_sub(1).max(1) as f64;
+        let last = self.job_batches().saturating_sub(1).max(1) as f64;
         let at = (version / last).clamp(0.0, 1.0);
         Some(c.token_scale + (c.token_scale_final - c.token_scale) * at)
     }
@@ -539,7 +602,20 @@ impl Config {
         if self.compute.cost_by_version {
             return version;
         }
-        (started / self.rollout.prompts_per_step.max(1) as u64) as f64
+        (started / self.clock_prompts()) as f64
+    }
+
+    /// The prompts a batch of the job's clock holds: its prompts per step as the job file's
+    /// top level and --set give them, whatever a `[layouts.MODE]` section made this layout's.
+    pub(crate) fn clock_prompts(&self) -> u64 {
+        let r = &self.rollout;
+        (if r.job_prompts_per_step > 0 { r.job_prompts_per_step } else { r.prompts_per_step }).max(1) as u64
+    }
+
+    /// The job's batches this run's steps take prompts for (its steps, when its batch is the
+    /// job's).
+    pub(crate) fn job_batches(&self) -> u64 {
+        (self.run.steps * self.rollout.prompts_per_step as u64).div_ceil(self.clock_prompts())
     }
 
     /// With compute.lengths: the modelled response length (tokens, the decode steps it takes) of
@@ -547,7 +623,7 @@ impl Config {
     /// Every layout asks by the same identity, so they charge a sample alike. None: off.
     pub(crate) fn drawn_length(&self, prompt: u64, sample: u64) -> Option<f64> {
         let table = self.compute.lengths_table.as_ref()?;
-        let batch = prompt / self.rollout.prompts_per_step.max(1) as u64;
+        let batch = prompt / self.clock_prompts();
         Some(table.draw(self.run.seed, prompt, sample, self.lengths_step(batch)) as f64)
     }
 
@@ -588,7 +664,7 @@ impl Config {
 
     /// The file's steps the run's first and last stand for.
     fn lengths_window(&self) -> (u64, u64) {
-        (self.lengths_step(0), self.lengths_step(self.run.steps.max(1) - 1))
+        (self.lengths_step(0), self.lengths_step(self.job_batches().max(1) - 1))
     }
 
     /// With compute.lengths: a batch's modelled tokens and, of them, its drawn response tokens;
@@ -971,6 +1047,61 @@ mod tests {
         std::fs::write(&want, "2000\nlots\n").unwrap();
         let err = with(&["compute.model=true", "memory.profile=qwen3-4b", &file]).unwrap_err();
         assert!(err.contains("lengths.txt line 2: \"lots\" is not a response length"), "{err}");
+    }
+
+    /// A job file's `[layouts.MODE]` sections: each reaches its own layout's runs (async's
+    /// elastic's too), over the file's own keys and under --set; the job's batch stays the clock
+    /// every layout draws a sample's length by; a section for no layout, one changing the layout
+    /// and an unknown key are refused by name.
+    #[test]
+    fn a_job_files_layout_sections_reach_their_layouts_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let job = dir.path().join("job.toml");
+        std::fs::write(dir.path().join("lengths.txt"), "1000\n2000\n3000\n5000\n7000\n11000\n").unwrap();
+        let layouts = "[layouts.async]\nrollout.prompts_per_step = 4\nalgo.minibatches = 1\nasync.train_iters_per_update = 2\n\
+                       [layouts.elastic]\nalgo.lr = 0.5\n[layouts.colocate.algo]\nepochs = 2\n";
+        let top = "[compute]\nmodel = true\nlengths = \"lengths.txt\"\n[memory]\nprofile = \"qwen3-4b\"\n\
+                   [rollout]\nprompts_per_step = 8\n[algo]\nminibatches = 2\nlr = 0.25\n";
+        std::fs::write(&job, format!("{top}{layouts}")).unwrap();
+        let run = |mode: &str, more: &[&str]| {
+            let mut sets = vec![format!("run.mode={mode}"), "run.devices=2".into()];
+            sets.extend(more.iter().map(|s| s.to_string()));
+            load(Some(&job), &sets)
+        };
+        let colocated = run("colocate", &[]).unwrap();
+        assert_eq!((colocated.rollout.prompts_per_step, colocated.algo.minibatches, colocated.algo.epochs), (8, 2, 2));
+        let apart = run("async", &[]).unwrap();
+        assert_eq!((apart.rollout.prompts_per_step, apart.algo.minibatches, apart.algo.epochs), (4, 1, 1));
+        assert_eq!((apart.asynchronous.train_iters_per_update, apart.algo.lr), (2, 0.25));
+        let elastic = run("elastic", &[]).unwrap();
+        assert_eq!((elastic.rollout.prompts_per_step, elastic.algo.lr), (4, 0.5), "async's section, then elastic's");
+        // The prompt at 12 is the job's batch 1 (of 8) in every layout, not the async layout's
+        // batch 3 (of 4): both draw its length alike.
+        for p in 0..24 {
+            assert_eq!(colocated.drawn_length(p, 1), apart.drawn_length(p, 1), "prompt {p}");
+            assert_eq!(colocated.cost_clock(0.0, p), apart.cost_clock(0.0, p), "prompt {p}");
+        }
+        let three = run("async", &["run.steps=3"]).unwrap();
+        assert_eq!(
+            (three.clock_prompts(), three.job_batches()),
+            (8, 2),
+            "3 steps of 4 reach into the job's second batch"
+        );
+        // --set wins over the sections; it sets the job's batch too.
+        let set = run("async", &["rollout.prompts_per_step=2", "algo.lr=0.125"]).unwrap();
+        assert_eq!((set.rollout.prompts_per_step, set.clock_prompts(), set.algo.lr), (2, 2, 0.125));
+        let refused = |text: &str| {
+            std::fs::write(&job, format!("{top}{text}")).unwrap();
+            run("async", &[]).unwrap_err()
+        };
+        let err = refused("[layouts.fast.algo]\nlr = 1.0\n");
+        assert!(err.contains("[layouts.fast]: no such layout; the layouts are colocate, async and elastic"), "{err}");
+        let err = refused("[layouts.async.run]\nmode = \"colocate\"\n");
+        assert!(err.contains("[layouts.async] sets run.mode: a layout's section cannot change the layout"), "{err}");
+        let err = refused("[layouts.async.algo]\nlearning_rate = 1.0\n");
+        assert!(err.contains("unknown key \"layouts.async.algo.learning_rate\""), "{err}");
+        let err = refused("[layouts]\nasync = 3\n");
+        assert!(err.contains("layouts.async: expected a section, [layouts.async]"), "{err}");
     }
 
     /// A lengths file that names steps: each batch draws from the step it stands for, from
