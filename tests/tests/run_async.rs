@@ -155,6 +155,10 @@ fn async_ppo_with_two_engines_and_two_trainer_steps_per_update() {
     assert!(out.status.success(), "{}", text(&out));
     let summary = json(&dir.path().join("summary.json"));
     assert_eq!(summary["async"]["weight_updates"].as_u64(), Some(3), "{summary}");
+    // The default queue lets the engines run 2 x 2 steps ahead (a weight update every 2 steps,
+    // staleness 2): the batch x 5, and still no group goes stale.
+    assert_eq!(summary["async"]["queue_capacity_groups"].as_u64(), Some(5 * 32), "the default batch x 5: {summary}");
+    assert_eq!(summary["async"]["dropped_stale_samples"].as_u64(), Some(0), "{summary}");
     assert_eq!(summary["off_policy_correction"]["tis_cap"].as_f64(), Some(1.2), "{summary}");
     assert_eq!(summary["async"]["rollout_devices"], serde_json::json!([1, 2]));
     let m = metrics(dir.path());

@@ -257,11 +257,7 @@ pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
     let per_step = cfg.rollout.prompts_per_step;
     let n = cfg.rollout.samples_per_prompt;
     let per_request = (per_step / rollouts.max(1)).max(1);
-    let staleness = cfg.asynchronous.max_staleness.max(0) as usize;
-    let capacity = match cfg.asynchronous.queue_groups {
-        0 => per_step * (staleness + 1),
-        q => q as usize,
-    };
+    let capacity = cfg.queue_capacity();
     let elastic = cfg.run.mode == Mode::Elastic;
     let limits = Limits {
         slots: per_request * n,

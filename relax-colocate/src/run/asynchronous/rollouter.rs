@@ -127,13 +127,10 @@ pub(super) fn max_staleness(cfg: &Config) -> u64 {
     cfg.asynchronous.max_staleness.max(0) as u64
 }
 
-/// Groups queued and being generated before an engine waits (back-pressure): Relax's batch x
-/// (max_staleness + 1) unless async.queue_groups says otherwise.
+/// Groups queued, being generated and in training before an engine waits (back-pressure):
+/// `Config::queue_capacity`.
 pub(super) fn capacity(cfg: &Config) -> usize {
-    match cfg.asynchronous.queue_groups {
-        0 => cfg.rollout.prompts_per_step * (max_staleness(cfg) as usize + 1),
-        n => n as usize,
-    }
+    cfg.queue_capacity()
 }
 
 fn segment(cfg: &Config) -> Option<usize> {

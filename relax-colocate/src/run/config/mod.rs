@@ -605,6 +605,26 @@ impl Config {
         (started / self.clock_prompts()) as f64
     }
 
+    /// Async and elastic: the prompt groups queued, being generated and in training before an
+    /// engine waits (back-pressure). async.queue_groups, or by default the batch x
+    /// (train_iters_per_update x max_staleness + 1): Relax's batch x (max_staleness + 1) when every
+    /// step updates the weights. Batches are taken in the order their groups started, so a group
+    /// admitted behind at most this many less one is in the batch taken at most
+    /// train_iters_per_update x max_staleness steps after the one in training; the steps that end
+    /// before it make at most max_staleness updates, whichever step of an update's window it came
+    /// in at. A trainer that takes its batch in parts (a weight update every few) so keeps the
+    /// engines as far ahead as the bound allows, not one part's worth, and drops nothing.
+    pub fn queue_capacity(&self) -> usize {
+        let a = &self.asynchronous;
+        match a.queue_groups {
+            0 => {
+                let updates = a.train_iters_per_update.max(1) as usize * a.max_staleness.max(0) as usize;
+                self.rollout.prompts_per_step * (updates + 1)
+            }
+            n => n as usize,
+        }
+    }
+
     /// The prompts a batch of the job's clock holds: its prompts per step as the job file's
     /// top level and --set give them, whatever a `[layouts.MODE]` section made this layout's.
     pub(crate) fn clock_prompts(&self) -> u64 {
@@ -1047,6 +1067,18 @@ mod tests {
         std::fs::write(&want, "2000\nlots\n").unwrap();
         let err = with(&["compute.model=true", "memory.profile=qwen3-4b", &file]).unwrap_err();
         assert!(err.contains("lengths.txt line 2: \"lots\" is not a response length"), "{err}");
+    }
+
+    /// The default queue: the batch x (updates' steps x staleness + 1), one batch at staleness 0;
+    /// a queue the job gives is its own.
+    #[test]
+    fn the_default_queue_follows_the_weight_updates_and_the_staleness_bound() {
+        let q = |sets: &[&str]| with(sets).unwrap().queue_capacity();
+        let base = ["rollout.prompts_per_step=8"];
+        assert_eq!(q(&[&base[..], &["async.max_staleness=2"]].concat()), 8 * 3);
+        assert_eq!(q(&[&base[..], &["async.max_staleness=1", "async.train_iters_per_update=4"]].concat()), 8 * 5);
+        assert_eq!(q(&[&base[..], &["async.max_staleness=0", "async.train_iters_per_update=4"]].concat()), 8);
+        assert_eq!(q(&[&base[..], &["async.max_staleness=1", "async.queue_groups=12"]].concat()), 12);
     }
 
     /// A job file's `[layouts.MODE]` sections: each reaches its own layout's runs (async's
