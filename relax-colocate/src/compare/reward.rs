@@ -86,6 +86,11 @@ pub(super) fn verdict(
     let time = |f: &Value| f["time_to_reward_s"].as_f64().unwrap_or(f64::INFINITY);
     let mut ranked: Vec<(&str, &Value)> =
         names.iter().copied().zip(figs).filter(|(n, _)| Some(*n) != left_out).collect();
+    // Async against an elastic run that lent nothing: the same layout twice, never a winner.
+    let same_layout_twice = ranked.len() < 2;
+    if same_layout_twice {
+        ranked = names.iter().copied().zip(figs).collect();
+    }
     ranked.sort_by(|a, b| time(a.1).total_cmp(&time(b.1)));
     let ((best, first), (runner_up, next)) = (ranked[0], ranked[1]);
     // How many times longer the runner-up takes.
@@ -102,7 +107,7 @@ pub(super) fn verdict(
     let fastest = next_runs.iter().copied().fold(f64::INFINITY, f64::min);
     let within_spread = repeats > 1 && slowest >= fastest;
     // Neither reached it: margin NaN, a tie. Only the winner reached it: margin infinite, no tie.
-    let tie = margin.is_nan() || margin < tie_margin || within_spread;
+    let tie = margin.is_nan() || margin < tie_margin || within_spread || same_layout_twice;
     let finite = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
     json!({
         "target": target.level,
@@ -226,6 +231,16 @@ mod tests {
             "async",
         );
         assert_eq!((v["layout"].as_str(), v["clear"].as_bool()), (Some("async"), Some(false)), "{v}");
+        // Async and an elastic run left out, alone: the same layout twice, a tie.
+        let v = verdict(
+            &["async", "elastic"],
+            &[fig(&[10.0, 11.0]), fig(&[30.0, 31.0])],
+            &t,
+            0.05,
+            Some("elastic"),
+            "async",
+        );
+        assert_eq!((v["tie"].as_bool(), v["clear"].as_bool()), (Some(true), Some(false)), "{v}");
     }
 
     #[test]
