@@ -634,9 +634,10 @@ fn compare(o: &Options) -> Result<(), (u8, String)> {
     let modes = checked_layouts(o).map_err(|msg| (2, msg))?;
     let steps: Vec<u64> = modes
         .iter()
-        .map(|m| layout_steps(&o.job, *m, o.model_compute))
-        .collect::<Result<_, _>>()
-        .map_err(|msg| (2, msg))?;
+        .map(|m| {
+            layout_steps(&o.job, *m, o.model_compute).map_err(|msg| (2, format!("the {} layout: {msg}", m.as_str())))
+        })
+        .collect::<Result<_, _>>()?;
     std::fs::create_dir_all(&o.out).map_err(|e| (1, format!("cannot create {}: {e}", o.out.display())))?;
     let runs = run_all(o, &modes, &steps)?;
     let (figs, target) = figures_and_target(o, &runs);
@@ -678,12 +679,11 @@ pub(crate) fn layout_steps(o: &JobArgs, mode: crate::run::config::Mode, model: b
     if own == job {
         return Ok(o.steps);
     }
-    let prompts = o.steps * job;
+    let prompts = o.steps.saturating_mul(job);
     if !prompts.is_multiple_of(own) {
         return Err(format!(
-            "the {} layout's batch, {own} prompts (its [layouts] section of the job file), does not divide the job's \
-             --steps {} x {job} prompts: give --steps a multiple of {}, so that every layout trains on the same prompts",
-            mode.as_str(),
+            "its batch, {own} prompts (its [layouts] section of the job file), does not divide the job's --steps {} x \
+             {job} prompts: give --steps a multiple of {}, so that every layout trains on the same prompts",
             o.steps,
             own / gcd(own, job),
         ));

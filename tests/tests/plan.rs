@@ -347,9 +347,10 @@ fn published_runs_job_files_plan_within_25_percent_of_their_published_step_times
 }
 
 /// A job file whose `[layouts.async]` section gives the async trainer batches of its own (half
-/// the job's, a weight update every two: verl's fully async trainer taking its batch in parts):
-/// plan and compare give that layout twice the steps, so that both layouts train on the same
-/// prompts, say so under their tables, and still agree; a batch that does not divide the job's
+/// the job's, a weight update every two: verl's fully async trainer taking its batch in parts)
+/// and its engine a batch of the job's size (async.engine_groups): plan and compare give that
+/// layout twice the steps, so that both layouts train on the same prompts, say so under their
+/// tables, and still agree, on the engine's slots too; a batch that does not divide the job's
 /// prompts is refused with the --steps that would.
 #[test]
 fn a_layouts_own_batch_trains_on_the_jobs_prompts_in_plan_and_compare() {
@@ -357,11 +358,10 @@ fn a_layouts_own_batch_trains_on_the_jobs_prompts_in_plan_and_compare() {
     let job = dir.path().join("job.toml");
     let body = "[compute]\nmodel = true\ntoken_scale = 20.0\n[task]\nmax_new_tokens = 48\n[algo]\nlr = 1e-9\n\
                 [memory]\nprofile = \"qwen3-4b\"\nscale = 0.002\n[rollout]\nprompts_per_step = 4\n";
-    std::fs::write(
-        &job,
-        format!("{body}[layouts.async]\nrollout.prompts_per_step = 2\nasync.train_iters_per_update = 2\n"),
-    )
-    .unwrap();
+    // The engine keeps a batch of 4 groups, not the part's 2.
+    let section =
+        "[layouts.async]\nrollout.prompts_per_step = 2\nasync.train_iters_per_update = 2\nasync.engine_groups = 4\n";
+    std::fs::write(&job, format!("{body}{section}")).unwrap();
     let args = ["--config", job.to_str().unwrap(), "--devices", "2", "--steps", "2", "--layouts", "colocate,async"];
     let plan = relax(&[&["plan", "--json"][..], &args].concat());
     assert!(plan.status.success(), "{}", text(&plan));
@@ -383,16 +383,29 @@ fn a_layouts_own_batch_trains_on_the_jobs_prompts_in_plan_and_compare() {
             measured[layout]["samples_per_s"].as_f64().unwrap(),
         );
         assert!((p / m - 1.0).abs() <= 0.15, "{layout} samples/s: plan {p:.3}, compare {m:.3}\n{plan}\n{measured}");
+        // The share of the engine's slots filled: the run's engine had the slots plan gave it.
+        let (p, m) = (
+            plan["layouts"][layout]["slot_occupancy"].as_f64().unwrap(),
+            measured[layout]["slot_occupancy"].as_f64().unwrap(),
+        );
+        assert!((p / m - 1.0).abs() <= 0.25, "{layout} slot occupancy: plan {p:.3}, compare {m:.3}");
     }
     let summary: Value = serde_json::from_slice(&std::fs::read(out.join("async/summary.json")).unwrap()).unwrap();
     assert_eq!(summary["async"]["train_iters_per_update"], 2, "the section reached the run: {summary}");
+    let config = std::fs::read_to_string(out.join("async/config.toml")).unwrap();
+    assert!(config.contains("engine_groups = 4"), "the section reached the run:\n{config}");
+    let config = std::fs::read_to_string(out.join("colocate/config.toml")).unwrap();
+    assert!(
+        config.contains("engine_groups = 0") && config.contains("prompts_per_step = 4"),
+        "and not colocate's:\n{config}"
+    );
     std::fs::write(&job, format!("{body}[layouts.async]\nrollout.prompts_per_step = 8\n")).unwrap();
     let args = ["--config", job.to_str().unwrap(), "--devices", "2", "--steps", "3", "--layouts", "colocate,async"];
     for command in ["plan", "compare"] {
         let refused = relax(&[&[command][..], &args].concat());
         assert_eq!(refused.status.code(), Some(2), "{command}: {}", text(&refused));
-        let words = "the async layout's batch, 8 prompts (its [layouts] section of the job file), does not divide the \
-                     job's --steps 3 x 4 prompts: give --steps a multiple of 2";
+        let words = "the async layout: its batch, 8 prompts (its [layouts] section of the job file), does not divide \
+                     the job's --steps 3 x 4 prompts: give --steps a multiple of 2";
         assert!(text(&refused).contains(words), "{command}: {}", text(&refused));
     }
 }

@@ -130,6 +130,32 @@ fn groups_staler_than_the_bound_are_dropped_and_counted_never_trained_on() {
     }
 }
 
+/// The default queue admits no group the staleness bound would drop, even where an engine's
+/// request holds more groups than the bound (async.engine_groups 80 against 32 to 64 here) and
+/// the bound is the tightest: staleness 0 with a weight update every 2 steps.
+#[test]
+fn the_default_queue_drops_nothing_when_an_engine_holds_more_than_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--mode",
+        "async",
+        "--devices",
+        "2",
+        "--steps",
+        "6",
+        "--max-staleness",
+        "0",
+        "--train-iters-per-update",
+        "2",
+        "--set",
+        "async.engine_groups=80",
+    ];
+    let (_, summary) = run_ok(dir.path(), &args);
+    let a = &summary["async"];
+    assert_eq!((a["dropped_stale_samples"].as_u64(), a["queue_capacity_groups"].as_u64()), (Some(0), Some(64)), "{a}");
+    assert_eq!(summary["steps_completed"].as_u64(), Some(6), "{summary}");
+}
+
 #[test]
 fn async_ppo_with_two_engines_and_two_trainer_steps_per_update() {
     let dir = tempfile::tempdir().unwrap();
@@ -155,9 +181,9 @@ fn async_ppo_with_two_engines_and_two_trainer_steps_per_update() {
     assert!(out.status.success(), "{}", text(&out));
     let summary = json(&dir.path().join("summary.json"));
     assert_eq!(summary["async"]["weight_updates"].as_u64(), Some(3), "{summary}");
-    // The default queue lets the engines run 2 x 2 steps ahead (a weight update every 2 steps,
-    // staleness 2): the batch x 5, and still no group goes stale.
-    assert_eq!(summary["async"]["queue_capacity_groups"].as_u64(), Some(5 * 32), "the default batch x 5: {summary}");
+    // The default queue follows the updates (one every 2 steps, staleness 2): the batch x 6 right
+    // after one, x 5 a step later, and still no group goes stale.
+    assert_eq!(summary["async"]["queue_capacity_groups"].as_u64(), Some(6 * 32), "the default batch x 6: {summary}");
     assert_eq!(summary["async"]["dropped_stale_samples"].as_u64(), Some(0), "{summary}");
     assert_eq!(summary["off_policy_correction"]["tis_cap"].as_f64(), Some(1.2), "{summary}");
     assert_eq!(summary["async"]["rollout_devices"], serde_json::json!([1, 2]));

@@ -30,6 +30,8 @@ pub(super) struct Predicted {
     pub(super) lends: u64,
     /// Elastic with elastic.lend_rollout: lends of the engines' devices to a train stage.
     pub(super) rollout_lends: u64,
+    /// Apart: prompt groups dropped as staler than async.max_staleness.
+    pub(super) dropped_groups: u64,
 }
 
 impl Predicted {
@@ -241,7 +243,6 @@ struct Apart<'a> {
     rollout_lent: bool,
     limits: Limits,
     per_request: usize,
-    capacity: usize,
     p: Predicted,
 }
 
@@ -254,10 +255,8 @@ struct Apart<'a> {
 /// stage.
 pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
     let cfg = job.cfg;
-    let per_step = cfg.rollout.prompts_per_step;
     let n = cfg.rollout.samples_per_prompt;
-    let per_request = (per_step / rollouts.max(1)).max(1);
-    let capacity = cfg.queue_capacity();
+    let per_request = cfg.engine_groups(rollouts);
     let elastic = cfg.run.mode == Mode::Elastic;
     let limits = Limits {
         slots: per_request * n,
@@ -286,7 +285,6 @@ pub(super) fn apart(job: &Job, trainers: usize, rollouts: usize) -> Predicted {
         rollout_lent: false,
         limits,
         per_request,
-        capacity,
         p: Predicted { slots: (per_request * n) as f64, ..Predicted::default() },
     };
     a.run(trainers as f64, rollouts as f64, elastic);
@@ -565,7 +563,9 @@ impl Apart<'_> {
     fn take_batch(&mut self) -> Option<Vec<Vec<Seq>>> {
         let staleness = self.job.cfg.asynchronous.max_staleness.max(0) as u64;
         let version = self.version;
+        let before = self.queue.len();
         self.queue.retain(|g| g.oldest.is_none_or(|o| version - o.min(version) <= staleness));
+        self.p.dropped_groups += (before - self.queue.len()) as u64;
         self.queue.sort_by_key(|g| g.started);
         let first = self.engines.iter().flat_map(|e| &e.groups).chain(&self.orphans).map(|g| g.started).min();
         let ready = self.queue.iter().take_while(|g| first.is_none_or(|f| g.started < f)).count();
@@ -620,10 +620,11 @@ impl Apart<'_> {
         if free == 0 {
             return 0;
         }
+        let capacity = self.job.cfg.queue_capacity_at(self.since_update);
         if under_way == 0 {
-            return free;
+            return free.min(capacity.saturating_sub(self.queue.len()).max(1));
         }
-        let room = self.capacity.saturating_sub(self.queue.len() + under_way);
+        let room = capacity.saturating_sub(self.queue.len() + under_way);
         if continued == 0 && room < free && !e.lent { 0 } else { free.min(room) }
     }
 
@@ -693,6 +694,39 @@ mod tests {
         assert!((p.phases["wake_up"] - 4.0 * s.resume_s(Role::Trainer, None)).abs() < 1e-9);
         assert!((p.phases["sleep"] - 4.0 * s.pause_s(Role::Trainer, None)).abs() < 1e-9);
         assert!(p.phases["generate"] > p.phases["actor_train"], "a rollout-heavy job: {:?}", p.phases);
+    }
+
+    /// A trainer that takes its batch in parts (2 prompts a step, a weight update every 4): the
+    /// engines' batches shrink with the parts unless async.engine_groups keeps them, and the
+    /// default queue lets them run ahead by whole updates; the same prompts go through faster
+    /// with both, and none are dropped.
+    #[test]
+    fn a_batch_in_parts_keeps_its_engines_full_with_engine_groups() {
+        let parts = ["rollout.prompts_per_step=2", "async.train_iters_per_update=4", "run.steps=16"];
+        let (_, small) = predict("async", 2, &parts);
+        let (_, full) = predict("async", 2, &[&parts[..], &["async.engine_groups=8"]].concat());
+        assert_eq!((small.slots, full.slots), (2.0 * 8.0, 8.0 * 8.0), "groups x 8 samples");
+        let (small_s, full_s): (f64, f64) = (small.step_s.iter().sum(), full.step_s.iter().sum());
+        assert!(full_s < 0.8 * small_s, "parts with full engines {full_s:.1} s against {small_s:.1} s");
+        assert_eq!((small.dropped_groups, full.dropped_groups), (0, 0));
+    }
+
+    /// The default queue drops nothing at any staleness bound and update period, even where an
+    /// engine's request holds more groups than the bound (async.engine_groups), or the bound
+    /// lets one batch in (staleness 0, a weight update every 2 steps, as in the review's trace).
+    #[test]
+    fn the_default_queue_drops_no_group() {
+        for sets in [
+            &["async.max_staleness=0", "async.train_iters_per_update=2", "rollout.prompts_per_step=2"][..],
+            &["async.max_staleness=0", "async.train_iters_per_update=3", "async.engine_groups=8"],
+            &["async.max_staleness=2", "async.engine_groups=40"],
+            &["async.max_staleness=1", "async.train_iters_per_update=4", "rollout.prompts_per_step=4"],
+        ] {
+            let every = [sets, &["run.steps=12", "algo.off_policy_correction=\"tis\""]].concat();
+            let (_, p) = predict("async", 2, &every);
+            assert_eq!(p.dropped_groups, 0, "{sets:?}");
+            assert_eq!(p.step_s.len(), 12, "{sets:?}");
+        }
     }
 
     /// Apart, the engines keep generating while the trainer trains: a step is shorter than

@@ -75,14 +75,15 @@ fn predict(o: &JobArgs, mode: Mode) -> Result<(Config, Predicted), String> {
 }
 
 /// The responses a run of `cfg` samples: colocated, each engine's request from one stream; apart,
-/// every group async engines may start (up to the staleness bound ahead of the trainer), each
-/// sequence from its own.
+/// every group async engines may start (the run's batches, then as far ahead as the queue lets
+/// them and a request beyond), each sequence from its own.
 fn responses_of(cfg: &Config) -> Responses {
     if cfg.run.mode == Mode::Colocate {
         return Responses::sample_colocated(cfg, cfg.run.steps, cfg.total_devices());
     }
-    let ahead = cfg.asynchronous.max_staleness.max(0) as u64 + 2;
-    Responses::sample(cfg, (cfg.run.steps + ahead) as usize * cfg.rollout.prompts_per_step)
+    let engines = cfg.mode_layout().ok().flatten().map_or(1, |s| s.rollout.len());
+    let ahead = cfg.queue_capacity().saturating_add(engines.saturating_mul(cfg.engine_groups(engines)));
+    Responses::sample(cfg, (cfg.run.steps as usize).saturating_mul(cfg.rollout.prompts_per_step).saturating_add(ahead))
 }
 
 /// Where the job's response lengths come from, and their mean, 90th percentile and longest in
@@ -209,7 +210,7 @@ pub fn main(o: &Options) -> u8 {
                         "profile": cfg.memory.profile,
                         "device": cfg.compute.device,
                         "devices": cfg.total_devices(),
-                        "prompts_per_step": cfg.rollout.prompts_per_step,
+                        "prompts_per_step": cfg.clock_prompts(),
                         "samples_per_prompt": cfg.rollout.samples_per_prompt,
                         "token_scale": cfg.compute.token_scale,
                     });

@@ -49,7 +49,12 @@ fn footprint_in(cfg: &Config, shape: &model::Shape, profile: &Profile, bucket: u
     let charged = |sizes: &mut dyn Iterator<Item = &u64>| rounded(sizes, unit);
     let tensors: Vec<u64> = model::layout(shape).iter().map(|(_, n)| *n as u64 * 4).collect();
     let policy = charged(&mut tensors.iter());
-    let max_batch = (cfg.rollout.prompts_per_step / cfg.total_devices() * cfg.rollout.samples_per_prompt) as u64;
+    // An engine's batch: its share of the colocated batch, or apart what its requests hold.
+    let groups = match cfg.mode_layout() {
+        Ok(Some(split)) => cfg.engine_groups(split.rollout.len()),
+        _ => cfg.rollout.prompts_per_step / cfg.total_devices(),
+    };
+    let max_batch = (groups * cfg.rollout.samples_per_prompt) as u64;
     let weight_pads: Vec<u64> =
         profile.rollout.tags.iter().filter(|(t, _)| t == "weights").flat_map(|(_, s)| s).copied().collect();
     let weights_exact = tensors.iter().sum::<u64>() + weight_pads.iter().sum::<u64>();

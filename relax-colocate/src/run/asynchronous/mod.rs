@@ -132,6 +132,9 @@ impl Async {
             if let Some(done) = self.wait_one(&mut job, until)? {
                 job = None;
                 since_update += 1;
+                // Feeding stops until the update pending at per_update is out, and then none
+                // are trained since it.
+                self.roll.set_trained_since_update(since_update % per_update);
                 if since_update == per_update {
                     since_update = 0;
                     before_update = Some(done);

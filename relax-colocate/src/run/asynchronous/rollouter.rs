@@ -114,6 +114,9 @@ pub(super) struct Rollouter {
     version: u64,
     /// Prompt groups one generate request starts on an engine.
     groups_per_request: usize,
+    /// Trainer steps finished since the last weight update: the queue's bound shrinks with them
+    /// (`Config::queue_capacity_at`).
+    trained_since_update: u64,
     /// Groups in the batch the trainer is working on (0 while it waits).
     in_training: usize,
     rng: Rng,
@@ -220,12 +223,18 @@ impl Rollouter {
             queue: Queue::default(),
             orphans: Vec::new(),
             version: 0,
-            groups_per_request: cfg.rollout.prompts_per_step / rollouts.len(),
+            groups_per_request: cfg.engine_groups(rollouts.len()),
+            trained_since_update: 0,
             in_training: 0,
             rng: Rng::new(cfg.run.seed ^ 0xDA7A),
             requests: 0,
             groups_started: 0,
         }
+    }
+
+    /// The trainer has finished `steps` steps since the last weight update.
+    pub(super) fn set_trained_since_update(&mut self, steps: u64) {
+        self.trained_since_update = steps;
     }
 
     pub(super) fn version(&self) -> u64 {
@@ -373,17 +382,20 @@ impl Rollouter {
         if free == 0 || rig.at.step() >= rig.cfg.run.steps {
             return 0;
         }
-        // Counting the batch in training too: a group started now is trained on within
-        // capacity / batch updates, so the default capacity keeps every group within the
-        // staleness bound. With nothing else under way an engine always may start a full batch.
-        // A batch waiting for the reclaim is as good as in training (else a lend lets the engines
-        // run a batch ahead of the capacity, and its groups go stale in the queue).
+        // Counting the batch in training too: a group started now is trained on before the
+        // staleness bound's updates have gone out (Config::queue_capacity_at), so the default
+        // capacity keeps every group within the bound. With nothing else under way an engine
+        // may start a full request within the capacity, and at least one group: the trainer
+        // then waits for fewer than a batch, never more than the capacity. A batch waiting for
+        // the reclaim is as good as in training (else a lend lets the engines run a batch ahead
+        // of the capacity, and its groups go stale in the queue).
+        let capacity = rig.cfg.queue_capacity_at(self.trained_since_update);
         let under_way = self.generating_groups() + self.in_training + lend.reclaim_batch;
         if under_way == 0 {
-            return free;
+            return free.min(capacity.saturating_sub(self.queue.len()).max(1));
         }
         let held = self.queue.len() + under_way;
-        let room = capacity(&rig.cfg).saturating_sub(held);
+        let room = capacity.saturating_sub(held);
         // A top-up smaller than the batch still pays a whole prefill round trip: only a full
         // batch's worth starts an idle engine, any room tops up one already generating.
         if continued == 0 && room < free && !lent { 0 } else { free.min(room) }

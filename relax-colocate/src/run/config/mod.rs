@@ -111,6 +111,11 @@ pub struct AsyncSection {
     pub max_staleness: i64,
     pub train_iters_per_update: u64,
     pub queue_groups: u64,
+    /// Prompt groups an engine decodes at once; 0: the trainer's batch over the engines. A
+    /// trainer that takes its batch in parts would otherwise shrink its engines' batches with
+    /// them, where real engines hold what their own limits allow.
+    #[serde(default)]
+    pub engine_groups: u64,
     pub segment_tokens: u64,
     /// With compute.model: the modelled seconds of decoding a segment may take; it ends when they
     /// are spent, part-way through a task token if need be, the sequences keeping their progress.
@@ -488,11 +493,26 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
         apply_override(&mut job, s)?;
     }
     let job_prompts = job.get("rollout").and_then(|r| r.get("prompts_per_step")).and_then(toml::Value::as_integer);
+    // What the applied sections set themselves: a device preset fills only the compute keys no
+    // one set, and run.devices given there is given.
+    let (mut section_compute_keys, mut section_devices) = (Vec::new(), false);
     if let (Some(layouts), Some(path)) = (layouts, file) {
+        let in_file = |e: String| format!("{}: {e}", path.display());
+        // Every section's keys are checked, whichever layout runs: a typo in another layout's
+        // section is found on the first run, not the first run of that layout.
+        let defaults: toml::Table = DEFAULT_TOML.parse().map_err(|e| format!("built-in defaults: {e}"))?;
+        for (name, section) in &layouts {
+            if let toml::Value::Table(section) = section {
+                merge(&mut defaults.clone(), section.clone(), &format!("layouts.{name}")).map_err(in_file)?;
+            }
+        }
         for name in layout_sections(mode_of(&job)?) {
             if let Some(toml::Value::Table(section)) = layouts.get(*name) {
-                merge(&mut root, section.clone(), &format!("layouts.{name}"))
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let keys =
+                    |s: &str| section.get(s).and_then(toml::Value::as_table).map(|t| t.keys().cloned().collect());
+                section_compute_keys.extend(keys("compute").unwrap_or_else(Vec::new));
+                section_devices |= keys("run").is_some_and(|k: Vec<String>| k.iter().any(|k| k == "devices"));
+                merge(&mut root, section.clone(), &format!("layouts.{name}")).map_err(in_file)?;
             }
         }
     }
@@ -500,7 +520,7 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     if let Some(dir) = file.and_then(std::path::Path::parent) {
         resolve_lengths(&mut root, dir)?;
     }
-    let mut devices_given = file_sets_key(file, "run", "devices")?;
+    let mut devices_given = file_sets_key(file, "run", "devices")? || section_devices;
     for s in sets {
         apply_override(&mut root, s)?;
         devices_given |= s.split_once('=').is_some_and(|(k, _)| k.trim() == "run.devices");
@@ -511,7 +531,8 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     if !devices_given {
         devices_from_lists(&mut root);
     }
-    let explicit = explicit_compute_keys(file, sets)?;
+    let mut explicit = explicit_compute_keys(file, sets)?;
+    explicit.extend(section_compute_keys);
     let compute = root.get_mut("compute").and_then(toml::Value::as_table_mut).expect("defaults have [compute]");
     let unset = devices::apply(compute, &explicit)?;
     let mut cfg: Config =
@@ -606,21 +627,38 @@ impl Config {
     }
 
     /// Async and elastic: the prompt groups queued, being generated and in training before an
-    /// engine waits (back-pressure). async.queue_groups, or by default the batch x
-    /// (train_iters_per_update x max_staleness + 1): Relax's batch x (max_staleness + 1) when every
-    /// step updates the weights. Batches are taken in the order their groups started, so a group
-    /// admitted behind at most this many less one is in the batch taken at most
-    /// train_iters_per_update x max_staleness steps after the one in training; the steps that end
-    /// before it make at most max_staleness updates, whichever step of an update's window it came
-    /// in at. A trainer that takes its batch in parts (a weight update every few) so keeps the
-    /// engines as far ahead as the bound allows, not one part's worth, and drops nothing.
-    pub fn queue_capacity(&self) -> usize {
+    /// engine waits (back-pressure), `trained` steps after the last weight update.
+    /// async.queue_groups, or by default the batch x (train_iters_per_update x (max_staleness + 1)
+    /// minus `trained`): Relax's batch x (max_staleness + 1) when every step updates the weights, and
+    /// the most that drops nothing. Batches are taken in the order their groups started, so a
+    /// group admitted behind fewer than that is in a batch taken at most
+    /// train_iters_per_update x (max_staleness + 1) - trained - 1 steps after the one in training
+    /// (or the next, with none in training); the steps that end before it, with the `trained`
+    /// ones before them, make at most max_staleness updates. A trainer that takes its batch in
+    /// parts (a weight update every few) so keeps the engines as far ahead as the bound allows,
+    /// not one part's worth.
+    pub fn queue_capacity_at(&self, trained: u64) -> usize {
         let a = &self.asynchronous;
         match a.queue_groups {
             0 => {
-                let updates = a.train_iters_per_update.max(1) as usize * a.max_staleness.max(0) as usize;
-                self.rollout.prompts_per_step * (updates + 1)
+                let per_update = a.train_iters_per_update.max(1);
+                let steps = per_update.saturating_mul(a.max_staleness.max(0) as u64 + 1) - trained.min(per_update - 1);
+                self.rollout.prompts_per_step.saturating_mul(usize::try_from(steps).unwrap_or(usize::MAX))
             }
+            n => n as usize,
+        }
+    }
+
+    /// The queue's bound right after a weight update (`queue_capacity_at`), the largest.
+    pub fn queue_capacity(&self) -> usize {
+        self.queue_capacity_at(0)
+    }
+
+    /// Async and elastic: the prompt groups an engine's request holds (`async.engine_groups`; by
+    /// default the trainer's batch shared over its `engines`).
+    pub fn engine_groups(&self, engines: usize) -> usize {
+        match self.asynchronous.engine_groups {
+            0 => (self.rollout.prompts_per_step / engines.max(1)).max(1),
             n => n as usize,
         }
     }
@@ -635,7 +673,7 @@ impl Config {
     /// The job's batches this run's steps take prompts for (its steps, when its batch is the
     /// job's).
     pub(crate) fn job_batches(&self) -> u64 {
-        (self.run.steps * self.rollout.prompts_per_step as u64).div_ceil(self.clock_prompts())
+        self.run.steps.saturating_mul(self.rollout.prompts_per_step as u64).div_ceil(self.clock_prompts())
     }
 
     /// With compute.lengths: the modelled response length (tokens, the decode steps it takes) of
@@ -1069,16 +1107,19 @@ mod tests {
         assert!(err.contains("lengths.txt line 2: \"lots\" is not a response length"), "{err}");
     }
 
-    /// The default queue: the batch x (updates' steps x staleness + 1), one batch at staleness 0;
-    /// a queue the job gives is its own.
+    /// The default queue: the batch x (the update's steps x (staleness + 1) - the steps trained
+    /// since it); a queue the job gives is its own.
     #[test]
     fn the_default_queue_follows_the_weight_updates_and_the_staleness_bound() {
-        let q = |sets: &[&str]| with(sets).unwrap().queue_capacity();
+        let q = |sets: &[&str], trained: u64| with(sets).unwrap().queue_capacity_at(trained);
         let base = ["rollout.prompts_per_step=8"];
-        assert_eq!(q(&[&base[..], &["async.max_staleness=2"]].concat()), 8 * 3);
-        assert_eq!(q(&[&base[..], &["async.max_staleness=1", "async.train_iters_per_update=4"]].concat()), 8 * 5);
-        assert_eq!(q(&[&base[..], &["async.max_staleness=0", "async.train_iters_per_update=4"]].concat()), 8);
-        assert_eq!(q(&[&base[..], &["async.max_staleness=1", "async.queue_groups=12"]].concat()), 12);
+        let every_step = [&base[..], &["async.max_staleness=2"]].concat();
+        assert_eq!((q(&every_step, 0), q(&every_step, 5)), (8 * 3, 8 * 3), "an update every step: Relax's");
+        let parts = [&base[..], &["async.max_staleness=1", "async.train_iters_per_update=4"]].concat();
+        assert_eq!([0, 1, 3].map(|t| q(&parts, t)), [8 * 8, 8 * 7, 8 * 5]);
+        let on_policy = [&base[..], &["async.max_staleness=0", "async.train_iters_per_update=4"]].concat();
+        assert_eq!([0, 3].map(|t| q(&on_policy, t)), [8 * 4, 8]);
+        assert_eq!(q(&[&base[..], &["async.max_staleness=1", "async.queue_groups=12"]].concat(), 2), 12);
     }
 
     /// A job file's `[layouts.MODE]` sections: each reaches its own layout's runs (async's
@@ -1089,9 +1130,12 @@ mod tests {
     fn a_job_files_layout_sections_reach_their_layouts_alone() {
         let dir = tempfile::tempdir().unwrap();
         let job = dir.path().join("job.toml");
-        std::fs::write(dir.path().join("lengths.txt"), "1000\n2000\n3000\n5000\n7000\n11000\n").unwrap();
+        // One length a step, the step's thousands: a sample's length says which step it drew.
+        let steps: String = (1..=4).map(|k| format!("{{\"step\": {k}, \"length\": {}}}\n", 1000 * k)).collect();
+        std::fs::write(dir.path().join("lengths.txt"), steps).unwrap();
         let layouts = "[layouts.async]\nrollout.prompts_per_step = 4\nalgo.minibatches = 1\nasync.train_iters_per_update = 2\n\
-                       [layouts.elastic]\nalgo.lr = 0.5\n[layouts.colocate.algo]\nepochs = 2\n";
+                       [layouts.elastic]\nalgo.lr = 0.5\n[layouts.colocate.algo]\nepochs = 2\n\
+                       [layouts.colocate.compute]\nhbm_gbps = 1234.0\n";
         let top = "[compute]\nmodel = true\nlengths = \"lengths.txt\"\n[memory]\nprofile = \"qwen3-4b\"\n\
                    [rollout]\nprompts_per_step = 8\n[algo]\nminibatches = 2\nlr = 0.25\n";
         std::fs::write(&job, format!("{top}{layouts}")).unwrap();
@@ -1102,13 +1146,16 @@ mod tests {
         };
         let colocated = run("colocate", &[]).unwrap();
         assert_eq!((colocated.rollout.prompts_per_step, colocated.algo.minibatches, colocated.algo.epochs), (8, 2, 2));
+        // A figure a section gives is the job's own: the device's preset does not replace it.
+        assert_eq!(colocated.compute.hbm_gbps, 1234.0);
         let apart = run("async", &[]).unwrap();
         assert_eq!((apart.rollout.prompts_per_step, apart.algo.minibatches, apart.algo.epochs), (4, 1, 1));
         assert_eq!((apart.asynchronous.train_iters_per_update, apart.algo.lr), (2, 0.25));
         let elastic = run("elastic", &[]).unwrap();
         assert_eq!((elastic.rollout.prompts_per_step, elastic.algo.lr), (4, 0.5), "async's section, then elastic's");
         // The prompt at 12 is the job's batch 1 (of 8) in every layout, not the async layout's
-        // batch 3 (of 4): both draw its length alike.
+        // batch 3 (of 4): both draw its length from the file's step 2.
+        assert_eq!((colocated.drawn_length(12, 1), apart.drawn_length(12, 1)), (Some(2000.0), Some(2000.0)));
         for p in 0..24 {
             assert_eq!(colocated.drawn_length(p, 1), apart.drawn_length(p, 1), "prompt {p}");
             assert_eq!(colocated.cost_clock(0.0, p), apart.cost_clock(0.0, p), "prompt {p}");
@@ -1119,6 +1166,8 @@ mod tests {
             (8, 2),
             "3 steps of 4 reach into the job's second batch"
         );
+        let drawn = three.lengths_steps().unwrap();
+        assert_eq!((drawn.first_drawn, drawn.last_drawn, drawn.steps_past_last), (1, 2, 0), "the file's steps 1 and 2");
         // --set wins over the sections; it sets the job's batch too.
         let set = run("async", &["rollout.prompts_per_step=2", "algo.lr=0.125"]).unwrap();
         assert_eq!((set.rollout.prompts_per_step, set.clock_prompts(), set.algo.lr), (2, 2, 0.125));
@@ -1132,6 +1181,9 @@ mod tests {
         assert!(err.contains("[layouts.async] sets run.mode: a layout's section cannot change the layout"), "{err}");
         let err = refused("[layouts.async.algo]\nlearning_rate = 1.0\n");
         assert!(err.contains("unknown key \"layouts.async.algo.learning_rate\""), "{err}");
+        // Another layout's section is checked too, on this layout's run.
+        let err = refused("[layouts.colocate.algo]\nlearning_rate = 1.0\n");
+        assert!(err.contains("unknown key \"layouts.colocate.algo.learning_rate\""), "{err}");
         let err = refused("[layouts]\nasync = 3\n");
         assert!(err.contains("layouts.async: expected a section, [layouts.async]"), "{err}");
     }
