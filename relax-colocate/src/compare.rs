@@ -30,15 +30,18 @@ pub struct JobArgs {
     /// least two).
     #[arg(long, value_delimiter = ',', default_value = "colocate,async,elastic")]
     pub layouts: Vec<crate::run::config::Mode>,
-    /// Trainer steps of each run.
+    /// Trainer steps of each run, in the job's batches: a layout whose section of the job file
+    /// (`[layouts.async]`, ...) gives it a batch of its own runs as many of its own steps as hold
+    /// the same prompts.
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
     /// Async and elastic: the staleness bound [async.max_staleness].
     #[arg(long, default_value_t = 2)]
     pub max_staleness: i64,
-    /// A TOML job file for every run (`run --config`), e.g. jobs/long-tail.toml; this command's
-    /// own flags (--steps, --devices, the device split, --max-staleness, --lengths) and every
-    /// --set win over its keys.
+    /// A TOML job file for every run (`run --config`), e.g. jobs/long-tail.toml; its
+    /// `[layouts.colocate]`, `[layouts.async]` and `[layouts.elastic]` sections reach their own
+    /// layout's runs alone; this command's own flags (--steps, --devices, the device split,
+    /// --max-staleness, --lengths) and every --set win over its keys.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A file of your job's response lengths for every run (`run --lengths`): each sample's

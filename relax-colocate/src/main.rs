@@ -189,7 +189,8 @@ struct BenchArgs {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// TOML configuration file (see --print-config for every key).
+    /// TOML configuration file (see --print-config for every key); its `[layouts.MODE]` section
+    /// for this run's mode applies over its other keys (docs/async.md).
     #[arg(long)]
     config: Option<PathBuf>,
     /// Override any configuration key: --set algo.lr=0.01 (repeatable).
