@@ -498,14 +498,7 @@ fn verdict(names: &[&str], figs: &[Value], steps: u64) -> Value {
     let key = if steps > 1 { "samples_per_s_after_first_step" } else { "samples_per_s" };
     let idle_elastic =
         names.contains(&"async") && names.iter().zip(figs).any(|(n, f)| *n == "elastic" && lent_nothing(f));
-    let mut ranked: Vec<(&str, &Value)> =
-        names.iter().copied().zip(figs).filter(|(n, _)| !(idle_elastic && *n == "elastic")).collect();
-    // Async against an elastic run that lent nothing: the same layout twice, ranked only to fill
-    // the fields, and never a winner.
-    let same_layout_twice = ranked.len() < 2;
-    if same_layout_twice {
-        ranked = names.iter().copied().zip(figs).collect();
-    }
+    let (mut ranked, same_layout_twice) = rankable(names, figs, idle_elastic.then_some("elastic"));
     ranked.sort_by(|a, b| figure(b.1, key).total_cmp(&figure(a.1, key)));
     let ((best, top), (runner_up, next)) = (ranked[0], ranked[1]);
     let margin = figure(top, key) / figure(next, key) - 1.0;
@@ -535,6 +528,15 @@ fn verdict(names: &[&str], figs: &[Value], steps: u64) -> Value {
         "elastic_lent_nothing": idle_elastic,
         "clear": !tie && !short && repeats > 1,
     })
+}
+
+/// The layouts to rank, each with its figures: all but `left_out` (an elastic run that lent
+/// nothing, async's layout again), unless that leaves fewer than two; then all of them, and true:
+/// the same layout twice, which names no winner.
+fn rankable<'a>(names: &[&'a str], figs: &'a [Value], left_out: Option<&str>) -> (Vec<(&'a str, &'a Value)>, bool) {
+    let all = names.iter().copied().zip(figs);
+    let ranked: Vec<_> = all.clone().filter(|(n, _)| Some(*n) != left_out).collect();
+    if ranked.len() < 2 { (all.collect(), true) } else { (ranked, false) }
 }
 
 /// The verdict in words, with what would make it firmer.
@@ -647,8 +649,10 @@ fn compare(o: &Options) -> Result<(), (u8, String)> {
     // The plot and the names follow each layout's first run.
     let layouts: Vec<Layout> = runs.into_iter().filter_map(|r| r.into_iter().next()).collect();
     let mut outcome = Outcome::judge(o, names(&layouts), figs, target);
-    outcome.notes =
-        layouts.iter().zip(&steps).filter(|(_, s)| **s != o.job.steps).map(|(l, s)| own_batch_note(o, l, *s)).collect();
+    for (l, &own_steps) in layouts.iter().zip(&steps).filter(|(_, s)| **s != o.job.steps) {
+        let own = l.config.rollout.prompts_per_step as u64;
+        outcome.notes.push(own_batch_note(l.name, own, own_steps, own * own_steps / o.job.steps, o.job.steps));
+    }
     let report = outcome.report();
     write_files(o, &report, &layouts, &outcome.target);
     if o.json {
@@ -752,12 +756,12 @@ struct Outcome {
     notes: Vec<String>,
 }
 
-/// What a layout's steps are when the job file's `[layouts]` section gave it a batch of its own.
-fn own_batch_note(o: &Options, l: &Layout, steps: u64) -> String {
+/// What a layout's steps are when the job file's `[layouts]` section gave it a batch of its own,
+/// `own` prompts: `steps` of them for the job's `job_steps` of `job` prompts (compare and plan).
+pub(crate) fn own_batch_note(layout: &str, own: u64, steps: u64, job: u64, job_steps: u64) -> String {
     format!(
-        "{}: the job file's [layouts] section gives it batches of {} prompts, so {steps} steps of its own for the job's \
-         {} (the same prompts); its step times are its own steps', samples/s compares the layouts",
-        l.name, l.config.rollout.prompts_per_step, o.job.steps,
+        "{layout}: the job file's [layouts] section gives it batches of {own} prompts, so {steps} steps of its own for \
+         the job's {job_steps} of {job}; its step times are its own steps', samples/s compares the layouts"
     )
 }
 

@@ -84,13 +84,7 @@ pub(super) fn verdict(
     throughput_winner: &str,
 ) -> Value {
     let time = |f: &Value| f["time_to_reward_s"].as_f64().unwrap_or(f64::INFINITY);
-    let mut ranked: Vec<(&str, &Value)> =
-        names.iter().copied().zip(figs).filter(|(n, _)| Some(*n) != left_out).collect();
-    // Async against an elastic run that lent nothing: the same layout twice, never a winner.
-    let same_layout_twice = ranked.len() < 2;
-    if same_layout_twice {
-        ranked = names.iter().copied().zip(figs).collect();
-    }
+    let (mut ranked, same_layout_twice) = super::rankable(names, figs, left_out);
     ranked.sort_by(|a, b| time(a.1).total_cmp(&time(b.1)));
     let ((best, first), (runner_up, next)) = (ranked[0], ranked[1]);
     // How many times longer the runner-up takes.

@@ -140,15 +140,8 @@ fn notes(cfg: &Config) -> Vec<String> {
 /// A layout whose batch the job file's `[layouts]` section changed: what its steps are.
 fn own_batch_note(cfg: &Config) -> Option<String> {
     let (own, job) = (cfg.rollout.prompts_per_step as u64, cfg.clock_prompts());
-    (own != job).then(|| {
-        format!(
-            "{}: the job file's [layouts] section gives it batches of {own} prompts, so {} steps of its own for the \
-             job's {} of {job}; its step (s) is one of its own, samples/s compares the layouts",
-            cfg.run.mode.as_str(),
-            cfg.run.steps,
-            cfg.run.steps * own / job,
-        )
-    })
+    let steps = cfg.run.steps;
+    (own != job).then(|| crate::compare::own_batch_note(cfg.run.mode.as_str(), own, steps, job, steps * own / job))
 }
 
 /// A layout's figures, under compare.json's names where it has them.

@@ -388,28 +388,9 @@ fn with_key(root: &toml::Table, msg: &str) -> String {
     }
 }
 
-/// Whether the configuration file sets `[section] key`.
-fn file_sets_key(file: Option<&std::path::Path>, section: &str, key: &str) -> Result<bool, String> {
-    let Some(path) = file else { return Ok(false) };
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(user.get(section).and_then(toml::Value::as_table).is_some_and(|t| t.contains_key(key)))
-}
-
-/// The `[compute]` keys the job sets itself, in its file or with --set: a device preset fills
-/// only the others.
-fn explicit_compute_keys(file: Option<&std::path::Path>, sets: &[String]) -> Result<Vec<String>, String> {
-    let mut keys = Vec::new();
-    if let Some(path) = file {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
-        if let Some(t) = user.get("compute").and_then(toml::Value::as_table) {
-            keys.extend(t.keys().cloned());
-        }
-    }
-    let given = sets.iter().filter_map(|s| s.split_once('=')?.0.trim().strip_prefix("compute.").map(String::from));
-    keys.extend(given);
-    Ok(keys)
+/// The keys a job table (a file's, or a layout section of it) sets in `[section]`.
+fn keys_in(table: &toml::Table, section: &str) -> Vec<String> {
+    table.get(section).and_then(toml::Value::as_table).map_or_else(Vec::new, |t| t.keys().cloned().collect())
 }
 
 /// `--trainer-devices 0 --rollout-devices 1` name two devices: with no device count given, the
@@ -444,8 +425,10 @@ fn layout_sections(mode: Mode) -> &'static [&'static str] {
     }
 }
 
-/// A job file's `[layouts]` table, checked: a section per layout name, none changing the layout.
-fn checked_layouts(layouts: toml::Value) -> Result<toml::Table, String> {
+/// A job file's `[layouts]` table, checked against the `defaults`: a section per layout name,
+/// none changing the layout, every key one the job's sections have. Every section is checked,
+/// whichever layout runs: a typo in another layout's section is found on the first run.
+fn checked_layouts(layouts: toml::Value, defaults: &toml::Table) -> Result<toml::Table, String> {
     let toml::Value::Table(layouts) = layouts else {
         return Err("layouts: expected sections such as [layouts.async], each with keys of the job's sections".into());
     };
@@ -463,6 +446,7 @@ fn checked_layouts(layouts: toml::Value) -> Result<toml::Table, String> {
                 "[layouts.{name}] sets run.mode: a layout's section cannot change the layout it applies to; remove the key"
             ));
         }
+        merge(&mut defaults.clone(), section.clone(), &format!("layouts.{name}"))?;
     }
     Ok(layouts)
 }
@@ -479,12 +463,17 @@ fn mode_of(root: &toml::Table) -> Result<Mode, String> {
 pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, String> {
     let mut root: toml::Table = DEFAULT_TOML.parse().map_err(|e| format!("built-in defaults: {e}"))?;
     let mut layouts = None;
+    // The [compute] keys the job sets itself (its file, the sections its layout applies, --set):
+    // a device preset fills only the others. And whether it gives run.devices.
+    let (mut compute_given, mut devices_given) = (Vec::new(), false);
     if let Some(path) = file {
+        let in_file = |e: String| format!("{}: {e}", path.display());
         let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let mut user: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
-        layouts =
-            user.remove("layouts").map(checked_layouts).transpose().map_err(|e| format!("{}: {e}", path.display()))?;
-        merge(&mut root, user, "").map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut user: toml::Table = text.parse().map_err(|e: toml::de::Error| in_file(e.to_string()))?;
+        layouts = user.remove("layouts").map(|l| checked_layouts(l, &root)).transpose().map_err(in_file)?;
+        compute_given.extend(keys_in(&user, "compute"));
+        devices_given |= keys_in(&user, "run").iter().any(|k| k == "devices");
+        merge(&mut root, user, "").map_err(in_file)?;
     }
     // The job without its layout sections: which layout this run takes, and the batch the job's
     // clock of prompts counts in.
@@ -493,26 +482,13 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
         apply_override(&mut job, s)?;
     }
     let job_prompts = job.get("rollout").and_then(|r| r.get("prompts_per_step")).and_then(toml::Value::as_integer);
-    // What the applied sections set themselves: a device preset fills only the compute keys no
-    // one set, and run.devices given there is given.
-    let (mut section_compute_keys, mut section_devices) = (Vec::new(), false);
     if let (Some(layouts), Some(path)) = (layouts, file) {
-        let in_file = |e: String| format!("{}: {e}", path.display());
-        // Every section's keys are checked, whichever layout runs: a typo in another layout's
-        // section is found on the first run, not the first run of that layout.
-        let defaults: toml::Table = DEFAULT_TOML.parse().map_err(|e| format!("built-in defaults: {e}"))?;
-        for (name, section) in &layouts {
-            if let toml::Value::Table(section) = section {
-                merge(&mut defaults.clone(), section.clone(), &format!("layouts.{name}")).map_err(in_file)?;
-            }
-        }
         for name in layout_sections(mode_of(&job)?) {
             if let Some(toml::Value::Table(section)) = layouts.get(*name) {
-                let keys =
-                    |s: &str| section.get(s).and_then(toml::Value::as_table).map(|t| t.keys().cloned().collect());
-                section_compute_keys.extend(keys("compute").unwrap_or_else(Vec::new));
-                section_devices |= keys("run").is_some_and(|k: Vec<String>| k.iter().any(|k| k == "devices"));
-                merge(&mut root, section.clone(), &format!("layouts.{name}")).map_err(in_file)?;
+                compute_given.extend(keys_in(section, "compute"));
+                devices_given |= keys_in(section, "run").iter().any(|k| k == "devices");
+                merge(&mut root, section.clone(), &format!("layouts.{name}"))
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
             }
         }
     }
@@ -520,21 +496,20 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     if let Some(dir) = file.and_then(std::path::Path::parent) {
         resolve_lengths(&mut root, dir)?;
     }
-    let mut devices_given = file_sets_key(file, "run", "devices")? || section_devices;
     for s in sets {
         apply_override(&mut root, s)?;
-        devices_given |= s.split_once('=').is_some_and(|(k, _)| k.trim() == "run.devices");
-        if s.split_once('=').is_some_and(|(k, _)| k.trim() == "compute.lengths") {
+        let key = s.split_once('=').map(|(k, _)| k.trim());
+        devices_given |= key == Some("run.devices");
+        compute_given.extend(key.and_then(|k| k.strip_prefix("compute.")).map(String::from));
+        if key == Some("compute.lengths") {
             resolve_lengths(&mut root, std::path::Path::new("."))?;
         }
     }
     if !devices_given {
         devices_from_lists(&mut root);
     }
-    let mut explicit = explicit_compute_keys(file, sets)?;
-    explicit.extend(section_compute_keys);
     let compute = root.get_mut("compute").and_then(toml::Value::as_table_mut).expect("defaults have [compute]");
-    let unset = devices::apply(compute, &explicit)?;
+    let unset = devices::apply(compute, &compute_given)?;
     let mut cfg: Config =
         toml::Value::Table(root.clone()).try_into().map_err(|e: toml::de::Error| with_key(&root, e.message()))?;
     cfg.compute.unset = unset;
