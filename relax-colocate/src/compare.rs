@@ -183,10 +183,12 @@ fn figures(l: &Layout) -> Value {
     let batch = l.batch();
     let tokens: f64 = l.series("rollout/response_len/mean").iter().map(|len| len * batch).sum();
     let samples = l.rows.len() as f64 * batch;
-    // After the first step: async's first step fills the pipeline (the trainer waits for the
-    // first batch's whole generation), a cost a long run pays once.
-    let steady_s: f64 = step_times.iter().skip(1).sum();
-    let steady = (l.rows.len() > 1).then(|| (l.rows.len() - 1) as f64 * batch / steady_s);
+    // After the job's first batch: async's first step fills the pipeline (the trainer waits for
+    // the first batch's whole generation), a cost a long run pays once. A layout in parts of the
+    // job's batch leaves out as many of its steps, so that every layout counts the same samples.
+    let first = l.config.steps_in_job_batch();
+    let steady_s: f64 = step_times.iter().skip(first).sum();
+    let steady = (l.rows.len() > first).then(|| (l.rows.len() - first) as f64 * batch / steady_s);
     let train = l.series("perf/train_time").iter().sum::<f64>();
     let update = l.series("perf/update_weights_time");
     // Colocate's switch: the rollout offloaded, the trainer woken, put to sleep, the rollout onloaded.

@@ -149,7 +149,9 @@ fn figures(cfg: &Config, p: &Predicted) -> Value {
     let steps = p.step_s.len();
     let batch = (cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt) as f64;
     let run_s: f64 = p.step_s.iter().sum();
-    let after: f64 = p.step_s.iter().skip(1).sum();
+    // After the job's first batch: as many of this layout's steps as hold it.
+    let first = cfg.steps_in_job_batch();
+    let after: f64 = p.step_s.iter().skip(first).sum();
     let per_step = |s: f64| if steps > 0 { s / steps as f64 } else { 0.0 };
     let phases: serde_json::Map<String, Value> =
         p.phases.iter().map(|(k, v)| (k.to_string(), json!(per_step(*v)))).collect();
@@ -157,8 +159,8 @@ fn figures(cfg: &Config, p: &Predicted) -> Value {
         "steps": steps,
         "prompts_per_step": cfg.rollout.prompts_per_step,
         "samples_per_s": if run_s > 0.0 { steps as f64 * batch / run_s } else { 0.0 },
-        "samples_per_s_after_first_step": (steps > 1 && after > 0.0).then(|| (steps - 1) as f64 * batch / after),
-        "step_s": if steps > 1 { after / (steps - 1) as f64 } else { run_s },
+        "samples_per_s_after_first_step": (steps > first && after > 0.0).then(|| (steps - first) as f64 * batch / after),
+        "step_s": if steps > first { after / (steps - first) as f64 } else { per_step(run_s) },
         "first_step_s": p.step_s.first(),
         "step_times_s": p.step_s,
         "run_s": run_s,
@@ -329,6 +331,23 @@ mod tests {
         let lending =
             notes(&cfg(&["algo.lr=1e-9", "run.mode=\"elastic\"", "run.devices=2", "elastic.lend_rollout=true"]));
         assert!(lending.is_empty(), "{lending:?}");
+    }
+
+    /// Figures after step 1 count the same samples in every layout: a layout in parts of a
+    /// quarter of the job's batch leaves out its first four steps, not its first one.
+    #[test]
+    fn after_step_1_leaves_out_the_jobs_first_batch_in_every_layout() {
+        let sets = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut parts = config::load(None, &sets(&["rollout.prompts_per_step=8", "run.steps=8"])).unwrap();
+        parts.rollout.job_prompts_per_step = 32;
+        let predicted = Predicted { step_s: vec![10.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], ..Default::default() };
+        let f = figures(&parts, &predicted);
+        let batch = 8.0 * parts.rollout.samples_per_prompt as f64;
+        assert_eq!(f["samples_per_s_after_first_step"].as_f64(), Some(4.0 * batch / 8.0), "{f}");
+        assert_eq!(f["step_s"].as_f64(), Some(2.0), "{f}");
+        parts.rollout.job_prompts_per_step = 0;
+        let whole = figures(&parts, &predicted);
+        assert_eq!(whole["samples_per_s_after_first_step"].as_f64(), Some(7.0 * batch / 11.0), "{whole}");
     }
 
     /// The fastest is named with its lead; a lead under compare's tie margin is a tie.

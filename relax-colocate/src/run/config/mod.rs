@@ -216,8 +216,9 @@ pub struct RolloutSection {
     /// The job's prompts per step before a `[layouts.MODE]` section of the job file changed them
     /// for this layout: the batch the run's clock of prompts counts in (a lengths file's steps,
     /// responses that grow), so that every layout draws a sample alike. 0: prompts_per_step.
-    #[serde(skip)]
-    pub(crate) job_prompts_per_step: usize,
+    /// Recorded in a run's config.toml, so that a run from that file draws as its job did.
+    #[serde(default)]
+    pub job_prompts_per_step: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -446,6 +447,16 @@ fn checked_layouts(layouts: toml::Value, defaults: &toml::Table) -> Result<toml:
                 "[layouts.{name}] sets run.mode: a layout's section cannot change the layout it applies to; remove the key"
             ));
         }
+        if section
+            .get("rollout")
+            .and_then(toml::Value::as_table)
+            .is_some_and(|r| r.contains_key("job_prompts_per_step"))
+        {
+            return Err(format!(
+                "[layouts.{name}] sets rollout.job_prompts_per_step: the job's batch is the file's own \
+                 rollout.prompts_per_step, whatever a section gives its layout; remove the key"
+            ));
+        }
         merge(&mut defaults.clone(), section.clone(), &format!("layouts.{name}"))?;
     }
     Ok(layouts)
@@ -481,7 +492,9 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     for s in sets {
         apply_override(&mut job, s)?;
     }
-    let job_prompts = job.get("rollout").and_then(|r| r.get("prompts_per_step")).and_then(toml::Value::as_integer);
+    // A recorded config.toml names its job's batch where a section had changed its layout's.
+    let job_key = |key: &str| job.get("rollout").and_then(|r| r.get(key)).and_then(toml::Value::as_integer);
+    let job_prompts = job_key("job_prompts_per_step").filter(|n| *n > 0).or_else(|| job_key("prompts_per_step"));
     if let (Some(layouts), Some(path)) = (layouts, file) {
         for name in layout_sections(mode_of(&job)?) {
             if let Some(toml::Value::Table(section)) = layouts.get(*name) {
@@ -513,7 +526,9 @@ pub fn load(file: Option<&std::path::Path>, sets: &[String]) -> Result<Config, S
     let mut cfg: Config =
         toml::Value::Table(root.clone()).try_into().map_err(|e: toml::de::Error| with_key(&root, e.message()))?;
     cfg.compute.unset = unset;
-    cfg.rollout.job_prompts_per_step = job_prompts.map_or(0, |n| n.max(0) as usize);
+    // 0 where it is the layout's own: a run from the recorded file may change the batch.
+    let job_prompts = job_prompts.map_or(0, |n| n.max(0) as usize);
+    cfg.rollout.job_prompts_per_step = if job_prompts == cfg.rollout.prompts_per_step { 0 } else { job_prompts };
     cfg.validate()?;
     if !cfg.compute.lengths.is_empty() {
         let table = crate::run::lengths::Lengths::load(std::path::Path::new(&cfg.compute.lengths))
@@ -643,6 +658,13 @@ impl Config {
     pub(crate) fn clock_prompts(&self) -> u64 {
         let r = &self.rollout;
         (if r.job_prompts_per_step > 0 { r.job_prompts_per_step } else { r.prompts_per_step }).max(1) as u64
+    }
+
+    /// This layout's steps that hold the job's first batch: what figures "after step 1" leave
+    /// out, so that every layout's count the same samples (a layout in parts of a quarter of
+    /// the job's batch leaves out four).
+    pub(crate) fn steps_in_job_batch(&self) -> usize {
+        (self.clock_prompts() / self.rollout.prompts_per_step.max(1) as u64).max(1) as usize
     }
 
     /// The job's batches this run's steps take prompts for (its steps, when its batch is the
@@ -1143,6 +1165,18 @@ mod tests {
         );
         let drawn = three.lengths_steps().unwrap();
         assert_eq!((drawn.first_drawn, drawn.last_drawn, drawn.steps_past_last), (1, 2, 0), "the file's steps 1 and 2");
+        // Figures after step 1 leave out the async layout's two steps that hold the job's first batch.
+        assert_eq!((colocated.steps_in_job_batch(), apart.steps_in_job_batch()), (1, 2));
+        // A run's config.toml records the job's batch: a run from it draws as its job did, and
+        // one whose batch is the job's records none (a run from it may change its batch).
+        let recorded = dir.path().join("config.toml");
+        std::fs::write(&recorded, apart.to_toml()).unwrap();
+        let again = load(Some(&recorded), &[]).unwrap();
+        assert_eq!((again.rollout.prompts_per_step, again.clock_prompts(), again.steps_in_job_batch()), (4, 8, 2));
+        for p in 0..24 {
+            assert_eq!(again.drawn_length(p, 1), apart.drawn_length(p, 1), "prompt {p}, from config.toml");
+        }
+        assert_eq!(colocated.rollout.job_prompts_per_step, 0, "the colocated layout's batch is the job's");
         // --set wins over the sections; it sets the job's batch too.
         let set = run("async", &["rollout.prompts_per_step=2", "algo.lr=0.125"]).unwrap();
         assert_eq!((set.rollout.prompts_per_step, set.clock_prompts(), set.algo.lr), (2, 2, 0.125));
@@ -1154,6 +1188,11 @@ mod tests {
         assert!(err.contains("[layouts.fast]: no such layout; the layouts are colocate, async and elastic"), "{err}");
         let err = refused("[layouts.async.run]\nmode = \"colocate\"\n");
         assert!(err.contains("[layouts.async] sets run.mode: a layout's section cannot change the layout"), "{err}");
+        let err = refused("[layouts.async.rollout]\njob_prompts_per_step = 2\n");
+        assert!(
+            err.contains("[layouts.async] sets rollout.job_prompts_per_step: the job's batch is the file's own"),
+            "{err}"
+        );
         let err = refused("[layouts.async.algo]\nlearning_rate = 1.0\n");
         assert!(err.contains("unknown key \"layouts.async.algo.learning_rate\""), "{err}");
         // Another layout's section is checked too, on this layout's run.
