@@ -272,21 +272,26 @@ fn the_gpu_run_itself_passes_with_the_simulator_as_the_gpu() {
     let sim = ws.sim_env(&["--node", &node, "--dir", &dir, "--memory", "16GiB"]);
     let mut env: Vec<(&str, String)> = sim.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
     env.extend([("PATH", path), ("OMP_NUM_THREADS", "1".to_string())]);
-    // One scenario of each kind of the kit's PyTorch tests: every file is collected, and the
-    // whole set runs on the simulator in tests/torch.rs; what this run adds is the kit's own
-    // way of running them (its wheel, no simulator in their environment). All of them here
-    // took over four minutes of CI.
+    // One scenario of each kind of the kit's PyTorch tests, in one of its variants: every file
+    // is collected, and the whole set runs on the simulator in tests/torch.rs; what this run
+    // adds is the kit's own way of running them (its wheel, torch_memory_saver's package as the
+    // kit carries it, no simulator in their environment). All of them here took over four
+    // minutes of CI, every variant of these eight 84 s.
     let sample = [
-        "test_pause_frees_and_resume_restores_real_tensors",
-        "test_sglang_release_and_resume_memory_occupation",
-        "test_regions_get_their_own_pools",
-        "test_a_fragmented_pool_copies_only_its_live_blocks",
-        "test_pause_frees_exactly_the_suspendable_bytes_and_is_idempotent",
-        "test_tags_pause_free_and_resume_restore",
-        "test_nested_regions_under_whole_process_tracking",
-        "test_torch_mode_needs_no_preload",
+        ("test_pause_frees_and_resume_restores_real_tensors", Some("upstream")),
+        ("test_sglang_release_and_resume_memory_occupation", Some("weights_cpu_backup and wheel")),
+        ("test_regions_get_their_own_pools", Some("preload")),
+        ("test_a_fragmented_pool_copies_only_its_live_blocks", Some("facade")),
+        ("test_pause_frees_exactly_the_suspendable_bytes_and_is_idempotent", None),
+        ("test_tags_pause_free_and_resume_restore", Some("not preload")),
+        ("test_nested_regions_under_whole_process_tracking", Some("wheel")),
+        ("test_torch_mode_needs_no_preload", None),
     ];
-    env.push(("TMS_KIT_PYTEST_K", sample.join(" or ")));
+    let select: Vec<String> = sample
+        .iter()
+        .map(|(name, variant)| variant.map_or(name.to_string(), |v| format!("({name} and {v})")))
+        .collect();
+    env.push(("TMS_KIT_PYTEST_K", select.join(" or ")));
     let (code, summary, md) = run_kit(&[], &out, &env, true);
     assert_eq!(code, 0, "{md}");
     assert_eq!(summary["failed"], 0, "{md}");
@@ -302,7 +307,7 @@ fn the_gpu_run_itself_passes_with_the_simulator_as_the_gpu() {
     }
     // Each sampled scenario ran (a -k that matched nothing would pass with no test run).
     let junit = std::fs::read_to_string(out.join("torch-consumers.xml")).expect("the kit's junit report");
-    for name in sample {
+    for (name, _) in sample {
         assert!(junit.contains(&format!("name=\"{name}")), "{name} did not run:\n{junit}");
     }
 }
