@@ -412,6 +412,17 @@ fn a_layouts_own_batch_trains_on_the_jobs_prompts_in_plan_and_compare() {
     assert_eq!(summary["async"]["train_iters_per_update"], 2, "the section reached the run: {summary}");
     let config = std::fs::read_to_string(out.join("async/config.toml")).unwrap();
     assert!(config.contains("engine_groups = 4"), "the section reached the run:\n{config}");
+    assert!(config.contains("job_prompts_per_step = 4"), "the run records the job's batch:\n{config}");
+    // Samples/s after step 1 leave out the job's first batch: the async layout's first two steps.
+    let times: Vec<f64> = std::fs::read_to_string(out.join("async/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["perf/wall_step_time"].as_f64().unwrap())
+        .collect();
+    let batch = 2.0 * 8.0; // 2 prompts of the default 8 samples
+    let after = measured["async"]["samples_per_s_after_first_step"].as_f64().unwrap();
+    let expected = 2.0 * batch / times[2..].iter().sum::<f64>();
+    assert!(times.len() == 4 && (after / expected - 1.0).abs() < 1e-9, "{after} against {expected}: {times:?}");
     let config = std::fs::read_to_string(out.join("colocate/config.toml")).unwrap();
     assert!(
         config.contains("engine_groups = 0") && config.contains("prompts_per_step = 4"),
