@@ -762,8 +762,8 @@ struct Outcome {
 /// `own` prompts: `steps` of them for the job's `job_steps` of `job` prompts (compare and plan).
 pub(crate) fn own_batch_note(layout: &str, own: u64, steps: u64, job: u64, job_steps: u64) -> String {
     format!(
-        "{layout}: the job file's [layouts] section gives it batches of {own} prompts, so {steps} steps of its own for \
-         the job's {job_steps} of {job}; its step times are its own steps', samples/s compares the layouts"
+        "{layout}: batches of {own} prompts against the job's {job}, so {steps} steps of its own for the job's \
+         {job_steps}; its step times are its own steps', samples/s compares the layouts"
     )
 }
 

@@ -79,7 +79,8 @@ initial weights on the run's prompts.
 
 Output: a table, or with --json {\"job\": {...}, \"layouts\": {\"colocate\": {\"samples_per_s\", \"step_s\",
 \"phases\": {...}, ...}, \"async\": {...}, \"elastic\": {...}}, \"verdict\": {...}}. Times are seconds
-of the modelled device; step_s is the mean after the first step.
+of the modelled device; step_s is the mean step after the job's first batch (a layout in parts of
+it leaves out as many of its steps).
 
 Exit codes: 0 predicted, 2 the job does not run as configured (the run's own checks, named).";
 

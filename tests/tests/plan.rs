@@ -387,7 +387,7 @@ fn a_layouts_own_batch_trains_on_the_jobs_prompts_in_plan_and_compare() {
     let shape = |v: &Value| (v["steps"].as_u64().unwrap(), v["prompts_per_step"].as_u64().unwrap());
     assert_eq!(shape(&plan["layouts"]["colocate"]), (2, 4), "{plan}");
     assert_eq!(shape(&plan["layouts"]["async"]), (4, 2), "{plan}");
-    let note = "async: the job file's [layouts] section gives it batches of 2 prompts, so 4 steps of its own";
+    let note = "async: batches of 2 prompts against the job's 4, so 4 steps of its own for the job's 2";
     assert!(plan["job"]["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().starts_with(note)), "{plan}");
     let out = dir.path().join("compare");
     let compare = relax(&[&["compare", "--repeats", "1", "--out", out.to_str().unwrap()][..], &args].concat());
@@ -421,8 +421,9 @@ fn a_layouts_own_batch_trains_on_the_jobs_prompts_in_plan_and_compare() {
         .collect();
     let batch = 2.0 * 8.0; // 2 prompts of the default 8 samples
     let after = measured["async"]["samples_per_s_after_first_step"].as_f64().unwrap();
+    assert_eq!(times.len(), 4, "{times:?}");
     let expected = 2.0 * batch / times[2..].iter().sum::<f64>();
-    assert!(times.len() == 4 && (after / expected - 1.0).abs() < 1e-9, "{after} against {expected}: {times:?}");
+    assert!((after / expected - 1.0).abs() < 1e-9, "{after} against {expected}: {times:?}");
     let config = std::fs::read_to_string(out.join("colocate/config.toml")).unwrap();
     assert!(
         config.contains("engine_groups = 0") && config.contains("prompts_per_step = 4"),

@@ -662,9 +662,10 @@ impl Config {
 
     /// This layout's steps that hold the job's first batch: what figures "after step 1" leave
     /// out, so that every layout's count the same samples (a layout in parts of a quarter of
-    /// the job's batch leaves out four).
+    /// the job's batch leaves out four). Where its batch does not divide the job's, the steps
+    /// the first batch reaches into.
     pub(crate) fn steps_in_job_batch(&self) -> usize {
-        (self.clock_prompts() / self.rollout.prompts_per_step.max(1) as u64).max(1) as usize
+        self.clock_prompts().div_ceil(self.rollout.prompts_per_step.max(1) as u64).max(1) as usize
     }
 
     /// The job's batches this run's steps take prompts for (its steps, when its batch is the
@@ -1167,6 +1168,9 @@ mod tests {
         assert_eq!((drawn.first_drawn, drawn.last_drawn, drawn.steps_past_last), (1, 2, 0), "the file's steps 1 and 2");
         // Figures after step 1 leave out the async layout's two steps that hold the job's first batch.
         assert_eq!((colocated.steps_in_job_batch(), apart.steps_in_job_batch()), (1, 2));
+        // A batch that does not divide the job's: the steps the job's first batch reaches into.
+        let uneven = with(&["rollout.prompts_per_step=4", "rollout.job_prompts_per_step=6"]).unwrap();
+        assert_eq!((uneven.clock_prompts(), uneven.steps_in_job_batch()), (6, 2));
         // A run's config.toml records the job's batch: a run from it draws as its job did, and
         // one whose batch is the job's records none (a run from it may change its batch).
         let recorded = dir.path().join("config.toml");
