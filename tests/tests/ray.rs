@@ -16,7 +16,7 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tms_e2e::runner::{MODELLED_4B, trainer_bound_model};
 use tms_e2e::*;
@@ -24,6 +24,31 @@ use tms_e2e::*;
 /// The marker every process of a test run inherits (the runner, the bridge, Ray's processes and
 /// the workers), so the test can find whatever outlives the run.
 const MARK: &str = "TMS_RAY_TEST_RUN";
+
+/// Two Ray clusters at a time, however many test threads run (CI runs twice as many as cores):
+/// each cluster is a dozen processes, and the lend tests' decisions follow the switch the run
+/// measures, which a busier machine lengthens past what a lend would save.
+static CLUSTERS: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
+
+struct ClusterSlot;
+
+fn cluster_slot() -> ClusterSlot {
+    let (running, freed) = &CLUSTERS;
+    let mut running = running.lock().unwrap_or_else(|e| e.into_inner());
+    while *running >= 2 {
+        running = freed.wait(running).unwrap_or_else(|e| e.into_inner());
+    }
+    *running += 1;
+    ClusterSlot
+}
+
+impl Drop for ClusterSlot {
+    fn drop(&mut self) {
+        let (running, freed) = &CLUSTERS;
+        *running.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        freed.notify_one();
+    }
+}
 
 /// The Ray environment's Python, or None when it is absent and the user allowed skipping.
 fn ray_python() -> Option<&'static PathBuf> {
@@ -135,6 +160,7 @@ fn long_run_past_its_first_step(py: &Path, dir: &Path, capture: bool) -> std::pr
 #[test]
 fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_checks() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     let t0 = Instant::now();
     let out = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "2", "--steps", "2"]).output().unwrap();
@@ -186,6 +212,7 @@ fn two_nodes_of_two_devices_on_a_local_ray_cluster_run_the_cycle_and_pass_its_ch
 #[test]
 fn async_mode_trains_on_one_node_and_generates_on_the_other() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     let args = ["--mode", "async", "--nodes", "2", "--devices", "1", "--steps", "3"];
     let out = ray_run(py, dir.path(), &args).output().unwrap();
@@ -257,6 +284,7 @@ fn phases_lent(dir: &Path, owner: &str, lent: &str, lend_phase: &str) -> usize {
 #[test]
 fn the_reverse_lend_places_the_lent_trainer_beside_the_engine_on_its_node() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     let mut args = vec!["--mode", "elastic", "--nodes", "2", "--devices", "1", "--steps", "3", "--max-staleness", "1"];
     args.extend(trainer_bound_model(true));
@@ -286,6 +314,7 @@ fn the_reverse_lend_places_the_lent_trainer_beside_the_engine_on_its_node() {
 #[test]
 fn elastic_mode_lends_the_trainers_device_on_its_node_to_the_engine_beside_it() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     let layout = ["--mode", "elastic", "--nodes", "2", "--devices", "1", "--steps", "2"];
     let rollout_bound = ["--set", "compute.rollout_mfu=0.05", "--set", "elastic.lend_after_s=0.05"];
@@ -322,6 +351,7 @@ fn elastic_mode_lends_the_trainers_device_on_its_node_to_the_engine_beside_it() 
 #[test]
 fn a_worker_killed_on_one_node_fails_the_run_naming_node_and_worker_and_stops_every_node() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     // Once a step has completed, every worker is past its start: kill node1's trainer.
     let runner = long_run_past_its_first_step(py, dir.path(), true);
@@ -402,6 +432,7 @@ fn run_driver(py: &std::path::Path, script: &str, args: &[std::path::PathBuf]) -
 #[test]
 fn tms_ray_pauses_and_resumes_the_hooked_processes_of_chosen_nodes_from_a_ray_driver() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let (n0, n1) = (SimNode::new("64MiB"), SimNode::new("64MiB"));
     let mut a = Served::start_with(&n0, "cuda", &[("TMS_NAME", "trainer-a")]);
     let mut b = Served::start_with(&n1, "cuda", &[("TMS_NAME", "trainer-b")]);
@@ -662,6 +693,7 @@ fn rows_that_name_what_was_wrong(r: &Value) {
 #[test]
 fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_actor() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     // Node 1's device holds three processes (two engines and the loner), each with a context
     // (CONTEXT_BYTES) and 8 MiB.
     let (n0, n1) = (SimNode::new("1GiB"), SimNode::new("1GiB"));
@@ -683,6 +715,7 @@ fn tms_ray_pauses_exactly_the_hooked_children_of_chosen_actors_and_names_a_dead_
 #[test]
 fn a_runner_killed_with_sigkill_takes_the_bridge_every_nodes_workers_and_the_cluster_with_it() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     let mut runner = long_run_past_its_first_step(py, dir.path(), false);
     assert!(!processes_with(MARK, &dir.path().display().to_string()).is_empty());
@@ -696,6 +729,7 @@ fn a_runner_killed_with_sigkill_takes_the_bridge_every_nodes_workers_and_the_clu
 #[test]
 fn a_worker_that_hangs_on_a_node_times_out_named_with_its_node() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     let out = ray_run(py, dir.path(), &["--nodes", "2", "--devices", "1", "--steps", "3", "--phase-timeout", "10"])
         .env("RELAX_WORKER_FAULT", "generate:2:hang")
@@ -715,6 +749,7 @@ fn a_worker_that_hangs_on_a_node_times_out_named_with_its_node() {
 #[test]
 fn a_nodes_agent_that_dies_fails_the_run_naming_the_node_and_leaves_nothing_behind() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let dir = tempfile::tempdir().unwrap();
     let runner = long_run_past_its_first_step(py, dir.path(), true);
     // Node 1's agent: the Ray worker process whose actor started node 1's workers (their parent).
@@ -766,6 +801,7 @@ fn ray_cmd_finding_python(out: &Path, address: &str, path: &Path, cache: &Path) 
 #[test]
 fn without_an_explicit_python_the_first_python3_on_path_that_imports_ray_runs_the_bridge() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let (dir, bin, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     // The user's own Python with Ray, first on PATH (here: a python3 that runs the pinned one).
     let user = script(bin.path(), "python3", &format!("exec {} \"$@\"", py.display()));
@@ -842,6 +878,7 @@ fn python_with_ray_version(py: &Path, dir: &Path, version: &str) -> PathBuf {
 #[test]
 fn joining_a_cluster_of_another_ray_version_stops_with_exit_2_naming_both_versions() {
     let Some(py) = ray_python() else { return };
+    let _slot = cluster_slot();
     let (home, good, bad, other) = (
         tempfile::tempdir().unwrap(),
         tempfile::tempdir().unwrap(),
